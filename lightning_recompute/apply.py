@@ -1,0 +1,210 @@
+"""Applying a `RecomputePolicy` to a model's layers, and taking it off again.
+
+Each non-``none`` layer gets an instance-level ``forward`` that runs the class's forward under
+the mode's mechanism: non-reentrant `torch.utils.checkpoint.checkpoint` for ``full``, the same
+with PyTorch's selective-checkpoint contexts for ``selective``, and
+`torch.autograd.graph.save_on_cpu` for ``offload``.
+
+Why an instance ``forward`` rather than torch's ``checkpoint_wrapper`` module: a wrapper module
+inserts ``_checkpoint_wrapped_module`` into every module path, so layer names, ``named_modules``
+and any code that addresses a layer by path change with the policy, and ``state_dict`` keys only
+survive through extra hooks. Overriding ``forward`` on the instance leaves the module tree,
+parameter names, hooks and ``state_dict`` exactly as they were, and removing it is deleting one
+attribute. Module hooks still run once per call, outside the recomputed region.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_recompute.errors import IncompatibleModelError
+from lightning_recompute.layers import LayerSpec, find_layers
+from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy
+from lightning_recompute.selective import resolve_save_ops, selective_context_fn
+
+__all__ = ["AppliedPolicy", "apply_policy", "remove_policy", "applied_policy"]
+
+_STATE_ATTR = "_lightning_recompute_applied"
+
+
+@dataclass(frozen=True)
+class AppliedPolicy:
+    """What `apply_policy` did: the policy, and the mode it gave each layer (module paths, in order)."""
+
+    policy: RecomputePolicy
+    modes: Mapping[str, Mode]
+
+    @property
+    def layers(self) -> list[str]:
+        return list(self.modes)
+
+    def describe(self) -> str:
+        return self.policy.describe(self.layers)
+
+
+class _OffloadNotice:
+    """Warns once per `apply_policy` call that ``offload`` does nothing for tensors already in host memory."""
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def warn(self) -> None:
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                "lightning_recompute: mode 'offload' has no effect on CPU: activations already live in host "
+                "memory, so these layers run exactly as with mode 'none'.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+class _RecomputedForward:
+    """The instance ``forward`` of a layer under ``full``, ``selective`` or ``offload``.
+
+    A callable object rather than a closure so that the model stays picklable and ``deepcopy``
+    (EMA copies, ``ddp_spawn``) rebinds it to the copied layer.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mode: Mode,
+        previous: Callable[..., Any] | None,
+        context_fn: Callable[[], Any] | None,
+        offload_notice: _OffloadNotice | None,
+    ) -> None:
+        self.module = module
+        self.mode = mode
+        self.previous = previous  # an instance forward someone else installed before us, kept to restore
+        self.context_fn = context_fn
+        self.offload_notice = offload_notice
+
+    def _inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            # Nothing is saved for backward without grad (validation, inference): nothing to recompute.
+            return self._inner(*args, **kwargs)
+        if self.mode is Mode.OFFLOAD:
+            if not _any_cuda(args, kwargs, self.module):
+                if self.offload_notice is not None:
+                    self.offload_notice.warn()
+                return self._inner(*args, **kwargs)
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return self._inner(*args, **kwargs)
+        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
+        # dropout masks are identical and gradients match no recomputation bit for bit.
+        return checkpoint(self._inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def _any_cuda(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            return True
+    return any(p.is_cuda for p in module.parameters(recurse=True))
+
+
+def applied_policy(model: nn.Module) -> AppliedPolicy | None:
+    """The policy `apply_policy` put on ``model``, or ``None``."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto") -> AppliedPolicy:
+    """Apply ``policy`` to the layers of ``model``, in place.
+
+    Idempotent: applying the same policy twice is applying it once, and applying another policy
+    replaces the previous one. Parameter names and ``state_dict`` keys never change, so a
+    checkpoint saved under any policy loads under any other, or without this plugin.
+
+    Call it in ``LightningModule.configure_model`` (after building the layers, before sharding)
+    when using FSDP or ModelParallel; `RecomputeCallback` calls it for models built in ``__init__``.
+
+    Args:
+        model: the module whose layers to treat (a LightningModule or any ``nn.Module``).
+        policy: a `RecomputePolicy`, the policy-file mapping, or a path to a policy file.
+        layers: which modules are "layers" (see `lightning_recompute.layers.LayerSpec`).
+
+    Raises:
+        PolicyError: the policy is invalid, or one of its patterns matches no layer.
+        LayerDiscoveryError: the layers could not be found.
+        IncompatibleModelError: the model already carries activation checkpointing from elsewhere.
+    """
+    policy = as_policy(policy)
+    _refuse_foreign_checkpointing(model)
+    remove_policy(model)
+    found = find_layers(model, layers)
+    modes = policy.resolve([name for name, _ in found])
+    selective_fn = None
+    if Mode.SELECTIVE in modes.values():
+        selective_fn = selective_context_fn(resolve_save_ops(policy.selective_save))
+    notice = _OffloadNotice()
+    for name, module in found:
+        mode = modes[name]
+        if mode is Mode.NONE:
+            continue
+        module.forward = _RecomputedForward(  # type: ignore[method-assign]
+            module,
+            mode,
+            previous=module.__dict__.get("forward"),
+            context_fn=selective_fn if mode is Mode.SELECTIVE else None,
+            offload_notice=notice,
+        )
+    applied = AppliedPolicy(policy=policy, modes=modes)
+    model.__dict__[_STATE_ATTR] = applied
+    return applied
+
+
+def remove_policy(model: nn.Module) -> RecomputePolicy | None:
+    """Take off whatever `apply_policy` put on ``model``; returns the policy that was applied, if any."""
+    for module in model.modules():
+        fwd = module.__dict__.get("forward")
+        if isinstance(fwd, _RecomputedForward):
+            if fwd.previous is not None:
+                module.forward = fwd.previous  # type: ignore[method-assign]
+            else:
+                del module.__dict__["forward"]
+    applied = model.__dict__.pop(_STATE_ATTR, None)
+    return None if applied is None else applied.policy
+
+
+def _refuse_foreign_checkpointing(model: nn.Module) -> None:
+    """Two recompute mechanisms on one layer recompute it twice (or fight over saved tensors)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+    except ImportError:  # PyTorch built without distributed
+        ActivationWrapper = ()  # type: ignore[assignment,misc]
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:
+        _get_registry = None  # type: ignore[assignment]
+    for path, module in model.named_modules():
+        where = path or type(model).__name__
+        if ActivationWrapper and isinstance(module, ActivationWrapper):
+            raise IncompatibleModelError(
+                f"module {where!r} is a {type(module).__name__} (torch checkpoint_wrapper, e.g. from a strategy's "
+                f"activation_checkpointing_policy or apply_activation_checkpointing); remove that wrapping or do "
+                f"not use lightning_recompute on this model"
+            )
+        registry = _get_registry(module) if _get_registry is not None else None
+        if registry and "checkpoint" in registry:
+            raise IncompatibleModelError(
+                f"module {where!r} has torch.distributed._composable.checkpoint applied; remove it or do not use "
+                f"lightning_recompute on this model"
+            )
+        if module.__dict__.get("gradient_checkpointing") is True:
+            raise IncompatibleModelError(
+                f"module {where!r} has gradient_checkpointing enabled (Hugging Face style); call "
+                f"model.gradient_checkpointing_disable() and let the policy decide per layer"
+            )

@@ -1,0 +1,107 @@
+"""Finding the layers a policy is applied to, named by their module path.
+
+``"auto"`` finds the repeated blocks of a model: the longest `nn.ModuleList` / `nn.Sequential`
+whose children all share one class, wherever it sits (``blocks``, ``transformer.h``,
+``model.layers``, ``encoder.layer``, ...). Explicit selections take module paths, globs over
+module paths, or module classes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Union
+
+from torch import nn
+
+from lightning_recompute.errors import LayerDiscoveryError
+
+__all__ = ["LayerSpec", "find_layers", "layer_names"]
+
+LayerSpec = Union[str, type, Sequence[Union[str, type]]]
+"""``"auto"``; or module paths / globs (``"blocks.*"``), module classes, or ``"class:Name"`` strings
+(a class by simple or qualified name, for YAML configs), alone or in a list."""
+
+
+def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str, nn.Module]]:
+    """The layers of ``model`` in module order, as ``(path, module)`` pairs.
+
+    Raises:
+        LayerDiscoveryError: nothing matched, naming what was asked and what exists.
+    """
+    if isinstance(layers, str) and layers == "auto":
+        return _auto(model)
+    specs: list[str | type] = [layers] if isinstance(layers, (str, type)) else list(layers)
+    if not specs:
+        raise LayerDiscoveryError("layers: an empty selection; pass 'auto', module paths, globs or classes")
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    unmatched: list[str] = []
+    matched_any = {i: False for i in range(len(specs))}
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        # Outermost matches only: recomputing a block and, inside it, its sub-block again would
+        # run the inner forward three times for nothing.
+        if any(path.startswith(t + ".") for t in taken):
+            continue
+        for i, spec in enumerate(specs):
+            if _spec_matches(spec, path, module):
+                matched_any[i] = True
+                found.append((path, module))
+                taken.append(path)
+                break
+    unmatched = [_spec_str(specs[i]) for i, hit in matched_any.items() if not hit]
+    if unmatched:
+        raise LayerDiscoveryError(
+            f"layers: {unmatched} match no module of {type(model).__name__}; "
+            f"candidate module paths include: {_candidates(model)}"
+        )
+    return found
+
+
+def layer_names(model: nn.Module, layers: LayerSpec = "auto") -> list[str]:
+    """The module paths `find_layers` returns."""
+    return [p for p, _ in find_layers(model, layers)]
+
+
+def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    best: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+            continue
+        # Strictly longer wins, so among equals the outermost (first visited) stack is kept.
+        if len(children) > len(best):
+            prefix = f"{path}." if path else ""
+            best = [(prefix + name, child) for name, child in children]
+    if not best:
+        raise LayerDiscoveryError(
+            f"layers='auto': no repeated blocks found in {type(model).__name__} (looked for an nn.ModuleList "
+            f"or nn.Sequential of at least two modules of one class); pass layers= explicitly as module paths, "
+            f"globs or classes. Candidate module paths include: {_candidates(model)}"
+        )
+    return best
+
+
+def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
+    if isinstance(spec, type):
+        return isinstance(module, spec)
+    if spec.startswith("class:"):
+        wanted = spec[len("class:") :]
+        cls = type(module)
+        return wanted in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+    return path == spec or fnmatch.fnmatchcase(path, spec)
+
+
+def _spec_str(spec: str | type) -> str:
+    return spec if isinstance(spec, str) else f"class {spec.__qualname__}"
+
+
+def _candidates(model: nn.Module, limit: int = 15) -> str:
+    # Top two levels of the tree: enough to see where the blocks live without a wall of text.
+    paths = [p for p, _ in model.named_modules() if p and p.count(".") <= 1]
+    shown = ", ".join(paths[:limit])
+    return shown + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "") if paths else "(none)"

@@ -1,0 +1,257 @@
+"""Peak-memory and step-time meters with one interface for CUDA, CPU and the meta device.
+
+On CUDA the caching allocator already keeps exact statistics; the meter resets and reads them.
+On CPU (and on the meta device, for planning without allocating) no allocator statistics exist,
+so `StorageMeter` keeps its own ledger: a `TorchDispatchMode` sees every op, records each fresh
+output storage with its size, and a `weakref.finalize` on the storage takes it off the ledger
+when the storage is freed. PyTorch keeps a storage's Python object alive exactly as long as the
+storage itself, so the ledger is exact: it agrees with sizes computed by hand, which is what lets
+this project test memory claims on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryMeter", "CudaMemoryMeter", "StorageMeter", "memory_meter", "StepTimer", "synchronize"]
+
+
+class MemoryMeter(ABC):
+    """Current and peak bytes of tensor memory on one device while the meter is entered."""
+
+    device: torch.device
+
+    def __enter__(self) -> MemoryMeter:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    @abstractmethod
+    def start(self) -> None:
+        """Begin measuring; the peak starts at the current level."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Stop measuring (readings stay available)."""
+
+    @abstractmethod
+    def reset_peak(self) -> None:
+        """Make the peak equal to the current level (call at the start of each step)."""
+
+    @property
+    @abstractmethod
+    def current_bytes(self) -> int:
+        """Bytes of live tensor memory now."""
+
+    @property
+    @abstractmethod
+    def peak_bytes(self) -> int:
+        """Highest ``current_bytes`` since `start` or the last `reset_peak`."""
+
+    def track(self, *objs: Any) -> None:
+        """Count tensors that existed before the meter started (parameters, optimizer state, a batch).
+
+        A no-op on CUDA, whose allocator already counts everything.
+        """
+
+
+class CudaMemoryMeter(MemoryMeter):
+    """The CUDA caching allocator's own statistics (``memory_allocated``, ``max_memory_allocated``)."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def start(self) -> None:
+        self.reset_peak()
+
+    def stop(self) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def current_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+class _Ledger:
+    """Live storages by identity, with running current and peak totals."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self._finalizers: dict[int, weakref.finalize] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device_type or tensor.is_sparse or tensor.layout != torch.strided:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a storage (some subclasses)
+            return
+        key = storage._cdata  # the StorageImpl's address: one key per storage, shared by all its views
+        if key in self.live:
+            return
+        nbytes = int(storage.nbytes())
+        self.live[key] = nbytes
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+        self._finalizers[key] = weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        nbytes = self.live.pop(key, None)
+        self._finalizers.pop(key, None)
+        if nbytes is not None:
+            self.current -= nbytes
+
+    def close(self) -> None:
+        # Detach from storages still alive so they do not call back into a meter nobody reads.
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
+        self.live.clear()
+        self.current = self.peak = 0
+
+
+class _LedgerMode(TorchDispatchMode):
+    def __init__(self, ledger: _Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        flat, _ = tree_flatten(out)
+        # An output whose schema marks it as aliasing an input (views, in-place and out= ops) is
+        # not new memory; everything else is a fresh allocation.
+        fresh = not any(r.alias_info is not None for r in returns)
+        if fresh:
+            for value in flat:
+                if isinstance(value, torch.Tensor):
+                    self.ledger.add(value)
+        return out
+
+
+class StorageMeter(MemoryMeter):
+    """Exact accounting of live tensor storage bytes on a device without allocator statistics.
+
+    Counts every storage created by an op while entered (forward, backward and optimizer ops,
+    which autograd runs under the same dispatch mode), plus whatever `track` is given; each is
+    taken off when freed. Costs a Python call per op, so use it to measure, not in every step of
+    a long run.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._ledger = _Ledger(self.device.type)
+        self._mode: _LedgerMode | None = None
+
+    def start(self) -> None:
+        if self._mode is not None:
+            raise RuntimeError("StorageMeter is already started")
+        self._mode = _LedgerMode(self._ledger)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Stop, and forget every storage still on the ledger."""
+        self.stop()
+        self._ledger.close()
+
+    def reset_peak(self) -> None:
+        self._ledger.peak = self._ledger.current
+
+    def track(self, *objs: Any) -> None:
+        for obj in objs:
+            for t in _tensors_of(obj):
+                self._ledger.add(t)
+
+    @property
+    def current_bytes(self) -> int:
+        return self._ledger.current
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._ledger.peak
+
+
+def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, nn.Module):
+        for p in obj.parameters():
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    else:
+        flat, _ = tree_flatten(obj)
+        yield from (v for v in flat if isinstance(v, torch.Tensor))
+
+
+def memory_meter(device: torch.device | str) -> MemoryMeter:
+    """The meter for ``device``: allocator statistics on CUDA, the storage ledger on CPU and meta."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return CudaMemoryMeter(dev)
+    if dev.type in ("cpu", "meta"):
+        return StorageMeter(dev)
+    raise ValueError(f"device: no memory meter for device type {dev.type!r}; valid: cuda, cpu, meta")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued device work, so a wall-clock reading covers it (a no-op on CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class StepTimer:
+    """Wall-clock duration of one step, device work included."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._start: float | None = None
+        self.last_seconds: float | None = None
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self._start = time.perf_counter()
+
+    def stop(self) -> float | None:
+        """Seconds since `start`, or ``None`` if it was not started."""
+        if self._start is None:
+            return None
+        synchronize(self.device)
+        self.last_seconds = time.perf_counter() - self._start
+        self._start = None
+        return self.last_seconds

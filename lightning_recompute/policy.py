@@ -1,0 +1,314 @@
+"""`RecomputePolicy`: which layers keep, recompute or offload their activations.
+
+A policy is an ordered map from a layer path (or a glob over layer paths) to a mode; the first
+entry that matches a layer decides its mode, and a layer no entry matches keeps everything
+(``none``). The file format is the contract between the tuner and the plugin (see DESIGN.md)::
+
+    version: 1
+    layers:
+      blocks.0: none
+      "blocks.[1-3]": selective
+      "blocks.*": full
+    selective:
+      save: [aten.mm, aten.addmm]
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from lightning_recompute.errors import PolicyError
+
+__all__ = ["Mode", "RecomputePolicy", "POLICY_VERSION", "PolicyLike"]
+
+POLICY_VERSION = 1
+
+
+class Mode(str, enum.Enum):
+    """What a layer keeps between its forward and its backward."""
+
+    NONE = "none"
+    """Keep every activation (what PyTorch does without recomputation)."""
+    SELECTIVE = "selective"
+    """Keep the outputs of expensive ops (matmuls, attention kernels); recompute the cheap ones."""
+    FULL = "full"
+    """Keep only the layer's inputs; recompute the whole layer during backward."""
+    OFFLOAD = "offload"
+    """Keep every activation, but in host memory until backward needs it (CUDA only)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, *, where: str) -> Mode:
+        """The mode named by ``value``; a `PolicyError` naming ``where`` and the valid modes otherwise."""
+        if isinstance(value, Mode):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        valid = ", ".join(m.value for m in cls)
+        raise PolicyError(f"{where}: unknown mode {value!r}; valid modes are: {valid}")
+
+
+_TOP_LEVEL_KEYS = ("version", "layers", "selective")
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """An immutable, ordered layer-pattern -> mode map.
+
+    Build one with the helpers (`uniform`, `every_kth`, `first_n`, `from_modes`), from a mapping
+    (`from_dict`) or from a YAML/JSON file (`load`). Hashable, comparable, and identified across
+    processes by `fingerprint`.
+    """
+
+    layers: tuple[tuple[str, Mode], ...] = ()
+    """``(pattern, mode)`` pairs in priority order: the first pattern matching a layer path wins.
+    A pattern is a module path (``blocks.3``) or an `fnmatch` glob over module paths (``blocks.*``)."""
+    selective_save: tuple[str, ...] | None = None
+    """Ops whose outputs ``selective`` keeps (``aten.mm`` style names); ``None`` means the default
+    list of `lightning_recompute.selective.DEFAULT_SAVE_OPS`."""
+    version: int = field(default=POLICY_VERSION)
+    """File format version; only ``1`` exists."""
+
+    def __post_init__(self) -> None:
+        if self.version != POLICY_VERSION:
+            raise PolicyError(f"version: unsupported policy version {self.version!r}; valid: {POLICY_VERSION}")
+        layers = []
+        for i, entry in enumerate(self.layers):
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise PolicyError(f"layers[{i}]: expected a (pattern, mode) pair, got {entry!r}")
+            pattern, mode = entry
+            if not isinstance(pattern, str) or not pattern.strip():
+                raise PolicyError(f"layers[{i}]: a layer pattern must be a non-empty string, got {pattern!r}")
+            layers.append((pattern, Mode.parse(mode, where=f"layers.{pattern}")))
+        object.__setattr__(self, "layers", tuple(layers))
+        if self.selective_save is not None:
+            # Imported here: selective imports torch, policy files are read by tools that need not.
+            from lightning_recompute.selective import resolve_save_ops
+
+            names = tuple(self.selective_save)
+            resolve_save_ops(names, where="selective.save")  # validates; raises PolicyError
+            object.__setattr__(self, "selective_save", names)
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def uniform(cls, mode: Mode | str, pattern: str = "*", **kwargs: Any) -> RecomputePolicy:
+        """Every layer (or every layer matching ``pattern``) in one mode."""
+        return cls(layers=((pattern, Mode.parse(mode, where="mode")),), **kwargs)
+
+    @classmethod
+    def from_modes(cls, modes: Mapping[str, Mode | str], **kwargs: Any) -> RecomputePolicy:
+        """One explicit entry per layer path, in the mapping's order."""
+        return cls(layers=tuple((name, Mode.parse(m, where=f"layers.{name}")) for name, m in modes.items()), **kwargs)
+
+    @classmethod
+    def every_kth(
+        cls, layer_names: Sequence[str], k: int, mode: Mode | str = Mode.FULL, *, offset: int = 0, **kwargs: Any
+    ) -> RecomputePolicy:
+        """``mode`` on every ``k``-th layer (``offset``, ``offset + k``, ...), ``none`` elsewhere.
+
+        This is torchtitan's / torchtune's "checkpoint every k-th block" choice.
+        """
+        if not isinstance(k, int) or k < 1:
+            raise PolicyError(f"k: must be a positive integer, got {k!r}")
+        m = Mode.parse(mode, where="mode")
+        return cls.from_modes(
+            {n: (m if i >= offset and (i - offset) % k == 0 else Mode.NONE) for i, n in enumerate(layer_names)},
+            **kwargs,
+        )
+
+    @classmethod
+    def first_n(
+        cls, layer_names: Sequence[str], n: int, mode: Mode | str = Mode.FULL, **kwargs: Any
+    ) -> RecomputePolicy:
+        """``mode`` on the first ``n`` layers, ``none`` on the rest.
+
+        Early layers' activations live longest (they are freed last in backward), so these are the
+        ones to recompute first when only some layers are.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise PolicyError(f"n: must be a non-negative integer, got {n!r}")
+        m = Mode.parse(mode, where="mode")
+        return cls.from_modes({name: (m if i < n else Mode.NONE) for i, name in enumerate(layer_names)}, **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "policy") -> RecomputePolicy:
+        """Parse the policy-file structure; errors are prefixed with ``source`` (a file name)."""
+        if not isinstance(data, Mapping):
+            raise PolicyError(f"{source}: a policy must be a mapping with keys {list(_TOP_LEVEL_KEYS)}, got {type(data).__name__}")
+        unknown = [k for k in data if k not in _TOP_LEVEL_KEYS]
+        if unknown:
+            raise PolicyError(f"{source}: unknown key(s) {unknown}; valid keys are {list(_TOP_LEVEL_KEYS)}")
+        if "version" not in data:
+            raise PolicyError(f"{source}: missing key 'version'; valid: version: {POLICY_VERSION}")
+        version = data["version"]
+        if version != POLICY_VERSION:
+            raise PolicyError(f"{source}: key 'version': unsupported policy version {version!r}; valid: {POLICY_VERSION}")
+        raw_layers = data.get("layers") or {}
+        if not isinstance(raw_layers, Mapping):
+            raise PolicyError(f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}")
+        layers = []
+        for pattern, mode in raw_layers.items():
+            try:
+                layers.append((str(pattern), Mode.parse(mode, where=f"layers.{pattern}")))
+            except PolicyError as err:
+                raise PolicyError(f"{source}: {err}") from None
+        save = None
+        selective = data.get("selective")
+        if selective is not None:
+            if not isinstance(selective, Mapping) or set(selective) - {"save"}:
+                raise PolicyError(f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)")
+            save = selective.get("save")
+            if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
+                raise PolicyError(f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {save!r}")
+        try:
+            return cls(layers=tuple(layers), selective_save=None if save is None else tuple(str(s) for s in save))
+        except PolicyError as err:
+            raise PolicyError(f"{source}: {err}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RecomputePolicy:
+        """Read a policy file (YAML, or JSON, which YAML parsing also accepts)."""
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PolicyError(f"{p}: policy file not found") from None
+        except OSError as err:
+            raise PolicyError(f"{p}: cannot read policy file: {err}") from None
+        try:
+            data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (yaml.YAMLError, json.JSONDecodeError) as err:
+            raise PolicyError(f"{p}: malformed {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: {err}") from None
+        if data is None:
+            raise PolicyError(f"{p}: policy file is empty; expected keys {list(_TOP_LEVEL_KEYS)}")
+        return cls.from_dict(data, source=str(p))
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy-file structure (plain types only)."""
+        out: dict[str, Any] = {"version": self.version, "layers": {p: m.value for p, m in self.layers}}
+        if self.selective_save is not None:
+            out["selective"] = {"save": list(self.selective_save)}
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the policy to ``path`` (JSON for ``.json``, else YAML), atomically.
+
+        The file is written beside its destination and renamed over it, so a reader (a training
+        job starting now) sees the old policy or the new one, never half of one.
+        """
+        p = Path(path)
+        text = self.to_json() if p.suffix.lower() == ".json" else self.to_yaml()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return p
+
+    def fingerprint(self) -> str:
+        """A short, stable identifier of what the policy does (order-sensitive, format-independent)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=False, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ resolution
+
+    def mode_for(self, layer: str) -> Mode:
+        """The mode of one layer path (first matching pattern; ``none`` when none matches)."""
+        for pattern, mode in self.layers:
+            if _matches(pattern, layer):
+                return mode
+        return Mode.NONE
+
+    def resolve(self, layer_names: Sequence[str], *, source: str = "policy") -> dict[str, Mode]:
+        """The mode of every layer; a `PolicyError` if some pattern matches no layer.
+
+        A pattern that matches nothing is almost always a typo or a policy written for another
+        model, and silently training without the intended recomputation is how jobs OOM at 3 am.
+        """
+        unmatched = [p for p, _ in self.layers if not any(_matches(p, n) for n in layer_names)]
+        if unmatched:
+            shown = _summarise(layer_names)
+            raise PolicyError(
+                f"{source}: layer pattern(s) {unmatched} match no layer of the model; the layers are: {shown}"
+            )
+        return {name: self.mode_for(name) for name in layer_names}
+
+    def describe(self, layer_names: Sequence[str] | None = None) -> str:
+        """A readable table: per pattern, or per layer when ``layer_names`` is given."""
+        if layer_names is None:
+            rows = [(p, m.value) for p, m in self.layers] or [("*", "none (no entries)")]
+            header = ("pattern", "mode")
+        else:
+            rows = [(n, self.mode_for(n).value) for n in layer_names]
+            header = ("layer", "mode")
+        width = max(len(header[0]), *(len(r[0]) for r in rows))
+        lines = [f"{header[0]:<{width}}  {header[1]}", f"{'-' * width}  {'-' * 9}"]
+        lines += [f"{a:<{width}}  {b}" for a, b in rows]
+        save = "default" if self.selective_save is None else ", ".join(self.selective_save)
+        lines.append(f"policy {self.fingerprint()}; selective saves: {save}")
+        return "\n".join(lines)
+
+    def short(self, layer_names: Sequence[str]) -> str:
+        """One character per layer (``.`` none, ``s`` selective, ``F`` full, ``o`` offload), for logs."""
+        glyph = {Mode.NONE: ".", Mode.SELECTIVE: "s", Mode.FULL: "F", Mode.OFFLOAD: "o"}
+        return "".join(glyph[self.mode_for(n)] for n in layer_names)
+
+
+PolicyLike = Union[RecomputePolicy, Mapping[str, Any], str, os.PathLike]
+"""What the plugin's entry points accept as a policy: an object, the file structure, or a path."""
+
+
+def as_policy(policy: PolicyLike) -> RecomputePolicy:
+    """Coerce a `PolicyLike` into a `RecomputePolicy`."""
+    if isinstance(policy, RecomputePolicy):
+        return policy
+    if isinstance(policy, Mapping):
+        return RecomputePolicy.from_dict(policy)
+    if isinstance(policy, (str, os.PathLike)):
+        return RecomputePolicy.load(policy)
+    raise PolicyError(
+        f"policy: expected a RecomputePolicy, a mapping or a path to a policy file, got {type(policy).__name__}"
+    )
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return pattern == name or fnmatch.fnmatchcase(name, pattern)
+
+
+def _summarise(names: Sequence[str], limit: int = 12) -> str:
+    if not names:
+        return "(none)"
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[: limit // 2]) + f", ... ({len(names) - limit} more) ..., " + ", ".join(names[-limit // 2 :])

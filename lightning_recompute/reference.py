@@ -1,0 +1,178 @@
+"""A GPT-style reference model and a synthetic-token data module.
+
+Shared by the tests, the recipes and the benchmarks, and small enough to train on a laptop CPU.
+``attention="eager"`` materialises the (batch, heads, seq, seq) attention matrix, which is where
+selective recomputation saves the most; ``attention="sdpa"`` uses
+`torch.nn.functional.scaled_dot_product_attention`. ``widths`` makes a stack whose layers are
+not all alike (each block projects to its own width), where uniform policies do worst.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["ReferenceGPT", "SyntheticTokens", "Block"]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, n_head: int, dropout: float, attention: str) -> None:
+        super().__init__()
+        if width % n_head:
+            raise ValueError(f"n_embd/widths: width {width} is not divisible by n_head={n_head}")
+        self.n_head = n_head
+        self.attention = attention
+        self.dropout = dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.attn_drop = nn.Dropout(dropout)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf"))
+            att = self.attn_drop(F.softmax(att, dim=-1))
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``out_width`` != ``width`` adds a projection to the next width."""
+
+    def __init__(self, width: int, n_head: int, dropout: float, attention: str, mlp_ratio: int, out_width: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, n_head, dropout, attention)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, mlp_ratio * width)
+        self.fc_out = nn.Linear(mlp_ratio * width, width)
+        self.mlp_drop = nn.Dropout(dropout)
+        self.resize = nn.Linear(width, out_width) if out_width != width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp_drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+        return x if self.resize is None else self.resize(x)
+
+
+class ReferenceGPT(L.LightningModule):
+    """A small GPT for next-token prediction; its blocks live at ``blocks.0`` ... ``blocks.{n_layer-1}``.
+
+    Args:
+        vocab_size: number of token ids.
+        seq_len: context length (position embeddings).
+        n_layer: number of blocks (ignored when ``widths`` is given).
+        n_embd: model width.
+        n_head: attention heads per block.
+        dropout: dropout probability (embeddings, attention, residuals).
+        attention: ``"eager"`` (materialised attention matrix) or ``"sdpa"``.
+        mlp_ratio: MLP hidden width over model width.
+        widths: per-block widths for a heterogeneous stack (one entry per block).
+        learning_rate: AdamW learning rate.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 64,
+        n_layer: int = 4,
+        n_embd: int = 64,
+        n_head: int = 4,
+        dropout: float = 0.1,
+        attention: Literal["eager", "sdpa"] = "eager",
+        mlp_ratio: int = 4,
+        widths: Sequence[int] | None = None,
+        learning_rate: float = 3e-4,
+    ) -> None:
+        super().__init__()
+        if attention not in ("eager", "sdpa"):
+            raise ValueError(f"attention: {attention!r} is not valid; choose 'eager' or 'sdpa'")
+        self.save_hyperparameters()
+        ws = list(widths) if widths else [n_embd] * n_layer
+        self.tok_emb = nn.Embedding(vocab_size, ws[0])
+        self.pos_emb = nn.Embedding(seq_len, ws[0])
+        self.drop = nn.Dropout(dropout)
+        outs = ws[1:] + [ws[-1]]
+        self.blocks = nn.ModuleList(
+            Block(w, n_head, dropout, attention, mlp_ratio, o) for w, o in zip(ws, outs)
+        )
+        self.ln_f = nn.LayerNorm(ws[-1])
+        self.head = nn.Linear(ws[-1], vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
+
+
+class _RandomTokens(Dataset):
+    def __init__(self, vocab_size: int, seq_len: int, length: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab_size, (length, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return self.data.size(0)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.data[i]
+        return row[:-1], row[1:]
+
+
+class SyntheticTokens(L.LightningDataModule):
+    """Deterministic random token sequences ``(input, next-token target)``, each ``(batch, seq_len)``.
+
+    Args:
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        seq_len: tokens per sample.
+        batch_size: samples per batch.
+        num_batches: batches per epoch.
+        seed: generator seed; the same seed gives the same data.
+    """
+
+    def __init__(self, vocab_size: int = 256, seq_len: int = 64, batch_size: int = 8, num_batches: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
+        self.num_batches, self.seed = num_batches, seed
+
+    def _loader(self, seed: int) -> DataLoader:
+        ds = _RandomTokens(self.vocab_size, self.seq_len, self.batch_size * self.num_batches, seed)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.seed)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.seed + 1)

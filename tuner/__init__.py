@@ -1,0 +1,1 @@
+"""The autotuning service around training jobs: profile, plan, search, trial, track, gate."""
