@@ -6,6 +6,7 @@ choose, per layer, which activations are kept, recomputed or offloaded.
 
 from __future__ import annotations
 
+from lightning_recompute.callback import RecomputeCallback, StepRecord
 from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
 from lightning_recompute.errors import IncompatibleModelError, LayerDiscoveryError, PolicyError, RecomputeError
 from lightning_recompute.layers import LayerSpec, find_layers, layer_names
@@ -25,7 +26,9 @@ __all__ = [
     "PolicyError",
     "PolicyLike",
     "RecomputeError",
+    "RecomputeCallback",
     "RecomputePolicy",
+    "StepRecord",
     "StepTimer",
     "StorageMeter",
     "applied_policy",

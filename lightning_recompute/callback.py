@@ -1,0 +1,229 @@
+"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs.
+
+The callback validates and delegates: layer discovery, wrapping and measuring live in
+`layers`, `apply` and `meter`. It applies the policy in ``setup`` for models built in
+``__init__``, and checks in ``on_fit_start`` for models built in ``configure_model``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils._pytree import tree_flatten
+
+from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy
+from lightning_recompute.errors import IncompatibleModelError, LayerDiscoveryError, RecomputeError
+from lightning_recompute.layers import LayerSpec, find_layers
+from lightning_recompute.meter import MemoryMeter, StepTimer, StorageMeter, memory_meter
+from lightning_recompute.policy import RecomputePolicy, as_policy
+
+__all__ = ["RecomputeCallback", "StepRecord"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the callback measured for one training batch."""
+
+    step: int
+    """``trainer.global_step`` before the batch."""
+    seconds: float
+    """Wall-clock time from batch start to batch end, device work included."""
+    peak_bytes: Optional[int]
+    """Peak tensor memory on the device during the batch (``None`` when memory is not measured)."""
+    samples: int
+    """Samples in the batch."""
+    tokens: Optional[int]
+    """Tokens in the batch (``None`` when the batch has no sequence dimension)."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        if self.tokens is None:
+            return None
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+# Strategies whose sharding wraps the model in `configure_model`'s aftermath; a policy must be
+# applied before that wrapping, inside `configure_model`, so the callback cannot do it late.
+_SHARDING_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
+
+
+class RecomputeCallback(L.Callback):
+    """Apply a per-layer recompute policy to the LightningModule and log its memory and speed.
+
+    Logged every step, through the Trainer's logger (so ``log_every_n_steps`` applies):
+    ``recompute/peak_memory_bytes`` (peak device memory during the batch), ``recompute/step_time_s``,
+    ``recompute/samples_per_s`` and, when the batch holds token ids ``(batch, seq)``,
+    ``recompute/tokens_per_s``. The same figures are kept in `records` for programmatic use.
+
+    Args:
+        policy: a `RecomputePolicy`, the policy-file mapping, or a path to a YAML/JSON policy file.
+        layers: which modules are layers: ``"auto"`` (the longest stack of same-class blocks),
+            module paths, globs, classes, or ``"class:Name"`` strings.
+        measure_memory: measure the peak memory of each step. Free on CUDA (allocator statistics);
+            on CPU an exact storage ledger that costs a Python call per op, so turn it off for
+            long CPU runs where speed matters more than the memory figure.
+        max_records: how many `StepRecord` to keep (oldest dropped first).
+    """
+
+    def __init__(
+        self,
+        policy: Union[str, os.PathLike, Mapping[str, Any], RecomputePolicy],
+        layers: LayerSpec = "auto",
+        measure_memory: bool = True,
+        max_records: int = 10_000,
+    ) -> None:
+        self.policy = as_policy(policy)
+        self.layers = layers
+        self.measure_memory = measure_memory
+        self.records: deque[StepRecord] = deque(maxlen=max_records)
+        self.applied: Optional[AppliedPolicy] = None
+        self._deferred = False
+        self._meter: Optional[MemoryMeter] = None
+        self._timer: Optional[StepTimer] = None
+        self._step: Optional[int] = None
+
+    # ------------------------------------------------------------------ applying
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if getattr(trainer.strategy, "_activation_checkpointing_kwargs", None):
+            raise IncompatibleModelError(
+                f"{type(trainer.strategy).__name__} has activation_checkpointing_policy set, and RecomputeCallback "
+                f"is also given a policy: each layer would be recomputed twice. Remove one of them."
+            )
+        try:
+            find_layers(pl_module, self.layers)
+        except LayerDiscoveryError:
+            if is_overridden("configure_model", pl_module):
+                # The layers may not exist yet: configure_model runs after this hook.
+                self._deferred = True
+                return
+            raise
+        self.applied = apply_policy(pl_module, self.policy, self.layers)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._deferred:
+            self._finish_deferred(trainer, pl_module)
+        device = pl_module.device
+        self._timer = StepTimer(device)
+        self._meter = memory_meter(device) if self.measure_memory else None
+        if self.applied is not None:
+            rank_zero_info(f"RecomputeCallback: applied policy\n{self.applied.describe()}")
+
+    def _finish_deferred(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        already = applied_policy(pl_module)
+        if already is not None:
+            if already.policy.fingerprint() != self.policy.fingerprint():
+                rank_zero_warn(
+                    f"RecomputeCallback: configure_model applied policy {already.policy.fingerprint()}, not the "
+                    f"callback's {self.policy.fingerprint()}; the one applied in configure_model is in effect."
+                )
+            self.applied = already
+            return
+        strategy = type(trainer.strategy).__name__
+        if strategy in _SHARDING_STRATEGIES:
+            raise RecomputeError(
+                f"{type(pl_module).__name__} builds its layers in configure_model and runs under {strategy}, which "
+                f"wraps them right after; the callback cannot apply the policy that late. Call "
+                f"`lightning_recompute.apply_policy(self, policy)` at the end of configure_model, before sharding "
+                f"(the callback then only logs)."
+            )
+        # Single device or DDP: the modules are plain, so applying now is the same as in setup.
+        self.applied = apply_policy(pl_module, self.policy, self.layers)
+
+    # ------------------------------------------------------------------ measuring
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._timer is None:
+            return
+        self._step = trainer.global_step
+        if self._meter is not None:
+            if isinstance(self._meter, StorageMeter):
+                # The CPU ledger only sees storages created while it runs: count what already lives.
+                self._meter.track(pl_module, *trainer.optimizers, batch)
+                self._meter.start()
+            self._meter.reset_peak()
+        self._timer.start()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._timer is None or self._step is None:
+            return
+        seconds = self._timer.stop()
+        peak = None
+        if self._meter is not None:
+            peak = self._meter.peak_bytes
+            self._meter.stop()
+        if seconds is None:
+            return
+        record = StepRecord(
+            step=self._step, seconds=seconds, peak_bytes=peak, samples=_samples(batch), tokens=_tokens(batch)
+        )
+        self._step = None
+        self.records.append(record)
+        metrics = {"recompute/step_time_s": record.seconds, "recompute/samples_per_s": record.samples_per_s}
+        if record.tokens_per_s is not None:
+            metrics["recompute/tokens_per_s"] = record.tokens_per_s
+        if record.peak_bytes is not None:
+            metrics["recompute/peak_memory_bytes"] = float(record.peak_bytes)
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=record.samples)
+
+    def _stop_meter(self) -> None:
+        if self._meter is not None:
+            self._meter.stop()
+        self._step = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # A step that raised (an OOM, a KeyboardInterrupt) never reached on_train_batch_end.
+        self._stop_meter()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_meter()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.to_dict(), "fingerprint": self.policy.fingerprint()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("fingerprint")
+        if saved is not None and saved != self.policy.fingerprint():
+            rank_zero_warn(
+                f"RecomputeCallback: the checkpoint was written under recompute policy {saved}; resuming under "
+                f"{self.policy.fingerprint()}. Training numerics are unaffected; memory use and speed may differ."
+            )
+
+
+def _samples(batch: Any) -> int:
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # Lightning raises a MisconfigurationException-like error for tensor-free batches
+        return 1
+
+
+def _tokens(batch: Any) -> Optional[int]:
+    """Tokens in a batch: the first integer tensor shaped (batch, seq, ...) holds token ids."""
+    flat, _ = tree_flatten(batch)
+    for value in flat:
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and not value.is_floating_point() and not value.is_complex():
+            if value.dtype is torch.bool:
+                continue
+            return int(value.shape[0] * value.shape[1])
+    return None
+
