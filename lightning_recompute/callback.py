@@ -80,7 +80,7 @@ class RecomputeCallback(L.Callback):
 
     def __init__(
         self,
-        policy: Union[str, os.PathLike, Mapping[str, Any], RecomputePolicy],
+        policy: Union[dict[str, Any], str, os.PathLike, RecomputePolicy],
         layers: LayerSpec = "auto",
         measure_memory: bool = True,
         max_records: int = 10_000,

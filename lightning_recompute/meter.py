@@ -11,7 +11,7 @@ this project test memory claims on a machine without a GPU.
 
 from __future__ import annotations
 
-import time
+from time import perf_counter
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -245,13 +245,13 @@ class StepTimer:
 
     def start(self) -> None:
         synchronize(self.device)
-        self._start = time.perf_counter()
+        self._start = perf_counter()
 
     def stop(self) -> float | None:
         """Seconds since `start`, or ``None`` if it was not started."""
         if self._start is None:
             return None
         synchronize(self.device)
-        self.last_seconds = time.perf_counter() - self._start
+        self.last_seconds = perf_counter() - self._start
         self._start = None
         return self.last_seconds

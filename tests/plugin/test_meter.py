@@ -113,7 +113,7 @@ def test_full_keeps_one_input_per_layer_and_peaks_at_one_layer_of_activations() 
 
 def test_step_timer_measures_with_patched_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = iter([10.0, 10.25])
-    monkeypatch.setattr("lightning_recompute.meter.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr("lightning_recompute.meter.perf_counter", lambda: next(ticks))
     timer = StepTimer("cpu")
     assert timer.stop() is None
     timer.start()
