@@ -1,0 +1,858 @@
+"""Tuning recipes: the YAML file that says what to tune, on what, within which budget.
+
+A recipe names the model and the data the LightningCLI way (``class_path`` + ``init_args``, so a
+user points it at their own LightningModule), the trainer settings, the memory budget, how long
+to search and measure, and where results go::
+
+    model:
+      class_path: lightning_recompute.reference.ReferenceGPT   # the default
+      init_args: {n_layer: 4, n_embd: 64, seq_len: 128}
+    trainer: {accelerator: cpu, precision: 32-true}
+    budget: 20MiB                # or {value: 0.8, margin: 0.05}, "80%", 21474836480
+    search: {n_trials: 12, modes: [none, selective, full]}
+    trial: {warmup_steps: 1, measure_steps: 3}
+
+`load` validates the whole file before anything runs and reports *every* problem at once, each
+as ``key.path: problem (valid: ...)``: a tuning session that dies on its fifth trial because of a
+typo found one at a time is the experience this module exists to prevent. The schema is declared
+once, as pydantic dataclasses, so the validator and the JSON Schema (`json_schema`, printed by
+``recompute-tune schema`` for editors) cannot drift apart.
+
+Relative paths in a recipe (the output policy, sqlite databases, journal files) resolve against
+the recipe's folder, so a recipe means the same thing whatever directory the tuner runs from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, WithJsonSchema
+from pydantic.dataclasses import dataclass as schema_dataclass
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import Mode
+
+if TYPE_CHECKING:
+    import lightning as L
+
+__all__ = [
+    "Budget",
+    "Component",
+    "PRECISIONS",
+    "REFERENCE_DATA",
+    "REFERENCE_MODEL",
+    "Recipe",
+    "RecipeError",
+    "SearchSettings",
+    "StudySettings",
+    "TrackingSettings",
+    "TrainerSettings",
+    "TrialSettings",
+    "build_datamodule",
+    "build_model",
+    "from_dict",
+    "json_schema",
+    "load",
+    "parse_bytes",
+]
+
+REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
+"""The model a recipe trains when it names none."""
+REFERENCE_DATA = "lightning_recompute.reference.SyntheticTokens"
+"""The data a recipe uses when it names none."""
+
+PRECISIONS = (
+    "transformer-engine",
+    "transformer-engine-float16",
+    "16-true",
+    "16-mixed",
+    "bf16-true",
+    "bf16-mixed",
+    "32-true",
+    "64-true",
+)
+"""Lightning's ``Trainer(precision=...)`` values (its short aliases ``32``, ``16``, ``bf16``, ``64`` are
+accepted and written in the long form). Kept literal here so loading a recipe does not import
+Lightning; a test checks the list against Lightning's own."""
+_PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+class RecipeError(RecomputeError, ValueError):
+    """A recipe is invalid; `errors` holds every problem found, each ``key.path: problem (valid: ...)``."""
+
+    def __init__(self, errors: list[str], source: str | os.PathLike[str] | None = None) -> None:
+        self.errors = list(errors)
+        self.source = None if source is None else str(source)
+        where = self.source or "recipe"
+        noun = "problem" if len(self.errors) == 1 else "problems"
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"{where}: {len(self.errors)} {noun}:\n{lines}")
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an integer or a size string: ``"20GiB"`` (binary units), ``"20GB"`` (decimal), ``"512 MiB"``.
+
+    Raises:
+        ValueError: not a size; the message lists the units understood.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"a size must be positive, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value <= 0 or value != int(value):
+            raise ValueError(f"a number of bytes must be a positive whole number, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if n >= 1:
+                return int(n)
+    raise ValueError(
+        f"{value!r} is not a size (valid: a number of bytes, or a number with a unit: "
+        f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based), e.g. 20GiB)"
+    )
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+_SCHEMA = ConfigDict(extra="forbid")
+_Int = Annotated[int, Strict()]  # YAML gives real ints; `true` or "8" for an integer is a mistake, not a 1 or an 8
+_PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class Component:
+    """A class and its constructor arguments, the LightningCLI way (``class_path`` + ``init_args``)."""
+
+    class_path: str = Field(description="Importable dotted path of the class, e.g. my_project.models.MyModule.")
+    init_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the class's __init__; checked against its signature."
+    )
+
+    def import_class(self) -> type:
+        """The class named by `class_path` (imports its module).
+
+        Raises:
+            RecipeError: the module or the class cannot be imported.
+        """
+        cls, problem = _import_class(self.class_path)
+        if cls is None:
+            raise RecipeError([f"class_path: {problem}"])
+        return cls
+
+    def instantiate(self, **overrides: Any) -> Any:
+        """An instance of the class with `init_args`, updated by ``overrides``."""
+        return self.import_class()(**{**self.init_args, **overrides})
+
+
+def _precision(value: Any) -> str:
+    """Lightning's precision names; its aliases (``32``, ``bf16``, ...) become the long form."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text in PRECISIONS:
+        return text
+    if text in _PRECISION_ALIASES:
+        return _PRECISION_ALIASES[text]
+    raise ValueError(
+        f"{value!r} is not valid{_suggest(str(value), PRECISIONS)} "
+        f"(valid: {', '.join(PRECISIONS)}; aliases {', '.join(_PRECISION_ALIASES)})"
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class TrainerSettings:
+    """The Lightning ``Trainer`` arguments a trial runs with."""
+
+    accelerator: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="Where trials run; 'auto' picks CUDA when available."
+    )
+    devices: Literal[1] = Field(
+        1, description="Devices per trial. The tuner measures one device's memory and speed, so only 1."
+    )
+    precision: Annotated[str, BeforeValidator(_precision)] = Field(
+        "32-true",
+        description="Lightning precision: " + ", ".join(PRECISIONS) + " (or the aliases 32, 16, bf16, 64).",
+        json_schema_extra={"enum": list(PRECISIONS) + list(_PRECISION_ALIASES)},
+    )
+
+
+def _budget_value(value: Any) -> int | float:
+    """Bytes (an int or a size string) or a fraction of device memory (a float in (0, 1] or "80%")."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"{value!r} is not a percentage (valid: e.g. '80%')") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"{value!r}: a percentage of device memory must be in (0%, 100%]")
+        return pct / 100
+    if isinstance(value, float):
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise ValueError(
+                f"{value!r}: a float is a fraction of device memory and must be in (0, 1]; "
+                f"for an absolute budget give bytes as an integer or a size like '20GiB'"
+            )
+        return value
+    return parse_bytes(value)
+
+
+_BudgetValue = Annotated[
+    Union[int, float],
+    BeforeValidator(_budget_value),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "description": "bytes"},
+                {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "description": "fraction of device memory"},
+                {"type": "string", "pattern": r"^\s*[0-9.]+\s*[a-zA-Z%]*\s*$", "description": "'20GiB', '20GB' or '80%'"},
+            ]
+        }
+    ),
+]
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class Budget:
+    """The device memory a policy may use: absolute bytes, or a fraction of the device, less a safety margin."""
+
+    value: _BudgetValue = Field(
+        description="Bytes (20GiB, 20GB, 21474836480) or a fraction of the device's memory (0.8 or '80%'). "
+        "Stored as an int (bytes) or a float (fraction)."
+    )
+    margin: float = Field(
+        0.05,
+        ge=0.0,
+        lt=0.5,
+        description="Fraction of the budget kept free: allocator fragmentation and run-to-run variation the "
+        "short trials do not see. A policy must measure under value * (1 - margin).",
+    )
+
+    @property
+    def is_fraction(self) -> bool:
+        """Whether the budget is relative to the device's memory."""
+        return isinstance(self.value, float)
+
+    def limit_bytes(self, device_total_bytes: int | None) -> int:
+        """The most bytes a trial's peak may reach: the budget, less the margin.
+
+        Raises:
+            RecomputeError: the budget is a fraction and the device's memory is unknown (CPU).
+        """
+        if self.is_fraction:
+            if device_total_bytes is None:
+                raise RecomputeError(
+                    f"budget.value: {self.value:g} is a fraction of device memory, but this device reports no "
+                    f"total memory (CPU); give bytes instead, e.g. '20GiB'"
+                )
+            budget = self.value * device_total_bytes
+        else:
+            budget = float(self.value)
+        return int(budget * (1.0 - self.margin))
+
+    def describe(self, device_total_bytes: int | None = None) -> str:
+        """``"80% of 79.19 GiB = 63.35 GiB, less 5% margin"``-style text for logs."""
+        if self.is_fraction:
+            base = f"{self.value:.0%} of device memory"
+            if device_total_bytes is not None:
+                base = f"{self.value:.0%} of {_format_bytes(device_total_bytes)}"
+        else:
+            base = _format_bytes(int(self.value))
+        try:
+            limit = f" -> limit {_format_bytes(self.limit_bytes(device_total_bytes))}"
+        except RecomputeError:
+            limit = ""
+        return f"{base}, less {self.margin:.0%} margin{limit}"
+
+
+def _budget_shorthand(value: Any) -> Any:
+    # `budget: 20GiB` is the common case; it means {value: 20GiB} with the default margin.
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return {"value": value}
+    return value
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class SearchSettings:
+    """How the Optuna study searches."""
+
+    modes: tuple[Literal["none", "selective", "full", "offload"], ...] = Field(
+        ("none", "selective", "full"),
+        min_length=1,
+        description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only.",
+    )
+    n_trials: _PositiveInt = Field(20, description="Trials to run (planner-skipped candidates do not count).")
+    timeout_s: Optional[float] = Field(None, gt=0, description="Stop starting new trials after this many seconds.")
+    micro_batch_sizes: Optional[tuple[_PositiveInt, ...]] = Field(
+        None,
+        min_length=1,
+        description="Micro-batch sizes to co-tune with the policy (the data's batch_size init arg); "
+        "null keeps the data module's own batch size.",
+    )
+    seed: _Int = Field(0, description="Seed of the sampler and of every trial's model and data.")
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class TrialSettings:
+    """How long one trial measures."""
+
+    warmup_steps: Annotated[int, Strict(), Field(ge=0)] = Field(
+        2, description="Training steps run first and not timed (allocator warm-up, lazy init, autotuning)."
+    )
+    measure_steps: _PositiveInt = Field(5, description="Training steps timed after warm-up; the median is used.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="Wall-clock limit of one trial's subprocess (startup included); then it is killed."
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class TrackingSettings:
+    """Where MLflow records sessions, trials and decisions."""
+
+    uri: str = Field(
+        "sqlite:///mlflow.db",
+        min_length=1,
+        description="MLflow tracking URI; a relative sqlite path or plain folder resolves against the recipe folder.",
+    )
+    experiment: Optional[str] = Field(None, min_length=1, description="MLflow experiment; default: the recipe name.")
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class StudySettings:
+    """Where the Optuna study lives (so a session resumes, and several workers share it)."""
+
+    storage: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="Optuna storage URL (sqlite:///optuna.db, postgresql://...) or a journal file path "
+        "ending in .log; default: optuna.db beside the recipe.",
+    )
+    name: Optional[str] = Field(None, min_length=1, description="Study name; default: from the recipe name and the hardware.")
+
+
+_Layers = Annotated[
+    Union[str, tuple[str, ...]],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            ],
+            "default": "auto",
+        }
+    ),
+]
+
+
+def _layers_value(value: Any) -> Any:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("an empty layer selection (valid: 'auto', module paths, globs, or 'class:Name')")
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, str) and v.strip() for v in value):
+            raise ValueError(
+                f"{value!r}: a list of layers must hold non-empty strings (module paths, globs, or 'class:Name')"
+            )
+        return tuple(value)
+    raise ValueError(f"{value!r} is not a layer selection (valid: 'auto', module paths, globs, or 'class:Name')")
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class _RecipeFile:
+    """Recipe for `recompute-tune`: what to tune, on what hardware, within which memory budget."""
+
+    budget: Annotated[Budget, BeforeValidator(_budget_shorthand)] = Field(
+        description="Device memory the policy may use: bytes ('20GiB'), a fraction (0.8, '80%'), or {value, margin}."
+    )
+    name: Optional[str] = Field(None, min_length=1, description="Recipe name; default: the file name without extension.")
+    model: Component = Field(
+        default_factory=lambda: Component(REFERENCE_MODEL),
+        description="The LightningModule to tune; class_path defaults to the reference GPT.",
+    )
+    data: Optional[Component] = Field(
+        None,
+        description="The LightningDataModule feeding it; class_path defaults to synthetic tokens, which take "
+        "the reference model's vocab_size and seq_len.",
+    )
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Trainer settings of every trial.")
+    layers: Annotated[_Layers, BeforeValidator(_layers_value)] = Field(
+        "auto",
+        description="Which modules are layers: 'auto' (the longest stack of same-class blocks), module paths, "
+        "globs, or 'class:Name'.",
+    )
+    search: SearchSettings = Field(default_factory=SearchSettings, description="The search.")
+    trial: TrialSettings = Field(default_factory=TrialSettings, description="One trial's length.")
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow tracking.")
+    study: StudySettings = Field(default_factory=StudySettings, description="Optuna study storage.")
+    output: Optional[str] = Field(
+        None, min_length=1, description="Policy file written on promotion; default: policy.yaml beside the recipe."
+    )
+
+
+_FILE_ADAPTER = TypeAdapter(_RecipeFile)
+_SECTIONS: dict[str, type] = {
+    "model": Component,
+    "data": Component,
+    "trainer": TrainerSettings,
+    "budget": Budget,
+    "search": SearchSettings,
+    "trial": TrialSettings,
+    "tracking": TrackingSettings,
+    "study": StudySettings,
+}
+
+
+# ---------------------------------------------------------------------------------------------- the recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A validated recipe with every default filled in and every path absolute."""
+
+    source: Path | None
+    """The recipe file; ``None`` for a recipe built from a mapping alone."""
+    name: str
+    """The recipe's name (default: the file's stem)."""
+    model: Component
+    """The LightningModule to tune."""
+    data: Component
+    """The LightningDataModule feeding it."""
+    trainer: TrainerSettings
+    """Trainer settings of every trial."""
+    layers: str | tuple[str, ...]
+    """Which modules are layers (`lightning_recompute.layers.LayerSpec`)."""
+    budget: Budget
+    """The memory budget."""
+    search: SearchSettings
+    """The search."""
+    trial: TrialSettings
+    """One trial's length."""
+    tracking: TrackingSettings
+    """MLflow tracking; ``experiment`` is always set."""
+    study: StudySettings
+    """Optuna storage; ``storage`` is always set, ``name`` may be ``None`` (derived from the hardware)."""
+    output: Path
+    """The policy file written on promotion."""
+
+    @property
+    def folder(self) -> Path:
+        """The folder relative paths resolve against (the recipe's, or the working directory)."""
+        return self.source.parent if self.source is not None else Path.cwd()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as the file structure (plain types; `from_dict` of it gives an equal recipe)."""
+        return {
+            "name": self.name,
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "trainer": dataclasses.asdict(self.trainer),
+            "layers": self.layers if isinstance(self.layers, str) else list(self.layers),
+            "budget": dataclasses.asdict(self.budget),
+            "search": _plain(dataclasses.asdict(self.search)),
+            "trial": dataclasses.asdict(self.trial),
+            "tracking": dataclasses.asdict(self.tracking),
+            "study": dataclasses.asdict(self.study),
+            "output": str(self.output),
+        }
+
+    def fingerprint(self) -> str:
+        """What the recipe measures, as a short hash.
+
+        Covers the model, data, trainer, layers, budget, the modes and micro-batch sizes searched
+        and the trial length; not the name, the output or storage locations, nor the number of
+        trials or time limits, so a study can be resumed after extending it or moving its results.
+        """
+        d = self.to_dict()
+        keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
+        keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
+        canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, tuple):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def load(path: str | os.PathLike[str]) -> Recipe:
+    """Read and validate a recipe file.
+
+    Raises:
+        RecipeError: the file is missing, not YAML, or invalid; every problem is listed.
+    """
+    p = Path(path).expanduser().resolve()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(["recipe file not found"], p) from None
+    except OSError as err:
+        raise RecipeError([f"cannot read the recipe file: {err}"], p) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise RecipeError([f"malformed YAML: {err}"], p) from None
+    if data is None:
+        data = {}
+    return from_dict(data, source=p)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: YAML would silently keep the last one."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> Recipe:
+    """Validate a recipe given as the file structure.
+
+    ``source`` (the file it came from) names the recipe in errors, gives the default name, and is
+    the folder relative paths resolve against; without it they resolve against the working
+    directory. The recipe's folder and the working directory are put on ``sys.path`` so a
+    ``class_path`` can name a module beside the recipe, as LightningCLI does for the working
+    directory.
+
+    Raises:
+        RecipeError: every problem in the recipe, at once.
+    """
+    src = None if source is None else Path(source).expanduser().resolve()
+    if not isinstance(data, Mapping):
+        raise RecipeError([f"a recipe must be a mapping of keys to values, got {type(data).__name__}"], src)
+    folder = src.parent if src is not None else Path.cwd()
+    _importable(folder)
+
+    raw = dict(data)
+    # class_path may be left out, meaning the reference model / synthetic data.
+    for key, default in (("model", REFERENCE_MODEL), ("data", REFERENCE_DATA)):
+        section = raw.get(key)
+        if isinstance(section, Mapping) and "class_path" not in section:
+            raw[key] = {"class_path": default, **section}
+
+    errors: list[str] = []
+    parsed: _RecipeFile | None = None
+    try:
+        parsed = _FILE_ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        errors.extend(_describe(e) for e in err.errors(include_url=False))
+
+    classes: dict[str, type | None] = {}
+    for key, base_name in (("model", "LightningModule"), ("data", "LightningDataModule")):
+        section = raw.get(key, {"class_path": REFERENCE_MODEL} if key == "model" else None)
+        if section is None:
+            continue
+        classes[key] = _check_component(key, section, base_name, errors)
+
+    if parsed is not None:
+        data_component = _default_data(parsed, classes)
+        _cross_check(parsed, data_component, classes, errors)
+    if errors or parsed is None:
+        raise RecipeError(errors, src)
+
+    name = parsed.name or (src.stem if src is not None else "recipe")
+    tracking = TrackingSettings(
+        uri=_resolve_uri(parsed.tracking.uri, folder), experiment=parsed.tracking.experiment or name
+    )
+    storage = parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}"
+    study = StudySettings(storage=_resolve_uri(storage, folder), name=parsed.study.name)
+    return Recipe(
+        source=src,
+        name=name,
+        model=parsed.model,
+        data=data_component,
+        trainer=parsed.trainer,
+        layers=parsed.layers,
+        budget=parsed.budget,
+        search=parsed.search,
+        trial=parsed.trial,
+        tracking=tracking,
+        study=study,
+        output=_resolve_path(parsed.output or "policy.yaml", folder),
+    )
+
+
+def json_schema() -> dict[str, Any]:
+    """The recipe file's JSON Schema (draft 2020-12), for editors and ``recompute-tune schema``."""
+    schema = _FILE_ADAPTER.json_schema(mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "lightning-recompute tuning recipe"
+    return schema
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def build_model(recipe: Recipe) -> L.LightningModule:
+    """A fresh instance of the recipe's LightningModule."""
+    return recipe.model.instantiate()
+
+
+def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.LightningDataModule:
+    """A fresh instance of the recipe's LightningDataModule; ``micro_batch`` overrides its ``batch_size``.
+
+    Raises:
+        RecipeError: ``micro_batch`` is given and the data module takes no ``batch_size`` argument.
+    """
+    if micro_batch is None:
+        return recipe.data.instantiate()
+    if not _accepts(recipe.data.import_class(), "batch_size"):
+        raise RecipeError(
+            [f"data.class_path: {recipe.data.class_path} takes no batch_size argument, so micro-batch sizes cannot be tuned"],
+            recipe.source,
+        )
+    return recipe.data.instantiate(batch_size=micro_batch)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _importable(*folders: Path) -> None:
+    for folder in (Path.cwd(), *folders):
+        entry = str(folder)
+        if entry not in sys.path:
+            sys.path.append(entry)
+
+
+def _import_class(class_path: str) -> tuple[type | None, str]:
+    """``(class, "")`` or ``(None, why not)``."""
+    module_name, _, attr = class_path.rpartition(".")
+    if not module_name or not attr:
+        return None, f"{class_path!r} is not a dotted path of the form package.module.ClassName"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return None, f"cannot import module {module_name!r} of {class_path!r}: {err}"
+    except Exception as err:  # noqa: BLE001 - user code failing at import time is reported, not raised
+        return None, f"importing module {module_name!r} of {class_path!r} raised {type(err).__name__}: {err}"
+    obj = getattr(module, attr, None)
+    if obj is None:
+        public = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
+        return None, f"module {module_name!r} has no attribute {attr!r}{_suggest(attr, public)}"
+    if not inspect.isclass(obj):
+        return None, f"{class_path!r} is a {type(obj).__name__}, not a class"
+    return obj, ""
+
+
+def _check_component(key: str, section: Any, base_name: str, errors: list[str]) -> type | None:
+    """Import ``section``'s class and check its init_args against the signature; the class or ``None``."""
+    if not isinstance(section, Mapping) or not isinstance(section.get("class_path"), str):
+        return None  # the schema already reported the shape
+    cls, problem = _import_class(section["class_path"])
+    if cls is None:
+        errors.append(f"{key}.class_path: {problem}")
+        return None
+    import lightning as L
+
+    base = getattr(L, base_name)
+    if not issubclass(cls, base):
+        errors.append(f"{key}.class_path: {section['class_path']} is not a lightning.{base_name} subclass")
+    init_args = section.get("init_args", {})
+    if isinstance(init_args, Mapping):
+        errors.extend(_check_init_args(key, cls, init_args))
+    return cls
+
+
+def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[str]:
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return []  # no introspectable signature (a C extension): the trial will tell
+    params = [p for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL,)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    problems = []
+    if not takes_any:
+        for arg in init_args:
+            if arg not in named:
+                problems.append(
+                    f"{key}.init_args.{arg}: {cls.__name__} takes no argument {arg!r}"
+                    f"{_suggest(str(arg), named)} (valid: {', '.join(named) or 'none'})"
+                )
+    for p in params:
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in init_args:
+            problems.append(f"{key}.init_args.{p.name}: missing; {cls.__name__} requires it")
+    return problems
+
+
+def _accepts(cls: type, name: str) -> bool:
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _default_data(parsed: _RecipeFile, classes: Mapping[str, type | None]) -> Component:
+    """The data component, with synthetic tokens matched to the reference model's vocabulary and context."""
+    data = parsed.data or Component(REFERENCE_DATA)
+    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+
+    model_cls, data_cls = classes.get("model"), classes.get("data", SyntheticTokens)
+    if parsed.data is None:
+        data_cls = SyntheticTokens
+    if not (_is_sub(model_cls, ReferenceGPT) and _is_sub(data_cls, SyntheticTokens)):
+        return data
+    model_args = {**_defaults(ReferenceGPT), **parsed.model.init_args}
+    filled = dict(data.init_args)
+    for arg in ("vocab_size", "seq_len"):
+        filled.setdefault(arg, model_args.get(arg))
+    return Component(data.class_path, filled)
+
+
+def _is_sub(cls: type | None, base: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {
+        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty
+    }
+
+
+def _cross_check(
+    parsed: _RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]
+) -> None:
+    """Problems that only show between sections."""
+    accel = parsed.trainer.accelerator
+    if parsed.budget.is_fraction and accel == "cpu":
+        errors.append(
+            f"budget.value: {parsed.budget.value:g} is a fraction of device memory, but trainer.accelerator is "
+            f"cpu, which has no fixed memory size (valid on cpu: bytes such as '2GiB')"
+        )
+    if "offload" in parsed.search.modes and accel == "cpu":
+        errors.append(
+            "search.modes: 'offload' does nothing on cpu, where activations already live in host memory "
+            "(valid on cpu: none, selective, full)"
+        )
+    storage = parsed.study.storage
+    if storage is not None and "://" not in storage and not storage.endswith(".log"):
+        errors.append(
+            f"study.storage: {storage!r} is neither a database URL nor a journal file "
+            f"(valid: sqlite:///optuna.db, postgresql://..., mysql://..., or a path ending in .log)"
+        )
+    data_cls = classes.get("data") if parsed.data is not None else _reference_data_class()
+    if parsed.search.micro_batch_sizes and data_cls is not None and not _accepts(data_cls, "batch_size"):
+        errors.append(
+            f"search.micro_batch_sizes: {data.class_path} takes no batch_size argument, so micro-batch sizes "
+            f"cannot be tuned (valid: null, or a data module with a batch_size argument)"
+        )
+    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+
+    if _is_sub(classes.get("model"), ReferenceGPT) and _is_sub(data_cls, SyntheticTokens):
+        model_args = {**_defaults(ReferenceGPT), **parsed.model.init_args}
+        for arg in ("vocab_size", "seq_len"):
+            mine, theirs = data.init_args.get(arg), model_args.get(arg)
+            if isinstance(mine, int) and isinstance(theirs, int) and mine > theirs:
+                errors.append(
+                    f"data.init_args.{arg}: {mine} exceeds the model's {arg} {theirs} (valid: at most {theirs})"
+                )
+
+
+def _reference_data_class() -> type:
+    from lightning_recompute.reference import SyntheticTokens
+
+    return SyntheticTokens
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    """One pydantic error as ``key.path: problem (valid: ...)``."""
+    loc = tuple(err["loc"])
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
+    kind = err["type"]
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        valid = _keys_at(loc[:-1])
+        return f"{path}: unknown key{_suggest(str(loc[-1]), valid)} (valid: {', '.join(valid)})"
+    if kind in ("missing", "missing_argument"):
+        info = _field_info(loc)
+        hint = f"; {info.description}" if info is not None and info.description else ""
+        return f"{path}: missing (required{hint})"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        choices = re.findall(r"'([^']*)'|(\d+)", expected)
+        names = [a or b for a, b in choices]
+        return f"{path}: {err['input']!r} is not valid{_suggest(str(err['input']), names)} (valid: {', '.join(names)})"
+    msg = str(err["msg"])
+    if msg.startswith("Value error, "):
+        return f"{path}: {msg[len('Value error, '):]}"
+    return f"{path}: {msg[0].lower() + msg[1:]} (got {err['input']!r})"
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    cls: type = _RecipeFile
+    if loc:
+        cls = _SECTIONS.get(str(loc[0]), _RecipeFile)
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _field_info(loc: tuple[Any, ...]) -> Any:
+    cls: type = _SECTIONS.get(str(loc[0]), _RecipeFile) if len(loc) > 1 else _RecipeFile
+    return getattr(cls, "__pydantic_fields__", {}).get(str(loc[-1]))
+
+
+def _suggest(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (folder / p).resolve()
+
+
+def _resolve_uri(uri: str, folder: Path) -> str:
+    """Make a relative sqlite URL or plain path absolute against ``folder``; leave other URLs alone."""
+    if uri.startswith("sqlite:///"):
+        rest = uri[len("sqlite:///"):]
+        if rest and not rest.startswith("/") and rest != ":memory:":
+            return f"sqlite:///{(folder / rest).resolve()}"
+        return uri
+    if "://" in uri or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", uri):
+        return uri  # a server, a cloud store, file:/..., databricks: untouched
+    return str(_resolve_path(uri, folder))
