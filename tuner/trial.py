@@ -1,0 +1,408 @@
+"""Parent side of a trial: run one measurement in a fresh subprocess and classify what happened.
+
+Every measurement (`run_trial`, `check_numerics`, the CUDA part of `device_info`) runs
+``python -m tuner.worker SPEC.json RESULT.json`` in a new session, so an out-of-memory error, a
+segfault, an ``abort()`` or a hang in the user's model ends that process only: the tuning session
+kills the whole process group at the deadline and carries on. Trial failures are results
+(``oom``, ``timeout``, ``error``), never exceptions; the search treats them as data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import RecomputePolicy
+from tuner.recipe import Recipe
+from tuner.worker import OOM_MARKERS
+
+__all__ = ["NumericsResult", "Outcome", "TrialResult", "check_numerics", "device_info", "run_trial"]
+
+Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "skipped"]
+"""What became of a trial: measured and within budget; measured above the budget; out of memory;
+killed at its deadline; failed otherwise; or not run (the planner predicted it far over budget)."""
+
+_TAIL_CHARS = 4000
+_NUMERICS_TIMEOUT_S = 600.0
+_DEVICE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one trial measured, or why it measured nothing."""
+
+    outcome: Outcome
+    """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``skipped``."""
+    peak_bytes: Optional[int] = None
+    """Peak device memory over every step, warm-up included (a real job goes through those too)."""
+    step_time_s: Optional[float] = None
+    """Median wall-clock seconds of the measured steps (warm-up excluded)."""
+    samples_per_s: Optional[float] = None
+    """Samples per measured step over `step_time_s`."""
+    tokens_per_s: Optional[float] = None
+    """Tokens per measured step over `step_time_s`; ``None`` when the batch holds no token ids."""
+    throughput: Optional[float] = None
+    """`tokens_per_s` when the batch has tokens, else `samples_per_s`: the search's objective."""
+    throughput_unit: str = "samples/s"
+    """``tokens/s`` or ``samples/s``."""
+    step_times_s: tuple[float, ...] = ()
+    """Every measured step's seconds, in order."""
+    wall_s: float = 0.0
+    """Seconds the whole subprocess took, startup included."""
+    error: Optional[str] = None
+    """One line saying what went wrong (``None`` for ``ok``)."""
+    stderr_tail: Optional[str] = None
+    """The end of the worker's output when it failed or was killed."""
+    device: str = ""
+    """Device name (``cpu``, ``NVIDIA H100 80GB HBM3``)."""
+    device_total_bytes: Optional[int] = None
+    """The device's total memory; ``None`` on CPU."""
+
+    @property
+    def measured(self) -> bool:
+        """Whether the trial produced memory and speed figures (``ok`` or ``over_budget``)."""
+        return self.outcome in ("ok", "over_budget")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (JSON-ready)."""
+        d = dataclasses.asdict(self)
+        d["step_times_s"] = list(self.step_times_s)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
+        """The inverse of `to_dict`; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise RecomputeError(f"trial result: unknown key(s) {unknown}; valid: {sorted(names)}")
+        if data.get("outcome") not in get_args(Outcome):
+            raise RecomputeError(f"trial result: outcome {data.get('outcome')!r}; valid: {', '.join(get_args(Outcome))}")
+        values = dict(data)
+        values["step_times_s"] = tuple(values.get("step_times_s", ()))
+        return cls(**values)
+
+    @classmethod
+    def skipped(cls, reason: str, *, device: str = "", device_total_bytes: int | None = None) -> TrialResult:
+        """A trial not run, and why (e.g. the planner predicts it far over budget)."""
+        return cls(outcome="skipped", error=reason, device=device, device_total_bytes=device_total_bytes)
+
+
+@dataclass(frozen=True)
+class NumericsResult:
+    """Whether a policy changes one training step's loss or gradients."""
+
+    equal: bool
+    """Loss and every parameter gradient bitwise equal to training without recomputation."""
+    max_abs_diff: float
+    """The largest absolute difference seen (0.0 when equal)."""
+    detail: str
+    """What was compared, or what differed and where."""
+
+
+# ---------------------------------------------------------------------------------------------- API
+
+
+def run_trial(
+    recipe: Recipe,
+    policy: RecomputePolicy,
+    *,
+    micro_batch: int | None = None,
+    warmup_steps: int | None = None,
+    measure_steps: int | None = None,
+    timeout_s: float | None = None,
+    budget_bytes: int | None = None,
+) -> TrialResult:
+    """Train ``recipe``'s model under ``policy`` for warm-up plus measured steps, in a subprocess.
+
+    The defaults come from ``recipe.trial``. Never raises for what the trial does: an
+    out-of-memory error is ``oom``, passing ``timeout_s`` is ``timeout`` (the process group is
+    killed), any other failure is ``error`` with the tail of the worker's output, and a peak above
+    ``budget_bytes`` is ``over_budget`` (with its measurements).
+
+    A ``KeyboardInterrupt`` (or any exception) in the parent while waiting kills the trial's
+    process group and propagates: a caller wanting "finish the current trial, then stop" handles
+    SIGINT itself rather than letting it interrupt this call.
+    """
+    warmup = recipe.trial.warmup_steps if warmup_steps is None else int(warmup_steps)
+    measure = recipe.trial.measure_steps if measure_steps is None else int(measure_steps)
+    if warmup < 0 or measure < 1:
+        raise RecomputeError(f"warmup_steps must be >= 0 and measure_steps >= 1, got {warmup} and {measure}")
+    limit = recipe.trial.timeout_s if timeout_s is None else float(timeout_s)
+    spec = {
+        **_base_spec(recipe, policy, micro_batch),
+        "kind": "trial",
+        "warmup_steps": warmup,
+        "measure_steps": measure,
+    }
+    run = _run_worker(spec, limit)
+    if run.timed_out:
+        return TrialResult(
+            outcome="timeout",
+            wall_s=run.wall_s,
+            error=f"no result within {limit:g} s; the trial's process group was killed",
+            stderr_tail=run.tail,
+            **_device_fields(recipe, run.result),
+        )
+    res = run.result
+    if res is not None and res.get("outcome") == "ok":
+        try:
+            return _measured(res, wall_s=run.wall_s, budget_bytes=budget_bytes)
+        except (KeyError, TypeError, ValueError) as err:
+            return TrialResult(
+                outcome="error", wall_s=run.wall_s, error=f"malformed worker result: {err!r}", stderr_tail=run.tail,
+                **_device_fields(recipe, res),
+            )
+    outcome, error = _classify_failure(run)
+    return TrialResult(
+        outcome=outcome, wall_s=run.wall_s, error=error, stderr_tail=run.tail, **_device_fields(recipe, res)
+    )
+
+
+def check_numerics(
+    recipe: Recipe, policy: RecomputePolicy, *, micro_batch: int | None = None, timeout_s: float | None = None
+) -> NumericsResult:
+    """Whether ``policy`` leaves one training step's loss and gradients bitwise unchanged.
+
+    In a subprocess: the model is built twice from the same seed, once with ``policy`` applied;
+    each runs one forward and backward in train mode (dropout active) on the same fixed batch,
+    with the same RNG seed before each; loss and every parameter gradient are compared with
+    ``torch.equal``. A failure to run the check is reported as not equal, with the reason.
+    """
+    limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    spec = {**_base_spec(recipe, policy, micro_batch), "kind": "numerics"}
+    run = _run_worker(spec, limit)
+    res = run.result
+    if not run.timed_out and res is not None and res.get("outcome") == "ok":
+        return NumericsResult(equal=bool(res["equal"]), max_abs_diff=float(res["max_abs_diff"]), detail=str(res["detail"]))
+    if run.timed_out:
+        why = f"the numerics check did not finish within {limit:g} s"
+    else:
+        why = f"the numerics check failed ({_classify_failure(run)[1]})"
+    tail = _last_lines(run.tail, 5)
+    return NumericsResult(equal=False, max_abs_diff=float("inf"), detail=f"{why}{': ' + tail if tail else ''}")
+
+
+def device_info(recipe: Recipe) -> tuple[str, int | None]:
+    """The device a trial of ``recipe`` runs on: ``("cpu", None)`` or ``(name, total bytes)``.
+
+    CUDA is queried in a subprocess (once per accelerator setting, then cached): initialising CUDA
+    in the tuning process would hold a context's worth of device memory that trials then lack.
+
+    Raises:
+        RecomputeError: the accelerator names a device this machine cannot use.
+    """
+    if recipe.trainer.accelerator == "cpu":
+        return "cpu", None
+    return _probe_device(recipe.trainer.accelerator)
+
+
+# ---------------------------------------------------------------------------------------------- internals
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_device(accelerator: str) -> tuple[str, int | None]:
+    run = _run_worker({"kind": "device", "accelerator": accelerator, "sys_path": []}, _DEVICE_TIMEOUT_S)
+    res = run.result
+    if run.timed_out or res is None or res.get("outcome") != "ok":
+        why = (res or {}).get("error") or _last_lines(run.tail, 3) or "no result"
+        raise RecomputeError(f"trainer.accelerator: cannot query the {accelerator!r} device: {why}")
+    return str(res["device"]), res.get("device_total_bytes")
+
+
+def _base_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None) -> dict[str, Any]:
+    return {
+        "recipe": recipe.to_dict(),
+        "source": None if recipe.source is None else str(recipe.source),
+        "policy": policy.to_dict(),
+        "micro_batch": micro_batch,
+        "sys_path": [os.getcwd(), str(recipe.folder)],
+    }
+
+
+@dataclass(frozen=True)
+class _WorkerRun:
+    returncode: Optional[int]
+    result: Optional[dict[str, Any]]
+    tail: str
+    wall_s: float
+    timed_out: bool
+
+
+def _run_worker(spec: dict[str, Any], timeout_s: float) -> _WorkerRun:
+    """Run the worker on ``spec`` with a deadline; kill its whole process group at the deadline."""
+    with tempfile.TemporaryDirectory(prefix="recompute-trial-") as tmp:
+        folder = Path(tmp)
+        spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.log"
+        start = time.monotonic()
+        spec = {**spec, "deadline": time.time() + timeout_s}
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        with open(log_path, "wb") as log:
+            # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tuner.worker", str(spec_path), str(result_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: one killpg ends it and its children
+                env=_worker_env(),
+            )
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            except BaseException:
+                _kill_group(proc)
+                raise
+            finally:
+                # Also reaps anything the worker left behind (data-loader workers, compile helpers).
+                _kill_group(proc)
+        wall = time.monotonic() - start
+        result = None
+        if result_path.exists():
+            try:
+                result = json.loads(result_path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                result = None  # written atomically, so this means something else wrote there
+        return _WorkerRun(
+            returncode=proc.returncode, result=result, tail=_tail(log_path), wall_s=wall, timed_out=timed_out
+        )
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)  # so `-m tuner.worker` imports this very tuner
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last words reach the log
+    env["PYTHONFAULTHANDLER"] = "1"  # a segfault or abort() leaves a Python traceback in the log
+    return env
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone
+    proc.wait()
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 4 * _TAIL_CHARS))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    # faulthandler ends a crash report with one line listing ~100 C extension modules: noise
+    # that would push the traceback out of the tail.
+    lines = [line for line in text.splitlines() if not line.startswith("Extension modules:")]
+    return "\n".join(lines)[-_TAIL_CHARS:]
+
+
+def _last_lines(text: str, n: int) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-n:] if line.strip())
+
+
+def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
+    """``(outcome, one-line error)`` for a worker that produced no measurement."""
+    res = run.result
+    if res is not None and res.get("outcome") in ("oom", "error"):
+        return res["outcome"], str(res.get("error") or "the worker reported an error")
+    if any(marker in run.tail for marker in OOM_MARKERS):
+        return "oom", "out of memory (the worker died before writing a result)"
+    code = run.returncode
+    if code is not None and code < 0:
+        sig = _signal_name(-code)
+        if -code == signal.SIGKILL:
+            # Nobody here sent it (a timeout is handled before this): on Linux a SIGKILL out of the
+            # blue is the kernel's out-of-memory killer reclaiming host memory.
+            return "oom", f"the worker was killed by {sig} (most likely the kernel's out-of-memory killer)"
+        return "error", f"the worker was killed by {sig}: {_crash_summary(run.tail)}"
+    return "error", f"the worker exited with status {code} without a result: {_last_lines(run.tail, 1) or 'no output'}"
+
+
+def _crash_summary(tail: str) -> str:
+    """faulthandler's verdict and the innermost frame (it prints the most recent call first)."""
+    lines = tail.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            frame = next((f.strip() for f in lines[i + 1 :] if f.strip().startswith("File ")), "")
+            return f"{line.strip()}{' at ' + frame if frame else ''}"
+    return _last_lines(tail, 1) or "no output"
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None) -> TrialResult:
+    stats = summarize_steps(res["steps"], int(res["warmup_steps"]))
+    peak = stats["peak_bytes"]
+    over = budget_bytes is not None and peak is not None and peak > budget_bytes
+    return TrialResult(
+        outcome="over_budget" if over else "ok",
+        wall_s=wall_s,
+        error=f"peak {peak} bytes exceeds the budget limit of {budget_bytes} bytes" if over else None,
+        device=str(res.get("device", "")),
+        device_total_bytes=res.get("device_total_bytes"),
+        **stats,
+    )
+
+
+def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """Peak memory and median speed from per-step records ``{seconds, peak_bytes, samples, tokens}``.
+
+    The warm-up steps count for memory (a real job runs them too; the optimizer state appears in
+    the first) but not for time (lazy initialisation and allocator growth are one-off costs).
+
+    Raises:
+        ValueError: no step after the warm-up.
+    """
+    measured = list(steps[warmup_steps:])
+    if not measured:
+        raise ValueError(f"{len(steps)} step(s) recorded, none after {warmup_steps} warm-up step(s)")
+    times = [float(s["seconds"]) for s in measured]
+    step_time = statistics.median(times)
+    peaks = [int(s["peak_bytes"]) for s in steps if s.get("peak_bytes") is not None]
+    samples = statistics.median(int(s["samples"]) for s in measured)
+    tokens_seen = [int(s["tokens"]) for s in measured if s.get("tokens") is not None]
+    samples_per_s = samples / step_time if step_time > 0 else None
+    tokens_per_s = None
+    if len(tokens_seen) == len(measured) and step_time > 0:
+        tokens_per_s = statistics.median(tokens_seen) / step_time
+    return {
+        "peak_bytes": max(peaks) if peaks else None,
+        "step_time_s": step_time,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": tokens_per_s,
+        "throughput": tokens_per_s if tokens_per_s is not None else samples_per_s,
+        "throughput_unit": "tokens/s" if tokens_per_s is not None else "samples/s",
+        "step_times_s": tuple(times),
+    }
+
+
+def _device_fields(recipe: Recipe, res: Mapping[str, Any] | None) -> dict[str, Any]:
+    if res is not None and "device" in res:
+        return {"device": str(res["device"]), "device_total_bytes": res.get("device_total_bytes")}
+    if recipe.trainer.accelerator == "cpu":
+        return {"device": "cpu", "device_total_bytes": None}
+    return {"device": "", "device_total_bytes": None}  # unknown; probing now would cost a subprocess

@@ -1,0 +1,263 @@
+"""Child side of a trial: ``python -m tuner.worker SPEC.json RESULT.json``.
+
+Runs in a fresh process that `tuner.trial` starts, so whatever the model does (run out of
+memory, crash the interpreter, hang) stays in this process. It only measures: it never writes to
+MLflow or Optuna storage (DESIGN.md: only the parent does). It writes one JSON result, atomically,
+and exits 0 when it has a measurement (including "this configuration ran out of memory"), nonzero
+otherwise. The parent classifies what this process did, including the cases where it could not
+write anything.
+
+Spec kinds:
+
+- ``trial``: a real Lightning ``Trainer`` with `RecomputeCallback` runs warm-up plus measured
+  steps; the result holds every step's time, peak memory, samples and tokens.
+- ``numerics``: loss and parameter gradients of one training step with and without the policy.
+- ``device``: the name and total memory of the device the recipe's accelerator selects.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "is_oom_error", "OOM_MARKERS"]
+
+OOM_MARKERS = ("CUDA out of memory", "DefaultCPUAllocator: can't allocate memory", "OutOfMemoryError")
+"""Text that identifies an out-of-memory failure in an error message or a traceback."""
+
+
+def is_oom_error(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is an out-of-memory error."""
+    import torch
+
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, torch.OutOfMemoryError):
+            return True
+        if isinstance(cur, RuntimeError) and any(m in str(cur) for m in OOM_MARKERS[:2]):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the spec in ``argv[0]``, write the result to ``argv[1]``; the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m tuner.worker SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    result_path = Path(args[1])
+    _arm_hang_report(spec.get("deadline"))
+    for entry in spec.get("sys_path", []):
+        # Where the parent could import the user's class_path from (the recipe's folder, its
+        # working directory); -m put only this process's cwd there.
+        if entry not in sys.path:
+            sys.path.append(entry)
+    try:
+        kind = spec["kind"]
+        if kind == "trial":
+            payload = _trial(spec)
+        elif kind == "numerics":
+            payload = _numerics(spec)
+        elif kind == "device":
+            payload = {"outcome": "ok", **_device(spec["accelerator"])}
+        else:
+            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device")
+    except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
+        traceback.print_exc()
+        oom = is_oom_error(err)
+        outcome = "oom" if oom else "error"
+        _write_atomic(result_path, {"outcome": outcome, "error": _one_line(err), **_device_or_empty(spec)})
+        # An OOM is a measurement (this configuration does not fit), not a failure of the worker.
+        return 0 if oom else 1
+    _write_atomic(result_path, payload)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- kinds
+
+
+def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
+    import lightning as L
+
+    from lightning_recompute import RecomputeCallback, RecomputePolicy
+    from tuner.recipe import build_datamodule, build_model, from_dict
+
+    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    policy = RecomputePolicy.from_dict(spec["policy"], source="trial policy")
+    warmup, measure = int(spec["warmup_steps"]), int(spec["measure_steps"])
+    steps = warmup + measure
+
+    L.seed_everything(recipe.search.seed, verbose=False)
+    model = build_model(recipe)
+    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True)
+    trainer = L.Trainer(
+        accelerator=recipe.trainer.accelerator,
+        devices=recipe.trainer.devices,
+        precision=recipe.trainer.precision,
+        max_steps=steps,
+        max_epochs=-1,  # a short data module cycles rather than ending the trial early
+        limit_train_batches=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    trainer.fit(model, datamodule=datamodule)
+    records = list(callback.records)
+    if len(records) < steps:
+        raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup} + measured {measure})")
+    return {
+        "outcome": "ok",
+        "warmup_steps": warmup,
+        "steps": [
+            {"seconds": r.seconds, "peak_bytes": r.peak_bytes, "samples": r.samples, "tokens": r.tokens}
+            for r in records
+        ],
+        **_device(recipe.trainer.accelerator),
+    }
+
+
+def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """One training step with and without the policy; bitwise comparison of loss and gradients."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_recompute import RecomputePolicy, apply_policy
+    from tuner.recipe import build_datamodule, build_model, from_dict
+
+    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
+    seed = recipe.search.seed
+    fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=1, precision=recipe.trainer.precision)
+
+    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+
+    runs: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor | None]]] = {}
+    for label, with_policy in (("baseline", False), ("policy", True)):
+        fabric.seed_everything(seed, verbose=False)  # both models start from the same weights
+        model = build_model(recipe)
+        if with_policy:
+            apply_policy(model, policy, recipe.layers)
+        wrapped = fabric.setup_module(model)
+        wrapped.train()  # dropout active: recomputation must replay the same masks
+        fabric.seed_everything(seed + 1, verbose=False)
+        out = wrapped.training_step(fabric.to_device(batch), 0)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        fabric.backward(loss)
+        # Gradients move to host memory so only one model occupies the device at a time.
+        grads = {n: (None if p.grad is None else p.grad.detach().cpu()) for n, p in model.named_parameters()}
+        runs[label] = (loss.detach().float().cpu(), grads)
+        del model, wrapped, out, loss
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    (loss_a, grads_a), (loss_b, grads_b) = runs["baseline"], runs["policy"]
+    loss_equal = torch.equal(loss_a, loss_b)
+    max_diff = float((loss_a - loss_b).abs().max()) if loss_a.shape == loss_b.shape else float("inf")
+    differing: list[tuple[float, str]] = []
+    for name, ga in grads_a.items():
+        gb = grads_b.get(name)
+        if ga is None or gb is None:
+            if (ga is None) != (gb is None):
+                differing.append((float("inf"), name))
+            continue
+        if not torch.equal(ga, gb):
+            diff = float((ga.float() - gb.float()).abs().max()) if ga.shape == gb.shape else float("inf")
+            differing.append((diff, name))
+            max_diff = max(max_diff, diff)
+    n = len(grads_a)
+    if loss_equal and not differing:
+        detail = f"loss and all {n} parameter gradients bitwise equal"
+    else:
+        worst = max(differing) if differing else None
+        parts = [] if loss_equal else [f"loss differs by {abs(float(loss_a.sum() - loss_b.sum())):.3g}"]
+        if worst is not None:
+            parts.append(f"{len(differing)} of {n} gradients differ, most at {worst[1]} ({worst[0]:.3g})")
+        detail = "; ".join(parts)
+    return {
+        "outcome": "ok",
+        "equal": loss_equal and not differing,
+        "max_abs_diff": max_diff,
+        "detail": detail,
+        **_device(recipe.trainer.accelerator),
+    }
+
+
+def _device(accelerator: str) -> dict[str, Any]:
+    """Name and total memory of the device ``accelerator`` selects for a one-device trial."""
+    import torch
+
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return {"device": "cpu", "device_total_bytes": None}
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"trainer.accelerator is {accelerator!r} but no CUDA device is visible to this process")
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"device": props.name, "device_total_bytes": int(props.total_memory)}
+
+
+def _device_or_empty(spec: Mapping[str, Any]) -> dict[str, Any]:
+    accelerator = spec.get("accelerator") or spec.get("recipe", {}).get("trainer", {}).get("accelerator", "cpu")
+    try:
+        return _device(accelerator)
+    except Exception:  # noqa: BLE001 - the device itself may be what failed
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+
+
+def _arm_hang_report(deadline: float | None) -> None:
+    """Dump every thread's stack to stderr just before the parent's deadline.
+
+    The parent kills a hung trial without asking; this makes the stderr tail it keeps say where
+    the trial was stuck. ``PYTHONFAULTHANDLER`` (set by the parent) does the same for crashes.
+    """
+    if deadline is None:
+        return
+    remaining = float(deadline) - time.time() - 1.0
+    if remaining > 0:
+        faulthandler.dump_traceback_later(remaining, exit=False)
+
+
+def _write_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    # The parent may find this process killed at any instant; it must see a whole result or none.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    if len(text) > 500:
+        text = text[:497] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
