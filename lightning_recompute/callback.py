@@ -69,7 +69,9 @@ class RecomputeCallback(L.Callback):
     ``recompute/tokens_per_s``. The same figures are kept in `records` for programmatic use.
 
     Args:
-        policy: a `RecomputePolicy`, the policy-file mapping, or a path to a YAML/JSON policy file.
+        policy: a `RecomputePolicy`, the policy-file mapping, a path to a YAML/JSON policy file, or
+            ``"mlflow:<experiment>[@<tracking uri>]"``: the tuner's current good policy for that
+            experiment (tracking URI from ``MLFLOW_TRACKING_URI`` when not given).
         layers: which modules are layers: ``"auto"`` (the longest stack of same-class blocks),
             module paths, globs, classes, or ``"class:Name"`` strings.
         measure_memory: measure the peak memory of each step. Free on CUDA (allocator statistics);

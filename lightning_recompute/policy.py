@@ -286,7 +286,10 @@ class RecomputePolicy:
 
 
 PolicyLike = Union[RecomputePolicy, Mapping[str, Any], str, os.PathLike]
-"""What the plugin's entry points accept as a policy: an object, the file structure, or a path."""
+"""What the plugin's entry points accept as a policy: an object, the file structure, a path, or
+``"mlflow:<experiment>[@<tracking uri>]"`` for the tuner's current good policy of an experiment."""
+
+MLFLOW_PREFIX = "mlflow:"
 
 
 def as_policy(policy: PolicyLike) -> RecomputePolicy:
@@ -295,10 +298,19 @@ def as_policy(policy: PolicyLike) -> RecomputePolicy:
         return policy
     if isinstance(policy, Mapping):
         return RecomputePolicy.from_dict(policy)
+    if isinstance(policy, str) and policy.startswith(MLFLOW_PREFIX):
+        # The tuner's current good policy, read from MLflow (imported lazily: MLflow is heavy).
+        from lightning_recompute.mlflow_policy import load_good_policy
+
+        experiment, _, tracking_uri = policy[len(MLFLOW_PREFIX) :].partition("@")
+        if not experiment:
+            raise PolicyError(f"policy: {policy!r} names no experiment; expected 'mlflow:<experiment>[@<tracking uri>]'")
+        return load_good_policy(experiment, tracking_uri or None)
     if isinstance(policy, (str, os.PathLike)):
         return RecomputePolicy.load(policy)
     raise PolicyError(
-        f"policy: expected a RecomputePolicy, a mapping or a path to a policy file, got {type(policy).__name__}"
+        f"policy: expected a RecomputePolicy, a mapping, a path to a policy file or 'mlflow:<experiment>', "
+        f"got {type(policy).__name__}"
     )
 
 
