@@ -1,0 +1,120 @@
+"""lightning_recompute.mlflow_policy: the good policy read back with mlflow alone (no tuner import)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from lightning_recompute.errors import PolicyError, RecomputeError
+from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT, good_run_id, load_good_policy
+from lightning_recompute.policy import RecomputePolicy
+
+POLICY = RecomputePolicy.from_dict(
+    {"version": 1, "layers": {"blocks.0": "none", "blocks.[1-2]": "selective", "blocks.*": "full"},
+     "selective": {"save": ["aten.mm"]}}
+)
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    db = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def uri(tmp_path: Path, empty_db: Path) -> str:
+    shutil.copy(empty_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def good_experiment(uri: str, tmp_path: Path, *, policy_text: str | None = POLICY.to_yaml(), tag: bool = True) -> str:
+    """An experiment laid out as the tuner leaves it: a run with policy.yaml, named by the experiment tag."""
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("exp", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(exp_id).info.run_id
+    if policy_text is not None:
+        client.log_text(run_id, policy_text, POLICY_ARTIFACT)
+    client.set_terminated(run_id)
+    if tag:
+        client.set_experiment_tag(exp_id, GOOD_RUN_TAG, run_id)
+    return run_id
+
+
+def test_round_trip(uri: str, tmp_path: Path) -> None:
+    run_id = good_experiment(uri, tmp_path)
+    assert good_run_id("exp", uri) == run_id
+    loaded = load_good_policy("exp", uri)
+    assert loaded == POLICY
+    assert loaded.fingerprint() == POLICY.fingerprint()
+
+
+def test_default_tracking_uri_comes_from_the_environment(uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good_experiment(uri, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert load_good_policy("exp") == POLICY
+
+
+def test_missing_experiment_names_it(uri: str) -> None:
+    with pytest.raises(PolicyError, match=r"no MLflow experiment named 'nope'") as info:
+        load_good_policy("nope", uri)
+    assert isinstance(info.value, RecomputeError)
+    assert uri in str(info.value)
+
+
+def test_deleted_experiment(uri: str, tmp_path: Path) -> None:
+    good_experiment(uri, tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.get_experiment_by_name("exp").experiment_id)
+    with pytest.raises(PolicyError, match="'exp' is deleted"):
+        load_good_policy("exp", uri)
+
+
+def test_experiment_without_a_good_policy_names_the_tag(uri: str, tmp_path: Path) -> None:
+    good_experiment(uri, tmp_path, tag=False)
+    with pytest.raises(PolicyError, match=r"'exp' has no good policy yet \(tag recompute.good_run_id is not set\)"):
+        load_good_policy("exp", uri)
+
+
+def test_good_run_that_does_not_exist_names_the_run(uri: str, tmp_path: Path) -> None:
+    good_experiment(uri, tmp_path)
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = client.get_experiment_by_name("exp").experiment_id
+    client.set_experiment_tag(exp_id, GOOD_RUN_TAG, "0" * 32)
+    with pytest.raises(PolicyError, match=f"names run {'0' * 32}, which does not exist"):
+        load_good_policy("exp", uri)
+
+
+def test_deleted_good_run(uri: str, tmp_path: Path) -> None:
+    run_id = good_experiment(uri, tmp_path)
+    MlflowClient(tracking_uri=uri).delete_run(run_id)
+    with pytest.raises(PolicyError, match=f"names run {run_id}, which is deleted"):
+        load_good_policy("exp", uri)
+
+
+def test_good_run_without_the_policy_artifact(uri: str, tmp_path: Path) -> None:
+    run_id = good_experiment(uri, tmp_path, policy_text=None)
+    with pytest.raises(PolicyError, match=f"good run {run_id} has no artifact 'policy.yaml'"):
+        load_good_policy("exp", uri)
+
+
+def test_invalid_policy_artifact_names_run_and_problem(uri: str, tmp_path: Path) -> None:
+    run_id = good_experiment(uri, tmp_path, policy_text="version: 1\nlayers: {blocks.0: sometimes}\n")
+    with pytest.raises(PolicyError, match=f"good run {run_id}: artifact 'policy.yaml' is not a valid policy.*sometimes"):
+        load_good_policy("exp", uri)
+
+
+def test_the_plugin_module_does_not_import_the_tuner() -> None:
+    code = (
+        "import sys, lightning_recompute.mlflow_policy as m\n"
+        "assert not any(k == 'tuner' or k.startswith('tuner.') for k in sys.modules), 'tuner imported'\n"
+        "assert 'mlflow' not in sys.modules, 'mlflow imported at module import'\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
