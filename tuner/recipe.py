@@ -324,6 +324,13 @@ class SearchSettings:
     seed: _Int = Field(0, description="Seed of the sampler and of every trial's model and data.")
 
 
+def _env_values(value: Any) -> Any:
+    # YAML reads `OMP_NUM_THREADS: 1` as an int; an environment holds strings.
+    if isinstance(value, Mapping):
+        return {k: (str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in value.items()}
+    return value
+
+
 @schema_dataclass(frozen=True, config=_SCHEMA)
 class TrialSettings:
     """How long one trial measures."""
@@ -334,6 +341,11 @@ class TrialSettings:
     measure_steps: _PositiveInt = Field(5, description="Training steps timed after warm-up; the median is used.")
     timeout_s: float = Field(
         300.0, gt=0, description="Wall-clock limit of one trial's subprocess (startup included); then it is killed."
+    )
+    env: Annotated[dict[str, str], BeforeValidator(_env_values)] = Field(
+        default_factory=dict,
+        description="Environment variables of every trial subprocess, e.g. {OMP_NUM_THREADS: 1}: on a shared CPU, "
+        "one thread per trial gives far steadier step times than threads fighting over cores.",
     )
 
 

@@ -148,7 +148,7 @@ def run_trial(
         "warmup_steps": warmup,
         "measure_steps": measure,
     }
-    run = _run_worker(spec, limit)
+    run = _run_worker(spec, limit, recipe.trial.env)
     if run.timed_out:
         return TrialResult(
             outcome="timeout",
@@ -184,7 +184,7 @@ def check_numerics(
     """
     limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
     spec = {**_base_spec(recipe, policy, micro_batch), "kind": "numerics"}
-    run = _run_worker(spec, limit)
+    run = _run_worker(spec, limit, recipe.trial.env)
     res = run.result
     if not run.timed_out and res is not None and res.get("outcome") == "ok":
         return NumericsResult(equal=bool(res["equal"]), max_abs_diff=float(res["max_abs_diff"]), detail=str(res["detail"]))
@@ -242,7 +242,7 @@ class _WorkerRun:
     timed_out: bool
 
 
-def _run_worker(spec: dict[str, Any], timeout_s: float) -> _WorkerRun:
+def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
     """Run the worker on ``spec`` with a deadline; kill its whole process group at the deadline."""
     with tempfile.TemporaryDirectory(prefix="recompute-trial-") as tmp:
         folder = Path(tmp)
@@ -258,7 +258,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> _WorkerRun:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one killpg ends it and its children
-                env=_worker_env(),
+                env=_worker_env(env or {}),
             )
             timed_out = False
             try:
@@ -283,8 +283,8 @@ def _run_worker(spec: dict[str, Any], timeout_s: float) -> _WorkerRun:
         )
 
 
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
+def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {**os.environ, **extra}
     root = str(Path(__file__).resolve().parent.parent)  # so `-m tuner.worker` imports this very tuner
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last words reach the log

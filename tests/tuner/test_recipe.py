@@ -1,0 +1,340 @@
+"""Recipes: defaults, every kind of error (all reported at once), budgets, paths, schema, the shipped recipes."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from lightning_recompute import RecomputePolicy
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+from tuner import recipe as R
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class NeedsWidth(L.LightningModule):
+    """A module with a required init argument, for the missing-argument error."""
+
+    def __init__(self, width: int, depth: int = 2) -> None:
+        super().__init__()
+
+
+def _write(folder: Path, data: dict[str, Any] | str, name: str = "recipe.yaml") -> Path:
+    path = folder / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def _errors(data: dict[str, Any]) -> list[str]:
+    with pytest.raises(R.RecipeError) as info:
+        R.from_dict(data)
+    return info.value.errors
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+
+def test_defaults_fill_everything_and_resolve_against_the_recipe_folder(tmp_path: Path) -> None:
+    recipe = R.load(_write(tmp_path, {"budget": "1GiB"}, "small.yaml"))
+    assert recipe.source == tmp_path / "small.yaml"
+    assert recipe.name == "small"
+    assert recipe.model == R.Component(R.REFERENCE_MODEL, {})
+    # Synthetic tokens follow the reference model's vocabulary and context when not told otherwise.
+    assert recipe.data == R.Component(R.REFERENCE_DATA, {"vocab_size": 256, "seq_len": 64})
+    assert recipe.trainer == R.TrainerSettings("cpu", 1, "32-true")
+    assert recipe.layers == "auto"
+    assert recipe.budget == R.Budget(1 << 30, 0.05)
+    assert recipe.search.modes == ("none", "selective", "full")
+    assert (recipe.search.n_trials, recipe.search.timeout_s, recipe.search.micro_batch_sizes, recipe.search.seed) == (
+        20, None, None, 0
+    )
+    assert (recipe.trial.warmup_steps, recipe.trial.measure_steps, recipe.trial.timeout_s) == (2, 5, 300.0)
+    assert recipe.trial.env == {}
+    assert recipe.tracking == R.TrackingSettings(f"sqlite:///{tmp_path}/mlflow.db", "small")
+    assert recipe.study == R.StudySettings(f"sqlite:///{tmp_path}/optuna.db", None)
+    assert recipe.output == tmp_path / "policy.yaml"
+
+
+def test_relative_paths_resolve_against_the_recipe_folder_not_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    path = _write(
+        folder,
+        {
+            "budget": 1000000,
+            "output": "out/policy.yaml",
+            "tracking": {"uri": "sqlite:///runs/mlflow.db", "experiment": "exp"},
+            "study": {"storage": "journal/optuna.log", "name": "s"},
+        },
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    recipe = R.load(path)
+    assert recipe.output == folder / "out" / "policy.yaml"
+    assert recipe.tracking.uri == f"sqlite:///{folder}/runs/mlflow.db"
+    assert recipe.study.storage == str(folder / "journal" / "optuna.log")
+    # Absolute paths and server URLs are left alone.
+    recipe = R.from_dict(
+        {"budget": 1000000, "output": "/abs/p.yaml", "tracking": {"uri": "http://mlflow:5000"},
+         "study": {"storage": "postgresql://u@db/optuna"}},
+        source=path,
+    )
+    assert (recipe.output, recipe.tracking.uri, recipe.study.storage) == (
+        Path("/abs/p.yaml"), "http://mlflow:5000", "postgresql://u@db/optuna"
+    )
+
+
+def test_round_trip_and_fingerprint(tmp_path: Path) -> None:
+    recipe = R.load(_write(tmp_path, {"budget": "2GiB", "model": {"init_args": {"n_layer": 3}}, "trial": {"env": {"OMP_NUM_THREADS": 1}}}))
+    assert recipe.trial.env == {"OMP_NUM_THREADS": "1"}
+    again = R.from_dict(recipe.to_dict(), source=recipe.source)
+    assert again == recipe
+    assert json.loads(json.dumps(recipe.to_dict())) == recipe.to_dict()
+    assert again.fingerprint() == recipe.fingerprint()
+    more_trials = R.from_dict({**recipe.to_dict(), "search": {"n_trials": 99}}, source=recipe.source)
+    assert more_trials.fingerprint() == recipe.fingerprint()  # extending a study keeps its identity
+    other_model = R.from_dict({**recipe.to_dict(), "model": {"init_args": {"n_layer": 4}}}, source=recipe.source)
+    assert other_model.fingerprint() != recipe.fingerprint()
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+
+
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [
+        ("20GiB", 20 * 1024**3),
+        ("20 GiB", 20 * 1024**3),
+        ("1.5GiB", int(1.5 * 1024**3)),
+        ("20GB", 20 * 1000**3),
+        ("512MiB", 512 * 1024**2),
+        (21474836480, 21474836480),
+        (0.8, 0.8),
+        ("80%", 0.8),
+        (1.0, 1.0),
+    ],
+)
+def test_budget_values(value: Any, stored: float) -> None:
+    recipe = R.from_dict({"budget": value, "trainer": {"accelerator": "cuda"}})
+    assert recipe.budget.value == stored
+    assert type(recipe.budget.value) is type(stored)  # int bytes vs float fraction
+    assert R.from_dict({"budget": {"value": value, "margin": 0.1}, "trainer": {"accelerator": "cuda"}}).budget.value == stored
+
+
+def test_budget_limit_applies_the_margin() -> None:
+    absolute = R.Budget(value=1000, margin=0.1)
+    assert absolute.limit_bytes(None) == 900
+    assert absolute.limit_bytes(10**12) == 900  # the device size does not matter for bytes
+    fraction = R.Budget(value=0.8, margin=0.05)
+    assert fraction.limit_bytes(80 * 1024**3) == int(0.8 * 80 * 1024**3 * 0.95)
+    with pytest.raises(RecomputeError, match="fraction of device memory"):
+        fraction.limit_bytes(None)
+    assert "GiB" in fraction.describe(80 * 1024**3)
+
+
+@pytest.mark.parametrize("bad", ["lots", "20 parsecs", "-5GiB", 0, -1, 1.5, "120%", "0%", True])
+def test_bad_budgets_name_the_key_and_the_valid_forms(bad: Any) -> None:
+    errors = _errors({"budget": bad, "trainer": {"accelerator": "cuda"}})
+    assert len(errors) == 1
+    assert errors[0].startswith("budget")
+
+
+def test_parse_bytes() -> None:
+    assert R.parse_bytes("1KiB") == 1024
+    assert R.parse_bytes("1kb") == 1000
+    assert R.parse_bytes(4096) == 4096
+    with pytest.raises(ValueError, match="GiB"):
+        R.parse_bytes("1 GiBs")
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({}, ["budget: missing (required"]),
+        ({"budget": "1GiB", "serch": {}}, ["serch: unknown key; did you mean 'search'?", "valid: budget, name, model"]),
+        ({"budget": "1GiB", "trial": {"warmup": 1}}, ["trial.warmup: unknown key; did you mean 'warmup_steps'?"]),
+        ({"budget": "1GiB", "trainer": {"accelerator": "gpu"}}, ["trainer.accelerator: 'gpu' is not valid", "(valid: cpu, cuda, auto)"]),
+        ({"budget": "1GiB", "trainer": {"precision": "bf61-mixed"}}, ["trainer.precision:", "did you mean 'bf16-mixed'?"]),
+        ({"budget": "1GiB", "trainer": {"devices": 2}}, ["trainer.devices: 2 is not valid", "(valid: 1)"]),
+        ({"budget": "1GiB", "search": {"modes": ["none", "ful"]}}, ["search.modes[1]: 'ful' is not valid; did you mean 'full'?"]),
+        ({"budget": "1GiB", "search": {"modes": []}}, ["search.modes:"]),
+        ({"budget": "1GiB", "search": {"n_trials": "ten"}}, ["search.n_trials: input should be a valid integer"]),
+        ({"budget": "1GiB", "search": {"n_trials": True}}, ["search.n_trials:"]),
+        ({"budget": "1GiB", "search": {"micro_batch_sizes": [4, 0]}}, ["search.micro_batch_sizes[1]:", "greater than or equal to 1"]),
+        ({"budget": "1GiB", "trial": {"timeout_s": -1}}, ["trial.timeout_s: input should be greater than 0"]),
+        ({"budget": "1GiB", "layers": []}, ["layers:"]),
+        ({"budget": 0.8}, ["budget.value: 0.8 is a fraction of device memory, but trainer.accelerator is cpu"]),
+        ({"budget": "1GiB", "search": {"modes": ["none", "offload"]}}, ["search.modes: 'offload' does nothing on cpu"]),
+        ({"budget": "1GiB", "study": {"storage": "optuna.db"}}, ["study.storage: 'optuna.db' is neither a database URL nor a journal file"]),
+        ({"budget": "1GiB", "model": {"class_path": "no_such_package.Model"}}, ["model.class_path: cannot import module 'no_such_package'"]),
+        ({"budget": "1GiB", "model": {"class_path": "lightning_recompute.reference.ReferenceGTP"}}, ["model.class_path:", "did you mean 'ReferenceGPT'?"]),
+        ({"budget": "1GiB", "model": {"class_path": "collections.OrderedDict"}}, ["model.class_path: collections.OrderedDict is not a lightning.LightningModule subclass"]),
+        ({"budget": "1GiB", "model": {"class_path": "NoDots"}}, ["model.class_path: 'NoDots' is not a dotted path"]),
+        ({"budget": "1GiB", "model": {"init_args": {"n_layers": 2}}}, ["model.init_args.n_layers: ReferenceGPT takes no argument 'n_layers'; did you mean 'n_layer'?", "valid: vocab_size, seq_len, n_layer"]),
+        ({"budget": "1GiB", "model": {"class_path": f"{__name__}.NeedsWidth"}}, ["model.init_args.width: missing; NeedsWidth requires it"]),
+        ({"budget": "1GiB", "model": {"init_args": "n_layer=2"}}, ["model.init_args: input should be a valid dictionary"]),
+        ({"budget": "1GiB", "data": {"class_path": "lightning_recompute.reference.ReferenceGPT"}}, ["data.class_path: lightning_recompute.reference.ReferenceGPT is not a lightning.LightningDataModule subclass"]),
+        ({"budget": "1GiB", "data": {"init_args": {"seq_len": 512}}}, ["data.init_args.seq_len: 512 exceeds the model's seq_len 64"]),
+    ],
+)
+def test_each_kind_of_error_names_its_key_and_the_valid_choices(data: dict[str, Any], expected: list[str]) -> None:
+    errors = _errors(data)
+    assert len(errors) == 1, errors
+    for fragment in expected:
+        assert fragment in errors[0], (fragment, errors[0])
+
+
+def test_five_mistakes_are_reported_together_with_the_file_name(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        """\
+budget: 20 parsecs
+trainer:
+  acelerator: cpu
+model:
+  init_args: {n_layers: 2}
+search:
+  modes: [none, ful]
+data:
+  class_path: nope.Module
+""",
+    )
+    with pytest.raises(R.RecipeError) as info:
+        R.load(path)
+    err = info.value
+    assert isinstance(err, RecomputeError)
+    assert len(err.errors) == 5, err.errors
+    paths = sorted(e.split(":", 1)[0] for e in err.errors)
+    assert paths == ["budget.value", "data.class_path", "model.init_args.n_layers", "search.modes[1]", "trainer.acelerator"]
+    text = str(err)
+    assert text.startswith(f"{path}: 5 problems:")
+    assert all(e in text for e in err.errors)
+
+
+def test_file_level_errors(tmp_path: Path) -> None:
+    with pytest.raises(R.RecipeError, match="recipe file not found"):
+        R.load(tmp_path / "missing.yaml")
+    with pytest.raises(R.RecipeError, match="malformed YAML"):
+        R.load(_write(tmp_path, "budget: [1GiB\n"))
+    with pytest.raises(R.RecipeError, match="duplicate key 'budget'"):
+        R.load(_write(tmp_path, "budget: 1GiB\nbudget: 2GiB\n"))
+    with pytest.raises(R.RecipeError, match="must be a mapping"):
+        R.load(_write(tmp_path, "- budget\n"))
+    with pytest.raises(R.RecipeError, match="budget: missing"):
+        R.load(_write(tmp_path, ""))
+
+
+def test_class_path_beside_the_recipe_is_importable(tmp_path: Path) -> None:
+    (tmp_path / "my_models_for_recipe_test.py").write_text(
+        "from lightning_recompute.reference import ReferenceGPT\n\nclass Mine(ReferenceGPT):\n    pass\n"
+    )
+    recipe = R.load(_write(tmp_path, {"budget": "1GiB", "model": {"class_path": "my_models_for_recipe_test.Mine", "init_args": {"n_layer": 2}}}))
+    model = R.build_model(recipe)
+    assert type(model).__name__ == "Mine" and len(model.blocks) == 2
+    # A subclass of the reference model still gets matched synthetic data.
+    assert recipe.data.init_args == {"vocab_size": 256, "seq_len": 64}
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+def test_build_model_and_datamodule_with_micro_batch_override() -> None:
+    recipe = R.from_dict({"budget": "1GiB", "model": {"init_args": {"n_layer": 2, "n_embd": 32}}, "data": {"init_args": {"batch_size": 3}}})
+    model = R.build_model(recipe)
+    assert isinstance(model, ReferenceGPT) and len(model.blocks) == 2
+    dm = R.build_datamodule(recipe)
+    assert isinstance(dm, SyntheticTokens) and dm.batch_size == 3
+    assert R.build_datamodule(recipe, micro_batch=7).batch_size == 7
+    assert R.build_model(recipe) is not model  # fresh each time
+
+
+def test_json_schema_is_json_schema_and_lists_every_key() -> None:
+    schema = R.json_schema()
+    text = json.dumps(schema)  # plain JSON
+    assert schema["$schema"].startswith("https://json-schema.org/")
+    assert schema["type"] == "object"
+    assert schema["additionalProperties"] is False
+    assert schema["required"] == ["budget"]
+    assert set(schema["properties"]) == {
+        "name", "model", "data", "trainer", "layers", "budget", "search", "trial", "tracking", "study", "output"
+    }
+    for key, prop in schema["properties"].items():
+        assert prop.get("description"), key
+    defs = schema["$defs"]
+    for section in ("TrainerSettings", "SearchSettings", "TrialSettings", "Budget", "Component"):
+        assert defs[section]["additionalProperties"] is False
+        assert set(defs[section]["properties"]) == {f.name for f in R.dataclasses.fields(getattr(R, section))}
+    assert defs["TrainerSettings"]["properties"]["accelerator"]["enum"] == ["cpu", "cuda", "auto"]
+    assert "$ref" in text
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text()), schema)
+
+
+def test_precision_choices_match_lightning() -> None:
+    from lightning.fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
+
+    assert set(R.PRECISIONS) == set(typing.get_args(_PRECISION_INPUT_STR))
+    assert R._PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
+    assert R.from_dict({"budget": "1GiB", "trainer": {"precision": "bf16"}}).trainer.precision == "bf16-mixed"
+    assert R.from_dict({"budget": "1GiB", "trainer": {"precision": 32}}).trainer.precision == "32-true"
+
+
+# ---------------------------------------------------------------------------------------------- shipped recipes
+
+
+def test_quickstart_budget_forces_a_mixed_policy() -> None:
+    """At the quickstart budget, "none" does not fit, "full" does, and so do policies in between.
+
+    Runs the worker's own trial code in this process (no subprocess startup), so the peaks are
+    exactly what a tuning session measures.
+    """
+    from tuner import worker
+
+    recipe = R.load(REPO / "recipes" / "quickstart.yaml")
+    assert recipe.trainer.accelerator == "cpu"
+    limit = recipe.budget.limit_bytes(None)
+    names = [f"blocks.{i}" for i in range(recipe.model.init_args["n_layer"])]
+    policies = {
+        "none": RecomputePolicy.uniform("none"),
+        "full": RecomputePolicy.uniform("full"),
+        "half full": RecomputePolicy.first_n(names, len(names) // 2, "full"),
+    }
+    peaks = {}
+    for label, policy in policies.items():
+        spec = {
+            "recipe": recipe.to_dict(), "source": str(recipe.source), "policy": policy.to_dict(),
+            "micro_batch": None, "warmup_steps": 1, "measure_steps": 1,
+        }
+        result = worker._trial(spec)
+        peaks[label] = max(s["peak_bytes"] for s in result["steps"])
+    assert peaks["none"] > limit, peaks
+    assert peaks["full"] < peaks["half full"] < limit, peaks
+
+
+def test_gpu_recipe_describes_a_billion_parameter_model() -> None:
+    recipe = R.load(REPO / "recipes" / "gpt-1b-h100.yaml")
+    assert recipe.trainer.accelerator == "cuda" and recipe.trainer.precision == "bf16-mixed"
+    assert recipe.budget.is_fraction
+    assert recipe.data.init_args["seq_len"] == recipe.model.init_args["seq_len"] == 2048
+    with torch.device("meta"):  # sizes without allocating
+        model = R.build_model(recipe)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.9e9 < n_params < 1.5e9, n_params
