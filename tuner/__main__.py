@@ -1,0 +1,10 @@
+"""``python -m tuner``: the ``recompute-tune`` command line."""
+
+from __future__ import annotations
+
+import sys
+
+from tuner.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

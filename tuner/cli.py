@@ -1,0 +1,304 @@
+"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`.
+
+Usage::
+
+    recompute-tune RECIPE [--n-trials N] [--search-only] [--format text|json]
+    recompute-tune plan RECIPE [--budget 20GiB] [--write policy.yaml] [--format text|json]
+    recompute-tune rollback RECIPE
+    recompute-tune history RECIPE [--format text|json]
+    recompute-tune schema
+
+Exit codes: 0 the policy file holds the study's best policy (promoted now or already), 1 nothing
+promoted (nothing fits the budget, or the gate kept the current policy; for ``rollback``: nothing
+to roll back to), 2 a bad recipe or argument, 130 interrupted (rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from lightning_recompute.errors import RecomputeError
+
+__all__ = ["main", "build_parser"]
+
+SUBCOMMANDS = ("tune", "plan", "rollback", "history", "schema")
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (``tune`` is the default subcommand: ``recompute-tune RECIPE``)."""
+    parser = argparse.ArgumentParser(
+        prog="recompute-tune",
+        description="Find, by measurement, the fastest per-layer activation-recomputation policy that fits a memory budget.",
+        epilog="Exit codes: 0 policy promoted (or already current), 1 nothing promoted, 2 bad recipe, 130 interrupted.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{tune,plan,rollback,history,schema}")
+
+    tune = sub.add_parser("tune", help="tune RECIPE (the default: `recompute-tune RECIPE`)")
+    tune.add_argument("recipe", help="the recipe YAML file")
+    tune.add_argument("--n-trials", type=int, default=None, metavar="N",
+                      help="trials the study should have measured when this run stops (overrides search.n_trials)")
+    tune.add_argument("--search-only", action="store_true",
+                      help="search and report the best policy without the evidence gate or a promotion")
+    tune.add_argument("--format", choices=("text", "json"), default="text",
+                      help="json: a machine-readable summary on stdout (progress goes to stderr)")
+
+    plan = sub.add_parser("plan", help="show the planner's predicted front and its policy for a budget")
+    plan.add_argument("recipe", help="the recipe YAML file")
+    plan.add_argument("--budget", default=None, help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)")
+    plan.add_argument("--write", default=None, metavar="PATH", help="write the chosen policy to PATH")
+    plan.add_argument("--format", choices=("text", "json"), default="text")
+
+    rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
+    rollback.add_argument("recipe", help="the recipe YAML file")
+
+    hist = sub.add_parser("history", help="list every promotion, rejection and rollback")
+    hist.add_argument("recipe", help="the recipe YAML file")
+    hist.add_argument("--format", choices=("text", "json"), default="text")
+
+    sub.add_parser("schema", help="print the recipe's JSON Schema")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] not in SUBCOMMANDS and not args_list[0].startswith("-"):
+        args_list.insert(0, "tune")
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    _quiet_libraries()
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        if args.command == "schema":
+            from tuner.recipe import json_schema
+
+            print(json.dumps(json_schema(), indent=2))
+            return 0
+        recipe = _load(args.recipe)
+        if recipe is None:
+            return EXIT_BAD_INPUT
+        if args.command == "tune":
+            return _tune(recipe, args)
+        if args.command == "plan":
+            return _plan(recipe, args)
+        if args.command == "rollback":
+            return _rollback(recipe)
+        return _history(recipe, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal to the tuner's own lines: no per-trial INFO logs or download progress bars."""
+    import logging
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    except ImportError:
+        pass
+
+
+def _load(path: str) -> Any:
+    from tuner.recipe import RecipeError, load
+
+    try:
+        return load(path)
+    except RecipeError as err:
+        print(f"{err.source or path}: {len(err.errors)} problem(s) in the recipe:", file=sys.stderr)
+        for line in err.errors:
+            print(f"  - {line}", file=sys.stderr)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- tune
+
+
+def _tune(recipe: Any, args: argparse.Namespace) -> int:
+    from tuner import session
+
+    if args.n_trials is not None and args.n_trials < 1:
+        print(f"--n-trials: must be a positive integer, got {args.n_trials}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    live: TextIO = sys.stderr if args.format == "json" else sys.stdout
+    try:
+        summary = session.tune(
+            recipe,
+            n_trials=args.n_trials,
+            search_only=args.search_only,
+            on_trial=lambda event: _print(live, _trial_line(event)),
+            on_note=lambda note: _print(sys.stderr, note),
+        )
+    except RecomputeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.format == "json":
+        print(json.dumps(summary.to_dict(), indent=2, default=str))
+    else:
+        print(_final_report(summary))
+    return int(summary.exit_code)
+
+
+def _print(stream: TextIO, text: str) -> None:
+    print(text, file=stream, flush=True)
+
+
+def _trial_line(event: Any) -> str:
+    r = event.record
+    mb = f" mb {r.micro_batch}" if r.micro_batch is not None else ""
+    head = f"[{event.measured}/{event.n_trials}] trial {r.number:>3}  {r.short}{mb}"
+    if r.throughput is not None:
+        body = f"{_num(r.throughput)} {r.throughput_unit}  peak {_bytes(r.peak_bytes)}  {r.outcome}"
+    elif r.outcome in ("skipped", "duplicate"):
+        body = f"{r.outcome}: {r.reason}"
+    else:
+        body = f"{r.outcome}: {r.reason or ''}".rstrip(": ")
+    seed = f"  ({r.seed})" if r.seed else ""
+    best = event.best
+    best_text = f"best #{best.number} {best.short} {_num(best.throughput)}" if best is not None else "best: none feasible yet"
+    return f"{head}  {body}{seed}  | {best_text}"
+
+
+def _final_report(s: Any) -> str:
+    lines = [
+        "",
+        f"study {s.study} on {s.device}: budget limit {_bytes(s.budget_bytes)}; search space {s.search_space}",
+        f"{len([r for r in s.records if r.measured])} trials measured ({s.trials_this_session} this session)",
+        "",
+    ]
+    ranked = s.ranked
+    base_by_number = {r.number: name for name, r in s.baselines.items()}
+    if ranked:
+        full = s.baselines.get("full")
+        ref = full.throughput if full is not None and full.throughput else None
+        unit = next((r.throughput_unit for r in ranked if r.throughput_unit), "")
+        header = f"{'rank':>4}  {'trial':>5}  {'policy':<{max(6, len(s.layer_names))}}  {'mb':>4}  " \
+                 f"{'throughput':>12}  {'peak':>11}  {'fits':>4}  {'vs full':>8}  seed"
+        lines += [f"ranked trials ({unit}):", header, "-" * len(header)]
+        shown = ranked[:10] + [r for r in ranked[10:] if r.number in base_by_number]
+        for i, r in enumerate(shown, 1):
+            rank = ranked.index(r) + 1
+            vs = f"{(r.throughput / ref - 1) * 100:+.1f}%" if ref and r.throughput else "-"
+            lines.append(
+                f"{rank:>4}  {r.number:>5}  {r.short:<{max(6, len(s.layer_names))}}  "
+                f"{'-' if r.micro_batch is None else r.micro_batch:>4}  {_num(r.throughput):>12}  "
+                f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {vs:>8}  {r.seed or ''}"
+            )
+        lines.append("")
+    if s.best is not None:
+        lines.append(f"best: trial {s.best.number} {s.best.short}  {_num(s.best.throughput)} {s.best.throughput_unit}, "
+                     f"peak {_bytes(s.best.peak_bytes)}")
+        for name, rec in s.baselines.items():
+            gain = s.gains.get(name)
+            if gain is not None:
+                note = "" if rec.feasible else " (baseline over budget)"
+                lines.append(f"  vs {name:<15} {rec.short}: {gain * 100:+.1f}%{note}")
+            else:
+                lines.append(f"  vs {name:<15} {rec.short}: not measured ({rec.outcome}{': ' + rec.reason if rec.reason else ''})")
+    lines.append("")
+    lines.append(f"decision: {s.status}")
+    lines += [f"  - {reason}" for reason in s.reasons]
+    for note in s.notes:
+        lines.append(f"  note: {note}")
+    if s.policy_path is not None:
+        verb = "written to" if s.status == "promoted" else "current policy in"
+        lines.append(f"policy {verb}: {s.policy_path}")
+    lines.append(f"browse in MLflow: {s.mlflow_command}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- other commands
+
+
+def _plan(recipe: Any, args: argparse.Namespace) -> int:
+    from tuner import session
+    from tuner.planner import format_front
+
+    try:
+        summary = session.plan(recipe, budget=args.budget, write=args.write)
+    except RecomputeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.format == "json":
+        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        return summary.exit_code
+    print(summary.profile.describe())
+    print()
+    print(f"predicted Pareto front ({len(summary.front)} policies; layers {', '.join(summary.layer_names)}):")
+    print(format_front(summary.front, budgets={"budget": summary.budget_bytes}))
+    print()
+    if summary.chosen is None:
+        print(f"no policy fits {_bytes(summary.budget_bytes)}: {summary.reason}")
+        return summary.exit_code
+    print(f"chosen for {_bytes(summary.budget_bytes)}: {summary.chosen.short()}")
+    print(summary.chosen.prediction.describe())
+    print()
+    print(summary.chosen.policy.to_yaml().rstrip())
+    if summary.written is not None:
+        print(f"\npolicy written to {summary.written}")
+    return summary.exit_code
+
+
+def _rollback(recipe: Any) -> int:
+    from tuner import session
+
+    try:
+        restored = session.rollback(recipe)
+    except RecomputeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"rolled back: the good policy is now run {restored.run_id} ({restored.fingerprint}); "
+          f"written to {recipe.output}")
+    print(restored.policy.to_yaml().rstrip())
+    return 0
+
+
+def _history(recipe: Any, args: argparse.Namespace) -> int:
+    from tuner import session
+
+    summary = session.history(recipe)
+    if args.format == "json":
+        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        return 0
+    if not summary.decisions:
+        print(f"experiment {summary.experiment}: no decisions yet")
+    for d in summary.decisions:
+        print(f"{d.seq:>3}  {d.at:%Y-%m-%d %H:%M:%S}  {d.kind:<8}  {d.fingerprint or '-':<16}  "
+              f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}")
+    if summary.current is not None:
+        c = summary.current
+        print(f"current good policy: run {c.run_id} ({c.fingerprint}), throughput {_num(c.throughput)}, "
+              f"peak {_bytes(c.peak_bytes)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
