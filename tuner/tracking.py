@@ -33,7 +33,7 @@ import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields, is_dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -940,14 +940,26 @@ class Tracker:
                 self._set_tags(previous, prev_tags)
             self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, new)
         except BaseException:
-            # A file that says B while MLflow says A is worse than either: put the file back.
-            if old_bytes is not None:
-                _write_atomic(out, old_bytes)
-            elif out.exists():
-                out.unlink()
-            if previous:
-                self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, previous)
-            self.client.set_terminated(decision_id, "FAILED")
+            # A file that says B while MLflow says A is worse than either: put the file back, and
+            # the record as far as the store still answers. Each undo is best effort (the store
+            # may be what failed); the original error is the one worth raising.
+            try:
+                if old_bytes is not None:
+                    _write_atomic(out, old_bytes)
+                elif out.exists():
+                    out.unlink()
+            finally:
+                with suppress(Exception):
+                    if previous:
+                        self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, previous)
+                with suppress(Exception):
+                    if new != previous:
+                        self.client.set_tag(new, GOOD, "false")
+                with suppress(Exception):
+                    if previous and previous != new:
+                        self.client.set_tag(previous, GOOD, "true")
+                with suppress(Exception):
+                    self.client.set_terminated(decision_id, "FAILED")
             raise
         self.client.set_terminated(decision_id, "FINISHED")
 

@@ -1,0 +1,317 @@
+"""tuner.gate + Tracker.promote/reject/rollback/history, with fake trial runners and a real MLflow store."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.mlflow_policy import load_good_policy
+from lightning_recompute.policy import RecomputePolicy
+from tuner import recipe as recipe_mod
+from tuner.gate import Candidate, GateSettings, decide, evaluate
+from tuner.tracking import Tracker, TrackingError
+from tuner.trial import NumericsResult, TrialResult
+
+LAYERS = ("blocks.0", "blocks.1")
+A = RecomputePolicy.uniform("full")
+B = RecomputePolicy.first_n(LAYERS, 1, "selective")
+C = RecomputePolicy.uniform("selective")
+LIMIT = 100 * 2**20
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    db = tmp_path_factory.mktemp("template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def uri(tmp_path: Path, empty_db: Path) -> str:
+    shutil.copy(empty_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def recipe(tmp_path: Path, uri: str) -> recipe_mod.Recipe:
+    return recipe_mod.from_dict(
+        {
+            "name": "gate",
+            "budget": "128MiB",
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}},
+            "trial": {"warmup_steps": 1, "measure_steps": 4, "timeout_s": 30},
+            "tracking": {"uri": uri, "experiment": "gate"},
+            "output": str(tmp_path / "out" / "policy.yaml"),
+        }
+    )
+
+
+class FakeTrials:
+    """`run_trial` stand-in: each policy has a fixed peak and throughput; every call is recorded."""
+
+    def __init__(self, speeds: dict[RecomputePolicy, float], peaks: dict[RecomputePolicy, int] | None = None,
+                 outcome: dict[RecomputePolicy, str] | None = None, short_by: int = 0) -> None:
+        self.speeds, self.peaks, self.outcome, self.short_by = speeds, peaks or {}, outcome or {}, short_by
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, recipe: Any, policy: RecomputePolicy, **kw: Any) -> TrialResult:
+        self.calls.append({"policy": policy, **kw})
+        outcome = self.outcome.get(policy, "ok")
+        if outcome not in ("ok", "over_budget"):
+            return TrialResult(outcome=outcome, error=f"injected {outcome}")  # type: ignore[arg-type]
+        peak = self.peaks.get(policy, 50 * 2**20)
+        if kw.get("budget_bytes") is not None and peak > kw["budget_bytes"]:
+            outcome = "over_budget"
+        thr = self.speeds[policy]
+        n = kw["measure_steps"] - self.short_by
+        return TrialResult(outcome=outcome, peak_bytes=peak, step_time_s=1 / thr, throughput=thr, tokens_per_s=thr,
+                           throughput_unit="tokens/s", step_times_s=(1 / thr,) * n, wall_s=1.0, device="cpu")
+
+    def who(self) -> list[str]:
+        names = {A: "A", B: "B", C: "C"}
+        return [names[c["policy"]] for c in self.calls]
+
+
+def numerics(equal: bool = True) -> Any:
+    calls: list[RecomputePolicy] = []
+
+    def check(recipe: Any, policy: RecomputePolicy, **kw: Any) -> NumericsResult:
+        calls.append(policy)
+        if equal:
+            return NumericsResult(True, 0.0, "loss and 12 gradients bitwise equal")
+        return NumericsResult(False, 3e-3, "grad of blocks.1.mlp.weight differs")
+
+    check.calls = calls  # type: ignore[attr-defined]
+    return check
+
+
+def gate(tracker: Tracker, policy: RecomputePolicy, recipe: recipe_mod.Recipe, trials: FakeTrials,
+         check: Any | None = None, **kw: Any):
+    return decide(tracker, Candidate(policy, layer_names=LAYERS), recipe=recipe, budget_bytes=LIMIT,
+                  run_trial=trials, check_numerics=check or numerics(), **kw)
+
+
+def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: recipe_mod.Recipe) -> None:
+    trials, check = FakeTrials({A: 100.0}), numerics()
+    tracker = Tracker(uri, "gate")
+    with tracker.session(recipe, study_name="s"):
+        d = decide(tracker, Candidate(A, micro_batch=8, layer_names=LAYERS), recipe=recipe, budget_bytes=LIMIT,
+                   run_trial=trials, check_numerics=check)
+    assert d.promoted and d.checks == {"confirmation": "passed", "numerics": "passed", "regression": "passed"}
+    # The confirmation measures 3x a trial's 4 steps, within the budget limit; no side-by-side without a good one.
+    assert [(c["measure_steps"], c["budget_bytes"], c["micro_batch"]) for c in trials.calls] == [(12, LIMIT, 8)]
+    assert check.calls == [A]
+    assert RecomputePolicy.load(recipe.output) == A
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("gate")
+    assert exp.tags["recompute.good_run_id"] == d.confirmation_run_id
+    good = client.get_run(d.confirmation_run_id)
+    assert good.data.tags["recompute.kind"] == "confirmation"
+    assert good.data.tags["recompute.good"] == "true"
+    assert good.data.params["micro_batch"] == "8"
+    assert [m.step for m in client.get_metric_history(good.info.run_id, "step_time_s")] == list(range(12))
+    decision = client.get_run(d.decision_run_id)
+    assert decision.info.status == "FINISHED"
+    assert decision.data.tags["recompute.kind"] == "decision"
+    assert decision.data.tags["recompute.decision"] == "promote"
+    assert decision.data.tags["recompute.new_good_run_id"] == d.confirmation_run_id
+    assert decision.data.tags["recompute.previous_good_run_id"] == ""
+    assert "numerics: loss and gradients equal" in decision.data.tags["recompute.reason"]
+    assert {f.path for f in client.list_artifacts(d.decision_run_id)} == {"policy.yaml", "evidence.json"}
+
+    current = tracker.current_good()
+    assert current is not None and current.policy == A and current.micro_batch == 8
+    assert current.throughput == 100.0 and current.peak_bytes == 50 * 2**20
+    assert load_good_policy("gate", uri) == A  # what RecomputeCallback(policy="mlflow:gate") reads
+
+
+def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_one(
+    uri: str, recipe: recipe_mod.Recipe
+) -> None:
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    trials = FakeTrials({A: 100.0, B: 120.0})
+    d = gate(tracker, B, recipe, trials)
+    assert d.promoted, d.reasons
+    # confirmation, then candidate/good interleaved ABBA over 2 rounds at a trial's length.
+    assert trials.who() == ["B", "B", "A", "A", "B"]
+    assert [c["measure_steps"] for c in trials.calls] == [12, 4, 4, 4, 4]
+    assert d.evidence["regression"]["candidate_median"] == 120.0
+    assert d.evidence["regression"]["good_median"] == 100.0
+    assert RecomputePolicy.load(recipe.output) == B
+    assert load_good_policy("gate", uri) == B
+
+
+@pytest.mark.parametrize(
+    ("trials", "check", "failed", "reason"),
+    [
+        (FakeTrials({A: 100.0, B: 150.0}), numerics(equal=False), "numerics", "numerics differ from no recompute"),
+        (FakeTrials({A: 100.0, B: 150.0}, peaks={B: LIMIT + 1}), numerics(), "confirmation", "over the budget limit"),
+        (FakeTrials({A: 100.0, B: 150.0}, outcome={B: "oom"}), numerics(), "confirmation", "ended oom: injected oom"),
+        (FakeTrials({A: 100.0, B: 150.0}, short_by=1), numerics(), "confirmation", "measured 11 steps; the gate needs 12"),
+        (FakeTrials({A: 100.0, B: 97.0}), numerics(), "regression", "slower than the current good policy"),
+    ],
+    ids=["numerics-unequal", "over-budget", "oom", "too-few-steps", "slower"],
+)
+def test_a_failing_candidate_keeps_the_last_good_policy_and_its_file(
+    uri: str, recipe: recipe_mod.Recipe, trials: FakeTrials, check: Any, failed: str, reason: str
+) -> None:
+    tracker = Tracker(uri, "gate")
+    first = gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    before = Path(recipe.output).read_bytes()
+    mtime = Path(recipe.output).stat().st_mtime_ns
+
+    d = gate(tracker, B, recipe, trials, check)
+    assert not d.promoted
+    assert d.checks[failed] == "failed"
+    assert d.reasons[0].startswith(f"{failed}: ") and reason in d.reasons[0]
+    later = {"confirmation": ("numerics", "regression"), "numerics": ("regression",), "regression": ()}[failed]
+    assert all(d.checks[c] == "not run" for c in later)
+
+    assert Path(recipe.output).read_bytes() == before and Path(recipe.output).stat().st_mtime_ns == mtime
+    assert tracker.current_good().run_id == first.confirmation_run_id
+    assert load_good_policy("gate", uri) == A
+    last = tracker.history()[-1]
+    assert (last.kind, last.run_id, last.fingerprint) == ("reject", d.decision_run_id, B.fingerprint())
+    assert reason in last.reason
+    assert last.previous_good_run_id == last.new_good_run_id == first.confirmation_run_id
+    rejected = MlflowClient(tracking_uri=uri).get_run(d.confirmation_run_id)
+    assert rejected.data.tags["recompute.rejected"] == "true"
+    assert rejected.data.tags.get("recompute.good") is None
+
+
+def test_noise_within_the_tolerance_is_not_a_regression(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    assert gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 98.5})).promoted  # 1.5% slower < 2%
+    strict = gate(tracker, C, recipe, FakeTrials({B: 98.5, C: 98.0}), settings=GateSettings(tolerance=0.0))
+    assert not strict.promoted and "0% noise tolerance" in strict.reasons[0]
+
+
+def test_a_good_policy_that_no_longer_runs_does_not_block_a_working_candidate(
+    uri: str, recipe: recipe_mod.Recipe
+) -> None:
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    d = gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 80.0}, outcome={A: "error"}))
+    assert d.promoted
+    assert "current good policy failed to run (error, error)" in d.reason
+
+
+def test_the_current_good_policy_as_candidate_changes_nothing(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    trials = FakeTrials({A: 100.0})
+    d = gate(tracker, A, recipe, trials)
+    assert d.unchanged and not d.promoted and trials.calls == []
+    assert [h.kind for h in tracker.history()] == ["promote"]
+
+
+def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    a = gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    b = gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 120.0}))
+    assert load_good_policy("gate", uri) == B
+
+    restored = tracker.rollback(output_path=recipe.output)
+    assert restored.run_id == a.confirmation_run_id and restored.policy == A
+    assert RecomputePolicy.load(recipe.output) == A
+    assert tracker.current_good().run_id == a.confirmation_run_id
+    assert load_good_policy("gate", uri) == A
+
+    history = tracker.history()
+    assert [h.kind for h in history] == ["promote", "promote", "rollback"]
+    assert [h.seq for h in history] == [1, 2, 3]
+    assert [h.new_good_run_id for h in history] == [a.confirmation_run_id, b.confirmation_run_id, a.confirmation_run_id]
+    assert history[2].previous_good_run_id == b.confirmation_run_id
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(b.confirmation_run_id).data.tags["recompute.rolled_back"] == "true"
+    assert client.get_run(b.confirmation_run_id).data.tags["recompute.good"] == "false"
+    assert client.get_run(a.confirmation_run_id).data.tags["recompute.good"] == "true"
+
+    # A second rollback would go before the first promotion: there is nothing there.
+    with pytest.raises(TrackingError, match="nothing to roll back to; it has only the first good policy"):
+        tracker.rollback(output_path=recipe.output)
+    assert RecomputePolicy.load(recipe.output) == A
+    # Rollbacks stack with later promotions: promote C, rollback -> A again.
+    gate(tracker, C, recipe, FakeTrials({A: 100.0, C: 130.0}))
+    assert tracker.rollback(output_path=recipe.output).policy == A
+    assert [h.kind for h in tracker.history()] == ["promote", "promote", "rollback", "promote", "rollback"]
+
+
+def test_rollback_with_nothing_to_roll_back_to(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    with pytest.raises(TrackingError, match="nothing to roll back to; it has no good policy at all") as info:
+        tracker.rollback(output_path=recipe.output)
+    assert isinstance(info.value, RecomputeError)
+    assert not Path(recipe.output).exists()
+    assert tracker.history() == []
+
+
+def test_rollback_refuses_a_hand_edited_record(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 120.0}))
+    stray = MlflowClient(tracking_uri=uri).create_run(tracker.experiment_id).info.run_id
+    MlflowClient(tracking_uri=uri).set_experiment_tag(tracker.experiment_id, "recompute.good_run_id", stray)
+    with pytest.raises(TrackingError, match="changed outside the tuner"):
+        tracker.rollback(output_path=recipe.output)
+
+
+def test_promoting_a_policy_with_a_run_that_measured_another_one_is_refused(
+    uri: str, recipe: recipe_mod.Recipe, tmp_path: Path
+) -> None:
+    tracker = Tracker(uri, "gate")
+    with tracker.session(recipe, study_name="s"):
+        run_a = tracker.log_trial(0, A, LAYERS, None, TrialResult(outcome="ok", throughput=1.0))
+    with pytest.raises(TrackingError, match="not the promoted"):
+        tracker.promote(B, source_run_id=run_a, output_path=tmp_path / "p.yaml", reason="r", evidence={})
+    assert not (tmp_path / "p.yaml").exists()
+    assert tracker.current_good() is None
+    # Without a source run, the decision run itself holds the policy and becomes the good run.
+    decision = tracker.promote(B, source_run_id=None, output_path=tmp_path / "p.yaml", reason="by hand", evidence={})
+    assert tracker.current_good().run_id == decision
+    assert load_good_policy("gate", uri) == B
+
+
+def test_a_failed_record_puts_the_old_file_back(uri: str, recipe: recipe_mod.Recipe, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker = Tracker(uri, "gate")
+    out = tmp_path / "p.yaml"
+    tracker.promote(A, source_run_id=None, output_path=out, reason="first", evidence={})
+    before = out.read_bytes()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("tracking server went away")
+
+    monkeypatch.setattr(tracker.client, "set_experiment_tag", broken)
+    with pytest.raises(RuntimeError, match="went away"):
+        tracker.promote(B, source_run_id=None, output_path=out, reason="second", evidence={})
+    monkeypatch.undo()
+    assert out.read_bytes() == before
+    assert load_good_policy("gate", uri) == A
+    assert [h.kind for h in tracker.history()] == ["promote"]  # the failed decision run is not history
+    client = MlflowClient(tracking_uri=uri)
+    failed = client.search_runs([tracker.experiment_id], filter_string="tags.`recompute.decision` = 'promote'")
+    assert sorted(r.info.status for r in failed) == ["FAILED", "FINISHED"]
+
+
+def test_gate_settings_are_validated() -> None:
+    with pytest.raises(RecomputeError, match="confirm_factor"):
+        GateSettings(confirm_factor=2)
+    with pytest.raises(RecomputeError, match="rounds"):
+        GateSettings(rounds=0)
+    with pytest.raises(RecomputeError, match="tolerance"):
+        GateSettings(tolerance=-0.1)
+
+
+def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:
+    d = evaluate(A, None, recipe=recipe, budget_bytes=None, run_trial=FakeTrials({A: 1.0}), check_numerics=numerics())
+    assert d.promoted and d.evidence["regression"] == {"skipped": "no current good policy to compare against"}
+    assert not Path(recipe.output).exists()

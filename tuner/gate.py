@@ -1,0 +1,324 @@
+"""The evidence gate: a search winner becomes the good policy only after it proves itself again.
+
+A short trial can win by luck (a quiet moment on a shared host, a peak that the next allocator
+state exceeds) and a policy can be subtly wrong (a recomputation that changes numerics). Before
+the output policy file changes, the candidate must pass three checks, in this order (cheapest
+verdict first; the first failure ends the gate, and later checks are reported as not run):
+
+1. **confirmation**: one run at least `GateSettings.confirm_factor` (3) times as many measured
+   steps as a search trial, which must end ``ok`` and peak under the budget limit (the budget
+   less its margin);
+2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute;
+3. **regression**: candidate and current good policy re-measured side by side, interleaved
+   (``C G G C`` for two rounds, so a drift in the machine's speed hits both equally); the
+   candidate's median throughput must reach the good policy's median less a noise tolerance
+   (2% by default: run-to-run noise of short CPU and GPU trials, not a real regression).
+
+`evaluate` decides; `decide` also records the confirmation run and the promotion or rejection
+through a `tuner.tracking.Tracker`. The trial runner and numerics checker are injectable so the
+gate can be tested without subprocesses; by default they are `tuner.trial.run_trial` and
+`tuner.trial.check_numerics`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import RecomputePolicy
+from tuner.tracking import format_bytes, jsonable
+
+if TYPE_CHECKING:
+    from tuner.tracking import GoodPolicy, Tracker
+
+__all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate"]
+
+RunTrial = Callable[..., Any]
+"""``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes) -> TrialResult``."""
+CheckNumerics = Callable[..., Any]
+"""``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The policy the search proposes for promotion."""
+
+    policy: RecomputePolicy
+    """The policy to promote."""
+    micro_batch: int | None = None
+    """The micro-batch it won with (``None``: the data module's own)."""
+    source_run_id: str | None = None
+    """The MLflow trial run it won in, if any."""
+    layer_names: tuple[str, ...] | None = None
+    """The model's layers, for per-layer params of the confirmation run (``None``: the policy's patterns)."""
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """How much evidence the gate asks for."""
+
+    confirm_factor: int = 3
+    """The confirmation run measures this many times a trial's ``measure_steps`` (at least 3)."""
+    rounds: int = 2
+    """Side-by-side rounds; each runs the candidate and the current good policy once."""
+    tolerance: float = 0.02
+    """The candidate passes when its median throughput >= good median * (1 - tolerance)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.confirm_factor, int) or self.confirm_factor < 3:
+            raise RecomputeError(f"gate.confirm_factor: {self.confirm_factor!r}; valid: an integer >= 3")
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise RecomputeError(f"gate.rounds: {self.rounds!r}; valid: an integer >= 1")
+        if not 0.0 <= self.tolerance < 0.5:
+            raise RecomputeError(f"gate.tolerance: {self.tolerance!r}; valid: a fraction in [0, 0.5)")
+
+
+@dataclass
+class GateDecision:
+    """What the gate concluded, and on what evidence."""
+
+    promoted: bool
+    """Whether the candidate passed every check."""
+    reasons: list[str]
+    """When promoted: one line per passed check. Otherwise: why it failed (first the failed check)."""
+    evidence: dict[str, Any]
+    """Everything measured, JSON-ready: ``confirmation``, ``numerics``, ``regression``, ``settings``."""
+    unchanged: bool = False
+    """The candidate is already the current good policy: nothing was run, nothing is to be recorded."""
+    confirmation: Any = None
+    """The confirmation run's `TrialResult` (``None`` when the gate did not get that far)."""
+    decision_run_id: str | None = None
+    """The MLflow decision run (`decide` fills it in)."""
+    confirmation_run_id: str | None = None
+    """The MLflow confirmation run (`decide` fills it in)."""
+    checks: dict[str, str] = field(default_factory=dict)
+    """Check name -> ``passed`` / ``failed`` / ``not run``."""
+
+    @property
+    def reason(self) -> str:
+        """The reasons as one line."""
+        return "; ".join(self.reasons)
+
+
+def evaluate(
+    candidate: Candidate | RecomputePolicy,
+    current_good: GoodPolicy | None,
+    *,
+    recipe: Any,
+    budget_bytes: int | None,
+    run_trial: RunTrial | None = None,
+    check_numerics: CheckNumerics | None = None,
+    settings: GateSettings | None = None,
+) -> GateDecision:
+    """Run the three checks on ``candidate`` against ``current_good``; touches no file and no record.
+
+    Args:
+        candidate: the proposed policy (a bare policy means the data module's micro-batch).
+        current_good: the good policy now (`Tracker.current_good`), or ``None`` before the first.
+        recipe: the recipe (its ``trial`` settings give the trial length and timeout).
+        budget_bytes: the memory limit after the margin (``recipe.budget.limit_bytes(...)``);
+            ``None`` checks no budget.
+        run_trial: the trial runner; default `tuner.trial.run_trial`.
+        check_numerics: the numerics checker; default `tuner.trial.check_numerics`.
+        settings: `GateSettings` (defaults: 3x steps, 2 rounds, 2% tolerance).
+    """
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    if not isinstance(cand.policy, RecomputePolicy):
+        raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
+    cfg = settings or GateSettings()
+    if run_trial is None or check_numerics is None:
+        # Imported late: tuner.trial spawns subprocesses and imports the recipe machinery, which
+        # callers injecting their own runners (tests, other schedulers) do not need.
+        from tuner import trial as _trial
+
+        run_trial = run_trial or _trial.run_trial
+        check_numerics = check_numerics or _trial.check_numerics
+
+    warmup = int(recipe.trial.warmup_steps)
+    steps = int(recipe.trial.measure_steps)
+    timeout = float(recipe.trial.timeout_s)
+    evidence: dict[str, Any] = {
+        "candidate": {"fingerprint": cand.policy.fingerprint(), "micro_batch": cand.micro_batch,
+                      "source_run_id": cand.source_run_id, "policy": cand.policy.to_dict()},
+        "current_good": None if current_good is None else {
+            "run_id": current_good.run_id, "fingerprint": current_good.fingerprint,
+            "micro_batch": current_good.micro_batch, "throughput": current_good.throughput,
+        },
+        "budget_bytes": budget_bytes,
+        "settings": {"confirm_factor": cfg.confirm_factor, "rounds": cfg.rounds, "tolerance": cfg.tolerance},
+    }
+    decision = GateDecision(promoted=False, reasons=[], evidence=evidence,
+                            checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"})
+
+    if current_good is not None and current_good.fingerprint == cand.policy.fingerprint() \
+            and current_good.micro_batch == cand.micro_batch:
+        decision.unchanged = True
+        decision.reasons.append(f"the candidate is already the current good policy (run {current_good.run_id})")
+        return decision
+
+    # 1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows.
+    want = cfg.confirm_factor * steps
+    conf = run_trial(recipe, cand.policy, micro_batch=cand.micro_batch, warmup_steps=warmup, measure_steps=want,
+                     timeout_s=timeout * cfg.confirm_factor, budget_bytes=budget_bytes)
+    decision.confirmation = conf
+    evidence["confirmation"] = _as_dict(conf)
+    got = len(getattr(conf, "step_times_s", ()) or ())
+    failure = None
+    if conf.outcome != "ok":
+        failure = f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if getattr(conf, "error", None) else "")
+        if conf.outcome == "over_budget":
+            failure = f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
+    elif budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
+        failure = (f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
+                   if conf.peak_bytes is not None else "confirmation run reported no peak memory to check the budget")
+    elif got < want:
+        failure = f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x {steps})"
+    if failure:
+        return _fail(decision, "confirmation", failure)
+    decision.checks["confirmation"] = "passed"
+    decision.reasons.append(
+        f"confirmation: {got} measured steps ({cfg.confirm_factor}x a trial), ok, peak {format_bytes(conf.peak_bytes)}"
+        + (f" <= limit {format_bytes(budget_bytes)}" if budget_bytes is not None else "")
+    )
+
+    # 2. Numerics: a recomputation that changes gradients is a bug, however fast.
+    num = check_numerics(recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=timeout)
+    evidence["numerics"] = _as_dict(num)
+    if not num.equal:
+        return _fail(decision, "numerics",
+                     f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}")
+    decision.checks["numerics"] = "passed"
+    decision.reasons.append(f"numerics: loss and gradients equal to no recompute ({num.detail})")
+
+    # 3. Regression: never trade the good policy for a slower one.
+    if current_good is None:
+        decision.checks["regression"] = "passed"
+        evidence["regression"] = {"skipped": "no current good policy to compare against"}
+        decision.reasons.append("regression: no current good policy to compare against")
+    else:
+        failure = _side_by_side(decision, cand, current_good, recipe=recipe, budget_bytes=budget_bytes,
+                                run_trial=run_trial, settings=cfg, warmup=warmup, steps=steps, timeout=timeout)
+        if failure:
+            return _fail(decision, "regression", failure)
+    decision.promoted = True
+    return decision
+
+
+def decide(
+    tracker: Tracker,
+    candidate: Candidate | RecomputePolicy,
+    *,
+    recipe: Any,
+    budget_bytes: int | None,
+    output_path: str | Path | None = None,
+    run_trial: RunTrial | None = None,
+    check_numerics: CheckNumerics | None = None,
+    settings: GateSettings | None = None,
+) -> GateDecision:
+    """`evaluate` against the tracker's current good policy, then record the outcome.
+
+    The confirmation run is logged (it becomes the good run on promotion, since it holds the
+    longest measurement of the policy). A pass promotes: ``output_path`` (default
+    ``recipe.output``) is written atomically and the experiment's good run moves. A failure is
+    recorded as a rejection with its reason, and the file is not touched. An unchanged candidate
+    records nothing.
+    """
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    decision = evaluate(cand, tracker.current_good(), recipe=recipe, budget_bytes=budget_bytes,
+                        run_trial=run_trial, check_numerics=check_numerics, settings=settings)
+    if decision.unchanged:
+        return decision
+    source = cand.source_run_id
+    if decision.confirmation is not None:
+        source = tracker.log_confirmation(cand.policy, cand.layer_names, cand.micro_batch, decision.confirmation,
+                                          source_run_id=cand.source_run_id, evidence=decision.evidence)
+        decision.confirmation_run_id = source
+    if decision.promoted:
+        out = Path(output_path) if output_path is not None else Path(recipe.output)
+        decision.decision_run_id = tracker.promote(cand.policy, source_run_id=source, output_path=out,
+                                                   reason=decision.reason, evidence=decision.evidence)
+    else:
+        decision.decision_run_id = tracker.reject(cand.policy, source_run_id=source, reason=decision.reason,
+                                                  evidence=decision.evidence)
+    return decision
+
+
+def _side_by_side(
+    decision: GateDecision,
+    cand: Candidate,
+    good: GoodPolicy,
+    *,
+    recipe: Any,
+    budget_bytes: int | None,
+    run_trial: RunTrial,
+    settings: GateSettings,
+    warmup: int,
+    steps: int,
+    timeout: float,
+) -> str | None:
+    """Interleaved re-measurement; a failure reason, or ``None`` (and a pass line in ``decision``)."""
+    runs: list[dict[str, Any]] = []
+    cand_thr: list[float] = []
+    good_thr: list[float] = []
+    good_failed: list[str] = []
+    for i in range(settings.rounds):
+        # ABBA order: whatever drifts over the gate's minutes (thermals, a neighbour's job) lands
+        # on both sides alike instead of always on the second.
+        order = ("candidate", "good") if i % 2 == 0 else ("good", "candidate")
+        for who in order:
+            if who == "candidate":
+                res = run_trial(recipe, cand.policy, micro_batch=cand.micro_batch, warmup_steps=warmup,
+                                measure_steps=steps, timeout_s=timeout, budget_bytes=budget_bytes)
+            else:
+                # The good policy's budget was checked when it was promoted; here only its speed counts.
+                res = run_trial(recipe, good.policy, micro_batch=good.micro_batch, warmup_steps=warmup,
+                                measure_steps=steps, timeout_s=timeout, budget_bytes=None)
+            runs.append({"round": i, "who": who, **_as_dict(res)})
+            if who == "candidate":
+                if res.outcome != "ok" or res.throughput is None:
+                    decision.evidence["regression"] = {"runs": runs}
+                    return f"side-by-side run {i + 1} of the candidate ended {res.outcome}" + (
+                        f": {res.error}" if getattr(res, "error", None) else "")
+                cand_thr.append(float(res.throughput))
+            elif res.outcome == "ok" and res.throughput is not None:
+                good_thr.append(float(res.throughput))
+            else:
+                good_failed.append(str(res.outcome))
+    cand_med = statistics.median(cand_thr)
+    unit = getattr(decision.confirmation, "throughput_unit", "") or ""
+    ev: dict[str, Any] = {"runs": runs, "candidate_median": cand_med, "tolerance": settings.tolerance}
+    decision.evidence["regression"] = ev
+    if not good_thr:
+        # The good policy no longer runs here (a changed model or machine); nothing to be slower than.
+        ev["good_median"] = None
+        decision.checks["regression"] = "passed"
+        decision.reasons.append(f"regression: the current good policy failed to run ({', '.join(good_failed)}); "
+                                f"candidate median {cand_med:.4g} {unit}")
+        return None
+    good_med = statistics.median(good_thr)
+    ratio = cand_med / good_med if good_med > 0 else float("inf")
+    ev.update({"good_median": good_med, "ratio": ratio})
+    floor = good_med * (1.0 - settings.tolerance)
+    line = (f"candidate median {cand_med:.4g} vs current good {good_med:.4g} {unit} "
+            f"(ratio {ratio:.3f}, {settings.rounds} interleaved rounds, {settings.tolerance:.0%} noise tolerance)")
+    if cand_med < floor:
+        return f"slower than the current good policy (run {good.run_id}): {line}"
+    decision.checks["regression"] = "passed"
+    decision.reasons.append(f"regression: not slower: {line}")
+    return None
+
+
+def _fail(decision: GateDecision, check: str, reason: str) -> GateDecision:
+    decision.checks[check] = "failed"
+    decision.reasons = [f"{check}: {reason}", *decision.reasons]
+    decision.promoted = False
+    return decision
+
+
+def _as_dict(result: Any) -> dict[str, Any]:
+    d = jsonable(result)
+    return d if isinstance(d, dict) else {"value": d}
