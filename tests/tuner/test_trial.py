@@ -1,0 +1,221 @@
+"""Trials in subprocesses: measured on the reference model; OOM, crashes and hangs classified; numerics checked.
+
+Every trial here is a real subprocess running a real Lightning Trainer on a tiny model (2 layers,
+width 32, 32 tokens, 1 warm-up + 2 measured steps); the failures come from `tests.tuner.faulty`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_recompute import RecomputePolicy
+from tuner import recipe as R
+from tuner.trial import NumericsResult, TrialResult, check_numerics, device_info, run_trial, summarize_steps
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
+BATCH = 4
+
+
+def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, timeout_s: float = 60, **init_args: Any) -> R.Recipe:
+    return R.from_dict(
+        {
+            "budget": "1GiB",
+            "model": {"class_path": model, "init_args": {**TINY, **init_args}},
+            "data": {"init_args": {"batch_size": BATCH, "num_batches": 4}},
+            "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": timeout_s, "env": {"OMP_NUM_THREADS": 1}},
+        },
+        source=tmp_path / "recipe.yaml",
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has already died
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+
+HANG_TIMEOUT_S = 20.0  # the worker needs ~5 s to import torch and Lightning, more with neighbours
+
+
+@dataclass
+class _Timed:
+    result: Any
+    elapsed_s: float
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> _Timed:
+    start = time.monotonic()
+    return _Timed(fn(*args, **kwargs), time.monotonic() - start)
+
+
+def _ok_then_over_budget(folder: Path) -> tuple[TrialResult, TrialResult]:
+    recipe = _recipe(folder)
+    full = run_trial(recipe, RecomputePolicy.uniform("full"))
+    # A budget one byte above full's peak: keeping everything cannot fit.
+    budget = (full.peak_bytes or 0) + 1
+    return full, run_trial(recipe, RecomputePolicy.uniform("none"), budget_bytes=budget)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Timed]:
+    """Every subprocess this file needs, run side by side.
+
+    Trials are independent processes with their own temporary folders, so the parent can run
+    them concurrently (as several search workers do); this keeps the file's wall time near that
+    of the longest one, the hang.
+    """
+    folder = tmp_path_factory.mktemp("trials")
+    faulty = "tests.tuner.faulty."
+    jobs: dict[str, tuple[Any, ...]] = {
+        "hang": (run_trial, _recipe(folder, faulty + "Hangs", timeout_s=HANG_TIMEOUT_S, pid_file=str(folder / "pids")), RecomputePolicy.uniform("full")),
+        "measured": (_ok_then_over_budget, folder),
+        "RaisesOOM": (run_trial, _recipe(folder, faulty + "RaisesOOM"), RecomputePolicy.uniform("full")),
+        "AllocatesTooMuch": (run_trial, _recipe(folder, faulty + "AllocatesTooMuch"), RecomputePolicy.uniform("full")),
+        "RaisesError": (run_trial, _recipe(folder, faulty + "RaisesError"), RecomputePolicy.uniform("none")),
+        "Aborts": (run_trial, _recipe(folder, faulty + "Aborts"), RecomputePolicy.uniform("none")),
+        "numerics_equal": (
+            check_numerics, _recipe(folder, dropout=0.2), RecomputePolicy.from_modes({"blocks.0": "selective", "blocks.1": "full"})
+        ),
+        "numerics_differ": (check_numerics, _recipe(folder, faulty + "CountsCalls"), RecomputePolicy.uniform("full")),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        # The worker imports class_path modules from its working directory (LightningCLI's
+        # convention), so `tests.tuner.faulty` must be importable from there.
+        mp.chdir(REPO)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = {name: pool.submit(_timed, *job) for name, job in jobs.items()}
+            out = {name: f.result() for name, f in futures.items()}
+    out["pid_file"] = _Timed(folder / "pids", 0.0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- measured
+
+
+def test_summarize_steps_excludes_warmup_from_time_but_not_from_memory() -> None:
+    steps = [
+        {"seconds": 9.0, "peak_bytes": 500, "samples": 4, "tokens": 128},  # warm-up: slow, and the highest peak
+        {"seconds": 1.0, "peak_bytes": 300, "samples": 4, "tokens": 128},
+        {"seconds": 3.0, "peak_bytes": 300, "samples": 4, "tokens": 128},
+        {"seconds": 2.0, "peak_bytes": 300, "samples": 4, "tokens": 128},
+    ]
+    s = summarize_steps(steps, warmup_steps=1)
+    assert s["step_time_s"] == 2.0
+    assert s["step_times_s"] == (1.0, 3.0, 2.0)
+    assert s["peak_bytes"] == 500
+    assert (s["samples_per_s"], s["tokens_per_s"], s["throughput"], s["throughput_unit"]) == (2.0, 64.0, 64.0, "tokens/s")
+    untokenised = [{**st, "tokens": None} for st in steps]
+    s = summarize_steps(untokenised, warmup_steps=1)
+    assert (s["tokens_per_s"], s["throughput"], s["throughput_unit"]) == (None, 2.0, "samples/s")
+    with pytest.raises(ValueError, match="none after 4 warm-up"):
+        summarize_steps(steps, warmup_steps=4)
+
+
+def test_reference_model_trials_measure_and_full_recompute_peaks_lower(runs: dict[str, _Timed]) -> None:
+    full, none = runs["measured"].result
+    assert full.outcome == "ok", full.stderr_tail
+    assert full.error is None and full.device == "cpu" and full.device_total_bytes is None
+    assert full.peak_bytes is not None and full.peak_bytes > 0
+    assert len(full.step_times_s) == 2 and all(t > 0 for t in full.step_times_s)
+    assert full.step_time_s == pytest.approx(sum(full.step_times_s) / 2)  # the median of two
+    assert full.throughput_unit == "tokens/s"
+    assert full.tokens_per_s == pytest.approx(BATCH * TINY["seq_len"] / full.step_time_s)
+    assert full.samples_per_s == pytest.approx(BATCH / full.step_time_s)
+    assert full.throughput == full.tokens_per_s
+    assert full.wall_s > full.step_time_s * 2
+
+    # Over the budget is reported so, with its measurements.
+    assert none.outcome == "over_budget", none.stderr_tail
+    assert none.peak_bytes is not None and none.peak_bytes > full.peak_bytes
+    assert none.throughput is not None and len(none.step_times_s) == 2
+    assert str(full.peak_bytes + 1) in (none.error or "")
+    assert TrialResult.from_dict(none.to_dict()) == none
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("RaisesOOM", "OutOfMemoryError: CUDA out of memory"),
+        ("AllocatesTooMuch", "DefaultCPUAllocator: can't allocate memory"),
+    ],
+)
+def test_out_of_memory_is_oom(runs: dict[str, _Timed], model: str, message: str) -> None:
+    result = runs[model].result
+    assert result.outcome == "oom"
+    assert message in (result.error or "")
+    assert result.stderr_tail and "faulty.py" in result.stderr_tail  # the traceback, down to the raise
+    assert result.peak_bytes is None and result.throughput is None
+
+
+@pytest.mark.parametrize(
+    ("model", "message", "in_tail"),
+    [
+        ("RaisesError", "RuntimeError: injected failure", "faulty.py"),
+        ("Aborts", "killed by SIGABRT: Fatal Python error: Aborted at File", "Aborts: about to abort()"),
+    ],
+)
+def test_crashes_are_errors_with_the_output_tail(runs: dict[str, _Timed], model: str, message: str, in_tail: str) -> None:
+    result = runs[model].result
+    assert result.outcome == "error"
+    assert message in (result.error or ""), result.error
+    assert result.stderr_tail and in_tail in result.stderr_tail
+    assert "training_step" in result.stderr_tail  # where it failed
+
+
+def test_hang_is_killed_with_its_children_at_the_timeout(runs: dict[str, _Timed]) -> None:
+    result, elapsed = runs["hang"].result, runs["hang"].elapsed_s
+    assert result.outcome == "timeout"
+    assert HANG_TIMEOUT_S <= elapsed < HANG_TIMEOUT_S + 5
+    assert f"{HANG_TIMEOUT_S:g} s" in (result.error or "")
+    # The worker dumped its stacks just before the deadline: the tail says where it hung.
+    assert result.stderr_tail and "in training_step" in result.stderr_tail
+    worker_pid, child_pid = (int(p) for p in runs["pid_file"].result.read_text().split())
+    deadline = time.monotonic() + 5
+    while (_alive(worker_pid) or _alive(child_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker_pid) and not _alive(child_pid)
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+
+
+def test_numerics_equal_under_full_and_selective(runs: dict[str, _Timed]) -> None:
+    result = runs["numerics_equal"].result
+    assert result == NumericsResult(equal=True, max_abs_diff=0.0, detail=result.detail)
+    assert "bitwise equal" in result.detail
+
+
+def test_numerics_catch_a_layer_that_recomputes_differently(runs: dict[str, _Timed]) -> None:
+    result = runs["numerics_differ"].result
+    assert not result.equal
+    assert 0 < result.max_abs_diff < float("inf")
+    assert "gradients differ" in result.detail
+
+
+# ---------------------------------------------------------------------------------------------- small parts
+
+
+def test_device_info_on_cpu_needs_no_subprocess(tmp_path: Path) -> None:
+    assert device_info(_recipe(tmp_path)) == ("cpu", None)
+
+
+def test_trial_result_round_trip_and_skipped() -> None:
+    skipped = TrialResult.skipped("predicted 3.1 GiB, budget 2 GiB", device="cpu")
+    assert skipped.outcome == "skipped" and not skipped.measured
+    assert TrialResult.from_dict(skipped.to_dict()) == skipped
+    with pytest.raises(Exception, match="outcome 'fine'"):
+        TrialResult.from_dict({**skipped.to_dict(), "outcome": "fine"})
