@@ -1026,8 +1026,17 @@ def _csv(rows: Sequence[Mapping[str, Any]]) -> str:
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
+        writer.writerow({k: _cell(r.get(k)) for k in columns})
     return buf.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    # Nested values (a policy mapping) as JSON, so a spreadsheet cell can be parsed back.
+    if value is None:
+        return ""
+    if isinstance(value, (Mapping, list, tuple)):
+        return json.dumps(jsonable(value), separators=(",", ":"))
+    return value
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -315,3 +315,34 @@ def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:
     d = evaluate(A, None, recipe=recipe, budget_bytes=None, run_trial=FakeTrials({A: 1.0}), check_numerics=numerics())
     assert d.promoted and d.evidence["regression"] == {"skipped": "no current good policy to compare against"}
     assert not Path(recipe.output).exists()
+
+
+def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path) -> None:
+    """End to end with tuner.trial's real subprocess runner and numerics check (the gate's defaults)."""
+    from lightning_recompute.layers import layer_names
+
+    tiny = recipe_mod.from_dict(
+        {
+            "name": "real",
+            "budget": "256MiB",
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}},
+            "trial": {"warmup_steps": 0, "measure_steps": 1, "timeout_s": 120},
+            "tracking": {"uri": uri, "experiment": "real"},
+            "output": str(tmp_path / "policy.yaml"),
+        }
+    )
+    names = tuple(layer_names(recipe_mod.build_model(tiny)))
+    policy = RecomputePolicy.first_n(names, 1, "full")
+    limit = tiny.budget.limit_bytes(None)
+    with Tracker(uri, "real") as tracker:
+        tracker.start_session(tiny, study_name="real-cpu")
+        d = decide(tracker, Candidate(policy, layer_names=names), recipe=tiny, budget_bytes=limit)
+    assert d.promoted, d.reasons
+    assert d.evidence["numerics"]["equal"] is True
+    assert RecomputePolicy.load(tiny.output) == policy
+    assert load_good_policy("real", uri) == policy
+    run = MlflowClient(tracking_uri=uri).get_run(d.confirmation_run_id)
+    assert run.data.tags["recompute.outcome"] == "ok"
+    assert 0 < run.data.metrics["measured_peak_bytes"] <= limit
+    assert len(MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "step_time_s")) == 3
+    assert run.data.params[f"layer.{names[0]}"] == "full" and run.data.params[f"layer.{names[1]}"] == "none"
