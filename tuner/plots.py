@@ -74,8 +74,8 @@ def pareto_plot(
 
     Args:
         trials: trials-table rows; a row is drawn when it has ``peak_bytes`` and ``throughput``
-            (``measured_peak_bytes`` / ``measured_throughput`` are read too). ``outcome`` picks the
-            marker (ok, over budget); ``number`` labels the front's points.
+            (``measured_peak_bytes`` / ``measured_throughput`` are read too) and no ``duplicate_of``.
+            ``outcome`` picks the marker (ok, over budget); ``number`` labels the front's points.
         path: the PNG to write (folders are created).
         baselines: name -> row of the same shape (``none``, ``full``...); each is drawn and labelled.
             A baseline that measured nothing (it ran out of memory, say) is named in the legend.
@@ -93,7 +93,8 @@ def pareto_plot(
     unit = throughput_unit or next(
         (str(r["throughput_unit"]) for r in [*trials, *baselines.values()] if r.get("throughput_unit")), "samples/s"
     )
-    measured = [(row, p) for row in trials if (p := _point(row)) is not None]
+    # A duplicate re-proposal carries the figures of the trial it repeats: drawing it again adds nothing.
+    measured = [(row, p) for row in trials if row.get("duplicate_of") is None and (p := _point(row)) is not None]
     base_pts = {name: _point(row) for name, row in baselines.items()}
     all_bytes = [p[0] for _, p in measured] + [p[0] for p in base_pts.values() if p] + ([budget_bytes] if budget_bytes else [])
     scale, scale_name = _unit(max(all_bytes, default=0.0))

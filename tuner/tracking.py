@@ -285,13 +285,13 @@ class Tracker:
     """
 
     def __init__(self, tracking_uri: str | None, experiment: str, *, artifact_location: str | None = None) -> None:
-        from mlflow import MlflowClient
+        import mlflow
 
         if not isinstance(experiment, str) or not experiment.strip():
             raise TrackingError(f"experiment: must be a non-empty name, got {experiment!r}")
         self.tracking_uri = tracking_uri or DEFAULT_TRACKING_URI
         self.experiment = experiment
-        self.client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         self.experiment_id = self._experiment_id(artifact_location)
         self._session_run_id: str | None = None
         self._session_open = False
