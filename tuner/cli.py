@@ -2,7 +2,7 @@
 
 Usage::
 
-    recompute-tune RECIPE [--n-trials N] [--search-only] [--format text|json]
+    recompute-tune RECIPE [--n-trials N] [--search-only] [--no-plan] [--format text|json]
     recompute-tune plan RECIPE [--budget 20GiB] [--write policy.yaml] [--format text|json]
     recompute-tune rollback RECIPE
     recompute-tune history RECIPE [--format text|json]
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="trials the study should have measured when this run stops (overrides search.n_trials)")
     tune.add_argument("--search-only", action="store_true",
                       help="search and report the best policy without the evidence gate or a promotion")
+    tune.add_argument("--no-plan", action="store_true",
+                      help="do not profile and plan when setting the study up: seed it with the baselines only")
     tune.add_argument("--format", choices=("text", "json"), default="text",
                       help="json: a machine-readable summary on stdout (progress goes to stderr)")
 
@@ -140,6 +142,7 @@ def _tune(recipe: Any, args: argparse.Namespace) -> int:
             recipe,
             n_trials=args.n_trials,
             search_only=args.search_only,
+            use_planner=not args.no_plan,
             on_trial=lambda event: _print(live, _trial_line(event)),
             on_note=lambda note: _print(sys.stderr, note),
         )

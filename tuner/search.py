@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BASELINES",
+    "CONSTRAINT",
     "FAR_OVER_BUDGET",
     "LayerInfo",
     "PLACEMENTS",
@@ -121,14 +122,18 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     return optuna.storages.RDBStorage(url)
 
 
+CONSTRAINT = "peak_minus_budget"
+"""The Optuna constraint of every told trial (``Trial.set_constraint``): peak minus the budget limit."""
+
+
 def peak_constraint(trial: FrozenTrial) -> tuple[float]:
-    """Optuna ``constraints_func``: measured (or, for a skipped trial, predicted) peak minus the budget.
+    """The trial's memory constraint: measured (or, for a skipped trial, predicted) peak minus the budget.
 
     Positive means infeasible, so Optuna never reports an over-budget trial as the best one. A
     trial without a figure is infeasible too: a policy whose memory is unknown cannot be promised
     to fit.
     """
-    value = trial.user_attrs.get(_A_PEAK_OVER)
+    value = trial.constraints.get(CONSTRAINT, trial.user_attrs.get(_A_PEAK_OVER))
     return (float(value) if value is not None else math.inf,)
 
 
@@ -536,7 +541,9 @@ class TuningStudy:
             RecomputeError: the existing study was created for another search space or budget.
         """
         store = open_storage(storage) if isinstance(storage, str) else storage
-        sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=peak_constraint)
+        # Constraints are set on each trial before it is told (`_constrain`): Optuna 5 deprecates
+        # TPESampler's constraints_func in favour of Trial.set_constraint, which TPE reads the same way.
+        sampler = optuna.samplers.TPESampler(seed=seed)
         try:
             study = optuna.create_study(storage=store, study_name=name, direction="maximize", sampler=sampler)
             created = True
@@ -545,6 +552,11 @@ class TuningStudy:
             for key, value in (attrs or {}).items():
                 study.set_user_attr(key, value)
         except optuna.exceptions.DuplicatedStudyError:
+            # A session joining (or resuming) the study samples from its own stream: with the
+            # recipe's seed, two workers looking at the same history would propose the same
+            # candidates in lockstep and spend their time on duplicates.
+            joined_seed = int(hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8], 16)
+            sampler = optuna.samplers.TPESampler(seed=joined_seed)
             study = optuna.load_study(study_name=name, storage=store, sampler=sampler)
             created = False
             stored = study.user_attrs.get("search_space")
@@ -665,8 +677,7 @@ class TuningStudy:
         ):
             t.set_user_attr(key, value)
         if result.measured and result.throughput is not None:
-            if result.peak_bytes is not None:
-                t.set_user_attr(_A_PEAK_OVER, float(result.peak_bytes - self.budget_bytes))
+            self._constrain(t, None if result.peak_bytes is None else result.peak_bytes - self.budget_bytes)
             return self.study.tell(t, float(result.throughput))
         return self.study.tell(t, state=TrialState.FAIL)
 
@@ -675,8 +686,7 @@ class TuningStudy:
         t = proposal.trial
         self._set_common(proposal, outcome="skipped", run_id=run_id, reason=reason)
         pred = proposal.prediction
-        if pred is not None and pred.peak_bytes is not None:
-            t.set_user_attr(_A_PEAK_OVER, float(pred.peak_bytes - self.budget_bytes))
+        self._constrain(t, None if pred is None or pred.peak_bytes is None else pred.peak_bytes - self.budget_bytes)
         return self.study.tell(t, state=TrialState.PRUNED)
 
     def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
@@ -697,8 +707,8 @@ class TuningStudy:
             return self.study.tell(t, state=TrialState.FAIL)
         # Only the constraint is copied: the figures stay with the trial that measured them, so
         # the trials table and the Pareto plot show each measurement once.
-        if _A_PEAK_OVER in original.user_attrs:
-            t.set_user_attr(_A_PEAK_OVER, original.user_attrs[_A_PEAK_OVER])
+        if original.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            self._constrain(t, original.user_attrs.get(_A_PEAK_OVER))
         if original.state == TrialState.COMPLETE and original.value is not None:
             return self.study.tell(t, float(original.value))
         return self.study.tell(t, state=original.state)
@@ -713,6 +723,14 @@ class TuningStudy:
                 dict(t.params), user_attrs={_A_SEED: proposal.seed, _A_SEED_KEY: proposal.key}
             )
         return frozen
+
+    @staticmethod
+    def _constrain(trial: optuna.Trial, peak_over: float | None) -> None:
+        # Unknown memory counts as infeasible (see `peak_constraint`); kept as a user attribute
+        # too, where the trials table reads it.
+        value = math.inf if peak_over is None else float(peak_over)
+        trial.set_user_attr(_A_PEAK_OVER, None if peak_over is None else value)
+        trial.set_constraint(CONSTRAINT, value)
 
     def _set_common(self, proposal: Proposal, *, outcome: str, run_id: str | None, reason: str | None) -> None:
         t = proposal.trial

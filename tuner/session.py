@@ -76,6 +76,9 @@ MAX_UNMEASURED_IN_A_ROW = 25
 SETUP_WAIT_S = 600.0
 """How long a worker joining a new study waits for the worker that created it to profile and seed it."""
 
+PROFILE_REPEATS = 2
+"""Timed profiling steps per mode: the planner's times only order the seeds; trials measure for real."""
+
 PLANNER_FRONT_SEEDS = 3
 """How many points of the planner's predicted Pareto front (besides its pick at the budget) are seeded."""
 
@@ -360,7 +363,7 @@ def _make_plan(recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: di
         return _Plan(note=f"planner unavailable ({err}); seeding from baselines only, no candidate skipped")
     try:
         mb = space.micro_batches[0] if space.micro_batches else None
-        profile = Profile.from_dict(stored) if stored is not None else profile_recipe(recipe, mb)
+        profile = Profile.from_dict(stored) if stored is not None else profile_recipe(recipe, mb, repeats=PROFILE_REPEATS)
         planner = Planner(profile)
         seeds, notes = _planner_seeds(planner, space, budget_bytes, recipe.search.modes)
     except KeyboardInterrupt:
@@ -381,6 +384,7 @@ def tune(
     *,
     n_trials: int | None = None,
     search_only: bool = False,
+    use_planner: bool = True,
     on_trial: Callable[[TrialEvent], None] | None = None,
     on_note: Notify | None = None,
     handle_signals: bool = True,
@@ -393,6 +397,9 @@ def tune(
             (default: the recipe's ``search.n_trials``); a resumed study only runs the rest.
         search_only: search, then report the best without the gate or a promotion (workers
             sharing a study; the last run gates).
+        use_planner: profile the model and plan when this session sets the study up (seeds
+            from the planner, planner-predicted hopeless candidates skipped). Without it the
+            study is seeded with the baselines only; a profile already in the study is still used.
         on_trial: called after every trial with what the CLI prints.
         on_note: called with one-line progress notes.
         handle_signals: install the Ctrl-C handling described in the module docstring.
@@ -407,7 +414,7 @@ def tune(
     interrupts = _Interrupts(notify)
     guard = interrupts.installed() if handle_signals else contextlib.nullcontext(interrupts)
     with guard:
-        return _Session(recipe, n_trials, search_only, on_trial, notify, interrupts).run()
+        return _Session(recipe, n_trials, search_only, use_planner, on_trial, notify, interrupts).run()
 
 
 class _Session:
@@ -418,6 +425,7 @@ class _Session:
         recipe: Recipe,
         n_trials: int | None,
         search_only: bool,
+        use_planner: bool,
         on_trial: Callable[[TrialEvent], None] | None,
         notify: Notify,
         interrupts: _Interrupts,
@@ -427,6 +435,7 @@ class _Session:
         self.recipe = recipe
         self.n_trials = n_trials if n_trials is not None else recipe.search.n_trials
         self.search_only = search_only
+        self.use_planner = use_planner
         self.on_trial = on_trial
         self.notify = notify
         self.interrupts = interrupts
@@ -520,8 +529,11 @@ class _Session:
             self.notify(f"study {self.name} resumed: {study.measured_count()} trials measured so far")
             return plan
         try:
-            self.notify("profiling the model and planning ...")
-            plan = _make_plan(self.recipe, self.space, self.budget)
+            if self.use_planner:
+                self.notify("profiling the model and planning ...")
+                plan = _make_plan(self.recipe, self.space, self.budget)
+            else:
+                plan = _Plan(note="planner not used (asked not to plan); seeding from baselines only")
             if plan.profile is not None:
                 study.study.set_user_attr("profile", plan.profile.to_dict())
             if plan.note:

@@ -1,0 +1,256 @@
+"""The tuning session: flow, decisions, skips, interrupts and resume, with a deterministic trial runner.
+
+Trials here are computed, not run (a fake `run_trial` with exact memory and speed per mode), so
+the session's bookkeeping can be checked exactly and quickly; Optuna and MLflow are real (temp
+stores). `test_cli.py` runs the same flow with real trial subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner import session
+from tuner.recipe import from_dict
+from tuner.search import TuningStudy
+from tuner.trial import NumericsResult, TrialResult
+
+MIB = 1 << 20
+KEPT = {"none": 4 * MIB, "selective": 2 * MIB, "full": 1 * MIB}
+COST = {"none": 0.0, "selective": 30.0, "full": 100.0}
+BASE = 2 * MIB
+LAYERS = ("blocks.0", "blocks.1", "blocks.2")
+
+
+def fake_peak(policy: RecomputePolicy) -> int:
+    return BASE + sum(KEPT[policy.mode_for(n).value] for n in LAYERS)
+
+
+def fake_throughput(policy: RecomputePolicy) -> float:
+    return 1000.0 - sum(COST[policy.mode_for(n).value] for n in LAYERS)
+
+
+class FakeTrials:
+    """`run_trial` / `check_numerics` stand-ins: exact figures per policy, and a log of calls."""
+
+    def __init__(self, on_call=None):
+        self.calls: list[str] = []
+        self.on_call = on_call
+
+    def run_trial(self, recipe, policy, *, micro_batch=None, warmup_steps=None, measure_steps=None,
+                  timeout_s=None, budget_bytes=None):
+        self.calls.append(policy.short(LAYERS))
+        if self.on_call is not None:
+            self.on_call(len(self.calls), policy)
+        steps = measure_steps or recipe.trial.measure_steps
+        peak, thr = fake_peak(policy), fake_throughput(policy)
+        over = budget_bytes is not None and peak > budget_bytes
+        return TrialResult(outcome="over_budget" if over else "ok", peak_bytes=peak, step_time_s=1.0 / thr,
+                           throughput=thr, throughput_unit="tokens/s", step_times_s=(1.0 / thr,) * steps,
+                           device="cpu")
+
+    def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
+        return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory):
+    # One MLflow database for the module (creating one costs seconds); one experiment per test.
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    f = FakeTrials()
+    monkeypatch.setattr("tuner.trial.run_trial", f.run_trial)
+    monkeypatch.setattr("tuner.trial.check_numerics", f.check_numerics)
+    return f
+
+
+def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
+    data = {
+        "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2}},
+        "budget": {"value": budget, "margin": 0.05},
+        "search": {"n_trials": n_trials, "seed": 0},
+        "trial": {"warmup_steps": 1, "measure_steps": 2},
+        "tracking": {"uri": tracking_uri, "experiment": f"exp-{tmp_path.name}"},
+        "study": {"storage": "optuna.log"},
+    }
+    return from_dict(data, source=tmp_path / "recipe.yaml")
+
+
+def study_of(recipe, summary) -> TuningStudy:
+    from tuner.search import SearchSpace, inspect_layers
+
+    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
+    return TuningStudy.open(name=summary.study, storage=str(recipe.study.storage), space=space,
+                            budget_bytes=summary.budget_bytes)
+
+
+def runs(recipe, kind=None):
+    client = MlflowClient(recipe.tracking.uri)
+    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    found = client.search_runs([exp.experiment_id], max_results=1000)
+    return [r for r in found if kind is None or r.data.tags.get("recompute.kind") == kind]
+
+
+def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    events = []
+    summary = session.tune(recipe, use_planner=False, on_trial=events.append)
+
+    assert summary.status == "promoted" and summary.exit_code == session.EXIT_OK
+    measured = [r for r in summary.records if r.measured]
+    assert len(measured) == 6
+    limit = int(12 * MIB * 0.95)
+    assert summary.budget_bytes == limit
+    feasible = [r for r in measured if fake_peak(r.policy) <= limit]
+    assert summary.best.throughput == max(fake_throughput(r.policy) for r in feasible)
+    assert RecomputePolicy.load(recipe.output) == summary.best.policy
+    # Baselines: "none" measured over budget (14 MiB > 11.4 MiB), the others within it.
+    assert summary.baselines["none"].outcome == "over_budget" and not summary.baselines["none"].feasible
+    assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
+    assert summary.gains["none"] == pytest.approx(summary.best.throughput / 1000.0 - 1.0)  # faster, but does not fit
+    # One live event per trial told, in order, with the best so far.
+    assert [e.record.number for e in events] == [r.number for r in summary.records]
+    assert events[-1].best.number == summary.best.number
+
+    # MLflow holds one trial run per Optuna trial, its outcome, params and metrics; the session ended.
+    trial_runs = {int(r.data.params["trial_number"]): r for r in runs(recipe, "trial")}
+    assert set(trial_runs) == {r.number for r in summary.records}
+    best_run = trial_runs[summary.best.number]
+    assert best_run.data.tags["recompute.outcome"] == "ok"
+    assert best_run.data.params["policy_fingerprint"] == summary.best.fingerprint
+    assert best_run.data.params["layer.blocks.0"] == summary.best.policy.mode_for("blocks.0").value
+    assert best_run.data.metrics["measured_throughput"] == summary.best.throughput
+    (sess,) = runs(recipe, "session")
+    assert sess.info.status == "FINISHED"
+    decisions = [r.data.tags["recompute.decision"] for r in runs(recipe, "decision")]
+    assert decisions == ["promote"]
+    assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
+
+
+def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+    first = session.tune(recipe, use_planner=False)
+    calls = len(fakes.calls)
+    again = session.tune(recipe, use_planner=False)
+    assert again.status == "current" and again.exit_code == session.EXIT_OK
+    assert again.trials_this_session == 0 and len(fakes.calls) == calls  # nothing re-measured
+    assert again.best.number == first.best.number
+
+
+def test_nothing_within_budget_exits_1_and_writes_no_policy(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=3, budget="4MiB")
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.status == "infeasible" and summary.exit_code == session.EXIT_INFEASIBLE
+    assert summary.best is None and not recipe.output.exists()
+    assert "fits the budget limit" in summary.reasons[0]
+
+
+def test_search_only_reports_the_best_without_the_gate(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
+    summary = session.tune(recipe, use_planner=False, search_only=True)
+    assert summary.status == "searched" and summary.exit_code == 0 and summary.best is not None
+    assert len(fakes.calls) == 3  # trials only: no confirmation run
+    assert not recipe.output.exists() and not runs(recipe, "decision")
+
+
+class FakePlanner:
+    """Predicts twice the real peak: 'none' everywhere (14 MiB) lands far over the 11.4 MiB limit."""
+
+    def predict(self, policy, micro_batch=None):
+        class P:
+            peak_bytes = 2 * fake_peak(policy)
+            step_seconds = 1.0 / fake_throughput(policy)
+
+        return P()
+
+
+def test_a_candidate_predicted_far_over_budget_is_skipped_and_logged(tmp_path, tracking_uri, fakes, monkeypatch):
+    monkeypatch.setattr(session, "_make_plan", lambda *a, **k: session._Plan(planner=FakePlanner()))
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
+    summary = session.tune(recipe, search_only=True)
+    none = summary.baselines["none"]
+    assert none.outcome == "skipped" and "more than 1.25x the budget limit" in none.reason
+    assert "......"[:3] not in fakes.calls  # never run
+    assert sum(1 for r in summary.records if r.measured) == 3  # skips do not count as trials
+    study = study_of(recipe, summary)
+    assert study.study.trials[none.number].state == TrialState.PRUNED
+    run = next(r for r in runs(recipe, "trial") if r.data.params["trial_number"] == str(none.number))
+    assert run.data.tags["recompute.outcome"] == "skipped"
+    assert run.data.metrics["predicted_peak_bytes"] == 2 * fake_peak(none.policy)
+
+
+def test_first_ctrl_c_finishes_the_trial_then_stops_and_a_rerun_resumes(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+    # Ctrl-C while the second trial runs: it must still be measured and recorded.
+    fakes.on_call = lambda n, policy: os.kill(os.getpid(), signal.SIGINT) if n == 2 else None
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.status == "interrupted" and summary.exit_code == session.EXIT_INTERRUPTED
+    assert [r.outcome for r in summary.records] == ["over_budget", "ok"]
+    study = study_of(recipe, summary)
+    assert not study.running()
+    assert [r.info.status for r in runs(recipe, "session")] == ["KILLED"]
+    assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
+    waiting = len(study.waiting())
+
+    fakes.on_call = None
+    resumed = session.tune(recipe, use_planner=False, search_only=True)
+    assert resumed.status == "searched" and resumed.trials_this_session == 2
+    records = resumed.records
+    assert sum(1 for r in records if r.measured) == 4
+    seeds = [r.seed for r in records if r.seed]
+    assert len(seeds) == len(set(seeds)) == 4  # every baseline once: nothing re-seeded
+    assert len(study_of(recipe, resumed).waiting()) == waiting - 2
+    assert [r.info.status for r in runs(recipe, "session")] == ["FINISHED"]  # the session run resumed
+
+
+def test_second_ctrl_c_kills_the_trial_and_its_seed_runs_on_resume(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)  # the re-queued seed comes after the other three
+
+    def press_twice(n, policy):
+        if n == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # the handler raises here, as it would in run_trial's wait
+
+    fakes.on_call = press_twice
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.exit_code == session.EXIT_INTERRUPTED
+    assert [r.outcome for r in summary.records] == ["over_budget", "interrupted"]
+    killed = summary.records[1]
+    assert killed.seed == "baseline:full" and killed.state == "FAIL"
+    assert not study_of(recipe, summary).running()
+    assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
+    assert str(killed.number) not in {r.data.params.get("trial_number") for r in runs(recipe, "trial")}
+
+    fakes.on_call = None
+    resumed = session.tune(recipe, use_planner=False, search_only=True)
+    full = [r for r in resumed.records if r.seed == "baseline:full"]
+    assert [r.outcome for r in full] == ["interrupted", "ok"]  # re-queued, then measured once
+    assert resumed.baselines["full"].outcome == "ok"
+    assert sum(1 for r in resumed.records if r.measured) == 4
+
+
+def test_failed_trials_are_recorded_and_the_session_goes_on(tmp_path, tracking_uri, monkeypatch):
+    fakes = FakeTrials()
+
+    def flaky(recipe, policy, **kwargs):
+        if policy.short(LAYERS) == "FFF":
+            fakes.calls.append("FFF")
+            return TrialResult(outcome="error", error="RuntimeError: boom", device="cpu")
+        return fakes.run_trial(recipe, policy, **kwargs)
+
+    monkeypatch.setattr("tuner.trial.run_trial", flaky)
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
+    summary = session.tune(recipe, use_planner=False, search_only=True)
+    full = summary.baselines["full"]
+    assert full.outcome == "error" and full.state == "FAIL" and full.reason == "RuntimeError: boom"
+    assert summary.gains["full"] is None
+    run = next(r for r in runs(recipe, "trial") if r.data.params["trial_number"] == str(full.number))
+    assert run.data.tags["recompute.outcome"] == "error"
