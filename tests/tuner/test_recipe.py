@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from pathlib import Path
@@ -277,7 +278,7 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
     defs = schema["$defs"]
     for section in ("TrainerSettings", "SearchSettings", "TrialSettings", "Budget", "Component"):
         assert defs[section]["additionalProperties"] is False
-        assert set(defs[section]["properties"]) == {f.name for f in R.dataclasses.fields(getattr(R, section))}
+        assert set(defs[section]["properties"]) == {f.name for f in dataclasses.fields(getattr(R, section))}
     assert defs["TrainerSettings"]["properties"]["accelerator"]["enum"] == ["cpu", "cuda", "auto"]
     assert "$ref" in text
     try:
