@@ -475,9 +475,7 @@ class _Session:
             self.plan = self._setup_study()
             self.predict = self.plan.predictor()
             self.interrupts.phase = "between"
-            from tuner.tracking import Tracker
-
-            self.tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)
+            self.tracker = _open_tracker(recipe)
             self.session_run_id = self.tracker.start_session(recipe, study_name=self.name, resume=True)
             stop_reason = self._search()
             if self.interrupts.stop.is_set():
@@ -710,6 +708,30 @@ class _Session:
                 self.interrupts.phase = "between"
 
         return call
+
+
+def _open_tracker(recipe: Recipe, attempts: int = 5) -> Any:
+    """The recipe's `tuner.tracking.Tracker`, retried while another worker creates the MLflow store.
+
+    Two workers starting at once against a new SQLite tracking database both run MLflow's schema
+    migration; the slower one fails on the table the faster one just created. By the next
+    attempt the store exists and opening it is a plain read.
+    """
+    from alembic.util.exc import CommandError
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from tuner.tracking import Tracker
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+        except (CommandError, MlflowException, SQLAlchemyError) as err:
+            if attempt == attempts:
+                raise
+            _log.info("opening the MLflow store failed (%s); retrying", err)
+            time.sleep(0.5 * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:

@@ -1,0 +1,209 @@
+"""``recompute-tune`` end to end: real trial subprocesses on a tiny recipe, read back from MLflow and Optuna.
+
+Each trial is a subprocess of a few seconds, so the recipe is as small as a real run gets (three
+blocks of width 32, sequence 32, one warm-up and two measured steps) and the runs are short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner import cli
+from tuner.recipe import load
+from tuner.search import SearchSpace, TuningStudy, inspect_layers, study_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout": 0.0}},
+    "data": {"init_args": {"batch_size": 4, "num_batches": 8}},
+    "budget": "64MiB",
+    "search": {"n_trials": 3, "seed": 0},
+    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}},
+}
+
+
+def write_recipe(folder: Path, **overrides) -> Path:
+    data = json.loads(json.dumps(TINY))
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tuner", *args]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH", "")) if p)
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def run_cli(folder: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command(*args), cwd=folder, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def open_study(recipe_path: Path) -> TuningStudy:
+    recipe = load(recipe_path)
+    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
+    return TuningStudy.open(name=study_name(recipe, "cpu"), storage=str(recipe.study.storage), space=space,
+                            budget_bytes=recipe.budget.limit_bytes(None))
+
+
+def mlflow_runs(recipe_path: Path):
+    recipe = load(recipe_path)
+    client = MlflowClient(recipe.tracking.uri)
+    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    return client, exp, client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
+    recipe_path = write_recipe(tmp_path)
+    proc = run_cli(tmp_path, str(recipe_path), "--format", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "promoted" and summary["exit_code"] == 0
+    live = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert len(live) == len(summary["trials"]) and "trial" in live[0] and "best" in live[0]
+
+    # The promoted policy file is the best trial's policy.
+    best = summary["best"]
+    assert Path(summary["policy_path"]) == tmp_path / "policy.yaml"
+    assert RecomputePolicy.load(tmp_path / "policy.yaml") == RecomputePolicy.from_dict(best["policy"])
+    measured = [t for t in summary["trials"] if t["outcome"] in ("ok", "over_budget")]
+    assert len(measured) == 3
+    assert best["throughput"] == max(t["throughput"] for t in measured if t["feasible"])
+
+    # Everything is in MLflow: the session, one child per trial (params, metrics, outcome, policy), the decision.
+    client, exp, runs = mlflow_runs(recipe_path)
+    sessions = [r for r in runs if r.data.tags.get("recompute.kind") == "session"]
+    assert [s.info.status for s in sessions] == ["FINISHED"]
+    session_id = sessions[0].info.run_id
+    children = [r for r in runs if r.data.tags.get("recompute.kind") == "trial"]
+    assert all(r.data.tags["mlflow.parentRunId"] == session_id for r in children)
+    assert sorted(int(r.data.params["trial_number"]) for r in children) == [t["number"] for t in summary["trials"]]
+    for run in children:
+        trial = next(t for t in summary["trials"] if t["number"] == int(run.data.params["trial_number"]))
+        assert run.data.tags["recompute.outcome"] == ("skipped" if trial["outcome"] == "duplicate" else trial["outcome"])
+        assert {f"layer.blocks.{i}" for i in range(3)} <= set(run.data.params)
+        assert run.data.params["policy_fingerprint"] == trial["policy_fingerprint"]
+        assert "policy.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+        if trial["outcome"] == "ok":
+            assert run.data.metrics["measured_throughput"] == pytest.approx(trial["throughput"])
+            assert run.data.metrics["measured_peak_bytes"] == trial["peak_bytes"]
+    session_artifacts = {a.path for a in client.list_artifacts(session_id)}
+    assert {"trials.json", "pareto.png", "best_policy.yaml"} <= session_artifacts
+    assert exp.tags["recompute.good_run_id"]
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    study = open_study(recipe_path)
+    assert not study.running()
+
+    # history reads the promotion back from MLflow alone.
+    assert cli.main(["history", str(recipe_path)]) == 0
+
+
+def test_bad_recipe_lists_every_problem_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("budget: lots\nsearch: {n_trials: 0, modez: [full]}\n", encoding="utf-8")
+    assert cli.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "budget.value" in err and "search.n_trials" in err and "search.modez" in err
+
+
+def test_schema_prints_the_recipe_json_schema(capsys):
+    assert cli.main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"budget", "search", "trial"} <= set(schema["properties"])
+
+
+def test_rollback_without_history_exits_1(tmp_path, capsys):
+    recipe_path = write_recipe(tmp_path)
+    assert cli.main(["rollback", str(recipe_path)]) == 1
+    assert "nothing to roll back to" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
+    recipe_path = write_recipe(tmp_path, search={"n_trials": 3, "seed": 0})
+    proc = subprocess.Popen(command(str(recipe_path), "--no-plan"), cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("[1/3]"):
+                proc.send_signal(signal.SIGINT)
+                break
+            assert time.monotonic() < deadline, "no trial line"
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "rerun" in err or "resume" in err
+
+    study = open_study(recipe_path)
+    first = [r for r in study.records() if r.measured]
+    assert 1 <= len(first) <= 2  # the trial in flight at Ctrl-C is finished and kept
+    assert not study.running()
+    _, _, runs = mlflow_runs(recipe_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert [r.info.status for r in runs if r.data.tags.get("recompute.kind") == "session"] == ["KILLED"]
+    waiting = len(study.waiting())
+
+    again = run_cli(tmp_path, str(recipe_path), "--search-only")
+    assert again.returncode == 0, again.stderr[-3000:]
+    study = open_study(recipe_path)
+    records = study.records()
+    measured = [r for r in records if r.measured]
+    assert len(measured) == 3
+    assert len({(r.fingerprint, r.micro_batch) for r in measured}) == 3  # nothing measured twice
+    seeds = [r.seed for r in records if r.seed]
+    assert len(seeds) == len(set(seeds))  # no baseline enqueued or run twice
+    assert len(study.waiting()) == waiting - (3 - len(first))  # the rest came from the original queue
+    _, _, runs = mlflow_runs(recipe_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    trial_numbers = [int(r.data.params["trial_number"]) for r in runs if r.data.tags.get("recompute.kind") == "trial"]
+    assert sorted(trial_numbers) == [r.number for r in records]
+
+
+def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
+    recipe_path = write_recipe(tmp_path, study={"storage": "optuna.log"}, search={"n_trials": 3, "seed": 0})
+    procs = [
+        subprocess.Popen(command(str(recipe_path), "--search-only", "--no-plan"), cwd=tmp_path, env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=400) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+
+    study = open_study(recipe_path)
+    records = study.records()
+    measured = [r for r in records if r.measured]
+    assert 3 <= len(measured) <= 4  # a worker may start one trial while the other finishes the last
+    keys = [(r.fingerprint, r.micro_batch) for r in measured]
+    assert len(keys) == len(set(keys)), "a policy was measured twice"
+    seeds = [r.seed for r in records if r.seed]
+    assert len(seeds) == len(set(seeds)), "the study was seeded twice"
+    assert not study.running()
+    assert len({t.user_attrs.get("worker") for t in study.study.trials if t.state != optuna.trial.TrialState.WAITING}) == 2
+
+    _, _, runs = mlflow_runs(recipe_path)
+    trial_numbers = [int(r.data.params["trial_number"]) for r in runs if r.data.tags.get("recompute.kind") == "trial"]
+    assert sorted(trial_numbers) == [r.number for r in records]  # every trial logged, once
+    assert not [r for r in runs if r.info.status == "RUNNING"]
