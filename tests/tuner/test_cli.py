@@ -167,6 +167,8 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
 
     again = run_cli(tmp_path, str(recipe_path), "--search-only")
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "decision: searched" in again.stdout and "ranked trials" in again.stdout
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in again.stdout
     study = open_study(recipe_path)
     records = study.records()
     measured = [r for r in records if r.measured]

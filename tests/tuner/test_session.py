@@ -254,3 +254,38 @@ def test_failed_trials_are_recorded_and_the_session_goes_on(tmp_path, tracking_u
     assert summary.gains["full"] is None
     run = next(r for r in runs(recipe, "trial") if r.data.params["trial_number"] == str(full.number))
     assert run.data.tags["recompute.outcome"] == "error"
+
+
+def test_the_search_stops_when_the_space_is_exhausted(tmp_path, tracking_uri, fakes):
+    # Two alike layers, modes none/full: four distinct policies however many trials are asked for.
+    recipe = from_dict(
+        {
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32, "seq_len": 32, "n_head": 2}},
+            "budget": "64MiB",
+            "search": {"n_trials": 6, "modes": ["none", "full"]},
+            "tracking": {"uri": tracking_uri, "experiment": f"exp-{tmp_path.name}"},
+            "study": {"storage": "optuna.log"},
+        },
+        source=tmp_path / "recipe.yaml",
+    )
+    summary = session.tune(recipe, use_planner=False, search_only=True)
+    measured = [r for r in summary.records if r.measured]
+    assert sorted(r.short for r in measured) == ["..", ".F", "F.", "FF"]
+    assert len(fakes.calls) == 4  # duplicates are told, never run
+    assert any("search space exhausted" in note for note in summary.notes)
+    assert all(r.outcome == "duplicate" for r in summary.records[-session.MAX_UNMEASURED_IN_A_ROW:])
+
+
+def test_the_search_stops_at_its_timeout(tmp_path, tracking_uri, fakes, monkeypatch):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=5)
+    recipe = type(recipe)(**{**recipe.__dict__, "search": type(recipe.search)(n_trials=5, timeout_s=30.0)})
+    clock = iter([0.0, 10.0, 20.0, 31.0, 40.0, 50.0])
+
+    class FakeTime:  # the session's clock only; Optuna and MLflow keep the real one
+        monotonic = staticmethod(lambda: next(clock))
+        sleep = staticmethod(lambda s: None)
+
+    monkeypatch.setattr(session, "time", FakeTime)
+    summary = session.tune(recipe, use_planner=False, search_only=True)
+    assert len(fakes.calls) == 2  # started at 0 s (start), 10 s and 20 s; at 31 s no new trial
+    assert any("search.timeout_s (30 s) reached" in note for note in summary.notes)
