@@ -164,7 +164,7 @@ class Prediction:
     peak_at: str
     """Where the peak is reached: a segment key such as ``bwd:0`` (the backward of layer 0)."""
     base_bytes: int
-    """Parameters, optimizer state, batch and buffers: memory held before the step starts."""
+    """Parameters, optimizer state, batch and buffers: memory held before the step starts (batch scaled)."""
     layers: tuple[LayerPrediction, ...]
     estimated: bool
     """True when time comes from FLOPs and a hardware table rather than measurement."""
@@ -382,9 +382,14 @@ class Planner:
         ``{layer path: mode}`` mapping. A mode the profile did not measure is a `PlannerError`.
         """
         modes = self._resolve(policy)
-        mb, k = self._scale(micro_batch)
+        mb, _ = self._scale(micro_batch)
+        return self._predict(modes, mb)
+
+    def _predict(self, modes: list[str], mb: int) -> Prediction:
+        """`predict` for resolved per-layer modes: the timeline walk of the module docstring."""
+        k = mb / self.profile.micro_batch
         prof = self.profile
-        level = prof.base_bytes + round(prof.batch_bytes * (k - 1))
+        level = base = prof.base_bytes + round(prof.batch_bytes * (k - 1))
         peak, peak_at, total = level, "start", 0.0
         bwd_peak: dict[int, int] = {}
         for key in prof.timeline:
@@ -414,7 +419,7 @@ class Planner:
             layers.append(
                 LayerPrediction(layer.name, m, fd, fs, bs, round(layer.recompute_flops(m) * k), bwd_peak.get(i, 0))
             )
-        return Prediction(int(peak), total / 1e9, mb, peak_at, prof.base_bytes, tuple(layers), prof.estimated)
+        return Prediction(int(peak), total / 1e9, mb, peak_at, base, tuple(layers), prof.estimated)
 
     def _resolve(self, policy: PolicyLike | Mapping[str, str]) -> list[str]:
         if isinstance(policy, Mapping) and "version" not in policy:
@@ -462,7 +467,7 @@ class Planner:
     def _plan(self, modes: list[str], mb: int) -> Plan:
         mapping = dict(zip(self.names, modes))
         policy = RecomputePolicy.from_modes(mapping)
-        return Plan(policy, mapping, self.predict(policy, micro_batch=mb))
+        return Plan(policy, mapping, self._predict(modes, mb))
 
     @staticmethod
     def _dp_time(tab: _Tables, budget: int) -> list[int] | None:

@@ -23,7 +23,7 @@ nothing, yet the ledger counts every byte a GPU would hold.
 Entry points::
 
     profile_model(model, batch, layers="auto", *, modes=None, optimizer=None, loss_fn=None,
-                  repeats=5, restore=True) -> Profile
+                  repeats=5, restore=True, clock=time.perf_counter) -> Profile
     profile_meta(model_factory, batch, layers="auto", *, modes=None, optimizer=None, loss_fn=None,
                  hardware="H100", mfu=0.5) -> Profile
     Profile.to_dict() / Profile.from_dict(d) / to_json() / from_json(s)
@@ -381,7 +381,9 @@ class _Recorder:
         flops: FlopCounterMode | None,
         traffic: _TrafficMode | None,
         emulate_offload: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        self.clock = clock
         self.params = [p for p in model.parameters()]
         self.layers = layers
         self.device = device
@@ -429,7 +431,7 @@ class _Recorder:
                     grad += g.untyped_storage().nbytes()
         self.events.append(
             _Event(
-                label, level, peak, grad, time.perf_counter(),
+                label, level, peak, grad, self.clock(),
                 self.flops.get_total_flops() if self.flops is not None else 0,
                 self.traffic.total if self.traffic is not None else 0,
                 self.offloaded,
@@ -845,6 +847,7 @@ def profile_model(
     loss_fn: LossFn | None = None,
     repeats: int = 5,
     restore: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Profile:
     """Measure the per-layer, per-mode costs of a training step of ``model`` on ``batch``.
 
@@ -862,7 +865,11 @@ def profile_model(
         loss_fn: ``(model, batch) -> scalar loss``.
         repeats: timed steps per mode (>= 1); the medians are kept.
         restore: put the parameters (and buffers) back as they were afterwards (the profiled
-            steps train the model); needs a host copy of the ``state_dict``.
+            steps train the model); needs a host copy of the ``state_dict``. A given
+            ``optimizer``'s state does advance.
+        clock: the timer (wall clock by default, with a device synchronize at every boundary).
+            On a shared CPU machine, ``time.thread_time`` with ``torch.set_num_threads(1)``
+            measures the work of the step rather than the other tenants' load.
 
     Raises:
         ProfileError: bad arguments, or a model whose layers do not run once each in order.
@@ -872,6 +879,8 @@ def profile_model(
         raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats: must be a positive integer, got {repeats!r}")
+    if not callable(clock):
+        raise ProfileError(f"clock: expected a callable returning seconds (time.perf_counter), got {clock!r}")
     param = next(model.parameters(), None)
     if param is None:
         raise ProfileError(f"model: {type(model).__name__} has no parameters; nothing to train, nothing to profile")
@@ -901,7 +910,7 @@ def profile_model(
             order = measured[r % len(measured):] + measured[: r % len(measured)]
             for m in order:
                 session.apply(m)
-                with _Recorder(model, session.layers, device, None, None, None) as rec:
+                with _Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
                     _run_step(model, batch, session.loss_fn, session.optimizer, rec)
                 if r > 0:
                     times[m].append({k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(session.layers))})
