@@ -118,3 +118,16 @@ def test_the_plugin_module_does_not_import_the_tuner() -> None:
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_callback_and_apply_take_the_good_policy_from_mlflow(uri: str, tmp_path: Path) -> None:
+    from lightning_recompute import RecomputeCallback, applied_policy, apply_policy
+    from lightning_recompute.reference import ReferenceGPT
+
+    good_experiment(uri, tmp_path)
+    assert RecomputeCallback(f"mlflow:exp@{uri}").policy == POLICY
+    model = ReferenceGPT(n_layer=4, n_embd=32, n_head=4)
+    apply_policy(model, f"mlflow:exp@{uri}")
+    assert applied_policy(model).policy.short(["blocks.0", "blocks.1", "blocks.2", "blocks.3"]) == ".ssF"
+    with pytest.raises(PolicyError, match="names no experiment"):
+        RecomputeCallback("mlflow:")
