@@ -3,7 +3,7 @@
 Each non-``none`` layer gets an instance-level ``forward`` that runs the class's forward under
 the mode's mechanism: non-reentrant `torch.utils.checkpoint.checkpoint` for ``full``, the same
 with PyTorch's selective-checkpoint contexts for ``selective``, and
-`torch.autograd.graph.save_on_cpu` for ``offload``.
+saved-tensor hooks that move activations (not weights) to pinned host memory for ``offload``.
 
 Why an instance ``forward`` rather than torch's ``checkpoint_wrapper`` module: a wrapper module
 inserts ``_checkpoint_wrapped_module`` into every module path, so layer names, ``named_modules``
@@ -101,12 +101,40 @@ class _RecomputedForward:
                 if self.offload_notice is not None:
                     self.offload_notice.warn()
                 return self._inner(*args, **kwargs)
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
                 return self._inner(*args, **kwargs)
         extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
         # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
         # dropout masks are identical and gradients match no recomputation bit for bit.
         return checkpoint(self._inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that move a layer's activations to host memory until backward.
+
+    Not `torch.autograd.graph.save_on_cpu`: that moves every saved tensor, and a linear layer
+    saves its weight (as a transposed view), so each step would copy every weight of the layer
+    to the host and back, and allocate a weight-sized buffer in backward. Parameters (and views
+    of them) already live on the device for the whole step; only activations are worth moving.
+    """
+
+    def __init__(self, module: nn.Module, *, device_type: str, pin_memory: bool) -> None:
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.device.type != device_type or t.untyped_storage().data_ptr() in params:
+                return t
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
+            host.copy_(t, non_blocking=pin_memory)
+            return (t.device, host)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, tuple):
+                device, host = packed
+                return host.to(device, non_blocking=pin_memory)
+            return packed
+
+        super().__init__(pack, unpack)
 
 
 def _any_cuda(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module) -> bool:

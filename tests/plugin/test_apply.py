@@ -182,3 +182,35 @@ def test_flops_show_exactly_what_is_recomputed() -> None:
     base = _block_flops("none")
     assert _block_flops("full") - base == linear_fwd + bmm_fwd
     assert _block_flops("selective") - base == bmm_fwd
+
+
+def test_offload_hooks_move_activations_but_never_weights() -> None:
+    """The CUDA offload path, exercised on CPU by treating "cpu" as the device to offload from."""
+    from lightning_recompute.apply import _OffloadActivations
+
+    torch.manual_seed(0)
+    block = Block(C, H, 0.0, "eager", 4, C)
+    x = torch.randn(B, T, C, requires_grad=True)
+    ref_out = block(x)
+    ref_out.sum().backward()
+    ref = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    moved, kept = [], []
+    hooks = _OffloadActivations(block, device_type="cpu", pin_memory=False)
+    inner_pack = hooks.pack_hook
+
+    def spy(t: torch.Tensor) -> object:
+        packed = inner_pack(t)
+        (moved if isinstance(packed, tuple) else kept).append(t.untyped_storage().data_ptr())
+        return packed
+
+    hooks.pack_hook = spy
+    with hooks:
+        out = block(x)
+    out.sum().backward()
+    assert moved and not (set(moved) & weights)  # activations went to "host" copies
+    assert weights & set(kept)  # the weights linear layers save stayed where they were
+    for n, p in block.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
