@@ -17,6 +17,7 @@ is built deterministically. Where layers differ, each layer gets its own categor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -24,7 +25,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -36,6 +37,11 @@ from optuna.trial import FrozenTrial, TrialState
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import find_layers
 from lightning_recompute.policy import Mode, RecomputePolicy
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: stores open unlocked; the session retries a failed open
+    fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -58,6 +64,7 @@ __all__ = [
     "far_over_budget",
     "inspect_layers",
     "open_storage",
+    "sqlite_setup_lock",
     "peak_constraint",
     "study_name",
 ]
@@ -101,6 +108,27 @@ def study_name(recipe: Recipe, device: str) -> str:
     return f"{recipe.name}.{hardware}.{recipe.fingerprint()[:8]}"
 
 
+@contextlib.contextmanager
+def sqlite_setup_lock(url: str) -> Iterator[None]:
+    """Hold an exclusive lock beside a ``sqlite:///`` database while a store opens it; a no-op otherwise.
+
+    Opening a new SQLite store creates or migrates its tables (Optuna's and MLflow's both do), and
+    two workers doing that at once fail on each other's half-made schema. Once made, opening is
+    a plain read, so the lock is only held for the opening.
+    """
+    if not url.startswith("sqlite:///") or fcntl is None:
+        yield
+        return
+    path = Path(url[len("sqlite:///"):]).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """Optuna storage for a database URL, or a journal file for a path ending in ``.log``.
 
@@ -117,8 +145,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
     if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+        with sqlite_setup_lock(url):
+            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
     return optuna.storages.RDBStorage(url)
 
 
@@ -535,7 +563,9 @@ class TuningStudy:
         """Create the study, or load it when it exists (resume; another worker).
 
         Only one process can create a study of a given name (Optuna refuses the second), which
-        is how concurrent workers agree on who seeds it.
+        is how concurrent workers agree on who seeds it. The creator's TPE sampler is seeded with
+        ``seed`` (a fresh study replays exactly); a session that loads the study draws from a
+        stream of its own, derived from ``seed``, the host and the process.
 
         Raises:
             RecomputeError: the existing study was created for another search space or budget.
@@ -793,8 +823,15 @@ def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: fl
         return None
     if prediction.peak_bytes > factor * budget_bytes:
         return (
-            f"planner predicts a peak of {prediction.peak_bytes} bytes, more than {factor:g}x the budget limit "
-            f"of {budget_bytes} bytes"
+            f"planner predicts a peak of {_fmt_bytes(prediction.peak_bytes)}, more than {factor:g}x the budget "
+            f"limit of {_fmt_bytes(budget_bytes)}"
         )
     return None
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
 

@@ -711,21 +711,23 @@ class _Session:
 
 
 def _open_tracker(recipe: Recipe, attempts: int = 5) -> Any:
-    """The recipe's `tuner.tracking.Tracker`, retried while another worker creates the MLflow store.
+    """The recipe's `tuner.tracking.Tracker`, opened under the SQLite setup lock, retried on failure.
 
-    Two workers starting at once against a new SQLite tracking database both run MLflow's schema
-    migration; the slower one fails on the table the faster one just created. By the next
-    attempt the store exists and opening it is a plain read.
+    Two workers starting at once against a new SQLite tracking database would both run MLflow's
+    schema migration and fail on each other's half-made tables; the lock serialises that. The
+    retry covers stores the lock cannot (no ``fcntl``; a server still starting).
     """
     from alembic.util.exc import CommandError
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 
+    from tuner.search import sqlite_setup_lock
     from tuner.tracking import Tracker
 
     for attempt in range(1, attempts + 1):
         try:
-            return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+            with sqlite_setup_lock(recipe.tracking.uri):
+                return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
         except (CommandError, MlflowException, SQLAlchemyError) as err:
             if attempt == attempts:
                 raise
