@@ -638,6 +638,11 @@ class _Session:
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
         if self.tracker is None or self.session_run_id is None:
             return
+        # What the session decided without a trial (space, planner trouble, why it stopped) is
+        # part of the record too: MLflow alone must explain the session.
+        notes = [f"study {self.name} ({summary.storage})", f"search space {summary.search_space}",
+                 f"status {summary.status}", *summary.notes]
+        self.tracker.client.set_tag(self.session_run_id, "recompute.session_notes", "\n".join(notes)[:4900])
         self.tracker.finish_session(
             status=status,
             best=None if summary.best is None else summary.best.to_dict(),

@@ -130,6 +130,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert best_run.data.metrics["measured_throughput"] == summary.best.throughput
     (sess,) = runs(recipe, "session")
     assert sess.info.status == "FINISHED"
+    assert "search space grouped" in sess.data.tags["recompute.session_notes"]
     decisions = [r.data.tags["recompute.decision"] for r in runs(recipe, "decision")]
     assert decisions == ["promote"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
@@ -178,6 +179,8 @@ def test_a_candidate_predicted_far_over_budget_is_skipped_and_logged(tmp_path, t
     summary = session.tune(recipe, search_only=True)
     none = summary.baselines["none"]
     assert none.outcome == "skipped" and "more than 1.25x the budget limit" in none.reason
+    (sess,) = runs(recipe, "session")
+    assert "status searched" in sess.data.tags["recompute.session_notes"]
     assert "......"[:3] not in fakes.calls  # never run
     assert sum(1 for r in summary.records if r.measured) == 3  # skips do not count as trials
     study = study_of(recipe, summary)
@@ -289,3 +292,16 @@ def test_the_search_stops_at_its_timeout(tmp_path, tracking_uri, fakes, monkeypa
     summary = session.tune(recipe, use_planner=False, search_only=True)
     assert len(fakes.calls) == 2  # started at 0 s (start), 10 s and 20 s; at 31 s no new trial
     assert any("search.timeout_s (30 s) reached" in note for note in summary.notes)
+
+
+def test_a_failing_profile_leaves_a_note_and_the_search_goes_on(tmp_path, tracking_uri, fakes, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model cannot be profiled here")
+
+    monkeypatch.setattr(session, "profile_recipe", broken)
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=2)
+    summary = session.tune(recipe, search_only=True)
+    assert summary.status == "searched" and len(fakes.calls) == 2
+    assert any("planner failed (RuntimeError: the model cannot be profiled here)" in n for n in summary.notes)
+    study = study_of(recipe, summary)
+    assert "the model cannot be profiled here" in study.study.user_attrs["planner_note"]  # joiners see why
