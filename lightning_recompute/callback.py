@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 

@@ -20,7 +20,6 @@ import fnmatch
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Union
 
 import yaml
 
+from lightning_recompute.atomic import atomic_write
 from lightning_recompute.errors import PolicyError
 
 __all__ = ["Mode", "RecomputePolicy", "POLICY_VERSION", "PolicyLike"]
@@ -222,19 +222,7 @@ class RecomputePolicy:
         job starting now) sees the old policy or the new one, never half of one.
         """
         p = Path(path)
-        text = self.to_json() if p.suffix.lower() == ".json" else self.to_yaml()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return p
+        return atomic_write(p, self.to_json() if p.suffix.lower() == ".json" else self.to_yaml())
 
     def fingerprint(self) -> str:
         """A short, stable identifier of what the policy does (order-sensitive, format-independent)."""

@@ -60,8 +60,6 @@ import bisect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError

@@ -54,7 +54,6 @@ Conventions and assumptions (the planner relies on them):
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import statistics

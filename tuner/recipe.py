@@ -43,7 +43,6 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, Va
 from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.policy import Mode
 
 if TYPE_CHECKING:
     import lightning as L

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import signal
 import threading
 import time
@@ -567,8 +566,9 @@ class _Session:
         """One proposal, run or not; whether it was measured."""
         from tuner.trial import TrialResult, run_trial
 
-        study, space = self.study, self.space
-        assert study is not None  # noqa: S101 - internal invariant
+        study = self.study
+        if study is None:
+            raise RuntimeError("_one_trial called before the study was opened")
         proposal = study.ask()
         self.in_flight = proposal
         if proposal.duplicate_of is not None:

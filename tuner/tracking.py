@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from lightning_recompute.atomic import atomic_write
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
@@ -945,7 +946,7 @@ class Tracker:
             # may be what failed); the original error is the one worth raising.
             try:
                 if old_bytes is not None:
-                    _write_atomic(out, old_bytes)
+                    atomic_write(out, old_bytes)
                 elif out.exists():
                     out.unlink()
             finally:
@@ -1037,18 +1038,3 @@ def _cell(value: Any) -> Any:
     if isinstance(value, (Mapping, list, tuple)):
         return json.dumps(jsonable(value), separators=(",", ":"))
     return value
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    import os
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

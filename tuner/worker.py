@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from lightning_recompute.atomic import atomic_write
 
 __all__ = ["main", "is_oom_error", "OOM_MARKERS"]
 
@@ -240,16 +240,7 @@ def _arm_hang_report(deadline: float | None) -> None:
 
 def _write_atomic(path: Path, payload: Mapping[str, Any]) -> None:
     # The parent may find this process killed at any instant; it must see a whole result or none.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(payload))
 
 
 def _one_line(err: BaseException) -> str:

@@ -109,3 +109,17 @@ def test_policy_is_immutable() -> None:
     p = RecomputePolicy.uniform("full")
     with pytest.raises(AttributeError):
         p.layers = ()  # type: ignore[misc]
+
+
+def test_saved_policy_is_readable_by_others_and_keeps_an_existing_mode(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    path = RecomputePolicy.uniform("full").save(tmp_path / "policy.yaml")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    path.chmod(0o640)
+    RecomputePolicy.uniform("none").save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert RecomputePolicy.load(path) == RecomputePolicy.uniform("none")
