@@ -308,9 +308,10 @@ class Tracker:
     def start_session(self, recipe: Any, *, study_name: str, resume: bool = True) -> str:
         """Open the session run for ``study_name``; its run id.
 
-        With ``resume``, the most recent session run of the same study is reused when it did not
-        finish (it is RUNNING after a hard kill, KILLED after Ctrl-C, FAILED after a crash), so one
-        study keeps one session run however often it is resumed. Its status is set back to RUNNING.
+        With ``resume``, the most recent session run of the same study is reused when it was
+        interrupted (KILLED after Ctrl-C, FAILED after a crash), so one study keeps one session run
+        however often it is resumed; its status is set back to RUNNING. A session run that is
+        still RUNNING belongs to another worker on the same study, and this one gets its own.
         """
         from mlflow.entities import Param
 
@@ -697,7 +698,11 @@ class Tracker:
         if not runs:
             return None
         latest = max(runs, key=lambda r: r.info.start_time)
-        return latest.info.run_id if latest.info.status != "FINISHED" else None
+        # Only an interrupted (KILLED) or crashed (FAILED) session is picked up again. A RUNNING
+        # one belongs to a worker that is still tuning the same study: sharing its run would let
+        # whichever worker finishes first close it under the other's trials, so this worker
+        # opens a session run of its own.
+        return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
 
     def _recipe_params(self, recipe: Any, study_name: str) -> dict[str, str]:
         params = {"study_name": study_name}

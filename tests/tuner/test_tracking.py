@@ -221,6 +221,21 @@ def test_resume_reuses_the_unfinished_session_of_the_same_study(uri: str, recipe
         assert forced not in (first, fresh)
 
 
+def test_concurrent_workers_on_one_study_get_their_own_session_runs(uri: str, recipe: recipe_mod.Recipe) -> None:
+    client = MlflowClient(tracking_uri=uri)
+    a, b = Tracker(uri, "tiny-exp"), Tracker(uri, "tiny-exp")
+    run_a = a.start_session(recipe, study_name="shared")
+    run_b = b.start_session(recipe, study_name="shared")
+    assert run_a != run_b
+    a.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(5, 10.0))
+    a.close("FINISHED")
+    # the first worker finishing does not close the second one's session under it
+    assert client.get_run(run_b).info.status == "RUNNING"
+    b.log_trial(1, RecomputePolicy.uniform("none"), LAYERS, None, ok(9, 20.0))
+    b.close("FINISHED")
+    assert [r["number"] for r in b.trials_table(run_b)] == [1]
+
+
 def test_resume_with_an_extended_recipe_records_the_change_instead_of_failing(
     uri: str, recipe: recipe_mod.Recipe
 ) -> None:
