@@ -24,7 +24,7 @@ over a warm-up and a measured step: the figure the tuner's trials report. Throug
 unmetered steps of a plain training loop (forward, backward, AdamW step), interleaved: every
 configuration of a workload once per round in a rotated order, for several rounds, medians.
 
-Run:  python bench/compare.py            (full, ~25 min on 2 CPU cores)
+Run:  python bench/compare.py            (full, ~16 min on 2 CPU cores)
       python bench/compare.py --quick    (one small workload)
 Writes bench/results/compare[-quick].{txt,json} and docs/compare_<workload>.png.
 """
