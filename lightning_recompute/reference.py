@@ -39,8 +39,14 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        if self.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa" and x.device.type == "meta":
+            # On meta, F.scaled_dot_product_attention has no fused kernel and falls back to the
+            # math path, which keeps a (seq x seq) matrix no GPU run ever holds. Call the flash
+            # kernel (it has a meta implementation) so meta-device planning sees what a GPU does.
+            y = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, True)[0]
+        elif self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()

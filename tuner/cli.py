@@ -3,7 +3,7 @@
 Usage::
 
     recompute-tune RECIPE [--n-trials N] [--search-only] [--no-plan] [--format text|json]
-    recompute-tune plan RECIPE [--budget 20GiB] [--write policy.yaml] [--format text|json]
+    recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--write policy.yaml] [--format text|json]
     recompute-tune rollback RECIPE
     recompute-tune history RECIPE [--format text|json]
     recompute-tune schema
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe", help="the recipe YAML file")
     plan.add_argument("--budget", default=None, help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)")
     plan.add_argument("--write", default=None, metavar="PATH", help="write the chosen policy to PATH")
+    plan.add_argument("--meta", default=None, metavar="HARDWARE",
+                      help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4")
     plan.add_argument("--format", choices=("text", "json"), default="text")
 
     rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
@@ -233,7 +235,7 @@ def _plan(recipe: Any, args: argparse.Namespace) -> int:
     from tuner.planner import format_front
 
     try:
-        summary = session.plan(recipe, budget=args.budget, write=args.write)
+        summary = session.plan(recipe, budget=args.budget, write=args.write, meta=args.meta)
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -797,26 +797,38 @@ class PlanSummary:
         }
 
 
-def plan(recipe: Recipe, *, budget: str | int | None = None, write: str | Path | None = None) -> PlanSummary:
+def plan(
+    recipe: Recipe, *, budget: str | int | None = None, write: str | Path | None = None, meta: str | None = None
+) -> PlanSummary:
     """Profile the recipe's model and show the planner's front and its choice at ``budget``.
 
     Args:
         recipe: a loaded recipe.
         budget: bytes or a size (``"20GiB"``); default: the recipe's budget limit (after its margin).
         write: write the chosen policy here (YAML, or JSON for ``.json``), atomically.
+        meta: plan without the hardware and without allocating: profile the model on the meta
+            device and estimate time for this accelerator (a key of `tuner.profile.HARDWARE`), so a
+            7B model can be planned for an 80 GiB GPU on a laptop.
 
     Raises:
-        RecomputeError: the budget is not a size, or the model cannot be profiled.
+        RecomputeError: the budget is not a size, the hardware is unknown, or the model cannot be profiled.
     """
     from tuner.planner import BudgetError, Planner, parse_bytes
     from tuner.trial import device_info
 
-    device, total = device_info(recipe)
+    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
+    if meta is not None:
+        from tuner.profile import HARDWARE
+
+        if meta not in HARDWARE:
+            raise RecomputeError(f"--meta: unknown hardware {meta!r}; valid: {', '.join(HARDWARE)}")
+        device, total = f"{HARDWARE[meta].name} (estimated on the meta device)", HARDWARE[meta].memory_bytes
+    else:
+        device, total = device_info(recipe)
     limit = recipe.budget.limit_bytes(total) if budget is None else parse_bytes(budget)
     if limit <= 0:
         raise RecomputeError(f"--budget: must be a positive size such as 20GiB, got {budget!r}")
-    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
-    profile = profile_recipe(recipe, mb)
+    profile = _profile_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
     planner = Planner(profile)
     modes = list(recipe.search.modes)
     summary = PlanSummary(recipe=recipe.name, device=device, budget_bytes=limit, layer_names=tuple(profile.layer_names),
@@ -830,6 +842,26 @@ def plan(recipe: Recipe, *, budget: str | int | None = None, write: str | Path |
     if write is not None:
         summary.written = summary.chosen.policy.save(write)
     return summary
+
+
+def _profile_meta(recipe: Recipe, micro_batch: int | None, hardware: str) -> Any:
+    import torch
+
+    from tuner.profile import profile_meta
+    from tuner.recipe import build_datamodule, build_model
+
+    data = build_datamodule(recipe, micro_batch)
+    data.prepare_data()
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    dtype = _PRECISION_DTYPES.get(recipe.trainer.precision)
+
+    def factory() -> Any:
+        # Called under torch.device("meta") by profile_meta: parameters cost nothing.
+        model = build_model(recipe)
+        return model.to(dtype=getattr(torch, dtype)) if dtype else model
+
+    return profile_meta(factory, batch, recipe.layers, modes=list(recipe.search.modes), hardware=hardware)
 
 
 @dataclass
