@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -76,6 +77,9 @@ class RecomputeCallback(L.Callback):
         measure_memory: measure the peak memory of each step. Free on CUDA (allocator statistics);
             on CPU an exact storage ledger that costs a Python call per op, so turn it off for
             long CPU runs where speed matters more than the memory figure.
+        memory_steps: measure memory only on these global steps (``None``: on every step). On CPU
+            this keeps the ledger's cost off the steps whose time matters: a step's peak is the
+            same every step once the optimizer state exists.
         max_records: how many `StepRecord` to keep (oldest dropped first).
     """
 
@@ -84,17 +88,20 @@ class RecomputeCallback(L.Callback):
         policy: Union[dict[str, Any], str, os.PathLike, RecomputePolicy],
         layers: LayerSpec = "auto",
         measure_memory: bool = True,
+        memory_steps: Optional[Collection[int]] = None,
         max_records: int = 10_000,
     ) -> None:
         self.policy = as_policy(policy)
         self.layers = layers
         self.measure_memory = measure_memory
+        self.memory_steps = None if memory_steps is None else frozenset(int(s) for s in memory_steps)
         self.records: deque[StepRecord] = deque(maxlen=max_records)
         self.applied: Optional[AppliedPolicy] = None
         self._deferred = False
         self._meter: Optional[MemoryMeter] = None
         self._timer: Optional[StepTimer] = None
         self._step: Optional[int] = None
+        self._metering = False
 
     # ------------------------------------------------------------------ applying
 
@@ -152,7 +159,8 @@ class RecomputeCallback(L.Callback):
         if self._timer is None:
             return
         self._step = trainer.global_step
-        if self._meter is not None:
+        self._metering = self._meter is not None and (self.memory_steps is None or self._step in self.memory_steps)
+        if self._meter is not None and self._metering:
             if isinstance(self._meter, StorageMeter):
                 # The CPU ledger only sees storages created while it runs: count what already lives.
                 self._meter.track(pl_module, *trainer.optimizers, batch)
@@ -167,7 +175,7 @@ class RecomputeCallback(L.Callback):
             return
         seconds = self._timer.stop()
         peak = None
-        if self._meter is not None:
+        if self._meter is not None and self._metering:
             peak = self._meter.peak_bytes
             self._meter.stop()
         if seconds is None:

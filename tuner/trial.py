@@ -373,6 +373,9 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
 
     The warm-up steps count for memory (a real job runs them too; the optimizer state appears in
     the first) but not for time (lazy initialisation and allocator growth are one-off costs).
+    When some steps after the warm-up were measured without the memory meter (``peak_bytes``
+    None; the CPU worker does this), only those are timed: the CPU meter's own cost would
+    otherwise be part of the figure.
 
     Raises:
         ValueError: no step after the warm-up.
@@ -380,6 +383,9 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
     measured = list(steps[warmup_steps:])
     if not measured:
         raise ValueError(f"{len(steps)} step(s) recorded, none after {warmup_steps} warm-up step(s)")
+    unmetered = [s for s in measured if s.get("peak_bytes") is None]
+    if unmetered:
+        measured = unmetered
     times = [float(s["seconds"]) for s in measured]
     step_time = statistics.median(times)
     peaks = [int(s["peak_bytes"]) for s in steps if s.get("peak_bytes") is not None]

@@ -98,11 +98,19 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     policy = RecomputePolicy.from_dict(spec["policy"], source="trial policy")
     warmup, measure = int(spec["warmup_steps"]), int(spec["measure_steps"])
     steps = warmup + measure
+    memory_steps = None
+    if recipe.trainer.accelerator == "cpu":
+        # The CPU storage ledger costs a Python call per op, more for policies that run more ops
+        # (recomputation): timing metered steps would rank policies by the meter's cost. Meter the
+        # warm-up and one step after it (the optimizer state exists by then, so that step's peak is
+        # the steady one) and time the measured steps with the meter off.
+        memory_steps = range(warmup + 1)
+        steps += 1
 
     L.seed_everything(recipe.search.seed, verbose=False)
     model = build_model(recipe)
     datamodule = build_datamodule(recipe, spec.get("micro_batch"))
-    callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True)
+    callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
     trainer = L.Trainer(
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
@@ -121,7 +129,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     trainer.fit(model, datamodule=datamodule)
     records = list(callback.records)
     if len(records) < steps:
-        raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup} + measured {measure})")
+        raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup}, measured {measure})")
     return {
         "outcome": "ok",
         "warmup_steps": warmup,

@@ -77,6 +77,15 @@ def test_step_time_and_throughput_from_a_patched_clock(tmp_path: Path, monkeypat
     assert cb.records[0].samples_per_s == 8.0 and cb.records[0].tokens_per_s == 128.0
 
 
+def test_memory_measured_only_on_the_chosen_steps(tmp_path: Path) -> None:
+    cb = RecomputeCallback(RecomputePolicy.uniform("full"), memory_steps={1, 2})
+    _trainer(tmp_path, [cb], max_steps=4).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
+    peaks = [r.peak_bytes for r in cb.records]
+    assert peaks[0] is None and peaks[3] is None
+    # steady once AdamW's state exists (to a few bytes: scalar tensors such as the logged loss)
+    assert peaks[1] is not None and peaks[1] == pytest.approx(peaks[2], abs=64)
+
+
 def test_samples_only_batches_report_no_tokens(tmp_path: Path) -> None:
     class Regressor(L.LightningModule):
         def __init__(self) -> None:

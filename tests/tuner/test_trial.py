@@ -122,6 +122,18 @@ def test_summarize_steps_excludes_warmup_from_time_but_not_from_memory() -> None
         summarize_steps(steps, warmup_steps=4)
 
 
+def test_summarize_steps_times_only_unmetered_steps_when_there_are_some() -> None:
+    steps = [
+        {"seconds": 9.0, "peak_bytes": 400, "samples": 4, "tokens": None},  # warm-up, metered
+        {"seconds": 5.0, "peak_bytes": 500, "samples": 4, "tokens": None},  # metered: slow because of the meter
+        {"seconds": 1.0, "peak_bytes": None, "samples": 4, "tokens": None},
+        {"seconds": 2.0, "peak_bytes": None, "samples": 4, "tokens": None},
+    ]
+    s = summarize_steps(steps, warmup_steps=1)
+    assert s["step_times_s"] == (1.0, 2.0) and s["step_time_s"] == 1.5
+    assert s["peak_bytes"] == 500
+
+
 def test_reference_model_trials_measure_and_full_recompute_peaks_lower(runs: dict[str, _Timed]) -> None:
     full, none = runs["measured"].result
     assert full.outcome == "ok", full.stderr_tail
