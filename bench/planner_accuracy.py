@@ -67,11 +67,12 @@ def loss_fn(model: Any, batch: Any) -> torch.Tensor:
 
 
 def one_step(model: ReferenceGPT, batch: Any, opt: torch.optim.Optimizer) -> None:
+    # Lightning's order: gradients are zeroed between the forward and the backward.
     loss = loss_fn(model, batch)
+    opt.zero_grad(set_to_none=True)
     loss.backward()
     del loss
     opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def measure_peak(model: ReferenceGPT, batch: Any, opt: torch.optim.Optimizer, policy: RecomputePolicy) -> int:

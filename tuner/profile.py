@@ -30,10 +30,11 @@ Entry points::
 
 Conventions and assumptions (the planner relies on them):
 
-- The step is ``loss = loss_fn(model, batch); loss.backward(); optimizer.step();
-  optimizer.zero_grad(set_to_none=True)``, as Lightning's automatic optimisation runs it:
-  gradients do not exist when the forward starts. The profiled step is the second one, so
-  optimizer state exists (it is part of the base level, not of the step).
+- The step is ``loss = loss_fn(model, batch); optimizer.zero_grad(set_to_none=True);
+  loss.backward(); optimizer.step()``, in the order Lightning's automatic optimisation runs it:
+  the previous step's gradients are alive through the forward and freed just before backward.
+  The profiled step is the second one, so optimizer state and gradients exist (part of the base
+  level, not of the step).
 - Every layer runs once per step, in order, and its backward runs after every later layer's.
 - A layer's ``fwd`` delta is what it keeps for backward *including its output* (the next layer
   holds it); the net change of a layer over its forward and backward (``net``: its parameter
@@ -583,11 +584,13 @@ def _run_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.op
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
     mark("loss")
+    # Lightning's automatic optimisation zeroes gradients after training_step and before
+    # backward, so the previous step's gradients are alive through the whole forward.
+    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     del loss
     mark("backward")
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     mark("optimizer")
 
 
@@ -793,7 +796,9 @@ class _Session:
             modes=list(self.modes),
             base_bytes=rec0.events[0].level,
             param_bytes=_storage_bytes(self.model.parameters(), self.device.type),
-            grad_bytes=sum(c.grad for c in none.values() if c.grad > 0),
+            # A gradient is the size of its parameter. (Summing per-segment growth would miss the
+            # head's: its gradients appear in the segment where zero_grad frees the old ones.)
+            grad_bytes=_storage_bytes((p for p in self.model.parameters() if p.requires_grad), self.device.type),
             optimizer_bytes=_storage_bytes(
                 (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)), self.device.type
             ),

@@ -294,7 +294,16 @@ def _profile_here(recipe: Recipe, micro_batch: int | None, repeats: int) -> Any:
         device = "cuda"
     dtype = _PRECISION_DTYPES.get(recipe.trainer.precision)
     model = model.to(device=device, dtype=getattr(torch, dtype) if dtype else None)
-    return profile_model(model, batch, recipe.layers, modes=list(recipe.search.modes), repeats=repeats)
+    # Time the profile under the trials' conditions: a recipe that pins trial threads
+    # (trial.env OMP_NUM_THREADS) would otherwise be predicted at another speed than it runs.
+    threads = recipe.trial.env.get("OMP_NUM_THREADS")
+    previous = torch.get_num_threads()
+    if threads is not None and str(threads).isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    try:
+        return profile_model(model, batch, recipe.layers, modes=list(recipe.search.modes), repeats=repeats)
+    finally:
+        torch.set_num_threads(previous)
 
 
 @dataclass

@@ -180,22 +180,20 @@ def _model(attention: str) -> ReferenceGPT:
 
 
 def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor], policy: RecomputePolicy) -> int:
-    """The peak of one real training step (second step: optimizer state exists) under the CPU meter."""
-    apply_policy(model, policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for measured in (False, True):
-        meter = StorageMeter()
-        meter.track(model, opt, batch)
-        with meter:
-            loss = model.loss(batch)
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        peak = meter.peak_bytes
-        meter.close()
-    remove_policy(model)
-    return peak
+    """The peak of a real Lightning training step (the second: optimizer state exists), as the
+    tuner's trials measure it: RecomputeCallback's CPU meter, params, grads and AdamW state counted."""
+    import copy
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_recompute import RecomputeCallback
+
+    cb = RecomputeCallback(policy, memory_steps={1})
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(copy.deepcopy(model), DataLoader([batch, batch], batch_size=None))
+    return cb.records[1].peak_bytes
 
 
 @pytest.fixture(scope="module")
