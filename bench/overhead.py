@@ -87,7 +87,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny-steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a small shared machine, steadier than all cores)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     configs = ["plain", "cb-none", "cb-none+mem", "hand-full", "cb-full"]
     times: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(args.rounds):
