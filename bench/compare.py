@@ -56,7 +56,7 @@ import lightning as L
 import torch
 import yaml
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy, StorageMeter, apply_policy, layer_names
+from lightning_recompute import RecomputeCallback, RecomputePolicy, apply_policy, layer_names
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,19 +17,6 @@ POLICY = RecomputePolicy.from_dict(
     {"version": 1, "layers": {"blocks.0": "none", "blocks.[1-2]": "selective", "blocks.*": "full"},
      "selective": {"save": ["aten.mm"]}}
 )
-
-
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
-    return db
-
-
-@pytest.fixture
-def uri(tmp_path: Path, empty_db: Path) -> str:
-    shutil.copy(empty_db, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
 def good_experiment(uri: str, tmp_path: Path, *, policy_text: str | None = POLICY.to_yaml(), tag: bool = True) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +21,6 @@ A = RecomputePolicy.uniform("full")
 B = RecomputePolicy.first_n(LAYERS, 1, "selective")
 C = RecomputePolicy.uniform("selective")
 LIMIT = 100 * 2**20
-
-
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
-    return db
-
-
-@pytest.fixture
-def uri(tmp_path: Path, empty_db: Path) -> str:
-    shutil.copy(empty_db, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
 @pytest.fixture

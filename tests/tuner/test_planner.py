@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recompute import RecomputeError, RecomputePolicy, StorageMeter, apply_policy, remove_policy
+from lightning_recompute import RecomputeError, RecomputePolicy
 from lightning_recompute.reference import ReferenceGPT
 from tuner.planner import BudgetError, Planner, PlannerError, format_bytes, format_front, parse_bytes
 from tuner.profile import LayerProfile, Profile, SegmentCost, profile_model

@@ -22,14 +22,6 @@ LAYERS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An MLflow database with its schema created once: migrations take seconds, copies take none."""
-    db = tmp_path_factory.mktemp("template") / "mlflow.db"
-    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
-    return db
-
-
 @pytest.fixture
 def uri(tmp_path: Path, empty_db: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     shutil.copy(empty_db, tmp_path / "mlflow.db")
