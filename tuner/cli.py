@@ -300,11 +300,6 @@ def _num(value: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} GiB"
+    from tuner.units import format_bytes
+
+    return "-" if n is None else format_bytes(n)

@@ -57,14 +57,16 @@ modes earlier in ``none, selective, full, offload`` order.
 from __future__ import annotations
 
 import bisect
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy
 from tuner.profile import ALL_MODES, Profile, SegmentCost
+from tuner.units import format_bytes
+from tuner.units import parse_bytes as _parse_bytes
 
 __all__ = [
     "BudgetError",
@@ -94,43 +96,12 @@ class BudgetError(PlannerError):
 
 # --------------------------------------------------------------------------- bytes
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_bytes(value: str | int | float) -> int:
-    """``"20GiB"`` -> 21474836480. Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal
-    ones (KB, MB, GB, TB, or K, M, G, T) powers of 1000; a bare number is bytes. Case-insensitive."""
-    if isinstance(value, bool):
-        raise PlannerError(f"bytes: expected a size such as 20GiB or 512MB, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0 or value != value:
-            raise PlannerError(f"bytes: must be non-negative, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise PlannerError(f"bytes: expected a size such as 20GiB or 512MB, got {type(value).__name__}")
-    m = _BYTES_RE.match(value)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise PlannerError(
-            f"bytes: cannot parse {value!r}; write a number and a unit, e.g. 20GiB, 80GB, 512MiB "
-            f"(units: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024))"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units, three significant decimals: ``21474836480`` -> ``20.00 GiB``."""
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """``"20GiB"`` -> 21474836480 (`tuner.units.parse_bytes`, zero allowed), as a `PlannerError` on bad input."""
+    try:
+        return _parse_bytes(value, allow_zero=True)
+    except ValueError as err:
+        raise PlannerError(f"bytes: {err}") from None
 
 
 # --------------------------------------------------------------------------- results

@@ -74,6 +74,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_recompute import RecomputePolicy, apply_policy, applied_policy, find_layers, remove_policy
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
+from tuner.units import format_bytes
 from lightning_recompute.meter import MemoryMeter, StorageMeter, memory_meter, synchronize
 from lightning_recompute.policy import Mode
 
@@ -304,28 +305,18 @@ class Profile:
         """A per-layer table of kept bytes, times and recomputed FLOPs per mode."""
         lines = [
             f"profile on {self.device} ({self.hardware or 'this machine'}), micro-batch {self.micro_batch}, time {self.time_source}",
-            f"base {_fmt_bytes(self.base_bytes)} = params {_fmt_bytes(self.param_bytes)} + optimizer {_fmt_bytes(self.optimizer_bytes)}"
-            f" + batch {_fmt_bytes(self.batch_bytes)} (+ buffers); gradients {_fmt_bytes(self.grad_bytes)}",
+            f"base {format_bytes(self.base_bytes)} = params {format_bytes(self.param_bytes)} + optimizer {format_bytes(self.optimizer_bytes)}"
+            f" + batch {format_bytes(self.batch_bytes)} (+ buffers); gradients {format_bytes(self.grad_bytes)}",
         ]
         header = f"{'layer':<16}" + "".join(f"{m + ' kept':>16}{m + ' ms':>14}" for m in self.modes)
         lines.append(header)
         for layer in self.layers:
             row = f"{layer.name:<16}"
             for m in self.modes:
-                row += f"{_fmt_bytes(layer.fwd[m].delta):>16}{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>14.3f}"
+                row += f"{format_bytes(layer.fwd[m].delta):>16}{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>14.3f}"
             lines.append(row)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _fmt_bytes(n: float) -> str:
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- instruments

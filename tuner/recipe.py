@@ -43,6 +43,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, Va
 from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError
+from tuner.units import format_bytes as _format_bytes
+from tuner.units import parse_bytes
 
 if TYPE_CHECKING:
     import lightning as L
@@ -102,49 +104,6 @@ class RecipeError(RecomputeError, ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- sizes
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from an integer or a size string: ``"20GiB"`` (binary units), ``"20GB"`` (decimal), ``"512 MiB"``.
-
-    Raises:
-        ValueError: not a size; the message lists the units understood.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"a size must be positive, got {value}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value <= 0 or value != int(value):
-            raise ValueError(f"a number of bytes must be a positive whole number, got {value!r}")
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if n >= 1:
-                return int(n)
-    raise ValueError(
-        f"{value!r} is not a size (valid: a number of bytes, or a number with a unit: "
-        f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based), e.g. 20GiB)"
-    )
-
-
-def _format_bytes(n: int) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
 
 # ---------------------------------------------------------------------------------------------- schema
 

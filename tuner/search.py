@@ -37,6 +37,7 @@ from optuna.trial import FrozenTrial, TrialState
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import find_layers
 from lightning_recompute.policy import Mode, RecomputePolicy
+from tuner.units import format_bytes
 
 try:
     import fcntl
@@ -830,8 +831,5 @@ def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: fl
 
 
 def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
+    return f"{format_bytes(n)} ({n} bytes)" if n >= 1024 else f"{n} bytes"
 

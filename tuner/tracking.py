@@ -46,6 +46,7 @@ from lightning_recompute.atomic import atomic_write
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
+from tuner.units import format_bytes as _format_bytes
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -1005,12 +1006,7 @@ def _int_or_none(value: Any) -> int | None:
 def format_bytes(value: Any) -> str:
     """``1.50 GiB``-style text; ``n/a`` for ``None``."""
     v = _finite(value)
-    if v is None:
-        return "n/a"
-    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if v >= scale:
-            return f"{v / scale:.2f} {name}"
-    return f"{int(v)} B"
+    return "n/a" if v is None else _format_bytes(v)
 
 
 def _flatten(data: Any, prefix: str) -> dict[str, str]:

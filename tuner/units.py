@@ -1,0 +1,56 @@
+"""Byte sizes: parsing ``"20GiB"`` and printing ``20.00 GiB``, one way for the whole tuner."""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_bytes", "format_bytes"]
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
+    """Bytes from a whole number or a size string: ``"20GiB"`` (1024-based), ``"20GB"`` (1000-based), ``"512 MiB"``.
+
+    Case-insensitive; a bare number is bytes. Sizes must be positive (or zero with ``allow_zero``).
+
+    Raises:
+        ValueError: not a size; the message lists the units understood.
+    """
+    smallest = 0 if allow_zero else 1
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < smallest:
+            raise ValueError(f"a size must be {'non-negative' if allow_zero else 'positive'}, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < smallest or value != int(value):
+            raise ValueError(f"a number of bytes must be a {'non-negative' if allow_zero else 'positive'} whole number, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if n >= smallest:
+                return int(n)
+    raise ValueError(
+        f"{value!r} is not a size (valid: a number of bytes, or a number with a unit: "
+        f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based), e.g. 20GiB)"
+    )
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units with two decimals: ``21474836480`` -> ``20.00 GiB``; small values in ``B``."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # the loop returns at TiB
