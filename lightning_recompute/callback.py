@@ -204,6 +204,10 @@ class RecomputeCallback(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop_meter()
+        if isinstance(self._meter, StorageMeter):
+            # Detach the ledger's finalizers from storages that outlive the run (parameters).
+            self._meter.close()
+        self._meter = None
 
     # ------------------------------------------------------------------ checkpoints
 
