@@ -60,13 +60,24 @@ from lightning_recompute import RecomputeCallback, RecomputePolicy, apply_policy
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_methods as peers  # noqa: E402 - a sibling module of this script, not a package
+import compare_methods as peers
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (0.3, 0.5, 0.7)
 MODES = ("none", "selective", "full")
 MEGATRON_SAVE = ("aten.mm", "aten.addmm")
-METHODS = ("none", "full", "every-k", "selective-attn", "op-sac", "sqrt-n", "compile", "torch-sac-ilp", "planner", "tuned")
+METHODS = (
+    "none",
+    "full",
+    "every-k",
+    "selective-attn",
+    "op-sac",
+    "sqrt-n",
+    "compile",
+    "torch-sac-ilp",
+    "planner",
+    "tuned",
+)
 PEERS = METHODS[:-1]
 
 
@@ -83,8 +94,16 @@ class Workload:
 
 
 def _gpt(n_layer: int, n_embd: int, seq_len: int, attention: str, **extra: Any) -> dict[str, Any]:
-    return dict(vocab_size=256, seq_len=seq_len, n_layer=n_layer, n_embd=n_embd, n_head=4, dropout=0.0,
-                attention=attention, **extra)
+    return dict(
+        vocab_size=256,
+        seq_len=seq_len,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=4,
+        dropout=0.0,
+        attention=attention,
+        **extra,
+    )
 
 
 FULL_WORKLOADS = (
@@ -150,8 +169,13 @@ def _model(wl: Workload) -> ReferenceGPT:
 
 
 def _data(wl: Workload, num_batches: int = 4) -> SyntheticTokens:
-    return SyntheticTokens(vocab_size=wl.model["vocab_size"], seq_len=wl.model["seq_len"], batch_size=wl.batch,
-                           num_batches=num_batches, seed=0)
+    return SyntheticTokens(
+        vocab_size=wl.model["vocab_size"],
+        seq_len=wl.model["seq_len"],
+        batch_size=wl.batch,
+        num_batches=num_batches,
+        seed=0,
+    )
 
 
 def _batch(wl: Workload) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,15 +192,25 @@ def measure_peak(wl: Workload, cfg: Config) -> int:
     if cfg.policy is None:
         # The callback's meter exists only once fit starts; the compiled forward asks for it per call.
         prepare = cfg.compile_metered or cfg.prepare
-        prepare(model, lambda: callback._meter)  # noqa: SLF001 - bench code reads the step's meter
+        prepare(model, lambda: callback._meter)
         if cfg.compile_metered is not None:
             # Compile forward and backward before the meter runs: AOTAutograd traces with fake
             # tensors, which must not happen under the ledger's dispatch mode.
             model.loss(_batch(wl)).backward()
             model.zero_grad(set_to_none=True)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, max_epochs=-1, limit_val_batches=0,
-                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        max_epochs=-1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     trainer.fit(model, datamodule=_data(wl))
     peaks = [r.peak_bytes for r in callback.records if r.peak_bytes is not None]
     if len(peaks) < 2:
@@ -219,7 +253,7 @@ def measure_times(wl: Workload, configs: Sequence[Config], rounds: int, steps: i
             cfg.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log(f"  {cfg.label}: cannot run: {cfg.error}")
     for r in range(rounds):
-        order = runners[r % len(runners):] + runners[: r % len(runners)] if runners else []
+        order = runners[r % len(runners) :] + runners[: r % len(runners)] if runners else []
         for runner in order:
             runner.step()  # re-warms caches another configuration just evicted
             runner.cfg.step_times += [runner.step() for _ in range(steps)]
@@ -246,9 +280,15 @@ def _recipe_dict(wl: Workload, budget_bytes: int, n_trials: int, name: str) -> d
     return {
         "name": name,
         "model": {"class_path": "lightning_recompute.reference.ReferenceGPT", "init_args": dict(wl.model)},
-        "data": {"class_path": "lightning_recompute.reference.SyntheticTokens",
-                 "init_args": {"vocab_size": wl.model["vocab_size"], "seq_len": wl.model["seq_len"],
-                               "batch_size": wl.batch, "num_batches": 8}},
+        "data": {
+            "class_path": "lightning_recompute.reference.SyntheticTokens",
+            "init_args": {
+                "vocab_size": wl.model["vocab_size"],
+                "seq_len": wl.model["seq_len"],
+                "batch_size": wl.batch,
+                "num_batches": 8,
+            },
+        },
         "trainer": {"accelerator": "cpu", "precision": "32-true"},
         "layers": "auto",
         # Margin 0: the tuner is held to exactly the budget every other method is judged by.
@@ -295,8 +335,17 @@ def run_tuner(wl: Workload, fraction: float, budget_bytes: int, n_trials: int, w
                 finished = done.get(rec.number)
                 to_seconds = (finished - started).total_seconds() if finished is not None else None
                 break
-    return TunerRun(fraction, best.policy if promoted else None, summary.status, len(measured), to_trials, to_seconds,
-                    wall, list(summary.reasons), table)
+    return TunerRun(
+        fraction,
+        best.policy if promoted else None,
+        summary.status,
+        len(measured),
+        to_trials,
+        to_seconds,
+        wall,
+        list(summary.reasons),
+        table,
+    )
 
 
 # --------------------------------------------------------------------------------------------- one workload
@@ -306,8 +355,13 @@ def _probe_sac_ilp() -> str:
     """Why torch's SAC ILP could not run here, or '' if its pipeline ran (one subprocess per mode)."""
     errors = []
     for mode in ("operator-level-benchmark", "operator-level-cost-model"):
-        proc = subprocess.run([sys.executable, str(Path(peers.__file__)), "sac-ilp-probe", mode],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [sys.executable, str(Path(peers.__file__)), "sac-ilp-probe", mode],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         try:
             res = json.loads(proc.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
@@ -319,8 +373,9 @@ def _probe_sac_ilp() -> str:
     return "; ".join(dict.fromkeys(errors))
 
 
-def run_workload(wl: Workload, args: argparse.Namespace, sac_ilp_error: str, workdir: Path,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+def run_workload(
+    wl: Workload, args: argparse.Namespace, sac_ilp_error: str, workdir: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
     t_start = time.perf_counter()
     names = layer_names(_model(wl))
     n = len(names)
@@ -352,7 +407,8 @@ def run_workload(wl: Workload, args: argparse.Namespace, sac_ilp_error: str, wor
     if wl.name in args.compile_workloads or "all" in args.compile_workloads:
         for f in args.budgets:
             cfg = Config(
-                f"compile:{f}", f"compile(budget={f:g})",
+                f"compile:{f}",
+                f"compile(budget={f:g})",
                 prepare=functools_partial(peers.apply_compile, budget=f, metered=False),
                 compile_metered=lambda m, meter_of, f=f: peers.apply_compile(m, f, metered=True, meter_of=meter_of),
             )
@@ -362,8 +418,10 @@ def run_workload(wl: Workload, args: argparse.Namespace, sac_ilp_error: str, wor
                 compile_note = f"could not run: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 break
     else:
-        compile_note = ("not run for this workload: inductor compiles each budget's graph for ~70 s on this machine; "
-                        "--compile-workloads all runs it everywhere")
+        compile_note = (
+            "not run for this workload: inductor compiles each budget's graph for ~70 s on this machine; "
+            "--compile-workloads all runs it everywhere"
+        )
 
     # The planner: one measured profile of this workload, then the exact solver per budget.
     from tuner.planner import BudgetError, Planner
@@ -400,12 +458,23 @@ def run_workload(wl: Workload, args: argparse.Namespace, sac_ilp_error: str, wor
 
     rows: list[Row] = []
     for f, b in budgets.items():
+
         def row(method: str, cfg: Config | None, detail: str = "", note: str = "") -> None:
             if cfg is None:
                 rows.append(Row(method, f, None, detail, note=note))
                 return
-            rows.append(Row(method, f, cfg.key, detail or cfg.label, cfg.peak_bytes, tput(cfg),
-                            None if cfg.peak_bytes is None else cfg.peak_bytes <= b, note=cfg.error or note))
+            rows.append(
+                Row(
+                    method,
+                    f,
+                    cfg.key,
+                    detail or cfg.label,
+                    cfg.peak_bytes,
+                    tput(cfg),
+                    None if cfg.peak_bytes is None else cfg.peak_bytes <= b,
+                    note=cfg.error or note,
+                )
+            )
 
         row("none", none)
         row("full", full)
@@ -420,17 +489,29 @@ def run_workload(wl: Workload, args: argparse.Namespace, sac_ilp_error: str, wor
         row("op-sac", op_sac)
         row("sqrt-n", sqrt_n)
         if f in compiled:
-            row("compile", compiled[f], note="peak: same partition run op by op (inductor's own buffers bypass the ledger)")
+            row(
+                "compile",
+                compiled[f],
+                note="peak: same partition run op by op (inductor's own buffers bypass the ledger)",
+            )
         else:
             row("compile", None, "compile", compile_note)
         row("torch-sac-ilp", None, "torch-sac-ilp", f"could not run: {sac_ilp_error}" if sac_ilp_error else "")
         p = planned[f]
-        row("planner", p if isinstance(p, Config) else None, "" if isinstance(p, Config) else "planner",
-            "" if isinstance(p, Config) else p)
+        row(
+            "planner",
+            p if isinstance(p, Config) else None,
+            "" if isinstance(p, Config) else "planner",
+            "" if isinstance(p, Config) else p,
+        )
         tr = tuned[f]
         if f in tuned_cfg:
-            row("tuned", tuned_cfg[f], note=f"{tr.trials} trials; within 2% of its best after {tr.trials_to_2pct} "
-                                            f"trials / {_s(tr.seconds_to_2pct)}; session {tr.wall_s:.0f} s")
+            row(
+                "tuned",
+                tuned_cfg[f],
+                note=f"{tr.trials} trials; within 2% of its best after {tr.trials_to_2pct} "
+                f"trials / {_s(tr.seconds_to_2pct)}; session {tr.wall_s:.0f} s",
+            )
         else:
             row("tuned", None, "tuned", f"nothing promoted ({tr.status}): {'; '.join(tr.reasons)[:300]}")
         mine = next(r for r in rows if r.budget == f and r.method == "tuned")
@@ -445,10 +526,14 @@ def run_workload(wl: Workload, args: argparse.Namespace, sac_ilp_error: str, wor
         "budgets": {str(f): b for f, b in budgets.items()},
         "profile_s": profile_s,
         "rows": [dataclasses.asdict(r) for r in rows],
-        "tuner": {str(f): dataclasses.asdict(tr) | {"policy": None if tr.policy is None else tr.policy.to_dict()}
-                  for f, tr in tuned.items()},
-        "configs": {k: {"label": c.label, "peak_bytes": c.peak_bytes, "step_times_s": c.step_times, "error": c.error}
-                    for k, c in configs.items()},
+        "tuner": {
+            str(f): dataclasses.asdict(tr) | {"policy": None if tr.policy is None else tr.policy.to_dict()}
+            for f, tr in tuned.items()
+        },
+        "configs": {
+            k: {"label": c.label, "peak_bytes": c.peak_bytes, "step_times_s": c.step_times, "error": c.error}
+            for k, c in configs.items()
+        },
         "wall_s": time.perf_counter() - t_start,
     }
 
@@ -493,8 +578,10 @@ def format_report(result: dict[str, Any], tolerance: float) -> str:
     ]
     for w in result["workloads"]:
         wl = w["workload"]
-        lines.append(f"## {wl['name']}: {wl['model']}, batch {wl['batch']}; no-recompute peak "
-                     f"{w['none_peak_bytes'] / 2**20:.2f} MiB; {w['wall_s']:.0f} s")
+        lines.append(
+            f"## {wl['name']}: {wl['model']}, batch {wl['batch']}; no-recompute peak "
+            f"{w['none_peak_bytes'] / 2**20:.2f} MiB; {w['wall_s']:.0f} s"
+        )
         for f, b in w["budgets"].items():
             rows = [r for r in w["rows"] if str(r["budget"]) == f]
             lines.append(f"### budget {float(f):.0%} = {b / 2**20:.2f} MiB: {verdict(rows, tolerance)}")
@@ -526,8 +613,14 @@ def plot_workload(w: dict[str, Any], path: Path) -> None:
         seen.add((r["method"], r["config"]))
         budget_bound = r["method"] in ("every-k", "compile", "planner", "tuned")
         color = colors.get(str(r["budget"]), "tab:blue") if budget_bound else "tab:blue"
-        ax.scatter(r["peak_bytes"] / 2**20, r["tokens_per_s"], marker=markers[r["method"]], s=90 if r["method"] == "tuned" else 50,
-                   color=color, label=f"{r['method']}" + (f" @{float(r['budget']):.0%}" if budget_bound else ""))
+        ax.scatter(
+            r["peak_bytes"] / 2**20,
+            r["tokens_per_s"],
+            marker=markers[r["method"]],
+            s=90 if r["method"] == "tuned" else 50,
+            color=color,
+            label=f"{r['method']}" + (f" @{float(r['budget']):.0%}" if budget_bound else ""),
+        )
     for f, b in w["budgets"].items():
         ax.axvline(b / 2**20, color=colors.get(f, "gray"), ls="--", lw=1)
         ax.text(b / 2**20, ax.get_ylim()[0], f" {float(f):.0%}", color=colors.get(f, "gray"), va="bottom")
@@ -545,8 +638,10 @@ def _versions() -> str:
     import mlflow
     import optuna
 
-    return (f"python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
-            f"optuna {optuna.__version__}, mlflow {mlflow.__version__}")
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
+        f"optuna {optuna.__version__}, mlflow {mlflow.__version__}"
+    )
 
 
 def _machine() -> str:
@@ -557,8 +652,10 @@ def _machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.system()} "
-            f"{platform.release()}, load average at start {load:.1f}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.system()} "
+        f"{platform.release()}, load average at start {load:.1f}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -567,13 +664,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="one small workload, fewer rounds and trials")
     size.add_argument("--smoke", action="store_true", help="a tiny workload, one budget: the test's version")
     parser.add_argument("--budgets", type=float, nargs="+", default=None, help="fractions of the no-recompute peak")
-    parser.add_argument("--workloads", nargs="+", default=None, help="names of workloads to run (default: all of the size)")
+    parser.add_argument(
+        "--workloads", nargs="+", default=None, help="names of workloads to run (default: all of the size)"
+    )
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration per round")
     parser.add_argument("--trials", type=int, default=None, help="tuner trials per budget")
     parser.add_argument("--profile-repeats", type=int, default=3)
-    parser.add_argument("--compile-workloads", nargs="*", default=None,
-                        help="workloads that run torch.compile (default: the first one in full and quick runs; 'all')")
+    parser.add_argument(
+        "--compile-workloads",
+        nargs="*",
+        default=None,
+        help="workloads that run torch.compile (default: the first one in full and quick runs; 'all')",
+    )
     parser.add_argument("--tolerance", type=float, default=0.02, help="noise allowed before a row counts as slower")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--plots", type=Path, default=None, help="plot folder (default docs/)")
@@ -586,8 +689,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads, defaults = QUICK_WORKLOADS, dict(budgets=list(BUDGETS), rounds=3, steps=2, trials=4, compile=[])
         tag = "quick"
     else:
-        workloads, defaults = FULL_WORKLOADS, dict(budgets=list(BUDGETS), rounds=5, steps=3, trials=5,
-                                                   compile=[FULL_WORKLOADS[0].name])
+        workloads, defaults = (
+            FULL_WORKLOADS,
+            dict(budgets=list(BUDGETS), rounds=5, steps=3, trials=5, compile=[FULL_WORKLOADS[0].name]),
+        )
         tag = ""
     if args.workloads:
         workloads = tuple(w for w in workloads if w.name in args.workloads)
@@ -603,8 +708,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the tuner's trials run with OMP_NUM_THREADS=1 too (see _recipe_dict).
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow", "optuna", "alembic", "torch._dynamo",
-                 "torch._inductor"):
+    for name in (
+        "lightning",
+        "lightning.pytorch",
+        "lightning.fabric",
+        "mlflow",
+        "optuna",
+        "alembic",
+        "torch._dynamo",
+        "torch._inductor",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     started = time.perf_counter()
 
@@ -627,9 +740,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "argv": list(argv if argv is not None else sys.argv[1:]),
         "machine": _machine(),
         "versions": _versions(),
-        "settings": (f"budgets {args.budgets}, rounds {args.rounds} x {args.steps} steps (+1 re-warm step per visit), "
-                     f"tuner trials {args.trials} per budget (1 warm-up + 3 measured steps each, margin 0), "
-                     f"1 torch thread, total {time.perf_counter() - started:.0f} s"),
+        "settings": (
+            f"budgets {args.budgets}, rounds {args.rounds} x {args.steps} steps (+1 re-warm step per visit), "
+            f"tuner trials {args.trials} per budget (1 warm-up + 3 measured steps each, margin 0), "
+            f"1 torch thread, total {time.perf_counter() - started:.0f} s"
+        ),
         "sac_ilp": sac_ilp_error,
         "workloads": results,
     }

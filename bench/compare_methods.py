@@ -196,7 +196,9 @@ def _metered_backend(meter_of: Callable[[], StorageMeter | None]) -> Any:
 class _CompiledForward:
     """The model's forward, compiled, always called under its activation-memory budget."""
 
-    def __init__(self, compiled: Callable[..., Any], budget: float, meter_of: Callable[[], StorageMeter | None] | None) -> None:
+    def __init__(
+        self, compiled: Callable[..., Any], budget: float, meter_of: Callable[[], StorageMeter | None] | None
+    ) -> None:
         self.compiled = compiled
         self.budget = budget
         self.meter_of = meter_of
@@ -260,7 +262,7 @@ def probe_sac_ilp(mode: str) -> dict[str, Any]:
     """
     out: dict[str, Any] = {"ok": False, "stage": "import", "error": None, "detail": ""}
     try:
-        import pulp  # noqa: F401
+        import pulp
 
         out["detail"] += f"pulp {pulp.__version__} present; "
     except ImportError as err:

@@ -74,8 +74,14 @@ def run(config: str, steps: int, warmup: int, tiny: bool = False) -> list[float]
         mode = "full" if config == "cb-full" else "none"
         callbacks.append(RecomputeCallback(RecomputePolicy.uniform(mode), measure_memory=config.endswith("+mem")))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(model, SyntheticTokens(**(TINY_DATA if tiny else DATA)))
     return clock.times[warmup:]
@@ -87,20 +93,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny-steps", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: on a small shared machine, steadier than all cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a small shared machine, steadier than all cores)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     configs = ["plain", "cb-none", "cb-none+mem", "hand-full", "cb-full"]
     times: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for c in order:
             times[c] += run(c, args.steps, args.warmup)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     tiny: dict[str, list[float]] = {"plain": [], "cb-none": []}
     for r in range(args.rounds):
-        for c in (["plain", "cb-none"] if r % 2 == 0 else ["cb-none", "plain"]):
+        for c in ["plain", "cb-none"] if r % 2 == 0 else ["cb-none", "plain"]:
             tiny[c] += run(c, args.tiny_steps, 20, tiny=True)
     med = {c: statistics.median(v) for c, v in times.items()}
     tiny_med = {c: statistics.median(v) for c, v in tiny.items()}
@@ -112,7 +122,13 @@ def main() -> None:
         f"# model {MODEL}, batch {DATA['batch_size']}",
         f"{'config':<12} {'median step ms':>15} {'n':>4}  ratio",
     ]
-    ref = {"plain": "plain", "cb-none": "plain", "cb-none+mem": "plain", "hand-full": "hand-full", "cb-full": "hand-full"}
+    ref = {
+        "plain": "plain",
+        "cb-none": "plain",
+        "cb-none+mem": "plain",
+        "hand-full": "hand-full",
+        "cb-full": "hand-full",
+    }
     for c in configs:
         ratio = med[c] / med[ref[c]]
         lines.append(f"{c:<12} {med[c] * 1e3:>15.2f} {len(times[c]):>4}  {ratio:.4f} vs {ref[c]}")

@@ -90,7 +90,9 @@ def measure_peak(model: ReferenceGPT, batch: Any, opt: torch.optim.Optimizer, po
 CLOCK = time.thread_time
 
 
-def measure_times(model: ReferenceGPT, batch: Any, opt: torch.optim.Optimizer, policies: list[RecomputePolicy], rounds: int, seed: int) -> list[float]:
+def measure_times(
+    model: ReferenceGPT, batch: Any, opt: torch.optim.Optimizer, policies: list[RecomputePolicy], rounds: int, seed: int
+) -> list[float]:
     """Median step seconds per policy; every policy once per round, in a shuffled order."""
     rng = random.Random(seed)
     samples: list[list[float]] = [[] for _ in policies]
@@ -123,8 +125,15 @@ def random_policies(names: list[str], n: int, seed: int) -> list[RecomputePolicy
 def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: list[str]) -> dict[str, float]:
     model, batch = build(size, attention)
     t0 = time.perf_counter()
-    prof = profile_model(model, batch, modes=MODES, loss_fn=loss_fn, repeats=rounds, clock=CLOCK,
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    prof = profile_model(
+        model,
+        batch,
+        modes=MODES,
+        loss_fn=loss_fn,
+        repeats=rounds,
+        clock=CLOCK,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+    )
     t_prof = time.perf_counter() - t0
     planner = Planner(prof)
     policies = random_policies(prof.layer_names, n_policies, seed=len(size) * 10 + len(attention))
@@ -135,15 +144,19 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
     mem_err = [abs(pr.peak_bytes - m) / m for pr, m in zip(preds, peaks)]
     time_err = [abs(pr.step_seconds - t) / t for pr, t in zip(preds, times)]
     lines.append(f"\n== {size} / {attention}: {len(prof.layers)} layers, profile {t_prof:.1f} s ==")
-    lines.append(f"{'policy':<10}{'pred peak':>12}{'meas peak':>12}{'err':>8}{'pred step':>12}{'meas step':>12}{'err':>8}")
+    lines.append(
+        f"{'policy':<10}{'pred peak':>12}{'meas peak':>12}{'err':>8}{'pred step':>12}{'meas step':>12}{'err':>8}"
+    )
     for p, pr, m, t, em, et in zip(policies, preds, peaks, times, mem_err, time_err):
         lines.append(
             f"{p.short(prof.layer_names):<10}{format_bytes(pr.peak_bytes):>12}{format_bytes(m):>12}{100 * em:>7.2f}%"
             f"{1e3 * pr.step_seconds:>10.2f}ms{1e3 * t:>10.2f}ms{100 * et:>7.1f}%"
         )
     summary = {
-        "mem_median": statistics.median(mem_err), "mem_worst": max(mem_err),
-        "time_median": statistics.median(time_err), "time_worst": max(time_err),
+        "mem_median": statistics.median(mem_err),
+        "mem_worst": max(mem_err),
+        "time_median": statistics.median(time_err),
+        "time_worst": max(time_err),
     }
     lines.append(
         f"memory error median {100 * summary['mem_median']:.2f}% worst {100 * summary['mem_worst']:.2f}% (target <= 5%); "
@@ -154,8 +167,15 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
 
 def solver_vs_sweep(rounds: int, lines: list[str]) -> list[float]:
     model, batch = build("small", "eager")
-    prof = profile_model(model, batch, modes=MODES, loss_fn=loss_fn, repeats=rounds, clock=CLOCK,
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    prof = profile_model(
+        model,
+        batch,
+        modes=MODES,
+        loss_fn=loss_fn,
+        repeats=rounds,
+        clock=CLOCK,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+    )
     planner = Planner(prof)
     names = prof.layer_names
     everything = [RecomputePolicy.from_modes(dict(zip(names, c))) for c in itertools.product(MODES, repeat=len(names))]
@@ -164,7 +184,9 @@ def solver_vs_sweep(rounds: int, lines: list[str]) -> list[float]:
     times = measure_times(model, batch, opt, everything, rounds, seed=2)
     least, most = planner.min_peak(), planner.predict(RecomputePolicy.uniform("none")).peak_bytes
     lines.append(f"\n== solver vs exhaustive sweep: small / eager, {len(everything)} policies all measured ==")
-    lines.append(f"{'budget':>12}{'solver':>8}{'meas peak':>12}{'meas step':>11}{'best':>8}{'meas step':>11}{'solver/best':>13}{'rematch':>11}")
+    lines.append(
+        f"{'budget':>12}{'solver':>8}{'meas peak':>12}{'meas step':>11}{'best':>8}{'meas step':>11}{'solver/best':>13}{'rematch':>11}"
+    )
     ratios = []
     for frac in (0.2, 0.5, 0.8):
         budget = int(least + frac * (most - least))
@@ -185,7 +207,9 @@ def solver_vs_sweep(rounds: int, lines: list[str]) -> list[float]:
             f"{format_bytes(budget):>12}{plan.short():>8}{format_bytes(peaks[k]):>12}{1e3 * times[k]:>9.2f}ms"
             f"{everything[best].short(names):>8}{1e3 * times[best]:>9.2f}ms{sweep_ratio:>12.3f}x{ratio:>11.3f}x"
         )
-    lines.append(f"solver within {100 * (max(ratios) - 1):.1f}% of the best measured policy at worst, after rematch (target <= 5%)")
+    lines.append(
+        f"solver within {100 * (max(ratios) - 1):.1f}% of the best measured policy at worst, after rematch (target <= 5%)"
+    )
     return ratios
 
 
@@ -211,7 +235,7 @@ def main() -> None:
     for size in SIZES:
         for attention in ("eager", "sdpa"):
             summaries[(size, attention)] = accuracy(size, attention, args.policies, args.rounds, lines)
-            print("\n".join(lines[-(args.policies + 3):]), flush=True)
+            print("\n".join(lines[-(args.policies + 3) :]), flush=True)
     ratios = solver_vs_sweep(args.rounds, lines)
     lines.append("\n== summary ==")
     lines.append(f"{'config':<16}{'mem median':>12}{'mem worst':>11}{'time median':>13}{'time worst':>12}")
@@ -222,7 +246,7 @@ def main() -> None:
         )
     lines.append(f"solver / best measured at three budgets (after rematch): {', '.join(f'{r:.3f}' for r in ratios)}")
     lines.append(f"total {time.perf_counter() - start:.0f} s")
-    print("\n".join(lines[-(len(summaries) + 8):]))
+    print("\n".join(lines[-(len(summaries) + 8) :]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"written to {args.out}", file=sys.stderr)

@@ -6,8 +6,8 @@ choose, per layer, which activations are kept, recomputed or offloaded.
 
 from __future__ import annotations
 
-from lightning_recompute.callback import RecomputeCallback, StepRecord
 from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
+from lightning_recompute.callback import RecomputeCallback, StepRecord
 from lightning_recompute.errors import IncompatibleModelError, LayerDiscoveryError, PolicyError, RecomputeError
 from lightning_recompute.layers import LayerSpec, find_layers, layer_names
 from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
@@ -15,9 +15,9 @@ from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.selective import DEFAULT_SAVE_OPS
 
 __all__ = [
+    "DEFAULT_SAVE_OPS",
     "AppliedPolicy",
     "CudaMemoryMeter",
-    "DEFAULT_SAVE_OPS",
     "IncompatibleModelError",
     "LayerDiscoveryError",
     "LayerSpec",
@@ -25,8 +25,8 @@ __all__ = [
     "Mode",
     "PolicyError",
     "PolicyLike",
-    "RecomputeError",
     "RecomputeCallback",
+    "RecomputeError",
     "RecomputePolicy",
     "StepRecord",
     "StepTimer",

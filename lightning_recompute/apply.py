@@ -29,7 +29,7 @@ from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 
-__all__ = ["AppliedPolicy", "apply_policy", "remove_policy", "applied_policy"]
+__all__ = ["AppliedPolicy", "applied_policy", "apply_policy", "remove_policy"]
 
 _STATE_ATTR = "_lightning_recompute_applied"
 

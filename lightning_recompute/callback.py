@@ -11,7 +11,7 @@ import os
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning as L
 import torch
@@ -37,11 +37,11 @@ class StepRecord:
     """``trainer.global_step`` before the batch."""
     seconds: float
     """Wall-clock time from batch start to batch end, device work included."""
-    peak_bytes: Optional[int]
+    peak_bytes: int | None
     """Peak tensor memory on the device during the batch (``None`` when memory is not measured)."""
     samples: int
     """Samples in the batch."""
-    tokens: Optional[int]
+    tokens: int | None
     """Tokens in the batch (``None`` when the batch has no sequence dimension)."""
 
     @property
@@ -49,7 +49,7 @@ class StepRecord:
         return self.samples / self.seconds if self.seconds > 0 else float("nan")
 
     @property
-    def tokens_per_s(self) -> Optional[float]:
+    def tokens_per_s(self) -> float | None:
         if self.tokens is None:
             return None
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
@@ -85,10 +85,10 @@ class RecomputeCallback(L.Callback):
 
     def __init__(
         self,
-        policy: Union[dict[str, Any], str, os.PathLike, RecomputePolicy],
+        policy: dict[str, Any] | str | os.PathLike | RecomputePolicy,
         layers: LayerSpec = "auto",
         measure_memory: bool = True,
-        memory_steps: Optional[Collection[int]] = None,
+        memory_steps: Collection[int] | None = None,
         max_records: int = 10_000,
     ) -> None:
         self.policy = as_policy(policy)
@@ -96,11 +96,11 @@ class RecomputeCallback(L.Callback):
         self.measure_memory = measure_memory
         self.memory_steps = None if memory_steps is None else frozenset(int(s) for s in memory_steps)
         self.records: deque[StepRecord] = deque(maxlen=max_records)
-        self.applied: Optional[AppliedPolicy] = None
+        self.applied: AppliedPolicy | None = None
         self._deferred = False
-        self._meter: Optional[MemoryMeter] = None
-        self._timer: Optional[StepTimer] = None
-        self._step: Optional[int] = None
+        self._meter: MemoryMeter | None = None
+        self._timer: StepTimer | None = None
+        self._step: int | None = None
         self._metering = False
 
     # ------------------------------------------------------------------ applying
@@ -155,7 +155,9 @@ class RecomputeCallback(L.Callback):
 
     # ------------------------------------------------------------------ measuring
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._timer is None:
             return
         self._step = trainer.global_step
@@ -230,13 +232,17 @@ def _samples(batch: Any) -> int:
         return 1
 
 
-def _tokens(batch: Any) -> Optional[int]:
+def _tokens(batch: Any) -> int | None:
     """Tokens in a batch: the first integer tensor shaped (batch, seq, ...) holds token ids."""
     flat, _ = tree_flatten(batch)
     for value in flat:
-        if isinstance(value, torch.Tensor) and value.ndim >= 2 and not value.is_floating_point() and not value.is_complex():
+        if (
+            isinstance(value, torch.Tensor)
+            and value.ndim >= 2
+            and not value.is_floating_point()
+            and not value.is_complex()
+        ):
             if value.dtype is torch.bool:
                 continue
             return int(value.shape[0] * value.shape[1])
     return None
-

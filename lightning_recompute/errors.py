@@ -6,7 +6,7 @@ subclasses so tests and tools can tell the cases apart.
 
 from __future__ import annotations
 
-__all__ = ["RecomputeError", "PolicyError", "LayerDiscoveryError", "IncompatibleModelError"]
+__all__ = ["IncompatibleModelError", "LayerDiscoveryError", "PolicyError", "RecomputeError"]
 
 
 class RecomputeError(Exception):

@@ -18,7 +18,7 @@ from lightning_recompute.errors import LayerDiscoveryError
 
 __all__ = ["LayerSpec", "find_layers", "layer_names"]
 
-LayerSpec = Union[str, type, Sequence[Union[str, type]]]
+LayerSpec = Union[str, type, Sequence[str | type]]
 """``"auto"``; or module paths / globs (``"blocks.*"``), module classes, or ``"class:Name"`` strings
 (a class by simple or qualified name, for YAML configs), alone or in a list."""
 

@@ -11,10 +11,10 @@ this project test memory claims on a machine without a GPU.
 
 from __future__ import annotations
 
-from time import perf_counter
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from time import perf_counter
 from types import TracebackType
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryMeter", "CudaMemoryMeter", "StorageMeter", "memory_meter", "StepTimer", "synchronize"]
+__all__ = ["CudaMemoryMeter", "MemoryMeter", "StepTimer", "StorageMeter", "memory_meter", "synchronize"]
 
 
 class MemoryMeter(ABC):
@@ -35,7 +35,9 @@ class MemoryMeter(ABC):
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     @abstractmethod

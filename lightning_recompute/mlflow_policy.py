@@ -15,7 +15,7 @@ from typing import Any
 from lightning_recompute.errors import PolicyError
 from lightning_recompute.policy import RecomputePolicy
 
-__all__ = ["GOOD_RUN_TAG", "POLICY_ARTIFACT", "load_good_policy", "good_run_id"]
+__all__ = ["GOOD_RUN_TAG", "POLICY_ARTIFACT", "good_run_id", "load_good_policy"]
 
 GOOD_RUN_TAG = "recompute.good_run_id"
 """Experiment tag: the id of the run whose policy is the current good one."""
@@ -80,7 +80,9 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
             return RecomputePolicy.load(Path(local))
         except PolicyError as err:
             # The temporary path in err means nothing to the user; the run and artifact do.
-            raise PolicyError(f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {err}") from None
+            raise PolicyError(
+                f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {err}"
+            ) from None
 
 
 def _client(tracking_uri: str | None) -> Any:

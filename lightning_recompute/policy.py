@@ -30,7 +30,7 @@ import yaml
 from lightning_recompute.atomic import atomic_write
 from lightning_recompute.errors import PolicyError
 
-__all__ = ["Mode", "RecomputePolicy", "POLICY_VERSION", "PolicyLike"]
+__all__ = ["POLICY_VERSION", "Mode", "PolicyLike", "RecomputePolicy"]
 
 POLICY_VERSION = 1
 
@@ -151,7 +151,9 @@ class RecomputePolicy:
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "policy") -> RecomputePolicy:
         """Parse the policy-file structure; errors are prefixed with ``source`` (a file name)."""
         if not isinstance(data, Mapping):
-            raise PolicyError(f"{source}: a policy must be a mapping with keys {list(_TOP_LEVEL_KEYS)}, got {type(data).__name__}")
+            raise PolicyError(
+                f"{source}: a policy must be a mapping with keys {list(_TOP_LEVEL_KEYS)}, got {type(data).__name__}"
+            )
         unknown = [k for k in data if k not in _TOP_LEVEL_KEYS]
         if unknown:
             raise PolicyError(f"{source}: unknown key(s) {unknown}; valid keys are {list(_TOP_LEVEL_KEYS)}")
@@ -159,10 +161,14 @@ class RecomputePolicy:
             raise PolicyError(f"{source}: missing key 'version'; valid: version: {POLICY_VERSION}")
         version = data["version"]
         if version != POLICY_VERSION:
-            raise PolicyError(f"{source}: key 'version': unsupported policy version {version!r}; valid: {POLICY_VERSION}")
+            raise PolicyError(
+                f"{source}: key 'version': unsupported policy version {version!r}; valid: {POLICY_VERSION}"
+            )
         raw_layers = data.get("layers") or {}
         if not isinstance(raw_layers, Mapping):
-            raise PolicyError(f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}")
+            raise PolicyError(
+                f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}"
+            )
         layers = []
         for pattern, mode in raw_layers.items():
             try:
@@ -173,10 +179,14 @@ class RecomputePolicy:
         selective = data.get("selective")
         if selective is not None:
             if not isinstance(selective, Mapping) or set(selective) - {"save"}:
-                raise PolicyError(f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)")
+                raise PolicyError(
+                    f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
+                )
             save = selective.get("save")
             if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
-                raise PolicyError(f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {save!r}")
+                raise PolicyError(
+                    f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {save!r}"
+                )
         try:
             return cls(layers=tuple(layers), selective_save=None if save is None else tuple(str(s) for s in save))
         except PolicyError as err:
@@ -292,7 +302,9 @@ def as_policy(policy: PolicyLike) -> RecomputePolicy:
 
         experiment, _, tracking_uri = policy[len(MLFLOW_PREFIX) :].partition("@")
         if not experiment:
-            raise PolicyError(f"policy: {policy!r} names no experiment; expected 'mlflow:<experiment>[@<tracking uri>]'")
+            raise PolicyError(
+                f"policy: {policy!r} names no experiment; expected 'mlflow:<experiment>[@<tracking uri>]'"
+            )
         return load_good_policy(experiment, tracking_uri or None)
     if isinstance(policy, (str, os.PathLike)):
         return RecomputePolicy.load(policy)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["ReferenceGPT", "SyntheticTokens", "Block"]
+__all__ = ["Block", "ReferenceGPT", "SyntheticTokens"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -114,9 +114,7 @@ class ReferenceGPT(L.LightningModule):
         self.pos_emb = nn.Embedding(seq_len, ws[0])
         self.drop = nn.Dropout(dropout)
         outs = ws[1:] + [ws[-1]]
-        self.blocks = nn.ModuleList(
-            Block(w, n_head, dropout, attention, mlp_ratio, o) for w, o in zip(ws, outs)
-        )
+        self.blocks = nn.ModuleList(Block(w, n_head, dropout, attention, mlp_ratio, o) for w, o in zip(ws, outs))
         self.ln_f = nn.LayerNorm(ws[-1])
         self.head = nn.Linear(ws[-1], vocab_size, bias=False)
 
@@ -168,7 +166,9 @@ class SyntheticTokens(L.LightningDataModule):
         seed: generator seed; the same seed gives the same data.
     """
 
-    def __init__(self, vocab_size: int = 256, seq_len: int = 64, batch_size: int = 8, num_batches: int = 16, seed: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int = 256, seq_len: int = 64, batch_size: int = 8, num_batches: int = 16, seed: int = 0
+    ) -> None:
         super().__init__()
         self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
         self.num_batches, self.seed = num_batches, seed

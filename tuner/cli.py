@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from lightning_recompute.errors import RecomputeError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 SUBCOMMANDS = ("tune", "plan", "rollback", "history", "schema")
 EXIT_BAD_INPUT = 2
@@ -41,21 +41,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="tune RECIPE (the default: `recompute-tune RECIPE`)")
     tune.add_argument("recipe", help="the recipe YAML file")
-    tune.add_argument("--n-trials", type=int, default=None, metavar="N",
-                      help="trials the study should have measured when this run stops (overrides search.n_trials)")
-    tune.add_argument("--search-only", action="store_true",
-                      help="search and report the best policy without the evidence gate or a promotion")
-    tune.add_argument("--no-plan", action="store_true",
-                      help="do not profile and plan when setting the study up: seed it with the baselines only")
-    tune.add_argument("--format", choices=("text", "json"), default="text",
-                      help="json: a machine-readable summary on stdout (progress goes to stderr)")
+    tune.add_argument(
+        "--n-trials",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trials the study should have measured when this run stops (overrides search.n_trials)",
+    )
+    tune.add_argument(
+        "--search-only",
+        action="store_true",
+        help="search and report the best policy without the evidence gate or a promotion",
+    )
+    tune.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="do not profile and plan when setting the study up: seed it with the baselines only",
+    )
+    tune.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="json: a machine-readable summary on stdout (progress goes to stderr)",
+    )
 
     plan = sub.add_parser("plan", help="show the planner's predicted front and its policy for a budget")
     plan.add_argument("recipe", help="the recipe YAML file")
-    plan.add_argument("--budget", default=None, help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)")
+    plan.add_argument(
+        "--budget", default=None, help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)"
+    )
     plan.add_argument("--write", default=None, metavar="PATH", help="write the chosen policy to PATH")
-    plan.add_argument("--meta", default=None, metavar="HARDWARE",
-                      help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4")
+    plan.add_argument(
+        "--meta",
+        default=None,
+        metavar="HARDWARE",
+        help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4",
+    )
     plan.add_argument("--format", choices=("text", "json"), default="text")
 
     rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
@@ -175,7 +196,9 @@ def _trial_line(event: Any) -> str:
         body = f"{r.outcome}: {r.reason or ''}".rstrip(": ")
     seed = f"  ({r.seed})" if r.seed else ""
     best = event.best
-    best_text = f"best #{best.number} {best.short} {_num(best.throughput)}" if best is not None else "best: none feasible yet"
+    best_text = (
+        f"best #{best.number} {best.short} {_num(best.throughput)}" if best is not None else "best: none feasible yet"
+    )
     return f"{head}  {body}{seed}  | {best_text}"
 
 
@@ -192,8 +215,10 @@ def _final_report(s: Any) -> str:
         full = s.baselines.get("full")
         ref = full.throughput if full is not None and full.throughput else None
         unit = next((r.throughput_unit for r in ranked if r.throughput_unit), "")
-        header = f"{'rank':>4}  {'trial':>5}  {'policy':<{max(6, len(s.layer_names))}}  {'mb':>4}  " \
-                 f"{'throughput':>12}  {'peak':>11}  {'fits':>4}  {'vs full':>8}  seed"
+        header = (
+            f"{'rank':>4}  {'trial':>5}  {'policy':<{max(6, len(s.layer_names))}}  {'mb':>4}  "
+            f"{'throughput':>12}  {'peak':>11}  {'fits':>4}  {'vs full':>8}  seed"
+        )
         lines += [f"ranked trials ({unit}):", header, "-" * len(header)]
         shown = ranked[:10] + [r for r in ranked[10:] if r.number in base_by_number]
         for i, r in enumerate(shown, 1):
@@ -206,15 +231,19 @@ def _final_report(s: Any) -> str:
             )
         lines.append("")
     if s.best is not None:
-        lines.append(f"best: trial {s.best.number} {s.best.short}  {_num(s.best.throughput)} {s.best.throughput_unit}, "
-                     f"peak {_bytes(s.best.peak_bytes)}")
+        lines.append(
+            f"best: trial {s.best.number} {s.best.short}  {_num(s.best.throughput)} {s.best.throughput_unit}, "
+            f"peak {_bytes(s.best.peak_bytes)}"
+        )
         for name, rec in s.baselines.items():
             gain = s.gains.get(name)
             if gain is not None:
                 note = "" if rec.feasible else " (baseline over budget)"
                 lines.append(f"  vs {name:<15} {rec.short}: {gain * 100:+.1f}%{note}")
             else:
-                lines.append(f"  vs {name:<15} {rec.short}: not measured ({rec.outcome}{': ' + rec.reason if rec.reason else ''})")
+                lines.append(
+                    f"  vs {name:<15} {rec.short}: not measured ({rec.outcome}{': ' + rec.reason if rec.reason else ''})"
+                )
     lines.append("")
     lines.append(f"decision: {s.status}")
     lines += [f"  - {reason}" for reason in s.reasons]
@@ -267,8 +296,10 @@ def _rollback(recipe: Any) -> int:
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"rolled back: the good policy is now run {restored.run_id} ({restored.fingerprint}); "
-          f"written to {recipe.output}")
+    print(
+        f"rolled back: the good policy is now run {restored.run_id} ({restored.fingerprint}); "
+        f"written to {recipe.output}"
+    )
     print(restored.policy.to_yaml().rstrip())
     return 0
 
@@ -283,12 +314,16 @@ def _history(recipe: Any, args: argparse.Namespace) -> int:
     if not summary.decisions:
         print(f"experiment {summary.experiment}: no decisions yet")
     for d in summary.decisions:
-        print(f"{d.seq:>3}  {d.at:%Y-%m-%d %H:%M:%S}  {d.kind:<8}  {d.fingerprint or '-':<16}  "
-              f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}")
+        print(
+            f"{d.seq:>3}  {d.at:%Y-%m-%d %H:%M:%S}  {d.kind:<8}  {d.fingerprint or '-':<16}  "
+            f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}"
+        )
     if summary.current is not None:
         c = summary.current
-        print(f"current good policy: run {c.run_id} ({c.fingerprint}), throughput {_num(c.throughput)}, "
-              f"peak {_bytes(c.peak_bytes)}")
+        print(
+            f"current good policy: run {c.run_id} ({c.fingerprint}), throughput {_num(c.throughput)}, "
+            f"peak {_bytes(c.peak_bytes)}"
+        )
     return 0
 
 

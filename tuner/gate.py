@@ -142,28 +142,50 @@ def evaluate(
     steps = int(recipe.trial.measure_steps)
     timeout = float(recipe.trial.timeout_s)
     evidence: dict[str, Any] = {
-        "candidate": {"fingerprint": cand.policy.fingerprint(), "micro_batch": cand.micro_batch,
-                      "source_run_id": cand.source_run_id, "policy": cand.policy.to_dict()},
-        "current_good": None if current_good is None else {
-            "run_id": current_good.run_id, "fingerprint": current_good.fingerprint,
-            "micro_batch": current_good.micro_batch, "throughput": current_good.throughput,
+        "candidate": {
+            "fingerprint": cand.policy.fingerprint(),
+            "micro_batch": cand.micro_batch,
+            "source_run_id": cand.source_run_id,
+            "policy": cand.policy.to_dict(),
+        },
+        "current_good": None
+        if current_good is None
+        else {
+            "run_id": current_good.run_id,
+            "fingerprint": current_good.fingerprint,
+            "micro_batch": current_good.micro_batch,
+            "throughput": current_good.throughput,
         },
         "budget_bytes": budget_bytes,
         "settings": {"confirm_factor": cfg.confirm_factor, "rounds": cfg.rounds, "tolerance": cfg.tolerance},
     }
-    decision = GateDecision(promoted=False, reasons=[], evidence=evidence,
-                            checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"})
+    decision = GateDecision(
+        promoted=False,
+        reasons=[],
+        evidence=evidence,
+        checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"},
+    )
 
-    if current_good is not None and current_good.fingerprint == cand.policy.fingerprint() \
-            and current_good.micro_batch == cand.micro_batch:
+    if (
+        current_good is not None
+        and current_good.fingerprint == cand.policy.fingerprint()
+        and current_good.micro_batch == cand.micro_batch
+    ):
         decision.unchanged = True
         decision.reasons.append(f"the candidate is already the current good policy (run {current_good.run_id})")
         return decision
 
     # 1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows.
     want = cfg.confirm_factor * steps
-    conf = run_trial(recipe, cand.policy, micro_batch=cand.micro_batch, warmup_steps=warmup, measure_steps=want,
-                     timeout_s=timeout * cfg.confirm_factor, budget_bytes=budget_bytes)
+    conf = run_trial(
+        recipe,
+        cand.policy,
+        micro_batch=cand.micro_batch,
+        warmup_steps=warmup,
+        measure_steps=want,
+        timeout_s=timeout * cfg.confirm_factor,
+        budget_bytes=budget_bytes,
+    )
     decision.confirmation = conf
     evidence["confirmation"] = _as_dict(conf)
     got = len(getattr(conf, "step_times_s", ()) or ())
@@ -173,8 +195,11 @@ def evaluate(
         if conf.outcome == "over_budget":
             failure = f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
     elif budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
-        failure = (f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
-                   if conf.peak_bytes is not None else "confirmation run reported no peak memory to check the budget")
+        failure = (
+            f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
+            if conf.peak_bytes is not None
+            else "confirmation run reported no peak memory to check the budget"
+        )
     elif got < want:
         failure = f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x {steps})"
     if failure:
@@ -189,8 +214,9 @@ def evaluate(
     num = check_numerics(recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=timeout)
     evidence["numerics"] = _as_dict(num)
     if not num.equal:
-        return _fail(decision, "numerics",
-                     f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}")
+        return _fail(
+            decision, "numerics", f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}"
+        )
     decision.checks["numerics"] = "passed"
     decision.reasons.append(f"numerics: loss and gradients equal to no recompute ({num.detail})")
 
@@ -200,8 +226,18 @@ def evaluate(
         evidence["regression"] = {"skipped": "no current good policy to compare against"}
         decision.reasons.append("regression: no current good policy to compare against")
     else:
-        failure = _side_by_side(decision, cand, current_good, recipe=recipe, budget_bytes=budget_bytes,
-                                run_trial=run_trial, settings=cfg, warmup=warmup, steps=steps, timeout=timeout)
+        failure = _side_by_side(
+            decision,
+            cand,
+            current_good,
+            recipe=recipe,
+            budget_bytes=budget_bytes,
+            run_trial=run_trial,
+            settings=cfg,
+            warmup=warmup,
+            steps=steps,
+            timeout=timeout,
+        )
         if failure:
             return _fail(decision, "regression", failure)
     decision.promoted = True
@@ -228,22 +264,37 @@ def decide(
     records nothing.
     """
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
-    decision = evaluate(cand, tracker.current_good(), recipe=recipe, budget_bytes=budget_bytes,
-                        run_trial=run_trial, check_numerics=check_numerics, settings=settings)
+    decision = evaluate(
+        cand,
+        tracker.current_good(),
+        recipe=recipe,
+        budget_bytes=budget_bytes,
+        run_trial=run_trial,
+        check_numerics=check_numerics,
+        settings=settings,
+    )
     if decision.unchanged:
         return decision
     source = cand.source_run_id
     if decision.confirmation is not None:
-        source = tracker.log_confirmation(cand.policy, cand.layer_names, cand.micro_batch, decision.confirmation,
-                                          source_run_id=cand.source_run_id, evidence=decision.evidence)
+        source = tracker.log_confirmation(
+            cand.policy,
+            cand.layer_names,
+            cand.micro_batch,
+            decision.confirmation,
+            source_run_id=cand.source_run_id,
+            evidence=decision.evidence,
+        )
         decision.confirmation_run_id = source
     if decision.promoted:
         out = Path(output_path) if output_path is not None else Path(recipe.output)
-        decision.decision_run_id = tracker.promote(cand.policy, source_run_id=source, output_path=out,
-                                                   reason=decision.reason, evidence=decision.evidence)
+        decision.decision_run_id = tracker.promote(
+            cand.policy, source_run_id=source, output_path=out, reason=decision.reason, evidence=decision.evidence
+        )
     else:
-        decision.decision_run_id = tracker.reject(cand.policy, source_run_id=source, reason=decision.reason,
-                                                  evidence=decision.evidence)
+        decision.decision_run_id = tracker.reject(
+            cand.policy, source_run_id=source, reason=decision.reason, evidence=decision.evidence
+        )
     return decision
 
 
@@ -271,18 +322,33 @@ def _side_by_side(
         order = ("candidate", "good") if i % 2 == 0 else ("good", "candidate")
         for who in order:
             if who == "candidate":
-                res = run_trial(recipe, cand.policy, micro_batch=cand.micro_batch, warmup_steps=warmup,
-                                measure_steps=steps, timeout_s=timeout, budget_bytes=budget_bytes)
+                res = run_trial(
+                    recipe,
+                    cand.policy,
+                    micro_batch=cand.micro_batch,
+                    warmup_steps=warmup,
+                    measure_steps=steps,
+                    timeout_s=timeout,
+                    budget_bytes=budget_bytes,
+                )
             else:
                 # The good policy's budget was checked when it was promoted; here only its speed counts.
-                res = run_trial(recipe, good.policy, micro_batch=good.micro_batch, warmup_steps=warmup,
-                                measure_steps=steps, timeout_s=timeout, budget_bytes=None)
+                res = run_trial(
+                    recipe,
+                    good.policy,
+                    micro_batch=good.micro_batch,
+                    warmup_steps=warmup,
+                    measure_steps=steps,
+                    timeout_s=timeout,
+                    budget_bytes=None,
+                )
             runs.append({"round": i, "who": who, **_as_dict(res)})
             if who == "candidate":
                 if res.outcome != "ok" or res.throughput is None:
                     decision.evidence["regression"] = {"runs": runs}
                     return f"side-by-side run {i + 1} of the candidate ended {res.outcome}" + (
-                        f": {res.error}" if getattr(res, "error", None) else "")
+                        f": {res.error}" if getattr(res, "error", None) else ""
+                    )
                 cand_thr.append(float(res.throughput))
             elif res.outcome == "ok" and res.throughput is not None:
                 good_thr.append(float(res.throughput))
@@ -296,15 +362,19 @@ def _side_by_side(
         # The good policy no longer runs here (a changed model or machine); nothing to be slower than.
         ev["good_median"] = None
         decision.checks["regression"] = "passed"
-        decision.reasons.append(f"regression: the current good policy failed to run ({', '.join(good_failed)}); "
-                                f"candidate median {cand_med:.4g} {unit}")
+        decision.reasons.append(
+            f"regression: the current good policy failed to run ({', '.join(good_failed)}); "
+            f"candidate median {cand_med:.4g} {unit}"
+        )
         return None
     good_med = statistics.median(good_thr)
     ratio = cand_med / good_med if good_med > 0 else float("inf")
     ev.update({"good_median": good_med, "ratio": ratio})
     floor = good_med * (1.0 - settings.tolerance)
-    line = (f"candidate median {cand_med:.4g} vs current good {good_med:.4g} {unit} "
-            f"(ratio {ratio:.3f}, {settings.rounds} interleaved rounds, {settings.tolerance:.0%} noise tolerance)")
+    line = (
+        f"candidate median {cand_med:.4g} vs current good {good_med:.4g} {unit} "
+        f"(ratio {ratio:.3f}, {settings.rounds} interleaved rounds, {settings.tolerance:.0%} noise tolerance)"
+    )
     if cand_med < floor:
         return f"slower than the current good policy (run {good.run_id}): {line}"
     decision.checks["regression"] = "passed"

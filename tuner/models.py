@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "LlamaLike", "RMSNorm", "LlamaBlock", "llama_7b", "token_batch"]
+__all__ = ["LlamaBlock", "LlamaConfig", "LlamaLike", "RMSNorm", "llama_7b", "token_batch"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class LlamaConfig:
             raise ValueError(f"dim: {self.dim} is not divisible by n_heads={self.n_heads}")
         kv = self.kv_heads
         if not isinstance(kv, int) or kv < 1 or self.n_heads % kv:
-            raise ValueError(f"n_kv_heads: must be a positive divisor of n_heads={self.n_heads}, got {self.n_kv_heads!r}")
+            raise ValueError(
+                f"n_kv_heads: must be a positive divisor of n_heads={self.n_heads}, got {self.n_kv_heads!r}"
+            )
         if self.rope and (self.dim // self.n_heads) % 2:
             raise ValueError(f"rope: the head dimension {self.dim // self.n_heads} must be even")
 
@@ -200,7 +202,9 @@ def llama_7b(**overrides: object) -> LlamaConfig:
     return replace(base, **overrides) if overrides else base
 
 
-def token_batch(batch_size: int, seq_len: int, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(
+    batch_size: int, seq_len: int, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``(input ids, next-token targets)`` pair of shape ``(batch_size, seq_len)``; no data on meta."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size!r}, {seq_len!r}")

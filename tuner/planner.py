@@ -96,6 +96,7 @@ class BudgetError(PlannerError):
 
 # --------------------------------------------------------------------------- bytes
 
+
 def parse_bytes(value: str | int | float) -> int:
     """``"20GiB"`` -> 21474836480 (`tuner.units.parse_bytes`, zero allowed), as a `PlannerError` on bad input."""
     try:
@@ -200,7 +201,9 @@ def format_front(plans: Sequence[Plan], budgets: Mapping[str, int] | None = None
             f"{i:>3}  {format_bytes(p.peak_bytes):>11}  {_fmt_seconds(p.step_seconds):>11}  "
             f"{(p.step_seconds / fastest - 1) * 100:>+9.1f}%  {'/'.join(map(str, counts)):>17}"
         )
-        row += "".join(f"  {('fits' if p.peak_bytes <= b else '-'):>{max(6, len(name))}}" for name, b in budgets.items())
+        row += "".join(
+            f"  {('fits' if p.peak_bytes <= b else '-'):>{max(6, len(name))}}" for name, b in budgets.items()
+        )
         lines.append(row + "  " + p.short())
     if plans[0].prediction.estimated:
         lines.append("time: estimated from FLOPs and memory traffic against the hardware table, not measured")
@@ -397,7 +400,9 @@ class Planner:
         modes = [resolved[n].value for n in self.names]
         missing = sorted({m for m in modes if m not in self.profile.modes})
         if missing:
-            raise PlannerError(f"policy: uses mode(s) {missing} that the profile did not measure; profiled: {', '.join(self.profile.modes)}")
+            raise PlannerError(
+                f"policy: uses mode(s) {missing} that the profile did not measure; profiled: {', '.join(self.profile.modes)}"
+            )
         return modes
 
     # ------------------------------------------------------------------ solving
@@ -495,7 +500,9 @@ class Planner:
             for j in range(nm):
                 a2 = A + tab.a[i, j]
                 cand_a.append(a2)
-                cand_c.append(np.maximum(C, np.maximum(tab.fwd_c[i] + A + tab.f[i, j], tab.bwd_c[i] + a2 + tab.b[i, j])))
+                cand_c.append(
+                    np.maximum(C, np.maximum(tab.fwd_c[i] + A + tab.f[i, j], tab.bwd_c[i] + a2 + tab.b[i, j]))
+                )
             A, C = np.concatenate(cand_a), np.concatenate(cand_c)
             order = np.lexsort((C, A))
             A, C = A[order], C[order]
@@ -526,10 +533,12 @@ class Planner:
             states = _pareto3(cands)
         history.append(states)
         end = int(tab.fixed_c[n])
-        finals = sorted(((max(P, end + A), T, s) for s, (A, P, T, _, _) in enumerate(states)), key=lambda x: (x[0], x[1]))
+        finals = sorted(
+            ((max(P, end + A), T, s) for s, (A, P, T, _, _) in enumerate(states)), key=lambda x: (x[0], x[1])
+        )
         front, best_t = [], None
         for P, T, s in finals:
-            if best_t is None or T < best_t:
+            if best_t is None or best_t > T:
                 best_t = T
                 front.append(s)
         out = []

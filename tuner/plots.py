@@ -96,7 +96,9 @@ def pareto_plot(
     # A duplicate re-proposal carries the figures of the trial it repeats: drawing it again adds nothing.
     measured = [(row, p) for row in trials if row.get("duplicate_of") is None and (p := _point(row)) is not None]
     base_pts = {name: _point(row) for name, row in baselines.items()}
-    all_bytes = [p[0] for _, p in measured] + [p[0] for p in base_pts.values() if p] + ([budget_bytes] if budget_bytes else [])
+    all_bytes = (
+        [p[0] for _, p in measured] + [p[0] for p in base_pts.values() if p] + ([budget_bytes] if budget_bytes else [])
+    )
     scale, scale_name = _unit(max(all_bytes, default=0.0))
 
     fig = Figure(figsize=(8.0, 5.5), dpi=110)
@@ -106,10 +108,20 @@ def pareto_plot(
     for outcome, (color, marker, label) in _OUTCOME_STYLE.items():
         pts = [p for row, p in measured if str(row.get("outcome", "ok")) == outcome]
         if pts:
-            ax.scatter([x / scale for x, _ in pts], [y for _, y in pts], c=color, marker=marker, label=label, alpha=0.75, zorder=3)
+            ax.scatter(
+                [x / scale for x, _ in pts],
+                [y for _, y in pts],
+                c=color,
+                marker=marker,
+                label=label,
+                alpha=0.75,
+                zorder=3,
+            )
     other = [p for row, p in measured if str(row.get("outcome", "ok")) not in _OUTCOME_STYLE]
     if other:
-        ax.scatter([x / scale for x, _ in other], [y for _, y in other], c="tab:gray", marker=".", label="other", zorder=3)
+        ax.scatter(
+            [x / scale for x, _ in other], [y for _, y in other], c="tab:gray", marker=".", label="other", zorder=3
+        )
 
     # The front only over what a user could adopt: measured and within budget.
     feasible = [
@@ -125,8 +137,14 @@ def pareto_plot(
         for i in idx:
             number = feasible[i][0].get("number")
             if number is not None:
-                ax.annotate(f"#{number}", (feasible[i][1][0] / scale, feasible[i][1][1]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7, color="tab:green")
+                ax.annotate(
+                    f"#{number}",
+                    (feasible[i][1][0] / scale, feasible[i][1][1]),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                    color="tab:green",
+                )
 
     missing = []
     for name, p in base_pts.items():
@@ -135,15 +153,27 @@ def pareto_plot(
             missing.append(f"{name}: {outcome or 'not measured'}")
             continue
         ax.scatter([p[0] / scale], [p[1]], marker="*", s=180, c="tab:red", edgecolors="black", zorder=4)
-        ax.annotate(name, (p[0] / scale, p[1]), textcoords="offset points", xytext=(6, -12), fontsize=9,
-                    fontweight="bold", color="tab:red")
+        ax.annotate(
+            name,
+            (p[0] / scale, p[1]),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=9,
+            fontweight="bold",
+            color="tab:red",
+        )
     if base_pts:
         label = "baselines" + (f" ({'; '.join(missing)})" if missing else "")
         ax.scatter([], [], marker="*", s=120, c="tab:red", edgecolors="black", label=label)
 
     if budget_bytes:
-        ax.axvline(budget_bytes / scale, color="tab:red", linestyle="--", linewidth=1.2,
-                   label=f"budget {budget_bytes / scale:.3g} {scale_name}")
+        ax.axvline(
+            budget_bytes / scale,
+            color="tab:red",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"budget {budget_bytes / scale:.3g} {scale_name}",
+        )
 
     if not measured and not any(base_pts.values()):
         ax.text(0.5, 0.5, "no trial measured memory and throughput", transform=ax.transAxes, ha="center", va="center")

@@ -71,12 +71,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_recompute import RecomputePolicy, apply_policy, applied_policy, find_layers, remove_policy
+from lightning_recompute import RecomputePolicy, applied_policy, apply_policy, find_layers, remove_policy
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
-from tuner.units import format_bytes
 from lightning_recompute.meter import MemoryMeter, StorageMeter, memory_meter, synchronize
 from lightning_recompute.policy import Mode
+from tuner.units import format_bytes
 
 __all__ = [
     "ALL_MODES",
@@ -121,9 +121,15 @@ _MIB = 1 << 20
 HARDWARE: dict[str, Hardware] = {
     # Vendor datasheet dense peaks (no sparsity); fp32 is plain FP32 (PyTorch's default matmul
     # precision "highest" does not use TF32). Host: effective PCIe throughput for pinned copies.
-    "A100": Hardware("A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9),
-    "H100": Hardware("H100-SXM5-80GB", 81559 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 3.35e12, 50e9),
-    "H200": Hardware("H200-SXM-141GB", 143771 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 50e9),
+    "A100": Hardware(
+        "A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9
+    ),
+    "H100": Hardware(
+        "H100-SXM5-80GB", 81559 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 3.35e12, 50e9
+    ),
+    "H200": Hardware(
+        "H200-SXM-141GB", 143771 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 50e9
+    ),
     "L4": Hardware("L4-24GB", 23034 * _MIB, {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12}, 300e9, 25e9),
 }
 """Device peaks used by `profile_meta`; keys are what ``hardware=`` accepts."""
@@ -246,7 +252,7 @@ class Profile:
     def fixed_activation_bytes(self) -> int:
         """Bytes the non-layer forward keeps (embedding outputs, logits, loss)."""
         first_bwd = next((i for i, k in enumerate(self.timeline) if k.startswith("bwd:")), len(self.timeline))
-        keys = [k[len("fixed:"):] for k in self.timeline[:first_bwd] if k.startswith("fixed:")]
+        keys = [k[len("fixed:") :] for k in self.timeline[:first_bwd] if k.startswith("fixed:")]
         return sum(self.fixed[k].delta - self.fixed[k].grad for k in keys)
 
     def to_dict(self) -> dict[str, Any]:
@@ -354,7 +360,7 @@ class _TrafficMode(TorchDispatchMode):
 class _Offloaded:
     """What the meta-device ``offload`` emulation keeps of a saved tensor: its shape, not its memory."""
 
-    __slots__ = ("size", "dtype", "device")
+    __slots__ = ("device", "dtype", "size")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.size, self.dtype, self.device = t.size(), t.dtype, t.device
@@ -422,7 +428,11 @@ class _Recorder:
                     grad += g.untyped_storage().nbytes()
         self.events.append(
             _Event(
-                label, level, peak, grad, self.clock(),
+                label,
+                level,
+                peak,
+                grad,
+                self.clock(),
                 self.flops.get_total_flops() if self.flops is not None else 0,
                 self.traffic.total if self.traffic is not None else 0,
                 self.offloaded,
@@ -537,7 +547,9 @@ def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch
     if callable(optimizer):
         return optimizer(model.parameters())
     if optimizer is not None:
-        raise ProfileError(f"optimizer: expected an Optimizer, a callable params -> Optimizer, or None; got {type(optimizer).__name__}")
+        raise ProfileError(
+            f"optimizer: expected an Optimizer, a callable params -> Optimizer, or None; got {type(optimizer).__name__}"
+        )
     configure = getattr(model, "configure_optimizers", None)
     if callable(configure):
         out = configure()
@@ -565,7 +577,9 @@ def _find_optimizer(out: Any) -> torch.optim.Optimizer | None:
     return None
 
 
-def _run_step(model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, rec: _Recorder | None) -> None:
+def _run_step(
+    model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, rec: _Recorder | None
+) -> None:
     mark = rec.mark if rec is not None else (lambda label: None)
     mark("step")
     loss = loss_fn(model, batch)
@@ -595,7 +609,11 @@ def _segments(events: list[_Event], n_layers: int) -> list[tuple[str, list[_Even
         if kind == "fwd_start":
             # The gap after a layer's forward belongs to it: a layer that does not keep its input
             # (offload) lets it go there, when the caller drops its last reference.
-            if events[end].label == f"fwd_end:{idx}" and end + 1 < len(events) and events[end + 1].label.startswith("fwd_start:"):
+            if (
+                events[end].label == f"fwd_end:{idx}"
+                and end + 1 < len(events)
+                and events[end + 1].label.startswith("fwd_start:")
+            ):
                 end += 1
             key = f"fwd:{idx}"
         elif kind == "bwd_start":
@@ -714,11 +732,12 @@ class _Session:
         if isinstance(meter, StorageMeter):
             meter.close()  # detach its finalizers from storages that outlive the step (parameters)
         counter = FlopCounterMode(display=False)
-        with _Recorder(self.model, self.layers, self.device, None, counter, None, offload) as frec:
-            with counter:
-                _run_step(self.model, self.batch, self.loss_fn, self.optimizer, frec)
+        with _Recorder(self.model, self.layers, self.device, None, counter, None, offload) as frec, counter:
+            _run_step(self.model, self.batch, self.loss_fn, self.optimizer, frec)
         if [e.label for e in frec.events] != [e.label for e in rec.events]:
-            raise ProfileError(f"mode {mode}: two identical steps ran different layer sequences; the model's control flow varies")
+            raise ProfileError(
+                f"mode {mode}: two identical steps ran different layer sequences; the model's control flow varies"
+            )
         for e, f in zip(rec.events, frec.events):
             e.flops = f.flops
         return rec
@@ -765,7 +784,7 @@ class _Session:
                 )
             param_bytes = _storage_bytes(module.parameters(), self.device.type)
             layer_profiles.append(LayerProfile(name, group, param_bytes, fwd, bwd, net))
-        fixed = {k[len("fixed:"):]: c for k, c in none.items() if k.startswith("fixed:")}
+        fixed = {k[len("fixed:") :]: c for k, c in none.items() if k.startswith("fixed:")}
         if times is not None:
             self._assign_times(layer_profiles, fixed, times, groups)
         elif estimate is not None:
@@ -791,7 +810,8 @@ class _Session:
             # head's: its gradients appear in the segment where zero_grad frees the old ones.)
             grad_bytes=_storage_bytes((p for p in self.model.parameters() if p.requires_grad), self.device.type),
             optimizer_bytes=_storage_bytes(
-                (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)), self.device.type
+                (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+                self.device.type,
             ),
             batch_bytes=_storage_bytes(tree_flatten(self.batch)[0], self.device.type),
             micro_batch=_batch_size(self.batch),
@@ -881,7 +901,9 @@ def profile_model(
         raise ProfileError(f"model: {type(model).__name__} has no parameters; nothing to train, nothing to profile")
     device = param.device
     if device.type == "meta":
-        raise ProfileError("model: its parameters are on the meta device; use profile_meta(model_factory, batch) to plan without memory")
+        raise ProfileError(
+            "model: its parameters are on the meta device; use profile_meta(model_factory, batch) to plan without memory"
+        )
     mode_list = _check_modes(modes, device)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     previous = applied_policy(model)
@@ -902,13 +924,15 @@ def profile_model(
             mem.setdefault(m, mem[Mode.NONE.value])
         times: dict[str, list[dict[str, float]]] = {m: [] for m in measured}
         for r in range(repeats + 1):  # round 0 warms each mode's code paths up; it is not kept
-            order = measured[r % len(measured):] + measured[: r % len(measured)]
+            order = measured[r % len(measured) :] + measured[: r % len(measured)]
             for m in order:
                 session.apply(m)
                 with _Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
                     _run_step(model, batch, session.loss_fn, session.optimizer, rec)
                 if r > 0:
-                    times[m].append({k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(session.layers))})
+                    times[m].append(
+                        {k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(session.layers))}
+                    )
         return session.build(mem, times, "measured", None, None)
     finally:
         remove_policy(model)
@@ -957,7 +981,9 @@ def profile_meta(
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ProfileError(f"{name}: must be in (0, 1], got {value!r}")
     if not callable(model_factory):
-        raise ProfileError(f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}")
+        raise ProfileError(
+            f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}"
+        )
     device = torch.device("meta")
     with device:
         model = model_factory()
@@ -977,7 +1003,11 @@ def profile_meta(
     peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
 
     def estimate(c: SegmentCost) -> float:
-        return c.flops / (peak * mfu) + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency) + c.offload / hw.host_bytes_per_s
+        return (
+            c.flops / (peak * mfu)
+            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
+            + c.offload / hw.host_bytes_per_s
+        )
 
     session = _Session(model, batch, layers, mode_list, optimizer, loss_fn, device)
     session.warm_up()
@@ -985,8 +1015,12 @@ def profile_meta(
     for m in mode_list:
         mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
     remove_policy(model)
-    source = f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
+    source = (
+        f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
+    )
     prof = session.build(mem, None, source, hardware, estimate)
     if Mode.OFFLOAD.value in mode_list:
-        prof.notes.append("offload: emulated on meta (saved tensors leave device memory in forward, return in backward)")
+        prof.notes.append(
+            "offload: emulated on meta (saved tensors leave device memory in forward, return in backward)"
+        )
     return prof

@@ -36,7 +36,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, WithJsonSchema
@@ -50,11 +50,11 @@ if TYPE_CHECKING:
     import lightning as L
 
 __all__ = [
-    "Budget",
-    "Component",
     "PRECISIONS",
     "REFERENCE_DATA",
     "REFERENCE_MODEL",
+    "Budget",
+    "Component",
     "Recipe",
     "RecipeError",
     "SearchSettings",
@@ -188,14 +188,18 @@ def _budget_value(value: Any) -> int | float:
 
 
 _BudgetValue = Annotated[
-    Union[int, float],
+    int | float,
     BeforeValidator(_budget_value),
     WithJsonSchema(
         {
             "anyOf": [
                 {"type": "integer", "minimum": 1, "description": "bytes"},
                 {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "description": "fraction of device memory"},
-                {"type": "string", "pattern": r"^\s*[0-9.]+\s*[a-zA-Z%]*\s*$", "description": "'20GiB', '20GB' or '80%'"},
+                {
+                    "type": "string",
+                    "pattern": r"^\s*[0-9.]+\s*[a-zA-Z%]*\s*$",
+                    "description": "'20GiB', '20GB' or '80%'",
+                },
             ]
         }
     ),
@@ -272,8 +276,8 @@ class SearchSettings:
         description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only.",
     )
     n_trials: _PositiveInt = Field(20, description="Trials to run (planner-skipped candidates do not count).")
-    timeout_s: Optional[float] = Field(None, gt=0, description="Stop starting new trials after this many seconds.")
-    micro_batch_sizes: Optional[tuple[_PositiveInt, ...]] = Field(
+    timeout_s: float | None = Field(None, gt=0, description="Stop starting new trials after this many seconds.")
+    micro_batch_sizes: tuple[_PositiveInt, ...] | None = Field(
         None,
         min_length=1,
         description="Micro-batch sizes to co-tune with the policy (the data's batch_size init arg); "
@@ -316,24 +320,26 @@ class TrackingSettings:
         min_length=1,
         description="MLflow tracking URI; a relative sqlite path or plain folder resolves against the recipe folder.",
     )
-    experiment: Optional[str] = Field(None, min_length=1, description="MLflow experiment; default: the recipe name.")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: the recipe name.")
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
 class StudySettings:
     """Where the Optuna study lives (so a session resumes, and several workers share it)."""
 
-    storage: Optional[str] = Field(
+    storage: str | None = Field(
         None,
         min_length=1,
         description="Optuna storage URL (sqlite:///optuna.db, postgresql://...) or a journal file path "
         "ending in .log; default: optuna.db beside the recipe.",
     )
-    name: Optional[str] = Field(None, min_length=1, description="Study name; default: from the recipe name and the hardware.")
+    name: str | None = Field(
+        None, min_length=1, description="Study name; default: from the recipe name and the hardware."
+    )
 
 
 _Layers = Annotated[
-    Union[str, tuple[str, ...]],
+    str | tuple[str, ...],
     WithJsonSchema(
         {
             "anyOf": [
@@ -367,12 +373,14 @@ class _RecipeFile:
     budget: Annotated[Budget, BeforeValidator(_budget_shorthand)] = Field(
         description="Device memory the policy may use: bytes ('20GiB'), a fraction (0.8, '80%'), or {value, margin}."
     )
-    name: Optional[str] = Field(None, min_length=1, description="Recipe name; default: the file name without extension.")
+    name: str | None = Field(
+        None, min_length=1, description="Recipe name; default: the file name without extension."
+    )
     model: Component = Field(
         default_factory=lambda: Component(REFERENCE_MODEL),
         description="The LightningModule to tune; class_path defaults to the reference GPT.",
     )
-    data: Optional[Component] = Field(
+    data: Component | None = Field(
         None,
         description="The LightningDataModule feeding it; class_path defaults to synthetic tokens, which take "
         "the reference model's vocab_size and seq_len.",
@@ -387,7 +395,7 @@ class _RecipeFile:
     trial: TrialSettings = Field(default_factory=TrialSettings, description="One trial's length.")
     tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow tracking.")
     study: StudySettings = Field(default_factory=StudySettings, description="Optuna study storage.")
-    output: Optional[str] = Field(
+    output: str | None = Field(
         None, min_length=1, description="Policy file written on promotion; default: policy.yaml beside the recipe."
     )
 
@@ -494,7 +502,7 @@ def load(path: str | os.PathLike[str]) -> Recipe:
     except OSError as err:
         raise RecipeError([f"cannot read the recipe file: {err}"], p) from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         raise RecipeError([f"malformed YAML: {err}"], p) from None
     if data is None:
@@ -511,9 +519,7 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -614,7 +620,9 @@ def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.Lightn
         return recipe.data.instantiate()
     if not _accepts(recipe.data.import_class(), "batch_size"):
         raise RecipeError(
-            [f"data.class_path: {recipe.data.class_path} takes no batch_size argument, so micro-batch sizes cannot be tuned"],
+            [
+                f"data.class_path: {recipe.data.class_path} takes no batch_size argument, so micro-batch sizes cannot be tuned"
+            ],
             recipe.source,
         )
     return recipe.data.instantiate(batch_size=micro_batch)
@@ -721,14 +729,10 @@ def _is_sub(cls: type | None, base: type) -> bool:
 
 
 def _defaults(cls: type) -> dict[str, Any]:
-    return {
-        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty
-    }
+    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
 
 
-def _cross_check(
-    parsed: _RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]
-) -> None:
+def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]) -> None:
     """Problems that only show between sections."""
     accel = parsed.trainer.accelerator
     if parsed.budget.is_fraction and accel == "cpu":
@@ -790,7 +794,7 @@ def _describe(err: Mapping[str, Any]) -> str:
         return f"{path}: {err['input']!r} is not valid{_suggest(str(err['input']), names)} (valid: {', '.join(names)})"
     msg = str(err["msg"])
     if msg.startswith("Value error, "):
-        return f"{path}: {msg[len('Value error, '):]}"
+        return f"{path}: {msg[len('Value error, ') :]}"
     return f"{path}: {msg[0].lower() + msg[1:]} (got {err['input']!r})"
 
 
@@ -819,7 +823,7 @@ def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
 def _resolve_uri(uri: str, folder: Path) -> str:
     """Make a relative sqlite URL or plain path absolute against ``folder``; leave other URLs alone."""
     if uri.startswith("sqlite:///"):
-        rest = uri[len("sqlite:///"):]
+        rest = uri[len("sqlite:///") :]
         if rest and not rest.startswith("/") and rest != ":memory:":
             return f"sqlite:///{(folder / rest).resolve()}"
         return uri

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
@@ -52,8 +52,8 @@ __all__ = [
     "BASELINES",
     "CONSTRAINT",
     "FAR_OVER_BUDGET",
-    "LayerInfo",
     "PLACEMENTS",
+    "LayerInfo",
     "Prediction",
     "Predictor",
     "Proposal",
@@ -65,8 +65,8 @@ __all__ = [
     "far_over_budget",
     "inspect_layers",
     "open_storage",
-    "sqlite_setup_lock",
     "peak_constraint",
+    "sqlite_setup_lock",
     "study_name",
 ]
 
@@ -120,7 +120,7 @@ def sqlite_setup_lock(url: str) -> Iterator[None]:
     if not url.startswith("sqlite:///") or fcntl is None:
         yield
         return
-    path = Path(url[len("sqlite:///"):]).expanduser()
+    path = Path(url[len("sqlite:///") :]).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{path}.lock", "a+") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
@@ -203,8 +203,10 @@ def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
             model = build_model(recipe)
         except RecomputeError:
             raise
-        except Exception as err:  # noqa: BLE001 - reported as a recipe problem, not a traceback
-            raise RecomputeError(f"model: building {recipe.model.class_path} failed: {type(err).__name__}: {err}") from err
+        except Exception as err:
+            raise RecomputeError(
+                f"model: building {recipe.model.class_path} failed: {type(err).__name__}: {err}"
+            ) from err
     infos = []
     for path, module in find_layers(model, recipe.layers):
         shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in module.named_parameters())
@@ -229,7 +231,7 @@ class SearchSpace:
     """The modes a layer may take (the recipe's ``search.modes``)."""
     grouped: bool
     """Whether the space is counts + placement (alike layers) rather than one choice per layer."""
-    micro_batches: Optional[tuple[int, ...]] = None
+    micro_batches: tuple[int, ...] | None = None
     """Micro-batch sizes searched; ``None`` keeps the data module's own."""
 
     def __post_init__(self) -> None:
@@ -271,7 +273,9 @@ class SearchSpace:
 
     def describe(self) -> str:
         """One line for logs, e.g. ``grouped: n_full, n_selective in 0..4, placement (first/last/spread)``."""
-        mb = f"; micro_batch in {list(self.micro_batches)}" if self.micro_batches and len(self.micro_batches) > 1 else ""
+        mb = (
+            f"; micro_batch in {list(self.micro_batches)}" if self.micro_batches and len(self.micro_batches) > 1 else ""
+        )
         if self.grouped:
             counts = ", ".join(f"n_{m}" for m in self.counted_modes)
             if not counts:
@@ -296,8 +300,12 @@ class SearchSpace:
 
     def signature(self) -> dict[str, Any]:
         """What a study created for this space records, to refuse resuming it with another space."""
-        return {"kind": self.kind, "layers": list(self.layer_names), "modes": list(self.modes),
-                "micro_batches": list(self.micro_batches or ())}
+        return {
+            "kind": self.kind,
+            "layers": list(self.layer_names),
+            "modes": list(self.modes),
+            "micro_batches": list(self.micro_batches or ()),
+        }
 
     # -------------------------------------------------------------- params <-> policy
 
@@ -417,7 +425,7 @@ class Seed:
     """``baseline:full``, ``planner:budget`` ...: how the table and MLflow label it."""
     modes: Mapping[str, str]
     """Per-layer modes."""
-    micro_batch: Optional[int] = None
+    micro_batch: int | None = None
     """Micro-batch size (``None``: the first searched, or the data module's own)."""
 
 
@@ -450,8 +458,8 @@ def baseline_seeds(space: SearchSpace) -> list[Seed]:
 class Prediction:
     """The planner's figures for one candidate (either may be unknown)."""
 
-    peak_bytes: Optional[int] = None
-    step_time_s: Optional[float] = None
+    peak_bytes: int | None = None
+    step_time_s: float | None = None
 
     def to_dict(self) -> dict[str, float | int]:
         """Non-null figures under the names `tuner.tracking` logs (``peak_bytes``, ``step_time_s``)."""
@@ -464,12 +472,12 @@ class Proposal:
 
     trial: optuna.Trial
     policy: RecomputePolicy
-    micro_batch: Optional[int]
-    seed: Optional[str]
+    micro_batch: int | None
+    seed: str | None
     """The seed's name when the trial was enqueued, else ``None`` (sampled)."""
-    duplicate_of: Optional[FrozenTrial] = None
+    duplicate_of: FrozenTrial | None = None
     """A trial of the same policy and micro-batch already measured, measuring, or failed."""
-    prediction: Optional[Prediction] = None
+    prediction: Prediction | None = None
 
     @property
     def number(self) -> int:
@@ -493,20 +501,20 @@ class TrialRecord:
     """Optuna's state name: COMPLETE, FAIL, PRUNED (RUNNING/WAITING are not records)."""
     outcome: str
     """ok / over_budget / oom / timeout / error / skipped, or duplicate / interrupted (never measured)."""
-    policy: Optional[RecomputePolicy]
+    policy: RecomputePolicy | None
     fingerprint: str
     short: str
-    micro_batch: Optional[int]
-    seed: Optional[str]
-    throughput: Optional[float] = None
+    micro_batch: int | None
+    seed: str | None
+    throughput: float | None = None
     throughput_unit: str = ""
-    peak_bytes: Optional[int] = None
-    step_time_s: Optional[float] = None
-    predicted_peak_bytes: Optional[int] = None
-    predicted_step_time_s: Optional[float] = None
-    reason: Optional[str] = None
-    run_id: Optional[str] = None
-    duplicate_of: Optional[int] = None
+    peak_bytes: int | None = None
+    step_time_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+    reason: str | None = None
+    run_id: str | None = None
+    duplicate_of: int | None = None
     feasible: bool = False
     """Measured and within the budget limit."""
 
@@ -518,13 +526,24 @@ class TrialRecord:
     def to_dict(self) -> dict[str, Any]:
         """Plain types for the trials table (``policy`` as the policy-file mapping)."""
         return {
-            "number": self.number, "state": self.state, "outcome": self.outcome,
+            "number": self.number,
+            "state": self.state,
+            "outcome": self.outcome,
             "policy": None if self.policy is None else self.policy.to_dict(),
-            "policy_fingerprint": self.fingerprint, "policy_short": self.short, "micro_batch": self.micro_batch,
-            "seed": self.seed, "throughput": self.throughput, "throughput_unit": self.throughput_unit,
-            "peak_bytes": self.peak_bytes, "step_time_s": self.step_time_s,
-            "predicted_peak_bytes": self.predicted_peak_bytes, "predicted_step_time_s": self.predicted_step_time_s,
-            "reason": self.reason, "run_id": self.run_id, "duplicate_of": self.duplicate_of, "feasible": self.feasible,
+            "policy_fingerprint": self.fingerprint,
+            "policy_short": self.short,
+            "micro_batch": self.micro_batch,
+            "seed": self.seed,
+            "throughput": self.throughput,
+            "throughput_unit": self.throughput_unit,
+            "peak_bytes": self.peak_bytes,
+            "step_time_s": self.step_time_s,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "reason": self.reason,
+            "run_id": self.run_id,
+            "duplicate_of": self.duplicate_of,
+            "feasible": self.feasible,
         }
 
 
@@ -586,7 +605,9 @@ class TuningStudy:
             # A session joining (or resuming) the study samples from its own stream: with the
             # recipe's seed, two workers looking at the same history would propose the same
             # candidates in lockstep and spend their time on duplicates.
-            joined_seed = int(hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8], 16)
+            joined_seed = int(
+                hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8], 16
+            )
             sampler = optuna.samplers.TPESampler(seed=joined_seed)
             study = optuna.load_study(study_name=name, storage=store, sampler=sampler)
             created = False
@@ -641,7 +662,11 @@ class TuningStudy:
         for s in seeds:
             params = self.space.nearest(s.modes, s.micro_batch)
             if params is None:
-                _log.info("seed %s is outside the search space (modes %s); not enqueued", s.name, sorted(set(s.modes.values())))
+                _log.info(
+                    "seed %s is outside the search space (modes %s); not enqueued",
+                    s.name,
+                    sorted(set(s.modes.values())),
+                )
                 continue
             policy, mb = self.space.decode(params)
             key = _candidate_key(policy, mb)
@@ -703,8 +728,11 @@ class TuningStudy:
         t = proposal.trial
         self._set_common(proposal, outcome=result.outcome, run_id=run_id, reason=reason or result.error)
         for key, value in (
-            ("throughput", result.throughput), ("throughput_unit", result.throughput_unit),
-            ("peak_bytes", result.peak_bytes), ("step_time_s", result.step_time_s), ("wall_s", result.wall_s),
+            ("throughput", result.throughput),
+            ("throughput_unit", result.throughput_unit),
+            ("peak_bytes", result.peak_bytes),
+            ("step_time_s", result.step_time_s),
+            ("wall_s", result.wall_s),
         ):
             t.set_user_attr(key, value)
         if result.measured and result.throughput is not None:
@@ -750,9 +778,7 @@ class TuningStudy:
         self._set_common(proposal, outcome="interrupted", run_id=None, reason=reason)
         frozen = self.study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
         if proposal.seed is not None:
-            self.study.enqueue_trial(
-                dict(t.params), user_attrs={_A_SEED: proposal.seed, _A_SEED_KEY: proposal.key}
-            )
+            self.study.enqueue_trial(dict(t.params), user_attrs={_A_SEED: proposal.seed, _A_SEED_KEY: proposal.key})
         return frozen
 
     @staticmethod
@@ -777,20 +803,32 @@ class TuningStudy:
     def records(self) -> list[TrialRecord]:
         """Every finished trial of the study (all workers, all sessions), in trial order."""
         out = []
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)):
+        for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+        ):
             a = t.user_attrs
             policy = RecomputePolicy.from_dict(a["policy"]) if a.get("policy") else None
             peak_over = a.get(_A_PEAK_OVER)
             outcome = str(a.get(_A_OUTCOME, "error"))
             out.append(
                 TrialRecord(
-                    number=t.number, state=t.state.name, outcome=outcome, policy=policy,
-                    fingerprint=str(a.get("policy_fingerprint", "")), short=str(a.get("policy_short", "")),
-                    micro_batch=a.get("micro_batch"), seed=a.get(_A_SEED), throughput=a.get("throughput"),
-                    throughput_unit=str(a.get("throughput_unit") or ""), peak_bytes=a.get("peak_bytes"),
-                    step_time_s=a.get("step_time_s"), predicted_peak_bytes=a.get("predicted_peak_bytes"),
-                    predicted_step_time_s=a.get("predicted_step_time_s"), reason=a.get("reason"),
-                    run_id=a.get("mlflow_run_id"), duplicate_of=a.get("duplicate_of"),
+                    number=t.number,
+                    state=t.state.name,
+                    outcome=outcome,
+                    policy=policy,
+                    fingerprint=str(a.get("policy_fingerprint", "")),
+                    short=str(a.get("policy_short", "")),
+                    micro_batch=a.get("micro_batch"),
+                    seed=a.get(_A_SEED),
+                    throughput=a.get("throughput"),
+                    throughput_unit=str(a.get("throughput_unit") or ""),
+                    peak_bytes=a.get("peak_bytes"),
+                    step_time_s=a.get("step_time_s"),
+                    predicted_peak_bytes=a.get("predicted_peak_bytes"),
+                    predicted_step_time_s=a.get("predicted_step_time_s"),
+                    reason=a.get("reason"),
+                    run_id=a.get("mlflow_run_id"),
+                    duplicate_of=a.get("duplicate_of"),
                     feasible=outcome == "ok" and peak_over is not None and float(peak_over) <= 0,
                 )
             )
@@ -814,7 +852,7 @@ class TuningStudy:
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
 
 
-Predictor = Callable[[RecomputePolicy, Optional[int]], Optional[Prediction]]
+Predictor = Callable[[RecomputePolicy, int | None], Prediction | None]
 """``(policy, micro_batch) -> Prediction | None``: the planner's view of a candidate, if it has one."""
 
 
@@ -832,4 +870,3 @@ def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: fl
 
 def _fmt_bytes(n: int) -> str:
     return f"{format_bytes(n)} ({n} bytes)" if n >= 1024 else f"{n} bytes"
-

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
@@ -93,7 +93,7 @@ class TrialEvent:
 
     record: TrialRecord
     """The trial just told to Optuna (measured, skipped or duplicate)."""
-    best: Optional[TrialRecord]
+    best: TrialRecord | None
     """The best feasible trial of the study so far (any worker's)."""
     measured: int
     """Trials measured in the study so far (what ``n_trials`` counts)."""
@@ -120,20 +120,20 @@ class SessionSummary:
     trials_this_session: int = 0
     records: list[TrialRecord] = field(default_factory=list)
     """Every finished trial of the study, all sessions and workers."""
-    best: Optional[TrialRecord] = None
+    best: TrialRecord | None = None
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
     """Baseline name (``none``, ``full``, ``selective``, ``every_2nd_full``) -> its trial."""
-    gains: dict[str, Optional[float]] = field(default_factory=dict)
+    gains: dict[str, float | None] = field(default_factory=dict)
     """Baseline name -> the best trial's throughput over the baseline's, minus 1 (``None``: not measured)."""
     reasons: list[str] = field(default_factory=list)
     """The gate's reasons, or why there was nothing to gate."""
     evidence: dict[str, Any] = field(default_factory=dict)
-    policy_path: Optional[Path] = None
+    policy_path: Path | None = None
     """The policy file written (on promotion) or holding the current good policy."""
     tracking_uri: str = ""
     experiment: str = ""
-    session_run_id: Optional[str] = None
-    decision_run_id: Optional[str] = None
+    session_run_id: str | None = None
+    decision_run_id: str | None = None
     notes: list[str] = field(default_factory=list)
     """What the session decided along the way (planner unavailable, space exhausted ...)."""
 
@@ -151,16 +151,29 @@ class SessionSummary:
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
         return {
-            "recipe": self.recipe, "study": self.study, "storage": self.storage, "device": self.device,
-            "budget_bytes": self.budget_bytes, "layer_names": list(self.layer_names), "search_space": self.search_space,
-            "status": self.status, "exit_code": self.exit_code, "trials_this_session": self.trials_this_session,
+            "recipe": self.recipe,
+            "study": self.study,
+            "storage": self.storage,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "layer_names": list(self.layer_names),
+            "search_space": self.search_space,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "trials_this_session": self.trials_this_session,
             "best": None if self.best is None else self.best.to_dict(),
-            "baselines": {k: v.to_dict() for k, v in self.baselines.items()}, "gains": dict(self.gains),
-            "reasons": list(self.reasons), "evidence": _plain(self.evidence),
+            "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
+            "gains": dict(self.gains),
+            "reasons": list(self.reasons),
+            "evidence": _plain(self.evidence),
             "policy_path": None if self.policy_path is None else str(self.policy_path),
-            "tracking_uri": self.tracking_uri, "experiment": self.experiment, "mlflow_command": self.mlflow_command,
-            "session_run_id": self.session_run_id, "decision_run_id": self.decision_run_id,
-            "trials": [r.to_dict() for r in self.records], "notes": list(self.notes),
+            "tracking_uri": self.tracking_uri,
+            "experiment": self.experiment,
+            "mlflow_command": self.mlflow_command,
+            "session_run_id": self.session_run_id,
+            "decision_run_id": self.decision_run_id,
+            "trials": [r.to_dict() for r in self.records],
+            "notes": list(self.notes),
         }
 
 
@@ -250,7 +263,13 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
         ctx = multiprocessing.get_context("spawn")
         proc = ctx.Process(
             target=_profile_child,
-            args=(recipe.to_dict(), None if recipe.source is None else str(recipe.source), micro_batch, repeats, str(out)),
+            args=(
+                recipe.to_dict(),
+                None if recipe.source is None else str(recipe.source),
+                micro_batch,
+                repeats,
+                str(out),
+            ),
         )
         proc.start()
         try:
@@ -263,11 +282,13 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
             raise RecomputeError(f"profiling failed (exit code {proc.exitcode}) without a profile")
         text = out.read_text(encoding="utf-8")
         if text.startswith("error:"):
-            raise RecomputeError(f"profiling failed: {text[len('error:'):].strip()}")
+            raise RecomputeError(f"profiling failed: {text[len('error:') :].strip()}")
         return Profile.from_json(text)
 
 
-def _profile_child(recipe_dict: dict[str, Any], source: str | None, micro_batch: int | None, repeats: int, out: str) -> None:
+def _profile_child(
+    recipe_dict: dict[str, Any], source: str | None, micro_batch: int | None, repeats: int, out: str
+) -> None:
     from tuner.recipe import from_dict
 
     try:
@@ -313,9 +334,9 @@ class _Plan:
     planner: Any = None
     profile: Any = None
     seeds: list[Seed] = field(default_factory=list)
-    note: Optional[str] = None
+    note: str | None = None
 
-    def predictor(self) -> Optional[Predictor]:
+    def predictor(self) -> Predictor | None:
         """``(policy, micro_batch) -> Prediction``, or ``None`` without a planner."""
         if self.planner is None:
             return None
@@ -332,7 +353,9 @@ class _Plan:
         return predict
 
 
-def _planner_seeds(planner: Any, space: SearchSpace, budget_bytes: int, modes: Sequence[str]) -> tuple[list[Seed], list[str]]:
+def _planner_seeds(
+    planner: Any, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
+) -> tuple[list[Seed], list[str]]:
     """The planner's pick at the budget (per micro-batch size), and a few points of its front under it."""
     from tuner.planner import BudgetError
 
@@ -371,7 +394,9 @@ def _make_plan(recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: di
         return _Plan(note=f"planner unavailable ({err}); seeding from baselines only, no candidate skipped")
     try:
         mb = space.micro_batches[0] if space.micro_batches else None
-        profile = Profile.from_dict(stored) if stored is not None else profile_recipe(recipe, mb, repeats=PROFILE_REPEATS)
+        profile = (
+            Profile.from_dict(stored) if stored is not None else profile_recipe(recipe, mb, repeats=PROFILE_REPEATS)
+        )
         planner = Planner(profile)
         seeds, notes = _planner_seeds(planner, space, budget_bytes, recipe.search.modes)
     except KeyboardInterrupt:
@@ -380,7 +405,9 @@ def _make_plan(recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: di
         _log.debug("planning failed", exc_info=True)
         return _Plan(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")
     if recipe.trainer.precision.endswith("-mixed"):
-        notes.append(f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions")
+        notes.append(
+            f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions"
+        )
     return _Plan(planner=planner, profile=profile, seeds=seeds, note="; ".join(notes) or None)
 
 
@@ -476,7 +503,10 @@ class _Session:
         self.notify(f"search space {self.space.describe()}")
         try:
             self.study = TuningStudy.open(
-                name=self.name, storage=str(recipe.study.storage), space=self.space, budget_bytes=self.budget,
+                name=self.name,
+                storage=str(recipe.study.storage),
+                space=self.space,
+                budget_bytes=self.budget,
                 seed=recipe.search.seed,
                 attrs={"recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "device": device},
             )
@@ -518,7 +548,7 @@ class _Session:
         predict with the same figures (and skip the same candidates) without profiling again.
         """
         study = self.study
-        assert study is not None  # noqa: S101 - internal invariant: run() opened it
+        assert study is not None
         takes_over = study.created
         if not takes_over:
             if not study.study.user_attrs.get("seeded"):
@@ -526,8 +556,12 @@ class _Session:
             takes_over = not study.wait_seeded(SETUP_WAIT_S)
         if not takes_over:
             stored = study.study.user_attrs.get("profile")
-            plan = _make_plan(self.recipe, self.space, self.budget, stored=stored) if stored else _Plan(
-                note=study.study.user_attrs.get("planner_note") or "the study holds no profile; no predictions"
+            plan = (
+                _make_plan(self.recipe, self.space, self.budget, stored=stored)
+                if stored
+                else _Plan(
+                    note=study.study.user_attrs.get("planner_note") or "the study holds no profile; no predictions"
+                )
             )
             plan.seeds = []  # the study was seeded by the session that set it up
             if plan.note:
@@ -554,7 +588,7 @@ class _Session:
 
     def _search(self) -> str | None:
         """Ask, run and tell trials until the study has ``n_trials`` measured; why it stopped early."""
-        assert self.study is not None  # noqa: S101 - internal invariant: run() opened it
+        assert self.study is not None
         started = time.monotonic()
         timeout = self.recipe.search.timeout_s
         unmeasured = 0
@@ -609,7 +643,12 @@ class _Session:
     def _log(self, proposal: Proposal, result: Any, reason: str | None) -> str | None:
         pred = proposal.prediction.to_dict() if proposal.prediction is not None else None
         return self.tracker.log_trial(
-            proposal.number, proposal.policy, list(self.space.layer_names), proposal.micro_batch, result, pred,
+            proposal.number,
+            proposal.policy,
+            list(self.space.layer_names),
+            proposal.micro_batch,
+            result,
+            pred,
             reason=reason,
         )
 
@@ -622,8 +661,14 @@ class _Session:
         feasible = [r for r in records if r.feasible and r.throughput is not None]
         best = max(feasible, key=lambda r: (r.throughput, -r.number)) if feasible else None
         self.on_trial(
-            TrialEvent(record=record, best=best, measured=sum(1 for r in records if r.measured),
-                       n_trials=self.n_trials, budget_bytes=self.budget, layer_names=self.space.layer_names)
+            TrialEvent(
+                record=record,
+                best=best,
+                measured=sum(1 for r in records if r.measured),
+                n_trials=self.n_trials,
+                budget_bytes=self.budget,
+                layer_names=self.space.layer_names,
+            )
         )
 
     # -------------------------------------------------------------- endings
@@ -637,11 +682,25 @@ class _Session:
             ok = best is not None and best.throughput and rec.throughput and rec.measured
             gains[name] = (best.throughput / rec.throughput - 1.0) if ok else None  # type: ignore[operator,union-attr]
         return SessionSummary(
-            recipe=self.recipe.name, study=self.name, storage=str(self.recipe.study.storage), device=self.device,
-            budget_bytes=self.budget, layer_names=self.space.layer_names, search_space=self.space.describe(),
-            status=status, exit_code=exit_code, trials_this_session=self.ran, records=records, best=best,
-            baselines=baselines, gains=gains, policy_path=None, tracking_uri=self.recipe.tracking.uri,
-            experiment=str(self.recipe.tracking.experiment), session_run_id=self.session_run_id, notes=self.notes,
+            recipe=self.recipe.name,
+            study=self.name,
+            storage=str(self.recipe.study.storage),
+            device=self.device,
+            budget_bytes=self.budget,
+            layer_names=self.space.layer_names,
+            search_space=self.space.describe(),
+            status=status,
+            exit_code=exit_code,
+            trials_this_session=self.ran,
+            records=records,
+            best=best,
+            baselines=baselines,
+            gains=gains,
+            policy_path=None,
+            tracking_uri=self.recipe.tracking.uri,
+            experiment=str(self.recipe.tracking.experiment),
+            session_run_id=self.session_run_id,
+            notes=self.notes,
         )
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
@@ -649,8 +708,12 @@ class _Session:
             return
         # What the session decided without a trial (space, planner trouble, why it stopped) is
         # part of the record too: MLflow alone must explain the session.
-        notes = [f"study {self.name} ({summary.storage})", f"search space {summary.search_space}",
-                 f"status {summary.status}", *summary.notes]
+        notes = [
+            f"study {self.name} ({summary.storage})",
+            f"search space {summary.search_space}",
+            f"status {summary.status}",
+            *summary.notes,
+        ]
         self.tracker.client.set_tag(self.session_run_id, "recompute.session_notes", "\n".join(notes)[:4900])
         self.tracker.finish_session(
             status=status,
@@ -678,7 +741,8 @@ class _Session:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
             summary.reasons.append(
                 f"no measured trial fits the budget limit of {self.budget} bytes"
-                if summary.ranked else "no trial was measured"
+                if summary.ranked
+                else "no trial was measured"
             )
             self._finish_tracking("FINISHED", summary)
             return summary
@@ -691,11 +755,20 @@ class _Session:
         from tuner.trial import check_numerics, run_trial
 
         self.notify(f"gate: confirming trial {best.number} ({best.short}) ...")
-        candidate = gate.Candidate(policy=best.policy, micro_batch=best.micro_batch, source_run_id=best.run_id,
-                                   layer_names=self.space.layer_names)
+        candidate = gate.Candidate(
+            policy=best.policy,
+            micro_batch=best.micro_batch,
+            source_run_id=best.run_id,
+            layer_names=self.space.layer_names,
+        )
         decision = gate.decide(
-            self.tracker, candidate, recipe=self.recipe, budget_bytes=self.budget, output_path=self.recipe.output,
-            run_trial=self._killable(run_trial), check_numerics=self._killable(check_numerics),
+            self.tracker,
+            candidate,
+            recipe=self.recipe,
+            budget_bytes=self.budget,
+            output_path=self.recipe.output,
+            run_trial=self._killable(run_trial),
+            check_numerics=self._killable(check_numerics),
         )
         if decision.unchanged:
             status, code = "current", EXIT_OK
@@ -760,7 +833,7 @@ def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
             continue
         name = r.seed.split(":", 1)[1]  # type: ignore[union-attr]
         if r.outcome == "duplicate" and r.duplicate_of in by_number:
-            r = by_number[r.duplicate_of]  # noqa: PLW2901 - resolve to the measurement
+            r = by_number[r.duplicate_of]
         if r.outcome == "interrupted":
             out.setdefault(name, r)
             continue
@@ -784,10 +857,10 @@ class PlanSummary:
     """`tuner.planner.Plan` objects, by increasing predicted peak."""
     chosen: Any = None
     """The fastest predicted plan within the budget (``None`` when none fits)."""
-    reason: Optional[str] = None
+    reason: str | None = None
     """Why nothing was chosen."""
     profile: Any = None
-    written: Optional[Path] = None
+    written: Path | None = None
     """Where the chosen policy was written (``--write``)."""
     exit_code: int = EXIT_OK
 
@@ -795,14 +868,24 @@ class PlanSummary:
         """Plain types (JSON-ready)."""
 
         def row(p: Any) -> dict[str, Any]:
-            return {"policy": p.policy.to_dict(), "short": p.short(), "peak_bytes": p.peak_bytes,
-                    "step_time_s": p.step_seconds, "micro_batch": p.prediction.micro_batch}
+            return {
+                "policy": p.policy.to_dict(),
+                "short": p.short(),
+                "peak_bytes": p.peak_bytes,
+                "step_time_s": p.step_seconds,
+                "micro_batch": p.prediction.micro_batch,
+            }
 
         return {
-            "recipe": self.recipe, "device": self.device, "budget_bytes": self.budget_bytes,
-            "layer_names": list(self.layer_names), "front": [row(p) for p in self.front],
-            "chosen": None if self.chosen is None else row(self.chosen), "reason": self.reason,
-            "written": None if self.written is None else str(self.written), "exit_code": self.exit_code,
+            "recipe": self.recipe,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "layer_names": list(self.layer_names),
+            "front": [row(p) for p in self.front],
+            "chosen": None if self.chosen is None else row(self.chosen),
+            "reason": self.reason,
+            "written": None if self.written is None else str(self.written),
+            "exit_code": self.exit_code,
         }
 
 
@@ -840,8 +923,14 @@ def plan(
     profile = _profile_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
     planner = Planner(profile)
     modes = list(recipe.search.modes)
-    summary = PlanSummary(recipe=recipe.name, device=device, budget_bytes=limit, layer_names=tuple(profile.layer_names),
-                          front=planner.pareto_front(modes, micro_batch=mb), profile=profile)
+    summary = PlanSummary(
+        recipe=recipe.name,
+        device=device,
+        budget_bytes=limit,
+        layer_names=tuple(profile.layer_names),
+        front=planner.pareto_front(modes, micro_batch=mb),
+        profile=profile,
+    )
     try:
         summary.chosen = planner.solve(limit, modes=modes, micro_batch=mb)
     except BudgetError as err:
@@ -886,9 +975,12 @@ class HistorySummary:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
-        return {"experiment": self.experiment, "tracking_uri": self.tracking_uri,
-                "decisions": [_plain(d) for d in self.decisions],
-                "current": None if self.current is None else _plain(self.current)}
+        return {
+            "experiment": self.experiment,
+            "tracking_uri": self.tracking_uri,
+            "decisions": [_plain(d) for d in self.decisions],
+            "current": None if self.current is None else _plain(self.current),
+        }
 
 
 def history(recipe: Recipe) -> HistorySummary:
@@ -896,8 +988,12 @@ def history(recipe: Recipe) -> HistorySummary:
     from tuner.tracking import Tracker
 
     tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-    return HistorySummary(experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri,
-                          decisions=tracker.history(), current=tracker.current_good())
+    return HistorySummary(
+        experiment=str(recipe.tracking.experiment),
+        tracking_uri=recipe.tracking.uri,
+        decisions=tracker.history(),
+        current=tracker.current_good(),
+    )
 
 
 def rollback(recipe: Recipe) -> Any:

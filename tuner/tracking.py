@@ -156,11 +156,11 @@ def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
     """
     if not tracking_uri.startswith("sqlite:///"):
         return None
-    db = tracking_uri[len("sqlite:///"):]
+    db = tracking_uri[len("sqlite:///") :]
     if not db or db == ":memory:":
         return None
     safe = re.sub(r"[^\w.\-]+", "_", experiment).strip("._") or "experiment"
-    return str((Path(db).resolve().parent / "mlartifacts" / safe))
+    return str(Path(db).resolve().parent / "mlartifacts" / safe)
 
 
 def _param_key(name: str) -> str:
@@ -480,8 +480,13 @@ class Tracker:
             with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
                 from tuner.plots import pareto_plot
 
-                png = pareto_plot(rows, Path(tmp) / "pareto.png", baselines=baselines, budget_bytes=budget_bytes,
-                                  title=f"{self.experiment}: peak memory vs throughput")
+                png = pareto_plot(
+                    rows,
+                    Path(tmp) / "pareto.png",
+                    baselines=baselines,
+                    budget_bytes=budget_bytes,
+                    title=f"{self.experiment}: peak memory vs throughput",
+                )
                 self.client.log_artifact(run_id, str(png))
             metrics = {
                 "trials_total": len(rows),
@@ -579,8 +584,9 @@ class Tracker:
         good_run = source_run_id
         if source_run_id is not None:
             self._ensure_run_policy(source_run_id, policy)
-        decision_id = self._start_decision("promote", policy, reason=reason, evidence=evidence,
-                                           previous=previous, source_run_id=source_run_id)
+        decision_id = self._start_decision(
+            "promote", policy, reason=reason, evidence=evidence, previous=previous, source_run_id=source_run_id
+        )
         good_run = good_run or decision_id
         self._finish_decision(decision_id, policy, output_path, previous=previous, new=good_run, rolled_back=False)
         return decision_id
@@ -590,8 +596,9 @@ class Tracker:
     ) -> str:
         """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id."""
         previous = self._good_run_id()
-        decision_id = self._start_decision("reject", policy, reason=reason, evidence=evidence,
-                                           previous=previous, source_run_id=source_run_id)
+        decision_id = self._start_decision(
+            "reject", policy, reason=reason, evidence=evidence, previous=previous, source_run_id=source_run_id
+        )
         self.client.set_tag(decision_id, NEW_GOOD, previous or "")
         if source_run_id is not None:
             self._set_tags(source_run_id, {"recompute.rejected": "true", "recompute.reject_reason": _clip(reason)})
@@ -623,10 +630,12 @@ class Tracker:
         target = stack[-2]
         restored = self._good_policy(target)
         decision_id = self._start_decision(
-            "rollback", restored.policy,
+            "rollback",
+            restored.policy,
             reason=f"rolled back from run {current} to run {target}",
             evidence={"rolled_back_run_id": current, "restored_run_id": target},
-            previous=current, source_run_id=target,
+            previous=current,
+            source_run_id=target,
         )
         self._finish_decision(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
         return self._good_policy(target)
@@ -685,8 +694,11 @@ class Tracker:
         token = None
         while True:
             page = self.client.search_runs(
-                [self.experiment_id], filter_string=filter_string, run_view_type=ViewType.ACTIVE_ONLY,
-                max_results=1000, page_token=token,
+                [self.experiment_id],
+                filter_string=filter_string,
+                run_view_type=ViewType.ACTIVE_ONLY,
+                max_results=1000,
+                page_token=token,
             )
             runs.extend(page)
             token = page.token
@@ -784,8 +796,9 @@ class Tracker:
         tags.update(extra_tags or {})
         # The run's span in the UI is the trial's own wall time, not the time it took to log it.
         end = _now_ms()
-        run = self.client.create_run(self.experiment_id, start_time=end - int(wall * 1000), tags=tags,
-                                     run_name=run_name)
+        run = self.client.create_run(
+            self.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
+        )
         run_id = run.info.run_id
         status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
         try:
@@ -808,8 +821,11 @@ class Tracker:
                 if _finite(value) is not None:
                     metrics[f"predicted_{key}"] = float(value)
             self._log_batch(run_id, params=params, metrics=metrics)
-            steps = [Metric("step_time_s", float(s), end, i) for i, s in enumerate(r.get("step_times_s") or [])
-                     if _finite(s) is not None]
+            steps = [
+                Metric("step_time_s", float(s), end, i)
+                for i, s in enumerate(r.get("step_times_s") or [])
+                if _finite(s) is not None
+            ]
             for i in range(0, len(steps), 1000):
                 self.client.log_batch(run_id, metrics=steps[i : i + 1000])
             self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
@@ -898,8 +914,9 @@ class Tracker:
         previous: str | None,
         source_run_id: str | None,
     ) -> str:
-        seq = 1 + max((int(r.data.tags.get(DECISION_SEQ, "0")) for r in self._search(f"tags.`{KIND}` = 'decision'")),
-                      default=0)
+        seq = 1 + max(
+            (int(r.data.tags.get(DECISION_SEQ, "0")) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0
+        )
         tags = {
             KIND: "decision",
             DECISION: kind,
@@ -992,8 +1009,10 @@ class Tracker:
         else:
             lines.append("- best: none within the budget")
         for name, b in baselines.items():
-            lines.append(f"- baseline {name}: throughput {b.get('throughput', '?')}, peak {format_bytes(b.get('peak_bytes'))}"
-                         + (f", {b['outcome']}" if b.get("outcome") else ""))
+            lines.append(
+                f"- baseline {name}: throughput {b.get('throughput', '?')}, peak {format_bytes(b.get('peak_bytes'))}"
+                + (f", {b['outcome']}" if b.get("outcome") else "")
+            )
         lines += ["", "Artifacts: `pareto.png`, `trials.csv`, `trials.json`, `recipe.yaml`."]
         return "\n".join(lines)
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, get_args
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
@@ -46,15 +46,15 @@ class TrialResult:
 
     outcome: Outcome
     """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``skipped``."""
-    peak_bytes: Optional[int] = None
+    peak_bytes: int | None = None
     """Peak device memory over every step, warm-up included (a real job goes through those too)."""
-    step_time_s: Optional[float] = None
+    step_time_s: float | None = None
     """Median wall-clock seconds of the measured steps (warm-up excluded)."""
-    samples_per_s: Optional[float] = None
+    samples_per_s: float | None = None
     """Samples per measured step over `step_time_s`."""
-    tokens_per_s: Optional[float] = None
+    tokens_per_s: float | None = None
     """Tokens per measured step over `step_time_s`; ``None`` when the batch holds no token ids."""
-    throughput: Optional[float] = None
+    throughput: float | None = None
     """`tokens_per_s` when the batch has tokens, else `samples_per_s`: the search's objective."""
     throughput_unit: str = "samples/s"
     """``tokens/s`` or ``samples/s``."""
@@ -62,13 +62,13 @@ class TrialResult:
     """Every measured step's seconds, in order."""
     wall_s: float = 0.0
     """Seconds the whole subprocess took, startup included."""
-    error: Optional[str] = None
+    error: str | None = None
     """One line saying what went wrong (``None`` for ``ok``)."""
-    stderr_tail: Optional[str] = None
+    stderr_tail: str | None = None
     """The end of the worker's output when it failed or was killed."""
     device: str = ""
     """Device name (``cpu``, ``NVIDIA H100 80GB HBM3``)."""
-    device_total_bytes: Optional[int] = None
+    device_total_bytes: int | None = None
     """The device's total memory; ``None`` on CPU."""
 
     @property
@@ -90,7 +90,9 @@ class TrialResult:
         if unknown:
             raise RecomputeError(f"trial result: unknown key(s) {unknown}; valid: {sorted(names)}")
         if data.get("outcome") not in get_args(Outcome):
-            raise RecomputeError(f"trial result: outcome {data.get('outcome')!r}; valid: {', '.join(get_args(Outcome))}")
+            raise RecomputeError(
+                f"trial result: outcome {data.get('outcome')!r}; valid: {', '.join(get_args(Outcome))}"
+            )
         values = dict(data)
         values["step_times_s"] = tuple(values.get("step_times_s", ()))
         return cls(**values)
@@ -163,7 +165,10 @@ def run_trial(
             return _measured(res, wall_s=run.wall_s, budget_bytes=budget_bytes)
         except (KeyError, TypeError, ValueError) as err:
             return TrialResult(
-                outcome="error", wall_s=run.wall_s, error=f"malformed worker result: {err!r}", stderr_tail=run.tail,
+                outcome="error",
+                wall_s=run.wall_s,
+                error=f"malformed worker result: {err!r}",
+                stderr_tail=run.tail,
                 **_device_fields(recipe, res),
             )
     outcome, error = _classify_failure(run)
@@ -187,7 +192,9 @@ def check_numerics(
     run = _run_worker(spec, limit, recipe.trial.env)
     res = run.result
     if not run.timed_out and res is not None and res.get("outcome") == "ok":
-        return NumericsResult(equal=bool(res["equal"]), max_abs_diff=float(res["max_abs_diff"]), detail=str(res["detail"]))
+        return NumericsResult(
+            equal=bool(res["equal"]), max_abs_diff=float(res["max_abs_diff"]), detail=str(res["detail"])
+        )
     if run.timed_out:
         why = f"the numerics check did not finish within {limit:g} s"
     else:
@@ -213,7 +220,7 @@ def device_info(recipe: Recipe) -> tuple[str, int | None]:
 # ---------------------------------------------------------------------------------------------- internals
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_device(accelerator: str) -> tuple[str, int | None]:
     run = _run_worker({"kind": "device", "accelerator": accelerator, "sys_path": []}, _DEVICE_TIMEOUT_S)
     res = run.result
@@ -235,8 +242,8 @@ def _base_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None)
 
 @dataclass(frozen=True)
 class _WorkerRun:
-    returncode: Optional[int]
-    result: Optional[dict[str, Any]]
+    returncode: int | None
+    result: dict[str, Any] | None
     tail: str
     wall_s: float
     timed_out: bool

@@ -5,13 +5,24 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["format_bytes", "parse_bytes"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
 }
 
 
@@ -32,7 +43,9 @@ def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
         return value
     if isinstance(value, float):
         if not math.isfinite(value) or value < smallest or value != int(value):
-            raise ValueError(f"a number of bytes must be a {'non-negative' if allow_zero else 'positive'} whole number, got {value!r}")
+            raise ValueError(
+                f"a number of bytes must be a {'non-negative' if allow_zero else 'positive'} whole number, got {value!r}"
+            )
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)

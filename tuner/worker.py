@@ -28,7 +28,7 @@ from typing import Any
 
 from lightning_recompute.atomic import atomic_write
 
-__all__ = ["main", "is_oom_error", "OOM_MARKERS"]
+__all__ = ["OOM_MARKERS", "is_oom_error", "main"]
 
 OOM_MARKERS = ("CUDA out of memory", "DefaultCPUAllocator: can't allocate memory", "OutOfMemoryError")
 """Text that identifies an out-of-memory failure in an error message or a traceback."""

@@ -14,14 +14,37 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = ("none", "full", "every-k", "selective-attn", "op-sac", "sqrt-n", "compile", "torch-sac-ilp", "planner", "tuned")
+METHODS = (
+    "none",
+    "full",
+    "every-k",
+    "selective-attn",
+    "op-sac",
+    "sqrt-n",
+    "compile",
+    "torch-sac-ilp",
+    "planner",
+    "tuned",
+)
 
 
 def test_compare_smoke_has_every_method_and_computes_fits_and_ratios(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "compare.py"), "--smoke", "--out", str(tmp_path), "--plots", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "compare.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--plots",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "compare-smoke.json").read_text())

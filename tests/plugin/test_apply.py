@@ -146,7 +146,9 @@ def test_refuses_foreign_checkpoint_wrappers() -> None:
 
 
 def test_unmatched_pattern_lists_existing_layers() -> None:
-    with pytest.raises(PolicyError, match=r"\['layers\.\*'\] match no layer.*blocks\.0, blocks\.1, blocks\.2, blocks\.3"):
+    with pytest.raises(
+        PolicyError, match=r"\['layers\.\*'\] match no layer.*blocks\.0, blocks\.1, blocks\.2, blocks\.3"
+    ):
         apply_policy(_tiny("eager"), RecomputePolicy.uniform("full", pattern="layers.*"))
 
 

@@ -44,7 +44,11 @@ def test_fit_logs_memory_time_and_throughput_through_the_logger(tmp_path: Path) 
     trainer = _trainer(tmp_path, [cb], logger=logger, log_every_n_steps=1)
     model = ReferenceGPT(**TINY)
     trainer.fit(model, SyntheticTokens(**DATA))
-    assert applied_policy(model).modes == {"blocks.0": Mode.FULL, "blocks.1": Mode.SELECTIVE, "blocks.2": Mode.SELECTIVE}
+    assert applied_policy(model).modes == {
+        "blocks.0": Mode.FULL,
+        "blocks.1": Mode.SELECTIVE,
+        "blocks.2": Mode.SELECTIVE,
+    }
     rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
     logged = [r for r in rows if r.get("recompute/step_time_s")]
     assert len(logged) == 4
@@ -148,7 +152,10 @@ def test_save_under_one_policy_resume_under_another(tmp_path: Path) -> None:
     assert any(v.get("fingerprint") == first.policy.fingerprint() for v in state.values())
 
     second = RecomputeCallback(RecomputePolicy.uniform("selective"))
-    with pytest.warns(UserWarning, match=rf"written under recompute policy {first.policy.fingerprint()}; resuming under {second.policy.fingerprint()}"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"written under recompute policy {first.policy.fingerprint()}; resuming under {second.policy.fingerprint()}",
+    ):
         _trainer(tmp_path, [second], max_steps=4).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA), ckpt_path=ckpt)
     assert second.records[-1].step == 3
     # the same checkpoint loads into a model that never saw the plugin
@@ -192,7 +199,9 @@ def test_sharded_strategy_with_late_layers_explains_where_to_apply() -> None:
     FSDPStrategy = type("FSDPStrategy", (), {})
     cb = RecomputeCallback(RecomputePolicy.uniform("full"))
     cb._deferred = True
-    with pytest.raises(RecomputeError, match=r"Call `lightning_recompute.apply_policy\(self, policy\)` at the end of configure_model"):
+    with pytest.raises(
+        RecomputeError, match=r"Call `lightning_recompute.apply_policy\(self, policy\)` at the end of configure_model"
+    ):
         cb._finish_deferred(SimpleNamespace(strategy=FSDPStrategy()), _BuiltLate())
 
 

@@ -61,5 +61,8 @@ def test_no_repeated_blocks_is_a_clear_error() -> None:
 
 
 def test_unmatched_explicit_selection_names_it() -> None:
-    with pytest.raises(LayerDiscoveryError, match=r"\['decoder\.\*'\] match no module of _HF; candidate module paths include: model, model\.layers"):
+    with pytest.raises(
+        LayerDiscoveryError,
+        match=r"\['decoder\.\*'\] match no module of _HF; candidate module paths include: model, model\.layers",
+    ):
         find_layers(_HF("model", "layers", 2), ["model.layers.*", "decoder.*"])

@@ -105,7 +105,9 @@ def test_full_keeps_one_input_per_layer_and_peaks_at_one_layer_of_activations() 
     # Backward climbs above the forward level by one layer's recomputed activations (at least)
     # plus the parameter gradients that exist by then (at most all of them).
     one_layer = 17 * BTC * E + 3 * BHTT * E + 4 * B * T * E + T * T
-    params4 = sum(p.numel() for p in ReferenceGPT(vocab_size=64, seq_len=T, n_layer=4, n_embd=C, n_head=H).parameters()) * E
+    params4 = (
+        sum(p.numel() for p in ReferenceGPT(vocab_size=64, seq_len=T, n_layer=4, n_embd=C, n_head=H).parameters()) * E
+    )
     assert one_layer <= peak4 - f4 <= one_layer + params4
     n_none, peak_none = _step_profile("none", 4)
     assert peak4 < peak_none and f4 < n_none

@@ -14,8 +14,11 @@ from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT, goo
 from lightning_recompute.policy import RecomputePolicy
 
 POLICY = RecomputePolicy.from_dict(
-    {"version": 1, "layers": {"blocks.0": "none", "blocks.[1-2]": "selective", "blocks.*": "full"},
-     "selective": {"save": ["aten.mm"]}}
+    {
+        "version": 1,
+        "layers": {"blocks.0": "none", "blocks.[1-2]": "selective", "blocks.*": "full"},
+        "selective": {"save": ["aten.mm"]},
+    }
 )
 
 
@@ -40,7 +43,9 @@ def test_round_trip(uri: str, tmp_path: Path) -> None:
     assert loaded.fingerprint() == POLICY.fingerprint()
 
 
-def test_default_tracking_uri_comes_from_the_environment(uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_tracking_uri_comes_from_the_environment(
+    uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     good_experiment(uri, tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     assert load_good_policy("exp") == POLICY
@@ -91,7 +96,9 @@ def test_good_run_without_the_policy_artifact(uri: str, tmp_path: Path) -> None:
 
 def test_invalid_policy_artifact_names_run_and_problem(uri: str, tmp_path: Path) -> None:
     run_id = good_experiment(uri, tmp_path, policy_text="version: 1\nlayers: {blocks.0: sometimes}\n")
-    with pytest.raises(PolicyError, match=f"good run {run_id}: artifact 'policy.yaml' is not a valid policy.*sometimes"):
+    with pytest.raises(
+        PolicyError, match=f"good run {run_id}: artifact 'policy.yaml' is not a valid policy.*sometimes"
+    ):
         load_good_policy("exp", uri)
 
 

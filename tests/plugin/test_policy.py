@@ -13,7 +13,10 @@ LAYERS = [f"transformer.h.{i}" for i in range(6)]
 
 def test_first_match_wins_and_unmatched_layers_keep_everything() -> None:
     p = RecomputePolicy.from_dict(
-        {"version": 1, "layers": {"transformer.h.0": "none", "transformer.h.[1-3]": "selective", "transformer.h.4": "full"}}
+        {
+            "version": 1,
+            "layers": {"transformer.h.0": "none", "transformer.h.[1-3]": "selective", "transformer.h.4": "full"},
+        }
     )
     assert p.resolve(LAYERS) == {
         "transformer.h.0": Mode.NONE,
@@ -23,7 +26,10 @@ def test_first_match_wins_and_unmatched_layers_keep_everything() -> None:
         "transformer.h.4": Mode.FULL,
         "transformer.h.5": Mode.NONE,
     }
-    assert RecomputePolicy(layers=(("*", Mode.FULL), ("transformer.h.0", Mode.NONE))).mode_for("transformer.h.0") is Mode.FULL
+    assert (
+        RecomputePolicy(layers=(("*", Mode.FULL), ("transformer.h.0", Mode.NONE))).mode_for("transformer.h.0")
+        is Mode.FULL
+    )
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -73,16 +79,31 @@ def _write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
-        ("version: 1\nlayers:\n  h.0: fast\n", r"policy\.yaml: layers\.h\.0: unknown mode 'fast'; valid modes are: none, selective, full, offload"),
+        (
+            "version: 1\nlayers:\n  h.0: fast\n",
+            r"policy\.yaml: layers\.h\.0: unknown mode 'fast'; valid modes are: none, selective, full, offload",
+        ),
         ("version: 2\nlayers: {}\n", r"policy\.yaml: key 'version': unsupported policy version 2; valid: 1"),
         ("layers: {h.0: full}\n", r"policy\.yaml: missing key 'version'"),
         ("version: 1\nlayers: {h.0: full\n", r"policy\.yaml: malformed YAML"),
-        ("version: 1\nlayer: {h.0: full}\n", r"policy\.yaml: unknown key\(s\) \['layer'\]; valid keys are \['version', 'layers', 'selective'\]"),
+        (
+            "version: 1\nlayer: {h.0: full}\n",
+            r"policy\.yaml: unknown key\(s\) \['layer'\]; valid keys are \['version', 'layers', 'selective'\]",
+        ),
         ("version: 1\nlayers: [full]\n", r"policy\.yaml: key 'layers' must map layer paths"),
         ("", r"policy\.yaml: policy file is empty"),
-        ("version: 1\nselective: {save: [aten.not_an_op]}\n", r"policy\.yaml: selective\.save: unknown op 'aten.not_an_op'"),
-        ("version: 1\nselective: {save: [aten.native_dropout]}\n", r"selective\.save: op 'aten.native_dropout' draws random numbers"),
-        ("version: 1\nselective: {keep: [aten.mm]}\n", r"policy\.yaml: key 'selective' must be a mapping with the single key 'save'"),
+        (
+            "version: 1\nselective: {save: [aten.not_an_op]}\n",
+            r"policy\.yaml: selective\.save: unknown op 'aten.not_an_op'",
+        ),
+        (
+            "version: 1\nselective: {save: [aten.native_dropout]}\n",
+            r"selective\.save: op 'aten.native_dropout' draws random numbers",
+        ),
+        (
+            "version: 1\nselective: {keep: [aten.mm]}\n",
+            r"policy\.yaml: key 'selective' must be a mapping with the single key 'save'",
+        ),
     ],
 )
 def test_bad_files_name_file_key_and_valid_choices(tmp_path: Path, text: str, pattern: str) -> None:

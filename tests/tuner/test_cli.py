@@ -62,8 +62,12 @@ def run_cli(folder: Path, *args: str, timeout: float = 400) -> subprocess.Comple
 def open_study(recipe_path: Path) -> TuningStudy:
     recipe = load(recipe_path)
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
-    return TuningStudy.open(name=study_name(recipe, "cpu"), storage=str(recipe.study.storage), space=space,
-                            budget_bytes=recipe.budget.limit_bytes(None))
+    return TuningStudy.open(
+        name=study_name(recipe, "cpu"),
+        storage=str(recipe.study.storage),
+        space=space,
+        budget_bytes=recipe.budget.limit_bytes(None),
+    )
 
 
 def mlflow_runs(recipe_path: Path):
@@ -100,7 +104,9 @@ def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
     assert sorted(int(r.data.params["trial_number"]) for r in children) == [t["number"] for t in summary["trials"]]
     for run in children:
         trial = next(t for t in summary["trials"] if t["number"] == int(run.data.params["trial_number"]))
-        assert run.data.tags["recompute.outcome"] == ("skipped" if trial["outcome"] == "duplicate" else trial["outcome"])
+        assert run.data.tags["recompute.outcome"] == (
+            "skipped" if trial["outcome"] == "duplicate" else trial["outcome"]
+        )
         assert {f"layer.blocks.{i}" for i in range(3)} <= set(run.data.params)
         assert run.data.params["policy_fingerprint"] == trial["policy_fingerprint"]
         assert "policy.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
@@ -140,8 +146,14 @@ def test_rollback_without_history_exits_1(tmp_path, capsys):
 
 def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     recipe_path = write_recipe(tmp_path, search={"n_trials": 3, "seed": 0})
-    proc = subprocess.Popen(command(str(recipe_path), "--no-plan"), cwd=tmp_path, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command(str(recipe_path), "--no-plan"),
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -186,8 +198,14 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
 def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
     recipe_path = write_recipe(tmp_path, study={"storage": "optuna.log"}, search={"n_trials": 3, "seed": 0})
     procs = [
-        subprocess.Popen(command(str(recipe_path), "--search-only", "--no-plan"), cwd=tmp_path, env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            command(str(recipe_path), "--search-only", "--no-plan"),
+            cwd=tmp_path,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=400) for p in procs]
@@ -203,7 +221,9 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
     seeds = [r.seed for r in records if r.seed]
     assert len(seeds) == len(set(seeds)), "the study was seeded twice"
     assert not study.running()
-    assert len({t.user_attrs.get("worker") for t in study.study.trials if t.state != optuna.trial.TrialState.WAITING}) == 2
+    assert (
+        len({t.user_attrs.get("worker") for t in study.study.trials if t.state != optuna.trial.TrialState.WAITING}) == 2
+    )
 
     _, _, runs = mlflow_runs(recipe_path)
     trial_numbers = [int(r.data.params["trial_number"]) for r in runs if r.data.tags.get("recompute.kind") == "trial"]

@@ -40,8 +40,13 @@ def recipe(tmp_path: Path, uri: str) -> recipe_mod.Recipe:
 class FakeTrials:
     """`run_trial` stand-in: each policy has a fixed peak and throughput; every call is recorded."""
 
-    def __init__(self, speeds: dict[RecomputePolicy, float], peaks: dict[RecomputePolicy, int] | None = None,
-                 outcome: dict[RecomputePolicy, str] | None = None, short_by: int = 0) -> None:
+    def __init__(
+        self,
+        speeds: dict[RecomputePolicy, float],
+        peaks: dict[RecomputePolicy, int] | None = None,
+        outcome: dict[RecomputePolicy, str] | None = None,
+        short_by: int = 0,
+    ) -> None:
         self.speeds, self.peaks, self.outcome, self.short_by = speeds, peaks or {}, outcome or {}, short_by
         self.calls: list[dict[str, Any]] = []
 
@@ -55,8 +60,17 @@ class FakeTrials:
             outcome = "over_budget"
         thr = self.speeds[policy]
         n = kw["measure_steps"] - self.short_by
-        return TrialResult(outcome=outcome, peak_bytes=peak, step_time_s=1 / thr, throughput=thr, tokens_per_s=thr,
-                           throughput_unit="tokens/s", step_times_s=(1 / thr,) * n, wall_s=1.0, device="cpu")
+        return TrialResult(
+            outcome=outcome,
+            peak_bytes=peak,
+            step_time_s=1 / thr,
+            throughput=thr,
+            tokens_per_s=thr,
+            throughput_unit="tokens/s",
+            step_times_s=(1 / thr,) * n,
+            wall_s=1.0,
+            device="cpu",
+        )
 
     def who(self) -> list[str]:
         names = {A: "A", B: "B", C: "C"}
@@ -76,18 +90,37 @@ def numerics(equal: bool = True) -> Any:
     return check
 
 
-def gate(tracker: Tracker, policy: RecomputePolicy, recipe: recipe_mod.Recipe, trials: FakeTrials,
-         check: Any | None = None, **kw: Any):
-    return decide(tracker, Candidate(policy, layer_names=LAYERS), recipe=recipe, budget_bytes=LIMIT,
-                  run_trial=trials, check_numerics=check or numerics(), **kw)
+def gate(
+    tracker: Tracker,
+    policy: RecomputePolicy,
+    recipe: recipe_mod.Recipe,
+    trials: FakeTrials,
+    check: Any | None = None,
+    **kw: Any,
+):
+    return decide(
+        tracker,
+        Candidate(policy, layer_names=LAYERS),
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=trials,
+        check_numerics=check or numerics(),
+        **kw,
+    )
 
 
 def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: recipe_mod.Recipe) -> None:
     trials, check = FakeTrials({A: 100.0}), numerics()
     tracker = Tracker(uri, "gate")
     with tracker.session(recipe, study_name="s"):
-        d = decide(tracker, Candidate(A, micro_batch=8, layer_names=LAYERS), recipe=recipe, budget_bytes=LIMIT,
-                   run_trial=trials, check_numerics=check)
+        d = decide(
+            tracker,
+            Candidate(A, micro_batch=8, layer_names=LAYERS),
+            recipe=recipe,
+            budget_bytes=LIMIT,
+            run_trial=trials,
+            check_numerics=check,
+        )
     assert d.promoted and d.checks == {"confirmation": "passed", "numerics": "passed", "regression": "passed"}
     # The confirmation measures 3x a trial's 4 steps, within the budget limit; no side-by-side without a good one.
     assert [(c["measure_steps"], c["budget_bytes"], c["micro_batch"]) for c in trials.calls] == [(12, LIMIT, 8)]
@@ -140,7 +173,12 @@ def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_on
         (FakeTrials({A: 100.0, B: 150.0}), numerics(equal=False), "numerics", "numerics differ from no recompute"),
         (FakeTrials({A: 100.0, B: 150.0}, peaks={B: LIMIT + 1}), numerics(), "confirmation", "over the budget limit"),
         (FakeTrials({A: 100.0, B: 150.0}, outcome={B: "oom"}), numerics(), "confirmation", "ended oom: injected oom"),
-        (FakeTrials({A: 100.0, B: 150.0}, short_by=1), numerics(), "confirmation", "measured 11 steps; the gate needs 12"),
+        (
+            FakeTrials({A: 100.0, B: 150.0}, short_by=1),
+            numerics(),
+            "confirmation",
+            "measured 11 steps; the gate needs 12",
+        ),
         (FakeTrials({A: 100.0, B: 97.0}), numerics(), "regression", "slower than the current good policy"),
     ],
     ids=["numerics-unequal", "over-budget", "oom", "too-few-steps", "slower"],
@@ -266,8 +304,9 @@ def test_promoting_a_policy_with_a_run_that_measured_another_one_is_refused(
     assert load_good_policy("gate", uri) == B
 
 
-def test_a_failed_record_puts_the_old_file_back(uri: str, recipe: recipe_mod.Recipe, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_record_puts_the_old_file_back(
+    uri: str, recipe: recipe_mod.Recipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tracker = Tracker(uri, "gate")
     out = tmp_path / "p.yaml"
     tracker.promote(A, source_run_id=None, output_path=out, reason="first", evidence={})

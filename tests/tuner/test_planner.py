@@ -23,19 +23,28 @@ from tuner.profile import LayerProfile, Profile, SegmentCost, profile_model
 def profiles(draw: st.DrawFn, max_layers: int = 5) -> Profile:
     """Random heterogeneous profiles, fixed segments anywhere the step can have them."""
     n = draw(st.integers(1, max_layers))
-    modes = ["none"] + draw(st.lists(st.sampled_from(["selective", "full", "offload"]), min_size=1, max_size=3, unique=True))
+    modes = ["none"] + draw(
+        st.lists(st.sampled_from(["selective", "full", "offload"]), min_size=1, max_size=3, unique=True)
+    )
     size = st.integers(0, 1000)
 
     def seg(scales: bool = True) -> SegmentCost:
         return SegmentCost(
-            delta=draw(st.integers(-300, 1000)), peak=draw(size), grad=0,
-            seconds=draw(st.integers(0, 5000)) / 1e6, scales=scales,
+            delta=draw(st.integers(-300, 1000)),
+            peak=draw(size),
+            grad=0,
+            seconds=draw(st.integers(0, 5000)) / 1e6,
+            scales=scales,
         )
 
     layers = [
         LayerProfile(
-            name=f"blocks.{i}", group="g", param_bytes=0,
-            fwd={m: seg() for m in modes}, bwd={m: seg() for m in modes}, net=draw(st.integers(-200, 400)),
+            name=f"blocks.{i}",
+            group="g",
+            param_bytes=0,
+            fwd={m: seg() for m in modes},
+            bwd={m: seg() for m in modes},
+            net=draw(st.integers(-200, 400)),
         )
         for i in range(n)
     ]
@@ -55,8 +64,17 @@ def profiles(draw: st.DrawFn, max_layers: int = 5) -> Profile:
         timeline.append(f"bwd:{i}")
         maybe_fixed(f"after-bwd-{i}")
     return Profile(
-        layers=layers, timeline=timeline, fixed=fixed, modes=modes, base_bytes=draw(st.integers(0, 2000)),
-        param_bytes=0, grad_bytes=0, optimizer_bytes=0, batch_bytes=0, micro_batch=1, device="cpu",
+        layers=layers,
+        timeline=timeline,
+        fixed=fixed,
+        modes=modes,
+        base_bytes=draw(st.integers(0, 2000)),
+        param_bytes=0,
+        grad_bytes=0,
+        optimizer_bytes=0,
+        batch_bytes=0,
+        micro_batch=1,
+        device="cpu",
         time_source="measured",
     )
 
@@ -129,13 +147,27 @@ def test_solver_is_deterministic_and_fast_for_100_heterogeneous_layers() -> None
     modes = ["none", "selective", "full", "offload"]
     layers = []
     for i in range(100):
-        kept = {"none": r(800, 1200) * 1000, "selective": r(300, 500) * 1000, "full": r(30, 60) * 1000, "offload": r(0, 20) * 1000}
-        secs = {"none": 1.0, "selective": 1.05 + r(0, 5) / 100, "full": 1.3 + r(0, 10) / 100, "offload": 1.2 + r(0, 10) / 100}
+        kept = {
+            "none": r(800, 1200) * 1000,
+            "selective": r(300, 500) * 1000,
+            "full": r(30, 60) * 1000,
+            "offload": r(0, 20) * 1000,
+        }
+        secs = {
+            "none": 1.0,
+            "selective": 1.05 + r(0, 5) / 100,
+            "full": 1.3 + r(0, 10) / 100,
+            "offload": 1.2 + r(0, 10) / 100,
+        }
         layers.append(
             LayerProfile(
-                f"layers.{i}", "g", 0,
+                f"layers.{i}",
+                "g",
+                0,
                 fwd={m: SegmentCost(delta=kept[m], peak=kept[m] + 1000, seconds=secs[m] / 3) for m in modes},
-                bwd={m: SegmentCost(peak=(1_000_000 if m == "full" else 200_000), seconds=2 * secs[m] / 3) for m in modes},
+                bwd={
+                    m: SegmentCost(peak=(1_000_000 if m == "full" else 200_000), seconds=2 * secs[m] / 3) for m in modes
+                },
                 net=5000,
             )
         )
@@ -190,8 +222,16 @@ def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor]
     from lightning_recompute import RecomputeCallback
 
     cb = RecomputeCallback(policy, memory_steps={1})
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     trainer.fit(copy.deepcopy(model), DataLoader([batch, batch], batch_size=None))
     return cb.records[1].peak_bytes
 
@@ -201,17 +241,19 @@ def eager_profile() -> tuple[ReferenceGPT, tuple[torch.Tensor, torch.Tensor], Pr
     model = _model("eager")
     x = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))
     batch = (x, x.roll(-1, 1))
-    prof = profile_model(model, batch, modes=["none", "selective", "full"], repeats=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    prof = profile_model(
+        model, batch, modes=["none", "selective", "full"], repeats=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
+    )
     return model, batch, prof
 
 
-@pytest.mark.parametrize(
-    "glyphs", ["....", "FFFF", "ssss", "F.s.", "Fs..", "sF.F", ".FsF", "FFs."]
-)
+@pytest.mark.parametrize("glyphs", ["....", "FFFF", "ssss", "F.s.", "Fs..", "sF.F", ".FsF", "FFs."])
 def test_predicted_peak_matches_the_cpu_meter_within_5_percent(eager_profile, glyphs: str) -> None:
     model, batch, prof = eager_profile
     names = prof.layer_names
-    policy = RecomputePolicy.from_modes({n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(names, glyphs)})
+    policy = RecomputePolicy.from_modes(
+        {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(names, glyphs)}
+    )
     predicted = Planner(prof).predict(policy).peak_bytes
     measured = _measured_peak(model, batch, policy)
     assert abs(predicted - measured) <= 0.05 * measured, (glyphs, predicted, measured)

@@ -79,7 +79,9 @@ def test_fixed_part_and_offload_on_cpu(cpu_profile: Profile) -> None:
         assert layer.fwd["offload"] == layer.fwd["none"] and layer.bwd["offload"] == layer.bwd["none"]
     assert any("offload" in n and "as none" in n for n in cpu_profile.notes)
     assert cpu_profile.time_source == "measured"
-    assert all(layer.fwd[m].seconds > 0 and layer.bwd[m].seconds > 0 for layer in cpu_profile.layers for m in cpu_profile.modes)
+    assert all(
+        layer.fwd[m].seconds > 0 and layer.bwd[m].seconds > 0 for layer in cpu_profile.layers for m in cpu_profile.modes
+    )
 
 
 def test_identical_layers_share_a_group_and_heterogeneous_ones_do_not(cpu_profile: Profile) -> None:
@@ -160,7 +162,11 @@ def test_7b_llama_at_4096_tokens_plans_on_meta_without_allocating() -> None:
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr[-3000:]

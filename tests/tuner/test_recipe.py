@@ -55,7 +55,10 @@ def test_defaults_fill_everything_and_resolve_against_the_recipe_folder(tmp_path
     assert recipe.budget == R.Budget(1 << 30, 0.05)
     assert recipe.search.modes == ("none", "selective", "full")
     assert (recipe.search.n_trials, recipe.search.timeout_s, recipe.search.micro_batch_sizes, recipe.search.seed) == (
-        20, None, None, 0
+        20,
+        None,
+        None,
+        0,
     )
     assert (recipe.trial.warmup_steps, recipe.trial.measure_steps, recipe.trial.timeout_s) == (2, 5, 300.0)
     assert recipe.trial.env == {}
@@ -87,17 +90,28 @@ def test_relative_paths_resolve_against_the_recipe_folder_not_the_working_direct
     assert recipe.study.storage == str(folder / "journal" / "optuna.log")
     # Absolute paths and server URLs are left alone.
     recipe = R.from_dict(
-        {"budget": 1000000, "output": "/abs/p.yaml", "tracking": {"uri": "http://mlflow:5000"},
-         "study": {"storage": "postgresql://u@db/optuna"}},
+        {
+            "budget": 1000000,
+            "output": "/abs/p.yaml",
+            "tracking": {"uri": "http://mlflow:5000"},
+            "study": {"storage": "postgresql://u@db/optuna"},
+        },
         source=path,
     )
     assert (recipe.output, recipe.tracking.uri, recipe.study.storage) == (
-        Path("/abs/p.yaml"), "http://mlflow:5000", "postgresql://u@db/optuna"
+        Path("/abs/p.yaml"),
+        "http://mlflow:5000",
+        "postgresql://u@db/optuna",
     )
 
 
 def test_round_trip_and_fingerprint(tmp_path: Path) -> None:
-    recipe = R.load(_write(tmp_path, {"budget": "2GiB", "model": {"init_args": {"n_layer": 3}}, "trial": {"env": {"OMP_NUM_THREADS": 1}}}))
+    recipe = R.load(
+        _write(
+            tmp_path,
+            {"budget": "2GiB", "model": {"init_args": {"n_layer": 3}}, "trial": {"env": {"OMP_NUM_THREADS": 1}}},
+        )
+    )
     assert recipe.trial.env == {"OMP_NUM_THREADS": "1"}
     again = R.from_dict(recipe.to_dict(), source=recipe.source)
     assert again == recipe
@@ -130,7 +144,10 @@ def test_budget_values(value: Any, stored: float) -> None:
     recipe = R.from_dict({"budget": value, "trainer": {"accelerator": "cuda"}})
     assert recipe.budget.value == stored
     assert type(recipe.budget.value) is type(stored)  # int bytes vs float fraction
-    assert R.from_dict({"budget": {"value": value, "margin": 0.1}, "trainer": {"accelerator": "cuda"}}).budget.value == stored
+    assert (
+        R.from_dict({"budget": {"value": value, "margin": 0.1}, "trainer": {"accelerator": "cuda"}}).budget.value
+        == stored
+    )
 
 
 def test_budget_limit_applies_the_margin() -> None:
@@ -168,28 +185,72 @@ def test_parse_bytes() -> None:
         ({}, ["budget: missing (required"]),
         ({"budget": "1GiB", "serch": {}}, ["serch: unknown key; did you mean 'search'?", "valid: budget, name, model"]),
         ({"budget": "1GiB", "trial": {"warmup": 1}}, ["trial.warmup: unknown key; did you mean 'warmup_steps'?"]),
-        ({"budget": "1GiB", "trainer": {"accelerator": "gpu"}}, ["trainer.accelerator: 'gpu' is not valid", "(valid: cpu, cuda, auto)"]),
-        ({"budget": "1GiB", "trainer": {"precision": "bf61-mixed"}}, ["trainer.precision:", "did you mean 'bf16-mixed'?"]),
+        (
+            {"budget": "1GiB", "trainer": {"accelerator": "gpu"}},
+            ["trainer.accelerator: 'gpu' is not valid", "(valid: cpu, cuda, auto)"],
+        ),
+        (
+            {"budget": "1GiB", "trainer": {"precision": "bf61-mixed"}},
+            ["trainer.precision:", "did you mean 'bf16-mixed'?"],
+        ),
         ({"budget": "1GiB", "trainer": {"devices": 2}}, ["trainer.devices: 2 is not valid", "(valid: 1)"]),
-        ({"budget": "1GiB", "search": {"modes": ["none", "ful"]}}, ["search.modes[1]: 'ful' is not valid; did you mean 'full'?"]),
+        (
+            {"budget": "1GiB", "search": {"modes": ["none", "ful"]}},
+            ["search.modes[1]: 'ful' is not valid; did you mean 'full'?"],
+        ),
         ({"budget": "1GiB", "search": {"modes": []}}, ["search.modes:"]),
         ({"budget": "1GiB", "search": {"n_trials": "ten"}}, ["search.n_trials: input should be a valid integer"]),
         ({"budget": "1GiB", "search": {"n_trials": True}}, ["search.n_trials:"]),
-        ({"budget": "1GiB", "search": {"micro_batch_sizes": [4, 0]}}, ["search.micro_batch_sizes[1]:", "greater than or equal to 1"]),
+        (
+            {"budget": "1GiB", "search": {"micro_batch_sizes": [4, 0]}},
+            ["search.micro_batch_sizes[1]:", "greater than or equal to 1"],
+        ),
         ({"budget": "1GiB", "trial": {"timeout_s": -1}}, ["trial.timeout_s: input should be greater than 0"]),
         ({"budget": "1GiB", "layers": []}, ["layers:"]),
         ({"budget": 0.8}, ["budget.value: 0.8 is a fraction of device memory, but trainer.accelerator is cpu"]),
         ({"budget": "1GiB", "search": {"modes": ["none", "offload"]}}, ["search.modes: 'offload' does nothing on cpu"]),
-        ({"budget": "1GiB", "study": {"storage": "optuna.db"}}, ["study.storage: 'optuna.db' is neither a database URL nor a journal file"]),
-        ({"budget": "1GiB", "model": {"class_path": "no_such_package.Model"}}, ["model.class_path: cannot import module 'no_such_package'"]),
-        ({"budget": "1GiB", "model": {"class_path": "lightning_recompute.reference.ReferenceGTP"}}, ["model.class_path:", "did you mean 'ReferenceGPT'?"]),
-        ({"budget": "1GiB", "model": {"class_path": "collections.OrderedDict"}}, ["model.class_path: collections.OrderedDict is not a lightning.LightningModule subclass"]),
+        (
+            {"budget": "1GiB", "study": {"storage": "optuna.db"}},
+            ["study.storage: 'optuna.db' is neither a database URL nor a journal file"],
+        ),
+        (
+            {"budget": "1GiB", "model": {"class_path": "no_such_package.Model"}},
+            ["model.class_path: cannot import module 'no_such_package'"],
+        ),
+        (
+            {"budget": "1GiB", "model": {"class_path": "lightning_recompute.reference.ReferenceGTP"}},
+            ["model.class_path:", "did you mean 'ReferenceGPT'?"],
+        ),
+        (
+            {"budget": "1GiB", "model": {"class_path": "collections.OrderedDict"}},
+            ["model.class_path: collections.OrderedDict is not a lightning.LightningModule subclass"],
+        ),
         ({"budget": "1GiB", "model": {"class_path": "NoDots"}}, ["model.class_path: 'NoDots' is not a dotted path"]),
-        ({"budget": "1GiB", "model": {"init_args": {"n_layers": 2}}}, ["model.init_args.n_layers: ReferenceGPT takes no argument 'n_layers'; did you mean 'n_layer'?", "valid: vocab_size, seq_len, n_layer"]),
-        ({"budget": "1GiB", "model": {"class_path": f"{__name__}.NeedsWidth"}}, ["model.init_args.width: missing; NeedsWidth requires it"]),
-        ({"budget": "1GiB", "model": {"init_args": "n_layer=2"}}, ["model.init_args: input should be a valid dictionary"]),
-        ({"budget": "1GiB", "data": {"class_path": "lightning_recompute.reference.ReferenceGPT"}}, ["data.class_path: lightning_recompute.reference.ReferenceGPT is not a lightning.LightningDataModule subclass"]),
-        ({"budget": "1GiB", "data": {"init_args": {"seq_len": 512}}}, ["data.init_args.seq_len: 512 exceeds the model's seq_len 64"]),
+        (
+            {"budget": "1GiB", "model": {"init_args": {"n_layers": 2}}},
+            [
+                "model.init_args.n_layers: ReferenceGPT takes no argument 'n_layers'; did you mean 'n_layer'?",
+                "valid: vocab_size, seq_len, n_layer",
+            ],
+        ),
+        (
+            {"budget": "1GiB", "model": {"class_path": f"{__name__}.NeedsWidth"}},
+            ["model.init_args.width: missing; NeedsWidth requires it"],
+        ),
+        (
+            {"budget": "1GiB", "model": {"init_args": "n_layer=2"}},
+            ["model.init_args: input should be a valid dictionary"],
+        ),
+        (
+            {"budget": "1GiB", "data": {"class_path": "lightning_recompute.reference.ReferenceGPT"}},
+            [
+                "data.class_path: lightning_recompute.reference.ReferenceGPT is not a lightning.LightningDataModule subclass"
+            ],
+        ),
+        (
+            {"budget": "1GiB", "data": {"init_args": {"seq_len": 512}}},
+            ["data.init_args.seq_len: 512 exceeds the model's seq_len 64"],
+        ),
     ],
 )
 def test_each_kind_of_error_names_its_key_and_the_valid_choices(data: dict[str, Any], expected: list[str]) -> None:
@@ -220,7 +281,13 @@ data:
     assert isinstance(err, RecomputeError)
     assert len(err.errors) == 5, err.errors
     paths = sorted(e.split(":", 1)[0] for e in err.errors)
-    assert paths == ["budget.value", "data.class_path", "model.init_args.n_layers", "search.modes[1]", "trainer.acelerator"]
+    assert paths == [
+        "budget.value",
+        "data.class_path",
+        "model.init_args.n_layers",
+        "search.modes[1]",
+        "trainer.acelerator",
+    ]
     text = str(err)
     assert text.startswith(f"{path}: 5 problems:")
     assert all(e in text for e in err.errors)
@@ -243,7 +310,12 @@ def test_class_path_beside_the_recipe_is_importable(tmp_path: Path) -> None:
     (tmp_path / "my_models_for_recipe_test.py").write_text(
         "from lightning_recompute.reference import ReferenceGPT\n\nclass Mine(ReferenceGPT):\n    pass\n"
     )
-    recipe = R.load(_write(tmp_path, {"budget": "1GiB", "model": {"class_path": "my_models_for_recipe_test.Mine", "init_args": {"n_layer": 2}}}))
+    recipe = R.load(
+        _write(
+            tmp_path,
+            {"budget": "1GiB", "model": {"class_path": "my_models_for_recipe_test.Mine", "init_args": {"n_layer": 2}}},
+        )
+    )
     model = R.build_model(recipe)
     assert type(model).__name__ == "Mine" and len(model.blocks) == 2
     # A subclass of the reference model still gets matched synthetic data.
@@ -254,7 +326,13 @@ def test_class_path_beside_the_recipe_is_importable(tmp_path: Path) -> None:
 
 
 def test_build_model_and_datamodule_with_micro_batch_override() -> None:
-    recipe = R.from_dict({"budget": "1GiB", "model": {"init_args": {"n_layer": 2, "n_embd": 32}}, "data": {"init_args": {"batch_size": 3}}})
+    recipe = R.from_dict(
+        {
+            "budget": "1GiB",
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32}},
+            "data": {"init_args": {"batch_size": 3}},
+        }
+    )
     model = R.build_model(recipe)
     assert isinstance(model, ReferenceGPT) and len(model.blocks) == 2
     dm = R.build_datamodule(recipe)
@@ -271,7 +349,17 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
     assert schema["additionalProperties"] is False
     assert schema["required"] == ["budget"]
     assert set(schema["properties"]) == {
-        "name", "model", "data", "trainer", "layers", "budget", "search", "trial", "tracking", "study", "output"
+        "name",
+        "model",
+        "data",
+        "trainer",
+        "layers",
+        "budget",
+        "search",
+        "trial",
+        "tracking",
+        "study",
+        "output",
     }
     for key, prop in schema["properties"].items():
         assert prop.get("description"), key
@@ -321,8 +409,12 @@ def test_quickstart_budget_forces_a_mixed_policy() -> None:
     peaks = {}
     for label, policy in policies.items():
         spec = {
-            "recipe": recipe.to_dict(), "source": str(recipe.source), "policy": policy.to_dict(),
-            "micro_batch": None, "warmup_steps": 1, "measure_steps": 1,
+            "recipe": recipe.to_dict(),
+            "source": str(recipe.source),
+            "policy": policy.to_dict(),
+            "micro_batch": None,
+            "warmup_steps": 1,
+            "measure_steps": 1,
         }
         result = worker._trial(spec)
         peaks[label] = max(s["peak_bytes"] for s in result["steps"] if s["peak_bytes"] is not None)

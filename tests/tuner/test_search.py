@@ -34,7 +34,9 @@ MIB = 1 << 20
 
 
 def _recipe(**model_args):
-    return from_dict({"budget": "64MiB", "model": {"init_args": {"n_embd": 32, "seq_len": 32, "n_head": 2, **model_args}}})
+    return from_dict(
+        {"budget": "64MiB", "model": {"init_args": {"n_embd": 32, "seq_len": 32, "n_head": 2, **model_args}}}
+    )
 
 
 def _alike(n: int) -> list[LayerInfo]:
@@ -42,8 +44,15 @@ def _alike(n: int) -> list[LayerInfo]:
 
 
 def _ok(throughput: float, peak: int) -> TrialResult:
-    return TrialResult(outcome="ok", peak_bytes=peak, step_time_s=1.0, throughput=throughput, throughput_unit="tokens/s",
-                       step_times_s=(1.0,), device="cpu")
+    return TrialResult(
+        outcome="ok",
+        peak_bytes=peak,
+        step_time_s=1.0,
+        throughput=throughput,
+        throughput_unit="tokens/s",
+        step_times_s=(1.0,),
+        device="cpu",
+    )
 
 
 def _open(tmp_path, space: SearchSpace, budget: int = 10 * MIB, name: str = "s") -> TuningStudy:
@@ -103,7 +112,10 @@ def test_every_baseline_is_exactly_in_the_grouped_space(n):
     space = SearchSpace.for_layers(_alike(n), ("none", "selective", "full"))
     seeds = baseline_seeds(space)
     assert [s.name for s in seeds] == [
-        "baseline:none", "baseline:full", "baseline:selective", "baseline:every_2nd_full"
+        "baseline:none",
+        "baseline:full",
+        "baseline:selective",
+        "baseline:every_2nd_full",
     ]
     for seed in seeds:
         params = space.encode(seed.modes)

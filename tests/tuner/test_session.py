@@ -42,17 +42,32 @@ class FakeTrials:
         self.calls: list[str] = []
         self.on_call = on_call
 
-    def run_trial(self, recipe, policy, *, micro_batch=None, warmup_steps=None, measure_steps=None,
-                  timeout_s=None, budget_bytes=None):
+    def run_trial(
+        self,
+        recipe,
+        policy,
+        *,
+        micro_batch=None,
+        warmup_steps=None,
+        measure_steps=None,
+        timeout_s=None,
+        budget_bytes=None,
+    ):
         self.calls.append(policy.short(LAYERS))
         if self.on_call is not None:
             self.on_call(len(self.calls), policy)
         steps = measure_steps or recipe.trial.measure_steps
         peak, thr = fake_peak(policy), fake_throughput(policy)
         over = budget_bytes is not None and peak > budget_bytes
-        return TrialResult(outcome="over_budget" if over else "ok", peak_bytes=peak, step_time_s=1.0 / thr,
-                           throughput=thr, throughput_unit="tokens/s", step_times_s=(1.0 / thr,) * steps,
-                           device="cpu")
+        return TrialResult(
+            outcome="over_budget" if over else "ok",
+            peak_bytes=peak,
+            step_time_s=1.0 / thr,
+            throughput=thr,
+            throughput_unit="tokens/s",
+            step_times_s=(1.0 / thr,) * steps,
+            device="cpu",
+        )
 
     def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
         return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
@@ -88,8 +103,9 @@ def study_of(recipe, summary) -> TuningStudy:
     from tuner.search import SearchSpace, inspect_layers
 
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
-    return TuningStudy.open(name=summary.study, storage=str(recipe.study.storage), space=space,
-                            budget_bytes=summary.budget_bytes)
+    return TuningStudy.open(
+        name=summary.study, storage=str(recipe.study.storage), space=space, budget_bytes=summary.budget_bytes
+    )
 
 
 def runs(recipe, kind=None):
@@ -276,7 +292,7 @@ def test_the_search_stops_when_the_space_is_exhausted(tmp_path, tracking_uri, fa
     assert sorted(r.short for r in measured) == ["..", ".F", "F.", "FF"]
     assert len(fakes.calls) == 4  # duplicates are told, never run
     assert any("search space exhausted" in note for note in summary.notes)
-    assert all(r.outcome == "duplicate" for r in summary.records[-session.MAX_UNMEASURED_IN_A_ROW:])
+    assert all(r.outcome == "duplicate" for r in summary.records[-session.MAX_UNMEASURED_IN_A_ROW :])
 
 
 def test_the_search_stops_at_its_timeout(tmp_path, tracking_uri, fakes, monkeypatch):

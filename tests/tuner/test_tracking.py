@@ -46,25 +46,47 @@ def recipe(tmp_path: Path, uri: str) -> recipe_mod.Recipe:
 
 
 def ok(peak: int, thr: float, steps: int = 3) -> TrialResult:
-    return TrialResult(outcome="ok", peak_bytes=peak, step_time_s=1.0 / thr, throughput=thr, tokens_per_s=thr,
-                       throughput_unit="tokens/s", step_times_s=tuple([1.0 / thr] * steps), wall_s=2.5, device="cpu")
+    return TrialResult(
+        outcome="ok",
+        peak_bytes=peak,
+        step_time_s=1.0 / thr,
+        throughput=thr,
+        tokens_per_s=thr,
+        throughput_unit="tokens/s",
+        step_times_s=tuple([1.0 / thr] * steps),
+        wall_s=2.5,
+        device="cpu",
+    )
 
 
 def runs_of(client: MlflowClient, exp_id: str, kind: str) -> list:
     return client.search_runs([exp_id], filter_string=f"tags.`recompute.kind` = '{kind}'")
 
 
-def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(uri: str, recipe: recipe_mod.Recipe, tmp_path: Path) -> None:
+def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
+    uri: str, recipe: recipe_mod.Recipe, tmp_path: Path
+) -> None:
     full = RecomputePolicy.uniform("full")
     mixed = RecomputePolicy.first_n(LAYERS, 2, "selective")
     with Tracker(uri, "tiny-exp") as tracker:
         session = tracker.start_session(recipe, study_name="tiny-cpu")
-        t0 = tracker.log_trial(0, full, LAYERS, None, ok(10 * 2**20, 900.0),
-                               prediction={"peak_bytes": 11 * 2**20, "step_time_s": 0.002})
-        t1 = tracker.log_trial(1, mixed, LAYERS, 8, TrialResult(outcome="over_budget", peak_bytes=90 * 2**20,
-                                                                 throughput=1500.0, throughput_unit="tokens/s"))
-        t2 = tracker.log_trial(2, RecomputePolicy.uniform("none"), LAYERS, 8,
-                               TrialResult(outcome="oom", error="CUDA out of memory", stderr_tail="Traceback ...\nOOM"))
+        t0 = tracker.log_trial(
+            0, full, LAYERS, None, ok(10 * 2**20, 900.0), prediction={"peak_bytes": 11 * 2**20, "step_time_s": 0.002}
+        )
+        t1 = tracker.log_trial(
+            1,
+            mixed,
+            LAYERS,
+            8,
+            TrialResult(outcome="over_budget", peak_bytes=90 * 2**20, throughput=1500.0, throughput_unit="tokens/s"),
+        )
+        t2 = tracker.log_trial(
+            2,
+            RecomputePolicy.uniform("none"),
+            LAYERS,
+            8,
+            TrialResult(outcome="oom", error="CUDA out of memory", stderr_tail="Traceback ...\nOOM"),
+        )
         tracker.finish_session(
             status="FINISHED",
             best={"policy": full, "run_id": t0, "number": 0, "throughput": 900.0, "peak_bytes": 10 * 2**20},
@@ -92,30 +114,49 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(uri: str, recipe:
     assert parent.data.metrics["budget_limit_bytes"] == 60 * 2**20
     assert parent.data.metrics["trials_total"] == 3 and parent.data.metrics["trials_ok"] == 1
     artifacts = {f.path for f in client.list_artifacts(session)}
-    assert artifacts == {"recipe.yaml", "best_policy.yaml", "best.json", "trials.json", "trials.csv",
-                         "baselines.json", "pareto.png"}
+    assert artifacts == {
+        "recipe.yaml",
+        "best_policy.yaml",
+        "best.json",
+        "trials.json",
+        "trials.csv",
+        "baselines.json",
+        "pareto.png",
+    }
     dl = tmp_path / "dl"
     png = Path(client.download_artifacts(session, "pareto.png", str(dl)))
     assert png.read_bytes()[:8] == PNG_MAGIC
     best = RecomputePolicy.load(client.download_artifacts(session, "best_policy.yaml", str(dl)))
     assert best == full
     table = json.loads(Path(client.download_artifacts(session, "trials.json", str(dl))).read_text())
-    assert [(r["number"], r["outcome"], r["run_id"]) for r in table] == [(0, "ok", t0), (1, "over_budget", t1),
-                                                                          (2, "oom", t2)]
+    assert [(r["number"], r["outcome"], r["run_id"]) for r in table] == [
+        (0, "ok", t0),
+        (1, "over_budget", t1),
+        (2, "oom", t2),
+    ]
     assert table[0]["predicted_peak_bytes"] == 11 * 2**20
-    rows = list(csv.DictReader(io.StringIO(Path(client.download_artifacts(session, "trials.csv", str(dl))).read_text())))
+    rows = list(
+        csv.DictReader(io.StringIO(Path(client.download_artifacts(session, "trials.csv", str(dl))).read_text()))
+    )
     assert [r["policy"] for r in rows] == ["FFFF", "ss..", "...."]
     recipe_back = recipe_mod.from_dict(
-        __import__("yaml").safe_load(Path(client.download_artifacts(session, "recipe.yaml", str(dl))).read_text()))
+        __import__("yaml").safe_load(Path(client.download_artifacts(session, "recipe.yaml", str(dl))).read_text())
+    )
     assert recipe_back.fingerprint() == recipe.fingerprint()
 
     trial = client.get_run(t1)
     assert trial.data.tags["mlflow.parentRunId"] == session
     assert trial.data.tags["recompute.kind"] == "trial"
     assert trial.data.tags["recompute.outcome"] == "over_budget"
-    assert trial.data.params == {"layer.blocks.0": "selective", "layer.blocks.1": "selective",
-                                 "layer.blocks.2": "none", "layer.blocks.3": "none", "micro_batch": "8",
-                                 "policy_fingerprint": mixed.fingerprint(), "trial_number": "1"}
+    assert trial.data.params == {
+        "layer.blocks.0": "selective",
+        "layer.blocks.1": "selective",
+        "layer.blocks.2": "none",
+        "layer.blocks.3": "none",
+        "micro_batch": "8",
+        "policy_fingerprint": mixed.fingerprint(),
+        "trial_number": "1",
+    }
     assert trial.data.metrics["measured_peak_bytes"] == 90 * 2**20
     assert trial.data.metrics["measured_throughput"] == 1500.0
     assert RecomputePolicy.load(client.download_artifacts(t1, "policy.yaml", str(dl / "t1"))) == mixed
@@ -145,27 +186,34 @@ def test_layers_beyond_one_mlflow_batch_and_odd_pattern_names(uri: str, recipe: 
         tracker.start_session(recipe, study_name="s")
         big = tracker.log_trial(0, RecomputePolicy.every_kth(names, 2), names, None, ok(1, 1.0))
         # Without layer names the policy's own patterns are logged; MLflow forbids '[' and '*' in keys.
-        globbed = tracker.log_trial(1, RecomputePolicy.from_dict({"version": 1, "layers": {"b.[0-1]": "full", "b.*": "none"}}),
-                                    None, None, ok(1, 1.0))
+        globbed = tracker.log_trial(
+            1,
+            RecomputePolicy.from_dict({"version": 1, "layers": {"b.[0-1]": "full", "b.*": "none"}}),
+            None,
+            None,
+            ok(1, 1.0),
+        )
     client = MlflowClient(tracking_uri=uri)
     params = client.get_run(big).data.params
     assert sum(k.startswith("layer.") for k in params) == 130
     assert params["layer.model.layers.0"] == "full" and params["layer.model.layers.1"] == "none"
     assert {k: v for k, v in client.get_run(globbed).data.params.items() if k.startswith("layer.")} == {
-        "layer.b._0-1_": "full", "layer.b._": "none"}
+        "layer.b._0-1_": "full",
+        "layer.b._": "none",
+    }
 
 
 @pytest.mark.parametrize(("exc", "status"), [(RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")])
-def test_an_exception_in_a_session_leaves_nothing_running(uri: str, recipe: recipe_mod.Recipe, exc: BaseException,
-                                                          status: str) -> None:
+def test_an_exception_in_a_session_leaves_nothing_running(
+    uri: str, recipe: recipe_mod.Recipe, exc: BaseException, status: str
+) -> None:
     tracker = Tracker(uri, "tiny-exp")
     client = MlflowClient(tracking_uri=uri)
-    with pytest.raises(type(exc)):
-        with tracker.session(recipe, study_name="s") as session:
-            tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(1, 1.0))
-            # A nested run opened by hand and never ended, as a crash mid-logging would leave it.
-            stray = client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": session}).info.run_id
-            raise exc
+    with pytest.raises(type(exc)), tracker.session(recipe, study_name="s") as session:
+        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(1, 1.0))
+        # A nested run opened by hand and never ended, as a crash mid-logging would leave it.
+        stray = client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": session}).info.run_id
+        raise exc
     assert client.get_run(session).info.status == status
     assert client.get_run(stray).info.status == status
     assert [r.info.status for r in client.search_runs([tracker.experiment_id]) if r.info.status == "RUNNING"] == []
@@ -176,8 +224,9 @@ def test_finish_session_ends_the_run_even_when_summary_logging_fails(uri: str, r
     session = tracker.start_session(recipe, study_name="s")
     with pytest.raises(PolicyError, match="version"):
         # A best policy that is not a policy: the summary fails half way.
-        tracker.finish_session(status="FINISHED", best={"policy": {"layers": {}}}, trials_table=[], baselines={},
-                               budget_bytes=None)
+        tracker.finish_session(
+            status="FINISHED", best={"policy": {"layers": {}}}, trials_table=[], baselines={}, budget_bytes=None
+        )
     assert MlflowClient(tracking_uri=uri).get_run(session).info.status == "FINISHED"
     tracker.close("FAILED")  # idempotent: the run is already ended
     assert MlflowClient(tracking_uri=uri).get_run(session).info.status == "FINISHED"
@@ -185,9 +234,8 @@ def test_finish_session_ends_the_run_even_when_summary_logging_fails(uri: str, r
 
 def test_resume_reuses_the_unfinished_session_of_the_same_study(uri: str, recipe: recipe_mod.Recipe) -> None:
     client = MlflowClient(tracking_uri=uri)
-    with pytest.raises(KeyboardInterrupt):
-        with Tracker(uri, "tiny-exp").session(recipe, study_name="s") as first:
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), Tracker(uri, "tiny-exp").session(recipe, study_name="s") as first:
+        raise KeyboardInterrupt
     assert client.get_run(first).info.status == "KILLED"
 
     t1 = Tracker(uri, "tiny-exp")
@@ -262,7 +310,9 @@ def test_misuse_is_a_clear_error(uri: str, recipe: recipe_mod.Recipe) -> None:
 
 
 def test_artifact_location_follows_the_sqlite_database(tmp_path: Path) -> None:
-    assert artifact_location_for(f"sqlite:///{tmp_path}/x/m.db", "my exp/1") == str(tmp_path / "x" / "mlartifacts" / "my_exp_1")
+    assert artifact_location_for(f"sqlite:///{tmp_path}/x/m.db", "my exp/1") == str(
+        tmp_path / "x" / "mlartifacts" / "my_exp_1"
+    )
     assert artifact_location_for("http://mlflow.internal:5000", "e") is None
     assert artifact_location_for("sqlite:///:memory:", "e") is None
 
@@ -295,8 +345,12 @@ def test_pareto_plot_writes_a_png_with_baselines_and_budget(tmp_path: Path) -> N
         {"number": 2, "outcome": "oom"},
         {"number": 3, "outcome": "ok", "measured_peak_bytes": 2**29, "measured_throughput": 70.0},
     ]
-    out = pareto_plot(rows, tmp_path / "sub" / "p.png", budget_bytes=2 * 2**30,
-                      baselines={"none": {"outcome": "oom"}, "full": {"peak_bytes": 2**29, "throughput": 60.0}})
+    out = pareto_plot(
+        rows,
+        tmp_path / "sub" / "p.png",
+        budget_bytes=2 * 2**30,
+        baselines={"none": {"outcome": "oom"}, "full": {"peak_bytes": 2**29, "throughput": 60.0}},
+    )
     data = out.read_bytes()
     assert data[:8] == PNG_MAGIC
     h, w = matplotlib.image.imread(str(out)).shape[:2]

@@ -78,14 +78,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Timed]:
     folder = tmp_path_factory.mktemp("trials")
     faulty = "tests.tuner.faulty."
     jobs: dict[str, tuple[Any, ...]] = {
-        "hang": (run_trial, _recipe(folder, faulty + "Hangs", timeout_s=HANG_TIMEOUT_S, pid_file=str(folder / "pids")), RecomputePolicy.uniform("full")),
+        "hang": (
+            run_trial,
+            _recipe(folder, faulty + "Hangs", timeout_s=HANG_TIMEOUT_S, pid_file=str(folder / "pids")),
+            RecomputePolicy.uniform("full"),
+        ),
         "measured": (_ok_then_over_budget, folder),
         "RaisesOOM": (run_trial, _recipe(folder, faulty + "RaisesOOM"), RecomputePolicy.uniform("full")),
         "AllocatesTooMuch": (run_trial, _recipe(folder, faulty + "AllocatesTooMuch"), RecomputePolicy.uniform("full")),
         "RaisesError": (run_trial, _recipe(folder, faulty + "RaisesError"), RecomputePolicy.uniform("none")),
         "Aborts": (run_trial, _recipe(folder, faulty + "Aborts"), RecomputePolicy.uniform("none")),
         "numerics_equal": (
-            check_numerics, _recipe(folder, dropout=0.2), RecomputePolicy.from_modes({"blocks.0": "selective", "blocks.1": "full"})
+            check_numerics,
+            _recipe(folder, dropout=0.2),
+            RecomputePolicy.from_modes({"blocks.0": "selective", "blocks.1": "full"}),
         ),
         "numerics_differ": (check_numerics, _recipe(folder, faulty + "CountsCalls"), RecomputePolicy.uniform("full")),
     }
@@ -114,7 +120,12 @@ def test_summarize_steps_excludes_warmup_from_time_but_not_from_memory() -> None
     assert s["step_time_s"] == 2.0
     assert s["step_times_s"] == (1.0, 3.0, 2.0)
     assert s["peak_bytes"] == 500
-    assert (s["samples_per_s"], s["tokens_per_s"], s["throughput"], s["throughput_unit"]) == (2.0, 64.0, 64.0, "tokens/s")
+    assert (s["samples_per_s"], s["tokens_per_s"], s["throughput"], s["throughput_unit"]) == (
+        2.0,
+        64.0,
+        64.0,
+        "tokens/s",
+    )
     untokenised = [{**st, "tokens": None} for st in steps]
     s = summarize_steps(untokenised, warmup_steps=1)
     assert (s["tokens_per_s"], s["throughput"], s["throughput_unit"]) == (None, 2.0, "samples/s")
@@ -180,7 +191,9 @@ def test_out_of_memory_is_oom(runs: dict[str, _Timed], model: str, message: str)
         ("Aborts", "killed by SIGABRT: Fatal Python error: Aborted at File", "Aborts: about to abort()"),
     ],
 )
-def test_crashes_are_errors_with_the_output_tail(runs: dict[str, _Timed], model: str, message: str, in_tail: str) -> None:
+def test_crashes_are_errors_with_the_output_tail(
+    runs: dict[str, _Timed], model: str, message: str, in_tail: str
+) -> None:
     result = runs[model].result
     assert result.outcome == "error"
     assert message in (result.error or ""), result.error
