@@ -1,26 +1,4 @@
-"""Tuning recipes: the YAML file that says what to tune, on what, within which budget.
-
-A recipe names the model and the data the LightningCLI way (``class_path`` + ``init_args``, so a
-user points it at their own LightningModule), the trainer settings, the memory budget, how long
-to search and measure, and where results go::
-
-    model:
-      class_path: lightning_recompute.reference.ReferenceGPT   # the default
-      init_args: {n_layer: 4, n_embd: 64, seq_len: 128}
-    trainer: {accelerator: cpu, precision: 32-true}
-    budget: 20MiB                # or {value: 0.8, margin: 0.05}, "80%", 21474836480
-    search: {n_trials: 12, modes: [none, selective, full]}
-    trial: {warmup_steps: 1, measure_steps: 3}
-
-`load` validates the whole file before anything runs and reports *every* problem at once, each
-as ``key.path: problem (valid: ...)``: a tuning session that dies on its fifth trial because of a
-typo found one at a time is the experience this module exists to prevent. The schema is declared
-once, as pydantic dataclasses, so the validator and the JSON Schema (`json_schema`, printed by
-``recompute-tune schema`` for editors) cannot drift apart.
-
-Relative paths in a recipe (the output policy, sqlite databases, journal files) resolve against
-the recipe's folder, so a recipe means the same thing whatever directory the tuner runs from.
-"""
+"""The recipe file's schema, declared once as pydantic dataclasses, and the validated `Recipe`."""
 
 from __future__ import annotations
 
@@ -32,43 +10,16 @@ import inspect
 import json
 import math
 import os
-import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, WithJsonSchema
+from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, WithJsonSchema
 from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError
 from tuner.units import format_bytes as _format_bytes
 from tuner.units import parse_bytes
-
-if TYPE_CHECKING:
-    import lightning as L
-
-__all__ = [
-    "PRECISIONS",
-    "REFERENCE_DATA",
-    "REFERENCE_MODEL",
-    "Budget",
-    "Component",
-    "Recipe",
-    "RecipeError",
-    "SearchSettings",
-    "StudySettings",
-    "TrackingSettings",
-    "TrainerSettings",
-    "TrialSettings",
-    "build_datamodule",
-    "build_model",
-    "from_dict",
-    "json_schema",
-    "load",
-    "parse_bytes",
-]
 
 REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
 """The model a recipe trains when it names none."""
@@ -102,8 +53,6 @@ class RecipeError(RecomputeError, ValueError):
         lines = "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(f"{where}: {len(self.errors)} {noun}:\n{lines}")
 
-
-# ---------------------------------------------------------------------------------------------- sizes
 
 # ---------------------------------------------------------------------------------------------- schema
 
@@ -373,9 +322,7 @@ class _RecipeFile:
     budget: Annotated[Budget, BeforeValidator(_budget_shorthand)] = Field(
         description="Device memory the policy may use: bytes ('20GiB'), a fraction (0.8, '80%'), or {value, margin}."
     )
-    name: str | None = Field(
-        None, min_length=1, description="Recipe name; default: the file name without extension."
-    )
+    name: str | None = Field(None, min_length=1, description="Recipe name; default: the file name without extension.")
     model: Component = Field(
         default_factory=lambda: Component(REFERENCE_MODEL),
         description="The LightningModule to tune; class_path defaults to the reference GPT.",
@@ -488,156 +435,6 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def load(path: str | os.PathLike[str]) -> Recipe:
-    """Read and validate a recipe file.
-
-    Raises:
-        RecipeError: the file is missing, not YAML, or invalid; every problem is listed.
-    """
-    p = Path(path).expanduser().resolve()
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(["recipe file not found"], p) from None
-    except OSError as err:
-        raise RecipeError([f"cannot read the recipe file: {err}"], p) from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as err:
-        raise RecipeError([f"malformed YAML: {err}"], p) from None
-    if data is None:
-        data = {}
-    return from_dict(data, source=p)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys: YAML would silently keep the last one."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> Recipe:
-    """Validate a recipe given as the file structure.
-
-    ``source`` (the file it came from) names the recipe in errors, gives the default name, and is
-    the folder relative paths resolve against; without it they resolve against the working
-    directory. The recipe's folder and the working directory are put on ``sys.path`` so a
-    ``class_path`` can name a module beside the recipe, as LightningCLI does for the working
-    directory.
-
-    Raises:
-        RecipeError: every problem in the recipe, at once.
-    """
-    src = None if source is None else Path(source).expanduser().resolve()
-    if not isinstance(data, Mapping):
-        raise RecipeError([f"a recipe must be a mapping of keys to values, got {type(data).__name__}"], src)
-    folder = src.parent if src is not None else Path.cwd()
-    _importable(folder)
-
-    raw = dict(data)
-    # class_path may be left out, meaning the reference model / synthetic data.
-    for key, default in (("model", REFERENCE_MODEL), ("data", REFERENCE_DATA)):
-        section = raw.get(key)
-        if isinstance(section, Mapping) and "class_path" not in section:
-            raw[key] = {"class_path": default, **section}
-
-    errors: list[str] = []
-    parsed: _RecipeFile | None = None
-    try:
-        parsed = _FILE_ADAPTER.validate_python(raw)
-    except ValidationError as err:
-        errors.extend(_describe(e) for e in err.errors(include_url=False))
-
-    classes: dict[str, type | None] = {}
-    for key, base_name in (("model", "LightningModule"), ("data", "LightningDataModule")):
-        section = raw.get(key, {"class_path": REFERENCE_MODEL} if key == "model" else None)
-        if section is None:
-            continue
-        classes[key] = _check_component(key, section, base_name, errors)
-
-    if parsed is not None:
-        data_component = _default_data(parsed, classes)
-        _cross_check(parsed, data_component, classes, errors)
-    if errors or parsed is None:
-        raise RecipeError(errors, src)
-
-    name = parsed.name or (src.stem if src is not None else "recipe")
-    tracking = TrackingSettings(
-        uri=_resolve_uri(parsed.tracking.uri, folder), experiment=parsed.tracking.experiment or name
-    )
-    storage = parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}"
-    study = StudySettings(storage=_resolve_uri(storage, folder), name=parsed.study.name)
-    return Recipe(
-        source=src,
-        name=name,
-        model=parsed.model,
-        data=data_component,
-        trainer=parsed.trainer,
-        layers=parsed.layers,
-        budget=parsed.budget,
-        search=parsed.search,
-        trial=parsed.trial,
-        tracking=tracking,
-        study=study,
-        output=_resolve_path(parsed.output or "policy.yaml", folder),
-    )
-
-
-def json_schema() -> dict[str, Any]:
-    """The recipe file's JSON Schema (draft 2020-12), for editors and ``recompute-tune schema``."""
-    schema = _FILE_ADAPTER.json_schema(mode="validation")
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "lightning-recompute tuning recipe"
-    return schema
-
-
-# ---------------------------------------------------------------------------------------------- building
-
-
-def build_model(recipe: Recipe) -> L.LightningModule:
-    """A fresh instance of the recipe's LightningModule."""
-    return recipe.model.instantiate()
-
-
-def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.LightningDataModule:
-    """A fresh instance of the recipe's LightningDataModule; ``micro_batch`` overrides its ``batch_size``.
-
-    Raises:
-        RecipeError: ``micro_batch`` is given and the data module takes no ``batch_size`` argument.
-    """
-    if micro_batch is None:
-        return recipe.data.instantiate()
-    if not _accepts(recipe.data.import_class(), "batch_size"):
-        raise RecipeError(
-            [
-                f"data.class_path: {recipe.data.class_path} takes no batch_size argument, so micro-batch sizes cannot be tuned"
-            ],
-            recipe.source,
-        )
-    return recipe.data.instantiate(batch_size=micro_batch)
-
-
-# ---------------------------------------------------------------------------------------------- checks
-
-
-def _importable(*folders: Path) -> None:
-    for folder in (Path.cwd(), *folders):
-        entry = str(folder)
-        if entry not in sys.path:
-            sys.path.append(entry)
-
-
 def _import_class(class_path: str) -> tuple[type | None, str]:
     """``(class, "")`` or ``(None, why not)``."""
     module_name, _, attr = class_path.rpartition(".")
@@ -658,175 +455,6 @@ def _import_class(class_path: str) -> tuple[type | None, str]:
     return obj, ""
 
 
-def _check_component(key: str, section: Any, base_name: str, errors: list[str]) -> type | None:
-    """Import ``section``'s class and check its init_args against the signature; the class or ``None``."""
-    if not isinstance(section, Mapping) or not isinstance(section.get("class_path"), str):
-        return None  # the schema already reported the shape
-    cls, problem = _import_class(section["class_path"])
-    if cls is None:
-        errors.append(f"{key}.class_path: {problem}")
-        return None
-    import lightning as L
-
-    base = getattr(L, base_name)
-    if not issubclass(cls, base):
-        errors.append(f"{key}.class_path: {section['class_path']} is not a lightning.{base_name} subclass")
-    init_args = section.get("init_args", {})
-    if isinstance(init_args, Mapping):
-        errors.extend(_check_init_args(key, cls, init_args))
-    return cls
-
-
-def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[str]:
-    try:
-        sig = inspect.signature(cls.__init__)
-    except (TypeError, ValueError):
-        return []  # no introspectable signature (a C extension): the trial will tell
-    params = [p for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL,)]
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
-    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    problems = []
-    if not takes_any:
-        for arg in init_args:
-            if arg not in named:
-                problems.append(
-                    f"{key}.init_args.{arg}: {cls.__name__} takes no argument {arg!r}"
-                    f"{_suggest(str(arg), named)} (valid: {', '.join(named) or 'none'})"
-                )
-    for p in params:
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in init_args:
-            problems.append(f"{key}.init_args.{p.name}: missing; {cls.__name__} requires it")
-    return problems
-
-
-def _accepts(cls: type, name: str) -> bool:
-    try:
-        params = inspect.signature(cls.__init__).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _default_data(parsed: _RecipeFile, classes: Mapping[str, type | None]) -> Component:
-    """The data component, with synthetic tokens matched to the reference model's vocabulary and context."""
-    data = parsed.data or Component(REFERENCE_DATA)
-    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
-
-    model_cls, data_cls = classes.get("model"), classes.get("data", SyntheticTokens)
-    if parsed.data is None:
-        data_cls = SyntheticTokens
-    if not (_is_sub(model_cls, ReferenceGPT) and _is_sub(data_cls, SyntheticTokens)):
-        return data
-    model_args = {**_defaults(ReferenceGPT), **parsed.model.init_args}
-    filled = dict(data.init_args)
-    for arg in ("vocab_size", "seq_len"):
-        filled.setdefault(arg, model_args.get(arg))
-    return Component(data.class_path, filled)
-
-
-def _is_sub(cls: type | None, base: type) -> bool:
-    return isinstance(cls, type) and issubclass(cls, base)
-
-
-def _defaults(cls: type) -> dict[str, Any]:
-    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
-
-
-def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]) -> None:
-    """Problems that only show between sections."""
-    accel = parsed.trainer.accelerator
-    if parsed.budget.is_fraction and accel == "cpu":
-        errors.append(
-            f"budget.value: {parsed.budget.value:g} is a fraction of device memory, but trainer.accelerator is "
-            f"cpu, which has no fixed memory size (valid on cpu: bytes such as '2GiB')"
-        )
-    if "offload" in parsed.search.modes and accel == "cpu":
-        errors.append(
-            "search.modes: 'offload' does nothing on cpu, where activations already live in host memory "
-            "(valid on cpu: none, selective, full)"
-        )
-    storage = parsed.study.storage
-    if storage is not None and "://" not in storage and not storage.endswith(".log"):
-        errors.append(
-            f"study.storage: {storage!r} is neither a database URL nor a journal file "
-            f"(valid: sqlite:///optuna.db, postgresql://..., mysql://..., or a path ending in .log)"
-        )
-    data_cls = classes.get("data") if parsed.data is not None else _reference_data_class()
-    if parsed.search.micro_batch_sizes and data_cls is not None and not _accepts(data_cls, "batch_size"):
-        errors.append(
-            f"search.micro_batch_sizes: {data.class_path} takes no batch_size argument, so micro-batch sizes "
-            f"cannot be tuned (valid: null, or a data module with a batch_size argument)"
-        )
-    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
-
-    if _is_sub(classes.get("model"), ReferenceGPT) and _is_sub(data_cls, SyntheticTokens):
-        model_args = {**_defaults(ReferenceGPT), **parsed.model.init_args}
-        for arg in ("vocab_size", "seq_len"):
-            mine, theirs = data.init_args.get(arg), model_args.get(arg)
-            if isinstance(mine, int) and isinstance(theirs, int) and mine > theirs:
-                errors.append(
-                    f"data.init_args.{arg}: {mine} exceeds the model's {arg} {theirs} (valid: at most {theirs})"
-                )
-
-
-def _reference_data_class() -> type:
-    from lightning_recompute.reference import SyntheticTokens
-
-    return SyntheticTokens
-
-
-def _describe(err: Mapping[str, Any]) -> str:
-    """One pydantic error as ``key.path: problem (valid: ...)``."""
-    loc = tuple(err["loc"])
-    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
-    kind = err["type"]
-    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-        valid = _keys_at(loc[:-1])
-        return f"{path}: unknown key{_suggest(str(loc[-1]), valid)} (valid: {', '.join(valid)})"
-    if kind in ("missing", "missing_argument"):
-        info = _field_info(loc)
-        hint = f"; {info.description}" if info is not None and info.description else ""
-        return f"{path}: missing (required{hint})"
-    if kind == "literal_error":
-        expected = err.get("ctx", {}).get("expected", "")
-        choices = re.findall(r"'([^']*)'|(\d+)", expected)
-        names = [a or b for a, b in choices]
-        return f"{path}: {err['input']!r} is not valid{_suggest(str(err['input']), names)} (valid: {', '.join(names)})"
-    msg = str(err["msg"])
-    if msg.startswith("Value error, "):
-        return f"{path}: {msg[len('Value error, ') :]}"
-    return f"{path}: {msg[0].lower() + msg[1:]} (got {err['input']!r})"
-
-
-def _keys_at(loc: tuple[Any, ...]) -> list[str]:
-    cls: type = _RecipeFile
-    if loc:
-        cls = _SECTIONS.get(str(loc[0]), _RecipeFile)
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _field_info(loc: tuple[Any, ...]) -> Any:
-    cls: type = _SECTIONS.get(str(loc[0]), _RecipeFile) if len(loc) > 1 else _RecipeFile
-    return getattr(cls, "__pydantic_fields__", {}).get(str(loc[-1]))
-
-
 def _suggest(word: str, choices: Any) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else (folder / p).resolve()
-
-
-def _resolve_uri(uri: str, folder: Path) -> str:
-    """Make a relative sqlite URL or plain path absolute against ``folder``; leave other URLs alone."""
-    if uri.startswith("sqlite:///"):
-        rest = uri[len("sqlite:///") :]
-        if rest and not rest.startswith("/") and rest != ":memory:":
-            return f"sqlite:///{(folder / rest).resolve()}"
-        return uri
-    if "://" in uri or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", uri):
-        return uri  # a server, a cloud store, file:/..., databricks: untouched
-    return str(_resolve_path(uri, folder))

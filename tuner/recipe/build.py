@@ -1,0 +1,35 @@
+"""Instantiating what a recipe names: its LightningModule and its LightningDataModule."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tuner.recipe.checks import _accepts
+from tuner.recipe.schema import Recipe, RecipeError
+
+if TYPE_CHECKING:
+    import lightning as L
+
+
+def build_model(recipe: Recipe) -> L.LightningModule:
+    """A fresh instance of the recipe's LightningModule."""
+    return recipe.model.instantiate()
+
+
+def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.LightningDataModule:
+    """A fresh instance of the recipe's LightningDataModule; ``micro_batch`` overrides its ``batch_size``.
+
+    Raises:
+        RecipeError: ``micro_batch`` is given and the data module takes no ``batch_size`` argument.
+    """
+    if micro_batch is None:
+        return recipe.data.instantiate()
+    if not _accepts(recipe.data.import_class(), "batch_size"):
+        raise RecipeError(
+            [
+                f"data.class_path: {recipe.data.class_path} takes no batch_size argument, "
+                "so micro-batch sizes cannot be tuned"
+            ],
+            recipe.source,
+        )
+    return recipe.data.instantiate(batch_size=micro_batch)

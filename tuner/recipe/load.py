@@ -1,0 +1,156 @@
+"""Reading a recipe: the YAML file (duplicate keys refused) or a mapping, validated all at once,
+relative paths resolved against the recipe's folder; the JSON Schema for editors."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tuner.recipe.checks import _check_component, _cross_check, _default_data, _describe, _importable
+from tuner.recipe.schema import (
+    _FILE_ADAPTER,
+    REFERENCE_DATA,
+    REFERENCE_MODEL,
+    Recipe,
+    RecipeError,
+    StudySettings,
+    TrackingSettings,
+    _RecipeFile,
+)
+
+
+def load(path: str | os.PathLike[str]) -> Recipe:
+    """Read and validate a recipe file.
+
+    Raises:
+        RecipeError: the file is missing, not YAML, or invalid; every problem is listed.
+    """
+    p = Path(path).expanduser().resolve()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(["recipe file not found"], p) from None
+    except OSError as err:
+        raise RecipeError([f"cannot read the recipe file: {err}"], p) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        raise RecipeError([f"malformed YAML: {err}"], p) from None
+    if data is None:
+        data = {}
+    return from_dict(data, source=p)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: YAML would silently keep the last one."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> Recipe:
+    """Validate a recipe given as the file structure.
+
+    ``source`` (the file it came from) names the recipe in errors, gives the default name, and is
+    the folder relative paths resolve against; without it they resolve against the working
+    directory. The recipe's folder and the working directory are put on ``sys.path`` so a
+    ``class_path`` can name a module beside the recipe, as LightningCLI does for the working
+    directory.
+
+    Raises:
+        RecipeError: every problem in the recipe, at once.
+    """
+    src = None if source is None else Path(source).expanduser().resolve()
+    if not isinstance(data, Mapping):
+        raise RecipeError([f"a recipe must be a mapping of keys to values, got {type(data).__name__}"], src)
+    folder = src.parent if src is not None else Path.cwd()
+    _importable(folder)
+
+    raw = dict(data)
+    # class_path may be left out, meaning the reference model / synthetic data.
+    for key, default in (("model", REFERENCE_MODEL), ("data", REFERENCE_DATA)):
+        section = raw.get(key)
+        if isinstance(section, Mapping) and "class_path" not in section:
+            raw[key] = {"class_path": default, **section}
+
+    errors: list[str] = []
+    parsed: _RecipeFile | None = None
+    try:
+        parsed = _FILE_ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        errors.extend(_describe(e) for e in err.errors(include_url=False))
+
+    classes: dict[str, type | None] = {}
+    for key, base_name in (("model", "LightningModule"), ("data", "LightningDataModule")):
+        section = raw.get(key, {"class_path": REFERENCE_MODEL} if key == "model" else None)
+        if section is None:
+            continue
+        classes[key] = _check_component(key, section, base_name, errors)
+
+    if parsed is not None:
+        data_component = _default_data(parsed, classes)
+        _cross_check(parsed, data_component, classes, errors)
+    if errors or parsed is None:
+        raise RecipeError(errors, src)
+
+    name = parsed.name or (src.stem if src is not None else "recipe")
+    tracking = TrackingSettings(
+        uri=_resolve_uri(parsed.tracking.uri, folder), experiment=parsed.tracking.experiment or name
+    )
+    storage = parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}"
+    study = StudySettings(storage=_resolve_uri(storage, folder), name=parsed.study.name)
+    return Recipe(
+        source=src,
+        name=name,
+        model=parsed.model,
+        data=data_component,
+        trainer=parsed.trainer,
+        layers=parsed.layers,
+        budget=parsed.budget,
+        search=parsed.search,
+        trial=parsed.trial,
+        tracking=tracking,
+        study=study,
+        output=_resolve_path(parsed.output or "policy.yaml", folder),
+    )
+
+
+def json_schema() -> dict[str, Any]:
+    """The recipe file's JSON Schema (draft 2020-12), for editors and ``recompute-tune schema``."""
+    schema = _FILE_ADAPTER.json_schema(mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "lightning-recompute tuning recipe"
+    return schema
+
+
+def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (folder / p).resolve()
+
+
+def _resolve_uri(uri: str, folder: Path) -> str:
+    """Make a relative sqlite URL or plain path absolute against ``folder``; leave other URLs alone."""
+    if uri.startswith("sqlite:///"):
+        rest = uri[len("sqlite:///") :]
+        if rest and not rest.startswith("/") and rest != ":memory:":
+            return f"sqlite:///{(folder / rest).resolve()}"
+        return uri
+    if "://" in uri or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", uri):
+        return uri  # a server, a cloud store, file:/..., databricks: untouched
+    return str(_resolve_path(uri, folder))
