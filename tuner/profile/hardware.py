@@ -1,0 +1,39 @@
+"""Peak figures of known accelerators, for estimating time on the meta device (`profile_meta`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Peak figures of one accelerator, for time estimates without the hardware."""
+
+    name: str
+    memory_bytes: int
+    """Device memory as the driver reports it (nvidia-smi's total)."""
+    flops: dict[str, float]
+    """Dense peak FLOP/s per dtype name (``bfloat16``, ``float16``, ``float32``)."""
+    hbm_bytes_per_s: float
+    """Device memory bandwidth, for memory-bound (elementwise) ops."""
+    host_bytes_per_s: float
+    """Host link bandwidth (PCIe or C2C), for ``offload`` copies."""
+
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+HARDWARE: dict[str, Hardware] = {
+    # Vendor datasheet dense peaks (no sparsity); fp32 is plain FP32 (PyTorch's default matmul
+    # precision "highest" does not use TF32). Host: effective PCIe throughput for pinned copies.
+    "A100": Hardware(
+        "A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9
+    ),
+    "H100": Hardware(
+        "H100-SXM5-80GB", 81559 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 3.35e12, 50e9
+    ),
+    "H200": Hardware(
+        "H200-SXM-141GB", 143771 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 50e9
+    ),
+    "L4": Hardware("L4-24GB", 23034 * _MIB, {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12}, 300e9, 25e9),
+}
+"""Device peaks used by `profile_meta`; keys are what ``hardware=`` accepts."""

@@ -1,0 +1,102 @@
+"""Profiling without the hardware (`profile_meta`): the step on the meta device for memory, time
+estimated from FLOPs and memory traffic against `tuner.profile.hardware.HARDWARE`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_recompute import remove_policy
+from lightning_recompute.layers import LayerSpec
+from lightning_recompute.policy import Mode
+from tuner.profile.hardware import HARDWARE
+from tuner.profile.measure import LossFn, _check_modes, _ProfilingRun
+from tuner.profile.model import Profile, ProfileError, SegmentCost
+from tuner.profile.recorder import _Recorder
+
+
+def profile_meta(
+    model_factory: Callable[[], nn.Module],
+    batch: Any,
+    layers: LayerSpec = "auto",
+    *,
+    modes: Sequence[str] | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    loss_fn: LossFn | None = None,
+    hardware: str = "H100",
+    mfu: float = 0.5,
+    bandwidth_efficiency: float = 0.7,
+) -> Profile:
+    """The memory profile of a training step computed on the meta device: no tensor is allocated.
+
+    ``model_factory`` is called under ``torch.device("meta")``, so a model of any size costs
+    nothing; ``batch`` tensors are replaced by meta tensors of the same shape and dtype. Memory
+    and FLOPs are exact for the ops as dispatched (a fused attention kernel is only modelled if
+    the model calls one on meta, as `tuner.models.LlamaLike` does). Time is an *estimate*:
+    ``flops / (peak * mfu) + traffic / (hbm bandwidth * bandwidth_efficiency)`` per segment, plus
+    host copies for ``offload``, with the peaks of ``HARDWARE[hardware]``.
+
+    Args:
+        model_factory: builds the model (called once, on meta).
+        batch: one micro-batch (tensors of any device; only shapes and dtypes are used).
+        layers: which modules are layers.
+        modes: modes to profile (default: all four).
+        optimizer: factory ``params -> optimizer`` (default: the model's ``configure_optimizers``, else AdamW).
+        loss_fn: ``(model, batch) -> scalar loss``.
+        hardware: a key of `HARDWARE` (``A100``, ``H100``, ``H200``, ``L4``).
+        mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
+        bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
+    """
+    if hardware not in HARDWARE:
+        raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
+    for name, value in (("mfu", mfu), ("bandwidth_efficiency", bandwidth_efficiency)):
+        if not (isinstance(value, (int, float)) and 0 < value <= 1):
+            raise ProfileError(f"{name}: must be in (0, 1], got {value!r}")
+    if not callable(model_factory):
+        raise ProfileError(
+            f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}"
+        )
+    device = torch.device("meta")
+    with device:
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model_factory: returned {type(model).__name__}, not an nn.Module")
+    elsewhere = sorted({p.device.type for p in model.parameters()} - {"meta"})
+    if elsewhere:
+        raise ProfileError(
+            f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
+        )
+    mode_list = _check_modes(modes, device)
+    batch = tree_map(lambda t: torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t, batch)
+    model.train()
+    hw = HARDWARE[hardware]
+    dtypes = [p.dtype for p in model.parameters()]
+    dtype = max(set(dtypes), key=dtypes.count)
+    peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
+
+    def estimate(c: SegmentCost) -> float:
+        return (
+            c.flops / (peak * mfu)
+            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
+            + c.offload / hw.host_bytes_per_s
+        )
+
+    session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device)
+    session.warm_up()
+    mem: dict[str, _Recorder] = {}
+    for m in mode_list:
+        mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
+    remove_policy(model)
+    source = (
+        f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
+    )
+    prof = session.build(mem, None, source, hardware, estimate)
+    if Mode.OFFLOAD.value in mode_list:
+        prof.notes.append(
+            "offload: emulated on meta (saved tensors leave device memory in forward, return in backward)"
+        )
+    return prof

@@ -1,0 +1,208 @@
+"""The profile's data model: per-segment costs, per-layer costs per mode, the whole `Profile`,
+and its JSON form (what a study stores and the profiling child sends back)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import Mode
+from tuner.units import format_bytes
+
+ALL_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+PROFILE_VERSION = 1
+
+
+class ProfileError(RecomputeError, ValueError):
+    """The model, batch or options cannot be profiled as asked."""
+
+
+@dataclass
+class SegmentCost:
+    """What one segment of the step costs."""
+
+    delta: int = 0
+    """Live device bytes at the segment's end minus at its start."""
+    peak: int = 0
+    """Highest live bytes during the segment minus the level at its start (>= 0)."""
+    grad: int = 0
+    """Bytes of parameter gradients allocated (or, negative, freed) in the segment."""
+    seconds: float = 0.0
+    """Time of the segment (measured median, or estimated; see `Profile.time_source`)."""
+    flops: int = 0
+    """FLOPs counted by `FlopCounterMode` (matmuls, attention kernels)."""
+    traffic: int = 0
+    """Bytes read and written by ops without a FLOP formula (elementwise, norms, copies)."""
+    offload: int = 0
+    """Bytes copied to host memory in this segment's forward and back in its backward (``offload``)."""
+    scales: bool = True
+    """Whether the activation part of this segment grows with the micro-batch (false for the optimizer)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SegmentCost:
+        return cls(**d)
+
+
+@dataclass
+class LayerProfile:
+    """One layer's costs, per mode."""
+
+    name: str
+    """Module path (``blocks.3``)."""
+    group: str
+    """Signature (class, parameter shapes, input shape): layers with the same group share time samples."""
+    param_bytes: int
+    fwd: dict[str, SegmentCost]
+    """Per mode: the layer's forward (``delta`` = activation bytes kept for backward, output included)."""
+    bwd: dict[str, SegmentCost]
+    """Per mode: the layer's backward, recomputation included (``peak`` = the transient it adds)."""
+    net: int
+    """Bytes the layer's forward plus backward leave behind (gradients; output minus input); mode-independent."""
+
+    def kept_bytes(self, mode: str) -> int:
+        """Activation bytes kept from forward to backward (the layer's output included)."""
+        return self.fwd[mode].delta
+
+    def recompute_flops(self, mode: str) -> int:
+        """FLOPs the backward spends beyond the backward under ``none``: the recomputation."""
+        return max(0, self.bwd[mode].flops - self.bwd[Mode.NONE.value].flops) if Mode.NONE.value in self.bwd else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "group": self.group,
+            "param_bytes": self.param_bytes,
+            "net": self.net,
+            "fwd": {m: c.to_dict() for m, c in self.fwd.items()},
+            "bwd": {m: c.to_dict() for m, c in self.bwd.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerProfile:
+        return cls(
+            name=d["name"],
+            group=d["group"],
+            param_bytes=int(d["param_bytes"]),
+            net=int(d["net"]),
+            fwd={m: SegmentCost.from_dict(c) for m, c in d["fwd"].items()},
+            bwd={m: SegmentCost.from_dict(c) for m, c in d["bwd"].items()},
+        )
+
+
+@dataclass
+class Profile:
+    """The cost profile of one training step of one model at one micro-batch; JSON-serialisable."""
+
+    layers: list[LayerProfile]
+    timeline: list[str]
+    """Segment keys in execution order: ``fwd:<i>``, ``bwd:<i>`` (layer index) or ``fixed:<name>``."""
+    fixed: dict[str, SegmentCost]
+    """The segments no policy changes, by name (the keys of ``timeline`` without ``fixed:``)."""
+    modes: list[str]
+    base_bytes: int
+    """Live device bytes when the step starts: parameters, optimizer state, the batch, buffers."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    batch_bytes: int
+    micro_batch: int
+    device: str
+    time_source: str
+    """``measured`` or ``estimated: ...`` (FLOPs and traffic against a hardware table)."""
+    hardware: str | None = None
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    """Layers sharing time measurements (see `LayerProfile.group`)."""
+    notes: list[str] = field(default_factory=list)
+    torch_version: str = torch.__version__
+    version: int = PROFILE_VERSION
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    @property
+    def estimated(self) -> bool:
+        return self.time_source != "measured"
+
+    @property
+    def fixed_activation_bytes(self) -> int:
+        """Bytes the non-layer forward keeps (embedding outputs, logits, loss)."""
+        first_bwd = next((i for i, k in enumerate(self.timeline) if k.startswith("bwd:")), len(self.timeline))
+        keys = [k[len("fixed:") :] for k in self.timeline[:first_bwd] if k.startswith("fixed:")]
+        return sum(self.fixed[k].delta - self.fixed[k].grad for k in keys)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "torch_version": self.torch_version,
+            "device": self.device,
+            "hardware": self.hardware,
+            "time_source": self.time_source,
+            "micro_batch": self.micro_batch,
+            "modes": list(self.modes),
+            "base_bytes": self.base_bytes,
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "batch_bytes": self.batch_bytes,
+            "timeline": list(self.timeline),
+            "fixed": {k: c.to_dict() for k, c in self.fixed.items()},
+            "layers": [layer.to_dict() for layer in self.layers],
+            "groups": {k: list(v) for k, v in self.groups.items()},
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if d.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"profile: unsupported version {d.get('version')!r}; valid: {PROFILE_VERSION}")
+        return cls(
+            layers=[LayerProfile.from_dict(x) for x in d["layers"]],
+            timeline=list(d["timeline"]),
+            fixed={k: SegmentCost.from_dict(c) for k, c in d["fixed"].items()},
+            modes=list(d["modes"]),
+            base_bytes=int(d["base_bytes"]),
+            param_bytes=int(d["param_bytes"]),
+            grad_bytes=int(d["grad_bytes"]),
+            optimizer_bytes=int(d["optimizer_bytes"]),
+            batch_bytes=int(d["batch_bytes"]),
+            micro_batch=int(d["micro_batch"]),
+            device=d["device"],
+            time_source=d["time_source"],
+            hardware=d.get("hardware"),
+            groups={k: list(v) for k, v in d.get("groups", {}).items()},
+            notes=list(d.get("notes", [])),
+            torch_version=d.get("torch_version", ""),
+            version=d["version"],
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        return cls.from_dict(json.loads(text))
+
+    def describe(self) -> str:
+        """A per-layer table of kept bytes, times and recomputed FLOPs per mode."""
+        lines = [
+            f"profile on {self.device} ({self.hardware or 'this machine'}), micro-batch {self.micro_batch}, time {self.time_source}",
+            f"base {format_bytes(self.base_bytes)} = params {format_bytes(self.param_bytes)} + optimizer {format_bytes(self.optimizer_bytes)}"
+            f" + batch {format_bytes(self.batch_bytes)} (+ buffers); gradients {format_bytes(self.grad_bytes)}",
+        ]
+        header = f"{'layer':<16}" + "".join(f"{m + ' kept':>16}{m + ' ms':>14}" for m in self.modes)
+        lines.append(header)
+        for layer in self.layers:
+            row = f"{layer.name:<16}"
+            for m in self.modes:
+                row += f"{format_bytes(layer.fwd[m].delta):>16}{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>14.3f}"
+            lines.append(row)
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
