@@ -42,7 +42,8 @@ import torch
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy, remove_policy
 from lightning_recompute.reference import ReferenceGPT
-from tuner.planner import Planner, format_bytes
+from tuner.planner import Planner
+from tuner.units import format_bytes
 from tuner.profile import profile_model
 
 MODES = ("none", "selective", "full")
@@ -142,7 +143,7 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
     times = measure_times(model, batch, opt, policies, rounds, seed=1)
     preds = [planner.predict(p) for p in policies]
     mem_err = [abs(pr.peak_bytes - m) / m for pr, m in zip(preds, peaks)]
-    time_err = [abs(pr.step_seconds - t) / t for pr, t in zip(preds, times)]
+    time_err = [abs(pr.step_time_s - t) / t for pr, t in zip(preds, times)]
     lines.append(f"\n== {size} / {attention}: {len(prof.layers)} layers, profile {t_prof:.1f} s ==")
     lines.append(
         f"{'policy':<10}{'pred peak':>12}{'meas peak':>12}{'err':>8}{'pred step':>12}{'meas step':>12}{'err':>8}"
@@ -150,7 +151,7 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
     for p, pr, m, t, em, et in zip(policies, preds, peaks, times, mem_err, time_err):
         lines.append(
             f"{p.short(prof.layer_names):<10}{format_bytes(pr.peak_bytes):>12}{format_bytes(m):>12}{100 * em:>7.2f}%"
-            f"{1e3 * pr.step_seconds:>10.2f}ms{1e3 * t:>10.2f}ms{100 * et:>7.1f}%"
+            f"{1e3 * pr.step_time_s:>10.2f}ms{1e3 * t:>10.2f}ms{100 * et:>7.1f}%"
         )
     summary = {
         "mem_median": statistics.median(mem_err),

@@ -1,4 +1,4 @@
-"""Byte sizes: parsing ``"20GiB"`` and printing ``20.00 GiB``, one way for the whole tuner."""
+"""Units the tuner reads and prints, one way for the whole tuner: byte sizes (``"20GiB"`` <-> ``20.00 GiB``) and seconds."""
 
 from __future__ import annotations
 
@@ -26,32 +26,30 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
+def parse_bytes(value: int | float | str) -> int:
     """Bytes from a whole number or a size string: ``"20GiB"`` (1024-based), ``"20GB"`` (1000-based), ``"512 MiB"``.
 
-    Case-insensitive; a bare number is bytes. Sizes must be positive (or zero with ``allow_zero``).
+    Case-insensitive; a bare number is bytes. Zero is not a size: every size the tuner reads (a
+    budget, a budget limit) must be positive, so ``0`` and ``"0GiB"`` are refused here, once.
 
     Raises:
         ValueError: not a size; the message lists the units understood.
     """
-    smallest = 0 if allow_zero else 1
     if isinstance(value, bool):
         raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
     if isinstance(value, int):
-        if value < smallest:
-            raise ValueError(f"a size must be {'non-negative' if allow_zero else 'positive'}, got {value}")
+        if value < 1:
+            raise ValueError(f"a size must be positive, got {value}")
         return value
     if isinstance(value, float):
-        if not math.isfinite(value) or value < smallest or value != int(value):
-            raise ValueError(
-                f"a number of bytes must be a {'non-negative' if allow_zero else 'positive'} whole number, got {value!r}"
-            )
+        if not math.isfinite(value) or value < 1 or value != int(value):
+            raise ValueError(f"a number of bytes must be a positive whole number, got {value!r}")
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if n >= smallest:
+            if n >= 1:
                 return int(n)
     raise ValueError(
         f"{value!r} is not a size (valid: a number of bytes, or a number with a unit: "
@@ -59,11 +57,25 @@ def parse_bytes(value: int | float | str, *, allow_zero: bool = False) -> int:
     )
 
 
-def format_bytes(n: float) -> str:
-    """Bytes in binary units with two decimals: ``21474836480`` -> ``20.00 GiB``; small values in ``B``."""
+def format_bytes(n: float | None) -> str:
+    """Bytes in binary units with two decimals: ``21474836480`` -> ``20.00 GiB``; small values in ``B``.
+
+    ``None`` (and a non-finite number) is ``n/a``: summaries print figures a trial may not have.
+    """
+    if n is None or isinstance(n, bool) or not math.isfinite(n):
+        return "n/a"
     sign, n = ("-" if n < 0 else ""), abs(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")  # the loop returns at TiB
+
+
+def format_seconds(s: float) -> str:
+    """Seconds with a unit that keeps three significant figures: ``1.234 s``, ``12.35 ms``, ``80.0 us``."""
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"

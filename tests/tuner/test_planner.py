@@ -4,7 +4,6 @@ slower, and predicted peaks match the CPU meter on the reference model."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 
 from lightning_recompute import RecomputeError, RecomputePolicy
 from lightning_recompute.reference import ReferenceGPT
-from tuner.planner import BudgetError, Planner, PlannerError, format_bytes, format_front, parse_bytes
+from tuner.planner import BudgetError, Planner, PlannerError, format_front
 from tuner.profile import LayerProfile, Profile, SegmentCost, profile_model
 
 # --------------------------------------------------------------------------- synthetic profiles
@@ -83,7 +82,7 @@ def _brute(planner: Planner, modes: list[str]) -> list[tuple[int, float, tuple[s
     out = []
     for combo in itertools.product(modes, repeat=len(planner.names)):
         pred = planner.predict(dict(zip(planner.names, combo)))
-        out.append((pred.peak_bytes, pred.step_seconds, combo))
+        out.append((pred.peak_bytes, pred.step_time_s, combo))
     return out
 
 
@@ -104,7 +103,7 @@ def test_dp_equals_brute_force_and_respects_budget(profile: Profile, data: st.Da
             continue
         plan = planner.solve(budget)
         assert plan.peak_bytes <= budget
-        assert plan.step_seconds == min(feasible)
+        assert plan.step_time_s == min(feasible)
         assert plan.prediction == planner.predict(plan.policy)
 
 
@@ -119,10 +118,10 @@ def test_pareto_front_equals_brute_force(profile: Profile) -> None:
             best = t
             expected.append((p, t))
     front = planner.pareto_front()
-    assert [(pl.peak_bytes, pl.step_seconds) for pl in front] == expected
+    assert [(pl.peak_bytes, pl.step_time_s) for pl in front] == expected
     # solve() at each front point's peak returns that point's time: the two solvers agree.
     for pl in front:
-        assert planner.solve(pl.peak_bytes).step_seconds == pl.step_seconds
+        assert planner.solve(pl.peak_bytes).step_time_s == pl.step_time_s
 
 
 @settings(max_examples=60, deadline=None)
@@ -132,13 +131,14 @@ def test_more_budget_is_never_slower(profile: Profile, budgets: list[int]) -> No
     times = []
     for budget in sorted(budgets):
         try:
-            times.append(planner.solve(budget).step_seconds)
+            times.append(planner.solve(budget).step_time_s)
         except BudgetError:
             assert not times, "a budget failed after a smaller one succeeded"
     assert times == sorted(times, reverse=True)
 
 
-def test_solver_is_deterministic_and_fast_for_100_heterogeneous_layers() -> None:
+def test_solver_is_deterministic_for_100_heterogeneous_layers() -> None:
+    # How long this takes is a figure for bench/, not a test: a loaded machine would fail any bound.
     g = torch.Generator().manual_seed(0)
 
     def r(lo: int, hi: int) -> int:
@@ -176,29 +176,27 @@ def test_solver_is_deterministic_and_fast_for_100_heterogeneous_layers() -> None
     planner = Planner(prof)
     least = planner.min_peak()
     budget = least + (planner.predict(RecomputePolicy.uniform("none")).peak_bytes - least) // 3
-    start = time.perf_counter()
     plan = planner.solve(budget)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0, f"solve took {elapsed:.2f} s for 100 layers"
     assert plan.peak_bytes <= budget
     assert planner.solve(budget).modes == plan.modes  # deterministic
-    assert plan.step_seconds <= planner.predict(RecomputePolicy.uniform("full")).step_seconds
+    assert plan.step_time_s <= planner.predict(RecomputePolicy.uniform("full")).step_time_s
 
 
 # --------------------------------------------------------------------------- inputs
 
 
-def test_parse_bytes_units_and_errors() -> None:
-    assert parse_bytes("20GiB") == 20 * 2**30
-    assert parse_bytes("80 GB") == 80 * 10**9
-    assert parse_bytes("1.5mib") == 1536 * 1024
-    assert parse_bytes("512") == 512
-    assert parse_bytes(4096) == 4096
-    for bad in ("20 gigs", "", "GiB", "-1GiB", True, -5, None):
-        with pytest.raises(PlannerError, match="bytes"):
-            parse_bytes(bad)  # type: ignore[arg-type]
+def test_a_budget_that_is_not_a_size_is_a_planner_error() -> None:
+    seg = SegmentCost(delta=1000, peak=1000, seconds=1e-3)
+    layer = LayerProfile("blocks.0", "g", 0, fwd={"none": seg, "full": seg}, bwd={"none": seg, "full": seg}, net=0)
+    planner = Planner(Profile([layer], ["fwd:0", "bwd:0"], {}, ["none", "full"], 100, 0, 0, 0, 0, 1, "cpu", "measured"))
+    for bad in ("20 gigs", "", "GiB", "-1GiB", "0GiB", True, None):
+        with pytest.raises(PlannerError, match="budget_bytes"):
+            planner.solve(bad)  # type: ignore[arg-type]
+    assert planner.solve("20GiB").peak_bytes == planner.solve(20 * 2**30).peak_bytes
+    for below_every_peak in (0, -5):
+        with pytest.raises(BudgetError, match="below the least achievable predicted peak"):
+            planner.solve(below_every_peak)
     assert issubclass(BudgetError, RecomputeError)
-    assert format_bytes(20 * 2**30) == "20.00 GiB"
 
 
 # --------------------------------------------------------------------------- the reference model
@@ -269,7 +267,7 @@ def test_solved_policy_fits_the_budget_when_measured(eager_profile) -> None:
     assert plan.peak_bytes <= budget
     assert _measured_peak(model, batch, plan.policy) <= budget * 1.05
     front = planner.pareto_front()
-    assert front[0].peak_bytes == least and front[-1].step_seconds == min(p.step_seconds for p in front)
+    assert front[0].peak_bytes == least and front[-1].step_time_s == min(p.step_time_s for p in front)
     table = format_front(front, {"budget": budget})
     assert "fits" in table and len(table.splitlines()) == len(front) + 2
     with pytest.raises(BudgetError, match=f"below the least achievable predicted peak .*{least} bytes"):

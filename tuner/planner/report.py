@@ -1,0 +1,38 @@
+"""The planner's terminal table: a Pareto front (or any list of planned policies) with its budgets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from tuner.planner.solver import PlannedPolicy
+from tuner.profile import ALL_MODES
+from tuner.units import format_bytes, format_seconds
+
+
+def format_front(plans: Sequence[PlannedPolicy], budgets: Mapping[str, int] | None = None) -> str:
+    """A terminal table of plans (typically `Planner.pareto_front`): peak, step time, slowdown
+    over the fastest, mode counts, the per-layer glyphs, and a column per named budget saying
+    whether the plan fits (``budgets={"H100 80GiB": parse_bytes("80GiB")}``)."""
+    if not plans:
+        return "(no plans)"
+    budgets = dict(budgets or {})
+    fastest = min(p.step_time_s for p in plans)
+    head = f"{'#':>3}  {'peak':>11}  {'step':>11}  {'vs fastest':>10}  {'none/sel/full/off':>17}"
+    head += "".join(f"  {name:>{max(6, len(name))}}" for name in budgets) + "  layers"
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(plans):
+        counts = [sum(1 for m in p.modes.values() if m == mode) for mode in ALL_MODES]
+        row = (
+            f"{i:>3}  {format_bytes(p.peak_bytes):>11}  {format_seconds(p.step_time_s):>11}  "
+            f"{(p.step_time_s / fastest - 1) * 100:>+9.1f}%  {'/'.join(map(str, counts)):>17}"
+        )
+        row += "".join(
+            f"  {('fits' if p.peak_bytes <= b else '-'):>{max(6, len(name))}}" for name, b in budgets.items()
+        )
+        lines.append(row + "  " + p.short())
+    if plans[0].prediction.estimated:
+        lines.append("time: estimated from FLOPs and memory traffic against the hardware table, not measured")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the planner

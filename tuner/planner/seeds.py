@@ -1,0 +1,113 @@
+"""What the planner gives a tuning session: seeds for the study, and a predictor for skipping.
+
+The planner only steers the search (seeds, skipping candidates predicted far over budget); a
+session without it still measures every trial, so a planner that cannot be built is a note in
+`PlannerSeeds`, not an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import RecomputePolicy
+from tuner.planner.solver import BudgetError, Planner, Prediction
+from tuner.search import Predictor, SearchSpace, Seed
+
+if TYPE_CHECKING:
+    from tuner.profile import Profile
+    from tuner.recipe import Recipe
+
+__all__ = ["PLANNER_FRONT_SEEDS", "PROFILE_REPEATS", "PlannerSeeds", "plan_seeds", "planner_seeds"]
+
+_log = logging.getLogger(__name__)
+
+PROFILE_REPEATS = 2
+"""Timed profiling steps per mode: the planner's times only order the seeds; trials measure for real."""
+
+PLANNER_FRONT_SEEDS = 3
+"""How many points of the planner's predicted Pareto front (besides its pick at the budget) are seeded."""
+
+
+@dataclass
+class PlannerSeeds:
+    """The planner's contribution to a tuning session, or why there is none."""
+
+    planner: Planner | None = None
+    profile: Profile | None = None
+    seeds: list[Seed] = field(default_factory=list)
+    note: str | None = None
+
+    def predictor(self) -> Predictor | None:
+        """``(policy, micro_batch) -> Prediction``, or ``None`` without a planner."""
+        if self.planner is None:
+            return None
+        planner = self.planner
+
+        def predict(policy: RecomputePolicy, micro_batch: int | None) -> Prediction | None:
+            try:
+                return planner.predict(policy, micro_batch=micro_batch)
+            except RecomputeError as err:
+                _log.info("no prediction for %s: %s", policy.fingerprint(), err)
+                return None
+
+        return predict
+
+
+def planner_seeds(
+    planner: Planner, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
+) -> tuple[list[Seed], list[str]]:
+    """The planner's pick at the budget (per micro-batch size), and a few points of its front under it."""
+    seeds: list[Seed] = []
+    notes: list[str] = []
+    sizes: list[int | None] = list(space.micro_batches) if space.micro_batches else [None]
+    for mb in sizes:
+        at = "" if mb is None or len(sizes) == 1 else f"@mb{mb}"
+        try:
+            pick = planner.solve(budget_bytes, modes=list(modes), micro_batch=mb)
+        except BudgetError as err:
+            notes.append(f"planner: nothing fits at micro-batch {mb if mb is not None else 'default'}: {err}")
+            continue
+        seeds.append(Seed(f"planner:budget{at}", dict(pick.modes), mb))
+        # Fitting points of the front other than the pick, evenly over it: alternatives the
+        # prediction error could reorder.
+        front = [p for p in planner.pareto_front(list(modes), micro_batch=mb) if p.peak_bytes <= budget_bytes]
+        front = [p for p in front if dict(p.modes) != dict(pick.modes)]
+        if front:
+            count = min(PLANNER_FRONT_SEEDS, len(front))
+            idx = sorted({round(i * (len(front) - 1) / max(1, count - 1)) for i in range(count)})
+            seeds += [Seed(f"planner:front{j + 1}{at}", dict(front[i].modes), mb) for j, i in enumerate(idx)]
+    return seeds, notes
+
+
+def plan_seeds(
+    recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: dict[str, Any] | None = None
+) -> PlannerSeeds:
+    """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds.
+
+    Never raises for the planner's own failure (only for Ctrl-C): the note says why there are no
+    predictions, and the session seeds from the baselines only.
+    """
+    from tuner.profile import Profile
+    from tuner.trials import profile_recipe
+
+    try:
+        mb = space.micro_batches[0] if space.micro_batches else None
+        profile = (
+            Profile.from_dict(stored) if stored is not None else profile_recipe(recipe, mb, repeats=PROFILE_REPEATS)
+        )
+        planner = Planner(profile)
+        seeds, notes = planner_seeds(planner, space, budget_bytes, recipe.search.modes)
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:  # noqa: BLE001 - the search works without predictions; say why there are none
+        _log.debug("planning failed", exc_info=True)
+        return PlannerSeeds(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")
+    if recipe.trainer.precision.endswith("-mixed"):
+        notes.append(
+            f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions"
+        )
+    return PlannerSeeds(planner=planner, profile=profile, seeds=seeds, note="; ".join(notes) or None)
