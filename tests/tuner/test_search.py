@@ -13,22 +13,30 @@ from optuna.trial import TrialState
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
+from tuner.planner import Prediction
 from tuner.recipe import from_dict
 from tuner.search import (
     FAR_OVER_BUDGET,
     LayerInfo,
-    Prediction,
     SearchSpace,
     Seed,
     TuningStudy,
     baseline_seeds,
     far_over_budget,
     inspect_layers,
-    open_storage,
     peak_constraint,
     study_name,
 )
-from tuner.trial import TrialResult
+from tuner.stores import open_storage
+from tuner.trials import TrialResult
+
+
+def _prediction(peak_bytes: int) -> Prediction:
+    """A planner prediction with only a peak that matters."""
+    return Prediction(
+        peak_bytes=peak_bytes, step_time_s=0.1, micro_batch=1, peak_at="bwd:0", base_bytes=0, layers=(), estimated=False
+    )
+
 
 MIB = 1 << 20
 
@@ -204,16 +212,16 @@ def test_over_budget_trials_are_never_best(tmp_path):
 
 def test_a_candidate_predicted_far_over_budget_is_skipped_not_run(tmp_path):
     budget = 10 * MIB
-    assert far_over_budget(Prediction(peak_bytes=int(1.2 * budget)), budget) is None  # within the planner's error
+    assert far_over_budget(_prediction(int(1.2 * budget)), budget) is None  # within the planner's error
     assert far_over_budget(None, budget) is None
-    reason = far_over_budget(Prediction(peak_bytes=int(2 * budget)), budget)
+    reason = far_over_budget(_prediction(int(2 * budget)), budget)
     assert reason is not None and f"{FAR_OVER_BUDGET:g}x the budget" in reason
 
     space = SearchSpace.for_layers(_alike(2), ("none", "full"))
     study = _open(tmp_path, space, budget=budget)
     study.seed(baseline_seeds(space))
     proposal = study.ask()
-    proposal.prediction = Prediction(peak_bytes=2 * budget, step_time_s=0.1)
+    proposal.prediction = _prediction(2 * budget)
     frozen = study.tell_skipped(proposal, reason)
     assert frozen.state == TrialState.PRUNED
     assert frozen.user_attrs["outcome"] == "skipped" and frozen.user_attrs["reason"] == reason

@@ -1,0 +1,281 @@
+"""The search space: the recipe's layers and what makes them alike, and how the study's parameters
+become a policy and a micro-batch size (counts + placement for alike layers, one choice per layer
+otherwise)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.layers import find_layers
+from lightning_recompute.policy import Mode, RecomputePolicy
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: stores open unlocked; the session retries a failed open
+    fcntl = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+
+
+_log = logging.getLogger(__name__)
+
+PLACEMENTS = ("first", "last", "spread")
+"""Where a grouped space puts the layers of each mode: at the front, at the back, or evenly spaced."""
+
+
+# Memory saved per layer, weakest first: the mode left on the layers no count claims ("fill") is the
+# weakest mode searched, and placement hands out positions to the strongest first.
+_STRENGTH = (Mode.NONE.value, Mode.SELECTIVE.value, Mode.OFFLOAD.value, Mode.FULL.value)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One layer the policy decides: its module path and what makes it alike or unlike the others."""
+
+    name: str
+    """Module path, as `lightning_recompute.find_layers` names it."""
+    kind: str
+    """Class and parameter shapes, hashed: layers of equal kind cost the same to keep or recompute."""
+
+
+def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
+    """The recipe's layers and their kinds, from a model built on the meta device (no memory).
+
+    A model that cannot be built on the meta device (it loads weights, or calls ``.item()`` in
+    ``__init__``) is built on the CPU instead.
+
+    Raises:
+        RecomputeError: the model cannot be built, or the recipe's ``layers`` match nothing.
+    """
+    import torch
+
+    from tuner.recipe import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(recipe)
+    except RecomputeError:
+        raise
+    except Exception as meta_err:  # noqa: BLE001 - user code; retried on the CPU where it may work
+        _log.info("building the model on the meta device failed (%s); building it on the CPU", meta_err)
+        try:
+            model = build_model(recipe)
+        except RecomputeError:
+            raise
+        except Exception as err:
+            raise RecomputeError(
+                f"model: building {recipe.model.class_path} failed: {type(err).__name__}: {err}"
+            ) from err
+    infos = []
+    for path, module in find_layers(model, recipe.layers):
+        shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in module.named_parameters())
+        cls = type(module)
+        raw = f"{cls.__module__}.{cls.__qualname__}|{shapes}"
+        infos.append(LayerInfo(path, hashlib.sha256(raw.encode()).hexdigest()[:12]))
+    return infos
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the study samples, and how its parameters become a policy and a micro-batch size.
+
+    ``grouped`` spaces have the parameters ``n_<mode>`` (how many layers take each mode other than
+    the fill mode) and ``placement``; per-layer spaces have one ``layer.<path>`` parameter per layer.
+    Both have ``micro_batch`` when several sizes are searched.
+    """
+
+    layer_names: tuple[str, ...]
+    """The layers, in model order."""
+    modes: tuple[str, ...]
+    """The modes a layer may take (the recipe's ``search.modes``)."""
+    grouped: bool
+    """Whether the space is counts + placement (alike layers) rather than one choice per layer."""
+    micro_batches: tuple[int, ...] | None = None
+    """Micro-batch sizes searched; ``None`` keeps the data module's own."""
+
+    def __post_init__(self) -> None:
+        if not self.layer_names:
+            raise RecomputeError("layers: the model has no layers to decide a policy for")
+        unknown = [m for m in self.modes if m not in _STRENGTH]
+        if unknown or not self.modes:
+            raise RecomputeError(f"search.modes: {list(self.modes)} (valid: one or more of {', '.join(_STRENGTH)})")
+
+    @classmethod
+    def for_layers(
+        cls, layers: Sequence[LayerInfo], modes: Sequence[str], micro_batches: Sequence[int] | None = None
+    ) -> SearchSpace:
+        """Grouped when there are several layers and all are of one kind; per-layer otherwise."""
+        alike = len(layers) > 1 and len({layer.kind for layer in layers}) == 1
+        return cls(
+            layer_names=tuple(layer.name for layer in layers),
+            modes=tuple(dict.fromkeys(modes)),
+            grouped=alike,
+            micro_batches=tuple(micro_batches) if micro_batches else None,
+        )
+
+    # -------------------------------------------------------------- structure
+
+    @property
+    def fill_mode(self) -> str:
+        """The mode of layers no count claims: ``none`` when searched, else the weakest mode searched."""
+        return min(self.modes, key=_STRENGTH.index)
+
+    @property
+    def counted_modes(self) -> tuple[str, ...]:
+        """Modes with an ``n_<mode>`` parameter, strongest first (the order placement hands out layers)."""
+        return tuple(sorted((m for m in self.modes if m != self.fill_mode), key=_STRENGTH.index, reverse=True))
+
+    @property
+    def kind(self) -> str:
+        """``grouped`` or ``per-layer``."""
+        return "grouped" if self.grouped else "per-layer"
+
+    def describe(self) -> str:
+        """One line for logs, e.g. ``grouped: n_full, n_selective in 0..4, placement (first/last/spread)``."""
+        mb = (
+            f"; micro_batch in {list(self.micro_batches)}" if self.micro_batches and len(self.micro_batches) > 1 else ""
+        )
+        if self.grouped:
+            counts = ", ".join(f"n_{m}" for m in self.counted_modes)
+            if not counts:
+                return f"grouped: every layer {self.fill_mode}{mb}"
+            return f"grouped: {counts} in 0..{len(self.layer_names)}, placement ({'/'.join(PLACEMENTS)}){mb}"
+        return f"per-layer: {len(self.layer_names)} x {{{', '.join(self.modes)}}}{mb}"
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """The parameters and their distributions (fixed for the study's life, which TPE needs)."""
+        dists: dict[str, BaseDistribution] = {}
+        if self.grouped:
+            for mode in self.counted_modes:
+                dists[f"n_{mode}"] = IntDistribution(0, len(self.layer_names))
+            if self.counted_modes:
+                dists["placement"] = CategoricalDistribution(PLACEMENTS)
+        else:
+            for name in self.layer_names:
+                dists[f"layer.{name}"] = CategoricalDistribution(self.modes)
+        if self.micro_batches and len(self.micro_batches) > 1:
+            dists["micro_batch"] = CategoricalDistribution(self.micro_batches)
+        return dists
+
+    def signature(self) -> dict[str, Any]:
+        """What a study created for this space records, to refuse resuming it with another space."""
+        return {
+            "kind": self.kind,
+            "layers": list(self.layer_names),
+            "modes": list(self.modes),
+            "micro_batches": list(self.micro_batches or ()),
+        }
+
+    # -------------------------------------------------------------- params <-> policy
+
+    def policy(self, modes: Mapping[str, str]) -> RecomputePolicy:
+        """The canonical policy of a per-layer mode map: one explicit entry per layer, in model order.
+
+        Every policy the tuner builds goes through here, so equal decisions have equal fingerprints.
+        """
+        return RecomputePolicy.from_modes({name: str(modes[name]) for name in self.layer_names})
+
+    def micro_batch(self, params: Mapping[str, Any]) -> int | None:
+        """The micro-batch size a parameter set asks for (``None``: the data module's own)."""
+        if not self.micro_batches:
+            return None
+        return int(params.get("micro_batch", self.micro_batches[0]))
+
+    def modes_of(self, params: Mapping[str, Any]) -> dict[str, str]:
+        """The per-layer modes a parameter set stands for (deterministic)."""
+        names = self.layer_names
+        if not self.grouped:
+            return {n: str(params[f"layer.{n}"]) for n in names}
+        out = [self.fill_mode] * len(names)
+        placement = str(params.get("placement", "first"))
+        if placement not in PLACEMENTS:
+            raise RecomputeError(f"placement: {placement!r} (valid: {', '.join(PLACEMENTS)})")
+        free = list(range(len(names)))
+        if placement == "last":
+            free.reverse()
+        for mode in self.counted_modes:
+            # Counts past the layers left are clipped: the strongest mode claims layers first.
+            n = min(int(params.get(f"n_{mode}", 0)), len(free))
+            picked = _spread(free, n) if placement == "spread" else free[:n]
+            for i in picked:
+                out[i] = mode
+            taken = set(picked)
+            free = [i for i in free if i not in taken]
+        return dict(zip(names, out))
+
+    def decode(self, params: Mapping[str, Any]) -> tuple[RecomputePolicy, int | None]:
+        """The policy and micro-batch size of a parameter set."""
+        return self.policy(self.modes_of(params)), self.micro_batch(params)
+
+    def encode(self, modes: Mapping[str, str], micro_batch: int | None = None) -> dict[str, Any] | None:
+        """Parameters that `decode` to exactly ``modes`` (and ``micro_batch``); ``None`` if the space has none.
+
+        A grouped space cannot express every arrangement (e.g. ``F.sF``); the caller decides what
+        to do with such a policy (see `nearest`).
+        """
+        if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
+            return None
+        params: dict[str, Any] = {}
+        if self.micro_batches and len(self.micro_batches) > 1:
+            mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
+            if mb not in self.micro_batches:
+                return None
+            params["micro_batch"] = mb
+        elif micro_batch is not None and self.micro_batches and int(micro_batch) != self.micro_batches[0]:
+            return None
+        want = {n: str(modes[n]) for n in self.layer_names}
+        if not self.grouped:
+            return {**{f"layer.{n}": want[n] for n in self.layer_names}, **params}
+        counts = {f"n_{m}": sum(1 for v in want.values() if v == m) for m in self.counted_modes}
+        if not self.counted_modes:
+            return params
+        for placement in PLACEMENTS:
+            candidate = {**counts, "placement": placement, **params}
+            if self.modes_of(candidate) == want:
+                return candidate
+        return None
+
+    def nearest(self, modes: Mapping[str, str], micro_batch: int | None = None) -> dict[str, Any] | None:
+        """`encode`, or in a grouped space the same per-mode counts placed first.
+
+        Alike layers cost alike, so a planner's choice is mostly in its counts; keeping those
+        keeps its predicted memory and time, whatever the arrangement.
+        """
+        exact = self.encode(modes, micro_batch)
+        if exact is not None or not self.grouped:
+            return exact
+        if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
+            return None
+        counts = {f"n_{m}": sum(1 for v in modes.values() if str(v) == m) for m in self.counted_modes}
+        params = {**counts, "placement": "first"}
+        if self.micro_batches and len(self.micro_batches) > 1:
+            mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
+            if mb not in self.micro_batches:
+                return None
+            params["micro_batch"] = mb
+        return params
+
+
+def _spread(free: Sequence[int], n: int) -> list[int]:
+    """``n`` of the ``free`` positions, evenly spaced from the first.
+
+    The stride is ceil(len/n), so half the layers are exactly every 2nd layer (torchtitan's
+    "every k-th block" choice is in the space); when that stride would run past the end, even
+    fractional spacing is used instead.
+    """
+    m = len(free)
+    if n <= 0:
+        return []
+    if n >= m:
+        return list(free)
+    k = -(-m // n)
+    idx = [i * k for i in range(n)] if (n - 1) * k < m else [(i * m) // n for i in range(n)]
+    return [free[i] for i in idx]

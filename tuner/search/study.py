@@ -1,0 +1,514 @@
+"""The Optuna study: its name, its constraint, ask/tell, and the records read back from it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import RecomputePolicy
+from tuner.units import format_bytes
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: stores open unlocked; the session retries a failed open
+    fcntl = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from tuner.planner.solver import Prediction
+    from tuner.recipe import Recipe
+    from tuner.trials import TrialResult
+from tuner.search.attrs import StudyAttr, TrialAttr
+from tuner.search.seeds import Seed
+from tuner.search.space import SearchSpace
+from tuner.stores import open_storage
+
+_log = logging.getLogger(__name__)
+
+
+FAR_OVER_BUDGET = 1.25
+"""A candidate the planner predicts above this multiple of the budget is recorded as skipped, not run.
+Below it, the prediction's error (the planner is a model) could still hide a policy that fits."""
+
+
+# ---------------------------------------------------------------------------------------------- naming
+
+
+def study_name(recipe: Recipe, device: str) -> str:
+    """The study of ``recipe`` on ``device``: the recipe's ``study.name``, or name + hardware + fingerprint.
+
+    The recipe fingerprint is part of the derived name because it covers what a trial measures
+    (model, data, budget, modes): two recipes that differ there must not share trials, while one
+    whose ``n_trials`` grew continues its study.
+    """
+    if recipe.study.name:
+        return recipe.study.name
+    hardware = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown-device"
+    return f"{recipe.name}.{hardware}.{recipe.fingerprint()[:8]}"
+
+
+CONSTRAINT = "peak_minus_budget"
+"""The Optuna constraint of every told trial (``Trial.set_constraint``): peak minus the budget limit."""
+
+
+def peak_constraint(trial: FrozenTrial) -> tuple[float]:
+    """The trial's memory constraint: measured (or, for a skipped trial, predicted) peak minus the budget.
+
+    Positive means infeasible, so Optuna never reports an over-budget trial as the best one. A
+    trial without a figure is infeasible too: a policy whose memory is unknown cannot be promised
+    to fit.
+    """
+    value = trial.constraints.get(CONSTRAINT, trial.user_attrs.get(TrialAttr.PEAK_OVER))
+    return (float(value) if value is not None else math.inf,)
+
+
+# ---------------------------------------------------------------------------------------------- the study
+
+
+@dataclass
+class Proposal:
+    """A trial Optuna handed out: what it stands for and what the session decides about it."""
+
+    trial: optuna.Trial
+    policy: RecomputePolicy
+    micro_batch: int | None
+    seed: str | None
+    """The seed's name when the trial was enqueued, else ``None`` (sampled)."""
+    duplicate_of: FrozenTrial | None = None
+    """A trial of the same policy and micro-batch already measured, measuring, or failed."""
+    prediction: Prediction | None = None
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+    @property
+    def key(self) -> str:
+        return _candidate_key(self.policy, self.micro_batch)
+
+
+def _candidate_key(policy: RecomputePolicy, micro_batch: int | None) -> str:
+    return f"{policy.fingerprint()}@{micro_batch if micro_batch is not None else '-'}"
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One finished trial of the study, as its user attributes describe it (any worker's)."""
+
+    number: int
+    state: str
+    """Optuna's state name: COMPLETE, FAIL, PRUNED (RUNNING/WAITING are not records)."""
+    outcome: str
+    """ok / over_budget / oom / timeout / error / skipped, or duplicate / interrupted (never measured)."""
+    policy: RecomputePolicy | None
+    fingerprint: str
+    short: str
+    micro_batch: int | None
+    seed: str | None
+    throughput: float | None = None
+    throughput_unit: str = ""
+    peak_bytes: int | None = None
+    step_time_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+    reason: str | None = None
+    run_id: str | None = None
+    duplicate_of: int | None = None
+    feasible: bool = False
+    """Measured and within the budget limit."""
+
+    @property
+    def measured(self) -> bool:
+        """Whether this trial ran the policy (duplicates, skips and interruptions did not)."""
+        return self.outcome in ("ok", "over_budget", "oom", "timeout", "error")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types for the trials table (``policy`` as the policy-file mapping)."""
+        return {
+            "number": self.number,
+            "state": self.state,
+            "outcome": self.outcome,
+            "policy": None if self.policy is None else self.policy.to_dict(),
+            "policy_fingerprint": self.fingerprint,
+            "policy_short": self.short,
+            "micro_batch": self.micro_batch,
+            "seed": self.seed,
+            "throughput": self.throughput,
+            "throughput_unit": self.throughput_unit,
+            "peak_bytes": self.peak_bytes,
+            "step_time_s": self.step_time_s,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_step_time_s": self.predicted_step_time_s,
+            "reason": self.reason,
+            "run_id": self.run_id,
+            "duplicate_of": self.duplicate_of,
+            "feasible": self.feasible,
+        }
+
+
+def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
+    """The feasible record of highest throughput (the earlier trial on a tie); ``None`` when none is feasible."""
+    feasible = [r for r in records if r.feasible and r.throughput is not None]
+    return max(feasible, key=lambda r: (r.throughput or 0.0, -r.number)) if feasible else None
+
+
+class TuningStudy:
+    """An Optuna study driven by ask/tell from the tuning session.
+
+    Build one with `open`. Outcomes map to Optuna states so the sampler learns the right thing:
+    a measured trial is COMPLETE with its throughput (an over-budget one too, made infeasible by
+    the constraint, so TPE learns where the memory wall is); oom / timeout / error are FAIL; a
+    candidate skipped on the planner's prediction is PRUNED; a re-proposal of a policy already
+    measured is COMPLETE with the earlier figures (no second measurement, and the sampler is not
+    misled into thinking the region bad); an interrupted trial is FAIL, and if it was a seed it is
+    enqueued again for the next session.
+    """
+
+    def __init__(self, study: optuna.Study, space: SearchSpace, *, budget_bytes: int, created: bool) -> None:
+        self.study = study
+        self.space = space
+        self.budget_bytes = int(budget_bytes)
+        self.created = created
+        """Whether this process created the study (and so seeds it)."""
+        self._distributions = space.distributions()
+
+    # -------------------------------------------------------------- opening, seeding
+
+    @classmethod
+    def open(
+        cls,
+        *,
+        name: str,
+        storage: str | optuna.storages.BaseStorage,
+        space: SearchSpace,
+        budget_bytes: int,
+        seed: int = 0,
+        recipe: str | None = None,
+        recipe_fingerprint: str | None = None,
+        device: str | None = None,
+    ) -> TuningStudy:
+        """Create the study, or load it when it exists (resume; another worker).
+
+        Only one process can create a study of a given name (Optuna refuses the second), which
+        is how concurrent workers agree on who seeds it. The creator's TPE sampler is seeded with
+        ``seed`` (a fresh study replays exactly); a session that loads the study draws from a
+        stream of its own, derived from ``seed``, the host and the process.
+
+        Raises:
+            RecomputeError: the existing study was created for another search space or budget.
+        """
+        store = open_storage(storage) if isinstance(storage, str) else storage
+        # Constraints are set on each trial before it is told (`_constrain`): Optuna 5 deprecates
+        # TPESampler's constraints_func in favour of Trial.set_constraint, which TPE reads the same way.
+        sampler = optuna.samplers.TPESampler(seed=seed)
+        try:
+            study = optuna.create_study(storage=store, study_name=name, direction="maximize", sampler=sampler)
+            created = True
+            study.set_user_attr(StudyAttr.SEARCH_SPACE, space.signature())
+            study.set_user_attr(StudyAttr.BUDGET_BYTES, int(budget_bytes))
+            for key, value in (
+                (StudyAttr.RECIPE, recipe),
+                (StudyAttr.RECIPE_FINGERPRINT, recipe_fingerprint),
+                (StudyAttr.DEVICE, device),
+            ):
+                if value is not None:
+                    study.set_user_attr(key, value)
+        except optuna.exceptions.DuplicatedStudyError:
+            # A session joining (or resuming) the study samples from its own stream: with the
+            # recipe's seed, two workers looking at the same history would propose the same
+            # candidates in lockstep and spend their time on duplicates.
+            joined_seed = int(
+                hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8], 16
+            )
+            sampler = optuna.samplers.TPESampler(seed=joined_seed)
+            study = optuna.load_study(study_name=name, storage=store, sampler=sampler)
+            created = False
+            stored = study.user_attrs.get(StudyAttr.SEARCH_SPACE)
+            if stored is not None and stored != space.signature():
+                raise RecomputeError(
+                    f"study.name: study {name!r} was created for another search space ({stored}); this recipe "
+                    f"searches {space.signature()} (valid: another study.name, or the recipe that created it)"
+                ) from None
+            stored_budget = study.user_attrs.get(StudyAttr.BUDGET_BYTES)
+            if stored_budget is not None and int(stored_budget) != int(budget_bytes):
+                raise RecomputeError(
+                    f"study.name: study {name!r} was tuned for a budget limit of {stored_budget} bytes, this "
+                    f"recipe's is {budget_bytes} (valid: another study.name for another budget)"
+                ) from None
+        return cls(study, space, budget_bytes=budget_bytes, created=created)
+
+    def wait_seeded(self, timeout_s: float, poll_s: float = 0.5) -> bool:
+        """Wait for the process that created the study to finish setting it up; whether it did.
+
+        The creator profiles the model and seeds the study right after creating it; another worker
+        started at the same moment waits for that rather than doing it twice. It stops waiting
+        when the creator gave up (it was interrupted while setting up) or after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            attrs = self.study.user_attrs
+            if attrs.get(StudyAttr.SEEDED):
+                return True
+            if attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the session that set the study up has seeded it."""
+        return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
+
+    def stored_profile(self) -> dict[str, Any] | None:
+        """The model's profile as the setting-up session stored it (`Profile.to_dict`), if any."""
+        return self.study.user_attrs.get(StudyAttr.PROFILE)
+
+    def store_profile(self, profile: Mapping[str, Any]) -> None:
+        """Keep the model's profile in the study, so every session of it predicts with the same figures."""
+        self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
+
+    def planner_note(self) -> str | None:
+        """Why the setting-up session had no planner, or what its planner could not do."""
+        note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
+        return None if note is None else str(note)
+
+    def store_planner_note(self, note: str) -> None:
+        """Record `planner_note` for the sessions that join or resume the study."""
+        self.study.set_user_attr(StudyAttr.PLANNER_NOTE, note)
+
+    def abandon_setup(self) -> None:
+        """Say that this process stopped setting up the study, so no other worker waits for it."""
+        if not self.study.user_attrs.get(StudyAttr.SEEDED):
+            self.study.set_user_attr(StudyAttr.ABANDONED, True)
+
+    def seed(self, seeds: Sequence[Seed]) -> list[str]:
+        """Enqueue those of ``seeds`` the study does not hold yet, mark it seeded; the names enqueued.
+
+        Call it once per study (the creator, or a session taking over an abandoned setup): a
+        resumed session must not seed again. Seeds already present (a planner candidate equal to
+        a baseline; a seed another worker enqueued) are not enqueued twice.
+        """
+        present = {
+            t.user_attrs.get(TrialAttr.SEED_KEY) or t.user_attrs.get(TrialAttr.CANDIDATE_KEY)
+            for t in self.study.get_trials(deepcopy=False)
+            if t.user_attrs.get(TrialAttr.OUTCOME) != "interrupted"
+        }
+        enqueued = []
+        for s in seeds:
+            params = self.space.nearest(s.modes, s.micro_batch)
+            if params is None:
+                _log.info(
+                    "seed %s is outside the search space (modes %s); not enqueued",
+                    s.name,
+                    sorted(set(s.modes.values())),
+                )
+                continue
+            policy, mb = self.space.decode(params)
+            key = _candidate_key(policy, mb)
+            if key in present:
+                continue  # e.g. a planner candidate equal to a baseline: measure it once
+            present.add(key)
+            self.study.enqueue_trial(params, user_attrs={TrialAttr.SEED: s.name, TrialAttr.SEED_KEY: key})
+            enqueued.append(s.name)
+        self.study.set_user_attr(StudyAttr.SEEDED, True)
+        return enqueued
+
+    # -------------------------------------------------------------- ask
+
+    def ask(self) -> Proposal:
+        """The next candidate (an enqueued seed first), with `Proposal.duplicate_of` filled in.
+
+        The candidate's key (policy fingerprint and micro-batch) is written to the trial before
+        the other trials are read, so of two workers proposing the same candidate at once the
+        later one always sees the earlier; among trials still running, the lower number measures.
+        """
+        trial = self.study.ask(fixed_distributions=self._distributions)
+        policy, mb = self.space.decode(trial.params)
+        seed_name = trial.user_attrs.get(TrialAttr.SEED)
+        proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, seed=seed_name)
+        key = proposal.key
+        trial.set_user_attr(TrialAttr.CANDIDATE_KEY, key)
+        trial.set_user_attr(TrialAttr.POLICY, policy.to_dict())
+        trial.set_user_attr(TrialAttr.FINGERPRINT, policy.fingerprint())
+        trial.set_user_attr(TrialAttr.SHORT, policy.short(self.space.layer_names))
+        trial.set_user_attr(TrialAttr.MICRO_BATCH, mb)
+        trial.set_user_attr(TrialAttr.WORKER, f"{socket.gethostname()}:{os.getpid()}")
+        proposal.duplicate_of = self._find_duplicate(key, trial.number)
+        return proposal
+
+    def _find_duplicate(self, key: str, number: int) -> FrozenTrial | None:
+        finished: FrozenTrial | None = None
+        for t in self.study.get_trials(deepcopy=False):
+            if t.number == number or t.user_attrs.get(TrialAttr.CANDIDATE_KEY) != key:
+                continue
+            outcome = t.user_attrs.get(TrialAttr.OUTCOME)
+            if outcome in ("duplicate", "interrupted"):
+                continue  # never measured: not evidence about this candidate
+            if t.state == TrialState.RUNNING:
+                if t.number < number:
+                    return t
+                continue
+            if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED):
+                # Prefer a measured trial to a skipped or failed one as the figures to reuse.
+                if finished is None or (t.state == TrialState.COMPLETE and finished.state != TrialState.COMPLETE):
+                    finished = t
+        return finished
+
+    # -------------------------------------------------------------- tell
+
+    def tell_result(
+        self, proposal: Proposal, result: TrialResult, *, run_id: str | None = None, reason: str | None = None
+    ) -> FrozenTrial:
+        """Record a trial that ran: COMPLETE with its throughput when measured, FAIL otherwise."""
+        t = proposal.trial
+        self._set_common(proposal, outcome=result.outcome, run_id=run_id, reason=reason or result.error)
+        for key, value in (
+            (TrialAttr.THROUGHPUT, result.throughput),
+            (TrialAttr.THROUGHPUT_UNIT, result.throughput_unit),
+            (TrialAttr.PEAK_BYTES, result.peak_bytes),
+            (TrialAttr.STEP_TIME_S, result.step_time_s),
+            (TrialAttr.WALL_S, result.wall_s),
+        ):
+            t.set_user_attr(key, value)
+        if result.measured and result.throughput is not None:
+            self._constrain(t, None if result.peak_bytes is None else result.peak_bytes - self.budget_bytes)
+            return self.study.tell(t, float(result.throughput))
+        return self.study.tell(t, state=TrialState.FAIL)
+
+    def tell_skipped(self, proposal: Proposal, reason: str, *, run_id: str | None = None) -> FrozenTrial:
+        """Record a candidate not run (the planner predicts it far over budget) as PRUNED, with why."""
+        t = proposal.trial
+        self._set_common(proposal, outcome="skipped", run_id=run_id, reason=reason)
+        pred = proposal.prediction
+        self._constrain(t, None if pred is None or pred.peak_bytes is None else pred.peak_bytes - self.budget_bytes)
+        return self.study.tell(t, state=TrialState.PRUNED)
+
+    def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
+        """Record a re-proposal without measuring it again.
+
+        A duplicate of a finished trial takes that trial's state and figures; one of a trial
+        still running elsewhere is FAIL (its figures are not known yet, and FAIL trials are not
+        what the sampler learns from).
+        """
+        original = proposal.duplicate_of
+        if original is None:
+            raise RecomputeError(f"trial {proposal.number}: not a duplicate")
+        t = proposal.trial
+        reason = f"same policy and micro-batch as trial {original.number}"
+        self._set_common(proposal, outcome="duplicate", run_id=run_id, reason=reason)
+        t.set_user_attr(TrialAttr.DUPLICATE_OF, original.number)
+        if original.state == TrialState.RUNNING:
+            return self.study.tell(t, state=TrialState.FAIL)
+        # Only the constraint is copied: the figures stay with the trial that measured them, so
+        # the trials table and the Pareto plot show each measurement once.
+        if original.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            self._constrain(t, original.user_attrs.get(TrialAttr.PEAK_OVER))
+        if original.state == TrialState.COMPLETE and original.value is not None:
+            return self.study.tell(t, float(original.value))
+        return self.study.tell(t, state=original.state)
+
+    def tell_interrupted(self, proposal: Proposal, reason: str) -> FrozenTrial:
+        """Record a trial stopped by the user (FAIL); a seed goes back in the queue for the next session."""
+        t = proposal.trial
+        self._set_common(proposal, outcome="interrupted", run_id=None, reason=reason)
+        frozen = self.study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
+        if proposal.seed is not None:
+            self.study.enqueue_trial(
+                dict(t.params), user_attrs={TrialAttr.SEED: proposal.seed, TrialAttr.SEED_KEY: proposal.key}
+            )
+        return frozen
+
+    @staticmethod
+    def _constrain(trial: optuna.Trial, peak_over: float | None) -> None:
+        # Unknown memory counts as infeasible (see `peak_constraint`); kept as a user attribute
+        # too, where the trials table reads it.
+        value = math.inf if peak_over is None else float(peak_over)
+        trial.set_user_attr(TrialAttr.PEAK_OVER, None if peak_over is None else value)
+        trial.set_constraint(CONSTRAINT, value)
+
+    def _set_common(self, proposal: Proposal, *, outcome: str, run_id: str | None, reason: str | None) -> None:
+        t = proposal.trial
+        t.set_user_attr(TrialAttr.OUTCOME, outcome)
+        t.set_user_attr(TrialAttr.RUN_ID, run_id)
+        t.set_user_attr(TrialAttr.REASON, reason)
+        pred = proposal.prediction
+        t.set_user_attr(TrialAttr.PREDICTED_PEAK_BYTES, None if pred is None else pred.peak_bytes)
+        t.set_user_attr(TrialAttr.PREDICTED_STEP_TIME_S, None if pred is None else pred.step_time_s)
+
+    # -------------------------------------------------------------- reading back
+
+    def records(self) -> list[TrialRecord]:
+        """Every finished trial of the study (all workers, all sessions), in trial order."""
+        out = []
+        for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+        ):
+            a = t.user_attrs
+            policy = RecomputePolicy.from_dict(a[TrialAttr.POLICY]) if a.get(TrialAttr.POLICY) else None
+            peak_over = a.get(TrialAttr.PEAK_OVER)
+            outcome = str(a.get(TrialAttr.OUTCOME, "error"))
+            out.append(
+                TrialRecord(
+                    number=t.number,
+                    state=t.state.name,
+                    outcome=outcome,
+                    policy=policy,
+                    fingerprint=str(a.get(TrialAttr.FINGERPRINT, "")),
+                    short=str(a.get(TrialAttr.SHORT, "")),
+                    micro_batch=a.get(TrialAttr.MICRO_BATCH),
+                    seed=a.get(TrialAttr.SEED),
+                    throughput=a.get(TrialAttr.THROUGHPUT),
+                    throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
+                    peak_bytes=a.get(TrialAttr.PEAK_BYTES),
+                    step_time_s=a.get(TrialAttr.STEP_TIME_S),
+                    predicted_peak_bytes=a.get(TrialAttr.PREDICTED_PEAK_BYTES),
+                    predicted_step_time_s=a.get(TrialAttr.PREDICTED_STEP_TIME_S),
+                    reason=a.get(TrialAttr.REASON),
+                    run_id=a.get(TrialAttr.RUN_ID),
+                    duplicate_of=a.get(TrialAttr.DUPLICATE_OF),
+                    feasible=outcome == "ok" and peak_over is not None and float(peak_over) <= 0,
+                )
+            )
+        return out
+
+    def best(self) -> TrialRecord | None:
+        """The measured, within-budget trial of highest throughput; ``None`` when there is none."""
+        return best_of(self.records())
+
+    def measured_count(self) -> int:
+        """Trials that ran a policy (what ``n_trials`` counts), all workers together."""
+        return sum(1 for r in self.records() if r.measured)
+
+    def running(self) -> list[FrozenTrial]:
+        """Trials Optuna holds as running (this or another worker's)."""
+        return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+    def waiting(self) -> list[FrozenTrial]:
+        """Enqueued trials not yet handed out."""
+        return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+
+
+Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]
+"""``(policy, micro_batch) -> Prediction | None``: the planner's view of a candidate, if it has one."""
+
+
+def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: float = FAR_OVER_BUDGET) -> str | None:
+    """Why a candidate should not be run, or ``None`` when it should."""
+    if prediction is None or prediction.peak_bytes is None:
+        return None
+    if prediction.peak_bytes > factor * budget_bytes:
+        return (
+            f"planner predicts a peak of {format_bytes(prediction.peak_bytes)} ({prediction.peak_bytes} bytes), more than {factor:g}x the budget "
+            f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
+        )
+    return None
