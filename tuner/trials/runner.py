@@ -1,7 +1,8 @@
-"""Parent side of a trial: run one measurement in a fresh subprocess and classify what happened.
+"""Parent side of the child protocol: run one measurement in a fresh subprocess and classify what happened.
 
-Every measurement (`run_trial`, `check_numerics`, the CUDA part of `device_info`) runs
-``python -m tuner.worker SPEC.json RESULT.json`` in a new session, so an out-of-memory error, a
+Every measurement (`run_trial`, `check_numerics`, the CUDA part of `device_info`, and
+`profile_recipe` on an accelerator) runs
+``python -m tuner.trials.worker SPEC.json RESULT.json`` in a new session, so an out-of-memory error, a
 segfault, an ``abort()`` or a hang in the user's model ends that process only: the tuning session
 kills the whole process group at the deadline and carries on. Trial failures are results
 (``oom``, ``timeout``, ``error``), never exceptions; the search treats them as data.
@@ -22,14 +23,26 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from tuner.recipe import Recipe
-from tuner.worker import OOM_MARKERS
+from tuner.trials.worker import OOM_MARKERS
 
-__all__ = ["NumericsResult", "Outcome", "TrialResult", "check_numerics", "device_info", "run_trial"]
+if TYPE_CHECKING:
+    from tuner.profile import Profile
+
+__all__ = [
+    "NumericsResult",
+    "Outcome",
+    "TrialResult",
+    "check_numerics",
+    "device_info",
+    "profile_recipe",
+    "run_trial",
+    "summarize_steps",
+]
 
 Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "skipped"]
 """What became of a trial: measured and within budget; measured above the budget; out of memory;
@@ -203,6 +216,35 @@ def check_numerics(
     return NumericsResult(equal=False, max_abs_diff=float("inf"), detail=f"{why}{': ' + tail if tail else ''}")
 
 
+def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: int = 3) -> Profile:
+    """The per-layer cost profile of ``recipe``'s model on its device.
+
+    On CPU it runs here. On an accelerator it runs in the worker, like a trial (same protocol,
+    same environment, deadline twice a trial's): a CUDA context created in the tuning process
+    would hold device memory that every trial then lacks.
+
+    Raises:
+        RecomputeError: the profile could not be taken (the message says why).
+    """
+    from tuner.profile import Profile
+
+    if recipe.trainer.accelerator == "cpu":
+        from tuner.profile.recipe_profile import profile_recipe_here
+
+        return profile_recipe_here(recipe, micro_batch, repeats)
+    limit = recipe.trial.timeout_s * 2
+    run = _run_worker(
+        {**_recipe_spec(recipe, micro_batch), "kind": "profile", "repeats": repeats}, limit, recipe.trial.env
+    )
+    res = run.result
+    if run.timed_out:
+        raise RecomputeError(f"profiling did not finish within {limit:g} s; its process group was killed")
+    if res is None or res.get("outcome") != "ok":
+        why = (res or {}).get("error") or _classify_failure(run)[1]
+        raise RecomputeError(f"profiling failed: {why}")
+    return Profile.from_dict(res["profile"])
+
+
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
     """The device a trial of ``recipe`` runs on: ``("cpu", None)`` or ``(name, total bytes)``.
 
@@ -230,14 +272,17 @@ def _probe_device(accelerator: str) -> tuple[str, int | None]:
     return str(res["device"]), res.get("device_total_bytes")
 
 
-def _base_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None) -> dict[str, Any]:
+def _recipe_spec(recipe: Recipe, micro_batch: int | None) -> dict[str, Any]:
     return {
         "recipe": recipe.to_dict(),
         "source": None if recipe.source is None else str(recipe.source),
-        "policy": policy.to_dict(),
         "micro_batch": micro_batch,
         "sys_path": [os.getcwd(), str(recipe.folder)],
     }
+
+
+def _base_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None) -> dict[str, Any]:
+    return {**_recipe_spec(recipe, micro_batch), "policy": policy.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -260,7 +305,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
         with open(log_path, "wb") as log:
             # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tuner.worker", str(spec_path), str(result_path)],
+                [sys.executable, "-m", "tuner.trials.worker", str(spec_path), str(result_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -292,7 +337,8 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
 
 def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:
     env = {**os.environ, **extra}
-    root = str(Path(__file__).resolve().parent.parent)  # so `-m tuner.worker` imports this very tuner
+    # The folder holding the `tuner` package, so `-m tuner.trials.worker` imports this very tuner.
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last words reach the log
     env["PYTHONFAULTHANDLER"] = "1"  # a segfault or abort() leaves a Python traceback in the log

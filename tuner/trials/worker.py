@@ -1,6 +1,6 @@
-"""Child side of a trial: ``python -m tuner.worker SPEC.json RESULT.json``.
+"""Child side of the trial protocol: ``python -m tuner.trials.worker SPEC.json RESULT.json``.
 
-Runs in a fresh process that `tuner.trial` starts, so whatever the model does (run out of
+Runs in a fresh process that `tuner.trials` starts, so whatever the model does (run out of
 memory, crash the interpreter, hang) stays in this process. It only measures: it never writes to
 MLflow or Optuna storage (DESIGN.md: only the parent does). It writes one JSON result, atomically,
 and exits 0 when it has a measurement (including "this configuration ran out of memory"), nonzero
@@ -13,6 +13,7 @@ Spec kinds:
   steps; the result holds every step's time, peak memory, samples and tokens.
 - ``numerics``: loss and parameter gradients of one training step with and without the policy.
 - ``device``: the name and total memory of the device the recipe's accelerator selects.
+- ``profile``: the recipe's per-layer cost profile (`tuner.profile.recipe_profile`), as a mapping.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the spec in ``argv[0]``, write the result to ``argv[1]``; the process exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m tuner.worker SPEC.json RESULT.json", file=sys.stderr)
+        print("usage: python -m tuner.trials.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
     result_path = Path(args[1])
@@ -72,8 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload = _numerics(spec)
         elif kind == "device":
             payload = {"outcome": "ok", **_device(spec["accelerator"])}
+        elif kind == "profile":
+            payload = _profile(spec)
         else:
-            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device")
+            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device, profile")
     except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
         traceback.print_exc()
         oom = is_oom_error(err)
@@ -208,6 +211,15 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
         "detail": detail,
         **_device(recipe.trainer.accelerator),
     }
+
+
+def _profile(spec: Mapping[str, Any]) -> dict[str, Any]:
+    from tuner.profile.recipe_profile import profile_recipe_here
+    from tuner.recipe import from_dict
+
+    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    profile = profile_recipe_here(recipe, spec.get("micro_batch"), int(spec["repeats"]))
+    return {"outcome": "ok", "profile": profile.to_dict()}
 
 
 def _device(accelerator: str) -> dict[str, Any]:
