@@ -16,7 +16,7 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner import recipe as recipe_mod
 from tuner.plots import pareto_front, pareto_plot
 from tuner.tracking import Tracker, TrackingError, artifact_location_for, trial_row
-from tuner.trial import TrialResult
+from tuner.trials import TrialResult
 
 LAYERS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,186 @@
+"""The MLflow client the tracking modules share: the experiment, run search, batched logging,
+and the clipping and status rules MLflow's limits impose."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.errors import RecomputeError
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+from tuner.jsonable import jsonable
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+"""Where runs go unless the recipe says otherwise (MLflow 3 deprecates the file store)."""
+
+
+_STATUSES = {
+    "finished": "FINISHED",
+    "ok": "FINISHED",
+    "completed": "FINISHED",
+    "killed": "KILLED",
+    "interrupted": "KILLED",
+    "failed": "FAILED",
+    "error": "FAILED",
+}
+# Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
+_FAILED_OUTCOMES = ("oom", "timeout", "error")
+_BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")
+_MAX_TAG = 5000  # below MLflow's 8000-character tag limit, with room for a multi-byte encoding
+
+
+class TrackingError(RecomputeError):
+    """The MLflow record cannot do what was asked (no session, nothing to roll back to, an inconsistent record)."""
+
+
+def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
+    """Where a new experiment keeps artifacts: ``<db folder>/mlartifacts/<experiment>`` for sqlite.
+
+    A sqlite store has no folder of its own, and MLflow's default would be ``./mlartifacts`` in
+    whatever directory the tuner (or a test) runs from. ``None`` leaves the choice to the store
+    (a tracking server, a file store).
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = tracking_uri[len("sqlite:///") :]
+    if not db or db == ":memory:":
+        return None
+    safe = re.sub(r"[^\w.\-]+", "_", experiment).strip("._") or "experiment"
+    return str(Path(db).resolve().parent / "mlartifacts" / safe)
+
+
+def _param_key(name: str) -> str:
+    # MLflow rejects brackets, '*', '?' etc. in keys; layer paths rarely have them, patterns do.
+    return _BAD_NAME_CHARS.sub("_", name)[:250]
+
+
+def _clip(text: Any, limit: int = _MAX_TAG) -> str:
+    s = str(text)
+    return s if len(s) <= limit else s[: limit - 15] + " ...[truncated]"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+def _status(status: str) -> str:
+    s = str(status).strip()
+    if s.upper() in ("FINISHED", "KILLED", "FAILED"):
+        return s.upper()
+    try:
+        return _STATUSES[s.lower()]
+    except KeyError:
+        valid = ", ".join(["FINISHED", "KILLED", "FAILED", *sorted(_STATUSES)])
+        raise TrackingError(f"status: {status!r} is not a run status (valid: {valid})") from None
+
+
+def _int_or_none(value: Any) -> int | None:
+    v = _finite(value)
+    return None if v is None else int(v)
+
+
+class TrackingClient:
+    """One MLflow experiment, reached through `mlflow.MlflowClient` by run id (never the global active run).
+
+    Args:
+        tracking_uri: the MLflow tracking URI (``sqlite:///mlflow.db`` by default in recipes).
+        experiment: the experiment name (one per recipe); created when missing, with artifacts
+            under the sqlite database's folder (`artifact_location_for`).
+        artifact_location: overrides where a newly created experiment keeps artifacts.
+    """
+
+    def __init__(self, tracking_uri: str | None, experiment: str, *, artifact_location: str | None = None) -> None:
+        import mlflow
+
+        if not isinstance(experiment, str) or not experiment.strip():
+            raise TrackingError(f"experiment: must be a non-empty name, got {experiment!r}")
+        self.tracking_uri = tracking_uri or DEFAULT_TRACKING_URI
+        self.experiment = experiment
+        self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        self.experiment_id = self._experiment_id(artifact_location)
+
+    def _experiment_id(self, artifact_location: str | None) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            location = artifact_location or artifact_location_for(self.tracking_uri, self.experiment)
+            try:
+                return self.client.create_experiment(self.experiment, artifact_location=location)
+            except MlflowException as err:
+                # Another worker created it between our lookup and create: use theirs.
+                exp = self.client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise TrackingError(f"cannot create MLflow experiment {self.experiment!r}: {err}") from err
+        if exp.lifecycle_stage != "active":
+            raise TrackingError(
+                f"MLflow experiment {self.experiment!r} is deleted; restore it (`mlflow experiments restore "
+                f"--experiment-id {exp.experiment_id}`) or set tracking.experiment to another name"
+            )
+        return exp.experiment_id
+
+    def _search(self, filter_string: str) -> list[Any]:
+        from mlflow.entities import ViewType
+
+        runs: list[Any] = []
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=filter_string,
+                run_view_type=ViewType.ACTIVE_ONLY,
+                max_results=1000,
+                page_token=token,
+            )
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def _log_batch(
+        self,
+        run_id: str,
+        *,
+        params: Sequence[Any] = (),
+        metrics: Mapping[str, float] | None = None,
+        tags: Mapping[str, str] | None = None,
+        step: int = 0,
+    ) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        ts = _now_ms()
+        ms = [Metric(_param_key(k), float(v), ts, step) for k, v in (metrics or {}).items()]
+        ts_list = [RunTag(k, _clip(v)) for k, v in (tags or {}).items()]
+        params = list(params)
+        # MLflow caps a batch at 100 params/tags and 1000 metrics (a 126-layer model has more).
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+        for i in range(0, len(ts_list), 100):
+            self.client.log_batch(run_id, tags=ts_list[i : i + 100])
+        for i in range(0, len(ms), 1000):
+            self.client.log_batch(run_id, metrics=ms[i : i + 1000])
+
+    def _set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        self._log_batch(run_id, tags=tags)
+
+    def _log_json(self, run_id: str, name: str, data: Any) -> None:
+        self.client.log_text(run_id, json.dumps(jsonable(data), indent=2, allow_nan=False), name)
+
+    def _parent_run_id(self) -> str | None:
+        """The run new decision runs nest in: the open session run, if any (`SessionLog` has one)."""
+        return None

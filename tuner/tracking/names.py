@@ -1,0 +1,114 @@
+"""Every MLflow tag, param and artifact name the tuner writes: the store layout, in one place.
+
+People filter on these in ``mlflow ui``, and the plugin reads some of them
+(`lightning_recompute.mlflow_policy`): a record written by an earlier version stays readable only
+while they stay the same. Only `tuner.tracking` writes them.
+"""
+
+from __future__ import annotations
+
+from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
+
+__all__ = [
+    "BASELINES_JSON",
+    "BEST_FINGERPRINT",
+    "BEST_JSON",
+    "BEST_POLICY_YAML",
+    "BEST_RUN",
+    "DECISION",
+    "DECISION_SEQ",
+    "DEVICE",
+    "ERROR",
+    "EVIDENCE_JSON",
+    "FINGERPRINT",
+    "GOOD",
+    "GOOD_RUN_TAG",
+    "KIND",
+    "MICRO_BATCH_PARAM",
+    "NEW_GOOD",
+    "NOTE",
+    "OUTCOME",
+    "PARENT",
+    "POLICY_ARTIFACT",
+    "POLICY_FINGERPRINT_PARAM",
+    "POLICY_SHORT",
+    "PREVIOUS_GOOD",
+    "PROMOTED",
+    "PROMOTED_AT",
+    "REASON",
+    "RECIPE_CHANGED_ON_RESUME",
+    "RECIPE_FINGERPRINT",
+    "RECIPE_NAME",
+    "RECIPE_YAML",
+    "REJECTED",
+    "REJECT_REASON",
+    "RESUMES",
+    "ROLLED_BACK",
+    "SESSION_NOTES",
+    "SESSION_STATUS",
+    "SOURCE_RUN",
+    "STDERR_TAIL_TXT",
+    "STUDY",
+    "STUDY_NAME_PARAM",
+    "THROUGHPUT_UNIT",
+    "TRIALS_CSV",
+    "TRIALS_JSON",
+    "TRIAL_NUMBER_PARAM",
+]
+
+# ---------------------------------------------------------------------------------------------- tags
+
+KIND = "recompute.kind"
+"""``session``, ``trial``, ``confirmation`` or ``decision``."""
+STUDY = "recompute.study"
+OUTCOME = "recompute.outcome"
+REASON = "recompute.reason"
+ERROR = "recompute.error"
+DEVICE = "recompute.device"
+THROUGHPUT_UNIT = "recompute.throughput_unit"
+POLICY_SHORT = "recompute.policy_short"
+FINGERPRINT = "recompute.policy_fingerprint"
+SOURCE_RUN = "recompute.source_run_id"
+DECISION = "recompute.decision"
+"""``promote``, ``reject`` or ``rollback``."""
+DECISION_SEQ = "recompute.decision_seq"
+PREVIOUS_GOOD = "recompute.previous_good_run_id"
+NEW_GOOD = "recompute.new_good_run_id"
+GOOD = "recompute.good"
+PROMOTED = "recompute.promoted"
+PROMOTED_AT = "recompute.promoted_at"
+ROLLED_BACK = "recompute.rolled_back"
+REJECTED = "recompute.rejected"
+REJECT_REASON = "recompute.reject_reason"
+RESUMES = "recompute.resumes"
+RECIPE_NAME = "recompute.recipe_name"
+RECIPE_FINGERPRINT = "recompute.recipe_fingerprint"
+RECIPE_CHANGED_ON_RESUME = "recompute.recipe_changed_on_resume"
+SESSION_STATUS = "recompute.session_status"
+SESSION_NOTES = "recompute.session_notes"
+"""What the session decided without a trial (space, planner trouble, why it stopped)."""
+BEST_FINGERPRINT = "recompute.best_fingerprint"
+BEST_RUN = "recompute.best_run_id"
+PARENT = "mlflow.parentRunId"
+NOTE = "mlflow.note.content"
+"""MLflow's own tag for a run's description (markdown)."""
+
+# ---------------------------------------------------------------------------------------------- params
+
+STUDY_NAME_PARAM = "study_name"
+TRIAL_NUMBER_PARAM = "trial_number"
+MICRO_BATCH_PARAM = "micro_batch"
+POLICY_FINGERPRINT_PARAM = "policy_fingerprint"
+# Also: one ``layer.<path>`` param per layer (its mode), and ``recipe.<key>`` per recipe setting.
+
+# ---------------------------------------------------------------------------------------------- artifacts
+
+RECIPE_YAML = "recipe.yaml"
+TRIALS_JSON = "trials.json"
+TRIALS_CSV = "trials.csv"
+BASELINES_JSON = "baselines.json"
+BEST_POLICY_YAML = "best_policy.yaml"
+BEST_JSON = "best.json"
+EVIDENCE_JSON = "evidence.json"
+STDERR_TAIL_TXT = "stderr_tail.txt"
+# ``pareto.png`` is named by `tuner.plots.pareto_plot`'s output file; ``policy.yaml`` is POLICY_ARTIFACT.

@@ -1,0 +1,342 @@
+"""The good-policy registry: promote, reject, roll back, and read back the decision history.
+
+The experiment tag ``recompute.good_run_id`` names the run whose ``policy.yaml`` is the current
+good policy; every change to it is a decision run, so the history is MLflow's alone."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_recompute.atomic import atomic_write
+from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
+from lightning_recompute.policy import RecomputePolicy
+from tuner.tracking.client import TrackingClient, TrackingError, _clip, _int_or_none
+from tuner.tracking.names import (
+    DECISION,
+    DECISION_SEQ,
+    EVIDENCE_JSON,
+    FINGERPRINT,
+    GOOD,
+    KIND,
+    NEW_GOOD,
+    PARENT,
+    PREVIOUS_GOOD,
+    PROMOTED,
+    PROMOTED_AT,
+    REASON,
+    REJECT_REASON,
+    REJECTED,
+    ROLLED_BACK,
+    SOURCE_RUN,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True)
+class GoodPolicy:
+    """The policy the experiment currently holds as good, and the evidence it was promoted on."""
+
+    run_id: str
+    """The run whose ``policy.yaml`` is the good policy (the experiment tag ``recompute.good_run_id``)."""
+    policy: RecomputePolicy
+    """The policy itself."""
+    fingerprint: str
+    """``policy.fingerprint()``."""
+    throughput: float | None
+    """Measured throughput of that run (its ``measured_throughput`` metric), if it has one."""
+    peak_bytes: int | None
+    """Measured peak memory of that run, if it has one."""
+    promoted_at: datetime | None
+    """When it became the good policy (promotion or rollback), UTC."""
+    micro_batch: int | None = None
+    """The micro-batch it was measured with (``None``: the data module's own)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One promotion, rejection or rollback, as recorded in its decision run."""
+
+    run_id: str
+    """The decision run."""
+    kind: Literal["promote", "reject", "rollback"]
+    """What was decided."""
+    seq: int
+    """Position in the experiment's decision history (1, 2, ...)."""
+    at: datetime
+    """When, UTC."""
+    reason: str
+    """Why, in words."""
+    fingerprint: str | None
+    """The fingerprint of the policy decided about (promoted, rejected, or restored)."""
+    previous_good_run_id: str | None
+    """The good run before the decision."""
+    new_good_run_id: str | None
+    """The good run after it (equal to the previous one for a rejection)."""
+    source_run_id: str | None
+    """The trial or confirmation run the decision is about."""
+
+
+class PolicyRegistry(TrackingClient):
+    """The experiment's good policy and the decisions that moved it (promote, reject, rollback)."""
+
+    # ------------------------------------------------------------------ the good policy
+
+    def current_good(self) -> GoodPolicy | None:
+        """The experiment's current good policy, or ``None`` before the first promotion."""
+        exp = self.client.get_experiment(self.experiment_id)
+        run_id = exp.tags.get(GOOD_RUN_TAG)
+        return self._good_policy(run_id) if run_id else None
+
+    def promote(
+        self,
+        policy: RecomputePolicy,
+        *,
+        source_run_id: str | None,
+        output_path: str | Path,
+        reason: str,
+        evidence: Mapping[str, Any],
+    ) -> str:
+        """Make ``policy`` the good policy: write ``output_path`` atomically and record it; the decision run id.
+
+        The good run becomes ``source_run_id`` (the confirmation or trial run that measured the
+        policy; it must hold the same policy), or the decision run itself when there is none. If
+        recording fails after the file was written, the file is put back as it was.
+
+        Raises:
+            TrackingError: the source run holds a different policy.
+        """
+        previous = self._good_run_id()
+        good_run = source_run_id
+        if source_run_id is not None:
+            self._ensure_run_policy(source_run_id, policy)
+        decision_id = self._start_decision(
+            "promote", policy, reason=reason, evidence=evidence, previous=previous, source_run_id=source_run_id
+        )
+        good_run = good_run or decision_id
+        self._finish_decision(decision_id, policy, output_path, previous=previous, new=good_run, rolled_back=False)
+        return decision_id
+
+    def reject(
+        self, policy: RecomputePolicy, *, source_run_id: str | None, reason: str, evidence: Mapping[str, Any]
+    ) -> str:
+        """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id."""
+        previous = self._good_run_id()
+        decision_id = self._start_decision(
+            "reject", policy, reason=reason, evidence=evidence, previous=previous, source_run_id=source_run_id
+        )
+        self.client.set_tag(decision_id, NEW_GOOD, previous or "")
+        if source_run_id is not None:
+            self._set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: _clip(reason)})
+        self.client.set_terminated(decision_id, "FINISHED")
+        return decision_id
+
+    def rollback(self, *, output_path: str | Path) -> GoodPolicy:
+        """Restore the good policy before the current one (file and MLflow record); the restored one.
+
+        Rollbacks stack: promote A, promote B, promote C, rollback, rollback leaves A.
+
+        Raises:
+            TrackingError: there is no earlier good policy, or the experiment's good-run tag no
+                longer matches the recorded history (someone edited it by hand).
+        """
+        current = self._good_run_id()
+        stack = self._good_stack()
+        if current is None or len(stack) < 2:
+            have = "no good policy at all" if current is None else f"only the first good policy (run {current})"
+            raise TrackingError(
+                f"experiment {self.experiment!r}: nothing to roll back to; it has {have}. "
+                f"`recompute-tune history` lists the decisions."
+            )
+        if stack[-1] != current:
+            raise TrackingError(
+                f"experiment {self.experiment!r}: tag {GOOD_RUN_TAG} is {current}, but the decision history "
+                f"ends at {stack[-1]}; the tag was changed outside the tuner. Set it back or promote again."
+            )
+        target = stack[-2]
+        restored = self._good_policy(target)
+        decision_id = self._start_decision(
+            "rollback",
+            restored.policy,
+            reason=f"rolled back from run {current} to run {target}",
+            evidence={"rolled_back_run_id": current, "restored_run_id": target},
+            previous=current,
+            source_run_id=target,
+        )
+        self._finish_decision(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
+        return self._good_policy(target)
+
+    def history(self) -> list[Decision]:
+        """Every completed promotion, rejection and rollback of the experiment, oldest first."""
+        out = []
+        for run in self._decision_runs():
+            t = run.data.tags
+            out.append(
+                Decision(
+                    run_id=run.info.run_id,
+                    kind=t[DECISION],  # type: ignore[arg-type]
+                    seq=int(t.get(DECISION_SEQ, "0")),
+                    at=datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc),
+                    reason=t.get(REASON, ""),
+                    fingerprint=t.get(FINGERPRINT),
+                    previous_good_run_id=t.get(PREVIOUS_GOOD) or None,
+                    new_good_run_id=t.get(NEW_GOOD) or None,
+                    source_run_id=t.get(SOURCE_RUN) or None,
+                )
+            )
+        return out
+
+    def _good_run_id(self) -> str | None:
+        return self.client.get_experiment(self.experiment_id).tags.get(GOOD_RUN_TAG) or None
+
+    def _run_policy(self, run_id: str) -> RecomputePolicy | None:
+        """The ``policy.yaml`` of a run, or ``None`` when it has none."""
+        names = {f.path for f in self.client.list_artifacts(run_id)}
+        if POLICY_ARTIFACT not in names:
+            return None
+        with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
+            local = self.client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
+            return RecomputePolicy.load(local)
+
+    def _ensure_run_policy(self, run_id: str, policy: RecomputePolicy) -> None:
+        held = self._run_policy(run_id)
+        if held is None:
+            # A run logged by other means (a hand-made run, an older tuner): give it the artifact
+            # the plugin's loader reads.
+            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+        elif held.fingerprint() != policy.fingerprint():
+            raise TrackingError(
+                f"run {run_id} measured policy {held.fingerprint()}, not the promoted {policy.fingerprint()}; "
+                f"promote the policy together with the run that measured it"
+            )
+
+    def _good_policy(self, run_id: str) -> GoodPolicy:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as err:
+            raise TrackingError(
+                f"experiment {self.experiment!r}: good run {run_id} does not exist ({err.error_code})"
+            ) from None
+        policy = self._run_policy(run_id)
+        if policy is None:
+            raise TrackingError(f"experiment {self.experiment!r}: good run {run_id} has no {POLICY_ARTIFACT} artifact")
+        m, p, t = run.data.metrics, run.data.params, run.data.tags
+        at = t.get(PROMOTED_AT)
+        mb = p.get("micro_batch")
+        return GoodPolicy(
+            run_id=run_id,
+            policy=policy,
+            fingerprint=policy.fingerprint(),
+            throughput=m.get("measured_throughput"),
+            peak_bytes=_int_or_none(m.get("measured_peak_bytes")),
+            promoted_at=datetime.fromisoformat(at) if at else None,
+            micro_batch=int(mb) if mb and mb.isdigit() else None,
+        )
+
+    def _decision_runs(self) -> list[Any]:
+        runs = self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
+        return sorted(runs, key=lambda r: (int(r.data.tags.get(DECISION_SEQ, "0")), r.info.start_time))
+
+    def _good_stack(self) -> list[str]:
+        """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
+        stack: list[str] = []
+        for run in self._decision_runs():
+            t = run.data.tags
+            if t.get(DECISION) == "promote" and t.get(NEW_GOOD):
+                stack.append(t[NEW_GOOD])
+            elif t.get(DECISION) == "rollback" and stack:
+                stack.pop()
+        return stack
+
+    def _start_decision(
+        self,
+        kind: str,
+        policy: RecomputePolicy,
+        *,
+        reason: str,
+        evidence: Mapping[str, Any],
+        previous: str | None,
+        source_run_id: str | None,
+    ) -> str:
+        seq = 1 + max(
+            (int(r.data.tags.get(DECISION_SEQ, "0")) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0
+        )
+        tags = {
+            KIND: "decision",
+            DECISION: kind,
+            DECISION_SEQ: str(seq),
+            REASON: _clip(reason),
+            PREVIOUS_GOOD: previous or "",
+            FINGERPRINT: policy.fingerprint(),
+        }
+        if source_run_id:
+            tags[SOURCE_RUN] = source_run_id
+        parent = self._parent_run_id()
+        if parent:
+            tags[PARENT] = parent
+        run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"{kind} {policy.fingerprint()}")
+        run_id = run.info.run_id
+        try:
+            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            self._log_json(run_id, EVIDENCE_JSON, evidence)
+        except BaseException:
+            self.client.set_terminated(run_id, "FAILED")
+            raise
+        return run_id
+
+    def _finish_decision(
+        self,
+        decision_id: str,
+        policy: RecomputePolicy,
+        output_path: str | Path,
+        *,
+        previous: str | None,
+        new: str,
+        rolled_back: bool,
+    ) -> None:
+        """Write the file, then move the experiment's record; undo the file if the record fails."""
+        out = Path(output_path)
+        old_bytes = out.read_bytes() if out.exists() else None
+        try:
+            self.client.set_tag(decision_id, NEW_GOOD, new)
+            policy.save(out)
+            now = datetime.now(timezone.utc).isoformat()
+            self._set_tags(new, {GOOD: "true", PROMOTED_AT: now, PROMOTED: "true"})
+            if previous and previous != new:
+                prev_tags = {GOOD: "false"}
+                if rolled_back:
+                    prev_tags[ROLLED_BACK] = "true"
+                self._set_tags(previous, prev_tags)
+            self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, new)
+        except BaseException:
+            # A file that says B while MLflow says A is worse than either: put the file back, and
+            # the record as far as the store still answers. Each undo is best effort (the store
+            # may be what failed); the original error is the one worth raising.
+            try:
+                if old_bytes is not None:
+                    atomic_write(out, old_bytes)
+                elif out.exists():
+                    out.unlink()
+            finally:
+                with suppress(Exception):
+                    if previous:
+                        self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, previous)
+                with suppress(Exception):
+                    if new != previous:
+                        self.client.set_tag(new, GOOD, "false")
+                with suppress(Exception):
+                    if previous and previous != new:
+                        self.client.set_tag(previous, GOOD, "true")
+                with suppress(Exception):
+                    self.client.set_terminated(decision_id, "FAILED")
+            raise
+        self.client.set_terminated(decision_id, "FINISHED")

@@ -1,0 +1,132 @@
+"""Tables and text made from tracked trials: trial rows, ``trials.csv`` and the session's markdown summary."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner.tracking.client import TrackingError, _finite
+
+if TYPE_CHECKING:
+    pass
+
+from tuner.jsonable import jsonable
+from tuner.units import format_bytes
+
+
+def _result_dict(result: Any) -> dict[str, Any]:
+    """A TrialResult (or anything with its field names) as a mapping."""
+    d = jsonable(result)
+    if not isinstance(d, dict) or "outcome" not in d:
+        raise TrackingError(f"result: expected a TrialResult with an 'outcome', got {type(result).__name__}")
+    return d
+
+
+def _modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
+    """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
+    if layer_names:
+        return {name: policy.mode_for(name).value for name in layer_names}
+    return {pattern: mode.value for pattern, mode in policy.layers}
+
+
+def trial_row(
+    number: int | None,
+    policy: RecomputePolicy,
+    layer_names: Sequence[str] | None,
+    micro_batch: int | None,
+    result: Any,
+    prediction: Mapping[str, Any] | None = None,
+    reason: str | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """One row of the trials table (`Tracker.finish_session`, the Pareto plot, ``trials.csv``).
+
+    Keys: number, outcome, peak_bytes, throughput, throughput_unit, step_time_s, micro_batch,
+    policy (one glyph per layer when ``layer_names`` is given), fingerprint, predicted_* (each
+    numeric prediction), reason, error, run_id.
+    """
+    r = _result_dict(result)
+    row: dict[str, Any] = {
+        "number": number,
+        "outcome": r.get("outcome"),
+        "peak_bytes": r.get("peak_bytes"),
+        "throughput": r.get("throughput"),
+        "throughput_unit": r.get("throughput_unit"),
+        "step_time_s": r.get("step_time_s"),
+        "micro_batch": micro_batch,
+        "policy": policy.short(layer_names) if layer_names else json.dumps(_modes(policy, None)),
+        "fingerprint": policy.fingerprint(),
+    }
+    for key, value in (prediction or {}).items():
+        if _finite(value) is not None:
+            row[f"predicted_{key}"] = value
+    row["reason"] = reason
+    row["error"] = r.get("error")
+    row["run_id"] = run_id
+    return row
+
+
+def session_markdown(
+    experiment: str,
+    status: str,
+    best: Mapping[str, Any] | None,
+    rows: Sequence[Mapping[str, Any]],
+    baselines: Mapping[str, Mapping[str, Any]],
+    budget_bytes: int | None,
+) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
+    lines = [f"**Tuning session {status.lower()}** for experiment `{experiment}`", ""]
+    lines.append(f"- budget limit: {format_bytes(budget_bytes)}")
+    lines.append(f"- trials: {len(rows)} (" + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ")")
+    if best is not None:
+        lines.append(
+            f"- best: trial {best.get('number', '?')}, throughput {best.get('throughput', '?')}, "
+            f"peak {format_bytes(best.get('peak_bytes'))} (`best_policy.yaml`)"
+        )
+    else:
+        lines.append("- best: none within the budget")
+    for name, b in baselines.items():
+        lines.append(
+            f"- baseline {name}: throughput {b.get('throughput', '?')}, peak {format_bytes(b.get('peak_bytes'))}"
+            + (f", {b['outcome']}" if b.get("outcome") else "")
+        )
+    lines += ["", "Artifacts: `pareto.png`, `trials.csv`, `trials.json`, `recipe.yaml`."]
+    return "\n".join(lines)
+
+
+def _flatten(data: Any, prefix: str) -> dict[str, str]:
+    if isinstance(data, Mapping) and data:
+        out: dict[str, str] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(data, (list, dict)):
+        return {prefix: json.dumps(data)}
+    return {prefix: "null" if data is None else str(data)}
+
+
+def _csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: _cell(r.get(k)) for k in columns})
+    return buf.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    # Nested values (a policy mapping) as JSON, so a spreadsheet cell can be parsed back.
+    if value is None:
+        return ""
+    if isinstance(value, (Mapping, list, tuple)):
+        return json.dumps(jsonable(value), separators=(",", ":"))
+    return value

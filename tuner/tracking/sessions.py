@@ -1,0 +1,456 @@
+"""Session and trial runs: the session run of a study (resumed after an interruption), one nested
+run per trial or confirmation, and the session's summary artifacts when it ends."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import yaml
+
+from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
+from lightning_recompute.policy import RecomputePolicy
+from tuner.tracking.client import (
+    _FAILED_OUTCOMES,
+    TrackingClient,
+    TrackingError,
+    _clip,
+    _finite,
+    _int_or_none,
+    _now_ms,
+    _param_key,
+    _status,
+)
+from tuner.tracking.names import (
+    BASELINES_JSON,
+    BEST_FINGERPRINT,
+    BEST_JSON,
+    BEST_POLICY_YAML,
+    BEST_RUN,
+    DEVICE,
+    ERROR,
+    EVIDENCE_JSON,
+    FINGERPRINT,
+    KIND,
+    MICRO_BATCH_PARAM,
+    NOTE,
+    OUTCOME,
+    PARENT,
+    POLICY_FINGERPRINT_PARAM,
+    POLICY_SHORT,
+    REASON,
+    RECIPE_CHANGED_ON_RESUME,
+    RECIPE_FINGERPRINT,
+    RECIPE_NAME,
+    RECIPE_YAML,
+    RESUMES,
+    SESSION_NOTES,
+    SESSION_STATUS,
+    SOURCE_RUN,
+    STDERR_TAIL_TXT,
+    STUDY,
+    STUDY_NAME_PARAM,
+    THROUGHPUT_UNIT,
+    TRIAL_NUMBER_PARAM,
+    TRIALS_CSV,
+    TRIALS_JSON,
+)
+from tuner.tracking.report import _csv, _flatten, _modes, _result_dict, session_markdown
+
+if TYPE_CHECKING:
+    pass
+
+from tuner.jsonable import jsonable
+
+_S = TypeVar("_S", bound="SessionLog")
+
+
+class SessionLog(TrackingClient):
+    """The session run of one study and the runs nested in it.
+
+    Use it as a context manager (or `session`) so the session run always ends: FINISHED on a
+    normal exit, KILLED on Ctrl-C, FAILED on an exception, and never stays RUNNING.
+    """
+
+    def __init__(self, tracking_uri: str | None, experiment: str, *, artifact_location: str | None = None) -> None:
+        super().__init__(tracking_uri, experiment, artifact_location=artifact_location)
+        self._session_run_id: str | None = None
+        self._session_open = False
+        self._study: str | None = None
+
+    # ------------------------------------------------------------------ session lifecycle
+
+    @property
+    def session_run_id(self) -> str | None:
+        """The current session run (``None`` before `start_session`)."""
+        return self._session_run_id
+
+    def start_session(self, recipe: Any, *, study_name: str, resume: bool = True) -> str:
+        """Open the session run for ``study_name``; its run id.
+
+        With ``resume``, the most recent session run of the same study is reused when it was
+        interrupted (KILLED after Ctrl-C, FAILED after a crash), so one study keeps one session run
+        however often it is resumed; its status is set back to RUNNING. A session run that is
+        still RUNNING belongs to another worker on the same study, and this one gets its own.
+        """
+        from mlflow.entities import Param
+
+        if self._session_open:
+            raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
+        run_id = self._resumable_session(study_name) if resume else None
+        if run_id is not None:
+            run = self.client.get_run(run_id)
+            resumes = int(run.data.tags.get(RESUMES, "0")) + 1
+            self.client.update_run(run_id, status="RUNNING")
+            self.client.set_tag(run_id, RESUMES, str(resumes))
+        else:
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=f"session {study_name}",
+                tags={KIND: "session", STUDY: study_name},
+            )
+            run_id = run.info.run_id
+            run = self.client.get_run(run_id)
+        self._session_run_id, self._session_open, self._study = run_id, True, study_name
+
+        params = self._recipe_params(recipe, study_name)
+        logged = run.data.params
+        # Params are write-once in MLflow; on resume log only new ones and name what changed
+        # (e.g. n_trials extended) in a tag instead of failing the resumed session.
+        new = [Param(k, v) for k, v in params.items() if k not in logged]
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+        self._log_batch(run_id, params=new)
+        if changed:
+            self.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, _clip(", ".join(changed)))
+        tags = {RECIPE_NAME: str(getattr(recipe, "name", ""))}
+        fingerprint = getattr(recipe, "fingerprint", None)
+        if callable(fingerprint):
+            tags[RECIPE_FINGERPRINT] = str(fingerprint())
+        self._set_tags(run_id, tags)
+        to_dict = getattr(recipe, "to_dict", None)
+        if callable(to_dict):
+            self.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
+        return run_id
+
+    def log_trial(
+        self,
+        number: int,
+        policy: RecomputePolicy,
+        layer_names: Sequence[str] | None,
+        micro_batch: int | None,
+        result: Any,
+        prediction: Mapping[str, Any] | None = None,
+        reason: str | None = None,
+    ) -> str:
+        """Record one trial as a finished run nested in the session; its run id.
+
+        Args:
+            number: the Optuna trial number.
+            policy: the policy the trial ran.
+            layer_names: the model's layers (one ``layer.<path>`` param each); ``None`` logs the
+                policy's own pattern entries instead.
+            micro_batch: the micro-batch size (``None``: the data module's own).
+            result: the `tuner.trials.TrialResult`.
+            prediction: the planner's prediction; every numeric entry becomes a ``predicted_<key>``
+                metric (``peak_bytes``, ``step_time_s``...).
+            reason: why the trial ended as it did, when the caller knows better than the result
+                (a planner skip, an Optuna constraint).
+        """
+        session = self._require_session()
+        return self._log_measurement(
+            kind="trial",
+            run_name=f"trial {number} {policy.short(layer_names) if layer_names else policy.fingerprint()}",
+            parent=session,
+            policy=policy,
+            layer_names=layer_names,
+            micro_batch=micro_batch,
+            result=result,
+            prediction=prediction,
+            reason=reason,
+            extra_params={TRIAL_NUMBER_PARAM: str(number)},
+        )
+
+    def log_confirmation(
+        self,
+        policy: RecomputePolicy,
+        layer_names: Sequence[str] | None,
+        micro_batch: int | None,
+        result: Any,
+        *,
+        source_run_id: str | None = None,
+        evidence: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Record the evidence gate's confirmation run (nested in the session when one is open); its id.
+
+        The run has the trial runs' shape (params, metrics, ``policy.yaml``) plus ``evidence.json``,
+        so a promoted confirmation run is a self-contained good run.
+        """
+        run_id = self._log_measurement(
+            kind="confirmation",
+            run_name=f"confirm {policy.short(layer_names) if layer_names else policy.fingerprint()}",
+            parent=self._session_run_id if self._session_open else None,
+            policy=policy,
+            layer_names=layer_names,
+            micro_batch=micro_batch,
+            result=result,
+            prediction=None,
+            reason=None,
+            extra_params={},
+            extra_tags={SOURCE_RUN: source_run_id} if source_run_id else None,
+            evidence=evidence,
+        )
+        return run_id
+
+    def trials_table(self, session_run_id: str | None = None) -> list[dict[str, Any]]:
+        """The session's trials, read back from MLflow (so a resumed session sees earlier ones), by number."""
+        session = session_run_id or self._require_session()
+        runs = self._search(f"tags.`{PARENT}` = '{session}' and tags.`{KIND}` = 'trial'")
+        rows = []
+        for run in runs:
+            p, m, t = run.data.params, run.data.metrics, run.data.tags
+            mb = p.get(MICRO_BATCH_PARAM)
+            row: dict[str, Any] = {
+                "number": int(p[TRIAL_NUMBER_PARAM]) if p.get(TRIAL_NUMBER_PARAM, "").lstrip("-").isdigit() else None,
+                "outcome": t.get(OUTCOME),
+                "peak_bytes": _int_or_none(m.get("measured_peak_bytes")),
+                "throughput": m.get("measured_throughput"),
+                "throughput_unit": t.get(THROUGHPUT_UNIT),
+                "step_time_s": m.get("measured_step_time_s"),
+                "micro_batch": int(mb) if mb and mb.isdigit() else None,
+                "policy": t.get(POLICY_SHORT),
+                "fingerprint": p.get(POLICY_FINGERPRINT_PARAM),
+            }
+            row.update({k: v for k, v in sorted(m.items()) if k.startswith("predicted_")})
+            row["reason"] = t.get(REASON)
+            row["error"] = t.get(ERROR)
+            row["run_id"] = run.info.run_id
+            rows.append(row)
+        rows.sort(key=lambda r: (r["number"] is None, r["number"] if r["number"] is not None else 0))
+        return rows
+
+    def finish_session(
+        self,
+        *,
+        status: str,
+        best: Mapping[str, Any] | None,
+        trials_table: Sequence[Mapping[str, Any]] | None,
+        baselines: Mapping[str, Mapping[str, Any]],
+        budget_bytes: int | None,
+    ) -> None:
+        """Write the session's summary artifacts and end its run with ``status``.
+
+        Args:
+            status: FINISHED, KILLED or FAILED (also: finished/ok, interrupted/killed, failed/error).
+            best: the best trial, or ``None`` when nothing was feasible: a mapping with ``policy``
+                (a `RecomputePolicy` or its dict) and any of ``run_id``, ``number``, ``throughput``,
+                ``peak_bytes``, ``micro_batch``. Logged as ``best_policy.yaml`` and ``best.json``.
+            trials_table: rows as `trial_row` builds them; ``None`` reads them back from MLflow
+                (`trials_table`), which includes trials logged before a resume.
+            baselines: name -> row (``none``, ``full``...) drawn and labelled on the Pareto plot.
+            budget_bytes: the memory limit (after the margin), drawn on the plot.
+        """
+        run_id = self._require_session()
+        final = _status(status)
+        rows = [dict(r) for r in (self.trials_table(run_id) if trials_table is None else trials_table)]
+        try:
+            self._log_json(run_id, TRIALS_JSON, rows)
+            self.client.log_text(run_id, _csv(rows), TRIALS_CSV)
+            self._log_json(run_id, BASELINES_JSON, baselines)
+            with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
+                from tuner.plots import pareto_plot
+
+                png = pareto_plot(
+                    rows,
+                    Path(tmp) / "pareto.png",
+                    baselines=baselines,
+                    budget_bytes=budget_bytes,
+                    title=f"{self.experiment}: peak memory vs throughput",
+                )
+                self.client.log_artifact(run_id, str(png))
+            metrics = {
+                "trials_total": len(rows),
+                "trials_ok": sum(1 for r in rows if r.get("outcome") == "ok"),
+            }
+            if budget_bytes is not None:
+                metrics["budget_limit_bytes"] = budget_bytes
+            tags = {SESSION_STATUS: final}
+            if best is not None:
+                policy = best.get("policy")
+                if policy is not None:
+                    policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.from_dict(policy)
+                    self.client.log_text(run_id, policy.to_yaml(), BEST_POLICY_YAML)
+                    tags[BEST_FINGERPRINT] = policy.fingerprint()
+                self._log_json(run_id, BEST_JSON, best)
+                if best.get("run_id"):
+                    tags[BEST_RUN] = str(best["run_id"])
+                for key in ("throughput", "peak_bytes"):
+                    if _finite(best.get(key)) is not None:
+                        metrics[f"best_{key}"] = float(best[key])
+            self._log_batch(run_id, metrics=metrics)
+            tags[NOTE] = _clip(session_markdown(self.experiment, final, best, rows, baselines, budget_bytes))
+            self._set_tags(run_id, tags)
+        finally:
+            # Whatever failed above, the run must not stay RUNNING.
+            self.close(final)
+
+    def close(self, status: str = "KILLED") -> None:
+        """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
+        if not self._session_open or self._session_run_id is None:
+            return
+        final = _status(status)
+        run_id = self._session_run_id
+        self._session_open = False
+        try:
+            for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.client.set_terminated(child.info.run_id, final)
+        finally:
+            self.client.set_terminated(run_id, final)
+
+    @contextmanager
+    def session(self, recipe: Any, *, study_name: str, resume: bool = True) -> Iterator[str]:
+        """`start_session` ... `close`: FINISHED, KILLED on Ctrl-C, FAILED on any other exception."""
+        run_id = self.start_session(recipe, study_name=study_name, resume=resume)
+        try:
+            yield run_id
+        except KeyboardInterrupt:
+            self.close("KILLED")
+            raise
+        except BaseException:
+            self.close("FAILED")
+            raise
+        self.close("FINISHED")
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close("FINISHED")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("KILLED")
+        else:
+            self.close("FAILED")
+
+    def note_session(self, notes: Sequence[str]) -> None:
+        """Record what the session decided without a trial (space, planner trouble, why it stopped)."""
+        self.client.set_tag(self._require_session(), SESSION_NOTES, "\n".join(notes)[:4900])
+
+    def _parent_run_id(self) -> str | None:
+        return self._session_run_id if self._session_open else None
+
+    def _require_session(self) -> str:
+        if not self._session_open or self._session_run_id is None:
+            raise TrackingError("no open session: call start_session() (or use Tracker.session()) first")
+        return self._session_run_id
+
+    def _resumable_session(self, study_name: str) -> str | None:
+        quoted = study_name.replace("'", "\\'")
+        runs = self._search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
+        if not runs:
+            return None
+        latest = max(runs, key=lambda r: r.info.start_time)
+        # Only an interrupted (KILLED) or crashed (FAILED) session is picked up again. A RUNNING
+        # one belongs to a worker that is still tuning the same study: sharing its run would let
+        # whichever worker finishes first close it under the other's trials, so this worker
+        # opens a session run of its own.
+        return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
+
+    def _recipe_params(self, recipe: Any, study_name: str) -> dict[str, str]:
+        params = {STUDY_NAME_PARAM: study_name}
+        to_dict = getattr(recipe, "to_dict", None)
+        data = jsonable(to_dict()) if callable(to_dict) else {}
+        # Locations (tracking, study storage, output) are tags-worthy at most: they move with a
+        # checkout and are not what a trial measured.
+        for key, value in _flatten(data, "recipe").items():
+            if key.split(".")[1] in ("tracking", "study", "output"):
+                continue
+            params[_param_key(key)] = _clip(value, 500)
+        return params
+
+    def _log_measurement(
+        self,
+        *,
+        kind: str,
+        run_name: str,
+        parent: str | None,
+        policy: RecomputePolicy,
+        layer_names: Sequence[str] | None,
+        micro_batch: int | None,
+        result: Any,
+        prediction: Mapping[str, Any] | None,
+        reason: str | None,
+        extra_params: Mapping[str, str],
+        extra_tags: Mapping[str, str] | None = None,
+        evidence: Mapping[str, Any] | None = None,
+    ) -> str:
+        from mlflow.entities import Metric, Param
+
+        r = _result_dict(result)
+        outcome = str(r["outcome"])
+        wall = _finite(r.get("wall_s")) or 0.0
+        tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
+        if parent is not None:
+            tags[PARENT] = parent
+            if self._study:
+                tags[STUDY] = self._study
+        if layer_names:
+            tags[POLICY_SHORT] = policy.short(layer_names)
+        for key, tag in (("device", DEVICE), ("throughput_unit", THROUGHPUT_UNIT)):
+            if r.get(key):
+                tags[tag] = str(r[key])
+        if reason or r.get("error"):
+            tags[REASON] = _clip(reason or r["error"])
+        if r.get("error"):
+            tags[ERROR] = _clip(r["error"])
+        tags.update(extra_tags or {})
+        # The run's span in the UI is the trial's own wall time, not the time it took to log it.
+        end = _now_ms()
+        run = self.client.create_run(
+            self.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
+        )
+        run_id = run.info.run_id
+        status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
+        try:
+            params = [Param(_param_key(f"layer.{name}"), mode) for name, mode in _modes(policy, layer_names).items()]
+            params += [
+                Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
+                Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
+                *(Param(k, v) for k, v in extra_params.items()),
+            ]
+            metrics: dict[str, float] = {}
+            for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
+                v = _finite(r.get(key))
+                if v is not None:
+                    metrics[f"measured_{key}"] = v
+            if wall:
+                metrics["wall_s"] = wall
+            if _finite(r.get("device_total_bytes")) is not None:
+                metrics["device_total_bytes"] = float(r["device_total_bytes"])
+            for key, value in (prediction or {}).items():
+                if _finite(value) is not None:
+                    metrics[f"predicted_{key}"] = float(value)
+            self._log_batch(run_id, params=params, metrics=metrics)
+            steps = [
+                Metric("step_time_s", float(s), end, i)
+                for i, s in enumerate(r.get("step_times_s") or [])
+                if _finite(s) is not None
+            ]
+            for i in range(0, len(steps), 1000):
+                self.client.log_batch(run_id, metrics=steps[i : i + 1000])
+            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            if r.get("stderr_tail"):
+                self.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
+            if evidence is not None:
+                self._log_json(run_id, EVIDENCE_JSON, evidence)
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            self.client.set_terminated(run_id, status)
+        return run_id
