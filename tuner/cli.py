@@ -1,4 +1,5 @@
-"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`.
+"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`
+and `tuner.commands`.
 
 Usage::
 
@@ -19,15 +20,18 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from lightning_recompute.errors import RecomputeError
+from tuner.exits import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+    from tuner.session import SessionSummary, TrialEvent
 
 __all__ = ["build_parser", "main"]
 
 SUBCOMMANDS = ("tune", "plan", "rollback", "history", "schema")
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tuner.recipe import json_schema
 
             print(json.dumps(json_schema(), indent=2))
-            return 0
+            return EXIT_OK
         recipe = _load(args.recipe)
         if recipe is None:
             return EXIT_BAD_INPUT
@@ -139,7 +143,7 @@ def _quiet_libraries() -> None:
         pass
 
 
-def _load(path: str) -> Any:
+def _load(path: str) -> Recipe | None:
     from tuner.recipe import RecipeError, load
 
     try:
@@ -154,7 +158,7 @@ def _load(path: str) -> Any:
 # ---------------------------------------------------------------------------------------------- tune
 
 
-def _tune(recipe: Any, args: argparse.Namespace) -> int:
+def _tune(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import session
 
     if args.n_trials is not None and args.n_trials < 1:
@@ -184,7 +188,7 @@ def _print(stream: TextIO, text: str) -> None:
     print(text, file=stream, flush=True)
 
 
-def _trial_line(event: Any) -> str:
+def _trial_line(event: TrialEvent) -> str:
     r = event.record
     mb = f" mb {r.micro_batch}" if r.micro_batch is not None else ""
     head = f"[{event.measured}/{event.n_trials}] trial {r.number:>3}  {r.short}{mb}"
@@ -202,7 +206,7 @@ def _trial_line(event: Any) -> str:
     return f"{head}  {body}{seed}  | {best_text}"
 
 
-def _final_report(s: Any) -> str:
+def _final_report(s: SessionSummary) -> str:
     lines = [
         "",
         f"study {s.study} on {s.device}: budget limit {_bytes(s.budget_bytes)}; search space {s.search_space}",
@@ -259,12 +263,12 @@ def _final_report(s: Any) -> str:
 # ---------------------------------------------------------------------------------------------- other commands
 
 
-def _plan(recipe: Any, args: argparse.Namespace) -> int:
-    from tuner import session
+def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
+    from tuner import commands
     from tuner.planner import format_front
 
     try:
-        summary = session.plan(recipe, budget=args.budget, write=args.write, meta=args.meta)
+        summary = commands.plan(recipe, budget=args.budget, write=args.write, meta=args.meta)
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -288,29 +292,29 @@ def _plan(recipe: Any, args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
-def _rollback(recipe: Any) -> int:
-    from tuner import session
+def _rollback(recipe: Recipe) -> int:
+    from tuner import commands
 
     try:
-        restored = session.rollback(recipe)
+        restored = commands.rollback(recipe)
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_INFEASIBLE
     print(
         f"rolled back: the good policy is now run {restored.run_id} ({restored.fingerprint}); "
         f"written to {recipe.output}"
     )
     print(restored.policy.to_yaml().rstrip())
-    return 0
+    return EXIT_OK
 
 
-def _history(recipe: Any, args: argparse.Namespace) -> int:
-    from tuner import session
+def _history(recipe: Recipe, args: argparse.Namespace) -> int:
+    from tuner import commands
 
-    summary = session.history(recipe)
+    summary = commands.history(recipe)
     if args.format == "json":
         print(json.dumps(summary.to_dict(), indent=2, default=str))
-        return 0
+        return EXIT_OK
     if not summary.decisions:
         print(f"experiment {summary.experiment}: no decisions yet")
     for d in summary.decisions:
@@ -324,7 +328,7 @@ def _history(recipe: Any, args: argparse.Namespace) -> int:
             f"current good policy: run {c.run_id} ({c.fingerprint}), throughput {_num(c.throughput)}, "
             f"peak {_bytes(c.peak_bytes)}"
         )
-    return 0
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- formatting

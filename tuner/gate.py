@@ -16,8 +16,8 @@ verdict first; the first failure ends the gate, and later checks are reported as
 
 `evaluate` decides; `decide` also records the confirmation run and the promotion or rejection
 through a `tuner.tracking.Tracker`. The trial runner and numerics checker are injectable so the
-gate can be tested without subprocesses; by default they are `tuner.trial.run_trial` and
-`tuner.trial.check_numerics`.
+gate can be tested without subprocesses; by default they are `tuner.trials.run_trial` and
+`tuner.trials.check_numerics`.
 """
 
 from __future__ import annotations
@@ -30,16 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
-from tuner.tracking import format_bytes, jsonable
+from tuner.jsonable import jsonable
+from tuner.units import format_bytes
 
 if TYPE_CHECKING:
+    from tuner.recipe import Recipe
     from tuner.tracking import GoodPolicy, Tracker
+    from tuner.trials import NumericsResult, TrialResult
 
 __all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate"]
 
-RunTrial = Callable[..., Any]
+RunTrial = Callable[..., "TrialResult"]
 """``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes) -> TrialResult``."""
-CheckNumerics = Callable[..., Any]
+CheckNumerics = Callable[..., "NumericsResult"]
 """``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
 
 
@@ -89,7 +92,7 @@ class GateDecision:
     """Everything measured, JSON-ready: ``confirmation``, ``numerics``, ``regression``, ``settings``."""
     unchanged: bool = False
     """The candidate is already the current good policy: nothing was run, nothing is to be recorded."""
-    confirmation: Any = None
+    confirmation: TrialResult | None = None
     """The confirmation run's `TrialResult` (``None`` when the gate did not get that far)."""
     decision_run_id: str | None = None
     """The MLflow decision run (`decide` fills it in)."""
@@ -108,7 +111,7 @@ def evaluate(
     candidate: Candidate | RecomputePolicy,
     current_good: GoodPolicy | None,
     *,
-    recipe: Any,
+    recipe: Recipe,
     budget_bytes: int | None,
     run_trial: RunTrial | None = None,
     check_numerics: CheckNumerics | None = None,
@@ -122,8 +125,8 @@ def evaluate(
         recipe: the recipe (its ``trial`` settings give the trial length and timeout).
         budget_bytes: the memory limit after the margin (``recipe.budget.limit_bytes(...)``);
             ``None`` checks no budget.
-        run_trial: the trial runner; default `tuner.trial.run_trial`.
-        check_numerics: the numerics checker; default `tuner.trial.check_numerics`.
+        run_trial: the trial runner; default `tuner.trials.run_trial`.
+        check_numerics: the numerics checker; default `tuner.trials.check_numerics`.
         settings: `GateSettings` (defaults: 3x steps, 2 rounds, 2% tolerance).
     """
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
@@ -131,7 +134,7 @@ def evaluate(
         raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
     cfg = settings or GateSettings()
     if run_trial is None or check_numerics is None:
-        # Imported late: tuner.trial spawns subprocesses and imports the recipe machinery, which
+        # Imported late: tuner.trials spawns subprocesses and imports the recipe machinery, which
         # callers injecting their own runners (tests, other schedulers) do not need.
         from tuner import trial as _trial
 
@@ -248,7 +251,7 @@ def decide(
     tracker: Tracker,
     candidate: Candidate | RecomputePolicy,
     *,
-    recipe: Any,
+    recipe: Recipe,
     budget_bytes: int | None,
     output_path: str | Path | None = None,
     run_trial: RunTrial | None = None,
@@ -303,7 +306,7 @@ def _side_by_side(
     cand: Candidate,
     good: GoodPolicy,
     *,
-    recipe: Any,
+    recipe: Recipe,
     budget_bytes: int | None,
     run_trial: RunTrial,
     settings: GateSettings,
@@ -389,6 +392,6 @@ def _fail(decision: GateDecision, check: str, reason: str) -> GateDecision:
     return decision
 
 
-def _as_dict(result: Any) -> dict[str, Any]:
+def _as_dict(result: TrialResult) -> dict[str, Any]:
     d = jsonable(result)
     return d if isinstance(d, dict) else {"value": d}

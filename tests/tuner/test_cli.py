@@ -6,13 +6,17 @@ blocks of width 32, sequence 32, one warm-up and two measured steps) and the run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import optuna
 import pytest
@@ -59,6 +63,52 @@ def run_cli(folder: Path, *args: str, timeout: float = 400) -> subprocess.Comple
     return subprocess.run(command(*args), cwd=folder, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+class _Drain:
+    """Reads a child's pipe to its end on a thread, so every wait on it can have a deadline."""
+
+    def __init__(self, pipe: IO[str] | None) -> None:
+        assert pipe is not None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._seen: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: IO[str]) -> None:
+        for line in pipe:
+            self._lines.put(line)
+        self._lines.put(None)  # end of output
+
+    def wait_for_line(self, prefix: str, timeout_s: float) -> bool:
+        """Whether a line starting with ``prefix`` arrives before ``timeout_s`` (and before the end)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                return False
+            if line is None:
+                return False
+            self._seen.append(line)
+            if line.startswith(prefix):
+                return True
+        return False
+
+    def finish(self, timeout_s: float) -> str:
+        """Everything the pipe carried, once the child closed it (within ``timeout_s``)."""
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the child's pipe stayed open past the deadline"
+        while (line := self._lines.get_nowait()) is not None:
+            self._seen.append(line)
+        return "".join(self._seen)
+
+    def text(self) -> str:
+        """What has been read so far, without waiting."""
+        with contextlib.suppress(queue.Empty):
+            while (line := self._lines.get_nowait()) is not None:
+                self._seen.append(line)
+        return "".join(self._seen)
+
+
 def open_study(recipe_path: Path) -> TuningStudy:
     recipe = load(recipe_path)
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
@@ -77,6 +127,7 @@ def mlflow_runs(recipe_path: Path):
     return client, exp, client.search_runs([exp.experiment_id], max_results=1000)
 
 
+@pytest.mark.slow
 def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
     recipe_path = write_recipe(tmp_path)
     proc = run_cli(tmp_path, str(recipe_path), "--format", "json")
@@ -144,6 +195,7 @@ def test_rollback_without_history_exits_1(tmp_path, capsys):
     assert "nothing to roll back to" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     recipe_path = write_recipe(tmp_path, search={"n_trials": 3, "seed": 0})
     proc = subprocess.Popen(
@@ -155,16 +207,17 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("[1/3]"):
-                proc.send_signal(signal.SIGINT)
-                break
-            assert time.monotonic() < deadline, "no trial line"
-        out, err = proc.communicate(timeout=300)
+        # Readers on threads: a silent child must fail the test at the deadline, not block it forever.
+        stdout, stderr = _Drain(proc.stdout), _Drain(proc.stderr)
+        assert stdout.wait_for_line("[1/3]", timeout_s=300), f"no trial line; stderr: {stderr.text()[-3000:]}"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+        err = stderr.finish(timeout_s=60)
+        stdout.finish(timeout_s=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)
     assert proc.returncode == 130, err[-3000:]
     assert "rerun" in err or "resume" in err
 
@@ -195,6 +248,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     assert sorted(trial_numbers) == [r.number for r in records]
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
     recipe_path = write_recipe(tmp_path, study={"storage": "optuna.log"}, search={"n_trials": 3, "seed": 0})
     procs = [

@@ -14,7 +14,7 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner import recipe as recipe_mod
 from tuner.gate import Candidate, GateSettings, decide, evaluate
 from tuner.tracking import Tracker, TrackingError
-from tuner.trial import NumericsResult, TrialResult
+from tuner.trials import NumericsResult, TrialResult
 
 LAYERS = ("blocks.0", "blocks.1")
 A = RecomputePolicy.uniform("full")
@@ -342,8 +342,9 @@ def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:
     assert not Path(recipe.output).exists()
 
 
+@pytest.mark.slow
 def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path) -> None:
-    """End to end with tuner.trial's real subprocess runner and numerics check (the gate's defaults)."""
+    """End to end with tuner.trials's real subprocess runner and numerics check (the gate's defaults)."""
     from lightning_recompute.layers import layer_names
 
     tiny = recipe_mod.from_dict(

@@ -168,14 +168,6 @@ def test_bad_budgets_name_the_key_and_the_valid_forms(bad: Any) -> None:
     assert errors[0].startswith("budget")
 
 
-def test_parse_bytes() -> None:
-    assert R.parse_bytes("1KiB") == 1024
-    assert R.parse_bytes("1kb") == 1000
-    assert R.parse_bytes(4096) == 4096
-    with pytest.raises(ValueError, match="GiB"):
-        R.parse_bytes("1 GiBs")
-
-
 # ---------------------------------------------------------------------------------------------- errors
 
 
@@ -381,7 +373,9 @@ def test_precision_choices_match_lightning() -> None:
     from lightning.fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
 
     assert set(R.PRECISIONS) == set(typing.get_args(_PRECISION_INPUT_STR))
-    assert R._PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
+    from tuner.recipe.schema import _PRECISION_ALIASES
+
+    assert _PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
     assert R.from_dict({"budget": "1GiB", "trainer": {"precision": "bf16"}}).trainer.precision == "bf16-mixed"
     assert R.from_dict({"budget": "1GiB", "trainer": {"precision": 32}}).trainer.precision == "32-true"
 
@@ -395,7 +389,7 @@ def test_quickstart_budget_forces_a_mixed_policy() -> None:
     Runs the worker's own trial code in this process (no subprocess startup), so the peaks are
     exactly what a tuning session measures.
     """
-    from tuner import worker
+    from tuner.trials import worker
 
     recipe = R.load(REPO / "recipes" / "quickstart.yaml")
     assert recipe.trainer.accelerator == "cpu"

@@ -16,9 +16,12 @@ from optuna.trial import TrialState
 
 from lightning_recompute.policy import RecomputePolicy
 from tuner import session
+from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
+from tuner.planner import Prediction
+from tuner.planner.seeds import PlannerSeeds
 from tuner.recipe import from_dict
 from tuner.search import TuningStudy
-from tuner.trial import NumericsResult, TrialResult
+from tuner.trials import NumericsResult, TrialResult
 
 MIB = 1 << 20
 KEPT = {"none": 4 * MIB, "selective": 2 * MIB, "full": 1 * MIB}
@@ -82,8 +85,8 @@ def tracking_uri(tmp_path_factory):
 @pytest.fixture
 def fakes(monkeypatch):
     f = FakeTrials()
-    monkeypatch.setattr("tuner.trial.run_trial", f.run_trial)
-    monkeypatch.setattr("tuner.trial.check_numerics", f.check_numerics)
+    monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
+    monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
     return f
 
 
@@ -120,7 +123,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     events = []
     summary = session.tune(recipe, use_planner=False, on_trial=events.append)
 
-    assert summary.status == "promoted" and summary.exit_code == session.EXIT_OK
+    assert summary.status == "promoted" and summary.exit_code == EXIT_OK
     measured = [r for r in summary.records if r.measured]
     assert len(measured) == 6
     limit = int(12 * MIB * 0.95)
@@ -157,7 +160,7 @@ def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path
     first = session.tune(recipe, use_planner=False)
     calls = len(fakes.calls)
     again = session.tune(recipe, use_planner=False)
-    assert again.status == "current" and again.exit_code == session.EXIT_OK
+    assert again.status == "current" and again.exit_code == EXIT_OK
     assert again.trials_this_session == 0 and len(fakes.calls) == calls  # nothing re-measured
     assert again.best.number == first.best.number
 
@@ -165,7 +168,7 @@ def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path
 def test_nothing_within_budget_exits_1_and_writes_no_policy(tmp_path, tracking_uri, fakes):
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=3, budget="4MiB")
     summary = session.tune(recipe, use_planner=False)
-    assert summary.status == "infeasible" and summary.exit_code == session.EXIT_INFEASIBLE
+    assert summary.status == "infeasible" and summary.exit_code == EXIT_INFEASIBLE
     assert summary.best is None and not recipe.output.exists()
     assert "fits the budget limit" in summary.reasons[0]
 
@@ -182,15 +185,19 @@ class FakePlanner:
     """Predicts twice the real peak: 'none' everywhere (14 MiB) lands far over the 11.4 MiB limit."""
 
     def predict(self, policy, micro_batch=None):
-        class P:
-            peak_bytes = 2 * fake_peak(policy)
-            step_seconds = 1.0 / fake_throughput(policy)
-
-        return P()
+        return Prediction(
+            peak_bytes=2 * fake_peak(policy),
+            step_time_s=1.0 / fake_throughput(policy),
+            micro_batch=micro_batch or 1,
+            peak_at="fake",
+            base_bytes=0,
+            layers=(),
+            estimated=True,
+        )
 
 
 def test_a_candidate_predicted_far_over_budget_is_skipped_and_logged(tmp_path, tracking_uri, fakes, monkeypatch):
-    monkeypatch.setattr(session, "_make_plan", lambda *a, **k: session._Plan(planner=FakePlanner()))
+    monkeypatch.setattr(session, "plan_seeds", lambda *a, **k: PlannerSeeds(planner=FakePlanner()))
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
     summary = session.tune(recipe, search_only=True)
     none = summary.baselines["none"]
@@ -211,7 +218,7 @@ def test_first_ctrl_c_finishes_the_trial_then_stops_and_a_rerun_resumes(tmp_path
     # Ctrl-C while the second trial runs: it must still be measured and recorded.
     fakes.on_call = lambda n, policy: os.kill(os.getpid(), signal.SIGINT) if n == 2 else None
     summary = session.tune(recipe, use_planner=False)
-    assert summary.status == "interrupted" and summary.exit_code == session.EXIT_INTERRUPTED
+    assert summary.status == "interrupted" and summary.exit_code == EXIT_INTERRUPTED
     assert [r.outcome for r in summary.records] == ["over_budget", "ok"]
     study = study_of(recipe, summary)
     assert not study.running()
@@ -240,7 +247,7 @@ def test_second_ctrl_c_kills_the_trial_and_its_seed_runs_on_resume(tmp_path, tra
 
     fakes.on_call = press_twice
     summary = session.tune(recipe, use_planner=False)
-    assert summary.exit_code == session.EXIT_INTERRUPTED
+    assert summary.exit_code == EXIT_INTERRUPTED
     assert [r.outcome for r in summary.records] == ["over_budget", "interrupted"]
     killed = summary.records[1]
     assert killed.seed == "baseline:full" and killed.state == "FAIL"
@@ -265,7 +272,7 @@ def test_failed_trials_are_recorded_and_the_session_goes_on(tmp_path, tracking_u
             return TrialResult(outcome="error", error="RuntimeError: boom", device="cpu")
         return fakes.run_trial(recipe, policy, **kwargs)
 
-    monkeypatch.setattr("tuner.trial.run_trial", flaky)
+    monkeypatch.setattr("tuner.trials.run_trial", flaky)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
     summary = session.tune(recipe, use_planner=False, search_only=True)
     full = summary.baselines["full"]
@@ -314,7 +321,7 @@ def test_a_failing_profile_leaves_a_note_and_the_search_goes_on(tmp_path, tracki
     def broken(*args, **kwargs):
         raise RuntimeError("the model cannot be profiled here")
 
-    monkeypatch.setattr(session, "profile_recipe", broken)
+    monkeypatch.setattr("tuner.trials.profile_recipe", broken)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=2)
     summary = session.tune(recipe, search_only=True)
     assert summary.status == "searched" and len(fakes.calls) == 2

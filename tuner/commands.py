@@ -1,0 +1,169 @@
+"""The commands besides tuning: ``plan`` (the planner's front and choice), ``history`` and ``rollback``.
+
+Each returns a plain summary object the CLI prints (``--format json`` dumps its `to_dict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.errors import RecomputeError
+from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
+from tuner.jsonable import jsonable
+
+if TYPE_CHECKING:
+    from tuner.planner import PlannedPolicy
+    from tuner.profile import Profile
+    from tuner.recipe import Recipe
+    from tuner.tracking import Decision, GoodPolicy
+
+__all__ = ["HistorySummary", "PlanSummary", "history", "plan", "rollback"]
+
+
+@dataclass
+class PlanSummary:
+    """What ``recompute-tune plan`` shows: the predicted front and the policy chosen for a budget."""
+
+    recipe: str
+    device: str
+    budget_bytes: int
+    layer_names: tuple[str, ...]
+    front: list[PlannedPolicy]
+    """By increasing predicted peak."""
+    profile: Profile
+    chosen: PlannedPolicy | None = None
+    """The fastest predicted policy within the budget (``None`` when none fits)."""
+    reason: str | None = None
+    """Why nothing was chosen."""
+    written: Path | None = None
+    """Where the chosen policy was written (``--write``)."""
+    exit_code: int = EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+
+        def row(p: PlannedPolicy) -> dict[str, Any]:
+            return {
+                "policy": p.policy.to_dict(),
+                "short": p.short(),
+                "peak_bytes": p.peak_bytes,
+                "step_time_s": p.step_time_s,
+                "micro_batch": p.prediction.micro_batch,
+            }
+
+        return {
+            "recipe": self.recipe,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "layer_names": list(self.layer_names),
+            "front": [row(p) for p in self.front],
+            "chosen": None if self.chosen is None else row(self.chosen),
+            "reason": self.reason,
+            "written": None if self.written is None else str(self.written),
+            "exit_code": self.exit_code,
+        }
+
+
+def plan(
+    recipe: Recipe, *, budget: str | int | None = None, write: str | Path | None = None, meta: str | None = None
+) -> PlanSummary:
+    """Profile the recipe's model and show the planner's front and its choice at ``budget``.
+
+    Args:
+        recipe: a loaded recipe.
+        budget: bytes or a size (``"20GiB"``); default: the recipe's budget limit (after its margin).
+        write: write the chosen policy here (YAML, or JSON for ``.json``), atomically.
+        meta: plan without the hardware and without allocating: profile the model on the meta
+            device and estimate time for this accelerator (a key of `tuner.profile.HARDWARE`), so a
+            7B model can be planned for an 80 GiB GPU on a laptop.
+
+    Raises:
+        RecomputeError: the budget is not a size, the hardware is unknown, or the model cannot be profiled.
+    """
+    from tuner.planner import BudgetError, Planner
+    from tuner.profile import HARDWARE
+    from tuner.profile.recipe_profile import profile_recipe_meta
+    from tuner.trials import device_info, profile_recipe
+    from tuner.units import parse_bytes
+
+    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
+    if meta is not None:
+        if meta not in HARDWARE:
+            raise RecomputeError(f"--meta: unknown hardware {meta!r}; valid: {', '.join(HARDWARE)}")
+        device, total = f"{HARDWARE[meta].name} (estimated on the meta device)", HARDWARE[meta].memory_bytes
+    else:
+        device, total = device_info(recipe)
+    if budget is None:
+        limit = recipe.budget.limit_bytes(total)
+    else:
+        try:
+            limit = parse_bytes(budget)
+        except ValueError as err:
+            raise RecomputeError(f"--budget: {err}") from None
+    profile = profile_recipe_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
+    planner = Planner(profile)
+    modes = list(recipe.search.modes)
+    summary = PlanSummary(
+        recipe=recipe.name,
+        device=device,
+        budget_bytes=limit,
+        layer_names=tuple(profile.layer_names),
+        front=planner.pareto_front(modes, micro_batch=mb),
+        profile=profile,
+    )
+    try:
+        summary.chosen = planner.solve(limit, modes=modes, micro_batch=mb)
+    except BudgetError as err:
+        summary.reason = str(err)
+        summary.exit_code = EXIT_INFEASIBLE
+        return summary
+    if write is not None:
+        summary.written = summary.chosen.policy.save(write)
+    return summary
+
+
+@dataclass
+class HistorySummary:
+    """What ``recompute-tune history`` shows: every decision, and the good policy now."""
+
+    experiment: str
+    tracking_uri: str
+    decisions: list[Decision]
+    """Oldest first."""
+    current: GoodPolicy | None = None
+    """``None`` before the first promotion."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+        return {
+            "experiment": self.experiment,
+            "tracking_uri": self.tracking_uri,
+            "decisions": [jsonable(d) for d in self.decisions],
+            "current": None if self.current is None else jsonable(self.current),
+        }
+
+
+def history(recipe: Recipe) -> HistorySummary:
+    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone."""
+    from tuner.tracking import Tracker
+
+    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    return HistorySummary(
+        experiment=str(recipe.tracking.experiment),
+        tracking_uri=recipe.tracking.uri,
+        decisions=tracker.history(),
+        current=tracker.current_good(),
+    )
+
+
+def rollback(recipe: Recipe) -> GoodPolicy:
+    """Restore the previous good policy (MLflow record and ``recipe.output``); the restored one.
+
+    Raises:
+        RecomputeError: there is nothing to roll back to.
+    """
+    from tuner.tracking import Tracker
+
+    return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment)).rollback(output_path=recipe.output)

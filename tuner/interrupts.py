@@ -1,0 +1,58 @@
+"""Ctrl-C during a tuning session: finish the trial in flight on the first press, kill it on the second.
+
+The handler only raises `KeyboardInterrupt` where that is safe and wanted: while a trial's
+subprocess runs (`tuner.trials.run_trial` kills its process group and re-raises), while
+profiling, and in the gate. Between trials it only asks the loop to stop, so an Optuna tell or an
+MLflow write is never cut in half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Literal
+
+__all__ = ["Interrupts", "Phase"]
+
+Phase = Literal["setup", "trial", "between", "gate"]
+"""Where the session is: what a Ctrl-C may stop at once (setup, a trial on the second press, the gate)."""
+
+
+class Interrupts:
+    """Ctrl-C state shared by the signal handler and the session loop."""
+
+    def __init__(self, notify: Callable[[str], None]) -> None:
+        self.stop = threading.Event()
+        """Set by the first press: the loop stops before the next trial."""
+        self.presses = 0
+        self.phase: Phase = "setup"
+        self._notify = notify
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGINT / SIGTERM handler."""
+        self.presses += 1
+        self.stop.set()
+        kill = signum != signal.SIGINT or self.presses > 1 or self.phase in ("setup", "gate")
+        if self.phase == "trial" and not kill:
+            self._notify("interrupt: finishing the current trial, then stopping (Ctrl-C again to kill it)")
+            return
+        if kill and self.phase != "between":
+            self._notify("interrupt: stopping now")
+            raise KeyboardInterrupt
+        self._notify("interrupt: stopping")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Interrupts]:
+        """Install the handler for SIGINT and SIGTERM (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
