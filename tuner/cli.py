@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``tune`` is the default subcommand: ``recompute-tune RECIPE``)."""
     parser = argparse.ArgumentParser(
         prog="recompute-tune",
-        description="Find, by measurement, the fastest per-layer activation-recomputation policy that fits a memory budget.",
+        description="Find, by measurement, the fastest per-layer activation-recomputation policy"
+        " that fits a memory budget.",
         epilog="Exit codes: 0 policy promoted (or already current), 1 nothing promoted, 2 bad recipe, 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{tune,plan,rollback,history,schema}")
@@ -225,7 +226,7 @@ def _final_report(s: SessionSummary) -> str:
         )
         lines += [f"ranked trials ({unit}):", header, "-" * len(header)]
         shown = ranked[:10] + [r for r in ranked[10:] if r.number in base_by_number]
-        for i, r in enumerate(shown, 1):
+        for _i, r in enumerate(shown, 1):
             rank = ranked.index(r) + 1
             vs = f"{(r.throughput / ref - 1) * 100:+.1f}%" if ref and r.throughput else "-"
             lines.append(
@@ -246,7 +247,8 @@ def _final_report(s: SessionSummary) -> str:
                 lines.append(f"  vs {name:<15} {rec.short}: {gain * 100:+.1f}%{note}")
             else:
                 lines.append(
-                    f"  vs {name:<15} {rec.short}: not measured ({rec.outcome}{': ' + rec.reason if rec.reason else ''})"
+                    f"  vs {name:<15} {rec.short}: not measured"
+                    f" ({rec.outcome}{': ' + rec.reason if rec.reason else ''})"
                 )
     lines.append("")
     lines.append(f"decision: {s.status}")

@@ -89,6 +89,7 @@ def plan(
     from tuner.units import parse_bytes
 
     mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
+    total: int | None
     if meta is not None:
         if meta not in HARDWARE:
             raise RecomputeError(f"--meta: unknown hardware {meta!r}; valid: {', '.join(HARDWARE)}")

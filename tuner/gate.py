@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate"]
 
 RunTrial = Callable[..., "TrialResult"]
-"""``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes) -> TrialResult``."""
+"""``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes)``."""
 CheckNumerics = Callable[..., "NumericsResult"]
 """``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
 
@@ -136,10 +136,10 @@ def evaluate(
     if run_trial is None or check_numerics is None:
         # Imported late: tuner.trials spawns subprocesses and imports the recipe machinery, which
         # callers injecting their own runners (tests, other schedulers) do not need.
-        from tuner import trial as _trial
+        from tuner import trials
 
-        run_trial = run_trial or _trial.run_trial
-        check_numerics = check_numerics or _trial.check_numerics
+        run_trial = run_trial or trials.run_trial
+        check_numerics = check_numerics or trials.check_numerics
 
     warmup = int(recipe.trial.warmup_steps)
     steps = int(recipe.trial.measure_steps)
@@ -196,10 +196,14 @@ def evaluate(
     if conf.outcome != "ok":
         failure = f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if getattr(conf, "error", None) else "")
         if conf.outcome == "over_budget":
-            failure = f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
+            failure = (
+                f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
+                f"over the budget limit {format_bytes(budget_bytes)}"
+            )
     elif budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
         failure = (
-            f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, over the budget limit {format_bytes(budget_bytes)}"
+            f"confirmation run peaked at {format_bytes(conf.peak_bytes)},"
+            f" over the budget limit {format_bytes(budget_bytes)}"
             if conf.peak_bytes is not None
             else "confirmation run reported no peak memory to check the budget"
         )
@@ -392,6 +396,6 @@ def _fail(decision: GateDecision, check: str, reason: str) -> GateDecision:
     return decision
 
 
-def _as_dict(result: TrialResult) -> dict[str, Any]:
+def _as_dict(result: TrialResult | NumericsResult) -> dict[str, Any]:
     d = jsonable(result)
     return d if isinstance(d, dict) else {"value": d}

@@ -19,6 +19,7 @@ for bf16/fp16. Everywhere else it is the ordinary ``F.scaled_dot_product_attenti
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +163,7 @@ class LlamaLike(nn.Module):
     ``loss`` method.
     """
 
-    def __init__(self, cfg: LlamaConfig | None = None, **overrides: object) -> None:
+    def __init__(self, cfg: LlamaConfig | None = None, **overrides: Any) -> None:
         super().__init__()
         cfg = replace(cfg or LlamaConfig(), **overrides) if overrides else (cfg or LlamaConfig())
         self.cfg = cfg
@@ -196,7 +197,7 @@ class LlamaLike(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def llama_7b(**overrides: object) -> LlamaConfig:
+def llama_7b(**overrides: Any) -> LlamaConfig:
     """Llama-2-7B's dimensions (32 layers, width 4096, 32 heads, SwiGLU 11008, vocab 32000)."""
     base = LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096)
     return replace(base, **overrides) if overrides else base

@@ -149,8 +149,8 @@ def pareto_plot(
     missing = []
     for name, p in base_pts.items():
         if p is None:
-            outcome = baselines[name].get("outcome")
-            missing.append(f"{name}: {outcome or 'not measured'}")
+            baseline_outcome = baselines[name].get("outcome")
+            missing.append(f"{name}: {baseline_outcome or 'not measured'}")
             continue
         ax.scatter([p[0] / scale], [p[1]], marker="*", s=180, c="tab:red", edgecolors="black", zorder=4)
         ax.annotate(

@@ -229,6 +229,12 @@ class _TuningSession:
         self.predict: Predictor | None = None
         self.ran = 0
 
+    def _tracker(self) -> Tracker:
+        """The session's tracker; only called once `run` has opened it."""
+        if self.tracker is None:
+            raise RuntimeError("the tracker is used before the session opened it")
+        return self.tracker
+
     def note(self, message: str) -> None:
         self.notes.append(message)
         self.notify(message)
@@ -388,7 +394,7 @@ class _TuningSession:
 
     def _log(self, proposal: Proposal, result: TrialResult, reason: str | None) -> str | None:
         pred = proposal.prediction.figures() if proposal.prediction is not None else None
-        return self.tracker.log_trial(
+        return self._tracker().log_trial(
             proposal.number,
             proposal.policy,
             list(self.space.layer_names),
@@ -499,6 +505,9 @@ class _TuningSession:
         from tuner import gate
         from tuner.trials import check_numerics, run_trial
 
+        if best.policy is None:
+            raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
+        tracker = self._tracker()
         self.notify(f"gate: confirming trial {best.number} ({best.short}) ...")
         candidate = gate.Candidate(
             policy=best.policy,
@@ -507,7 +516,7 @@ class _TuningSession:
             layer_names=self.space.layer_names,
         )
         decision = gate.decide(
-            self.tracker,
+            tracker,
             candidate,
             recipe=self.recipe,
             budget_bytes=self.budget,
@@ -522,7 +531,7 @@ class _TuningSession:
         else:
             status, code = "rejected", EXIT_INFEASIBLE
         summary = self._summary(status, code)
-        summary.policy_path = self.recipe.output if (decision.promoted or self.tracker.current_good()) else None
+        summary.policy_path = self.recipe.output if (decision.promoted or tracker.current_good()) else None
         summary.reasons.extend(decision.reasons)
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
+from optuna.storages.journal import JournalFileBackend
 
 from lightning_recompute.errors import RecomputeError
 from tuner.tracking import Tracker
@@ -64,7 +65,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             )
         path = Path(url).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     if url.startswith("sqlite:///"):
         with sqlite_setup_lock(url):
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})

@@ -1,4 +1,4 @@
-"""Units the tuner reads and prints, one way for the whole tuner: byte sizes (``"20GiB"`` <-> ``20.00 GiB``) and seconds."""
+"""Units the tuner reads and prints, one way for the whole tuner: byte sizes and seconds."""
 
 from __future__ import annotations
 

@@ -60,7 +60,9 @@ def env() -> dict[str, str]:
 
 
 def run_cli(folder: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command(*args), cwd=folder, env=env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        command(*args), check=False, cwd=folder, env=env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 class _Drain:
@@ -263,7 +265,7 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=400) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_out, err) in zip(procs, outputs, strict=False):
         assert p.returncode == 0, err[-3000:]
 
     study = open_study(recipe_path)

@@ -22,9 +22,10 @@ from tuner.profile import LayerProfile, Profile, SegmentCost, profile_model
 def profiles(draw: st.DrawFn, max_layers: int = 5) -> Profile:
     """Random heterogeneous profiles, fixed segments anywhere the step can have them."""
     n = draw(st.integers(1, max_layers))
-    modes = ["none"] + draw(
-        st.lists(st.sampled_from(["selective", "full", "offload"]), min_size=1, max_size=3, unique=True)
-    )
+    modes = [
+        "none",
+        *draw(st.lists(st.sampled_from(["selective", "full", "offload"]), min_size=1, max_size=3, unique=True)),
+    ]
     size = st.integers(0, 1000)
 
     def seg(scales: bool = True) -> SegmentCost:
@@ -81,7 +82,7 @@ def profiles(draw: st.DrawFn, max_layers: int = 5) -> Profile:
 def _brute(planner: Planner, modes: list[str]) -> list[tuple[int, float, tuple[str, ...]]]:
     out = []
     for combo in itertools.product(modes, repeat=len(planner.names)):
-        pred = planner.predict(dict(zip(planner.names, combo)))
+        pred = planner.predict(dict(zip(planner.names, combo, strict=False)))
         out.append((pred.peak_bytes, pred.step_time_s, combo))
     return out
 
@@ -250,7 +251,7 @@ def test_predicted_peak_matches_the_cpu_meter_within_5_percent(eager_profile, gl
     model, batch, prof = eager_profile
     names = prof.layer_names
     policy = RecomputePolicy.from_modes(
-        {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(names, glyphs)}
+        {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(names, glyphs, strict=False)}
     )
     predicted = Planner(prof).predict(policy).peak_bytes
     measured = _measured_peak(model, batch, policy)
@@ -277,7 +278,7 @@ def test_solved_policy_fits_the_budget_when_measured(eager_profile) -> None:
 def test_predict_rejects_modes_the_profile_lacks_and_bad_micro_batch(eager_profile) -> None:
     _, _, prof = eager_profile
     planner = Planner(prof)
-    with pytest.raises(PlannerError, match="offload.*profiled: none, selective, full"):
+    with pytest.raises(PlannerError, match=r"offload.*profiled: none, selective, full"):
         planner.predict(RecomputePolicy.uniform("offload"))
     with pytest.raises(PlannerError, match="micro_batch: must be a positive integer, got 0"):
         planner.predict(RecomputePolicy.uniform("none"), micro_batch=0)
@@ -292,7 +293,7 @@ def test_micro_batch_scaling_predicts_a_larger_batch_within_5_percent(eager_prof
     planner = Planner(prof)
     for glyphs in ("....", "FF..", "ssFF"):
         policy = RecomputePolicy.from_modes(
-            {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(prof.layer_names, glyphs)}
+            {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(prof.layer_names, glyphs, strict=False)}
         )
         predicted = planner.predict(policy, micro_batch=2 * B)
         measured = _measured_peak(model, big, policy)

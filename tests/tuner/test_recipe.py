@@ -236,7 +236,8 @@ def test_bad_budgets_name_the_key_and_the_valid_forms(bad: Any) -> None:
         (
             {"budget": "1GiB", "data": {"class_path": "lightning_recompute.reference.ReferenceGPT"}},
             [
-                "data.class_path: lightning_recompute.reference.ReferenceGPT is not a lightning.LightningDataModule subclass"
+                "data.class_path: lightning_recompute.reference.ReferenceGPT"
+                " is not a lightning.LightningDataModule subclass"
             ],
         ),
         (

@@ -135,7 +135,9 @@ def test_every_baseline_is_exactly_in_the_grouped_space(n):
 
 def test_an_arrangement_outside_the_grouped_space_keeps_its_counts():
     space = SearchSpace.for_layers(_alike(4), ("none", "selective", "full"))
-    modes = dict(zip(space.layer_names, ["full", "none", "selective", "full"]))  # F.sF: no placement makes it
+    modes = dict(
+        zip(space.layer_names, ["full", "none", "selective", "full"], strict=False)
+    )  # F.sF: no placement makes it
     assert space.encode(modes) is None
     params = space.nearest(modes)
     assert params == {"n_full": 2, "n_selective": 1, "placement": "first"}

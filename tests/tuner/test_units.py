@@ -22,13 +22,13 @@ def test_parse_bytes_reads_binary_and_decimal_units_case_insensitively() -> None
 @pytest.mark.parametrize("zero", [0, 0.0, "0", "0GiB", "0 B"])
 def test_zero_is_not_a_size(zero: object) -> None:
     # The one zero rule: every size the tuner reads is a budget or a limit, and zero bytes is neither.
-    with pytest.raises(ValueError, match="positive|not a size"):
+    with pytest.raises(ValueError, match=r"positive|not a size"):
         parse_bytes(zero)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", ["20 gigs", "", "GiB", "-1GiB", "1 GiBs", True, -5, 1.5, math.inf, None])
 def test_parse_bytes_rejects_what_is_not_a_size_and_names_the_units(bad: object) -> None:
-    with pytest.raises(ValueError, match="GiB|positive"):
+    with pytest.raises(ValueError, match=r"GiB|positive"):
         parse_bytes(bad)  # type: ignore[arg-type]
 
 

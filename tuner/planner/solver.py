@@ -87,13 +87,15 @@ class Prediction:
     def describe(self) -> str:
         lines = [
             f"predicted peak {format_bytes(self.peak_bytes)} (at {self.peak_at}), step "
-            f"{format_seconds(self.step_time_s)}{' (estimated)' if self.estimated else ''}, micro-batch {self.micro_batch}",
+            f"{format_seconds(self.step_time_s)}{' (estimated)' if self.estimated else ''},"
+            f" micro-batch {self.micro_batch}",
             f"{'layer':<18}{'mode':<10}{'kept':>12}{'fwd':>11}{'bwd':>11}{'recompute':>14}{'bwd peak':>12}",
         ]
         for lp in self.layers:
             lines.append(
                 f"{lp.name:<18}{lp.mode:<10}{format_bytes(lp.kept_bytes):>12}{format_seconds(lp.forward_seconds):>11}"
-                f"{format_seconds(lp.backward_seconds):>11}{lp.recompute_flops / 1e9:>10.3f} GF{format_bytes(lp.backward_peak_bytes):>12}"
+                f"{format_seconds(lp.backward_seconds):>11}{lp.recompute_flops / 1e9:>10.3f} GF"
+                f"{format_bytes(lp.backward_peak_bytes):>12}"
             )
         return "\n".join(lines)
 
@@ -303,13 +305,14 @@ class Planner:
 
     def _resolve(self, policy: PolicyLike | Mapping[str, str]) -> list[str]:
         if isinstance(policy, Mapping) and "version" not in policy:
-            policy = RecomputePolicy.from_modes(policy)  # type: ignore[arg-type]
+            policy = RecomputePolicy.from_modes(policy)
         resolved = as_policy(policy).resolve(self.names)
         modes = [resolved[n].value for n in self.names]
         missing = sorted({m for m in modes if m not in self.profile.modes})
         if missing:
             raise PlannerError(
-                f"policy: uses mode(s) {missing} that the profile did not measure; profiled: {', '.join(self.profile.modes)}"
+                f"policy: uses mode(s) {missing} that the profile did not measure;"
+                f" profiled: {', '.join(self.profile.modes)}"
             )
         return modes
 
@@ -347,7 +350,7 @@ class Planner:
         return [self._plan([tab.modes[j] for j in picks], mb) for picks in self._dp_front(tab)]
 
     def _plan(self, modes: list[str], mb: int) -> PlannedPolicy:
-        mapping = dict(zip(self.names, modes))
+        mapping = dict(zip(self.names, modes, strict=False))
         policy = RecomputePolicy.from_modes(mapping)
         return PlannedPolicy(policy, mapping, self._predict(modes, mb))
 
@@ -445,7 +448,7 @@ class Planner:
             ((max(P, end + A), T, s) for s, (A, P, T, _, _) in enumerate(states)), key=lambda x: (x[0], x[1])
         )
         front, best_t = [], None
-        for P, T, s in finals:
+        for _, T, s in finals:
             if best_t is None or best_t > T:
                 best_t = T
                 front.append(s)

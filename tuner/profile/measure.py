@@ -7,7 +7,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -38,19 +38,22 @@ def _default_loss_fn(model: nn.Module) -> LossFn:
     if is_lightning:
         if not model.automatic_optimization:
             raise ProfileError(
-                f"model: {type(model).__name__} uses manual optimization; pass loss_fn=(model, batch) -> loss to profile it"
+                f"model: {type(model).__name__} uses manual optimization;"
+                f" pass loss_fn=(model, batch) -> loss to profile it"
             )
 
         def lightning_step(m: nn.Module, batch: Any) -> torch.Tensor:
             with warnings.catch_warnings():
                 # self.log without a Trainer warns on every call; the profile does not need the logs.
                 warnings.filterwarnings("ignore", message=".*self.log.*")
-                out = m.training_step(batch, 0)
+                # nn.Module's __getattr__ types attributes as Tensor | Module; this one is the method.
+                training_step = cast("Callable[[Any, int], Any]", m.training_step)
+                out = training_step(batch, 0)
             return out["loss"] if isinstance(out, dict) else out
 
         return lightning_step
     if callable(getattr(model, "loss", None)):
-        return lambda m, batch: m.loss(batch)
+        return lambda m, batch: cast("Callable[[Any], torch.Tensor]", m.loss)(batch)
     return lambda m, batch: m(batch)
 
 
@@ -239,9 +242,8 @@ class _ProfilingRun:
         meter = memory_meter(self.device)
         meter.track(self.model, self.optimizer, self.batch)
         traffic = _TrafficMode(FlopCounterMode(display=False).flop_registry)
-        with _Recorder(self.model, self.layers, self.device, meter, None, traffic, offload) as rec:
-            with meter, traffic:
-                _run_step(self.model, self.batch, self.loss_fn, self.optimizer, rec)
+        with _Recorder(self.model, self.layers, self.device, meter, None, traffic, offload) as rec, meter, traffic:
+            _run_step(self.model, self.batch, self.loss_fn, self.optimizer, rec)
         if isinstance(meter, StorageMeter):
             meter.close()  # detach its finalizers from storages that outlive the step (parameters)
         counter = FlopCounterMode(display=False)
@@ -251,7 +253,7 @@ class _ProfilingRun:
             raise ProfileError(
                 f"mode {mode}: two identical steps ran different layer sequences; the model's control flow varies"
             )
-        for e, f in zip(rec.events, frec.events):
+        for e, f in zip(rec.events, frec.events, strict=False):
             e.flops = f.flops
         return rec
 
@@ -415,7 +417,8 @@ def profile_model(
     device = param.device
     if device.type == "meta":
         raise ProfileError(
-            "model: its parameters are on the meta device; use profile_meta(model_factory, batch) to plan without memory"
+            "model: its parameters are on the meta device; use profile_meta(model_factory, batch)"
+            " to plan without memory"
         )
     mode_list = _check_modes(modes, device)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)

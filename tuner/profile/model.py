@@ -193,8 +193,10 @@ class Profile:
     def describe(self) -> str:
         """A per-layer table of kept bytes, times and recomputed FLOPs per mode."""
         lines = [
-            f"profile on {self.device} ({self.hardware or 'this machine'}), micro-batch {self.micro_batch}, time {self.time_source}",
-            f"base {format_bytes(self.base_bytes)} = params {format_bytes(self.param_bytes)} + optimizer {format_bytes(self.optimizer_bytes)}"
+            f"profile on {self.device} ({self.hardware or 'this machine'}), micro-batch {self.micro_batch},"
+            f" time {self.time_source}",
+            f"base {format_bytes(self.base_bytes)} = params {format_bytes(self.param_bytes)}"
+            f" + optimizer {format_bytes(self.optimizer_bytes)}"
             f" + batch {format_bytes(self.batch_bytes)} (+ buffers); gradients {format_bytes(self.grad_bytes)}",
         ]
         header = f"{'layer':<16}" + "".join(f"{m + ' kept':>16}{m + ' ms':>14}" for m in self.modes)
@@ -202,7 +204,8 @@ class Profile:
         for layer in self.layers:
             row = f"{layer.name:<16}"
             for m in self.modes:
-                row += f"{format_bytes(layer.fwd[m].delta):>16}{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>14.3f}"
+                row += f"{format_bytes(layer.fwd[m].delta):>16}"
+                f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>14.3f}"
             lines.append(row)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -209,7 +209,7 @@ class SearchSpace:
                 out[i] = mode
             taken = set(picked)
             free = [i for i in free if i not in taken]
-        return dict(zip(names, out))
+        return dict(zip(names, out, strict=False))
 
     def decode(self, params: Mapping[str, Any]) -> tuple[RecomputePolicy, int | None]:
         """The policy and micro-batch size of a parameter set."""

@@ -358,10 +358,11 @@ class TuningStudy:
                 if t.number < number:
                     return t
                 continue
-            if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED):
-                # Prefer a measured trial to a skipped or failed one as the figures to reuse.
-                if finished is None or (t.state == TrialState.COMPLETE and finished.state != TrialState.COMPLETE):
-                    finished = t
+            # Prefer a measured trial to a skipped or failed one as the figures to reuse.
+            if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and (
+                finished is None or (t.state == TrialState.COMPLETE and finished.state != TrialState.COMPLETE)
+            ):
+                finished = t
         return finished
 
     # -------------------------------------------------------------- tell
@@ -508,7 +509,8 @@ def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: fl
         return None
     if prediction.peak_bytes > factor * budget_bytes:
         return (
-            f"planner predicts a peak of {format_bytes(prediction.peak_bytes)} ({prediction.peak_bytes} bytes), more than {factor:g}x the budget "
+            f"planner predicts a peak of {format_bytes(prediction.peak_bytes)} ({prediction.peak_bytes} bytes),"
+            f" more than {factor:g}x the budget "
             f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
         )
     return None

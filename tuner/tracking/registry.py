@@ -181,7 +181,7 @@ class PolicyRegistry(TrackingClient):
             out.append(
                 Decision(
                     run_id=run.info.run_id,
-                    kind=t[DECISION],  # type: ignore[arg-type]
+                    kind=t[DECISION],
                     seq=int(t.get(DECISION_SEQ, "0")),
                     at=datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc),
                     reason=t.get(REASON, ""),

@@ -271,7 +271,7 @@ class SessionLog(TrackingClient):
                     title=f"{self.experiment}: peak memory vs throughput",
                 )
                 self.client.log_artifact(run_id, str(png))
-            metrics = {
+            metrics: dict[str, float] = {
                 "trials_total": len(rows),
                 "trials_ok": sum(1 for r in rows if r.get("outcome") == "ok"),
             }

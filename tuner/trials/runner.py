@@ -10,6 +10,7 @@ kills the whole process group at the deadline and carries on. Trial failures are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -346,10 +347,8 @@ def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may already be gone
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already gone
     proc.wait()
 
 

@@ -25,9 +25,12 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning_recompute.atomic import atomic_write
+
+if TYPE_CHECKING:
+    from lightning.fabric.connector import _PRECISION_INPUT
 
 __all__ = ["OOM_MARKERS", "is_oom_error", "main"]
 
@@ -117,7 +120,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
-        precision=recipe.trainer.precision,
+        precision=_precision(recipe.trainer.precision),
         max_steps=steps,
         max_epochs=-1,  # a short data module cycles rather than ending the trial early
         limit_train_batches=steps,
@@ -155,7 +158,7 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
     recipe = from_dict(spec["recipe"], source=spec.get("source"))
     policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
     seed = recipe.search.seed
-    fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=1, precision=recipe.trainer.precision)
+    fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=1, precision=_precision(recipe.trainer.precision))
 
     datamodule = build_datamodule(recipe, spec.get("micro_batch"))
     datamodule.prepare_data()
@@ -220,6 +223,12 @@ def _profile(spec: Mapping[str, Any]) -> dict[str, Any]:
     recipe = from_dict(spec["recipe"], source=spec.get("source"))
     profile = profile_recipe_here(recipe, spec.get("micro_batch"), int(spec["repeats"]))
     return {"outcome": "ok", "profile": profile.to_dict()}
+
+
+def _precision(value: str) -> _PRECISION_INPUT:
+    # The recipe validated ``value`` against this very list (`tuner.recipe.PRECISIONS`, checked
+    # against Lightning's by a test); its schema keeps it a str so loading a recipe needs no Lightning.
+    return cast("_PRECISION_INPUT", value)
 
 
 def _device(accelerator: str) -> dict[str, Any]:
