@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tuner.recipe.schema import _SECTIONS, REFERENCE_DATA, Component, _import_class, _RecipeFile, _suggest
 
@@ -40,9 +40,17 @@ def _check_component(key: str, section: Any, base_name: str, errors: list[str]) 
     return cls
 
 
+def _init_signature(cls: type) -> inspect.Signature:
+    """The signature of ``cls.__init__`` (``self`` included), as the recipe's ``init_args`` fill it."""
+    # Read off the class object: mypy's "unsound __init__ access" is about instances, and
+    # inspect.signature(cls) would fold in a metaclass __call__ or __new__ the recipe does not fill.
+    init = cast(Any, cls).__init__
+    return inspect.signature(init)
+
+
 def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[str]:
     try:
-        sig = inspect.signature(cls.__init__)
+        sig = _init_signature(cls)
     except (TypeError, ValueError):
         return []  # no introspectable signature (a C extension): the trial will tell
     params = [p for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL,)]
@@ -64,7 +72,7 @@ def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[
 
 def _accepts(cls: type, name: str) -> bool:
     try:
-        params = inspect.signature(cls.__init__).parameters.values()
+        params = _init_signature(cls).parameters.values()
     except (TypeError, ValueError):
         return True
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
@@ -92,7 +100,7 @@ def _is_sub(cls: type | None, base: type) -> bool:
 
 
 def _defaults(cls: type) -> dict[str, Any]:
-    return {n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if p.default is not p.empty}
+    return {n: p.default for n, p in _init_signature(cls).parameters.items() if p.default is not p.empty}
 
 
 def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]) -> None:

@@ -104,15 +104,15 @@ class TrainerSettings:
     """The Lightning ``Trainer`` arguments a trial runs with."""
 
     accelerator: Literal["cpu", "cuda", "auto"] = Field(
-        "cpu", description="Where trials run; 'auto' picks CUDA when available."
+        default="cpu", description="Where trials run; 'auto' picks CUDA when available."
     )
     devices: Literal[1] = Field(
-        1, description="Devices per trial. The tuner measures one device's memory and speed, so only 1."
+        default=1, description="Devices per trial. The tuner measures one device's memory and speed, so only 1."
     )
     precision: Annotated[str, BeforeValidator(_precision)] = Field(
-        "32-true",
+        default="32-true",
         description="Lightning precision: " + ", ".join(PRECISIONS) + " (or the aliases 32, 16, bf16, 64).",
-        json_schema_extra={"enum": list(PRECISIONS) + list(_PRECISION_ALIASES)},
+        json_schema_extra={"enum": [*PRECISIONS, *_PRECISION_ALIASES]},
     )
 
 
@@ -164,7 +164,7 @@ class Budget:
         "Stored as an int (bytes) or a float (fraction)."
     )
     margin: float = Field(
-        0.05,
+        default=0.05,
         ge=0.0,
         lt=0.5,
         description="Fraction of the budget kept free: allocator fragmentation and run-to-run variation the "
@@ -220,19 +220,19 @@ class SearchSettings:
     """How the Optuna study searches."""
 
     modes: tuple[Literal["none", "selective", "full", "offload"], ...] = Field(
-        ("none", "selective", "full"),
+        default=("none", "selective", "full"),
         min_length=1,
         description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only.",
     )
-    n_trials: _PositiveInt = Field(20, description="Trials to run (planner-skipped candidates do not count).")
-    timeout_s: float | None = Field(None, gt=0, description="Stop starting new trials after this many seconds.")
+    n_trials: _PositiveInt = Field(default=20, description="Trials to run (planner-skipped candidates do not count).")
+    timeout_s: float | None = Field(default=None, gt=0, description="Stop starting new trials after this many seconds.")
     micro_batch_sizes: tuple[_PositiveInt, ...] | None = Field(
-        None,
+        default=None,
         min_length=1,
         description="Micro-batch sizes to co-tune with the policy (the data's batch_size init arg); "
         "null keeps the data module's own batch size.",
     )
-    seed: _Int = Field(0, description="Seed of the sampler and of every trial's model and data.")
+    seed: _Int = Field(default=0, description="Seed of the sampler and of every trial's model and data.")
 
 
 def _env_values(value: Any) -> Any:
@@ -247,11 +247,15 @@ class TrialSettings:
     """How long one trial measures."""
 
     warmup_steps: Annotated[int, Strict(), Field(ge=0)] = Field(
-        2, description="Training steps run first and not timed (allocator warm-up, lazy init, autotuning)."
+        default=2, description="Training steps run first and not timed (allocator warm-up, lazy init, autotuning)."
     )
-    measure_steps: _PositiveInt = Field(5, description="Training steps timed after warm-up; the median is used.")
+    measure_steps: _PositiveInt = Field(
+        default=5, description="Training steps timed after warm-up; the median is used."
+    )
     timeout_s: float = Field(
-        300.0, gt=0, description="Wall-clock limit of one trial's subprocess (startup included); then it is killed."
+        default=300.0,
+        gt=0,
+        description="Wall-clock limit of one trial's subprocess (startup included); then it is killed.",
     )
     env: Annotated[dict[str, str], BeforeValidator(_env_values)] = Field(
         default_factory=dict,
@@ -265,11 +269,13 @@ class TrackingSettings:
     """Where MLflow records sessions, trials and decisions."""
 
     uri: str = Field(
-        "sqlite:///mlflow.db",
+        default="sqlite:///mlflow.db",
         min_length=1,
         description="MLflow tracking URI; a relative sqlite path or plain folder resolves against the recipe folder.",
     )
-    experiment: str | None = Field(None, min_length=1, description="MLflow experiment; default: the recipe name.")
+    experiment: str | None = Field(
+        default=None, min_length=1, description="MLflow experiment; default: the recipe name."
+    )
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -277,13 +283,13 @@ class StudySettings:
     """Where the Optuna study lives (so a session resumes, and several workers share it)."""
 
     storage: str | None = Field(
-        None,
+        default=None,
         min_length=1,
         description="Optuna storage URL (sqlite:///optuna.db, postgresql://...) or a journal file path "
         "ending in .log; default: optuna.db beside the recipe.",
     )
     name: str | None = Field(
-        None, min_length=1, description="Study name; default: from the recipe name and the hardware."
+        default=None, min_length=1, description="Study name; default: from the recipe name and the hardware."
     )
 
 
@@ -322,19 +328,21 @@ class _RecipeFile:
     budget: Annotated[Budget, BeforeValidator(_budget_shorthand)] = Field(
         description="Device memory the policy may use: bytes ('20GiB'), a fraction (0.8, '80%'), or {value, margin}."
     )
-    name: str | None = Field(None, min_length=1, description="Recipe name; default: the file name without extension.")
+    name: str | None = Field(
+        default=None, min_length=1, description="Recipe name; default: the file name without extension."
+    )
     model: Component = Field(
         default_factory=lambda: Component(REFERENCE_MODEL),
         description="The LightningModule to tune; class_path defaults to the reference GPT.",
     )
     data: Component | None = Field(
-        None,
+        default=None,
         description="The LightningDataModule feeding it; class_path defaults to synthetic tokens, which take "
         "the reference model's vocab_size and seq_len.",
     )
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Trainer settings of every trial.")
     layers: Annotated[_Layers, BeforeValidator(_layers_value)] = Field(
-        "auto",
+        default="auto",
         description="Which modules are layers: 'auto' (the longest stack of same-class blocks), module paths, "
         "globs, or 'class:Name'.",
     )
@@ -343,7 +351,9 @@ class _RecipeFile:
     tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow tracking.")
     study: StudySettings = Field(default_factory=StudySettings, description="Optuna study storage.")
     output: str | None = Field(
-        None, min_length=1, description="Policy file written on promotion; default: policy.yaml beside the recipe."
+        default=None,
+        min_length=1,
+        description="Policy file written on promotion; default: policy.yaml beside the recipe.",
     )
 
 
