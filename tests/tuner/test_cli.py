@@ -125,7 +125,8 @@ def open_study(recipe_path: Path) -> TuningStudy:
 def mlflow_runs(recipe_path: Path):
     recipe = load(recipe_path)
     client = MlflowClient(recipe.tracking.uri)
-    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    exp = client.get_experiment_by_name(str(recipe.tracking.experiment))
+    assert exp is not None
     return client, exp, client.search_runs([exp.experiment_id], max_results=1000)
 
 

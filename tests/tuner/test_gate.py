@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from mlflow import MlflowClient
@@ -14,13 +14,19 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner import recipe as recipe_mod
 from tuner.gate import Candidate, GateSettings, decide, evaluate
 from tuner.tracking import Tracker, TrackingError
-from tuner.trials import NumericsResult, TrialResult
+from tuner.trials import NumericsResult, Outcome, TrialResult
 
 LAYERS = ("blocks.0", "blocks.1")
 A = RecomputePolicy.uniform("full")
 B = RecomputePolicy.first_n(LAYERS, 1, "selective")
 C = RecomputePolicy.uniform("selective")
 LIMIT = 100 * 2**20
+
+
+def _good_run_id(tracker: Tracker) -> str:
+    good = tracker.current_good()
+    assert good is not None, "no good policy recorded"
+    return good.run_id
 
 
 @pytest.fixture
@@ -61,7 +67,7 @@ class FakeTrials:
         thr = self.speeds[policy]
         n = kw["measure_steps"] - self.short_by
         return TrialResult(
-            outcome=outcome,
+            outcome=cast(Outcome, outcome),
             peak_bytes=peak,
             step_time_s=1 / thr,
             throughput=thr,
@@ -129,6 +135,7 @@ def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: 
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("gate")
+    assert exp is not None and d.confirmation_run_id is not None and d.decision_run_id is not None
     assert exp.tags["recompute.good_run_id"] == d.confirmation_run_id
     good = client.get_run(d.confirmation_run_id)
     assert good.data.tags["recompute.kind"] == "confirmation"
@@ -199,7 +206,7 @@ def test_a_failing_candidate_keeps_the_last_good_policy_and_its_file(
     assert all(d.checks[c] == "not run" for c in later)
 
     assert Path(recipe.output).read_bytes() == before and Path(recipe.output).stat().st_mtime_ns == mtime
-    assert tracker.current_good().run_id == first.confirmation_run_id
+    assert _good_run_id(tracker) == first.confirmation_run_id
     assert load_good_policy("gate", uri) == A
     last = tracker.history()[-1]
     assert (last.kind, last.run_id, last.fingerprint) == ("reject", d.decision_run_id, B.fingerprint())
@@ -246,7 +253,7 @@ def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe
     restored = tracker.rollback(output_path=recipe.output)
     assert restored.run_id == a.confirmation_run_id and restored.policy == A
     assert RecomputePolicy.load(recipe.output) == A
-    assert tracker.current_good().run_id == a.confirmation_run_id
+    assert _good_run_id(tracker) == a.confirmation_run_id
     assert load_good_policy("gate", uri) == A
 
     history = tracker.history()
@@ -300,7 +307,7 @@ def test_promoting_a_policy_with_a_run_that_measured_another_one_is_refused(
     assert tracker.current_good() is None
     # Without a source run, the decision run itself holds the policy and becomes the good run.
     decision = tracker.promote(B, source_run_id=None, output_path=tmp_path / "p.yaml", reason="by hand", evidence={})
-    assert tracker.current_good().run_id == decision
+    assert _good_run_id(tracker) == decision
     assert load_good_policy("gate", uri) == B
 
 
@@ -367,6 +374,7 @@ def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path)
     assert d.evidence["numerics"]["equal"] is True
     assert RecomputePolicy.load(tiny.output) == policy
     assert load_good_policy("real", uri) == policy
+    assert d.confirmation_run_id is not None
     run = MlflowClient(tracking_uri=uri).get_run(d.confirmation_run_id)
     assert run.data.tags["recompute.outcome"] == "ok"
     assert 0 < run.data.metrics["measured_peak_bytes"] <= limit

@@ -4,6 +4,7 @@ slower, and predicted peaks match the CPU meter on the reference model."""
 from __future__ import annotations
 
 import itertools
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -205,7 +206,7 @@ def test_a_budget_that_is_not_a_size_is_a_planner_error() -> None:
 B, T = 4, 32
 
 
-def _model(attention: str) -> ReferenceGPT:
+def _model(attention: Literal["eager", "sdpa"]) -> ReferenceGPT:
     torch.manual_seed(0)
     return ReferenceGPT(vocab_size=64, seq_len=T, n_layer=4, n_embd=32, n_head=4, dropout=0.1, attention=attention)
 
@@ -216,7 +217,7 @@ def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor]
     import copy
 
     import lightning as L
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Dataset
 
     from lightning_recompute import RecomputeCallback
 
@@ -231,8 +232,11 @@ def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor]
         enable_model_summary=False,
         callbacks=[cb],
     )
-    trainer.fit(copy.deepcopy(model), DataLoader([batch, batch], batch_size=None))
-    return cb.records[1].peak_bytes
+    # A list of batches is a map-style dataset (it has __getitem__ and __len__); torch types only Dataset.
+    trainer.fit(copy.deepcopy(model), DataLoader(cast(Dataset[Any], [batch, batch]), batch_size=None))
+    peak = cb.records[1].peak_bytes
+    assert peak is not None, "the callback measured no peak"
+    return peak
 
 
 @pytest.fixture(scope="module")

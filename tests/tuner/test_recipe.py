@@ -310,7 +310,7 @@ def test_class_path_beside_the_recipe_is_importable(tmp_path: Path) -> None:
         )
     )
     model = R.build_model(recipe)
-    assert type(model).__name__ == "Mine" and len(model.blocks) == 2
+    assert type(model).__name__ == "Mine" and isinstance(model, ReferenceGPT) and len(model.blocks) == 2
     # A subclass of the reference model still gets matched synthetic data.
     assert recipe.data.init_args == {"vocab_size": 256, "seq_len": 64}
 
@@ -330,7 +330,8 @@ def test_build_model_and_datamodule_with_micro_batch_override() -> None:
     assert isinstance(model, ReferenceGPT) and len(model.blocks) == 2
     dm = R.build_datamodule(recipe)
     assert isinstance(dm, SyntheticTokens) and dm.batch_size == 3
-    assert R.build_datamodule(recipe, micro_batch=7).batch_size == 7
+    resized = R.build_datamodule(recipe, micro_batch=7)
+    assert isinstance(resized, SyntheticTokens) and resized.batch_size == 7
     assert R.build_model(recipe) is not model  # fresh each time
 
 
@@ -363,7 +364,7 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
     assert defs["TrainerSettings"]["properties"]["accelerator"]["enum"] == ["cpu", "cuda", "auto"]
     assert "$ref" in text
     try:
-        import jsonschema
+        import jsonschema  # type: ignore[import-untyped]  # jsonschema ships no type information
     except ImportError:
         return
     jsonschema.Draft202012Validator.check_schema(schema)

@@ -9,6 +9,7 @@ import math
 
 import optuna
 import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from lightning_recompute.errors import RecomputeError
@@ -75,7 +76,8 @@ def test_alike_layers_give_a_grouped_space_whose_size_does_not_grow_with_depth()
     deep = SearchSpace.for_layers(inspect_layers(_recipe(n_layer=8)), ("none", "selective", "full"))
     assert small.grouped and deep.grouped
     assert set(small.distributions()) == set(deep.distributions()) == {"n_full", "n_selective", "placement"}
-    assert deep.distributions()["n_full"].high == 8
+    n_full = deep.distributions()["n_full"]
+    assert isinstance(n_full, IntDistribution) and n_full.high == 8
 
 
 def test_heterogeneous_layers_give_one_categorical_per_layer():
@@ -85,13 +87,15 @@ def test_heterogeneous_layers_give_one_categorical_per_layer():
     assert not space.grouped
     dists = space.distributions()
     assert set(dists) == {"layer.blocks.0", "layer.blocks.1", "layer.blocks.2"}
-    assert dists["layer.blocks.1"].choices == ("none", "selective", "full")
+    layer = dists["layer.blocks.1"]
+    assert isinstance(layer, CategoricalDistribution) and layer.choices == ("none", "selective", "full")
 
 
 def test_micro_batch_is_a_parameter_only_when_several_sizes_are_searched():
     assert "micro_batch" not in SearchSpace.for_layers(_alike(3), ("none", "full"), (8,)).distributions()
     dists = SearchSpace.for_layers(_alike(3), ("none", "full"), (4, 8)).distributions()
-    assert dists["micro_batch"].choices == (4, 8)
+    micro_batch = dists["micro_batch"]
+    assert isinstance(micro_batch, CategoricalDistribution) and micro_batch.choices == (4, 8)
 
 
 def test_grouped_params_build_the_policy_deterministically():
@@ -208,7 +212,8 @@ def test_over_budget_trials_are_never_best(tmp_path):
     assert study.study.trials[0].state == TrialState.COMPLETE
     assert peak_constraint(study.study.trials[0]) == (float(2 * MIB),)
     assert study.study.best_trial.number == slow.number  # Optuna's own answer honours the constraint
-    assert study.best().number == slow.number
+    best = study.best()
+    assert best is not None and best.number == slow.number
     assert not study.records()[0].feasible
 
 
@@ -235,6 +240,7 @@ def test_a_duplicate_policy_is_not_measured_twice(tmp_path):
     space = SearchSpace.for_layers(_alike(2), ("none", "full"))
     study = _open(tmp_path, space)
     params = space.encode({n: "full" for n in space.layer_names})
+    assert params is not None
     study.study.enqueue_trial(params)
     study.study.enqueue_trial({**params, "placement": "spread"})  # other params, same policy
     first = study.ask()
@@ -254,6 +260,7 @@ def test_of_two_running_duplicates_the_lower_number_measures(tmp_path):
     space = SearchSpace.for_layers(_alike(2), ("none", "full"))
     study = _open(tmp_path, space)
     params = space.encode({n: "none" for n in space.layer_names})
+    assert params is not None
     study.study.enqueue_trial(params)
     study.study.enqueue_trial(params)
     a, b = study.ask(), study.ask()  # both running, as two workers would hold them

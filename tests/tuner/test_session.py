@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import cast
 
 import pytest
 from mlflow import MlflowClient
@@ -17,7 +18,7 @@ from optuna.trial import TrialState
 from lightning_recompute.policy import RecomputePolicy
 from tuner import session
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
-from tuner.planner import Prediction
+from tuner.planner import Planner, Prediction
 from tuner.planner.seeds import PlannerSeeds
 from tuner.recipe import from_dict
 from tuner.search import TuningStudy
@@ -30,11 +31,13 @@ BASE = 2 * MIB
 LAYERS = ("blocks.0", "blocks.1", "blocks.2")
 
 
-def fake_peak(policy: RecomputePolicy) -> int:
+def fake_peak(policy: RecomputePolicy | None) -> int:
+    assert policy is not None, "every measured trial records its policy"
     return BASE + sum(KEPT[policy.mode_for(n).value] for n in LAYERS)
 
 
-def fake_throughput(policy: RecomputePolicy) -> float:
+def fake_throughput(policy: RecomputePolicy | None) -> float:
+    assert policy is not None, "every measured trial records its policy"
     return 1000.0 - sum(COST[policy.mode_for(n).value] for n in LAYERS)
 
 
@@ -114,14 +117,16 @@ def study_of(recipe, summary) -> TuningStudy:
 def runs(recipe, kind=None):
     client = MlflowClient(recipe.tracking.uri)
     exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    assert exp is not None
     found = client.search_runs([exp.experiment_id], max_results=1000)
     return [r for r in found if kind is None or r.data.tags.get("recompute.kind") == kind]
 
 
 def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(tmp_path, tracking_uri, fakes):
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
-    events = []
+    events: list[session.TrialEvent] = []
     summary = session.tune(recipe, use_planner=False, on_trial=events.append)
+    assert summary.best is not None
 
     assert summary.status == "promoted" and summary.exit_code == EXIT_OK
     measured = [r for r in summary.records if r.measured]
@@ -137,7 +142,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert summary.gains["none"] == pytest.approx(summary.best.throughput / 1000.0 - 1.0)  # faster, but does not fit
     # One live event per trial told, in order, with the best so far.
     assert [e.record.number for e in events] == [r.number for r in summary.records]
-    assert events[-1].best.number == summary.best.number
+    assert events[-1].best is not None and events[-1].best.number == summary.best.number
 
     # MLflow holds one trial run per Optuna trial, its outcome, params and metrics; the session ended.
     trial_runs = {int(r.data.params["trial_number"]): r for r in runs(recipe, "trial")}
@@ -162,6 +167,7 @@ def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path
     again = session.tune(recipe, use_planner=False)
     assert again.status == "current" and again.exit_code == EXIT_OK
     assert again.trials_this_session == 0 and len(fakes.calls) == calls  # nothing re-measured
+    assert again.best is not None and first.best is not None
     assert again.best.number == first.best.number
 
 
@@ -197,11 +203,13 @@ class FakePlanner:
 
 
 def test_a_candidate_predicted_far_over_budget_is_skipped_and_logged(tmp_path, tracking_uri, fakes, monkeypatch):
-    monkeypatch.setattr(session, "plan_seeds", lambda *a, **k: PlannerSeeds(planner=FakePlanner()))
+    # Only `predict` of the planner is called once the study is seeded.
+    fake = cast(Planner, FakePlanner())
+    monkeypatch.setattr(session, "plan_seeds", lambda *a, **k: PlannerSeeds(planner=fake))
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
     summary = session.tune(recipe, search_only=True)
     none = summary.baselines["none"]
-    assert none.outcome == "skipped" and "more than 1.25x the budget limit" in none.reason
+    assert none.outcome == "skipped" and "more than 1.25x the budget limit" in (none.reason or "")
     (sess,) = runs(recipe, "session")
     assert "status searched" in sess.data.tags["recompute.session_notes"]
     assert "......"[:3] not in fakes.calls  # never run

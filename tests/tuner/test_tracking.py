@@ -97,7 +97,7 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("tiny-exp")
-    assert exp.artifact_location == str(tmp_path / "mlartifacts" / "tiny-exp")
+    assert exp is not None and exp.artifact_location == str(tmp_path / "mlartifacts" / "tiny-exp")
     assert list((tmp_path / "cwd").iterdir()) == []  # no ./mlruns, no ./mlartifacts
 
     parent = client.get_run(session)
@@ -177,7 +177,7 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
     assert oom.data.tags["recompute.outcome"] == "oom"
     assert oom.data.tags["recompute.error"] == "CUDA out of memory"
     assert "stderr_tail.txt" in {f.path for f in client.list_artifacts(t2)}
-    assert all(r.info.status != "RUNNING" for r in client.search_runs([exp.experiment_id]))
+    assert exp is not None and all(r.info.status != "RUNNING" for r in client.search_runs([exp.experiment_id]))
 
 
 def test_layers_beyond_one_mlflow_batch_and_odd_pattern_names(uri: str, recipe: recipe_mod.Recipe) -> None:
