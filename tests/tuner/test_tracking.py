@@ -301,7 +301,8 @@ def test_misuse_is_a_clear_error(uri: str, recipe: recipe_mod.Recipe) -> None:
     with pytest.raises(TrackingError, match="not a run status"):
         tracker.finish_session(status="DONE", best=None, trials_table=[], baselines={}, budget_bytes=None)
     with pytest.raises(TrackingError, match="TrialResult"):
-        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, {"peak_bytes": 1})
+        # A mapping where a TrialResult belongs: the runtime check this test is about.
+        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, {"peak_bytes": 1})  # type: ignore[arg-type]
     tracker.close("KILLED")
     client = MlflowClient(tracking_uri=uri)
     client.delete_experiment(tracker.experiment_id)

@@ -12,13 +12,15 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner.tracking.client import TrackingError, _finite
 
 if TYPE_CHECKING:
+    from tuner.trials import TrialResult
+
     pass
 
 from tuner.jsonable import jsonable
 from tuner.units import format_bytes
 
 
-def _result_dict(result: Any) -> dict[str, Any]:
+def _result_dict(result: TrialResult) -> dict[str, Any]:
     """A TrialResult (or anything with its field names) as a mapping."""
     d = jsonable(result)
     if not isinstance(d, dict) or "outcome" not in d:
@@ -38,7 +40,7 @@ def trial_row(
     policy: RecomputePolicy,
     layer_names: Sequence[str] | None,
     micro_batch: int | None,
-    result: Any,
+    result: TrialResult,
     prediction: Mapping[str, Any] | None = None,
     reason: str | None = None,
     run_id: str | None = None,

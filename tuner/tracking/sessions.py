@@ -14,6 +14,7 @@ import yaml
 
 from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
+from tuner.jsonable import jsonable
 from tuner.tracking.client import (
     _FAILED_OUTCOMES,
     TrackingClient,
@@ -62,9 +63,9 @@ from tuner.tracking.names import (
 from tuner.tracking.report import _csv, _flatten, _modes, _result_dict, session_markdown
 
 if TYPE_CHECKING:
-    pass
+    from tuner.recipe import Recipe
+    from tuner.trials import TrialResult
 
-from tuner.jsonable import jsonable
 
 _S = TypeVar("_S", bound="SessionLog")
 
@@ -89,7 +90,7 @@ class SessionLog(TrackingClient):
         """The current session run (``None`` before `start_session`)."""
         return self._session_run_id
 
-    def start_session(self, recipe: Any, *, study_name: str, resume: bool = True) -> str:
+    def start_session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> str:
         """Open the session run for ``study_name``; its run id.
 
         With ``resume``, the most recent session run of the same study is reused when it was
@@ -142,7 +143,7 @@ class SessionLog(TrackingClient):
         policy: RecomputePolicy,
         layer_names: Sequence[str] | None,
         micro_batch: int | None,
-        result: Any,
+        result: TrialResult,
         prediction: Mapping[str, Any] | None = None,
         reason: str | None = None,
     ) -> str:
@@ -179,7 +180,7 @@ class SessionLog(TrackingClient):
         policy: RecomputePolicy,
         layer_names: Sequence[str] | None,
         micro_batch: int | None,
-        result: Any,
+        result: TrialResult,
         *,
         source_run_id: str | None = None,
         evidence: Mapping[str, Any] | None = None,
@@ -311,7 +312,7 @@ class SessionLog(TrackingClient):
             self.client.set_terminated(run_id, final)
 
     @contextmanager
-    def session(self, recipe: Any, *, study_name: str, resume: bool = True) -> Iterator[str]:
+    def session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> Iterator[str]:
         """`start_session` ... `close`: FINISHED, KILLED on Ctrl-C, FAILED on any other exception."""
         run_id = self.start_session(recipe, study_name=study_name, resume=resume)
         try:
@@ -361,7 +362,7 @@ class SessionLog(TrackingClient):
         # opens a session run of its own.
         return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
 
-    def _recipe_params(self, recipe: Any, study_name: str) -> dict[str, str]:
+    def _recipe_params(self, recipe: Recipe, study_name: str) -> dict[str, str]:
         params = {STUDY_NAME_PARAM: study_name}
         to_dict = getattr(recipe, "to_dict", None)
         data = jsonable(to_dict()) if callable(to_dict) else {}
@@ -382,7 +383,7 @@ class SessionLog(TrackingClient):
         policy: RecomputePolicy,
         layer_names: Sequence[str] | None,
         micro_batch: int | None,
-        result: Any,
+        result: TrialResult,
         prediction: Mapping[str, Any] | None,
         reason: str | None,
         extra_params: Mapping[str, str],
