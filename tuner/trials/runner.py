@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from tuner.recipe import Recipe
-from tuner.trials.worker import OOM_MARKERS
+from tuner.trials.oom import OOM_MARKERS
 
 if TYPE_CHECKING:
     from tuner.profile import Profile

@@ -28,30 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_recompute.atomic import atomic_write
+from tuner.trials.oom import is_oom_error
 
 if TYPE_CHECKING:
     from lightning.fabric.connector import _PRECISION_INPUT
 
-__all__ = ["OOM_MARKERS", "is_oom_error", "main"]
-
-OOM_MARKERS = ("CUDA out of memory", "DefaultCPUAllocator: can't allocate memory", "OutOfMemoryError")
-"""Text that identifies an out-of-memory failure in an error message or a traceback."""
-
-
-def is_oom_error(err: BaseException) -> bool:
-    """Whether ``err`` (or an exception it was raised from) is an out-of-memory error."""
-    import torch
-
-    seen: set[int] = set()
-    cur: BaseException | None = err
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, torch.OutOfMemoryError):
-            return True
-        if isinstance(cur, RuntimeError) and any(m in str(cur) for m in OOM_MARKERS[:2]):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+__all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
