@@ -18,6 +18,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, Wi
 from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError
+from tuner.jsonable import jsonable
 from tuner.units import format_bytes as _format_bytes
 from tuner.units import parse_bytes
 
@@ -416,7 +417,7 @@ class Recipe:
             "trainer": dataclasses.asdict(self.trainer),
             "layers": self.layers if isinstance(self.layers, str) else list(self.layers),
             "budget": dataclasses.asdict(self.budget),
-            "search": _plain(dataclasses.asdict(self.search)),
+            "search": jsonable(dataclasses.asdict(self.search)),
             "trial": dataclasses.asdict(self.trial),
             "tracking": dataclasses.asdict(self.tracking),
             "study": dataclasses.asdict(self.study),
@@ -435,14 +436,6 @@ class Recipe:
         keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
         canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, tuple):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    return obj
 
 
 def _import_class(class_path: str) -> tuple[type | None, str]:
