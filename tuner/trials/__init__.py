@@ -4,20 +4,28 @@ One child protocol serves them all: the parent (`tuner.trials.runner`) writes a 
 ``python -m tuner.trials.worker SPEC.json RESULT.json`` in its own process group with a deadline,
 and reads one JSON result that the child (`tuner.trials.worker`) writes atomically. Whatever the
 model does (run out of memory, crash, hang) ends that process only.
+
+The parent-side names below load `tuner.trials.runner` on first use (PEP 562): the child imports
+this package too, and every second it spends importing the parent side is a second of its
+deadline gone before it arms its hang report.
 """
 
 from __future__ import annotations
 
-from tuner.trials.runner import (
-    NumericsResult,
-    Outcome,
-    TrialResult,
-    check_numerics,
-    device_info,
-    profile_recipe,
-    run_trial,
-    summarize_steps,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tuner.trials.runner import (
+        NumericsResult,
+        Outcome,
+        TrialResult,
+        check_numerics,
+        device_info,
+        profile_recipe,
+        run_trial,
+        summarize_steps,
+    )
 
 __all__ = [
     "NumericsResult",
@@ -29,3 +37,11 @@ __all__ = [
     "run_trial",
     "summarize_steps",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        value = getattr(importlib.import_module("tuner.trials.runner"), name)
+        globals()[name] = value  # once loaded, a plain attribute (monkeypatch sees and replaces it)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
