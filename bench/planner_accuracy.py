@@ -43,8 +43,8 @@ import torch
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy, remove_policy
 from lightning_recompute.reference import ReferenceGPT
 from tuner.planner import Planner
-from tuner.units import format_bytes
 from tuner.profile import profile_model
+from tuner.units import format_bytes
 
 MODES = ("none", "selective", "full")
 SIZES = {
