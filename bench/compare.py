@@ -357,6 +357,7 @@ def _probe_sac_ilp() -> str:
     for mode in ("operator-level-benchmark", "operator-level-cost-model"):
         proc = subprocess.run(
             [sys.executable, str(Path(peers.__file__)), "sac-ilp-probe", mode],
+            check=False,  # a failed probe is a result: its reason is read from the output below
             capture_output=True,
             text=True,
             timeout=300,
@@ -458,20 +459,22 @@ def run_workload(
 
     rows: list[Row] = []
     for f, b in budgets.items():
-
-        def row(method: str, cfg: Config | None, detail: str = "", note: str = "") -> None:
+        # budget/limit bound as defaults: the closure must see this iteration's values, not the loop's last.
+        def row(
+            method: str, cfg: Config | None, detail: str = "", note: str = "", *, budget: float = f, limit: int = b
+        ) -> None:
             if cfg is None:
-                rows.append(Row(method, f, None, detail, note=note))
+                rows.append(Row(method, budget, None, detail, note=note))
                 return
             rows.append(
                 Row(
                     method,
-                    f,
+                    budget,
                     cfg.key,
                     detail or cfg.label,
                     cfg.peak_bytes,
                     tput(cfg),
-                    None if cfg.peak_bytes is None else cfg.peak_bytes <= b,
+                    None if cfg.peak_bytes is None else cfg.peak_bytes <= limit,
                     note=cfg.error or note,
                 )
             )
@@ -604,7 +607,7 @@ def plot_workload(w: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    markers = dict(zip(METHODS, "osD^v<>Px*"))
+    markers = dict(zip(METHODS, "osD^v<>Px*", strict=True))  # one glyph per method
     seen: set[tuple[str, str | None]] = set()
     colors = {"0.3": "tab:red", "0.5": "tab:orange", "0.7": "tab:green"}
     for r in w["rows"]:

@@ -117,8 +117,8 @@ def main() -> None:
     hook_cost = tiny_med["cb-none"] - tiny_med["plain"]
     lines = [
         f"# bench/overhead.py  rounds={args.rounds} steps/round={args.steps} warmup={args.warmup}",
-        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"lightning {L.__version__}, python {platform.python_version()}",
+        f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, lightning {L.__version__}, python {platform.python_version()}",
         f"# model {MODEL}, batch {DATA['batch_size']}",
         f"{'config':<12} {'median step ms':>15} {'n':>4}  ratio",
     ]
@@ -133,9 +133,9 @@ def main() -> None:
         ratio = med[c] / med[ref[c]]
         lines.append(f"{c:<12} {med[c] * 1e3:>15.2f} {len(times[c]):>4}  {ratio:.4f} vs {ref[c]}")
     lines.append(
-        f"callback cost per step (tiny model, {len(tiny['plain'])} steps each): plain {tiny_med['plain'] * 1e6:.0f} us, "
-        f"cb-none {tiny_med['cb-none'] * 1e6:.0f} us -> {hook_cost * 1e6:.0f} us/step = "
-        f"{hook_cost / med['plain'] * 100:.3f}% of the reference step"
+        f"callback cost per step (tiny model, {len(tiny['plain'])} steps each): "
+        f"plain {tiny_med['plain'] * 1e6:.0f} us, cb-none {tiny_med['cb-none'] * 1e6:.0f} us -> "
+        f"{hook_cost * 1e6:.0f} us/step = {hook_cost / med['plain'] * 100:.3f}% of the reference step"
     )
     text = "\n".join(lines)
     print(text)

@@ -119,7 +119,7 @@ def random_policies(names: list[str], n: int, seed: int) -> list[RecomputePolicy
         if combo in seen or len(set(combo)) < 2:  # mixed policies only
             continue
         seen.add(combo)
-        out.append(RecomputePolicy.from_modes(dict(zip(names, combo))))
+        out.append(RecomputePolicy.from_modes(dict(zip(names, combo, strict=True))))
     return out
 
 
@@ -142,16 +142,16 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
     peaks = [measure_peak(model, batch, opt, p) for p in policies]
     times = measure_times(model, batch, opt, policies, rounds, seed=1)
     preds = [planner.predict(p) for p in policies]
-    mem_err = [abs(pr.peak_bytes - m) / m for pr, m in zip(preds, peaks)]
-    time_err = [abs(pr.step_time_s - t) / t for pr, t in zip(preds, times)]
+    mem_err = [abs(pr.peak_bytes - m) / m for pr, m in zip(preds, peaks, strict=True)]
+    time_err = [abs(pr.step_time_s - t) / t for pr, t in zip(preds, times, strict=True)]
     lines.append(f"\n== {size} / {attention}: {len(prof.layers)} layers, profile {t_prof:.1f} s ==")
     lines.append(
         f"{'policy':<10}{'pred peak':>12}{'meas peak':>12}{'err':>8}{'pred step':>12}{'meas step':>12}{'err':>8}"
     )
-    for p, pr, m, t, em, et in zip(policies, preds, peaks, times, mem_err, time_err):
+    for p, pr, m, t, em, et in zip(policies, preds, peaks, times, mem_err, time_err, strict=True):
         lines.append(
-            f"{p.short(prof.layer_names):<10}{format_bytes(pr.peak_bytes):>12}{format_bytes(m):>12}{100 * em:>7.2f}%"
-            f"{1e3 * pr.step_time_s:>10.2f}ms{1e3 * t:>10.2f}ms{100 * et:>7.1f}%"
+            f"{p.short(prof.layer_names):<10}{format_bytes(pr.peak_bytes):>12}{format_bytes(m):>12}"
+            f"{100 * em:>7.2f}%{1e3 * pr.step_time_s:>10.2f}ms{1e3 * t:>10.2f}ms{100 * et:>7.1f}%"
         )
     summary = {
         "mem_median": statistics.median(mem_err),
@@ -160,8 +160,9 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
         "time_worst": max(time_err),
     }
     lines.append(
-        f"memory error median {100 * summary['mem_median']:.2f}% worst {100 * summary['mem_worst']:.2f}% (target <= 5%); "
-        f"time error median {100 * summary['time_median']:.1f}% worst {100 * summary['time_worst']:.1f}% (target median <= 15%)"
+        f"memory error median {100 * summary['mem_median']:.2f}% worst {100 * summary['mem_worst']:.2f}% "
+        f"(target <= 5%); time error median {100 * summary['time_median']:.1f}% "
+        f"worst {100 * summary['time_worst']:.1f}% (target median <= 15%)"
     )
     return summary
 
@@ -179,14 +180,18 @@ def solver_vs_sweep(rounds: int, lines: list[str]) -> list[float]:
     )
     planner = Planner(prof)
     names = prof.layer_names
-    everything = [RecomputePolicy.from_modes(dict(zip(names, c))) for c in itertools.product(MODES, repeat=len(names))]
+    everything = [
+        RecomputePolicy.from_modes(dict(zip(names, c, strict=True)))
+        for c in itertools.product(MODES, repeat=len(names))
+    ]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     peaks = [measure_peak(model, batch, opt, p) for p in everything]
     times = measure_times(model, batch, opt, everything, rounds, seed=2)
     least, most = planner.min_peak(), planner.predict(RecomputePolicy.uniform("none")).peak_bytes
     lines.append(f"\n== solver vs exhaustive sweep: small / eager, {len(everything)} policies all measured ==")
     lines.append(
-        f"{'budget':>12}{'solver':>8}{'meas peak':>12}{'meas step':>11}{'best':>8}{'meas step':>11}{'solver/best':>13}{'rematch':>11}"
+        f"{'budget':>12}{'solver':>8}{'meas peak':>12}{'meas step':>11}{'best':>8}{'meas step':>11}"
+        f"{'solver/best':>13}{'rematch':>11}"
     )
     ratios = []
     for frac in (0.2, 0.5, 0.8):
@@ -209,7 +214,8 @@ def solver_vs_sweep(rounds: int, lines: list[str]) -> list[float]:
             f"{everything[best].short(names):>8}{1e3 * times[best]:>9.2f}ms{sweep_ratio:>12.3f}x{ratio:>11.3f}x"
         )
     lines.append(
-        f"solver within {100 * (max(ratios) - 1):.1f}% of the best measured policy at worst, after rematch (target <= 5%)"
+        f"solver within {100 * (max(ratios) - 1):.1f}% of the best measured policy at worst, after rematch "
+        "(target <= 5%)"
     )
     return ratios
 

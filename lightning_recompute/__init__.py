@@ -2,22 +2,67 @@
 
 Add `RecomputeCallback` to a ``Trainer`` (or call `apply_policy` in ``configure_model``) to
 choose, per layer, which activations are kept, recomputed or offloaded.
+
+The names below are imported on first use (PEP 562): ``import lightning_recompute`` or
+``import lightning_recompute.policy`` loads neither Lightning, MLflow nor torch, so tools that only
+read or write policy files (the tuner's ``schema`` and ``plan`` commands, CI checks) start fast.
 """
 
 from __future__ import annotations
 
-from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
-from lightning_recompute.callback import RecomputeCallback, StepRecord
-from lightning_recompute.errors import IncompatibleModelError, LayerDiscoveryError, PolicyError, RecomputeError
-from lightning_recompute.layers import LayerSpec, find_layers, layer_names
-from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
-from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
-from lightning_recompute.selective import DEFAULT_SAVE_OPS
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
+    from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
+    from lightning_recompute.callback import RecomputeCallback, StepRecord
+    from lightning_recompute.errors import (
+        DocumentError,
+        IncompatibleModelError,
+        LayerDiscoveryError,
+        PolicyError,
+        RecomputeError,
+    )
+    from lightning_recompute.layers import LayerSpec, find_layers, layer_names
+    from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
+    from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
+    from lightning_recompute.selective import DEFAULT_SAVE_OPS
+    from lightning_recompute.sources import as_policy
+
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "AppliedPolicy": "apply",
+    "applied_policy": "apply",
+    "apply_policy": "apply",
+    "remove_policy": "apply",
+    "RecomputeCallback": "callback",
+    "StepRecord": "callback",
+    "DocumentError": "errors",
+    "IncompatibleModelError": "errors",
+    "LayerDiscoveryError": "errors",
+    "PolicyError": "errors",
+    "RecomputeError": "errors",
+    "LayerSpec": "layers",
+    "find_layers": "layers",
+    "layer_names": "layers",
+    "CudaMemoryMeter": "meter",
+    "MemoryMeter": "meter",
+    "StepTimer": "meter",
+    "StorageMeter": "meter",
+    "memory_meter": "meter",
+    "Mode": "policy",
+    "PolicyLike": "policy",
+    "RecomputePolicy": "policy",
+    "DEFAULT_SAVE_OPS": "selective",
+    "as_policy": "sources",
+}
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
     "AppliedPolicy",
     "CudaMemoryMeter",
+    "DocumentError",
     "IncompatibleModelError",
     "LayerDiscoveryError",
     "LayerSpec",
@@ -33,10 +78,27 @@ __all__ = [
     "StorageMeter",
     "applied_policy",
     "apply_policy",
+    "as_policy",
     "find_layers",
     "layer_names",
     "memory_meter",
     "remove_policy",
 ]
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("lightning-recompute")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0.0.0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -26,8 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_recompute.errors import IncompatibleModelError
 from lightning_recompute.layers import LayerSpec, find_layers
-from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy
+from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
+from lightning_recompute.sources import as_policy
 
 __all__ = ["AppliedPolicy", "applied_policy", "apply_policy", "remove_policy"]
 
@@ -103,7 +104,7 @@ class _RecomputedForward:
                 return self._inner(*args, **kwargs)
             with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
                 return self._inner(*args, **kwargs)
-        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
         # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
         # dropout masks are identical and gradients match no recomputation bit for bit.
         return checkpoint(self._inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
@@ -182,7 +183,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
         mode = modes[name]
         if mode is Mode.NONE:
             continue
-        module.forward = _RecomputedForward(  # type: ignore[method-assign]
+        module.forward = _RecomputedForward(
             module,
             mode,
             previous=module.__dict__.get("forward"),
@@ -200,7 +201,7 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
         fwd = module.__dict__.get("forward")
         if isinstance(fwd, _RecomputedForward):
             if fwd.previous is not None:
-                module.forward = fwd.previous  # type: ignore[method-assign]
+                module.forward = fwd.previous
             else:
                 del module.__dict__["forward"]
     applied = model.__dict__.pop(_STATE_ATTR, None)
@@ -211,15 +212,17 @@ def _refuse_foreign_checkpointing(model: nn.Module) -> None:
     """Two recompute mechanisms on one layer recompute it twice (or fight over saved tensors)."""
     try:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+        wrappers: tuple[type, ...] = (ActivationWrapper,)
     except ImportError:  # PyTorch built without distributed
-        ActivationWrapper = ()  # type: ignore[assignment,misc]
+        wrappers = ()
     try:
         from torch.distributed._composable.contract import _get_registry
     except ImportError:
         _get_registry = None  # type: ignore[assignment]
     for path, module in model.named_modules():
         where = path or type(model).__name__
-        if ActivationWrapper and isinstance(module, ActivationWrapper):
+        if isinstance(module, wrappers):
             raise IncompatibleModelError(
                 f"module {where!r} is a {type(module).__name__} (torch checkpoint_wrapper, e.g. from a strategy's "
                 f"activation_checkpointing_policy or apply_activation_checkpointing); remove that wrapping or do "

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils._pytree import tree_flatten
 
@@ -24,7 +25,8 @@ from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_polic
 from lightning_recompute.errors import IncompatibleModelError, LayerDiscoveryError, RecomputeError
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.meter import MemoryMeter, StepTimer, StorageMeter, memory_meter
-from lightning_recompute.policy import RecomputePolicy, as_policy
+from lightning_recompute.policy import RecomputePolicy
+from lightning_recompute.sources import as_policy
 
 __all__ = ["RecomputeCallback", "StepRecord"]
 
@@ -228,7 +230,7 @@ class RecomputeCallback(L.Callback):
 def _samples(batch: Any) -> int:
     try:
         return int(extract_batch_size(batch))
-    except Exception:  # Lightning raises a MisconfigurationException-like error for tensor-free batches
+    except (MisconfigurationException, RecursionError):  # what Lightning raises for tensor-free or cyclic batches
         return 1
 
 

@@ -1,4 +1,4 @@
-"""Errors raised by the recompute plugin.
+"""Errors raised by the recompute plugin, and how their messages show untrusted values.
 
 One base class so a caller can catch everything the plugin raises about user input; narrow
 subclasses so tests and tools can tell the cases apart.
@@ -6,11 +6,26 @@ subclasses so tests and tools can tell the cases apart.
 
 from __future__ import annotations
 
-__all__ = ["IncompatibleModelError", "LayerDiscoveryError", "PolicyError", "RecomputeError"]
+__all__ = [
+    "CLIP_CHARS",
+    "DocumentError",
+    "IncompatibleModelError",
+    "LayerDiscoveryError",
+    "PolicyError",
+    "RecomputeError",
+    "clip",
+]
+
+CLIP_CHARS = 200
+"""How much of an offending value an error message echoes: enough to recognise it, never a megabyte."""
 
 
 class RecomputeError(Exception):
     """Base class of every error raised by lightning_recompute."""
+
+
+class DocumentError(RecomputeError, ValueError):
+    """A YAML/JSON file is unreadable, malformed, or over the bounds `lightning_recompute.safe_yaml` reads."""
 
 
 class PolicyError(RecomputeError, ValueError):
@@ -23,3 +38,14 @@ class LayerDiscoveryError(PolicyError):
 
 class IncompatibleModelError(RecomputeError, RuntimeError):
     """The model is already set up for recomputation by something else (another wrapper or the strategy)."""
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, with a note of its full length when cut.
+
+    Values in error messages come from files a user (or an attacker) wrote; echoing a 4 MB value
+    makes the message useless and the log huge. Pass ``repr(value)`` to show a value as Python would.
+    """
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"

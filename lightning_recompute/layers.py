@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from typing import Union
 
 from torch import nn
 
@@ -18,7 +17,7 @@ from lightning_recompute.errors import LayerDiscoveryError
 
 __all__ = ["LayerSpec", "find_layers", "layer_names"]
 
-LayerSpec = Union[str, type, Sequence[str | type]]
+LayerSpec = str | type | Sequence[str | type]
 """``"auto"``; or module paths / globs (``"blocks.*"``), module classes, or ``"class:Name"`` strings
 (a class by simple or qualified name, for YAML configs), alone or in a list."""
 

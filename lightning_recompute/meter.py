@@ -65,8 +65,10 @@ class MemoryMeter(ABC):
     def track(self, *objs: Any) -> None:
         """Count tensors that existed before the meter started (parameters, optimizer state, a batch).
 
-        A no-op on CUDA, whose allocator already counts everything.
+        A no-op on CUDA, whose allocator already counts everything; so a no-op by default, for
+        meters that see all allocations.
         """
+        return None
 
 
 class CudaMemoryMeter(MemoryMeter):

@@ -1,26 +1,38 @@
 """Read the tuner's current good policy from MLflow: ``RecomputeCallback(policy="mlflow:<experiment>")``.
 
-The tuner (``tuner.tracking``) records which run holds the current good policy in the experiment
-tag `GOOD_RUN_TAG`, and stores the policy in that run as the artifact `POLICY_ARTIFACT`. This
-module reads both with mlflow alone: the plugin runs inside training jobs and never imports the
-tuner. The names below are the contract between the two sides; the tuner imports them from here.
+The tuner records which run holds the current good policy in the experiment tag `GOOD_RUN_TAG`,
+stores the policy in that run as the artifact `POLICY_ARTIFACT`, and tags the run with the
+policy's fingerprint (`FINGERPRINT_TAG`). This module reads all three with mlflow alone: the
+plugin runs inside training jobs and never imports the tuner. The names below are the contract
+between the two sides; the tuner imports them from here.
+
+Reading never writes: a tracking URI naming a sqlite file or a file store that does not exist is
+refused before MLflow, which would create an empty one, is asked anything.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lightning_recompute.errors import PolicyError
 from lightning_recompute.policy import RecomputePolicy
 
-__all__ = ["GOOD_RUN_TAG", "POLICY_ARTIFACT", "good_run_id", "load_good_policy"]
+__all__ = ["FINGERPRINT_TAG", "GOOD_RUN_TAG", "POLICY_ARTIFACT", "good_run_id", "load_good_policy"]
 
 GOOD_RUN_TAG = "recompute.good_run_id"
 """Experiment tag: the id of the run whose policy is the current good one."""
 POLICY_ARTIFACT = "policy.yaml"
 """Artifact path of a run's policy file (the same YAML the tuner writes as its output)."""
+FINGERPRINT_TAG = "recompute.policy_fingerprint"
+"""Run tag: ``RecomputePolicy.fingerprint()`` of the policy the run measured or decided about."""
+
+_PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+"""MLflow's switch for the progress bar it draws on every artifact download (read per download)."""
 
 
 def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
@@ -29,7 +41,7 @@ def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
     Raises:
         PolicyError: the experiment does not exist, is deleted, or has no good policy yet.
     """
-    client = _client(tracking_uri)
+    client = _client(experiment, tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     where = f"mlflow:{experiment} (tracking URI {client.tracking_uri})"
     if exp is None:
@@ -53,12 +65,15 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
         tracking_uri: the MLflow tracking URI; ``None`` uses MLflow's default (``MLFLOW_TRACKING_URI``).
 
     Raises:
-        PolicyError: the experiment, its good-run tag, the run, or the run's policy artifact does not
-            exist, or the artifact is not a valid policy. The message names which.
+        PolicyError: the tracking store, the experiment, its good-run tag, the run, or the run's
+            policy artifact does not exist; the artifact is not a valid policy; or its fingerprint
+            differs from the run's `FINGERPRINT_TAG` (the artifact was changed after the run
+            recorded it). The message names which. A run without the tag (one not logged by the
+            tuner) is loaded unchecked.
     """
     from mlflow.exceptions import MlflowException
 
-    client = _client(tracking_uri)
+    client = _client(experiment, tracking_uri)
     run_id = good_run_id(experiment, tracking_uri=client.tracking_uri)
     where = f"mlflow:{experiment} (tracking URI {client.tracking_uri})"
     try:
@@ -71,22 +86,84 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
         raise PolicyError(f"{where}: tag {GOOD_RUN_TAG} names run {run_id}, which is deleted")
     with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
         try:
-            local = client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
+            with _no_progress_bar():
+                local = client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
         except (MlflowException, OSError) as err:
             raise PolicyError(
                 f"{where}: good run {run_id} has no artifact {POLICY_ARTIFACT!r} ({type(err).__name__})"
             ) from None
         try:
-            return RecomputePolicy.load(Path(local))
+            policy = RecomputePolicy.load(Path(local))
         except PolicyError as err:
             # The temporary path in err means nothing to the user; the run and artifact do.
+            message = str(err).replace(str(local), POLICY_ARTIFACT)
             raise PolicyError(
-                f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {err}"
+                f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {message}"
             ) from None
+    expected = run.data.tags.get(FINGERPRINT_TAG)
+    if expected and policy.fingerprint() != expected:
+        raise PolicyError(
+            f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} has fingerprint {policy.fingerprint()}, "
+            f"but the run recorded {expected} (tag {FINGERPRINT_TAG}); the artifact was changed after the run "
+            f"logged it. Roll back with `recompute-tune rollback`, or re-run the tuner"
+        )
+    return policy
 
 
-def _client(tracking_uri: str | None) -> Any:
+def _client(experiment: str, tracking_uri: str | None) -> Any:
     # Imported here: mlflow is heavy, and only users of "mlflow:" policies need it.
-    from mlflow import MlflowClient
+    import mlflow
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    missing = _missing_local_store(uri)
+    if missing is not None:
+        raise PolicyError(
+            f"mlflow:{experiment} (tracking URI {uri}): {missing} does not exist; check the path "
+            f"(sqlite:///relative/path.db, sqlite:////absolute/path.db); reading a policy never creates a store"
+        )
+    return mlflow.MlflowClient(tracking_uri=uri)
+
+
+def _missing_local_store(uri: str) -> Path | None:
+    """The local database file or store folder that ``uri`` names when it does not exist, else ``None``.
+
+    MLflow opens a sqlite URI by creating the file and migrating an empty schema into it, and a
+    file store by creating its folder: a typo would leave an empty store behind and report "no
+    experiment" instead of "no such file".
+    """
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    if uri.startswith("sqlite:///"):
+        # sqlite:///rel.db is relative, sqlite:////abs.db absolute; SQLAlchemy keeps query options after "?".
+        name = uri[len("sqlite:///") :].split("?", 1)[0]
+        if not name or name == ":memory:":
+            return None
+        path = Path(name)
+    else:
+        parsed = urlparse(uri)
+        if parsed.scheme == "file":
+            path = Path(url2pathname(parsed.path))
+        elif parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):  # a bare path (C:\ on Windows)
+            path = Path(uri)
+        else:
+            return None  # a server or another database: MLflow reports its own errors
+    return None if path.exists() else path
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """Hide MLflow's download progress bar, unless the user's environment asks for it.
+
+    The plugin downloads one small file at the start of training; a progress bar on the
+    training job's terminal is noise. The variable is restored afterwards: the process is the
+    user's.
+    """
+    if _PROGRESS_BAR_ENV in os.environ:
+        yield
+        return
+    os.environ[_PROGRESS_BAR_ENV] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(_PROGRESS_BAR_ENV, None)

@@ -23,12 +23,13 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 
 from lightning_recompute.atomic import atomic_write
-from lightning_recompute.errors import PolicyError
+from lightning_recompute.errors import DocumentError, PolicyError, clip
+from lightning_recompute.safe_yaml import load_document
 
 __all__ = ["POLICY_VERSION", "Mode", "PolicyLike", "RecomputePolicy"]
 
@@ -61,7 +62,7 @@ class Mode(str, enum.Enum):
             except ValueError:
                 pass
         valid = ", ".join(m.value for m in cls)
-        raise PolicyError(f"{where}: unknown mode {value!r}; valid modes are: {valid}")
+        raise PolicyError(f"{where}: unknown mode {clip(repr(value))}; valid modes are: {valid}")
 
 
 _TOP_LEVEL_KEYS = ("version", "layers", "selective")
@@ -87,15 +88,17 @@ class RecomputePolicy:
 
     def __post_init__(self) -> None:
         if self.version != POLICY_VERSION:
-            raise PolicyError(f"version: unsupported policy version {self.version!r}; valid: {POLICY_VERSION}")
+            raise PolicyError(
+                f"version: unsupported policy version {clip(repr(self.version))}; valid: {POLICY_VERSION}"
+            )
         layers = []
         for i, entry in enumerate(self.layers):
             if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise PolicyError(f"layers[{i}]: expected a (pattern, mode) pair, got {entry!r}")
+                raise PolicyError(f"layers[{i}]: expected a (pattern, mode) pair, got {clip(repr(entry))}")
             pattern, mode = entry
             if not isinstance(pattern, str) or not pattern.strip():
-                raise PolicyError(f"layers[{i}]: a layer pattern must be a non-empty string, got {pattern!r}")
-            layers.append((pattern, Mode.parse(mode, where=f"layers.{pattern}")))
+                raise PolicyError(f"layers[{i}]: a layer pattern must be a non-empty string, got {clip(repr(pattern))}")
+            layers.append((pattern, Mode.parse(mode, where=f"layers.{clip(pattern)}")))
         object.__setattr__(self, "layers", tuple(layers))
         if self.selective_save is not None:
             # Imported here: selective imports torch, policy files are read by tools that need not.
@@ -115,7 +118,10 @@ class RecomputePolicy:
     @classmethod
     def from_modes(cls, modes: Mapping[str, Mode | str], **kwargs: Any) -> RecomputePolicy:
         """One explicit entry per layer path, in the mapping's order."""
-        return cls(layers=tuple((name, Mode.parse(m, where=f"layers.{name}")) for name, m in modes.items()), **kwargs)
+        return cls(
+            layers=tuple((name, Mode.parse(m, where=f"layers.{clip(str(name))}")) for name, m in modes.items()),
+            **kwargs,
+        )
 
     @classmethod
     def every_kth(
@@ -156,13 +162,13 @@ class RecomputePolicy:
             )
         unknown = [k for k in data if k not in _TOP_LEVEL_KEYS]
         if unknown:
-            raise PolicyError(f"{source}: unknown key(s) {unknown}; valid keys are {list(_TOP_LEVEL_KEYS)}")
+            raise PolicyError(f"{source}: unknown key(s) {clip(repr(unknown))}; valid keys are {list(_TOP_LEVEL_KEYS)}")
         if "version" not in data:
             raise PolicyError(f"{source}: missing key 'version'; valid: version: {POLICY_VERSION}")
         version = data["version"]
         if version != POLICY_VERSION:
             raise PolicyError(
-                f"{source}: key 'version': unsupported policy version {version!r}; valid: {POLICY_VERSION}"
+                f"{source}: key 'version': unsupported policy version {clip(repr(version))}; valid: {POLICY_VERSION}"
             )
         raw_layers = data.get("layers") or {}
         if not isinstance(raw_layers, Mapping):
@@ -172,7 +178,7 @@ class RecomputePolicy:
         layers = []
         for pattern, mode in raw_layers.items():
             try:
-                layers.append((str(pattern), Mode.parse(mode, where=f"layers.{pattern}")))
+                layers.append((str(pattern), Mode.parse(mode, where=f"layers.{clip(str(pattern))}")))
             except PolicyError as err:
                 raise PolicyError(f"{source}: {err}") from None
         save = None
@@ -185,7 +191,7 @@ class RecomputePolicy:
             save = selective.get("save")
             if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
                 raise PolicyError(
-                    f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {save!r}"
+                    f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
                 )
         try:
             return cls(layers=tuple(layers), selective_save=None if save is None else tuple(str(s) for s in save))
@@ -194,18 +200,16 @@ class RecomputePolicy:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RecomputePolicy:
-        """Read a policy file (YAML, or JSON, which YAML parsing also accepts)."""
+        """Read a policy file: JSON for a ``.json`` suffix, YAML otherwise.
+
+        The file is read within `lightning_recompute.safe_yaml`'s bounds (size, encoding, nesting,
+        alias expansion): a policy file may come from anywhere a training job can read.
+        """
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PolicyError(f"{p}: policy file not found") from None
-        except OSError as err:
-            raise PolicyError(f"{p}: cannot read policy file: {err}") from None
-        try:
-            data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-        except (yaml.YAMLError, json.JSONDecodeError) as err:
-            raise PolicyError(f"{p}: malformed {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: {err}") from None
+            data = load_document(p, what="policy file")
+        except DocumentError as err:
+            raise PolicyError(str(err)) from None
         if data is None:
             raise PolicyError(f"{p}: policy file is empty; expected keys {list(_TOP_LEVEL_KEYS)}")
         return cls.from_dict(data, source=str(p))
@@ -258,7 +262,8 @@ class RecomputePolicy:
         if unmatched:
             shown = _summarise(layer_names)
             raise PolicyError(
-                f"{source}: layer pattern(s) {unmatched} match no layer of the model; the layers are: {shown}"
+                f"{source}: layer pattern(s) {clip(repr(unmatched))} match no layer of the model; "
+                f"the layers are: {shown}"
             )
         return {name: self.mode_for(name) for name in layer_names}
 
@@ -283,35 +288,9 @@ class RecomputePolicy:
         return "".join(glyph[self.mode_for(n)] for n in layer_names)
 
 
-PolicyLike = Union[RecomputePolicy, Mapping[str, Any], str, os.PathLike]
+PolicyLike = RecomputePolicy | Mapping[str, Any] | str | os.PathLike
 """What the plugin's entry points accept as a policy: an object, the file structure, a path, or
 ``"mlflow:<experiment>[@<tracking uri>]"`` for the tuner's current good policy of an experiment."""
-
-MLFLOW_PREFIX = "mlflow:"
-
-
-def as_policy(policy: PolicyLike) -> RecomputePolicy:
-    """Coerce a `PolicyLike` into a `RecomputePolicy`."""
-    if isinstance(policy, RecomputePolicy):
-        return policy
-    if isinstance(policy, Mapping):
-        return RecomputePolicy.from_dict(policy)
-    if isinstance(policy, str) and policy.startswith(MLFLOW_PREFIX):
-        # The tuner's current good policy, read from MLflow (imported lazily: MLflow is heavy).
-        from lightning_recompute.mlflow_policy import load_good_policy
-
-        experiment, _, tracking_uri = policy[len(MLFLOW_PREFIX) :].partition("@")
-        if not experiment:
-            raise PolicyError(
-                f"policy: {policy!r} names no experiment; expected 'mlflow:<experiment>[@<tracking uri>]'"
-            )
-        return load_good_policy(experiment, tracking_uri or None)
-    if isinstance(policy, (str, os.PathLike)):
-        return RecomputePolicy.load(policy)
-    raise PolicyError(
-        f"policy: expected a RecomputePolicy, a mapping, a path to a policy file or 'mlflow:<experiment>', "
-        f"got {type(policy).__name__}"
-    )
 
 
 def _matches(pattern: str, name: str) -> bool:

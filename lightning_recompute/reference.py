@@ -113,8 +113,10 @@ class ReferenceGPT(L.LightningModule):
         self.tok_emb = nn.Embedding(vocab_size, ws[0])
         self.pos_emb = nn.Embedding(seq_len, ws[0])
         self.drop = nn.Dropout(dropout)
-        outs = ws[1:] + [ws[-1]]
-        self.blocks = nn.ModuleList(Block(w, n_head, dropout, attention, mlp_ratio, o) for w, o in zip(ws, outs))
+        outs = [*ws[1:], ws[-1]]
+        self.blocks = nn.ModuleList(
+            Block(w, n_head, dropout, attention, mlp_ratio, o) for w, o in zip(ws, outs, strict=True)
+        )
         self.ln_f = nn.LayerNorm(ws[-1])
         self.head = nn.Linear(ws[-1], vocab_size, bias=False)
 
@@ -139,7 +141,7 @@ class ReferenceGPT(L.LightningModule):
         self.log("val_loss", self.loss(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])
 
 
 class _RandomTokens(Dataset):

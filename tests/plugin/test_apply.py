@@ -69,7 +69,7 @@ def test_gradients_bitwise_equal_to_no_recompute(attention: str, policy_name: st
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # offload's "no effect on CPU" notice
         losses, grads = _train_two_steps(model)
-    for a, b in zip(losses, ref_losses):
+    for a, b in zip(losses, ref_losses, strict=True):
         assert torch.equal(a, b)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -77,7 +77,7 @@ def test_gradients_bitwise_equal_to_no_recompute(attention: str, policy_name: st
     # and the parameters after two optimizer steps
     ref_model = copy.deepcopy(base)
     _train_two_steps(ref_model)
-    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters(), strict=True):
         assert torch.equal(p, q), n
 
 

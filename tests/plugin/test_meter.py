@@ -98,7 +98,7 @@ def _step_profile(policy: str, n_layer: int) -> tuple[int, int]:
 
 
 def test_full_keeps_one_input_per_layer_and_peaks_at_one_layer_of_activations() -> None:
-    f2, peak2 = _step_profile("full", 2)
+    f2, _ = _step_profile("full", 2)
     f4, peak4 = _step_profile("full", 4)
     # Two more layers under full keep exactly two more layer inputs (B, T, C) fp32.
     assert f4 - f2 == 2 * BTC * E

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,13 @@ import pytest
 from mlflow import MlflowClient
 
 from lightning_recompute.errors import PolicyError, RecomputeError
-from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT, good_run_id, load_good_policy
+from lightning_recompute.mlflow_policy import (
+    FINGERPRINT_TAG,
+    GOOD_RUN_TAG,
+    POLICY_ARTIFACT,
+    good_run_id,
+    load_good_policy,
+)
 from lightning_recompute.policy import RecomputePolicy
 
 POLICY = RecomputePolicy.from_dict(
@@ -22,11 +29,20 @@ POLICY = RecomputePolicy.from_dict(
 )
 
 
-def good_experiment(uri: str, tmp_path: Path, *, policy_text: str | None = POLICY.to_yaml(), tag: bool = True) -> str:
-    """An experiment laid out as the tuner leaves it: a run with policy.yaml, named by the experiment tag."""
+def good_experiment(
+    uri: str,
+    tmp_path: Path,
+    *,
+    policy_text: str | None = POLICY.to_yaml(),
+    tag: bool = True,
+    fingerprint: str | None = POLICY.fingerprint(),
+) -> str:
+    """An experiment laid out as the tuner leaves it: a run with policy.yaml and its fingerprint tag,
+    named by the experiment tag."""
     client = MlflowClient(tracking_uri=uri)
     exp_id = client.create_experiment("exp", artifact_location=str(tmp_path / "artifacts"))
-    run_id = client.create_run(exp_id).info.run_id
+    tags = {} if fingerprint is None else {FINGERPRINT_TAG: fingerprint}
+    run_id = client.create_run(exp_id, tags=tags).info.run_id
     if policy_text is not None:
         client.log_text(run_id, policy_text, POLICY_ARTIFACT)
     client.set_terminated(run_id)
@@ -102,6 +118,75 @@ def test_invalid_policy_artifact_names_run_and_problem(uri: str, tmp_path: Path)
         load_good_policy("exp", uri)
 
 
+def test_hostile_policy_artifact_is_a_policy_error(uri: str, tmp_path: Path) -> None:
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join(['*a' + ('' if i == 1 else str(i - 1))] * 9)}]\n" for i in range(1, 9)
+    )
+    run_id = good_experiment(uri, tmp_path, policy_text=bomb)
+    with pytest.raises(
+        PolicyError, match=f"good run {run_id}: artifact 'policy.yaml' is not a valid policy: .*aliases"
+    ):
+        load_good_policy("exp", uri)
+
+
+def test_tampered_artifact_names_run_and_both_fingerprints(uri: str, tmp_path: Path) -> None:
+    other = RecomputePolicy.uniform("full")
+    run_id = good_experiment(uri, tmp_path, policy_text=other.to_yaml())
+    with pytest.raises(PolicyError) as info:
+        load_good_policy("exp", uri)
+    message = str(info.value)
+    assert f"good run {run_id}: artifact 'policy.yaml' has fingerprint {other.fingerprint()}" in message
+    assert f"the run recorded {POLICY.fingerprint()} (tag {FINGERPRINT_TAG})" in message
+
+
+def test_run_without_a_fingerprint_tag_loads_unchecked(uri: str, tmp_path: Path) -> None:
+    good_experiment(uri, tmp_path, fingerprint=None)
+    assert load_good_policy("exp", uri) == POLICY
+
+
+@pytest.mark.parametrize("form", ["absolute", "relative", "environment"])
+def test_mistyped_sqlite_uri_creates_no_database(
+    uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    good_experiment(uri, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    typo = tmp_path / "mlflwo.db"
+    mistyped = "sqlite:///mlflwo.db" if form == "relative" else f"sqlite:///{typo}"
+    if form == "environment":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", mistyped)
+    with pytest.raises(PolicyError) as info:
+        load_good_policy("exp", None if form == "environment" else mistyped)
+    assert f"mlflow:exp (tracking URI {mistyped}): " in str(info.value)
+    assert "does not exist" in str(info.value) and "mlflwo.db" in str(info.value)
+    assert not typo.exists()
+    with pytest.raises(PolicyError, match="does not exist"):
+        good_run_id("exp", mistyped)
+    assert not typo.exists()
+
+
+def test_missing_file_store_folder_is_not_created(tmp_path: Path) -> None:
+    store = tmp_path / "mlruns-typo"
+    with pytest.raises(PolicyError, match=f"{store} does not exist"):
+        load_good_policy("exp", store.as_uri())
+    assert not store.exists()
+
+
+def test_download_draws_no_progress_bar_and_leaves_the_environment_alone(
+    uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    good_experiment(uri, tmp_path)
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    capfd.readouterr()
+    assert load_good_policy("exp", uri) == POLICY
+    assert "Downloading artifacts" not in capfd.readouterr().err
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
+    # A user who asks for the bar gets it: the check above can fail.
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")
+    assert load_good_policy("exp", uri) == POLICY
+    assert "Downloading artifacts" in capfd.readouterr().err
+
+
+@pytest.mark.slow
 def test_the_plugin_module_does_not_import_the_tuner() -> None:
     code = (
         "import sys, lightning_recompute.mlflow_policy as m\n"
@@ -109,7 +194,9 @@ def test_the_plugin_module_does_not_import_the_tuner() -> None:
         "assert 'mlflow' not in sys.modules, 'mlflow imported at module import'\n"
     )
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stderr
 
 

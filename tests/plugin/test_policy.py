@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,51 @@ def test_saved_policy_is_readable_by_others_and_keeps_an_existing_mode(tmp_path:
     RecomputePolicy.uniform("none").save(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     assert RecomputePolicy.load(path) == RecomputePolicy.uniform("none")
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "pattern"),
+    [
+        ("policy.yaml", "version: 1\n".encode("utf-16"), r"policy\.yaml: policy file is UTF-16 text"),
+        ("policy.yaml", bytes(range(256)) * 4, r"policy\.yaml: policy file contains NUL bytes"),
+        (
+            "policy.yaml",
+            b"[" * 100_000 + b"]" * 100_000,
+            # libyaml's scanner reads ahead and may refuse first, at its own limit of 1,000 flow levels.
+            r"policy\.yaml: (nested deeper than 64 levels|malformed YAML: [\s\S]*exceeded maximum nesting depth)",
+        ),
+        ("policy.json", b"[" * 100_000 + b"]" * 100_000, r"policy\.json: nested deeper than 64 levels"),
+        (
+            "policy.yaml",
+            (
+                "a0: &a0 [full, full, full, full, full, full, full, full, full]\n"
+                + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))
+            ).encode(),
+            r"policy\.yaml: YAML aliases expand to more than 10000 nodes",
+        ),
+        ("policy.yaml", b"version: 1\n# " + b"x" * (1 << 20), r"policy\.yaml: policy file is larger than the limit"),
+    ],
+)
+def test_hostile_files_are_policy_errors(tmp_path: Path, name: str, data: bytes, pattern: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(PolicyError, match=pattern):
+        RecomputePolicy.load(path)
+
+
+def test_echoed_values_are_clipped(tmp_path: Path) -> None:
+    huge = "x" * 100_000
+    for data in (
+        {"version": 1, "layers": {"h.0": huge}},  # an unknown mode
+        {"version": 1, "layers": {huge: "fast"}},  # in the key the message names
+        {"version": 1, huge: 1},  # an unknown top-level key
+        {"version": huge},
+        {"version": 1, "selective": {"save": huge}},
+    ):
+        with pytest.raises(PolicyError) as info:
+            RecomputePolicy.load(_write(tmp_path, json.dumps(data), "policy.json"))
+        assert len(str(info.value)) < 1000, str(info.value)[:300]
+        assert "characters)" in str(info.value)
+    with pytest.raises(PolicyError) as info:
+        RecomputePolicy.from_modes({"h.0": "full", huge: "full"}).resolve(LAYERS)
+    assert len(str(info.value)) < 1000

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy
+from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
+from lightning_recompute.sources import as_policy
 from tuner.profile import ALL_MODES, Profile, SegmentCost
 from tuner.units import format_bytes, format_seconds, parse_bytes
 

@@ -1,0 +1,192 @@
+"""Bounded reading of YAML/JSON documents that come from outside: policy files, recipes, artifacts.
+
+``yaml.safe_load`` only refuses to run code. A hostile or broken file can still cost unbounded
+time and memory (a 1 KB alias "billion laughs" expands to gigabytes once anything walks it),
+overflow the interpreter stack (deeply nested collections), or escape as a raw
+``UnicodeDecodeError``. `load_document` refuses all of these up front, within `DocumentLimits`,
+and raises one `DocumentError` that names the file and what was wrong; callers re-raise it as
+their own error (`PolicyError`, the tuner's recipe error).
+
+The shape check walks YAML's event stream, which PyYAML and libyaml produce iteratively; only a
+document that passes is composed and constructed (both recursive, hence the depth bound).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_recompute.errors import DocumentError, clip
+
+__all__ = ["DEFAULT_LIMITS", "DocumentLimits", "load_document", "parse_document"]
+
+# libyaml when PyYAML was built with it (the usual wheel): several times faster, same results.
+_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+# A JSON string literal, or one bracket: what the JSON depth scan needs to see (brackets inside
+# strings do not nest).
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+@dataclass(frozen=True)
+class DocumentLimits:
+    """What `load_document` accepts. The defaults are far above any real policy or recipe."""
+
+    max_bytes: int = 1 << 20
+    """Largest file read, in bytes (a policy for 10,000 layers is about 400 KB)."""
+    max_depth: int = 64
+    """Deepest nesting of mappings and sequences (a policy nests 3 deep, a recipe about 6)."""
+    max_alias_nodes: int = 10_000
+    """Most nodes that YAML aliases may add when expanded, counting aliases inside anchors."""
+
+
+DEFAULT_LIMITS = DocumentLimits()
+
+
+def load_document(path: str | os.PathLike[str], *, what: str = "file", limits: DocumentLimits = DEFAULT_LIMITS) -> Any:
+    """The data in a YAML file (or a JSON one, by its ``.json`` suffix), read within ``limits``.
+
+    Args:
+        path: the file. Only a regular file is read (a FIFO or device could block or never end).
+        what: what the file is, for messages ("policy file", "recipe").
+        limits: size, nesting and alias-expansion bounds.
+
+    Returns:
+        The parsed document: plain dicts, lists and scalars; ``None`` for an empty file.
+
+    Raises:
+        DocumentError: the file is missing, unreadable, not a regular file, too large, binary or
+            not UTF-8, malformed, nested too deeply, or its aliases expand too far. The message
+            starts with the path and clips any echoed content.
+    """
+    p = Path(path)
+    text = _read_text(p, what, limits)
+    return parse_document(text, source=str(p), json_syntax=p.suffix.lower() == ".json", limits=limits)
+
+
+def parse_document(
+    text: str, *, source: str, json_syntax: bool = False, limits: DocumentLimits = DEFAULT_LIMITS
+) -> Any:
+    """`load_document` for text already in memory; ``source`` names it in messages."""
+    if len(text) > limits.max_bytes:
+        raise DocumentError(f"{source}: {len(text)} characters, over the limit of {limits.max_bytes}")
+    if json_syntax:
+        _check_json_depth(text, source, limits)
+        try:
+            return json.loads(text)
+        except ValueError as err:  # JSONDecodeError, and int() past sys.get_int_max_str_digits()
+            raise DocumentError(f"{source}: malformed JSON: {clip(str(err))}") from None
+    try:
+        _check_yaml_shape(text, source, limits)
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader: no arbitrary objects
+    except DocumentError:
+        raise
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: int() past sys.get_int_max_str_digits()
+        raise DocumentError(f"{source}: malformed YAML: {clip(str(err))}") from None
+
+
+def _read_text(path: Path, what: str, limits: DocumentLimits) -> str:
+    try:
+        # O_NONBLOCK: opening a FIFO without a writer would otherwise block before fstat can refuse it.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise DocumentError(f"{path}: {what} not found") from None
+    except OSError as err:
+        raise DocumentError(f"{path}: cannot read {what}: {err.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DocumentError(f"{path}: {what} is not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            raw = fh.read(limits.max_bytes + 1)
+        except OSError as err:
+            raise DocumentError(f"{path}: cannot read {what}: {err.strerror}") from None
+    if len(raw) > limits.max_bytes:
+        raise DocumentError(f"{path}: {what} is larger than the limit of {limits.max_bytes} bytes")
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            raise DocumentError(f"{path}: {what} is {encoding} text; save it as UTF-8")
+    if b"\x00" in raw:
+        raise DocumentError(
+            f"{path}: {what} contains NUL bytes: a binary file, or UTF-16/UTF-32 text; expected UTF-8 text"
+        )
+    try:
+        return raw.decode("utf-8-sig")  # -sig: a UTF-8 byte-order mark is harmless; drop it
+    except UnicodeDecodeError as err:
+        raise DocumentError(
+            f"{path}: {what} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+        ) from None
+
+
+def _check_yaml_shape(text: str, source: str, limits: DocumentLimits) -> None:
+    """Refuse deep nesting and alias expansion from the event stream, before anything is built.
+
+    Each anchor's expanded size (nodes, counting the aliases inside it) is known when its node
+    ends, so an alias costs O(1) here however far it would expand: a bomb fails at its first
+    over-limit alias instead of after gigabytes.
+    """
+    frames: list[tuple[str | None, list[int]]] = []  # open collections: (anchor, [expanded size])
+    sizes: dict[str, int] = {}  # closed anchors -> expanded size
+    added = 0  # nodes added by aliases so far
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(frames) >= limits.max_depth:
+                raise DocumentError(
+                    f"{source}: nested deeper than {limits.max_depth} levels (line {event.start_mark.line + 1})"
+                )
+            frames.append((event.anchor, [1]))
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, (size,) = frames.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1
+        elif isinstance(event, yaml.AliasEvent):
+            if any(event.anchor == open_anchor for open_anchor, _ in frames):
+                # A collection containing itself: anything that walks it without cycle checks recurses forever.
+                raise DocumentError(
+                    f"{source}: alias *{clip(event.anchor or '')} refers to a collection that contains it "
+                    f"(line {event.start_mark.line + 1}); recursive documents are not accepted"
+                )
+            anchor, size = None, sizes.get(event.anchor or "", 1)
+            added += size
+            if added > limits.max_alias_nodes:
+                raise DocumentError(
+                    f"{source}: YAML aliases expand to more than {limits.max_alias_nodes} nodes "
+                    f"(at *{clip(event.anchor or '')}, line {event.start_mark.line + 1}); write the values out "
+                    f"or use fewer aliases"
+                )
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        if frames:
+            frames[-1][1][0] += size
+
+
+def _check_json_depth(text: str, source: str, limits: DocumentLimits) -> None:
+    # json.loads recurses per level; refuse depth first so it cannot hit the interpreter's limit.
+    depth = 0
+    for match in _JSON_TOKENS.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > limits.max_depth:
+                line = text.count("\n", 0, match.start()) + 1
+                raise DocumentError(f"{source}: nested deeper than {limits.max_depth} levels (line {line})")
+        elif token in ("]", "}"):
+            depth -= 1
