@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory() as tmp,
     ):
         stores = {"postgres": pg, "mlflow": server}
+        # Unrecorded: each of the server's workers opens its store on its first requests (seconds).
+        run_config("postgres", args.server_workers, 3, stores, Path(tmp))
         for backend, n in configs:
             timings = run_config(backend, n, args.trials, stores, Path(tmp))
             row: dict[str, Any] = {"backend": backend, "workers": n, "trials": len(timings)}
