@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.servers import MlflowServer, PostgresCluster, ServerUnavailable
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +27,52 @@ def uri(tmp_path: Path, empty_db: Path) -> str:
     """A fresh sqlite MLflow tracking URI of the test's own."""
     shutil.copy(empty_db, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+# ---------------------------------------------------------------------------------------------- real servers
+
+
+def _cluster_or_skip() -> PostgresCluster:
+    try:
+        return PostgresCluster()
+    except ServerUnavailable as exc:
+        pytest.skip(f"no PostgreSQL server for the cluster tests: {exc}")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresCluster]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 shared by the session (skips where PostgreSQL is missing)."""
+    cluster = _cluster_or_skip()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def postgres_url(postgres: PostgresCluster) -> str:
+    """A fresh, empty database of the shared cluster: its ``postgresql://`` URL."""
+    return postgres.create_database(f"t_{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresCluster]:
+    """A PostgreSQL cluster of the test's own, started, that the test may `stop` and `start` again."""
+    cluster = _cluster_or_skip()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(postgres: PostgresCluster) -> Iterator[str]:
+    """``mlflow server`` backed by a database of the shared cluster: its ``http://127.0.0.1:PORT`` URL."""
+    server = MlflowServer(postgres.create_database("mlflow"))
+    try:
+        server.start()
+        yield server.url
+    finally:
+        server.destroy()
