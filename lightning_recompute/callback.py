@@ -139,6 +139,15 @@ class RecomputeCallback(L.Callback):
         device = pl_module.device
         self._timer = StepTimer(device)
         self._meter = memory_meter(device) if self.measure_memory else None
+        if isinstance(self._meter, StorageMeter) and _compiled(pl_module):
+            # Inductor's generated code allocates its buffers without going through the dispatcher,
+            # where the CPU ledger watches: its figure would be too low, so report none at all.
+            self._meter = None
+            rank_zero_warn(
+                "RecomputeCallback: the model runs torch.compile'd code on CPU, whose allocations the storage "
+                "ledger cannot see; recompute/peak_memory_bytes is not logged (StepRecord.peak_bytes is None). "
+                "On CUDA the allocator's statistics count compiled code too."
+            )
         if self.applied is not None:
             rank_zero_info(f"RecomputeCallback: applied policy\n{self.applied.describe()}")
 
@@ -234,6 +243,17 @@ class RecomputeCallback(L.Callback):
                 f"RecomputeCallback: the checkpoint was written under recompute policy {saved}; resuming under "
                 f"{self.policy.fingerprint()}. Training numerics are unaffected; memory use and speed may differ."
             )
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """``model`` or one of its modules runs through torch.compile (whole, per module, or Lightning's unwrapped form)."""
+    if getattr(model, "_compiler_ctx", None) is not None:  # Lightning unwrapped a torch.compile(model) given to fit
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
 
 
 def _samples(batch: Any) -> int:
