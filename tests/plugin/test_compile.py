@@ -1,8 +1,8 @@
 """torch.compile with recomputation: the whole model compiled before fit, or each block (torchtitan style).
 
 What is guaranteed, and tested: under the same compile setup, the weights after training with any
-policy are bitwise equal to the weights without recomputation (dropout off: compiled dropout draws
-from Inductor's own random stream, so compiled and eager masks differ by design). On CPU the
+policy are bitwise equal to the weights without recomputation, with dropout off (with dropout on
+under compile no bitwise claim is made). On CPU the
 callback reports no peak for compiled models (the storage ledger cannot see compiled allocations).
 """
 
