@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_recompute.errors import IncompatibleModelError
+from lightning_recompute.kvcache import CacheArguments, replay_with_cache_state
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
@@ -81,12 +82,14 @@ class _RecomputedForward:
         previous: Callable[..., Any] | None,
         context_fn: Callable[[], Any] | None,
         offload_notice: _OffloadNotice | None,
+        cache_args: CacheArguments | None = None,
     ) -> None:
         self.module = module
         self.mode = mode
         self.previous = previous  # an instance forward someone else installed before us, kept to restore
         self.context_fn = context_fn
         self.offload_notice = offload_notice
+        self.cache_args = cache_args
 
     def _inner(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -105,9 +108,14 @@ class _RecomputedForward:
             with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
                 return self._inner(*args, **kwargs)
         extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        fn = self._inner
+        caches = self.cache_args.caches(args, kwargs) if self.cache_args is not None else []
+        if caches:
+            # The replay must neither see nor leave a second write to a KV cache (lightning_recompute.kvcache).
+            fn = replay_with_cache_state(fn, caches)
         # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
         # dropout masks are identical and gradients match no recomputation bit for bit.
-        return checkpoint(self._inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -183,12 +191,14 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
         mode = modes[name]
         if mode is Mode.NONE:
             continue
+        previous = module.__dict__.get("forward")
         module.forward = _RecomputedForward(
             module,
             mode,
-            previous=module.__dict__.get("forward"),
+            previous=previous,
             context_fn=selective_fn if mode is Mode.SELECTIVE else None,
             offload_notice=notice,
+            cache_args=CacheArguments.of(previous or type(module).forward, bound=previous is not None),
         )
     applied = AppliedPolicy(policy=policy, modes=modes)
     model.__dict__[_STATE_ATTR] = applied

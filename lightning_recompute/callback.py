@@ -2,7 +2,9 @@
 
 The callback validates and delegates: layer discovery, wrapping and measuring live in
 `layers`, `apply` and `meter`. It applies the policy in ``setup`` for models built in
-``__init__``, and checks in ``on_fit_start`` for models built in ``configure_model``.
+``__init__``, and in ``on_fit_start`` for models built in ``configure_model`` (after
+``ModelParallelStrategy``'s ``fully_shard`` / ``parallelize_module``; FSDP1 and DeepSpeed are
+refused with a pointer to ``apply_policy`` in ``configure_model``).
 """
 
 from __future__ import annotations
@@ -57,9 +59,15 @@ class StepRecord:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-# Strategies whose sharding wraps the model in `configure_model`'s aftermath; a policy must be
-# applied before that wrapping, inside `configure_model`, so the callback cannot do it late.
-_SHARDING_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
+# Strategies that wrap the model in modules of their own after `configure_model` (FSDP1's
+# FlatParameter wrappers, DeepSpeed's engine and ZeRO-3 parameter hooks); a policy must be applied
+# before that wrapping, inside `configure_model`, so the callback cannot do it late. Not in this
+# list: ModelParallelStrategy. FSDP2's `fully_shard` and tensor parallel's `parallelize_module`
+# keep every module and its path, add their work as module hooks (which run outside the instance
+# `forward` the policy installs, so once per call) and gather parameters before the layer's
+# backward, which is when a recomputed layer replays: applying after them is proven bitwise equal
+# to the same sharded run without recomputation (tests/plugin/test_strategies.py).
+_SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 class RecomputeCallback(L.Callback):
@@ -68,7 +76,9 @@ class RecomputeCallback(L.Callback):
     Logged every step, through the Trainer's logger (so ``log_every_n_steps`` applies):
     ``recompute/peak_memory_bytes`` (peak device memory during the batch), ``recompute/step_time_s``,
     ``recompute/samples_per_s`` and, when the batch holds token ids ``(batch, seq)``,
-    ``recompute/tokens_per_s``. The same figures are kept in `records` for programmatic use.
+    ``recompute/tokens_per_s``. The same figures are kept in `records` for programmatic use. With
+    gradient accumulation a record is one training batch (micro-batch), tagged with its optimizer
+    step; the logger keeps one value per optimizer step, that of its last micro-batch.
 
     Args:
         policy: a `RecomputePolicy`, the policy-file mapping, a path to a YAML/JSON policy file, or
@@ -131,6 +141,15 @@ class RecomputeCallback(L.Callback):
         device = pl_module.device
         self._timer = StepTimer(device)
         self._meter = memory_meter(device) if self.measure_memory else None
+        if isinstance(self._meter, StorageMeter) and _compiled(pl_module):
+            # Inductor's generated code allocates its buffers without going through the dispatcher,
+            # where the CPU ledger watches: its figure would be too low, so report none at all.
+            self._meter = None
+            rank_zero_warn(
+                "RecomputeCallback: the model runs torch.compile'd code on CPU, whose allocations the storage "
+                "ledger cannot see; recompute/peak_memory_bytes is not logged (StepRecord.peak_bytes is None). "
+                "On CUDA the allocator's statistics count compiled code too."
+            )
         if self.applied is not None:
             rank_zero_info(f"RecomputeCallback: applied policy\n{self.applied.describe()}")
 
@@ -152,7 +171,8 @@ class RecomputeCallback(L.Callback):
                 f"`lightning_recompute.apply_policy(self, policy)` at the end of configure_model, before sharding "
                 f"(the callback then only logs)."
             )
-        # Single device or DDP: the modules are plain, so applying now is the same as in setup.
+        # Single device, DDP, or ModelParallel after fully_shard / parallelize_module: the layers are
+        # still the user's modules at their own paths, so applying now is the same as in setup.
         self.applied = apply_policy(pl_module, self.policy, self.layers)
 
     # ------------------------------------------------------------------ measuring
@@ -225,6 +245,17 @@ class RecomputeCallback(L.Callback):
                 f"RecomputeCallback: the checkpoint was written under recompute policy {saved}; resuming under "
                 f"{self.policy.fingerprint()}. Training numerics are unaffected; memory use and speed may differ."
             )
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """``model`` or one of its modules runs through torch.compile (whole, per module, or Lightning's unwrapped form)."""
+    if getattr(model, "_compiler_ctx", None) is not None:  # Lightning unwrapped a torch.compile(model) given to fit
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )
 
 
 def _samples(batch: Any) -> int:

@@ -2,8 +2,13 @@
 
 ``"auto"`` finds the repeated blocks of a model: the longest `nn.ModuleList` / `nn.Sequential`
 whose children all share one class, wherever it sits (``blocks``, ``transformer.h``,
-``model.layers``, ``encoder.layer``, ...). Explicit selections take module paths, globs over
-module paths, or module classes.
+``model.layers``, ``encoder.layer``, ...), together with every other such stack, not nested in a
+chosen one, that is at least half as long. The second rule is for models with two stacks:
+encoder-decoders (T5's ``encoder.block`` and ``decoder.block``, ``nn.Transformer``'s
+``encoder.layers`` and ``decoder.layers``) and two-tower models, whose stacks have about the same
+depth, while it leaves out short lists that are not the model's body (a pair of embeddings, the
+heads of a classifier). Explicit selections take module paths, globs over module paths, or module
+classes; ``["encoder.block.*", "decoder.block.*"]`` names both stacks of a T5 explicitly.
 """
 
 from __future__ import annotations
@@ -65,17 +70,27 @@ def layer_names(model: nn.Module, layers: LayerSpec = "auto") -> list[str]:
 
 
 def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    best: list[tuple[str, nn.Module]] = []
-    for path, module in model.named_modules():
+    stacks: list[tuple[int, str, list[tuple[str, nn.Module]]]] = []
+    for order, (path, module) in enumerate(model.named_modules()):
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.named_children())
         if len(children) < 2 or len({type(c) for _, c in children}) != 1:
             continue
-        # Strictly longer wins, so among equals the outermost (first visited) stack is kept.
-        if len(children) > len(best):
-            prefix = f"{path}." if path else ""
-            best = [(prefix + name, child) for name, child in children]
+        prefix = f"{path}." if path else ""
+        stacks.append((order, prefix, [(prefix + name, child) for name, child in children]))
+    # Longest first; among equals the outermost (first visited) one, so a stack nested in an
+    # equally long one is left out below.
+    stacks.sort(key=lambda s: (-len(s[2]), s[0]))
+    chosen: list[tuple[int, str, list[tuple[str, nn.Module]]]] = []
+    for stack in stacks:
+        if chosen and 2 * len(stack[2]) < len(chosen[0][2]):
+            break
+        if any(_nested(stack[1], other[1]) for other in chosen):
+            continue
+        chosen.append(stack)
+    chosen.sort(key=lambda s: s[0])  # module order
+    best = [layer for _, _, layers in chosen for layer in layers]
     if not best:
         raise LayerDiscoveryError(
             f"layers='auto': no repeated blocks found in {type(model).__name__} (looked for an nn.ModuleList "
@@ -83,6 +98,11 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
             f"globs or classes. Candidate module paths include: {_candidates(model)}"
         )
     return best
+
+
+def _nested(prefix: str, other: str) -> bool:
+    """One stack lives inside the other (or they are the same): recomputing both would nest checkpoints."""
+    return prefix.startswith(other) or other.startswith(prefix)
 
 
 def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
