@@ -7,7 +7,9 @@ the gate found no policy artifact, the ``mlflow:`` source failed, and logging re
 
 from __future__ import annotations
 
+import json
 import shutil
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,9 @@ def test_history_rollback_and_the_gate_work_in_a_moved_folder(moved: Path) -> No
     summary = commands.history(recipe)
     assert [d.kind for d in summary.decisions] == ["promote", "promote"]
     assert summary.current is not None and summary.current.policy == B
+    # `history --format json`: datetimes in ISO 8601, not Python reprs.
+    decisions = json.loads(json.dumps(summary.to_dict()))["decisions"]
+    assert [datetime.fromisoformat(d["at"]) for d in decisions] == [d.at for d in summary.decisions]
 
     restored = commands.rollback(recipe)
     assert restored.policy == A and RecomputePolicy.load(moved / "policy.yaml") == A
