@@ -84,10 +84,16 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
         ) from None
     if run.info.lifecycle_stage != "active":
         raise PolicyError(f"{where}: tag {GOOD_RUN_TAG} names run {run_id}, which is deleted")
+    moved = _moved_artifacts(client.tracking_uri, run.info.artifact_uri)
     with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
         try:
-            with _no_progress_bar():
-                local = client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
+            if moved is not None:
+                local = str(moved / POLICY_ARTIFACT)
+                if not Path(local).is_file():
+                    raise FileNotFoundError(local)
+            else:
+                with _no_progress_bar():
+                    local = client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
         except (MlflowException, OSError) as err:
             raise PolicyError(
                 f"{where}: good run {run_id} has no artifact {POLICY_ARTIFACT!r} ({type(err).__name__})"
@@ -108,6 +114,27 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
             f"logged it. Roll back with `recompute-tune rollback`, or re-run the tuner"
         )
     return policy
+
+
+def _moved_artifacts(tracking_uri: str, artifact_uri: str) -> Path | None:
+    """A run's artifact folder beside its SQLite database, when the folder holding both was moved.
+
+    MLflow records absolute artifact paths, and the tuner keeps a SQLite store's artifacts in
+    ``<database folder>/mlartifacts/``. After the folder is moved the recorded path is gone; the
+    artifacts are at the same place relative to the database. Reading them there writes nothing
+    (the tuner rewrites the records the next time it opens the store). ``None``: not moved.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    recorded = artifact_uri[len("file://") :] if artifact_uri.startswith("file://") else artifact_uri
+    if "://" in recorded or ":" in recorded.split("/", 1)[0] or Path(recorded).exists():
+        return None
+    parts = Path(recorded).parts
+    if "mlartifacts" not in parts:
+        return None
+    tail = parts[len(parts) - list(reversed(parts)).index("mlartifacts") :]
+    here = Path(tracking_uri[len("sqlite:///") :]).expanduser().resolve().parent / "mlartifacts" / Path(*tail)
+    return here if here.is_dir() else None
 
 
 def _client(experiment: str, tracking_uri: str | None) -> Any:

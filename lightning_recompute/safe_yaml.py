@@ -26,7 +26,7 @@ import yaml
 
 from lightning_recompute.errors import DocumentError, clip
 
-__all__ = ["DEFAULT_LIMITS", "DocumentLimits", "load_document", "parse_document"]
+__all__ = ["DEFAULT_LIMITS", "DocumentLimits", "load_document", "parse_document", "read_text"]
 
 # libyaml when PyYAML was built with it (the usual wheel): several times faster, same results.
 _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -98,6 +98,18 @@ def parse_document(
         raise
     except (yaml.YAMLError, ValueError) as err:  # ValueError: int() past sys.get_int_max_str_digits()
         raise DocumentError(f"{source}: malformed YAML: {clip(str(err))}") from None
+
+
+def read_text(path: str | os.PathLike[str], *, what: str = "file", limits: DocumentLimits = DEFAULT_LIMITS) -> str:
+    """The UTF-8 text of a regular file within ``limits.max_bytes``: `load_document`'s reading step alone.
+
+    For a caller that parses the text itself after `parse_document` has checked its shape (the
+    recipe loader also refuses duplicate keys, which needs its own constructor).
+
+    Raises:
+        DocumentError: as `load_document`, for everything before parsing.
+    """
+    return _read_text(Path(path), what, limits)
 
 
 def _read_text(path: Path, what: str, limits: DocumentLimits) -> str:

@@ -132,6 +132,9 @@ def _quiet_libraries() -> None:
     import logging
     import os
 
+    from tuner.stores import bound_tracking_requests
+
+    bound_tracking_requests()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
     logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -296,9 +299,13 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
 
 def _rollback(recipe: Recipe) -> int:
     from tuner import commands
+    from tuner.preflight import SettingsError
 
     try:
         restored = commands.rollback(recipe)
+    except SettingsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
@@ -313,11 +320,17 @@ def _rollback(recipe: Recipe) -> int:
 def _history(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import commands
 
-    summary = commands.history(recipe)
+    try:
+        summary = commands.history(recipe)
+    except RecomputeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.format == "json":
         print(json.dumps(summary.to_dict(), indent=2, default=str))
         return EXIT_OK
-    if not summary.decisions:
+    if summary.missing is not None:
+        print(f"experiment {summary.experiment}: nothing recorded yet (no tracking database at {summary.missing})")
+    elif not summary.decisions:
         print(f"experiment {summary.experiment}: no decisions yet")
     for d in summary.decisions:
         print(

@@ -83,6 +83,7 @@ def plan(
         RecomputeError: the budget is not a size, the hardware is unknown, or the model cannot be profiled.
     """
     from tuner.planner import BudgetError, Planner
+    from tuner.preflight import output_problem
     from tuner.profile import HARDWARE
     from tuner.profile.recipe_profile import profile_recipe_meta
     from tuner.trials import device_info, profile_recipe
@@ -103,6 +104,10 @@ def plan(
             limit = parse_bytes(budget)
         except ValueError as err:
             raise RecomputeError(f"--budget: {err}") from None
+    if write is not None:
+        problem = output_problem(Path(write).expanduser().absolute(), key="--write")
+        if problem is not None:  # found before profiling, which can take minutes
+            raise RecomputeError(problem)
     profile = profile_recipe_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
     planner = Planner(profile)
     modes = list(recipe.search.modes)
@@ -121,7 +126,10 @@ def plan(
         summary.exit_code = EXIT_INFEASIBLE
         return summary
     if write is not None:
-        summary.written = summary.chosen.policy.save(write)
+        try:
+            summary.written = summary.chosen.policy.save(write)
+        except OSError as err:  # the folder changed since the check
+            raise RecomputeError(f"--write: cannot write {write}: {err.strerror or err}") from None
     return summary
 
 
@@ -135,6 +143,8 @@ class HistorySummary:
     """Oldest first."""
     current: GoodPolicy | None = None
     """``None`` before the first promotion."""
+    missing: Path | None = None
+    """The SQLite tracking database that does not exist (nothing tuned yet); ``None`` when it does."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
@@ -143,13 +153,26 @@ class HistorySummary:
             "tracking_uri": self.tracking_uri,
             "decisions": [jsonable(d) for d in self.decisions],
             "current": None if self.current is None else jsonable(self.current),
+            "missing": None if self.missing is None else str(self.missing),
         }
 
 
 def history(recipe: Recipe) -> HistorySummary:
-    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone."""
+    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone.
+
+    Reading creates nothing: without the recipe's SQLite tracking database the history is empty
+    (and `HistorySummary.missing` says where it looked).
+
+    Raises:
+        RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
+    """
     from tuner.tracking import Tracker
 
+    missing = _missing_tracking_database(recipe)
+    if missing is not None:
+        return HistorySummary(
+            experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=[], missing=missing
+        )
     tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
     return HistorySummary(
         experiment=str(recipe.tracking.experiment),
@@ -163,8 +186,36 @@ def rollback(recipe: Recipe) -> GoodPolicy:
     """Restore the previous good policy (MLflow record and ``recipe.output``); the restored one.
 
     Raises:
-        RecomputeError: there is nothing to roll back to.
+        RecomputeError: there is nothing to roll back to (no tracking database, or no earlier good policy).
     """
     from tuner.tracking import Tracker
 
+    missing = _missing_tracking_database(recipe)
+    if missing is not None:
+        raise RecomputeError(
+            f"nothing to roll back to: there is no tracking database at {missing} (tracking.uri); "
+            f"nothing has been tuned with this recipe there yet"
+        )
+
     return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment)).rollback(output_path=recipe.output)
+
+
+def _missing_tracking_database(recipe: Recipe) -> Path | None:
+    """The recipe's ``sqlite:///`` tracking database when it does not exist, else ``None``.
+
+    Opening a SQLite URL creates the file and MLflow's tables, so a read-only command run in the
+    wrong folder (or before any tuning) would leave an empty database behind; check first.
+
+    Raises:
+        RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
+    """
+    from tuner.preflight import SettingsError, tracking_problem
+
+    problem = tracking_problem(recipe.tracking.uri)
+    if problem is not None:
+        raise SettingsError([problem])
+    uri = recipe.tracking.uri
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    path = Path(uri[len("sqlite:///") :]).expanduser()
+    return None if path.exists() else path

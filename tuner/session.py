@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ from tuner.search import (
     inspect_layers,
     study_name,
 )
-from tuner.stores import open_tracker
+from tuner.stores import open_tracker, storage_failure
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -242,9 +243,12 @@ class _TuningSession:
     # -------------------------------------------------------------- the flow
 
     def run(self) -> SessionSummary:
+        from tuner.preflight import check_settings
         from tuner.trials import device_info
 
         recipe = self.recipe
+        # Before anything is measured: a path or URI that cannot work fails now, not after the search.
+        check_settings(recipe, output=not self.search_only)
         device, total = device_info(recipe)
         self.budget = recipe.budget.limit_bytes(total)
         layers = inspect_layers(recipe)
@@ -279,6 +283,9 @@ class _TuningSession:
             return self._finish_interrupted("killed")
         except BaseException as err:
             self._finish_failed(err)
+            failure = storage_failure(str(recipe.study.storage), err)
+            if failure is not None:
+                raise failure from err
             raise
 
     def _finish_failed(self, err: BaseException) -> None:
@@ -490,11 +497,7 @@ class _TuningSession:
         best = self.study.best() if self.study is not None else None
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
-            summary.reasons.append(
-                f"no measured trial fits the budget limit of {self.budget} bytes"
-                if summary.ranked
-                else "no trial was measured"
-            )
+            summary.reasons.append(_why_infeasible(summary, self.budget))
             self._finish_tracking("FINISHED", summary)
             return summary
         if self.search_only:
@@ -568,3 +571,14 @@ def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
         if name not in out or out[name].outcome == "interrupted":
             out[name] = r
     return out
+
+
+def _why_infeasible(summary: SessionSummary, budget: int) -> str:
+    """Why there is no best trial, consistent with the "N trials measured" count the report prints."""
+    if summary.ranked:
+        return f"no measured trial fits the budget limit of {budget} bytes"
+    ran = [r for r in summary.records if r.measured]
+    if not ran:
+        return "no trial was measured"
+    outcomes = ", ".join(f"{n} {o}" for o, n in sorted(Counter(r.outcome for r in ran).items()))
+    return f"none of the {len(ran)} trials run gave a throughput ({outcomes}); see each trial's reason"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import optuna
 from optuna.storages.journal import JournalFileBackend
 
-from lightning_recompute.errors import RecomputeError
+from lightning_recompute.errors import RecomputeError, clip
 from tuner.tracking import Tracker
 
 try:
@@ -25,7 +26,26 @@ try:
 except ImportError:  # not POSIX: stores open unlocked; `open_tracker` retries a failed open
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["open_storage", "open_tracker", "sqlite_setup_lock"]
+__all__ = [
+    "StorageUnavailable",
+    "bound_tracking_requests",
+    "open_storage",
+    "open_tracker",
+    "sqlite_setup_lock",
+    "storage_failure",
+]
+
+TRACKING_REQUEST_DEFAULTS = {
+    # MLflow retries a failed HTTP request 7 times with exponential backoff, each with a 120 s
+    # timeout: an unreachable server held a session for 20 minutes. These bound the tuner's calls.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    # MLflow prints "View run ... at: http://..." on stdout when a run ends, which would corrupt
+    # `--format json`; the tuner prints its own `mlflow ui` line.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+"""What the tuner's process sets for MLflow's HTTP client, each only where the user has not set it."""
 
 _log = logging.getLogger(__name__)
 
@@ -51,6 +71,15 @@ def sqlite_setup_lock(url: str) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def bound_tracking_requests() -> None:
+    """Set `TRACKING_REQUEST_DEFAULTS` in this process's environment, keeping any the user set.
+
+    MLflow reads these variables at every request, so setting them before the first call is enough.
+    """
+    for name, value in TRACKING_REQUEST_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """Optuna storage for a database URL, or a journal file for a path ending in ``.log``.
 
@@ -69,7 +98,40 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     if url.startswith("sqlite:///"):
         with sqlite_setup_lock(url):
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
-    return optuna.storages.RDBStorage(url)
+    try:
+        return optuna.storages.RDBStorage(url)
+    except ImportError as err:  # Optuna imports the database's driver when it opens the storage
+        from tuner.preflight import driver_missing
+
+        raise RecomputeError(driver_missing("study.storage", url, err)) from None
+
+
+class StorageUnavailable(RecomputeError):
+    """The study's database failed while a session was using it (a server stopped, a network cut)."""
+
+
+def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
+    """The clear error for ``err`` when it is the study database failing, else ``None``.
+
+    Optuna reports a lost connection as `StorageInternalError` (from a commit) or lets SQLAlchemy's
+    `OperationalError` through (from a query); both arrive as tracebacks naming neither the
+    setting nor what to do. Nothing is promoted from a session whose study failed, so the policy
+    file is untouched, and the study resumes from what the database holds.
+    """
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    if not isinstance(err, (StorageInternalError, OperationalError, InterfaceError)):
+        return None
+    from tuner.preflight import hide_password
+
+    cause = err.__cause__ or err.__context__ or err
+    lines = str(getattr(cause, "orig", None) or cause).strip().splitlines() or [type(cause).__name__]
+    return StorageUnavailable(
+        f"study.storage: the study database {clip(hide_password(url))} failed: {clip(lines[0])}. "
+        "Nothing was promoted and the policy file is unchanged; once the database is reachable, run the "
+        "same command again and the study resumes"
+    )
 
 
 def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Tracker:

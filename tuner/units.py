@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+from lightning_recompute.errors import clip
+
 __all__ = ["format_bytes", "parse_bytes"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -49,10 +51,12 @@ def parse_bytes(value: int | float | str) -> int:
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if not math.isfinite(n):  # "1e400MiB": a float overflows to inf, and int(inf) raises OverflowError
+                raise ValueError(f"{clip(repr(value))} is not a finite size")
             if n >= 1:
                 return int(n)
     raise ValueError(
-        f"{value!r} is not a size (valid: a number of bytes, or a number with a unit: "
+        f"{clip(repr(value))} is not a size (valid: a number of bytes, or a number with a unit: "
         f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based), e.g. 20GiB)"
     )
 

@@ -84,13 +84,12 @@ def finish(proc: subprocess.Popen[str], timeout: float = DEADLINE_S) -> tuple[st
 
 
 def summary_json(out: str) -> dict[str, Any]:
-    """The ``--format json`` summary: from its first line ``{`` on.
+    """The ``--format json`` summary: stdout is exactly one JSON document.
 
-    MLflow's client writes "View run ... at: http://..." lines to stdout when the tracking URI is
-    a server (each run it terminates), ahead of the summary; the tuner does not suppress them yet.
+    MLflow's client would print "View run ... at: http://..." to stdout at every run end with a
+    tracking server; the tuner sets MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT so nothing else is there.
     """
-    lines = out.splitlines()
-    return dict(json.loads("\n".join(lines[lines.index("{") :])))
+    return dict(json.loads(out))
 
 
 def the_study(storage: str) -> optuna.Study:
@@ -309,12 +308,6 @@ def wait_for_line(proc: subprocess.Popen[str], prefix: str, timeout: float = DEA
     pytest.fail(f"no line starting {prefix!r} within {timeout:.0f} s; stderr tail:\n{err[-3000:]}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 'the database going away': today the next storage call (measured_count) raises Optuna's "
-    "StorageInternalError ('An exception is raised during the commit ... exceeding max length') as a traceback, "
-    "exit 1, naming neither study.storage nor the server",
-)
 def test_the_study_database_going_away_fails_clearly_and_a_rerun_resumes(
     tmp_path: Path, own_postgres: Any, mlflow_server: str
 ) -> None:
@@ -370,11 +363,6 @@ runpy.run_module("tuner", run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: today Optuna's RDBStorage raises a bare ImportError ('Failed to import DB access module') "
-    "through the CLI as a traceback, exit 1; tuner.search.open_storage should name the [postgres] extra",
-)
 def test_a_postgresql_storage_without_the_driver_names_the_extra(tmp_path: Path) -> None:
     # No server is needed: the driver is imported before any connection is tried.
     write_recipe(

@@ -299,6 +299,57 @@ def test_file_level_errors(tmp_path: Path) -> None:
         R.load(_write(tmp_path, ""))
 
 
+def _bomb(levels: int) -> str:
+    """A YAML "billion laughs": each level lists the previous one ten times (10**levels leaves)."""
+    lines = ['a0: &a0 ["lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "NUL bytes"),
+        ("budget: 1GiB\n".encode("utf-16"), "UTF-16"),
+        (b"budget: \xff\xfe1GiB\n", "not UTF-8"),
+        (("[" * 100_000 + "]" * 100_000).encode(), "nest"),
+        (_bomb(9).encode(), "alias"),
+        (b"budget: 1GiB\n" + b"# padding\n" * 200_000, "larger than the limit"),
+    ],
+    ids=["binary", "utf-16", "latin-1", "deep", "alias-bomb", "oversized"],
+)
+def test_hostile_recipe_files_are_a_recipe_error_naming_the_file(tmp_path: Path, content: bytes, expected: str) -> None:
+    # Each used to escape as UnicodeDecodeError, RecursionError or MemoryError (after 72 s for the bomb).
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(content)
+    with pytest.raises(R.RecipeError) as info:
+        R.load(path)
+    assert info.value.source == str(path)
+    assert len(info.value.errors) == 1 and expected in info.value.errors[0], info.value.errors
+    assert len(str(info.value)) < 1000  # nothing of the file is echoed in bulk
+
+
+def test_an_echoed_value_is_clipped(tmp_path: Path) -> None:
+    huge = "x" * 100_000
+    errors = _errors({"budget": huge})
+    assert len(errors) == 1 and "budget" in errors[0] and len(errors[0]) < 1000, errors
+
+
+@pytest.mark.parametrize("batch_size", [0, -2, "8", 2.5, True])
+def test_a_batch_size_that_is_not_positive_is_refused_at_load(batch_size: Any) -> None:
+    # Every trial used to fail building its loader, after the session had profiled and searched.
+    errors = _errors({"budget": "1GiB", "data": {"init_args": {"batch_size": batch_size}}})
+    assert any(e.startswith("data.init_args.batch_size:") and "positive integer" in e for e in errors), errors
+
+
+def test_a_constructor_refusing_its_arguments_is_a_recipe_error() -> None:
+    recipe = R.from_dict({"budget": "1GiB", "model": {"init_args": {"n_embd": 30, "n_head": 4}}})
+    with pytest.raises(R.RecipeError) as info:
+        R.build_model(recipe)
+    (line,) = info.value.errors
+    assert line.startswith("model.init_args:") and "not divisible by n_head=4" in line, line
+
+
 def test_class_path_beside_the_recipe_is_importable(tmp_path: Path) -> None:
     (tmp_path / "my_models_for_recipe_test.py").write_text(
         "from lightning_recompute.reference import ReferenceGPT\n\nclass Mine(ReferenceGPT):\n    pass\n"

@@ -32,6 +32,14 @@ def test_parse_bytes_rejects_what_is_not_a_size_and_names_the_units(bad: object)
         parse_bytes(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("huge", ["1e400MiB", "1e400", "9" * 400 + "GiB"])
+def test_an_overflowing_size_is_a_clear_error_not_an_overflow(huge: str) -> None:
+    # float("1e400") is inf; int(inf) would raise OverflowError, which no caller expects.
+    with pytest.raises(ValueError, match="not a finite size") as info:
+        parse_bytes(huge)
+    assert len(str(info.value)) < 300  # the echoed value is clipped
+
+
 def test_format_bytes() -> None:
     assert format_bytes(20 * 2**30) == "20.00 GiB"
     assert format_bytes(1536 * 1024) == "1.50 MiB"

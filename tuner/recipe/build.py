@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from lightning_recompute.errors import clip
 from tuner.recipe.checks import _accepts
-from tuner.recipe.schema import Recipe, RecipeError
+from tuner.recipe.schema import Component, Recipe, RecipeError
 
 if TYPE_CHECKING:
     import lightning as L
 
 
 def build_model(recipe: Recipe) -> L.LightningModule:
-    """A fresh instance of the recipe's LightningModule."""
-    return recipe.model.instantiate()
+    """A fresh instance of the recipe's LightningModule.
+
+    Raises:
+        RecipeError: the class's constructor refused the recipe's ``model.init_args``.
+    """
+    return _instantiate(recipe, "model", recipe.model)
 
 
 def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.LightningDataModule:
@@ -23,7 +28,7 @@ def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.Lightn
         RecipeError: ``micro_batch`` is given and the data module takes no ``batch_size`` argument.
     """
     if micro_batch is None:
-        return recipe.data.instantiate()
+        return _instantiate(recipe, "data", recipe.data)
     if not _accepts(recipe.data.import_class(), "batch_size"):
         raise RecipeError(
             [
@@ -32,4 +37,24 @@ def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.Lightn
             ],
             recipe.source,
         )
-    return recipe.data.instantiate(batch_size=micro_batch)
+    return _instantiate(recipe, "data", recipe.data, batch_size=micro_batch)
+
+
+def _instantiate(recipe: Recipe, key: str, component: Component, **overrides: Any) -> Any:
+    """``component``'s instance; the user's constructor refusing its arguments is a `RecipeError`.
+
+    The recipe's checks compare ``init_args`` with the signature; only the constructor itself
+    knows which values it accepts. Running out of memory is not the recipe's fault: it propagates
+    as itself, for the trial to classify.
+    """
+    import torch
+
+    try:
+        return component.instantiate(**overrides)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as err:
+        raise RecipeError(
+            [f"{key}.init_args: {component.class_path} refused them: {type(err).__name__}: {clip(str(err))}"],
+            recipe.source,
+        ) from err

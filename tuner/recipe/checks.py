@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
+from lightning_recompute.errors import clip
 from tuner.recipe.schema import _SECTIONS, REFERENCE_DATA, Component, _import_class, _RecipeFile, _suggest
 
 
@@ -119,8 +120,16 @@ def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, typ
     storage = parsed.study.storage
     if storage is not None and "://" not in storage and not storage.endswith(".log"):
         errors.append(
-            f"study.storage: {storage!r} is neither a database URL nor a journal file "
+            f"study.storage: {clip(repr(storage))} is neither a database URL nor a journal file "
             f"(valid: sqlite:///optuna.db, postgresql://..., mysql://..., or a path ending in .log)"
+        )
+    batch_size = data.init_args.get("batch_size")
+    if "batch_size" in data.init_args and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        # Every trial would fail building its data loader; say so now, not after the search.
+        errors.append(
+            f"data.init_args.batch_size: {clip(repr(batch_size))} is not a batch size (valid: a positive integer)"
         )
     data_cls = classes.get("data") if parsed.data is not None else _reference_data_class()
     if parsed.search.micro_batch_sizes and data_cls is not None and not _accepts(data_cls, "batch_size"):
@@ -162,11 +171,12 @@ def _describe(err: Mapping[str, Any]) -> str:
         expected = err.get("ctx", {}).get("expected", "")
         choices = re.findall(r"'([^']*)'|(\d+)", expected)
         names = [a or b for a, b in choices]
-        return f"{path}: {err['input']!r} is not valid{_suggest(str(err['input']), names)} (valid: {', '.join(names)})"
+        suggestion = _suggest(str(err["input"])[:200], names)
+        return f"{path}: {clip(repr(err['input']))} is not valid{suggestion} (valid: {', '.join(names)})"
     msg = str(err["msg"])
     if msg.startswith("Value error, "):
         return f"{path}: {msg[len('Value error, ') :]}"
-    return f"{path}: {msg[0].lower() + msg[1:]} (got {err['input']!r})"
+    return f"{path}: {msg[0].lower() + msg[1:]} (got {clip(repr(err['input']))})"
 
 
 def _keys_at(loc: tuple[Any, ...]) -> list[str]:

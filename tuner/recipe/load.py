@@ -12,6 +12,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from lightning_recompute.errors import DocumentError, clip
+from lightning_recompute.safe_yaml import parse_document, read_text
 from tuner.recipe.checks import _check_component, _cross_check, _default_data, _describe, _importable
 from tuner.recipe.schema import (
     _FILE_ADAPTER,
@@ -33,18 +35,25 @@ def load(path: str | os.PathLike[str]) -> Recipe:
     """
     p = Path(path).expanduser().resolve()
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(["recipe file not found"], p) from None
-    except OSError as err:
-        raise RecipeError([f"cannot read the recipe file: {err}"], p) from None
-    try:
+        # Bounded: size, binary/UTF-16 content, nesting depth and alias expansion are refused
+        # before anything is built, so a hostile file costs neither memory nor the stack.
+        text = read_text(p, what="recipe file")
+        parse_document(text, source=str(p))
+        # The shape is safe now; parse again refusing duplicate keys (YAML keeps the last silently).
         data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except DocumentError as err:
+        raise RecipeError([_without_path(str(err), p)], p) from None
     except yaml.YAMLError as err:
-        raise RecipeError([f"malformed YAML: {err}"], p) from None
+        raise RecipeError([f"malformed YAML: {clip(str(err))}"], p) from None
     if data is None:
         data = {}
     return from_dict(data, source=p)
+
+
+def _without_path(message: str, path: Path) -> str:
+    """A `DocumentError` message without its leading path: `RecipeError` names the file already."""
+    prefix = f"{path}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

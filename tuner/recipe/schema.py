@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, WithJsonSchema
 from pydantic.dataclasses import dataclass as schema_dataclass
 
-from lightning_recompute.errors import RecomputeError
+from lightning_recompute.errors import RecomputeError, clip
 from tuner.jsonable import jsonable
 from tuner.units import format_bytes as _format_bytes
 from tuner.units import parse_bytes
@@ -95,7 +95,7 @@ def _precision(value: Any) -> str:
     if text in _PRECISION_ALIASES:
         return _PRECISION_ALIASES[text]
     raise ValueError(
-        f"{value!r} is not valid{_suggest(str(value), PRECISIONS)} "
+        f"{clip(repr(value))} is not valid{_suggest(str(value), PRECISIONS)} "
         f"(valid: {', '.join(PRECISIONS)}; aliases {', '.join(_PRECISION_ALIASES)})"
     )
 
@@ -123,14 +123,14 @@ def _budget_value(value: Any) -> int | float:
         try:
             pct = float(value.strip()[:-1])
         except ValueError:
-            raise ValueError(f"{value!r} is not a percentage (valid: e.g. '80%')") from None
+            raise ValueError(f"{clip(repr(value))} is not a percentage (valid: e.g. '80%')") from None
         if not 0 < pct <= 100:
-            raise ValueError(f"{value!r}: a percentage of device memory must be in (0%, 100%]")
+            raise ValueError(f"{clip(repr(value))}: a percentage of device memory must be in (0%, 100%]")
         return pct / 100
     if isinstance(value, float):
         if not (math.isfinite(value) and 0 < value <= 1):
             raise ValueError(
-                f"{value!r}: a float is a fraction of device memory and must be in (0, 1]; "
+                f"{clip(repr(value))}: a float is a fraction of device memory and must be in (0, 1]; "
                 f"for an absolute budget give bytes as an integer or a size like '20GiB'"
             )
         return value
@@ -316,10 +316,13 @@ def _layers_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         if not value or not all(isinstance(v, str) and v.strip() for v in value):
             raise ValueError(
-                f"{value!r}: a list of layers must hold non-empty strings (module paths, globs, or 'class:Name')"
+                f"{clip(repr(value))}: a list of layers must hold non-empty strings "
+                "(module paths, globs, or 'class:Name')"
             )
         return tuple(value)
-    raise ValueError(f"{value!r} is not a layer selection (valid: 'auto', module paths, globs, or 'class:Name')")
+    raise ValueError(
+        f"{clip(repr(value))} is not a layer selection (valid: 'auto', module paths, globs, or 'class:Name')"
+    )
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)

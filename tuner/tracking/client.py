@@ -3,7 +3,9 @@ and the clipping and status rules MLflow's limits impose."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import re
 import time
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 from tuner.jsonable import jsonable
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 """Where runs go unless the recipe says otherwise (MLflow 3 deprecates the file store)."""
@@ -55,6 +59,49 @@ def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
         return None
     safe = re.sub(r"[^\w.\-]+", "_", experiment).strip("._") or "experiment"
     return str(Path(db).resolve().parent / "mlartifacts" / safe)
+
+
+def _follow_a_moved_folder(tracking_uri: str, experiment: str, exp: Any) -> str | None:
+    """Point a moved or copied results folder's records at its own artifacts; the old location, if it did.
+
+    MLflow stores absolute artifact locations: the experiment's, and each run's under it. After
+    ``mv run1 run2`` the database in run2 still names run1's ``mlartifacts``, so reading a policy
+    fails and logging recreates run1's folder; a copy would write into the original's. When the
+    experiment's recorded location is the one `artifact_location_for` gave the database's
+    *former* folder, the records (the experiment's location and its runs' artifact URIs) are
+    rewritten to the database's current folder, in one transaction. MLflow has no API for this,
+    so it is an UPDATE of the two columns that hold the locations. A location the user chose
+    (another folder name, a server) is left alone.
+    """
+    expected = artifact_location_for(tracking_uri, experiment)
+    if expected is None:
+        return None
+    stored = str(exp.artifact_location)
+    stored_path = stored[len("file://") :] if stored.startswith("file://") else stored
+    if stored_path == expected or Path(stored_path).name != Path(expected).name:
+        return None
+    if Path(stored_path).parent.name != "mlartifacts":
+        return None  # not the tuner's layout: someone chose this location
+    import sqlite3
+
+    db = tracking_uri[len("sqlite:///") :]
+    prefix = stored.rstrip("/")
+    with contextlib.closing(sqlite3.connect(db, timeout=120)) as conn, conn:
+        conn.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (expected, int(exp.experiment_id))
+        )
+        conn.execute(
+            "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+            "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
+            (expected, len(prefix) + 1, int(exp.experiment_id), len(prefix), prefix),
+        )
+    _log.warning(
+        "the results folder moved: experiment %r's artifacts were recorded under %s; now under %s",
+        experiment,
+        stored_path,
+        expected,
+    )
+    return stored_path
 
 
 def _param_key(name: str) -> str:
@@ -112,6 +159,8 @@ class TrackingClient:
         self.tracking_uri = tracking_uri or DEFAULT_TRACKING_URI
         self.experiment = experiment
         self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        self.relocated_from: str | None = None
+        """The artifact folder the experiment was recorded under before its results folder moved."""
         self.experiment_id = self._experiment_id(artifact_location)
 
     def _experiment_id(self, artifact_location: str | None) -> str:
@@ -132,6 +181,7 @@ class TrackingClient:
                 f"MLflow experiment {self.experiment!r} is deleted; restore it (`mlflow experiments restore "
                 f"--experiment-id {exp.experiment_id}`) or set tracking.experiment to another name"
             )
+        self.relocated_from = _follow_a_moved_folder(self.tracking_uri, self.experiment, exp)
         return exp.experiment_id
 
     def _search(self, filter_string: str) -> list[Any]:
