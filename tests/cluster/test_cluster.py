@@ -105,11 +105,11 @@ def asked_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that ran a policy (what ``n_trials`` counts): neither skipped, duplicate nor interrupted."""
+    """Trials that ran a policy (what ``n_trials`` counts): neither skipped, duplicate, interrupted nor abandoned."""
     return [
         t
         for t in study.get_trials(deepcopy=False)
-        if t.user_attrs.get("outcome") not in (None, "skipped", "duplicate", "interrupted")
+        if t.user_attrs.get("outcome") not in (None, "skipped", "duplicate", "interrupted", "abandoned")
     ]
 
 
