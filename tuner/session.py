@@ -447,6 +447,14 @@ class _TuningSession:
             raise RuntimeError("_one_trial called before the study was opened")
         proposal = study.ask(session_run_id=self.session_run_id)
         self.in_flight = proposal
+        if study.measured_count() + study.running_alive(self.grace, below=proposal.number) >= self.n_trials:
+            # Another worker asked at the same moment and holds the last slot (the lower number
+            # wins): give this one back. A seed goes back in the queue, as for an interrupted trial.
+            reason = "not run: other workers' trials make up n_trials"
+            self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
+            frozen = study.tell_interrupted(proposal, reason)
+            self._event(frozen.number)
+            return False
         if proposal.duplicate_of is not None:
             reason = f"duplicate of trial {proposal.duplicate_of.number} (same policy and micro-batch)"
             run_id = self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
