@@ -237,6 +237,7 @@ class _TuningSession:
         self.setting_up = False
         """Whether this session holds the study's setup (its heartbeat keeps the setup owner alive)."""
         self.grace = grace_s()
+        self.heartbeat: Heartbeat | None = None
 
     def _tracker(self) -> Tracker:
         """The session's tracker; only called once `run` has opened it."""
@@ -299,9 +300,8 @@ class _TuningSession:
             self._finish_failed(err)
             raise
         finally:
-            heartbeat = getattr(self, "heartbeat", None)
-            if heartbeat is not None:
-                heartbeat.stop()
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
 
     def _beat(self) -> None:
         """One heartbeat (from the `Heartbeat` thread): the setup, the trial in flight, the session run."""
