@@ -29,6 +29,8 @@ from lightning_recompute.errors import RecomputeError
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
 from tuner.jsonable import jsonable
+from tuner.killpoints import kill_point
+from tuner.liveness import Heartbeat, grace_s
 from tuner.planner.seeds import PlannerSeeds, plan_seeds
 from tuner.search import (
     Predictor,
@@ -60,7 +62,11 @@ MAX_UNMEASURED_IN_A_ROW = 25
 """Proposals in a row that are duplicates or skipped before the session decides the space is exhausted."""
 
 SETUP_WAIT_S = 600.0
-"""How long a worker joining a new study waits for the worker that created it to profile and seed it."""
+"""How long a worker joining a new study waits for the worker that created it to profile and seed it
+(a dead creator is taken over at once on its host, after the grace period elsewhere)."""
+
+POLL_S = 1.0
+"""How often a session waiting on other workers' trials looks at the study again."""
 
 Notify = Callable[[str], None]
 
@@ -229,6 +235,10 @@ class _TuningSession:
         self.seeding: PlannerSeeds | None = None
         self.predict: Predictor | None = None
         self.ran = 0
+        self.setting_up = False
+        """Whether this session holds the study's setup (its heartbeat keeps the setup owner alive)."""
+        self.grace = grace_s()
+        self.heartbeat: Heartbeat | None = None
 
     def _tracker(self) -> Tracker:
         """The session's tracker; only called once `run` has opened it."""
@@ -268,11 +278,20 @@ class _TuningSession:
                 recipe_fingerprint=recipe.fingerprint(),
                 device=device,
             )
+            self.heartbeat = Heartbeat(self._beat).start()
             self.seeding = self._setup_study()
             self.predict = self.seeding.predictor()
             self.interrupts.phase = "between"
             self.tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+            # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
+            # session resumes it (one study, one session run) instead of opening another.
+            for run_id in self.tracker.end_dead_sessions(self.name, self.grace):
+                self.note(f"session run {run_id} of a dead worker ended KILLED")
             self.session_run_id = self.tracker.start_session(recipe, study_name=self.name, resume=True)
+            from tuner.trials import clean_stale_trial_dirs
+
+            for folder in clean_stale_trial_dirs():
+                self.notify(f"removed {folder}: its tuning process is gone")
             stop_reason = self._search()
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped after the current trial")
@@ -287,6 +306,42 @@ class _TuningSession:
             if failure is not None:
                 raise failure from err
             raise
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+
+    def _beat(self) -> None:
+        """One heartbeat (from the `Heartbeat` thread): the setup, the trial in flight, the session run."""
+        study = self.study
+        if study is None:
+            return
+        if self.setting_up:
+            study.beat_setup()
+        proposal = self.in_flight
+        if proposal is not None:
+            with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
+                study.beat_trial(proposal)
+        if self.tracker is not None:
+            self.tracker.beat()
+
+    def _reap(self) -> None:
+        """Fail the trials of dead workers (their candidates go back in the queue) and record them in MLflow."""
+        study, tracker = self.study, self._tracker()
+        assert study is not None
+        abandoned = study.reap_dead(self.grace)
+        for dead in abandoned:
+            tracker.log_abandoned_trial(
+                dead.number,
+                dead.policy,
+                list(self.space.layer_names),
+                dead.micro_batch,
+                reason=dead.reason,
+                session_run_id=dead.session_run_id,
+            )
+            self.note(f"trial {dead.number} failed: {dead.reason}; its candidate is queued again")
+        if abandoned:
+            for run_id in tracker.end_dead_sessions(self.name, self.grace):
+                self.note(f"session run {run_id} of a dead worker ended KILLED")
 
     def _finish_failed(self, err: BaseException) -> None:
         """Leave nothing running after an unexpected error: the trial told FAIL, the session run FAILED."""
@@ -296,7 +351,7 @@ class _TuningSession:
                 self.study.tell_interrupted(self.in_flight, why)
                 self.in_flight = None
         with contextlib.suppress(Exception):
-            if self.study is not None and self.seeding is None:
+            if self.study is not None and self.seeding is None and self.setting_up:
                 self.study.abandon_setup()
         if self.tracker is not None:
             with contextlib.suppress(Exception):
@@ -314,7 +369,11 @@ class _TuningSession:
         if not takes_over:
             if not study.seeded:
                 self.notify(f"study {self.name} is being set up by another worker; waiting ...")
-            takes_over = not study.wait_seeded(SETUP_WAIT_S)
+            takes_over = not study.wait_seeded(SETUP_WAIT_S, grace_s=self.grace)
+            if takes_over:
+                dead = study.setup_owner_dead(self.grace)
+                self.note(f"taking over the study's setup: {dead or 'the worker setting it up gave up'}")
+                study.take_over_setup()
         if not takes_over:
             stored = study.stored_profile()
             seeding = (
@@ -327,7 +386,9 @@ class _TuningSession:
                 self.note(seeding.note)
             self.notify(f"study {self.name} resumed: {study.measured_count()} trials measured so far")
             return seeding
+        self.setting_up = True
         try:
+            kill_point("profiling")  # a test hook; see tuner.killpoints
             if self.use_planner:
                 self.notify("profiling the model and planning ...")
                 seeding = plan_seeds(self.recipe, self.space, self.budget)
@@ -342,6 +403,8 @@ class _TuningSession:
         except BaseException:
             study.abandon_setup()
             raise
+        finally:
+            self.setting_up = False
         self.notify(f"study {self.name} created; seeded {', '.join(enqueued) or 'nothing'}")
         return seeding
 
@@ -351,18 +414,36 @@ class _TuningSession:
         started = time.monotonic()
         timeout = self.recipe.search.timeout_s
         unmeasured = 0
+        # Waiting on other workers' trials ends at the latest when each could have timed out and
+        # been found dead: a live worker's trial ends by its deadline, a dead one's is reaped.
+        wait_limit = self.recipe.trial.timeout_s + self.grace + 60.0
+        waiting_since: float | None = None
         while True:
             self.interrupts.phase = "between"
             if self.interrupts.stop.is_set():
                 return None
-            if self.study.measured_count() >= self.n_trials:
+            self._reap()
+            measured = self.study.measured_count()
+            if measured >= self.n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
                 return f"search.timeout_s ({timeout:g} s) reached"
             if unmeasured >= MAX_UNMEASURED_IN_A_ROW:
                 return f"search space exhausted: {unmeasured} proposals in a row were duplicates or skipped"
-            measured = self._one_trial()
-            unmeasured = 0 if measured else unmeasured + 1
+            if measured + self.study.running_alive(self.grace) >= self.n_trials:
+                # Other workers' trials in flight make up n_trials: wait for them rather than run
+                # a surplus one. If one of them dies its candidate comes back, and this worker runs it.
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    self.notify("n_trials are measured or being measured by other workers; waiting for them ...")
+                if time.monotonic() - waiting_since > wait_limit:
+                    return f"other workers' trials did not finish within {wait_limit:g} s; stopped waiting"
+                self.interrupts.stop.wait(POLL_S)
+                continue
+            waiting_since = None
+            ran = self._one_trial()
+            unmeasured = 0 if ran else unmeasured + 1
+            kill_point("between" if ran else "")  # a test hook; see tuner.killpoints
 
     def _one_trial(self) -> bool:
         """One proposal, run or not; whether it was measured."""
@@ -371,8 +452,16 @@ class _TuningSession:
         study = self.study
         if study is None:
             raise RuntimeError("_one_trial called before the study was opened")
-        proposal = study.ask()
+        proposal = study.ask(session_run_id=self.session_run_id)
         self.in_flight = proposal
+        if study.measured_count() + study.running_alive(self.grace, below=proposal.number) >= self.n_trials:
+            # Another worker asked at the same moment and holds the last slot (the lower number
+            # wins): give this one back. A seed goes back in the queue, as for an interrupted trial.
+            reason = "not run: other workers' trials make up n_trials"
+            self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
+            frozen = study.tell_interrupted(proposal, reason)
+            self._event(frozen.number)
+            return False
         if proposal.duplicate_of is not None:
             reason = f"duplicate of trial {proposal.duplicate_of.number} (same policy and micro-batch)"
             run_id = self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
@@ -546,6 +635,7 @@ class _TuningSession:
 
         def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             self.interrupts.phase = "gate"
+            kill_point("gate")  # a test hook; see tuner.killpoints
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -565,10 +655,10 @@ def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
         name = r.seed.split(":", 1)[1]  # type: ignore[union-attr]
         if r.outcome == "duplicate" and r.duplicate_of in by_number:
             r = by_number[r.duplicate_of]
-        if r.outcome == "interrupted":
+        if r.outcome in ("interrupted", "abandoned"):
             out.setdefault(name, r)
             continue
-        if name not in out or out[name].outcome == "interrupted":
+        if name not in out or out[name].outcome in ("interrupted", "abandoned"):
             out[name] = r
     return out
 

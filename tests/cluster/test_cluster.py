@@ -8,8 +8,10 @@ read back through Optuna's and MLflow's public APIs only, as another machine wou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -104,11 +106,11 @@ def asked_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Trials that ran a policy (what ``n_trials`` counts): neither skipped, duplicate nor interrupted."""
+    """Trials that ran a policy (what ``n_trials`` counts): neither skipped, duplicate, interrupted nor abandoned."""
     return [
         t
         for t in study.get_trials(deepcopy=False)
-        if t.user_attrs.get("outcome") not in (None, "skipped", "duplicate", "interrupted")
+        if t.user_attrs.get("outcome") not in (None, "skipped", "duplicate", "interrupted", "abandoned")
     ]
 
 
@@ -264,11 +266,6 @@ def test_every_trial_is_a_nested_run_of_exactly_one_session(three_workers: dict[
     assert not [r for r in runs if r.info.status == "RUNNING"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: each worker checks the measured count before asking, so workers that ask while "
-    "others' trials run overshoot n_trials (tuner/session.py _search counts only finished trials)",
-)
 def test_workers_together_measure_exactly_n_trials(three_workers: dict[str, Any]) -> None:
     counts = Counter(t.user_attrs.get("outcome") for t in asked_trials(three_workers["study"]))
     assert len(measured(three_workers["study"])) == N_TRIALS, counts
@@ -384,3 +381,107 @@ def test_a_postgresql_storage_without_the_driver_names_the_extra(tmp_path: Path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "lightning-recompute[postgres]" in proc.stderr and "psycopg" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- a worker dying
+
+GRACE_S = 8.0
+# Makes the killed worker another "machine" to the survivor (another host name), so the survivor
+# can only tell it is dead from its silence: the heartbeat and the grace period, as across hosts.
+OTHER_MACHINE = "import socket\nsocket.gethostname = lambda: 'machine-b.example'\n"
+
+
+def parent_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+            children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the trial's process through /proc")
+def test_a_worker_killed_mid_trial_is_failed_after_the_grace_period_and_its_candidate_retried(
+    tmp_path: Path, postgres: Any, mlflow_server: str
+) -> None:
+    storage = postgres.create_database(f"d_{uuid.uuid4().hex[:12]}")
+    name = f"dies-{uuid.uuid4().hex[:8]}"
+    survivor_dir, doomed_dir, site = tmp_path / "a", tmp_path / "b", tmp_path / "site"
+    for folder in (survivor_dir, doomed_dir):
+        write_recipe(folder, storage=storage, tracking=mlflow_server, n_trials=4, name=name)
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(OTHER_MACHINE, encoding="utf-8")
+    timing = {"RECOMPUTE_TUNE_GRACE_S": str(GRACE_S), "RECOMPUTE_TUNE_HEARTBEAT_S": "1"}
+    doomed_env = {**child_env(), **timing}
+    doomed_env["PYTHONPATH"] = os.pathsep.join((str(site), doomed_env["PYTHONPATH"]))
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "tuner", "recipe.yaml", "--search-only", "--no-plan"],
+        cwd=doomed_dir,
+        env=doomed_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    # Both work at once; the survivor goes on while the doomed one dies mid-trial.
+    survivor = subprocess.Popen(
+        [sys.executable, "-m", "tuner", "recipe.yaml", "--format", "json", "--no-plan"],
+        cwd=survivor_dir,
+        env={**child_env(), **timing},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Wait until the doomed worker runs a trial, then kill it and its trial's process group.
+        deadline = time.monotonic() + DEADLINE_S
+        victim = None
+        while victim is None and time.monotonic() < deadline and doomed.poll() is None:
+            names = optuna.get_all_study_names(storage)
+            if names:
+                study = optuna.load_study(study_name=names[0], storage=storage)
+                running = [
+                    t
+                    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                    if (t.user_attrs.get("owner") or {}).get("host") == "machine-b.example"
+                ]
+                workers = parent_of(doomed.pid)
+                if running and workers:
+                    victim = running[0]
+                    for worker in workers:
+                        os.killpg(worker, 9)
+                    os.killpg(doomed.pid, 9)
+            time.sleep(0.2)
+        assert victim is not None, "the doomed worker never ran a trial"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(doomed.pid, 9)
+        doomed.wait(timeout=60)
+
+    out, err = finish(survivor)
+    assert survivor.returncode == 0, err[-3000:]
+
+    study = the_study(storage)
+    dead = study.trials[victim.number]
+    assert dead.state == optuna.trial.TrialState.FAIL and dead.user_attrs["outcome"] == "abandoned"
+    assert "no heartbeat" in dead.user_attrs["reason"] and f"grace period {GRACE_S:g} s" in dead.user_attrs["reason"]
+    key = victim.user_attrs["candidate_key"]
+    retried = [t for t in measured(study) if t.user_attrs["candidate_key"] == key]
+    assert len(retried) == 1 and retried[0].user_attrs["worker"].startswith(socket.gethostname())
+    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+    assert len(measured(study)) == 4
+
+    _, _, runs = mlflow_runs(mlflow_server, name)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    trial_runs = [r for r in runs if r.data.tags.get("recompute.kind") == "trial"]
+    (dead_run,) = [r for r in trial_runs if r.data.params.get("trial_number") == str(victim.number)]
+    assert dead_run.info.status == "FAILED" and dead_run.data.tags["recompute.outcome"] == "abandoned"
+    assert "owner died" in dead_run.data.tags["recompute.reason"]
+    killed_sessions = [r for r in runs if r.data.tags.get("recompute.session_ended_by")]
+    assert [r.info.status for r in killed_sessions] in (["KILLED"], ["FINISHED"])  # KILLED, or resumed after
+    numbers = Counter(int(r.data.params["trial_number"]) for r in trial_runs)
+    assert sorted(numbers) == sorted(t.number for t in asked_trials(study)) and set(numbers.values()) == {1}
+    assert summary_json(out)["status"] in ("promoted", "current")

@@ -28,6 +28,10 @@ class StudyAttr:
     """`Profile.to_dict` of the model: resumed and joining sessions predict with the same figures."""
     PLANNER_NOTE = "planner_note"
     """Why the planner made no predictions, or what it could not do."""
+    SETUP_OWNER = "setup_owner"
+    """`tuner.liveness.Owner.to_dict` of the session setting the study up: a dead one is taken over."""
+    SETUP_HEARTBEAT = "setup_heartbeat"
+    """The setting-up session's last heartbeat (``time.time()``)."""
 
 
 class TrialAttr:
@@ -53,3 +57,11 @@ class TrialAttr:
     STEP_TIME_S = "step_time_s"
     WALL_S = "wall_s"
     DUPLICATE_OF = "duplicate_of"
+    OWNER = "owner"
+    """`tuner.liveness.Owner.to_dict` of the session running the trial."""
+    HEARTBEAT = "heartbeat"
+    """The owner's last heartbeat while the trial runs (``time.time()``)."""
+    SESSION_RUN = "session_run_id"
+    """The MLflow session run of the owner: where the trial's run goes if the owner dies."""
+    RETRY_OF = "retry_of"
+    """The number of the trial whose owner died, for a candidate enqueued again."""

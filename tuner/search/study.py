@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tuner.planner.solver import Prediction
     from tuner.recipe import Recipe
     from tuner.trials import TrialResult
+from tuner.liveness import Owner, dead_reason
 from tuner.search.attrs import StudyAttr, TrialAttr
 from tuner.search.seeds import Seed
 from tuner.search.space import SearchSpace
@@ -110,7 +111,7 @@ class TrialRecord:
     state: str
     """Optuna's state name: COMPLETE, FAIL, PRUNED (RUNNING/WAITING are not records)."""
     outcome: str
-    """ok / over_budget / oom / timeout / error / skipped, or duplicate / interrupted (never measured)."""
+    """ok / over_budget / oom / timeout / error / skipped, or duplicate / interrupted / abandoned (never measured)."""
     policy: RecomputePolicy | None
     fingerprint: str
     short: str
@@ -215,6 +216,9 @@ class TuningStudy:
         try:
             study = optuna.create_study(storage=store, study_name=name, direction="maximize", sampler=sampler)
             created = True
+            # Recorded first: a worker waiting for this setup takes it over once this owner is dead.
+            study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
+            study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
             study.set_user_attr(StudyAttr.SEARCH_SPACE, space.signature())
             study.set_user_attr(StudyAttr.BUDGET_BYTES, int(budget_bytes))
             for key, value in (
@@ -248,12 +252,14 @@ class TuningStudy:
                 ) from None
         return cls(study, space, budget_bytes=budget_bytes, created=created)
 
-    def wait_seeded(self, timeout_s: float, poll_s: float = 0.5) -> bool:
+    def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
         """Wait for the process that created the study to finish setting it up; whether it did.
 
         The creator profiles the model and seeds the study right after creating it; another worker
         started at the same moment waits for that rather than doing it twice. It stops waiting
-        when the creator gave up (it was interrupted while setting up) or after ``timeout_s``.
+        when the creator gave up (it was interrupted while setting up), when the creator is dead
+        (`setup_owner_dead`; at once on the same host, after ``grace_s`` without a heartbeat
+        elsewhere), or after ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -262,7 +268,29 @@ class TuningStudy:
                 return True
             if attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
                 return False
+            if self.setup_owner_dead(grace_s) is not None:
+                return False
             time.sleep(poll_s)
+
+    def setup_owner_dead(self, grace_s: float) -> str | None:
+        """Why the session setting the study up is dead, or ``None`` (alive, done, or not recorded)."""
+        attrs = self.study.user_attrs
+        if attrs.get(StudyAttr.SEEDED):
+            return None
+        owner = Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER))
+        if owner is None:
+            return None  # an older version's study, or the creator has not recorded itself yet
+        beat = attrs.get(StudyAttr.SETUP_HEARTBEAT)
+        return dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s)
+
+    def take_over_setup(self) -> None:
+        """Record this process as the one setting the study up (its creator died or gave up)."""
+        self.study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
+        self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
+
+    def beat_setup(self) -> None:
+        """The setting-up session's heartbeat."""
+        self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
 
     @property
     def seeded(self) -> bool:
@@ -301,7 +329,7 @@ class TuningStudy:
         present = {
             t.user_attrs.get(TrialAttr.SEED_KEY) or t.user_attrs.get(TrialAttr.CANDIDATE_KEY)
             for t in self.study.get_trials(deepcopy=False)
-            if t.user_attrs.get(TrialAttr.OUTCOME) != "interrupted"
+            if t.user_attrs.get(TrialAttr.OUTCOME) not in NOT_EVIDENCE
         }
         enqueued = []
         for s in seeds:
@@ -325,12 +353,15 @@ class TuningStudy:
 
     # -------------------------------------------------------------- ask
 
-    def ask(self) -> Proposal:
+    def ask(self, *, session_run_id: str | None = None) -> Proposal:
         """The next candidate (an enqueued seed first), with `Proposal.duplicate_of` filled in.
 
         The candidate's key (policy fingerprint and micro-batch) is written to the trial before
         the other trials are read, so of two workers proposing the same candidate at once the
         later one always sees the earlier; among trials still running, the lower number measures.
+        The trial records its owner (this process) and ``session_run_id``, so that if this process
+        dies another one can fail the trial, record it in MLflow and retry its candidate
+        (`reap_dead`).
         """
         trial = self.study.ask(fixed_distributions=self._distributions)
         policy, mb = self.space.decode(trial.params)
@@ -343,6 +374,9 @@ class TuningStudy:
         trial.set_user_attr(TrialAttr.SHORT, policy.short(self.space.layer_names))
         trial.set_user_attr(TrialAttr.MICRO_BATCH, mb)
         trial.set_user_attr(TrialAttr.WORKER, f"{socket.gethostname()}:{os.getpid()}")
+        trial.set_user_attr(TrialAttr.OWNER, Owner.me().to_dict())
+        trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
+        trial.set_user_attr(TrialAttr.SESSION_RUN, session_run_id)
         proposal.duplicate_of = self._find_duplicate(key, trial.number)
         return proposal
 
@@ -352,7 +386,7 @@ class TuningStudy:
             if t.number == number or t.user_attrs.get(TrialAttr.CANDIDATE_KEY) != key:
                 continue
             outcome = t.user_attrs.get(TrialAttr.OUTCOME)
-            if outcome in ("duplicate", "interrupted"):
+            if outcome in NOT_EVIDENCE:
                 continue  # never measured: not evidence about this candidate
             if t.state == TrialState.RUNNING:
                 if t.number < number:
@@ -490,6 +524,74 @@ class TuningStudy:
         """Trials that ran a policy (what ``n_trials`` counts), all workers together."""
         return sum(1 for r in self.records() if r.measured)
 
+    def beat_trial(self, proposal: Proposal) -> None:
+        """The heartbeat of a trial this process runs."""
+        proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
+
+    def reap_dead(self, grace_s: float) -> list[AbandonedTrial]:
+        """Fail every RUNNING trial whose owner is dead, enqueue its candidate again; those this call failed.
+
+        A trial is dead when `tuner.liveness.dead_reason` says so for its recorded owner and
+        heartbeat (a trial without an owner, from an older version, after ``grace_s`` from its
+        start). Its record says ``abandoned`` and why; it is FAIL in Optuna, and its candidate is
+        enqueued again (a seed keeps its name), so the next ask measures it. Of several processes
+        reaping at once, only the one whose state change wins reports (and re-enqueues) the trial.
+        """
+        storage = self.study._storage  # Optuna's public Study has no way to fail another process's trial
+        out: list[AbandonedTrial] = []
+        for t in self.running():
+            a = t.user_attrs
+            beat = a.get(TrialAttr.HEARTBEAT)
+            since = t.datetime_start.timestamp() if t.datetime_start is not None else None
+            why = dead_reason(
+                Owner.from_dict(a.get(TrialAttr.OWNER)),
+                float(beat) if beat is not None else None,
+                grace=grace_s,
+                since=since,
+            )
+            if why is None:
+                continue
+            try:
+                storage.set_trial_user_attr(t._trial_id, TrialAttr.OUTCOME, "abandoned")
+                storage.set_trial_user_attr(t._trial_id, TrialAttr.REASON, why)
+                won = storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another process reaped it (or its owner finished it) first
+            if not won:
+                continue
+            attrs: dict[str, Any] = {TrialAttr.RETRY_OF: t.number}
+            key = a.get(TrialAttr.CANDIDATE_KEY)
+            if key is not None:
+                attrs[TrialAttr.SEED_KEY] = key
+            if a.get(TrialAttr.SEED) is not None:
+                attrs[TrialAttr.SEED] = a[TrialAttr.SEED]
+            self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
+            policy, mb = self.space.decode(t.params)
+            out.append(
+                AbandonedTrial(
+                    number=t.number,
+                    policy=policy,
+                    micro_batch=mb,
+                    reason=why,
+                    session_run_id=a.get(TrialAttr.SESSION_RUN),
+                )
+            )
+            _log.info("trial %d: %s; failed and its candidate enqueued again", t.number, why)
+        return out
+
+    def running_alive(self, grace_s: float, *, below: int | None = None) -> int:
+        """RUNNING trials whose owner may be alive (numbered below ``below`` when given)."""
+        count = 0
+        for t in self.running():
+            if below is not None and t.number >= below:
+                continue
+            beat = t.user_attrs.get(TrialAttr.HEARTBEAT)
+            since = t.datetime_start.timestamp() if t.datetime_start is not None else None
+            owner = Owner.from_dict(t.user_attrs.get(TrialAttr.OWNER))
+            if dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s, since=since) is None:
+                count += 1
+        return count
+
     def running(self) -> list[FrozenTrial]:
         """Trials Optuna holds as running (this or another worker's)."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
@@ -497,6 +599,22 @@ class TuningStudy:
     def waiting(self) -> list[FrozenTrial]:
         """Enqueued trials not yet handed out."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+
+
+NOT_EVIDENCE = ("duplicate", "interrupted", "abandoned")
+"""Outcomes of trials that never measured their candidate: neither a duplicate's original nor a seed's."""
+
+
+@dataclass(frozen=True)
+class AbandonedTrial:
+    """A trial whose owner died, failed by `TuningStudy.reap_dead`: what its MLflow record needs."""
+
+    number: int
+    policy: RecomputePolicy
+    micro_batch: int | None
+    reason: str
+    session_run_id: str | None
+    """The dead owner's MLflow session run (``None``: it had none yet)."""
 
 
 Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]

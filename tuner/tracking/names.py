@@ -23,11 +23,13 @@ __all__ = [
     "FINGERPRINT",
     "GOOD",
     "GOOD_RUN_TAG",
+    "HEARTBEAT",
     "KIND",
     "MICRO_BATCH_PARAM",
     "NEW_GOOD",
     "NOTE",
     "OUTCOME",
+    "OWNER",
     "PARENT",
     "POLICY_ARTIFACT",
     "POLICY_FINGERPRINT_PARAM",
@@ -44,6 +46,7 @@ __all__ = [
     "REJECT_REASON",
     "RESUMES",
     "ROLLED_BACK",
+    "SESSION_ENDED_BY",
     "SESSION_NOTES",
     "SESSION_STATUS",
     "SOURCE_RUN",
@@ -63,6 +66,12 @@ KIND = "recompute.kind"
 STUDY = "recompute.study"
 OUTCOME = "recompute.outcome"
 REASON = "recompute.reason"
+OWNER = "recompute.owner"
+"""On a session run: JSON of the `tuner.liveness.Owner` running it (host, pid, start)."""
+HEARTBEAT = "recompute.heartbeat"
+"""On a session run: its owner's last heartbeat (``time.time()``); another host's dead owner is one that stopped."""
+SESSION_ENDED_BY = "recompute.session_ended_by"
+"""On a session run another process ended: why (its owner died)."""
 ERROR = "recompute.error"
 DEVICE = "recompute.device"
 THROUGHPUT_UNIT = "recompute.throughput_unit"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
+from tuner.killpoints import kill_point
 from tuner.tracking.client import TrackingClient, TrackingError, _clip, _int_or_none
 from tuner.tracking.names import (
     DECISION,
@@ -309,6 +310,7 @@ class PolicyRegistry(TrackingClient):
         try:
             self.client.set_tag(decision_id, NEW_GOOD, new)
             policy.save(out)
+            kill_point("after_write")  # a test hook; a no-op unless the fault-injection test sets it
             now = datetime.now(timezone.utc).isoformat()
             self._set_tags(new, {GOOD: "true", PROMOTED_AT: now, PROMOTED: "true"})
             if previous and previous != new:

@@ -3,7 +3,9 @@ run per trial or confirmation, and the session's summary artifacts when it ends.
 
 from __future__ import annotations
 
+import json
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,10 +38,12 @@ from tuner.tracking.names import (
     ERROR,
     EVIDENCE_JSON,
     FINGERPRINT,
+    HEARTBEAT,
     KIND,
     MICRO_BATCH_PARAM,
     NOTE,
     OUTCOME,
+    OWNER,
     PARENT,
     POLICY_FINGERPRINT_PARAM,
     POLICY_SHORT,
@@ -49,6 +53,7 @@ from tuner.tracking.names import (
     RECIPE_NAME,
     RECIPE_YAML,
     RESUMES,
+    SESSION_ENDED_BY,
     SESSION_NOTES,
     SESSION_STATUS,
     SOURCE_RUN,
@@ -127,7 +132,15 @@ class SessionLog(TrackingClient):
         self._log_batch(run_id, params=new)
         if changed:
             self.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, _clip(", ".join(changed)))
-        tags = {RECIPE_NAME: str(getattr(recipe, "name", ""))}
+        from tuner.liveness import Owner
+
+        # Who runs this session, and a first heartbeat: another process ends the run KILLED once
+        # this owner is dead (`end_dead_sessions`).
+        tags = {
+            RECIPE_NAME: str(getattr(recipe, "name", "")),
+            OWNER: json.dumps(Owner.me().to_dict()),
+            HEARTBEAT: repr(time.time()),
+        }
         fingerprint = getattr(recipe, "fingerprint", None)
         if callable(fingerprint):
             tags[RECIPE_FINGERPRINT] = str(fingerprint())
@@ -174,6 +187,89 @@ class SessionLog(TrackingClient):
             reason=reason,
             extra_params={TRIAL_NUMBER_PARAM: str(number)},
         )
+
+    def beat(self) -> None:
+        """The session run's heartbeat (the `tuner.liveness.Heartbeat` thread calls it)."""
+        if self._session_open and self._session_run_id is not None:
+            self.client.set_tag(self._session_run_id, HEARTBEAT, repr(time.time()))
+
+    def log_abandoned_trial(
+        self,
+        number: int,
+        policy: RecomputePolicy,
+        layer_names: Sequence[str] | None,
+        micro_batch: int | None,
+        *,
+        reason: str,
+        session_run_id: str | None,
+    ) -> str:
+        """Record a trial whose owner died mid-trial: a FAILED run, outcome ``abandoned``, with why; its id.
+
+        The run is nested in the dead owner's session run (``session_run_id``) when it had one,
+        else in this session's, so the dead session's record holds what it was doing.
+        """
+        parent = session_run_id or self._require_session()
+        tags = {
+            KIND: "trial",
+            OUTCOME: "abandoned",
+            REASON: _clip(reason),
+            ERROR: _clip(reason),
+            FINGERPRINT: policy.fingerprint(),
+            PARENT: parent,
+        }
+        if self._study:
+            tags[STUDY] = self._study
+        if layer_names:
+            tags[POLICY_SHORT] = policy.short(layer_names)
+        name = policy.short(layer_names) if layer_names else policy.fingerprint()
+        run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"trial {number} {name}")
+        run_id = run.info.run_id
+        try:
+            from mlflow.entities import Param
+
+            self._log_batch(
+                run_id,
+                params=[
+                    Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
+                    Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
+                    Param(TRIAL_NUMBER_PARAM, str(number)),
+                ],
+            )
+        finally:
+            self.client.set_terminated(run_id, "FAILED")
+        return run_id
+
+    def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
+        """End KILLED every RUNNING session run of ``study_name`` whose owner is dead; their ids.
+
+        Its nested runs still RUNNING end FAILED. A session run without an owner tag (an older
+        version's) is judged by its start time against ``grace_s``, like another host's.
+        """
+        from tuner.liveness import Owner, dead_reason
+
+        quoted = study_name.replace("'", "\\'")
+        ended = []
+        for run in self._search(
+            f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}' and attributes.status = 'RUNNING'"
+        ):
+            if run.info.run_id == self._session_run_id:
+                continue
+            t = run.data.tags
+            try:
+                owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
+                beat = float(t[HEARTBEAT]) if HEARTBEAT in t else None
+            except (ValueError, TypeError):
+                owner, beat = None, None
+            why = dead_reason(owner, beat, grace=grace_s, since=run.info.start_time / 1000.0)
+            if why is None:
+                continue
+            run_id = run.info.run_id
+            self.client.set_tag(run_id, SESSION_ENDED_BY, _clip(why))
+            for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.client.set_terminated(child.info.run_id, "FAILED")
+            self.client.set_terminated(run_id, "KILLED")
+            ended.append(run_id)
+        return ended
 
     def log_confirmation(
         self,

@@ -14,7 +14,9 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
+from tuner.killpoints import kill_point
+from tuner.liveness import Owner
 from tuner.recipe import Recipe
 from tuner.trials.oom import OOM_MARKERS
 
@@ -39,6 +43,7 @@ __all__ = [
     "Outcome",
     "TrialResult",
     "check_numerics",
+    "clean_stale_trial_dirs",
     "device_info",
     "profile_recipe",
     "run_trial",
@@ -49,7 +54,16 @@ Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "skipped"]
 """What became of a trial: measured and within budget; measured above the budget; out of memory;
 killed at its deadline; failed otherwise; or not run (the planner predicted it far over budget)."""
 
+_log = logging.getLogger(__name__)
+
 _TAIL_CHARS = 4000
+_DIR_PREFIX = "recompute-trial-"
+_OWNER_FILE = "owner.json"
+TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
+"""Set in a worker's environment to its trial folder: every process the worker starts inherits it,
+which is how `clean_stale_trial_dirs` finds a dead owner's leftover processes."""
+PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"
+"""The tuning process's pid, in the worker's environment: the worker ends itself when that parent dies."""
 _NUMERICS_TIMEOUT_S = 600.0
 _DEVICE_TIMEOUT_S = 120.0
 
@@ -297,9 +311,12 @@ class _WorkerRun:
 
 def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
     """Run the worker on ``spec`` with a deadline; kill its whole process group at the deadline."""
-    with tempfile.TemporaryDirectory(prefix="recompute-trial-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=_DIR_PREFIX) as tmp:
         folder = Path(tmp)
         spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.log"
+        # Whose folder this is: if this process is SIGKILLed, the next run on this host removes
+        # the folder (and anything the worker left running) once this owner is dead.
+        (folder / _OWNER_FILE).write_text(json.dumps(Owner.me().to_dict()), encoding="utf-8")
         start = time.monotonic()
         spec = {**spec, "deadline": time.time() + timeout_s}
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
@@ -311,10 +328,11 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: one killpg ends it and its children
-                env=_worker_env(env or {}),
+                env={**_worker_env(env or {}), TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())},
             )
             timed_out = False
             try:
+                kill_point("trial" if spec.get("kind") == "trial" else "")  # a test hook; see tuner.killpoints
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -334,6 +352,49 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
         return _WorkerRun(
             returncode=proc.returncode, result=result, tail=_tail(log_path), wall_s=wall, timed_out=timed_out
         )
+
+
+def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
+    """Remove the trial folders of dead owners on this host (and end what their workers left); the folders removed.
+
+    A tuning process that was SIGKILLed cannot remove its ``recompute-trial-*`` folder. Only a
+    folder whose recorded owner ran on this host and is gone is touched, never a live worker's
+    (nor one without an owner record: it may be being created). Processes still running with
+    the folder in their environment (``RECOMPUTE_TUNE_TRIAL_DIR``: the worker's own children,
+    data-loader workers say) are killed first; this is read from ``/proc`` (Linux), elsewhere the
+    folder is removed only.
+    """
+    root = Path(tmp_root) if tmp_root is not None else Path(tempfile.gettempdir())
+    removed = []
+    for folder in sorted(root.glob(f"{_DIR_PREFIX}*")):
+        try:
+            owner = Owner.from_dict(json.loads((folder / _OWNER_FILE).read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+        if owner is None or not owner.here or owner.gone_here() is None:
+            continue
+        for pid in _pids_with_env(TRIAL_DIR_ENV, str(folder)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            removed.append(folder)
+            _log.info("removed %s: its owner %s is gone", folder, owner.describe())
+    return removed
+
+
+def _pids_with_env(name: str, value: str) -> list[int]:
+    """Processes of this user whose environment sets ``name=value`` (empty where /proc is unreadable)."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
 
 
 def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:

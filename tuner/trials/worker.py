@@ -18,9 +18,14 @@ Spec kinds:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import faulthandler
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -42,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m tuner.trials.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
+    _die_with_parent(os.environ.get("RECOMPUTE_TUNE_PARENT_PID"))
     spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
     result_path = Path(args[1])
     _arm_hang_report(spec.get("deadline"))
@@ -234,6 +240,42 @@ def _device_or_empty(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCHDOG_POLL_S = 1.0
+
+
+def _die_with_parent(parent: str | None) -> None:
+    """End this process when the tuning process that started it dies (it would otherwise run on, orphaned).
+
+    On Linux the kernel does it: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``. The parent may have died
+    before that call, so the parent pid is checked once more after it. Elsewhere (or if prctl is
+    refused) a watchdog thread polls the parent pid and kills this process's group.
+    """
+    if not parent or not parent.isdigit():
+        return  # started by hand, not by the tuner: nobody to follow
+    expected = int(parent)
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except OSError:
+            armed = False
+    if os.getppid() != expected:
+        os._exit(1)  # the parent died before the kernel was told to follow it; nothing started yet
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == expected:
+            time.sleep(_WATCHDOG_POLL_S)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)  # the whole group: what the worker started too
+        os._exit(1)
+
+    threading.Thread(target=watch, name="recompute-parent-watchdog", daemon=True).start()
 
 
 def _arm_hang_report(deadline: float | None) -> None:

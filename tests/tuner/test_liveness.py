@@ -1,0 +1,337 @@
+"""Dead owners: a SIGKILLed tuning session's trial, setup, session run, worker and temp folder.
+
+The fast tests kill a real child process that runs a tuning session (with the deterministic fake
+trials of `test_session.py`), then run the next session here. The slow fault-injection test
+SIGKILLs the real ``recompute-tune`` at five points (``RECOMPUTE_TUNE_TEST_KILL_AT``, see
+`tuner.killpoints`) and reruns it to completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from lightning_recompute.policy import RecomputePolicy
+from tests.tuner.test_session import FakeTrials, make_recipe, runs, study_of
+from tuner import liveness, session
+from tuner.liveness import Owner, dead_reason
+from tuner.search import TuningStudy
+from tuner.search.attrs import StudyAttr, TrialAttr
+from tuner.trials.runner import TRIAL_DIR_ENV, clean_stale_trial_dirs
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 300
+
+# A child process running one tuning session with the fake trials, killing itself as told.
+CHILD = """
+import os, signal, sys
+from pathlib import Path
+from tests.tuner.test_session import FakeTrials, make_recipe
+from tuner import session
+import tuner.trials
+
+folder, uri, kill_on_call = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+os.chdir(folder)
+fakes = FakeTrials(on_call=lambda n, policy: os.kill(os.getpid(), signal.SIGKILL) if n == kill_on_call else None)
+tuner.trials.run_trial = fakes.run_trial
+tuner.trials.check_numerics = fakes.check_numerics
+session.tune(make_recipe(folder, uri, n_trials=4), use_planner=False)
+"""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH", "")) if p)
+    e.update(extra)
+    return e
+
+
+def run_child(folder: Path, uri: str, kill_on_call: int, **env: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), uri, str(kill_on_call)],
+        cwd=ROOT,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, f"the child was not killed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    f = FakeTrials()
+    monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
+    monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
+    return f
+
+
+def dead_pid() -> int:
+    """The pid of a process that has just exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    return proc.pid
+
+
+# ---------------------------------------------------------------------------------------------- owners
+
+
+def test_an_owner_on_this_host_is_dead_once_its_pid_is_gone_and_elsewhere_after_the_grace_period():
+    me = Owner.me()
+    assert dead_reason(me, None, grace=1.0, since=0.0) is None  # alive here, however old
+    gone = Owner(socket.gethostname(), dead_pid(), None)
+    assert "is gone" in (dead_reason(gone, time.time(), grace=3600.0) or "")
+    recycled = Owner(me.host, me.pid, "not-my-start-time")
+    assert "another process" in (dead_reason(recycled, time.time(), grace=3600.0) or "")
+    far = Owner("another-host.example", 1, "1")
+    assert dead_reason(far, time.time() - 10, grace=60.0) is None
+    assert "no heartbeat" in (dead_reason(far, time.time() - 120, grace=60.0) or "")
+    assert dead_reason(None, None, grace=60.0, since=time.time() - 120) is not None  # an older version's
+
+
+def test_the_grace_period_and_heartbeat_come_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.setenv("RECOMPUTE_TUNE_GRACE_S", "7.5")
+    assert liveness.grace_s() == 7.5
+    monkeypatch.setenv("RECOMPUTE_TUNE_HEARTBEAT_S", "-1")
+    with pytest.raises(ValueError, match="RECOMPUTE_TUNE_HEARTBEAT_S"):
+        liveness.heartbeat_s()
+
+
+# ---------------------------------------------------------------------------------------------- a dead session
+
+
+def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measured_by_the_next(
+    tmp_path, tracking_uri, fakes
+):
+    run_child(tmp_path, tracking_uri, kill_on_call=2)
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+    (stuck,) = [r for r in runs(recipe, "session") if r.info.status == "RUNNING"]
+
+    summary = session.tune(recipe, use_planner=False, search_only=True)
+    study = study_of(recipe, summary)
+    assert not study.running()
+    dead = [r for r in summary.records if r.outcome == "abandoned"]
+    assert len(dead) == 1 and dead[0].state == "FAIL" and "is gone" in (dead[0].reason or "")
+    # The candidate came back and was measured once; every baseline was measured exactly once.
+    measured = Counter(r.seed for r in summary.records if r.measured)
+    assert measured == Counter({f"baseline:{b}": 1 for b in ("none", "full", "selective", "every_2nd_full")})
+    assert dead[0].seed in measured
+    assert summary.baselines[dead[0].seed.split(":")[1]].outcome == "ok"  # type: ignore[union-attr]
+
+    # MLflow: the dead trial is a FAILED run of the dead session, which ended KILLED; nothing RUNNING.
+    all_runs = runs(recipe)
+    assert not [r for r in all_runs if r.info.status == "RUNNING"]
+    (record,) = [r for r in runs(recipe, "trial") if r.data.params.get("trial_number") == str(dead[0].number)]
+    assert record.info.status == "FAILED" and record.data.tags["recompute.outcome"] == "abandoned"
+    assert "owner died" in record.data.tags["recompute.reason"]
+    assert record.data.tags["mlflow.parentRunId"] == stuck.info.run_id
+    ended = next(r for r in all_runs if r.info.run_id == stuck.info.run_id)
+    assert ended.info.status in ("KILLED", "FINISHED")  # ended KILLED, then resumed by this session
+    assert "owner died" in ended.data.tags["recompute.session_ended_by"]
+    # The totals add up: every trial the study handed out is one MLflow trial run.
+    asked = [t for t in study.study.get_trials(deepcopy=False) if t.state != TrialState.WAITING]
+    logged = Counter(r.data.params["trial_number"] for r in runs(recipe, "trial"))
+    assert sorted(logged) == sorted(str(t.number) for t in asked) and set(logged.values()) == {1}
+
+
+def test_a_setup_whose_owner_died_is_taken_over_at_once(tmp_path, tracking_uri, fakes, monkeypatch):
+    run_child(tmp_path, tracking_uri, kill_on_call=0, RECOMPUTE_TUNE_TEST_KILL_AT="profiling")
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+    # Waiting for a dead worker would hang this test past its deadline: the wait must not happen.
+    monkeypatch.setattr(session, "SETUP_WAIT_S", 10 * DEADLINE_S)
+    notes: list[str] = []
+    summary = session.tune(recipe, use_planner=False, search_only=True, on_note=notes.append)
+    assert any("taking over the study's setup: owner died" in n for n in notes), notes
+    assert sum(1 for r in summary.records if r.measured) == 4
+
+
+def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_nothing(tmp_path, tracking_uri):
+    recipe = make_recipe(tmp_path, tracking_uri)
+    from tuner.search import SearchSpace, inspect_layers
+
+    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
+    creator = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
+    joiner = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
+    assert creator.created and not joiner.created
+    assert joiner.setup_owner_dead(60.0) is None  # the creator (this process) lives
+    assert joiner.wait_seeded(0.2, poll_s=0.05) is False  # timed out, not taken over
+    attrs = joiner.study.user_attrs
+    assert not attrs.get(StudyAttr.ABANDONED) and not attrs.get(StudyAttr.SEEDED)
+
+
+def test_a_trial_of_a_silent_owner_on_another_host_is_reaped_after_the_grace_period(tmp_path, tracking_uri):
+    recipe = make_recipe(tmp_path, tracking_uri)
+    from tuner.search import SearchSpace, inspect_layers
+
+    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
+    study = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
+    proposal = study.ask()
+    trial = proposal.trial
+    trial.set_user_attr(TrialAttr.OWNER, Owner("another-host.example", 4242, "1").to_dict())
+    trial.set_user_attr(TrialAttr.HEARTBEAT, time.time() - 30)
+    assert study.reap_dead(60.0) == [] and study.running_alive(60.0) == 1
+    (dead,) = study.reap_dead(10.0)
+    assert dead.number == trial.number and "no heartbeat" in dead.reason
+    assert not study.running() and study.reap_dead(10.0) == []  # reaped once
+    (again,) = study.waiting()
+    assert again.system_attrs["fixed_params"] == trial.params and again.user_attrs[TrialAttr.RETRY_OF] == trial.number
+    retry = study.ask()
+    assert retry.duplicate_of is None  # the dead trial is no evidence: the candidate is measured
+
+
+# ---------------------------------------------------------------------------------------------- workers, folders
+
+
+def test_trial_folders_of_dead_owners_are_removed_with_their_processes_and_live_ones_kept(tmp_path):
+    def folder(name: str, owner: Owner | None) -> Path:
+        f = tmp_path / f"recompute-trial-{name}"
+        f.mkdir()
+        if owner is not None:
+            (f / "owner.json").write_text(json.dumps(owner.to_dict()), encoding="utf-8")
+        return f
+
+    dead = folder("dead", Owner(socket.gethostname(), dead_pid(), None))
+    live = folder("live", Owner.me())
+    unowned = folder("unowned", None)
+    elsewhere = folder("elsewhere", Owner("another-host.example", dead_pid(), None))
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], env=child_env(**{TRIAL_DIR_ENV: str(dead)})
+    )
+    try:
+        assert clean_stale_trial_dirs(tmp_path) == [dead]
+        assert leftover.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        leftover.kill()
+        leftover.wait(timeout=60)
+    assert not dead.exists() and live.exists() and unowned.exists() and elsewhere.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_trial_worker_dies_with_its_parent(tmp_path):
+    # A parent starts the worker (which then waits on stdin-less sleep via a hang spec) and is SIGKILLed.
+    parent = f"""
+import os, subprocess, sys, time
+w = subprocess.Popen([sys.executable, "-c",
+    "import os, sys; from tuner.trials.worker import _die_with_parent; "
+    "_die_with_parent(os.environ['RECOMPUTE_TUNE_PARENT_PID']); "
+    "open(sys.argv[1], 'w').write(str(os.getpid())); import time; time.sleep(600)", {str(tmp_path / "pid")!r}],
+    env={{**os.environ, "RECOMPUTE_TUNE_PARENT_PID": str(os.getpid())}}, start_new_session=True)
+deadline = time.monotonic() + 120
+while not os.path.exists({str(tmp_path / "pid")!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+os.kill(os.getpid(), 9)
+"""
+    proc = subprocess.run([sys.executable, "-c", parent], env=child_env(), timeout=DEADLINE_S, check=False)
+    assert proc.returncode == -signal.SIGKILL
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 60
+    while liveness.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not liveness.pid_alive(pid)
+
+
+# ---------------------------------------------------------------------------------------------- fault injection
+
+TINY = {
+    "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout": 0.0}},
+    "data": {"init_args": {"batch_size": 4, "num_batches": 8}},
+    "budget": "64MiB",
+    "search": {"n_trials": 2, "seed": 0},
+    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}},
+}
+SEEDS = {f"baseline:{b}" for b in ("none", "full", "selective", "every_2nd_full")}
+
+
+def tune_cli(folder: Path, tmpdir: Path, kill_at: str | None) -> subprocess.CompletedProcess[str]:
+    env = child_env(PYTHONUNBUFFERED="1", TMPDIR=str(tmpdir))
+    env.pop("RECOMPUTE_TUNE_TEST_KILL_AT", None)
+    if kill_at is not None:
+        env["RECOMPUTE_TUNE_TEST_KILL_AT"] = kill_at
+    return subprocess.run(
+        [sys.executable, "-m", "tuner", "tiny.yaml", "--no-plan"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2 * DEADLINE_S,  # a whole session, gate included, on a loaded machine
+        check=False,
+        start_new_session=True,  # its own process group, as a shell job: the kill takes the group
+    )
+
+
+def trial_processes(tmpdir: Path) -> list[int]:
+    from tuner.trials.runner import _pids_with_env
+
+    return [p for f in tmpdir.glob("recompute-trial-*") for p in _pids_with_env(TRIAL_DIR_ENV, str(f))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["profiling", "trial", "between", "gate", "after_write"])
+def test_kill_9_then_rerun_leaves_nothing_running_and_loses_no_candidate(tmp_path, point):
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY), encoding="utf-8")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    killed = tune_cli(tmp_path, tmpdir, point)
+    assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode}\n{killed.stderr[-3000:]}"
+    if point == "trial":
+        # The worker followed its parent: no trial process outlives the kill.
+        deadline = time.monotonic() + 60
+        while trial_processes(tmpdir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not trial_processes(tmpdir)
+        assert list(tmpdir.glob("recompute-trial-*"))  # the folder stays until the next run
+    done = tune_cli(tmp_path, tmpdir, None)
+    assert done.returncode == 0, f"after {point}:\n{done.stderr[-3000:]}"
+    check_consistent(tmp_path, point)
+    assert not list(tmpdir.glob("recompute-trial-*")), point
+
+
+def check_consistent(folder: Path, point: str) -> None:
+    from tuner.recipe import load
+    from tuner.stores import open_storage
+
+    storage = open_storage(str(load(folder / "tiny.yaml").study.storage))
+    (name,) = optuna.get_all_study_names(storage)
+    study = optuna.load_study(study_name=name, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == TrialState.RUNNING], point
+    measured = [t for t in trials if t.user_attrs.get("outcome") in ("ok", "over_budget", "oom", "timeout", "error")]
+    keys = Counter(t.user_attrs["candidate_key"] for t in measured)
+    assert set(keys.values()) == {1}, f"{point}: measured twice: {keys}"
+    assert len(measured) == TINY["search"]["n_trials"], point  # type: ignore[index]
+    # No lost candidate: every seed is measured exactly once or still queued (a retried one goes
+    # back at the end of the queue), never both, never twice.
+    seeds = Counter(t.user_attrs.get("seed") for t in measured if t.user_attrs.get("seed"))
+    queued = Counter(t.user_attrs.get("seed") for t in trials if t.state == TrialState.WAITING)
+    assert set(seeds.values()) <= {1} and set(queued.values()) <= {1}, point
+    assert not set(seeds) & set(queued) and set(seeds) | set(queued) == SEEDS, (point, seeds, queued)
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    (exp,) = [e for e in client.search_experiments() if e.name != "Default"]
+    all_runs = client.search_runs([exp.experiment_id], max_results=1000)
+    assert not [r for r in all_runs if r.info.status == "RUNNING"], point
+    good = exp.tags["recompute.good_run_id"]
+    good_run = client.get_run(good)
+    on_disk = RecomputePolicy.load(folder / "policy.yaml").fingerprint()
+    assert on_disk == good_run.data.params["policy_fingerprint"], point
