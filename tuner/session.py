@@ -38,6 +38,7 @@ from tuner.search import (
     baseline_seeds,
     best_of,
     far_over_budget,
+    gate_lease,
     inspect_layers,
     study_name,
 )
@@ -495,11 +496,13 @@ class _TuningSession:
                 if summary.ranked
                 else "no trial was measured"
             )
+            self._check_policy_file(summary)
             self._finish_tracking("FINISHED", summary)
             return summary
         if self.search_only:
             summary = self._summary("searched", EXIT_OK)
             summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
+            self._check_policy_file(summary)
             self._finish_tracking("FINISHED", summary)
             return summary
         from tuner import gate
@@ -508,22 +511,37 @@ class _TuningSession:
         if best.policy is None:
             raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
         tracker = self._tracker()
-        self.notify(f"gate: confirming trial {best.number} ({best.short}) ...")
         candidate = gate.Candidate(
             policy=best.policy,
             micro_batch=best.micro_batch,
             source_run_id=best.run_id,
             layer_names=self.space.layer_names,
         )
-        decision = gate.decide(
-            tracker,
-            candidate,
-            recipe=self.recipe,
-            budget_bytes=self.budget,
-            output_path=self.recipe.output,
-            run_trial=self._killable(run_trial),
-            check_numerics=self._killable(check_numerics),
-        )
+        self.notify(f"gate: trial {best.number} ({best.short}) is the best feasible trial")
+        # One gate at a time per study (`tuner.search.lease`): a worker that waited finds the
+        # winner another worker promoted meanwhile already current, and records nothing twice.
+        trial_s = float(self.recipe.trial.timeout_s)
+        settings = gate.GateSettings()
+        wait_s = trial_s * (settings.confirm_factor + 1 + 2 * settings.rounds) + 60.0
+        storage = self.study.storage if self.study is not None else None
+        with (
+            gate_lease(storage, self.name, wait_s=wait_s, on_wait=self.notify)
+            if storage is not None
+            else contextlib.nullcontext(False)
+        ) as waited:
+            decision = gate.decide(
+                tracker,
+                candidate,
+                recipe=self.recipe,
+                budget_bytes=self.budget,
+                output_path=self.recipe.output,
+                run_trial=self._killable(run_trial),
+                check_numerics=self._killable(check_numerics),
+                settings=settings,
+                progress=self.notify,
+            )
+        if waited and decision.unchanged:
+            decision.reasons.append("another worker ran the gate for this study while this one waited")
         if decision.unchanged:
             status, code = "current", EXIT_OK
         elif decision.promoted:
@@ -535,8 +553,18 @@ class _TuningSession:
         summary.reasons.extend(decision.reasons)
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id
+        self._check_policy_file(summary)
         self._finish_tracking("FINISHED", summary)
         return summary
+
+    def _check_policy_file(self, summary: SessionSummary) -> None:
+        """Make the output file match the good policy (restored from MLflow when it does not), and say so."""
+        tracker = self._tracker()
+        restored = tracker.restore_file(self.recipe.output)
+        if restored is not None:
+            self.note(f"policy file: {restored}")  # summary.notes is this very list
+        if summary.policy_path is None and tracker.current_good() is not None:
+            summary.policy_path = self.recipe.output
 
     def _killable(self, fn: Callable[_P, _R]) -> Callable[_P, _R]:
         """``fn`` with the first Ctrl-C stopping it (the gate's measurements; not its records)."""
