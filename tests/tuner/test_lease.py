@@ -115,7 +115,9 @@ def _hold(storage: optuna.storages.BaseStorage, host: str, pid: int) -> None:
 
 def test_a_lease_whose_holder_died_on_this_host_is_broken(tmp_path: Path) -> None:
     storage = open_storage(_storage_url(tmp_path, "journal"))
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=60)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True, timeout=60
+    )
     _hold(storage, socket.gethostname(), int(gone.stdout))
     with gate_lease(storage, "study", wait_s=5, poll_s=0.05) as waited:
         assert waited is False
@@ -126,9 +128,11 @@ def test_a_live_holder_elsewhere_makes_the_wait_time_out_naming_it(tmp_path: Pat
     storage = open_storage(_storage_url(tmp_path, "journal"))
     _hold(storage, "machine-b", 4242)
     told: list[str] = []
-    with pytest.raises(GateLeaseTimeout, match=r"process 4242 on machine-b .*held the gate for more than 0.2 s"):
-        with gate_lease(storage, "study", wait_s=0.2, poll_s=0.05, on_wait=told.append):
-            pass
+    with (
+        pytest.raises(GateLeaseTimeout, match=r"process 4242 on machine-b .*held the gate for more than 0.2 s"),
+        gate_lease(storage, "study", wait_s=0.2, poll_s=0.05, on_wait=told.append),
+    ):
+        pass
     assert len(told) == 1 and "waiting for process 4242 on machine-b" in told[0]
     # The other holder's lease is left alone.
     assert lease_name("study") in [s.study_name for s in storage.get_all_studies()]

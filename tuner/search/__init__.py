@@ -16,7 +16,8 @@ is built deterministically. Where layers differ, each layer gets its own categor
 
 Modules: `tuner.search.space` (layers and the space), `tuner.search.seeds` (baselines),
 `tuner.search.study` (`TuningStudy`, its records and the skip rule), `tuner.search.attrs` (the
-study's user-attribute keys), `tuner.search.lease` (one evidence gate at a time per study). Storage is opened by `tuner.stores`.
+study's user-attribute keys), `tuner.search.lease` (one evidence gate at a time per study).
+Storage is opened by `tuner.stores`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ __all__ = [
     "BASELINES",
     "CONSTRAINT",
     "FAR_OVER_BUDGET",
-    "GateLeaseTimeout",
     "PLACEMENTS",
+    "GateLeaseTimeout",
     "LayerInfo",
     "Predictor",
     "Proposal",

@@ -74,9 +74,9 @@ def gate_lease(
             lease_id = storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], name)
             break
         except optuna.exceptions.DuplicatedStudyError:
-            lease_id, holder = _holder(storage, name)
-            if lease_id is not None and _dead_here(holder):
-                _break(storage, lease_id, holder)
+            held_id, holder = _holder(storage, name)
+            if held_id is not None and _dead_here(holder):
+                _break(storage, held_id, holder)
                 continue
             if not waited and on_wait is not None:
                 on_wait(f"gate: waiting for {_describe(holder)} to finish the gate of study {study_name} ...")

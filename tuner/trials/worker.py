@@ -209,7 +209,9 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
         rule = (
             "bitwise equality is the rule on CPU"
             if on_cpu
-            else f"two runs without recompute differ by {spread:.3g}" if spread > 0 else "two runs without recompute are bitwise equal"
+            else f"two runs without recompute differ by {spread:.3g}"
+            if spread > 0
+            else "two runs without recompute are bitwise equal"
         )
         detail = (
             f"{len(differing)} of {n + 1} values (loss and {n} gradients) differ {where}, "
