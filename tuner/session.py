@@ -488,6 +488,10 @@ class _TuningSession:
 
     def _decide(self) -> SessionSummary:
         """Gate the best feasible trial against the current good policy; promote or keep."""
+        if not self.search_only:
+            self._wait_for_other_workers()
+            if self.interrupts.stop.is_set():
+                return self._finish_interrupted("stopped while waiting for other workers' trials")
         best = self.study.best() if self.study is not None else None
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
@@ -556,6 +560,27 @@ class _TuningSession:
         self._check_policy_file(summary)
         self._finish_tracking("FINISHED", summary)
         return summary
+
+    def _wait_for_other_workers(self) -> None:
+        """Wait until no trial of the study runs, so every worker gates the same final winner.
+
+        Workers sharing a study stop at nearly the same time, but a trial another worker still
+        runs may beat the best one seen now; gating before it ends would promote a winner that
+        the next worker then replaces. Bounded by a trial's deadline (a dead worker's trial stays
+        RUNNING until it is recovered); a Ctrl-C ends the wait.
+        """
+        if self.study is None:
+            return
+        deadline = time.monotonic() + float(self.recipe.trial.timeout_s) + 60.0
+        told = False
+        while (running := len(self.study.running())) and time.monotonic() < deadline:
+            if not told:
+                self.notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
+                told = True
+            if self.interrupts.stop.wait(1.0):
+                return
+        if running:
+            self.note(f"{running} trial(s) of other workers still running after the wait; gating the best so far")
 
     def _check_policy_file(self, summary: SessionSummary) -> None:
         """Make the output file match the good policy (restored from MLflow when it does not), and say so."""
