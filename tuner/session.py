@@ -529,7 +529,7 @@ class _TuningSession:
         wait_s = trial_s * (settings.confirm_factor + 1 + 2 * settings.rounds) + 60.0
         storage = self.study.storage if self.study is not None else None
         with (
-            gate_lease(storage, self.name, wait_s=wait_s, on_wait=self.notify)
+            gate_lease(storage, self.name, wait_s=wait_s, on_wait=self.notify, cancel=self.interrupts.stop)
             if storage is not None
             else contextlib.nullcontext(False)
         ) as waited:

@@ -136,3 +136,12 @@ def test_a_live_holder_elsewhere_makes_the_wait_time_out_naming_it(tmp_path: Pat
     assert len(told) == 1 and "waiting for process 4242 on machine-b" in told[0]
     # The other holder's lease is left alone.
     assert lease_name("study") in [s.study_name for s in storage.get_all_studies()]
+
+
+def test_a_cancel_ends_the_wait(tmp_path: Path) -> None:
+    storage = open_storage(_storage_url(tmp_path, "journal"))
+    _hold(storage, "machine-b", 4242)
+    cancel = threading.Event()
+    cancel.set()  # the user's Ctrl-C
+    with pytest.raises(KeyboardInterrupt), gate_lease(storage, "study", wait_s=60, poll_s=0.05, cancel=cancel):
+        pass

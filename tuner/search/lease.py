@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -53,6 +54,7 @@ def gate_lease(
     wait_s: float,
     poll_s: float = 1.0,
     on_wait: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[bool]:
     """Hold ``study_name``'s gate lease for the ``with`` block; yields whether another process held it first.
 
@@ -62,9 +64,11 @@ def gate_lease(
         wait_s: how long to wait for another holder before giving up.
         poll_s: how often to look again while waiting.
         on_wait: told once, with who holds the lease, when this process has to wait.
+        cancel: set (the user's Ctrl-C) ends the wait.
 
     Raises:
         GateLeaseTimeout: another live holder kept the lease past ``wait_s``.
+        KeyboardInterrupt: ``cancel`` was set while waiting.
     """
     name = lease_name(study_name)
     deadline = time.monotonic() + wait_s
@@ -86,7 +90,10 @@ def gate_lease(
                     f"study {study_name!r}: {_describe(holder)} has held the gate for more than {wait_s:g} s; "
                     f"if that process is gone, delete the study {name!r} from the storage and run again"
                 ) from None
-            time.sleep(poll_s)
+            if cancel is None:
+                time.sleep(poll_s)
+            elif cancel.wait(poll_s):
+                raise KeyboardInterrupt from None
     for key, value in (
         (_HOST, socket.gethostname()),
         (_PID, os.getpid()),
