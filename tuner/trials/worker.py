@@ -191,7 +191,7 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
     diff, differing = _max_diff(base, pol)
     n = len(base[1])
     on_cpu = fabric.device.type == "cpu"
-    where = f"at micro-batch {compared}" + (
+    where = ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
         f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
     )
     if not differing:
