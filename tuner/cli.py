@@ -259,8 +259,8 @@ def _final_report(s: SessionSummary) -> str:
     for note in s.notes:
         lines.append(f"  note: {note}")
     if s.policy_path is not None:
-        verb = "written to" if s.status == "promoted" else "current policy in"
-        lines.append(f"policy {verb}: {s.policy_path}")
+        what = "policy written to" if s.status == "promoted" else "current good policy in"
+        lines.append(f"{what}: {s.policy_path}")
     lines.append(f"browse in MLflow: {s.mlflow_command}")
     return "\n".join(lines)
 
@@ -302,18 +302,21 @@ def _rollback(recipe: Recipe) -> int:
     from tuner.preflight import SettingsError
 
     try:
-        restored = commands.rollback(recipe)
+        done = commands.rollback(recipe)
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    print(
-        f"rolled back: the good policy is now run {restored.run_id} ({restored.fingerprint}); "
-        f"written to {recipe.output}"
-    )
-    print(restored.policy.to_yaml().rstrip())
+    if done.file_note is not None:
+        print(f"policy file: {done.file_note}")
+    good = done.good
+    if done.rolled_back:
+        print(f"rolled back: the good policy is now run {good.run_id} ({good.fingerprint}); written to {recipe.output}")
+    else:
+        print(f"nothing earlier to roll back to: the good policy stays run {good.run_id} ({good.fingerprint})")
+    print(good.policy.to_yaml().rstrip())
     return EXIT_OK
 
 

@@ -182,11 +182,28 @@ def history(recipe: Recipe) -> HistorySummary:
     )
 
 
-def rollback(recipe: Recipe) -> GoodPolicy:
-    """Restore the previous good policy (MLflow record and ``recipe.output``); the restored one.
+@dataclass(frozen=True)
+class RollbackSummary:
+    """What ``recompute-tune rollback`` did."""
+
+    good: GoodPolicy
+    """The good policy now (the restored earlier one, or the current one when nothing was rolled back)."""
+    rolled_back: bool
+    """Whether the record moved back to an earlier good policy."""
+    file_note: str | None
+    """What was wrong with the policy file before (missing, corrupt, another policy) and was repaired."""
+
+
+def rollback(recipe: Recipe) -> RollbackSummary:
+    """Restore the previous good policy (MLflow record and ``recipe.output``).
+
+    First the file is made to match the current good policy (restored from its MLflow run when
+    missing, corrupt or different). With only one good policy recorded, that repair is the whole
+    rollback; without a repair either, there is nothing to do.
 
     Raises:
-        RecomputeError: there is nothing to roll back to (no tracking database, or no earlier good policy).
+        RecomputeError: there is nothing to roll back to (no tracking database, or no earlier good
+            policy) and the file needed no repair.
     """
     from tuner.tracking import Tracker
 
@@ -197,7 +214,12 @@ def rollback(recipe: Recipe) -> GoodPolicy:
             f"nothing has been tuned with this recipe there yet"
         )
 
-    return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment)).rollback(output_path=recipe.output)
+    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    note = tracker.restore_file(recipe.output)
+    current = tracker.current_good()
+    if note is not None and current is not None and not tracker.can_roll_back():
+        return RollbackSummary(good=current, rolled_back=False, file_note=note)
+    return RollbackSummary(good=tracker.rollback(output_path=recipe.output), rolled_back=True, file_note=note)
 
 
 def _missing_tracking_database(recipe: Recipe) -> Path | None:

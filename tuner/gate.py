@@ -8,11 +8,16 @@ verdict first; the first failure ends the gate, and later checks are reported as
 1. **confirmation**: one run at least `GateSettings.confirm_factor` (3) times as many measured
    steps as a search trial, which must end ``ok`` and peak under the budget limit (the budget
    less its margin);
-2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute;
+2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute
+   (`tuner.trials.check_numerics`: deterministic mode; at the largest micro-batch up to the
+   candidate's where no recompute fits; bitwise, or on an accelerator within the spread of two
+   runs without recompute);
 3. **regression**: candidate and current good policy re-measured side by side, interleaved
    (``C G G C`` for two rounds, so a drift in the machine's speed hits both equally); the
    candidate's median throughput must reach the good policy's median less a noise tolerance
-   (2% by default: run-to-run noise of short CPU and GPU trials, not a real regression).
+   (2% by default: run-to-run noise of short CPU and GPU trials, not a real regression). A
+   current good policy that does not fit the budget limit (its recorded peak, or its peak now, is
+   over it: the budget was tightened) is no contender: the candidate replaces it.
 
 `evaluate` decides; `decide` also records the confirmation run and the promotion or rejection
 through a `tuner.tracking.Tracker`. The trial runner and numerics checker are injectable so the
@@ -44,6 +49,8 @@ RunTrial = Callable[..., "TrialResult"]
 """``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes)``."""
 CheckNumerics = Callable[..., "NumericsResult"]
 """``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
+Progress = Callable[[str], None]
+"""Told one line before each check runs (the CLI prints it)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ def evaluate(
     run_trial: RunTrial | None = None,
     check_numerics: CheckNumerics | None = None,
     settings: GateSettings | None = None,
+    progress: Progress | None = None,
 ) -> GateDecision:
     """Run the three checks on ``candidate`` against ``current_good``; touches no file and no record.
 
@@ -128,11 +136,13 @@ def evaluate(
         run_trial: the trial runner; default `tuner.trials.run_trial`.
         check_numerics: the numerics checker; default `tuner.trials.check_numerics`.
         settings: `GateSettings` (defaults: 3x steps, 2 rounds, 2% tolerance).
+        progress: told a line before each check that runs (nothing for an unchanged candidate).
     """
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
     if not isinstance(cand.policy, RecomputePolicy):
         raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
     cfg = settings or GateSettings()
+    tell = progress or (lambda _line: None)
     if run_trial is None or check_numerics is None:
         # Imported late: tuner.trials spawns subprocesses and imports the recipe machinery, which
         # callers injecting their own runners (tests, other schedulers) do not need.
@@ -158,6 +168,7 @@ def evaluate(
             "fingerprint": current_good.fingerprint,
             "micro_batch": current_good.micro_batch,
             "throughput": current_good.throughput,
+            "peak_bytes": current_good.peak_bytes,
         },
         "budget_bytes": budget_bytes,
         "settings": {"confirm_factor": cfg.confirm_factor, "rounds": cfg.rounds, "tolerance": cfg.tolerance},
@@ -180,6 +191,7 @@ def evaluate(
 
     # 1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows.
     want = cfg.confirm_factor * steps
+    tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
     conf = run_trial(
         recipe,
         cand.policy,
@@ -218,6 +230,7 @@ def evaluate(
     )
 
     # 2. Numerics: a recomputation that changes gradients is a bug, however fast.
+    tell("gate: checking numerics against no recompute ...")
     num = check_numerics(recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=timeout)
     evidence["numerics"] = _as_dict(num)
     if not num.equal:
@@ -227,12 +240,18 @@ def evaluate(
     decision.checks["numerics"] = "passed"
     decision.reasons.append(f"numerics: loss and gradients equal to no recompute ({num.detail})")
 
-    # 3. Regression: never trade the good policy for a slower one.
+    # 3. Regression: never trade the good policy for a slower one, unless it no longer fits.
+    over = _over_limit(current_good, budget_bytes)
     if current_good is None:
         decision.checks["regression"] = "passed"
         evidence["regression"] = {"skipped": "no current good policy to compare against"}
         decision.reasons.append("regression: no current good policy to compare against")
+    elif over is not None:
+        decision.checks["regression"] = "passed"
+        evidence["regression"] = {"skipped": over}
+        decision.reasons.append(f"regression: not compared: {over}")
     else:
+        tell(f"gate: measuring the candidate and the current good policy side by side ({cfg.rounds} rounds) ...")
         failure = _side_by_side(
             decision,
             cand,
@@ -261,6 +280,7 @@ def decide(
     run_trial: RunTrial | None = None,
     check_numerics: CheckNumerics | None = None,
     settings: GateSettings | None = None,
+    progress: Progress | None = None,
 ) -> GateDecision:
     """`evaluate` against the tracker's current good policy, then record the outcome.
 
@@ -279,6 +299,7 @@ def decide(
         run_trial=run_trial,
         check_numerics=check_numerics,
         settings=settings,
+        progress=progress,
     )
     if decision.unchanged:
         return decision
@@ -339,7 +360,8 @@ def _side_by_side(
                     budget_bytes=budget_bytes,
                 )
             else:
-                # The good policy's budget was checked when it was promoted; here only its speed counts.
+                # Under the same limit as the candidate: a good policy that no longer fits (a
+                # tightened budget, a grown model) is no contender, however fast.
                 res = run_trial(
                     recipe,
                     good.policy,
@@ -347,7 +369,7 @@ def _side_by_side(
                     warmup_steps=warmup,
                     measure_steps=steps,
                     timeout_s=timeout,
-                    budget_bytes=None,
+                    budget_bytes=budget_bytes,
                 )
             runs.append({"round": i, "who": who, **_as_dict(res)})
             if who == "candidate":
@@ -359,6 +381,15 @@ def _side_by_side(
                 cand_thr.append(float(res.throughput))
             elif res.outcome == "ok" and res.throughput is not None:
                 good_thr.append(float(res.throughput))
+            elif res.outcome == "over_budget":
+                decision.evidence["regression"] = {"runs": runs}
+                decision.checks["regression"] = "passed"
+                decision.reasons.append(
+                    f"regression: not compared: the current good policy (run {good.run_id}) peaked at "
+                    f"{format_bytes(res.peak_bytes)} side by side, over the budget limit {format_bytes(budget_bytes)}: "
+                    "it does not fit, so it is no contender"
+                )
+                return None
             else:
                 good_failed.append(str(res.outcome))
     cand_med = statistics.median(cand_thr)
@@ -387,6 +418,16 @@ def _side_by_side(
     decision.checks["regression"] = "passed"
     decision.reasons.append(f"regression: not slower: {line}")
     return None
+
+
+def _over_limit(good: GoodPolicy | None, budget_bytes: int | None) -> str | None:
+    """Why the current good policy is no contender under ``budget_bytes`` by its recorded peak, or ``None``."""
+    if good is None or budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes:
+        return None
+    return (
+        f"the current good policy (run {good.run_id}) peaked at {format_bytes(good.peak_bytes)}, over the budget "
+        f"limit {format_bytes(budget_bytes)}: it does not fit, so it is no contender"
+    )
 
 
 def _fail(decision: GateDecision, check: str, reason: str) -> GateDecision:

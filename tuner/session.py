@@ -41,6 +41,7 @@ from tuner.search import (
     baseline_seeds,
     best_of,
     far_over_budget,
+    gate_lease,
     inspect_layers,
     study_name,
 )
@@ -583,15 +584,21 @@ class _TuningSession:
 
     def _decide(self) -> SessionSummary:
         """Gate the best feasible trial against the current good policy; promote or keep."""
+        if not self.search_only:
+            self._wait_for_other_workers()
+            if self.interrupts.stop.is_set():
+                return self._finish_interrupted("stopped while waiting for other workers' trials")
         best = self.study.best() if self.study is not None else None
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
             summary.reasons.append(_why_infeasible(summary, self.budget))
+            self._check_policy_file(summary)
             self._finish_tracking("FINISHED", summary)
             return summary
         if self.search_only:
             summary = self._summary("searched", EXIT_OK)
             summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
+            self._check_policy_file(summary)
             self._finish_tracking("FINISHED", summary)
             return summary
         from tuner import gate
@@ -600,22 +607,37 @@ class _TuningSession:
         if best.policy is None:
             raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
         tracker = self._tracker()
-        self.notify(f"gate: confirming trial {best.number} ({best.short}) ...")
         candidate = gate.Candidate(
             policy=best.policy,
             micro_batch=best.micro_batch,
             source_run_id=best.run_id,
             layer_names=self.space.layer_names,
         )
-        decision = gate.decide(
-            tracker,
-            candidate,
-            recipe=self.recipe,
-            budget_bytes=self.budget,
-            output_path=self.recipe.output,
-            run_trial=self._killable(run_trial),
-            check_numerics=self._killable(check_numerics),
-        )
+        self.notify(f"gate: trial {best.number} ({best.short}) is the best feasible trial")
+        # One gate at a time per study (`tuner.search.lease`): a worker that waited finds the
+        # winner another worker promoted meanwhile already current, and records nothing twice.
+        trial_s = float(self.recipe.trial.timeout_s)
+        settings = gate.GateSettings()
+        wait_s = trial_s * (settings.confirm_factor + 1 + 2 * settings.rounds) + 60.0
+        storage = self.study.storage if self.study is not None else None
+        with (
+            gate_lease(storage, self.name, wait_s=wait_s, on_wait=self.notify, cancel=self.interrupts.stop)
+            if storage is not None
+            else contextlib.nullcontext(False)
+        ) as waited:
+            decision = gate.decide(
+                tracker,
+                candidate,
+                recipe=self.recipe,
+                budget_bytes=self.budget,
+                output_path=self.recipe.output,
+                run_trial=self._killable(run_trial),
+                check_numerics=self._killable(check_numerics),
+                settings=settings,
+                progress=self.notify,
+            )
+        if waited and decision.unchanged:
+            decision.reasons.append("another worker ran the gate for this study while this one waited")
         if decision.unchanged:
             status, code = "current", EXIT_OK
         elif decision.promoted:
@@ -627,8 +649,39 @@ class _TuningSession:
         summary.reasons.extend(decision.reasons)
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id
+        self._check_policy_file(summary)
         self._finish_tracking("FINISHED", summary)
         return summary
+
+    def _wait_for_other_workers(self) -> None:
+        """Wait until no trial of the study runs, so every worker gates the same final winner.
+
+        Workers sharing a study stop at nearly the same time, but a trial another worker still
+        runs may beat the best one seen now; gating before it ends would promote a winner that
+        the next worker then replaces. Bounded by a trial's deadline (a dead worker's trial stays
+        RUNNING until it is recovered); a Ctrl-C ends the wait.
+        """
+        if self.study is None:
+            return
+        deadline = time.monotonic() + float(self.recipe.trial.timeout_s) + 60.0
+        told = False
+        while (running := len(self.study.running())) and time.monotonic() < deadline:
+            if not told:
+                self.notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
+                told = True
+            if self.interrupts.stop.wait(1.0):
+                return
+        if running:
+            self.note(f"{running} trial(s) of other workers still running after the wait; gating the best so far")
+
+    def _check_policy_file(self, summary: SessionSummary) -> None:
+        """Make the output file match the good policy (restored from MLflow when it does not), and say so."""
+        tracker = self._tracker()
+        restored = tracker.restore_file(self.recipe.output)
+        if restored is not None:
+            self.note(f"policy file: {restored}")  # summary.notes is this very list
+        if summary.policy_path is None and tracker.current_good() is not None:
+            summary.policy_path = self.recipe.output
 
     def _killable(self, fn: Callable[_P, _R]) -> Callable[_P, _R]:
         """``fn`` with the first Ctrl-C stopping it (the gate's measurements; not its records)."""

@@ -271,10 +271,6 @@ def test_workers_together_measure_exactly_n_trials(three_workers: dict[str, Any]
     assert len(measured(three_workers["study"])) == N_TRIALS, counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10 'concurrent workers each run the gate and each promote': no gate lease per study yet",
-)
 def test_exactly_one_worker_promotes_and_every_worker_agrees_on_the_good_policy(
     three_workers: dict[str, Any],
 ) -> None:

@@ -92,3 +92,63 @@ class CountsCalls(ReferenceGPT):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.blocks = nn.ModuleList(_CountingBlockWrapper(b) for b in self.blocks)
+
+
+class OOMUnlessRecomputed(ReferenceGPT):
+    """Runs out of memory, as a GPU would, when the activations it keeps exceed ``capacity``.
+
+    Memory is counted in block-samples: each block that is not recomputed (mode ``none`` or
+    ``offload``) keeps one per sample of the micro-batch. With 6 blocks and ``capacity`` 8, a
+    micro-batch of 4 needs at least 4 recomputed blocks, while no recompute fits at a micro-batch
+    of 1 only: the model for which a no-recompute baseline at the recipe's micro-batch cannot run.
+    """
+
+    def __init__(self, capacity: int = 8, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.capacity = capacity
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from lightning_recompute.apply import applied_policy
+        from lightning_recompute.policy import Mode
+
+        applied = applied_policy(self)
+        modes = list(applied.modes.values()) if applied is not None else []
+        recomputed = sum(1 for m in modes if m in (Mode.FULL, Mode.SELECTIVE))
+        kept = (len(self.blocks) - recomputed) * int(batch[0].shape[0])
+        if kept > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory: {kept} block-samples of activations kept, room for {self.capacity} "
+                "(injected by tests.tuner.faulty.OOMUnlessRecomputed)"
+            )
+        return super().training_step(batch, batch_idx)
+
+
+class _ReseedingDropout(nn.Module):
+    """Dropout on its block's input with a mask drawn from a generator reseeded on every call.
+
+    A recomputation is a second call, so it draws a different mask than the forward did: the
+    broken RNG replay the numerics check must catch (checkpoint's ``preserve_rng_state`` restores
+    the global RNG, not this private generator).
+    """
+
+    def __init__(self, block: nn.Module, p: float = 0.5) -> None:
+        super().__init__()
+        self.block = block
+        self.p = p
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            gen = torch.Generator(device=x.device).manual_seed(1000 + self.calls)
+            keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.p
+            x = x * keep / (1.0 - self.p)
+        return self.block(x)
+
+
+class BrokenReplay(OOMUnlessRecomputed):
+    """`OOMUnlessRecomputed` whose blocks replay a different dropout mask when recomputed."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.blocks = nn.ModuleList(_ReseedingDropout(b) for b in self.blocks)

@@ -380,3 +380,75 @@ def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path)
     assert 0 < run.data.metrics["measured_peak_bytes"] <= limit
     assert len(MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "step_time_s")) == 3
     assert run.data.params[f"layer.{names[0]}"] == "full" and run.data.params[f"layer.{names[1]}"] == "none"
+
+
+# ---------------------------------------------------------------------------------------------- a tightened budget
+
+
+def test_a_good_policy_recorded_over_a_tightened_limit_is_no_contender(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FakeTrials({A: 200.0}, peaks={A: 80 * 2**20}))  # promoted at LIMIT (100 MiB)
+    tight = 60 * 2**20
+    trials = FakeTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
+    d = decide(
+        tracker,
+        Candidate(B, layer_names=LAYERS),
+        recipe=recipe,
+        budget_bytes=tight,
+        run_trial=trials,
+        check_numerics=numerics(),
+    )
+    assert d.promoted, d.reasons
+    # A is twice as fast, but its recorded 80 MiB peak is over 60 MiB: it is not even re-measured.
+    assert [c["policy"] for c in trials.calls] == [B]
+    assert "regression: not compared: the current good policy" in d.reason and "no contender" in d.reason
+    assert RecomputePolicy.load(recipe.output) == B
+
+
+def test_a_good_policy_that_peaks_over_the_limit_side_by_side_is_no_contender(recipe: recipe_mod.Recipe) -> None:
+    from tuner.tracking import GoodPolicy
+
+    # A good policy without a recorded peak (an older run): the side-by-side run measures it.
+    good = GoodPolicy("run-a", A, A.fingerprint(), throughput=200.0, peak_bytes=None, promoted_at=None)
+    trials = FakeTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
+    d = evaluate(B, good, recipe=recipe, budget_bytes=60 * 2**20, run_trial=trials, check_numerics=numerics())
+    assert d.promoted, d.reasons
+    assert "regression: not compared: the current good policy (run run-a) peaked at" in d.reason
+    assert "side by side, over the budget limit" in d.reason and "no contender" in d.reason
+    good_runs = [c for c in trials.calls if c["policy"] == A]
+    assert good_runs and all(c["budget_bytes"] == 60 * 2**20 for c in good_runs)
+
+
+def test_progress_is_told_only_for_checks_that_run(uri: str, recipe: recipe_mod.Recipe) -> None:
+    tracker = Tracker(uri, "gate")
+    lines: list[str] = []
+    gate(tracker, A, recipe, FakeTrials({A: 100.0}), progress=lines.append)
+    assert [line.split(" ")[1] for line in lines] == ["confirming", "checking"]
+    lines.clear()
+    d = gate(tracker, A, recipe, FakeTrials({A: 100.0}), progress=lines.append)
+    assert d.unchanged and lines == []
+
+
+# ---------------------------------------------------------------------------------------------- the file on disk
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "another policy"])
+def test_restore_file_puts_the_good_policy_back(uri: str, recipe: recipe_mod.Recipe, damage: str) -> None:
+    tracker = Tracker(uri, "gate")
+    assert tracker.restore_file(recipe.output) is None  # no good policy yet: not the tuner's file
+    d = gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    out = Path(recipe.output)
+    assert tracker.restore_file(out) is None  # matches: untouched
+    if damage == "missing":
+        out.unlink()
+    elif damage == "garbage":
+        out.write_bytes(b"\xff\xfe not: [a policy")
+    else:
+        C.save(out)
+    note = tracker.restore_file(out)
+    assert note is not None and f"restored the good policy {A.fingerprint()}" in note
+    assert d.confirmation_run_id in note
+    assert {"missing": "was missing", "garbage": "was not a readable policy", "another policy": "held policy"}[
+        damage
+    ] in note
+    assert RecomputePolicy.load(out) == A

@@ -336,3 +336,82 @@ def test_a_failing_profile_leaves_a_note_and_the_search_goes_on(tmp_path, tracki
     assert any("planner failed (RuntimeError: the model cannot be profiled here)" in n for n in summary.notes)
     study = study_of(recipe, summary)
     assert "the model cannot be profiled here" in study.study.user_attrs["planner_note"]  # joiners see why
+
+
+# ---------------------------------------------------------------------------------------------- the file and the budget
+
+
+def damage_file(path, how):
+    if how == "rm":
+        path.unlink()
+    else:
+        path.write_text("layers: [not, {a: policy\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("how", ["rm", "garbage"])
+def test_a_rerun_restores_a_missing_or_corrupt_policy_file_from_mlflow(tmp_path, tracking_uri, fakes, how):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+    first = session.tune(recipe, use_planner=False)
+    assert first.status == "promoted"
+    good = RecomputePolicy.load(recipe.output)
+    damage_file(recipe.output, how)
+
+    lines: list[str] = []
+    again = session.tune(recipe, use_planner=False, on_note=lines.append)
+    assert (again.status, again.exit_code) == ("current", EXIT_OK)
+    assert RecomputePolicy.load(recipe.output) == good
+    restored = [n for n in again.notes if n.startswith("policy file: ")]
+    assert len(restored) == 1 and f"restored the good policy {good.fingerprint()}" in restored[0]
+    assert again.policy_path == recipe.output
+    # Nothing was confirmed (the best is the good policy already), so nothing says it was.
+    assert not [line for line in lines if line.startswith("gate: confirming")]
+
+
+def test_tightening_the_budget_replaces_a_good_policy_that_no_longer_fits(tmp_path, tracking_uri, fakes):
+    loose = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    first = session.tune(loose, use_planner=False)
+    assert first.status == "promoted"
+    before = RecomputePolicy.load(loose.output)
+    tight = make_recipe(tmp_path, tracking_uri, n_trials=6, budget="7MiB")
+    limit = int(7 * MIB * 0.95)
+    assert fake_peak(before) > limit  # the test's premise: the good policy does not fit the new limit
+
+    second = session.tune(tight, use_planner=False)
+    assert (second.status, second.exit_code) == ("promoted", EXIT_OK), second.reasons
+    after = RecomputePolicy.load(tight.output)
+    assert second.best is not None and after == second.best.policy
+    assert fake_peak(after) <= limit
+    assert any("no contender" in r for r in second.reasons), second.reasons
+
+
+@pytest.mark.parametrize("how", ["rm", "garbage"])
+def test_rollback_with_one_promotion_restores_a_missing_or_corrupt_file(tmp_path, tracking_uri, fakes, how, capsys):
+    import yaml
+
+    from tuner import cli
+
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+    (tmp_path / "recipe.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2}},
+                "budget": {"value": "12MiB", "margin": 0.05},
+                "search": {"n_trials": 4, "seed": 0},
+                "trial": {"warmup_steps": 1, "measure_steps": 2},
+                "tracking": {"uri": tracking_uri, "experiment": f"exp-{tmp_path.name}"},
+                "study": {"storage": "optuna.log"},
+            }
+        ),
+        encoding="utf-8",
+    )
+    assert session.tune(recipe, use_planner=False).status == "promoted"
+    good = RecomputePolicy.load(recipe.output)
+    damage_file(recipe.output, how)
+
+    assert cli.main(["rollback", str(tmp_path / "recipe.yaml")]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert RecomputePolicy.load(recipe.output) == good
+    assert "policy file: " in out and "restored the good policy" in out
+    assert "nothing earlier to roll back to" in out
+    # With the file intact, a rollback with nothing earlier is still an error.
+    assert cli.main(["rollback", str(tmp_path / "recipe.yaml")]) == EXIT_INFEASIBLE

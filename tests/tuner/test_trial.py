@@ -68,6 +68,13 @@ def _ok_then_over_budget(folder: Path) -> tuple[TrialResult, TrialResult]:
     return full, run_trial(recipe, RecomputePolicy.uniform("none"), budget_bytes=budget)
 
 
+def _gate(recipe: R.Recipe) -> Any:
+    """The evidence gate with its real runners, on ``full`` (recomputes all six blocks: fits)."""
+    from tuner.gate import evaluate
+
+    return evaluate(RecomputePolicy.uniform("full"), None, recipe=recipe, budget_bytes=None)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Timed]:
     """Every subprocess this file needs, run side by side.
@@ -95,6 +102,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _Timed]:
             RecomputePolicy.from_modes({"blocks.0": "selective", "blocks.1": "full"}),
         ),
         "numerics_differ": (check_numerics, _recipe(folder, faulty + "CountsCalls"), RecomputePolicy.uniform("full")),
+        # Six blocks, room for 8 block-samples: at the micro-batch of 4, no recompute cannot run.
+        "gate_needs_recompute": (_gate, _recipe(folder, faulty + "OOMUnlessRecomputed", n_layer=6)),
+        "gate_broken_replay": (_gate, _recipe(folder, faulty + "BrokenReplay", n_layer=6)),
     }
     with pytest.MonkeyPatch.context() as mp:
         # The worker imports class_path modules from its working directory (LightningCLI's
@@ -228,8 +238,8 @@ def test_hang_is_killed_with_its_children_at_the_timeout(runs: dict[str, _Timed]
 @pytest.mark.slow
 def test_numerics_equal_under_full_and_selective(runs: dict[str, _Timed]) -> None:
     result = runs["numerics_equal"].result
-    assert result == NumericsResult(equal=True, max_abs_diff=0.0, detail=result.detail)
-    assert "bitwise equal" in result.detail
+    assert result == NumericsResult(equal=True, max_abs_diff=0.0, detail=result.detail, micro_batch=BATCH)
+    assert "bitwise equal at micro-batch 4" in result.detail
 
 
 @pytest.mark.slow
@@ -237,7 +247,30 @@ def test_numerics_catch_a_layer_that_recomputes_differently(runs: dict[str, _Tim
     result = runs["numerics_differ"].result
     assert not result.equal
     assert 0 < result.max_abs_diff < float("inf")
-    assert "gradients differ" in result.detail
+    # Two runs without recompute agree bitwise, so the difference is the recomputation's.
+    assert result.baseline_spread == 0.0
+    assert "gradients) differ at micro-batch 4" in result.detail
+    assert "bitwise equality is the rule on CPU" in result.detail
+
+
+@pytest.mark.slow
+def test_the_gate_promotes_where_no_recompute_does_not_fit(runs: dict[str, _Timed]) -> None:
+    decision = runs["gate_needs_recompute"].result
+    assert decision.promoted, decision.reasons
+    assert decision.checks == {"confirmation": "passed", "numerics": "passed", "regression": "passed"}
+    numerics = decision.evidence["numerics"]
+    # No recompute ran out of memory at 4 and 2 (24 and 12 block-samples); at 1 it fits and is compared.
+    assert (numerics["equal"], numerics["micro_batch"], numerics["baseline_spread"]) == (True, 1, 0.0)
+    assert "at micro-batch 1 (no recompute ran out of memory at 4, 2)" in numerics["detail"]
+
+
+@pytest.mark.slow
+def test_the_gate_rejects_a_recomputation_that_replays_another_dropout_mask(runs: dict[str, _Timed]) -> None:
+    decision = runs["gate_broken_replay"].result
+    assert not decision.promoted
+    assert decision.checks == {"confirmation": "passed", "numerics": "failed", "regression": "not run"}
+    assert decision.evidence["numerics"]["micro_batch"] == 1
+    assert decision.reasons[0].startswith("numerics: numerics differ from no recompute")
 
 
 # ---------------------------------------------------------------------------------------------- small parts

@@ -16,11 +16,13 @@ is built deterministically. Where layers differ, each layer gets its own categor
 
 Modules: `tuner.search.space` (layers and the space), `tuner.search.seeds` (baselines),
 `tuner.search.study` (`TuningStudy`, its records and the skip rule), `tuner.search.attrs` (the
-study's user-attribute keys). Storage is opened by `tuner.stores`.
+study's user-attribute keys), `tuner.search.lease` (one evidence gate at a time per study).
+Storage is opened by `tuner.stores`.
 """
 
 from __future__ import annotations
 
+from tuner.search.lease import GateLeaseTimeout, gate_lease
 from tuner.search.seeds import BASELINES, Seed, baseline_seeds
 from tuner.search.space import PLACEMENTS, LayerInfo, SearchSpace, inspect_layers
 from tuner.search.study import (
@@ -41,6 +43,7 @@ __all__ = [
     "CONSTRAINT",
     "FAR_OVER_BUDGET",
     "PLACEMENTS",
+    "GateLeaseTimeout",
     "LayerInfo",
     "Predictor",
     "Proposal",
@@ -51,6 +54,7 @@ __all__ = [
     "baseline_seeds",
     "best_of",
     "far_over_budget",
+    "gate_lease",
     "inspect_layers",
     "peak_constraint",
     "study_name",

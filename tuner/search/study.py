@@ -176,8 +176,18 @@ class TuningStudy:
     enqueued again for the next session.
     """
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, *, budget_bytes: int, created: bool) -> None:
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: SearchSpace,
+        *,
+        budget_bytes: int,
+        created: bool,
+        storage: optuna.storages.BaseStorage | None = None,
+    ) -> None:
         self.study = study
+        self.storage = storage
+        """The storage the study lives in (for `tuner.search.lease`); ``None`` when not known."""
         self.space = space
         self.budget_bytes = int(budget_bytes)
         self.created = created
@@ -250,7 +260,7 @@ class TuningStudy:
                     f"study.name: study {name!r} was tuned for a budget limit of {stored_budget} bytes, this "
                     f"recipe's is {budget_bytes} (valid: another study.name for another budget)"
                 ) from None
-        return cls(study, space, budget_bytes=budget_bytes, created=created)
+        return cls(study, space, budget_bytes=budget_bytes, created=created, storage=store)
 
     def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
         """Wait for the process that created the study to finish setting it up; whether it did.

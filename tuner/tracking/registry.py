@@ -96,6 +96,28 @@ class PolicyRegistry(TrackingClient):
         run_id = exp.tags.get(GOOD_RUN_TAG)
         return self._good_policy(run_id) if run_id else None
 
+    def restore_file(self, output_path: str | Path) -> str | None:
+        """Make ``output_path`` hold the current good policy; what was wrong with it, or ``None``.
+
+        The file is what training jobs read, so it must match the good policy's fingerprint. When
+        it is missing, unreadable, not a policy, or a different policy, the good run's
+        ``policy.yaml`` artifact is written over it atomically, and the returned line says what
+        was found and what was restored. ``None``: it already matched, or there is no good policy
+        to restore (the file is then left alone: it is not the tuner's yet).
+
+        Raises:
+            TrackingError: the good run or its artifact is gone.
+        """
+        good = self.current_good()
+        if good is None:
+            return None
+        out = Path(output_path)
+        found = _file_state(out, good.fingerprint)
+        if found is None:
+            return None
+        good.policy.save(out)
+        return f"{out} {found}; restored the good policy {good.fingerprint} from MLflow run {good.run_id}"
+
     def promote(
         self,
         policy: RecomputePolicy,
@@ -138,6 +160,10 @@ class PolicyRegistry(TrackingClient):
             self._set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: _clip(reason)})
         self.client.set_terminated(decision_id, "FINISHED")
         return decision_id
+
+    def can_roll_back(self) -> bool:
+        """Whether an earlier good policy exists for `rollback` to restore."""
+        return len(self._good_stack()) >= 2
 
     def rollback(self, *, output_path: str | Path) -> GoodPolicy:
         """Restore the good policy before the current one (file and MLflow record); the restored one.
@@ -342,3 +368,18 @@ class PolicyRegistry(TrackingClient):
                     self.client.set_terminated(decision_id, "FAILED")
             raise
         self.client.set_terminated(decision_id, "FINISHED")
+
+
+def _file_state(path: Path, fingerprint: str) -> str | None:
+    """What is wrong with the policy file at ``path`` for the good policy ``fingerprint``; ``None`` if nothing."""
+    from lightning_recompute.errors import PolicyError
+
+    if not path.exists():
+        return "was missing"
+    try:
+        held = RecomputePolicy.load(path)
+    except (OSError, PolicyError) as err:
+        return f"was not a readable policy ({_clip(str(err), 200)})"
+    if held.fingerprint() != fingerprint:
+        return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
+    return None

@@ -1,0 +1,143 @@
+"""The gate lease: at most one process at a time runs the evidence gate of a study.
+
+Workers sharing a study finish together; each would gate the same winner and each promote it,
+so the history would hold the same promotion twice and a rollback would restore the policy it
+rolls back from. The gate therefore runs under a lease, and a worker that waited for it
+re-reads the good policy before gating: the winner another worker just promoted is then
+``unchanged`` and nothing is recorded twice.
+
+The lease is a companion study, ``<study>::gate-lease``, in the study's own Optuna storage.
+Creating a study of a given name is atomic in every Optuna storage (RDB storages: a unique
+constraint, inside a transaction; journal storage: the first record of that name in the log
+wins, and the writer of a later one gets ``DuplicatedStudyError``), so exactly one process
+holds it; deleting the study releases it. Neither Optuna study attributes nor MLflow tags can
+be compared-and-set atomically: both are read-then-write.
+
+The holder writes who it is (host, process id, since when) into the lease study's user
+attributes. A waiter breaks a lease whose holder was on its own host and is no longer alive
+(killed mid-gate); it cannot tell that for another host, and waits out its deadline instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+
+import optuna
+
+from lightning_recompute.errors import RecomputeError
+
+__all__ = ["GateLeaseTimeout", "gate_lease", "lease_name"]
+
+_HOST, _PID, _SINCE = "host", "pid", "since"
+
+
+class GateLeaseTimeout(RecomputeError):
+    """Another process held the study's gate lease for longer than the wait allowed."""
+
+
+def lease_name(study_name: str) -> str:
+    """The name of ``study_name``'s lease study."""
+    return f"{study_name}::gate-lease"
+
+
+@contextlib.contextmanager
+def gate_lease(
+    storage: optuna.storages.BaseStorage,
+    study_name: str,
+    *,
+    wait_s: float,
+    poll_s: float = 1.0,
+    on_wait: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> Iterator[bool]:
+    """Hold ``study_name``'s gate lease for the ``with`` block; yields whether another process held it first.
+
+    Args:
+        storage: the study's Optuna storage.
+        study_name: the study whose gate this is.
+        wait_s: how long to wait for another holder before giving up.
+        poll_s: how often to look again while waiting.
+        on_wait: told once, with who holds the lease, when this process has to wait.
+        cancel: set (the user's Ctrl-C) ends the wait.
+
+    Raises:
+        GateLeaseTimeout: another live holder kept the lease past ``wait_s``.
+        KeyboardInterrupt: ``cancel`` was set while waiting.
+    """
+    name = lease_name(study_name)
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while True:
+        try:
+            lease_id = storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], name)
+            break
+        except optuna.exceptions.DuplicatedStudyError:
+            held_id, holder = _holder(storage, name)
+            if held_id is not None and _dead_here(holder):
+                _break(storage, held_id, holder)
+                continue
+            if not waited and on_wait is not None:
+                on_wait(f"gate: waiting for {_describe(holder)} to finish the gate of study {study_name} ...")
+            waited = True
+            if time.monotonic() >= deadline:
+                raise GateLeaseTimeout(
+                    f"study {study_name!r}: {_describe(holder)} has held the gate for more than {wait_s:g} s; "
+                    f"if that process is gone, delete the study {name!r} from the storage and run again"
+                ) from None
+            if cancel is None:
+                time.sleep(poll_s)
+            elif cancel.wait(poll_s):
+                raise KeyboardInterrupt from None
+    for key, value in (
+        (_HOST, socket.gethostname()),
+        (_PID, os.getpid()),
+        (_SINCE, datetime.now(timezone.utc).isoformat(timespec="seconds")),
+    ):
+        storage.set_study_user_attr(lease_id, key, value)
+    try:
+        yield waited
+    finally:
+        storage.delete_study(lease_id)
+
+
+def _holder(storage: optuna.storages.BaseStorage, name: str) -> tuple[int | None, dict[str, object] | None]:
+    """The lease study's id and holder attributes; ``(None, None)`` when it vanished meanwhile (released)."""
+    try:
+        lease_id = storage.get_study_id_from_name(name)
+        return lease_id, dict(storage.get_study_user_attrs(lease_id))
+    except KeyError:
+        return None, None
+
+
+def _dead_here(holder: dict[str, object] | None) -> bool:
+    """Whether the holder ran on this host and its process is gone (a lease just taken has no attributes yet)."""
+    pid = holder.get(_PID) if holder else None
+    if not holder or holder.get(_HOST) != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, under another user
+    return False
+
+
+def _break(storage: optuna.storages.BaseStorage, lease_id: int, holder: dict[str, object] | None) -> None:
+    """Delete the dead holder's lease, unless another waiter broke it first and took a new one."""
+    with contextlib.suppress(KeyError):  # gone: another waiter broke it
+        # The same id may be a new lease now (SQLite reuses the highest rowid): its holder says so.
+        if dict(storage.get_study_user_attrs(lease_id)) == holder:
+            storage.delete_study(lease_id)
+
+
+def _describe(holder: dict[str, object] | None) -> str:
+    if not holder:
+        return "another process"
+    return f"process {holder.get(_PID)} on {holder.get(_HOST)} (since {holder.get(_SINCE)})"
