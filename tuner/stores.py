@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,11 +100,34 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         with sqlite_setup_lock(url):
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
     try:
-        return optuna.storages.RDBStorage(url)
+        return _open_server_storage(url)
     except ImportError as err:  # Optuna imports the database's driver when it opens the storage
         from tuner.preflight import driver_missing
 
         raise RecomputeError(driver_missing("study.storage", url, err)) from None
+
+
+SCHEMA_RACE_ATTEMPTS = 5
+"""How many times a worker opens a server database whose schema another worker is creating."""
+
+
+def _open_server_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage on a database server, tolerating workers that create its schema at once.
+
+    Optuna creates its tables (and, on PostgreSQL, enum types) with SQLAlchemy's ``create_all``,
+    which checks then creates: two workers starting together on an empty database both see no
+    ``studydirection`` type and the second fails with a unique violation. The loser's retry finds
+    the schema complete. (SQLite is serialised by `sqlite_setup_lock` instead: a file lock cannot
+    reach a database on another machine.)
+    """
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for attempt in range(1, SCHEMA_RACE_ATTEMPTS):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (IntegrityError, ProgrammingError):
+            time.sleep(0.2 * attempt + random.random() * 0.3)  # jitter: the racers must not collide again
+    return optuna.storages.RDBStorage(url)
 
 
 class StorageUnavailable(RecomputeError):

@@ -481,3 +481,20 @@ def test_a_worker_killed_mid_trial_is_failed_after_the_grace_period_and_its_cand
     numbers = Counter(int(r.data.params["trial_number"]) for r in trial_runs)
     assert sorted(numbers) == sorted(t.number for t in asked_trials(study)) and set(numbers.values()) == {1}
     assert summary_json(out)["status"] in ("promoted", "current")
+
+
+def test_workers_opening_a_fresh_database_together_all_get_the_storage(postgres_url: str) -> None:
+    """Several workers creating Optuna's schema on an empty PostgreSQL database at once all succeed.
+
+    SQLAlchemy's create_all checks, then creates, so the losers of the race used to fail with
+    ``UniqueViolation ... CREATE TYPE studydirection`` before doing anything.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tuner.stores import open_storage
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        storages = list(pool.map(lambda _: open_storage(postgres_url), range(4)))
+    assert len(storages) == 4
+    optuna.create_study(study_name="after-the-race", storage=storages[0])
+    assert optuna.get_all_study_names(postgres_url) == ["after-the-race"]
