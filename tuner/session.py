@@ -190,11 +190,12 @@ def training_change(tuned: TunedFor | None) -> str | None:
         size, steps = batch_advice(mb, data)
         return (
             f"set batch_size={size}, accumulate_grad_batches={steps} in the training job to keep the global batch "
-            f"of {data}; at batch size {data} the policy does not fit the budget it was tuned for"
+            f"of {data}; at batch size {data} the policy was not measured and may not fit the budget"
         )
     return (
         f"set batch_size={mb} in the training job (the policy was tuned at micro-batch {mb}, larger than the "
-        f"data's {data}: a global batch of {mb}, so revisit the learning rate); at {data} it fits too, but slower"
+        f"data's {data}: a global batch of {mb}, so revisit the learning rate); at {data} it uses less memory "
+        f"and fits too, but that is not the combination measured fastest"
     )
 
 

@@ -336,3 +336,21 @@ def test_a_failing_profile_leaves_a_note_and_the_search_goes_on(tmp_path, tracki
     assert any("planner failed (RuntimeError: the model cannot be profiled here)" in n for n in summary.notes)
     study = study_of(recipe, summary)
     assert "the model cannot be profiled here" in study.study.user_attrs["planner_note"]  # joiners see why
+
+
+@pytest.mark.parametrize(
+    ("micro_batch", "data_batch", "says"),
+    [
+        (4, 8, "set batch_size=4, accumulate_grad_batches=2 in the training job to keep the global batch of 8"),
+        (3, 8, "set batch_size=2, accumulate_grad_batches=4 in the training job to keep the global batch of 8"),
+        (8, 8, "no change: the policy was tuned at the data's batch size of 8"),
+        (16, 8, "set batch_size=16 in the training job"),
+        (4, None, "train at batch_size=4 per device"),
+    ],
+)
+def test_the_training_change_says_what_to_set(micro_batch, data_batch, says):
+    from lightning_recompute import TunedFor
+    from tuner.session import training_change
+
+    assert training_change(TunedFor(micro_batch=micro_batch, data_batch_size=data_batch)).startswith(says)
+    assert training_change(None) is None and training_change(TunedFor(device="cpu")) is None
