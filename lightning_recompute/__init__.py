@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
     from lightning_recompute.callback import RecomputeCallback, StepRecord
     from lightning_recompute.errors import (
+        BatchSizeError,
+        BatchSizeWarning,
         DocumentError,
         IncompatibleModelError,
         LayerDiscoveryError,
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
     from lightning_recompute.selective import DEFAULT_SAVE_OPS
     from lightning_recompute.sources import as_policy
+    from lightning_recompute.tuned_for import TunedFor
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -38,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "remove_policy": "apply",
     "RecomputeCallback": "callback",
     "StepRecord": "callback",
+    "BatchSizeError": "errors",
+    "BatchSizeWarning": "errors",
     "DocumentError": "errors",
     "IncompatibleModelError": "errors",
     "LayerDiscoveryError": "errors",
@@ -56,11 +61,14 @@ _EXPORTS: dict[str, str] = {
     "RecomputePolicy": "policy",
     "DEFAULT_SAVE_OPS": "selective",
     "as_policy": "sources",
+    "TunedFor": "tuned_for",
 }
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
     "AppliedPolicy",
+    "BatchSizeError",
+    "BatchSizeWarning",
     "CudaMemoryMeter",
     "DocumentError",
     "IncompatibleModelError",
@@ -76,6 +84,7 @@ __all__ = [
     "StepRecord",
     "StepTimer",
     "StorageMeter",
+    "TunedFor",
     "applied_policy",
     "apply_policy",
     "as_policy",

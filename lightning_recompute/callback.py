@@ -24,11 +24,18 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils._pytree import tree_flatten
 
 from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy
-from lightning_recompute.errors import IncompatibleModelError, LayerDiscoveryError, RecomputeError
+from lightning_recompute.errors import (
+    BatchSizeError,
+    BatchSizeWarning,
+    IncompatibleModelError,
+    LayerDiscoveryError,
+    RecomputeError,
+)
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.meter import MemoryMeter, StepTimer, StorageMeter, memory_meter
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.sources import as_policy
+from lightning_recompute.tuned_for import batch_advice
 
 __all__ = ["RecomputeCallback", "StepRecord"]
 
@@ -93,6 +100,12 @@ class RecomputeCallback(L.Callback):
             this keeps the ledger's cost off the steps whose time matters: a step's peak is the
             same every step once the optimizer state exists.
         max_records: how many `StepRecord` to keep (oldest dropped first).
+        strict_batch_size: what happens when the policy records the micro-batch it was tuned for
+            (its ``tuned_for.micro_batch``) and the first training batch is larger: ``False`` warns
+            (`BatchSizeWarning`), ``True`` raises `BatchSizeError` before the step runs. Either way
+            the message names both sizes, the peak the policy was promoted on, its limit, and the
+            ``batch_size`` and ``accumulate_grad_batches`` that keep the global batch. A batch at or
+            under the tuned one, or a policy without ``tuned_for``, is not checked further.
     """
 
     def __init__(
@@ -102,8 +115,11 @@ class RecomputeCallback(L.Callback):
         measure_memory: bool = True,
         memory_steps: Collection[int] | None = None,
         max_records: int = 10_000,
+        strict_batch_size: bool = False,
     ) -> None:
         self.policy = as_policy(policy)
+        self.strict_batch_size = strict_batch_size
+        self._batch_checked = False
         self.layers = layers
         self.measure_memory = measure_memory
         self.memory_steps = None if memory_steps is None else frozenset(int(s) for s in memory_steps)
@@ -175,11 +191,46 @@ class RecomputeCallback(L.Callback):
         # still the user's modules at their own paths, so applying now is the same as in setup.
         self.applied = apply_policy(pl_module, self.policy, self.layers)
 
+    def _check_batch_size(self, trainer: L.Trainer, batch: Any) -> None:
+        """Warn (or raise) when the first batch is larger than the micro-batch the policy was tuned for."""
+        tuned = self.policy.tuned_for
+        if tuned is None or tuned.micro_batch is None:
+            return
+        try:
+            seen = int(extract_batch_size(batch))
+        except (MisconfigurationException, RecursionError):
+            return  # no tensor to count samples in: nothing to compare
+        if seen <= tuned.micro_batch:
+            return
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        global_batch = seen * accumulate
+        size, steps = batch_advice(tuned.micro_batch, global_batch)
+        figures = []
+        if tuned.peak_bytes is not None:
+            figures.append(f"peak {tuned.peak_bytes / 2**20:.2f} MiB")
+        if tuned.limit_bytes is not None:
+            figures.append(f"limit {tuned.limit_bytes / 2**20:.2f} MiB")
+        where = f" on {tuned.device}" if tuned.device else ""
+        measured = f" ({', '.join(figures)}{where})" if figures else where
+        message = (
+            f"RecomputeCallback: policy {self.policy.fingerprint()} was tuned for micro-batch {tuned.micro_batch}"
+            f"{measured}, but this job trains at batch size {seen}: its activations grow with the batch, so it "
+            f"will likely not fit the limit it was tuned for. Set batch_size={size}, "
+            f"accumulate_grad_batches={steps} to keep the global batch of {global_batch}, or tune again at "
+            f"micro-batch {seen}."
+        )
+        if self.strict_batch_size:
+            raise BatchSizeError(message)
+        rank_zero_warn(message, category=BatchSizeWarning)
+
     # ------------------------------------------------------------------ measuring
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self._batch_checked:
+            self._batch_checked = True
+            self._check_batch_size(trainer, batch)
         if self._timer is None:
             return
         self._step = trainer.global_step

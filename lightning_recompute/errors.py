@@ -8,6 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "CLIP_CHARS",
+    "BatchSizeError",
+    "BatchSizeWarning",
     "DocumentError",
     "IncompatibleModelError",
     "LayerDiscoveryError",
@@ -38,6 +40,14 @@ class LayerDiscoveryError(PolicyError):
 
 class IncompatibleModelError(RecomputeError, RuntimeError):
     """The model is already set up for recomputation by something else (another wrapper or the strategy)."""
+
+
+class BatchSizeError(RecomputeError, ValueError):
+    """Training runs at a larger micro-batch than the policy was tuned for, and strictness was asked for."""
+
+
+class BatchSizeWarning(UserWarning):
+    """Training runs at a larger micro-batch than the policy was tuned for: it may not fit the budget."""
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:

@@ -11,6 +11,12 @@ entry that matches a layer decides its mode, and a layer no entry matches keeps 
       "blocks.*": full
     selective:
       save: [aten.mm, aten.addmm]
+    tuned_for:                     # optional: what the tuner measured it at (`TunedFor`)
+      micro_batch: 4
+      peak_bytes: 40088371
+      limit_bytes: 47815065
+
+A file without ``tuned_for`` is as valid as one with it; applying a policy never reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,7 @@ import yaml
 from lightning_recompute.atomic import atomic_write
 from lightning_recompute.errors import DocumentError, PolicyError, clip
 from lightning_recompute.safe_yaml import load_document
+from lightning_recompute.tuned_for import TunedFor
 
 __all__ = ["POLICY_VERSION", "Mode", "PolicyLike", "RecomputePolicy"]
 
@@ -65,7 +72,7 @@ class Mode(str, enum.Enum):
         raise PolicyError(f"{where}: unknown mode {clip(repr(value))}; valid modes are: {valid}")
 
 
-_TOP_LEVEL_KEYS = ("version", "layers", "selective")
+_TOP_LEVEL_KEYS = ("version", "layers", "selective", "tuned_for")
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,10 @@ class RecomputePolicy:
     list of `lightning_recompute.selective.DEFAULT_SAVE_OPS`."""
     version: int = field(default=POLICY_VERSION)
     """File format version; only ``1`` exists."""
+    tuned_for: TunedFor | None = field(default=None, compare=False)
+    """What the tuner measured the policy at (micro-batch, peak, limit, device, recipe), or ``None``.
+    Provenance, not behaviour: applying ignores it, and it takes no part in ``==``, ``hash`` or
+    `fingerprint` (see there)."""
 
     def __post_init__(self) -> None:
         if self.version != POLICY_VERSION:
@@ -107,6 +118,8 @@ class RecomputePolicy:
             names = tuple(self.selective_save)
             resolve_save_ops(names, where="selective.save")  # validates; raises PolicyError
             object.__setattr__(self, "selective_save", names)
+        if self.tuned_for is not None and not isinstance(self.tuned_for, TunedFor):
+            raise PolicyError(f"tuned_for: expected a TunedFor, got {type(self.tuned_for).__name__}")
 
     # ------------------------------------------------------------------ constructors
 
@@ -193,8 +206,14 @@ class RecomputePolicy:
                 raise PolicyError(
                     f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
                 )
+        raw_tuned = data.get("tuned_for")
+        tuned = None if raw_tuned is None else TunedFor.from_dict(raw_tuned, source=source)
         try:
-            return cls(layers=tuple(layers), selective_save=None if save is None else tuple(str(s) for s in save))
+            return cls(
+                layers=tuple(layers),
+                selective_save=None if save is None else tuple(str(s) for s in save),
+                tuned_for=tuned,
+            )
         except PolicyError as err:
             raise PolicyError(f"{source}: {err}") from None
 
@@ -217,11 +236,22 @@ class RecomputePolicy:
     # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """The policy-file structure (plain types only)."""
+        """The policy-file structure (plain types only); ``tuned_for`` only when the policy has it."""
+        out = self._behaviour_dict()
+        if self.tuned_for is not None:
+            out["tuned_for"] = self.tuned_for.to_dict()
+        return out
+
+    def _behaviour_dict(self) -> dict[str, Any]:
+        """What the policy does to a model: the file structure without ``tuned_for``."""
         out: dict[str, Any] = {"version": self.version, "layers": {p: m.value for p, m in self.layers}}
         if self.selective_save is not None:
             out["selective"] = {"save": list(self.selective_save)}
         return out
+
+    def with_tuned_for(self, tuned_for: TunedFor | None) -> RecomputePolicy:
+        """The same policy, recording ``tuned_for`` (``None`` drops the record)."""
+        return replace(self, tuned_for=tuned_for)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -239,8 +269,16 @@ class RecomputePolicy:
         return atomic_write(p, self.to_json() if p.suffix.lower() == ".json" else self.to_yaml())
 
     def fingerprint(self) -> str:
-        """A short, stable identifier of what the policy does (order-sensitive, format-independent)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=False, separators=(",", ":"))
+        """A short, stable identifier of what the policy does (order-sensitive, format-independent).
+
+        ``tuned_for`` is left out: the fingerprint names what applying the policy does to a model,
+        and that is what its users compare (the study's duplicate check, a checkpoint's policy on
+        resume, the MLflow record of the good run). The same layer modes tuned at another
+        micro-batch are the same policy; the tuner keys candidates by fingerprint *and*
+        micro-batch. Leaving it out also keeps the fingerprint of every file written before
+        ``tuned_for`` existed.
+        """
+        canonical = json.dumps(self._behaviour_dict(), sort_keys=False, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ resolution
@@ -280,6 +318,8 @@ class RecomputePolicy:
         lines += [f"{a:<{width}}  {b}" for a, b in rows]
         save = "default" if self.selective_save is None else ", ".join(self.selective_save)
         lines.append(f"policy {self.fingerprint()}; selective saves: {save}")
+        if self.tuned_for is not None:
+            lines.append(self.tuned_for.describe())
         return "\n".join(lines)
 
     def short(self, layer_names: Sequence[str]) -> str:

@@ -240,8 +240,8 @@ def _final_report(s: SessionSummary) -> str:
         lines.append("")
     if s.best is not None:
         lines.append(
-            f"best: trial {s.best.number} {s.best.short}  {_num(s.best.throughput)} {s.best.throughput_unit}, "
-            f"peak {_bytes(s.best.peak_bytes)}"
+            f"best: trial {s.best.number} {s.best.short} at {_micro_batch(s.best.micro_batch, s.data_batch_size)}  "
+            f"{_num(s.best.throughput)} {s.best.throughput_unit}, peak {_bytes(s.best.peak_bytes)}"
         )
         for name, rec in s.baselines.items():
             gain = s.gains.get(name)
@@ -254,13 +254,19 @@ def _final_report(s: SessionSummary) -> str:
                     f" ({rec.outcome}{': ' + rec.reason if rec.reason else ''})"
                 )
     lines.append("")
-    lines.append(f"decision: {s.status}")
+    tuned = s.tuned_for
+    lines.append(
+        f"decision: {s.status}"
+        + (f" (good policy tuned for micro-batch {tuned.micro_batch})" if tuned and tuned.micro_batch else "")
+    )
     lines += [f"  - {reason}" for reason in s.reasons]
     for note in s.notes:
         lines.append(f"  note: {note}")
     if s.policy_path is not None:
         what = "policy written to" if s.status == "promoted" else "current good policy in"
         lines.append(f"{what}: {s.policy_path}")
+        if s.training_change is not None:
+            lines.append(f"in the training job: {s.training_change}")
     lines.append(f"browse in MLflow: {s.mlflow_command}")
     return "\n".join(lines)
 
@@ -300,6 +306,7 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
 def _rollback(recipe: Recipe) -> int:
     from tuner import commands
     from tuner.preflight import SettingsError
+    from tuner.session import training_change
 
     try:
         done = commands.rollback(recipe)
@@ -316,6 +323,12 @@ def _rollback(recipe: Recipe) -> int:
         print(f"rolled back: the good policy is now run {good.run_id} ({good.fingerprint}); written to {recipe.output}")
     else:
         print(f"nothing earlier to roll back to: the good policy stays run {good.run_id} ({good.fingerprint})")
+    tuned = good.policy.tuned_for
+    if tuned is not None:
+        print(tuned.describe())
+        change = training_change(tuned)
+        if change is not None:
+            print(f"in the training job: {change}")
     print(good.policy.to_yaml().rstrip())
     return EXIT_OK
 
@@ -338,6 +351,7 @@ def _history(recipe: Recipe, args: argparse.Namespace) -> int:
     for d in summary.decisions:
         print(
             f"{d.seq:>3}  {d.at:%Y-%m-%d %H:%M:%S}  {d.kind:<8}  {d.fingerprint or '-':<16}  "
+            f"mb {'-' if d.micro_batch is None else d.micro_batch:<4}  "
             f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}"
         )
     if summary.current is not None:
@@ -346,10 +360,19 @@ def _history(recipe: Recipe, args: argparse.Namespace) -> int:
             f"current good policy: run {c.run_id} ({c.fingerprint}), throughput {_num(c.throughput)}, "
             f"peak {_bytes(c.peak_bytes)}"
         )
+        if c.policy.tuned_for is not None:
+            print(f"  {c.policy.tuned_for.describe()}")
     return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- formatting
+
+
+def _micro_batch(micro_batch: int | None, data_batch_size: int | None) -> str:
+    """``micro-batch 4``; a trial without one ran at the data module's own batch size."""
+    if micro_batch is not None:
+        return f"micro-batch {micro_batch}"
+    return f"micro-batch {data_batch_size} (the data's own)" if data_batch_size is not None else "the data's batch size"
 
 
 def _num(value: float | None) -> str:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
+from lightning_recompute.tuned_for import TunedFor
 from tuner.jsonable import jsonable
 from tuner.units import format_bytes
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from tuner.tracking import GoodPolicy, Tracker
     from tuner.trials import NumericsResult, TrialResult
 
-__all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate"]
+__all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate", "tuned_for"]
 
 RunTrial = Callable[..., "TrialResult"]
 """``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes)``."""
@@ -303,10 +304,14 @@ def decide(
     )
     if decision.unchanged:
         return decision
+    # The file and every run's policy.yaml carry what the policy was tuned for, so a training job
+    # reading either (a path or "mlflow:") can tell when its batch is larger than the one measured.
+    policy = cand.policy.with_tuned_for(tuned_for(recipe, cand, decision.confirmation, budget_bytes))
+    decision.evidence["tuned_for"] = policy.tuned_for.to_dict() if policy.tuned_for is not None else None
     source = cand.source_run_id
     if decision.confirmation is not None:
         source = tracker.log_confirmation(
-            cand.policy,
+            policy,
             cand.layer_names,
             cand.micro_batch,
             decision.confirmation,
@@ -317,13 +322,33 @@ def decide(
     if decision.promoted:
         out = Path(output_path) if output_path is not None else Path(recipe.output)
         decision.decision_run_id = tracker.promote(
-            cand.policy, source_run_id=source, output_path=out, reason=decision.reason, evidence=decision.evidence
+            policy, source_run_id=source, output_path=out, reason=decision.reason, evidence=decision.evidence
         )
     else:
         decision.decision_run_id = tracker.reject(
-            cand.policy, source_run_id=source, reason=decision.reason, evidence=decision.evidence
+            policy, source_run_id=source, reason=decision.reason, evidence=decision.evidence
         )
     return decision
+
+
+def tuned_for(
+    recipe: Recipe, candidate: Candidate, confirmation: TrialResult | None, budget_bytes: int | None
+) -> TunedFor:
+    """What ``candidate`` was tuned for: its micro-batch (the data module's own when it has none),
+    the confirmation run's peak and device, the budget limit, and the recipe."""
+    from tuner.recipe import data_batch_size
+
+    data_batch = data_batch_size(recipe)
+    measured = confirmation is not None and confirmation.outcome in ("ok", "over_budget")
+    return TunedFor(
+        micro_batch=candidate.micro_batch if candidate.micro_batch is not None else data_batch,
+        data_batch_size=data_batch,
+        peak_bytes=(confirmation.peak_bytes or None) if measured and confirmation is not None else None,
+        limit_bytes=budget_bytes,
+        device=(confirmation.device or None) if confirmation is not None else None,
+        recipe=recipe.name,
+        recipe_fingerprint=recipe.fingerprint(),
+    )
 
 
 def _side_by_side(

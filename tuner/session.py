@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.tuned_for import TunedFor, batch_advice
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
 from tuner.jsonable import jsonable
 from tuner.killpoints import kill_point
 from tuner.liveness import Heartbeat, grace_s
 from tuner.planner.seeds import PlannerSeeds, plan_seeds
+from tuner.recipe.build import data_batch_size
 from tuner.search import (
     Predictor,
     Proposal,
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from tuner.tracking import Tracker
     from tuner.trials import TrialResult
 
-__all__ = ["SessionSummary", "TrialEvent", "tune"]
+__all__ = ["SessionSummary", "TrialEvent", "training_change", "tune"]
 
 _log = logging.getLogger(__name__)
 
@@ -124,6 +126,16 @@ class SessionSummary:
     decision_run_id: str | None = None
     notes: list[str] = field(default_factory=list)
     """What the session decided along the way (planner unavailable, space exhausted ...)."""
+    data_batch_size: int | None = None
+    """The batch size of the recipe's data module (what ``micro_batch`` ``None`` means)."""
+    tuned_for: TunedFor | None = None
+    """What the good policy in `policy_path` was tuned for (``None``: no good policy, or one
+    promoted before the tuner recorded it)."""
+
+    @property
+    def training_change(self) -> str | None:
+        """What to set in the training job for the good policy to fit, in words (``None``: unknown)."""
+        return training_change(self.tuned_for)
 
     @property
     def mlflow_command(self) -> str:
@@ -162,7 +174,37 @@ class SessionSummary:
             "decision_run_id": self.decision_run_id,
             "trials": [r.to_dict() for r in self.records],
             "notes": list(self.notes),
+            "data_batch_size": self.data_batch_size,
+            "tuned_for": None if self.tuned_for is None else self.tuned_for.to_dict(),
+            "training_change": self.training_change,
         }
+
+
+def training_change(tuned: TunedFor | None) -> str | None:
+    """What a training job with the recipe's data must set for a policy tuned as ``tuned`` to fit.
+
+    The batch a job feeds the model per step must not exceed the tuned micro-batch; gradient
+    accumulation keeps the data's global batch (8 at micro-batch 4: ``batch_size=4,
+    accumulate_grad_batches=2``).
+    """
+    if tuned is None or tuned.micro_batch is None:
+        return None
+    mb, data = tuned.micro_batch, tuned.data_batch_size
+    if data is None:
+        return f"train at batch_size={mb} per device (the micro-batch the policy was measured at) or smaller"
+    if mb == data:
+        return f"no change: the policy was tuned at the data's batch size of {data}"
+    if mb < data:
+        size, steps = batch_advice(mb, data)
+        return (
+            f"set batch_size={size}, accumulate_grad_batches={steps} in the training job to keep the global batch "
+            f"of {data}; at batch size {data} the policy was not measured and may not fit the budget"
+        )
+    return (
+        f"set batch_size={mb} in the training job (the policy was tuned at micro-batch {mb}, larger than the "
+        f"data's {data}: a global batch of {mb}, so revisit the learning rate); at {data} it uses less memory "
+        f"and fits too, but that is not the combination measured fastest"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -549,6 +591,7 @@ class _TuningSession:
             experiment=str(self.recipe.tracking.experiment),
             session_run_id=self.session_run_id,
             notes=self.notes,
+            data_batch_size=data_batch_size(self.recipe),
         )
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
@@ -645,7 +688,9 @@ class _TuningSession:
         else:
             status, code = "rejected", EXIT_INFEASIBLE
         summary = self._summary(status, code)
-        summary.policy_path = self.recipe.output if (decision.promoted or tracker.current_good()) else None
+        good = tracker.current_good()
+        summary.policy_path = self.recipe.output if (decision.promoted or good) else None
+        summary.tuned_for = good.policy.tuned_for if good is not None else None
         summary.reasons.extend(decision.reasons)
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id

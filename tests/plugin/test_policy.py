@@ -89,7 +89,8 @@ def _write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
         ("version: 1\nlayers: {h.0: full\n", r"policy\.yaml: malformed YAML"),
         (
             "version: 1\nlayer: {h.0: full}\n",
-            r"policy\.yaml: unknown key\(s\) \['layer'\]; valid keys are \['version', 'layers', 'selective'\]",
+            r"policy\.yaml: unknown key\(s\) \['layer'\]; "
+            r"valid keys are \['version', 'layers', 'selective', 'tuned_for'\]",
         ),
         ("version: 1\nlayers: [full]\n", r"policy\.yaml: key 'layers' must map layer paths"),
         ("", r"policy\.yaml: policy file is empty"),

@@ -286,3 +286,43 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
     trial_numbers = [int(r.data.params["trial_number"]) for r in runs if r.data.tags.get("recompute.kind") == "trial"]
     assert sorted(trial_numbers) == [r.number for r in records]  # every trial logged, once
     assert not [r for r in runs if r.info.status == "RUNNING"]
+
+
+@pytest.mark.slow
+def test_a_co_tuned_micro_batch_is_written_into_the_policy_file_and_printed(tmp_path, capsys):
+    recipe_path = write_recipe(
+        tmp_path,
+        data={"init_args": {"batch_size": 8, "num_batches": 8}},
+        search={"n_trials": 3, "seed": 0, "micro_batch_sizes": [4, 8, 16]},
+    )
+    proc = run_cli(tmp_path, str(recipe_path), "--format", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "promoted"
+    best_mb = summary["best"]["micro_batch"]
+    assert best_mb in (4, 8, 16)
+
+    # The file says what it was tuned for: the winner's micro-batch, the data's batch, the figures.
+    tuned = RecomputePolicy.load(tmp_path / "policy.yaml").tuned_for
+    assert tuned is not None
+    assert (tuned.micro_batch, tuned.data_batch_size, tuned.device) == (best_mb, 8, "cpu")
+    assert tuned.peak_bytes is not None and tuned.limit_bytes == summary["budget_bytes"]
+    assert tuned.peak_bytes <= tuned.limit_bytes
+    assert summary["tuned_for"] == tuned.to_dict()
+    expected = {4: "set batch_size=4, accumulate_grad_batches=2", 8: "no change", 16: "set batch_size=16"}[best_mb]
+    assert summary["training_change"].startswith(expected)
+
+    # history shows the micro-batch of the decision; the text report of `history` too.
+    assert cli.main(["history", str(recipe_path), "--format", "json"]) == 0
+    decisions = json.loads(capsys.readouterr().out)["decisions"]
+    assert [(d["kind"], d["micro_batch"]) for d in decisions] == [("promote", best_mb)]
+    assert cli.main(["history", str(recipe_path)]) == 0
+    assert f"mb {best_mb:<4}" in capsys.readouterr().out
+
+    # The text report, from a second run (the study is finished, so it only re-reads the decision).
+    again = run_cli(tmp_path, str(recipe_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"best: trial {summary['best']['number']} " in again.stdout
+    assert f" at micro-batch {best_mb} " in again.stdout
+    assert f"decision: current (good policy tuned for micro-batch {best_mb})" in again.stdout
+    assert f"in the training job: {expected}" in again.stdout

@@ -452,3 +452,47 @@ def test_restore_file_puts_the_good_policy_back(uri: str, recipe: recipe_mod.Rec
         damage
     ] in note
     assert RecomputePolicy.load(out) == A
+
+
+def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path: Path, uri: str) -> None:
+    recipe = recipe_mod.from_dict(
+        {
+            "name": "gate",
+            "budget": "128MiB",
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}},
+            "data": {"init_args": {"batch_size": 8, "vocab_size": 64, "seq_len": 16}},
+            "trial": {"warmup_steps": 1, "measure_steps": 4, "timeout_s": 30},
+            "tracking": {"uri": uri, "experiment": "gate"},
+            "output": str(tmp_path / "out" / "policy.yaml"),
+        }
+    )
+    tracker = Tracker(uri, "gate")
+    trials = FakeTrials({A: 100.0, B: 120.0}, peaks={A: 30 * 2**20, B: 40 * 2**20})
+    check = numerics()
+    a = decide(
+        tracker, Candidate(A, micro_batch=4), recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=check
+    )
+    assert a.promoted
+    written = RecomputePolicy.load(recipe.output).tuned_for
+    assert written is not None
+    assert (written.micro_batch, written.data_batch_size, written.peak_bytes, written.limit_bytes) == (
+        4,
+        8,
+        30 * 2**20,
+        LIMIT,
+    )
+    assert (written.device, written.recipe, written.recipe_fingerprint) == ("cpu", "gate", recipe.fingerprint())
+    # The good run's artifact is the same file: "mlflow:" training jobs see the same micro-batch.
+    assert load_good_policy("gate", uri).tuned_for == written
+
+    # A candidate without a micro-batch of its own was tuned at the data module's batch size.
+    b = decide(tracker, Candidate(B), recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=check)
+    assert b.promoted
+    tuned_b = RecomputePolicy.load(recipe.output).tuned_for
+    assert tuned_b is not None and (tuned_b.micro_batch, tuned_b.peak_bytes) == (8, 40 * 2**20)
+
+    restored = tracker.rollback(output_path=recipe.output)
+    assert restored.policy.tuned_for == written
+    assert RecomputePolicy.load(recipe.output).tuned_for == written
+    assert load_good_policy("gate", uri).tuned_for == written
+    assert [(h.kind, h.micro_batch) for h in tracker.history()] == [("promote", 4), ("promote", 8), ("rollback", 4)]

@@ -415,3 +415,21 @@ def test_rollback_with_one_promotion_restores_a_missing_or_corrupt_file(tmp_path
     assert "nothing earlier to roll back to" in out
     # With the file intact, a rollback with nothing earlier is still an error.
     assert cli.main(["rollback", str(tmp_path / "recipe.yaml")]) == EXIT_INFEASIBLE
+
+
+@pytest.mark.parametrize(
+    ("micro_batch", "data_batch", "says"),
+    [
+        (4, 8, "set batch_size=4, accumulate_grad_batches=2 in the training job to keep the global batch of 8"),
+        (3, 8, "set batch_size=2, accumulate_grad_batches=4 in the training job to keep the global batch of 8"),
+        (8, 8, "no change: the policy was tuned at the data's batch size of 8"),
+        (16, 8, "set batch_size=16 in the training job"),
+        (4, None, "train at batch_size=4 per device"),
+    ],
+)
+def test_the_training_change_says_what_to_set(micro_batch, data_batch, says):
+    from lightning_recompute import TunedFor
+    from tuner.session import training_change
+
+    assert training_change(TunedFor(micro_batch=micro_batch, data_batch_size=data_batch)).startswith(says)
+    assert training_change(None) is None and training_change(TunedFor(device="cpu")) is None

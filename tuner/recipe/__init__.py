@@ -28,7 +28,7 @@ checks pydantic cannot make), `tuner.recipe.load` (reading and validating), `tun
 
 from __future__ import annotations
 
-from tuner.recipe.build import build_datamodule, build_model
+from tuner.recipe.build import build_datamodule, build_model, data_batch_size
 from tuner.recipe.load import from_dict, json_schema, load
 from tuner.recipe.schema import (
     PRECISIONS,
@@ -60,6 +60,7 @@ __all__ = [
     "TrialSettings",
     "build_datamodule",
     "build_model",
+    "data_batch_size",
     "from_dict",
     "json_schema",
     "load",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import clip
-from tuner.recipe.checks import _accepts
+from tuner.recipe.checks import _accepts, _init_signature
 from tuner.recipe.schema import Component, Recipe, RecipeError
 
 if TYPE_CHECKING:
@@ -58,3 +58,20 @@ def _instantiate(recipe: Recipe, key: str, component: Component, **overrides: An
             [f"{key}.init_args: {component.class_path} refused them: {type(err).__name__}: {clip(str(err))}"],
             recipe.source,
         ) from err
+
+
+def data_batch_size(recipe: Recipe) -> int | None:
+    """The batch size the recipe's data module uses when the tuner does not override it.
+
+    Read from ``data.init_args.batch_size``, else the constructor's default; ``None`` when the data
+    module has no ``batch_size`` argument with an integer value. Nothing is instantiated: this is
+    the batch a training job with the recipe's data runs at, which the tuned micro-batch replaces.
+    """
+    given = recipe.data.init_args.get("batch_size")
+    if given is None:
+        try:
+            param = _init_signature(recipe.data.import_class()).parameters.get("batch_size")
+        except (TypeError, ValueError, RecipeError):
+            return None
+        given = None if param is None else param.default
+    return given if isinstance(given, int) and not isinstance(given, bool) and given > 0 else None

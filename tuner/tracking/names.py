@@ -57,6 +57,7 @@ __all__ = [
     "TRIALS_CSV",
     "TRIALS_JSON",
     "TRIAL_NUMBER_PARAM",
+    "TUNED_MICRO_BATCH",
 ]
 
 # ---------------------------------------------------------------------------------------------- tags
@@ -98,6 +99,8 @@ SESSION_NOTES = "recompute.session_notes"
 """What the session decided without a trial (space, planner trouble, why it stopped)."""
 BEST_FINGERPRINT = "recompute.best_fingerprint"
 BEST_RUN = "recompute.best_run_id"
+TUNED_MICRO_BATCH = "recompute.tuned_micro_batch"
+"""Decision run tag: the micro-batch the decided policy was tuned for (its ``tuned_for.micro_batch``)."""
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
 """MLflow's own tag for a run's description (markdown)."""

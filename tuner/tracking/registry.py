@@ -35,6 +35,7 @@ from tuner.tracking.names import (
     REJECTED,
     ROLLED_BACK,
     SOURCE_RUN,
+    TUNED_MICRO_BATCH,
 )
 
 if TYPE_CHECKING:
@@ -83,6 +84,9 @@ class Decision:
     """The good run after it (equal to the previous one for a rejection)."""
     source_run_id: str | None
     """The trial or confirmation run the decision is about."""
+    micro_batch: int | None = None
+    """The micro-batch the decided policy was tuned for (``None``: not recorded, as in decisions
+    made before the tuner recorded it)."""
 
 
 class PolicyRegistry(TrackingClient):
@@ -216,6 +220,7 @@ class PolicyRegistry(TrackingClient):
                     previous_good_run_id=t.get(PREVIOUS_GOOD) or None,
                     new_good_run_id=t.get(NEW_GOOD) or None,
                     source_run_id=t.get(SOURCE_RUN) or None,
+                    micro_batch=_tag_int(t.get(TUNED_MICRO_BATCH)),
                 )
             )
         return out
@@ -234,15 +239,16 @@ class PolicyRegistry(TrackingClient):
 
     def _ensure_run_policy(self, run_id: str, policy: RecomputePolicy) -> None:
         held = self._run_policy(run_id)
-        if held is None:
-            # A run logged by other means (a hand-made run, an older tuner): give it the artifact
-            # the plugin's loader reads.
-            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
-        elif held.fingerprint() != policy.fingerprint():
+        if held is not None and held.fingerprint() != policy.fingerprint():
             raise TrackingError(
                 f"run {run_id} measured policy {held.fingerprint()}, not the promoted {policy.fingerprint()}; "
                 f"promote the policy together with the run that measured it"
             )
+        if held is None or (policy.tuned_for is not None and held.tuned_for != policy.tuned_for):
+            # A run logged by other means (a hand-made run, an older tuner), or one whose file
+            # lacks what the policy was tuned for: the good run's artifact is what "mlflow:"
+            # training jobs read, so it must be the promoted file, tuned_for included.
+            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
 
     def _good_policy(self, run_id: str) -> GoodPolicy:
         from mlflow.exceptions import MlflowException
@@ -307,6 +313,8 @@ class PolicyRegistry(TrackingClient):
         }
         if source_run_id:
             tags[SOURCE_RUN] = source_run_id
+        if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
+            tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
         parent = self._parent_run_id()
         if parent:
             tags[PARENT] = parent
@@ -383,3 +391,8 @@ def _file_state(path: Path, fingerprint: str) -> str | None:
     if held.fingerprint() != fingerprint:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
     return None
+
+
+def _tag_int(value: str | None) -> int | None:
+    """A tag holding a whole number, or ``None`` (absent or not a number: a run logged by other means)."""
+    return int(value) if value and value.isdigit() else None

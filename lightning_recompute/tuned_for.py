@@ -1,0 +1,117 @@
+"""`TunedFor`: what a policy was tuned for, and what a training job that differs should change.
+
+A policy only fits the memory budget at the micro-batch it was measured with: the activations a
+layer keeps grow with the batch. The tuner records that micro-batch (and the figures it was
+promoted on) in the policy file's optional ``tuned_for:`` section::
+
+    tuned_for:
+      micro_batch: 4          # samples per training batch (per device) the policy was measured at
+      data_batch_size: 8      # the recipe's data module batch size: the global batch to keep
+      peak_bytes: 40088371    # the promoted (confirmation) run's peak
+      limit_bytes: 47815065   # the budget limit it had to fit (budget less margin)
+      device: cpu
+      recipe: quickstart
+      recipe_fingerprint: 3f0c...
+
+Every key is optional. Applying a policy never reads this section; `RecomputeCallback` compares
+``micro_batch`` with the batch it sees on the first training step (`batch_advice`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_recompute.errors import PolicyError, clip
+
+__all__ = ["TunedFor", "batch_advice"]
+
+
+@dataclass(frozen=True)
+class TunedFor:
+    """The conditions a policy was tuned under (the policy file's ``tuned_for:`` section)."""
+
+    micro_batch: int | None = None
+    """Samples per training batch, per device, the policy was measured at."""
+    data_batch_size: int | None = None
+    """The batch size of the recipe's data module when not overridden: the global batch a training
+    job that runs at `micro_batch` keeps with gradient accumulation."""
+    peak_bytes: int | None = None
+    """Peak device memory of the run the policy was promoted on."""
+    limit_bytes: int | None = None
+    """The memory limit that peak had to fit under (the budget less its margin)."""
+    device: str | None = None
+    """The device it was measured on (``cpu``, ``NVIDIA H100 80GB HBM3``)."""
+    recipe: str | None = None
+    """The tuning recipe's name (also the MLflow experiment, unless the recipe names another)."""
+    recipe_fingerprint: str | None = None
+    """The recipe's fingerprint: which model, data and trainer settings were measured."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "data_batch_size", "peak_bytes", "limit_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PolicyError(f"tuned_for.{name}: expected a positive integer, got {clip(repr(value))}")
+        for name in ("device", "recipe", "recipe_fingerprint"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise PolicyError(f"tuned_for.{name}: expected a string, got {clip(repr(value))}")
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "policy") -> TunedFor:
+        """Parse the ``tuned_for:`` mapping; errors name ``source``, the key and the valid keys."""
+        valid = [f.name for f in fields(cls)]
+        if not isinstance(data, Mapping):
+            raise PolicyError(
+                f"{source}: key 'tuned_for' must be a mapping with keys {valid}, got {type(data).__name__}"
+            )
+        unknown = [k for k in data if k not in valid]
+        if unknown:
+            raise PolicyError(f"{source}: tuned_for: unknown key(s) {clip(repr(unknown))}; valid keys are {valid}")
+        try:
+            return cls(**{str(k): v for k, v in data.items()})
+        except PolicyError as err:
+            raise PolicyError(f"{source}: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``tuned_for:`` mapping; keys without a value are left out."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def describe(self) -> str:
+        """One line: ``tuned for micro-batch 4 (data batch 8) on cpu: peak 38.23 MiB of limit 45.60 MiB ...``."""
+        parts = [f"micro-batch {self.micro_batch if self.micro_batch is not None else 'not recorded'}"]
+        if self.data_batch_size is not None:
+            parts[0] += f" (data batch {self.data_batch_size})"
+        if self.device:
+            parts.append(f"on {self.device}")
+        text = "tuned for " + " ".join(parts)
+        if self.peak_bytes is not None:
+            text += f": peak {_mib(self.peak_bytes)}"
+            if self.limit_bytes is not None:
+                text += f" of limit {_mib(self.limit_bytes)}"
+        elif self.limit_bytes is not None:
+            text += f": limit {_mib(self.limit_bytes)}"
+        if self.recipe:
+            text += f"; recipe {self.recipe}"
+            if self.recipe_fingerprint:
+                text += f" ({self.recipe_fingerprint})"
+        return text
+
+
+def batch_advice(micro_batch: int, global_batch: int) -> tuple[int, int]:
+    """``(batch_size, accumulate_grad_batches)`` that keeps ``global_batch`` samples per optimizer step
+    with training batches of at most ``micro_batch`` samples.
+
+    The batch size is the largest divisor of ``global_batch`` not above ``micro_batch``, so the
+    global batch stays exact (8 at micro-batch 4: ``(4, 2)``; 12 at micro-batch 5: ``(4, 3)``).
+    """
+    if micro_batch < 1 or global_batch < 1:
+        raise ValueError(f"batch sizes must be positive, got micro_batch={micro_batch}, global_batch={global_batch}")
+    size = max(d for d in range(1, min(micro_batch, global_batch) + 1) if global_batch % d == 0)
+    return size, global_batch // size
+
+
+def _mib(n: int) -> str:
+    # MiB with two decimals, as the tuner prints sizes; the plugin does not import the tuner.
+    return f"{n / 2**20:.2f} MiB"
