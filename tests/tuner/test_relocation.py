@@ -87,8 +87,8 @@ def test_history_rollback_and_the_gate_work_in_a_moved_folder(moved: Path) -> No
     decisions = json.loads(json.dumps(summary.to_dict()))["decisions"]
     assert [datetime.fromisoformat(d["at"]) for d in decisions] == [d.at for d in summary.decisions]
 
-    restored = commands.rollback(recipe)
-    assert restored.policy == A and RecomputePolicy.load(moved / "policy.yaml") == A
+    done = commands.rollback(recipe)
+    assert done.rolled_back and done.good.policy == A and RecomputePolicy.load(moved / "policy.yaml") == A
     # The records now name the new folder: MLflow's own download finds the artifacts.
     client = MlflowClient(tracking_uri=recipe.tracking.uri)
     exp = client.get_experiment_by_name("moved")
