@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["Block", "ReferenceGPT", "SyntheticTokens"]
+__all__ = ["Block", "ReferenceGPT", "ShardedGPT", "SyntheticTokens"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,6 +142,27 @@ class ReferenceGPT(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])
+
+
+class ShardedGPT(ReferenceGPT):
+    """`ReferenceGPT` for ``ModelParallelStrategy``: ``configure_model`` shards it with FSDP2.
+
+    Each block, then the whole model, is ``fully_shard``-ed over the strategy's data-parallel
+    mesh, the usual FSDP2 layout (one all-gather per block). The blocks exist from ``__init__``,
+    so a `RecomputeCallback` applies its policy in ``setup``, before the sharding. Outside
+    ``ModelParallelStrategy`` (no device mesh) it is the plain reference model.
+    """
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        data_parallel = mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=data_parallel)
+        fully_shard(self, mesh=data_parallel)
 
 
 class _RandomTokens(Dataset):

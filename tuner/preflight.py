@@ -21,7 +21,14 @@ from lightning_recompute.errors import RecomputeError, clip
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
-__all__ = ["SettingsError", "check_settings", "output_problem", "storage_problem", "tracking_problem"]
+__all__ = [
+    "SettingsError",
+    "check_settings",
+    "nodes_problem",
+    "output_problem",
+    "storage_problem",
+    "tracking_problem",
+]
 
 CONNECT_TIMEOUT_S = 10.0
 """How long the check waits for a tracking server to accept a connection."""
@@ -54,7 +61,8 @@ def check_settings(recipe: Recipe, *, output: bool = True) -> None:
         output: check the policy path too (``history`` writes no file, so it passes ``False``).
 
     Raises:
-        SettingsError: every problem found (the policy path, ``tracking.uri``, ``study.storage``).
+        SettingsError: every problem found (the policy path, ``tracking.uri``, ``study.storage``,
+            ``trainer.num_nodes``).
     """
     problems = [
         problem
@@ -62,11 +70,24 @@ def check_settings(recipe: Recipe, *, output: bool = True) -> None:
             output_problem(recipe.output) if output else None,
             tracking_problem(recipe.tracking.uri),
             storage_problem(str(recipe.study.storage)),
+            nodes_problem(recipe),
         )
         if problem is not None
     ]
     if problems:
         raise SettingsError(problems)
+
+
+def nodes_problem(recipe: Recipe) -> str | None:
+    """Why the recipe's trials cannot run here, spanning several nodes; ``None`` when they run on one."""
+    nodes = recipe.trainer.num_nodes
+    if nodes == 1:
+        return None
+    return (
+        f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
+        f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
+        f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
+    )
 
 
 def output_problem(path: Path, key: str = "output") -> str | None:

@@ -185,7 +185,49 @@ def test_bad_budgets_name_the_key_and_the_valid_forms(bad: Any) -> None:
             {"budget": "1GiB", "trainer": {"precision": "bf61-mixed"}},
             ["trainer.precision:", "did you mean 'bf16-mixed'?"],
         ),
-        ({"budget": "1GiB", "trainer": {"devices": 2}}, ["trainer.devices: 2 is not valid", "(valid: 1)"]),
+        (
+            {"budget": "1GiB", "trainer": {"devices": 0}},
+            ["trainer.devices: input should be greater than or equal to 1"],
+        ),
+        ({"budget": "1GiB", "trainer": {"num_nodes": "2"}}, ["trainer.num_nodes: input should be a valid integer"]),
+        (
+            {"budget": "1GiB", "trainer": {"strategy": "dpp"}},
+            [
+                "trainer.strategy: 'dpp' is not valid; did you mean 'ddp'?",
+                "(valid: auto, ddp, fsdp, model_parallel, or",
+            ],
+        ),
+        (
+            {"budget": "1GiB", "trainer": {"devices": 2, "strategy": "fsdp"}},
+            ["trainer.strategy: 'fsdp' is Lightning's FSDPStrategy (FSDP1), which needs CUDA", "model_parallel"],
+        ),
+        (
+            {"budget": "1GiB", "trainer": {"devices": 2, "strategy": "model_parallel"}},
+            [
+                "trainer.strategy: 'model_parallel' shards the model in its configure_model hook",
+                "ReferenceGPT does not",
+            ],
+        ),
+        (
+            {"budget": "1GiB", "trainer": {"strategy": {"class_path": "lightning.pytorch.strategies.DDPStrategie"}}},
+            ["trainer.strategy.class_path:", "did you mean 'DDPStrategy'?"],
+        ),
+        (
+            {"budget": "1GiB", "trainer": {"strategy": {"class_path": "collections.OrderedDict"}}},
+            ["trainer.strategy.class_path: collections.OrderedDict is not a lightning.pytorch.strategies.Strategy"],
+        ),
+        (
+            {
+                "budget": "1GiB",
+                "trainer": {
+                    "strategy": {
+                        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                        "init_args": {"data_paralel_size": 2},
+                    }
+                },
+            },
+            ["trainer.strategy.init_args.data_paralel_size:", "did you mean 'data_parallel_size'?"],
+        ),
         (
             {"budget": "1GiB", "search": {"modes": ["none", "ful"]}},
             ["search.modes[1]: 'ful' is not valid; did you mean 'full'?"],
@@ -419,7 +461,26 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
     except ImportError:
         return
     jsonschema.Draft202012Validator.check_schema(schema)
-    jsonschema.validate(yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text()), schema)
+    for shipped in ("quickstart.yaml", "llama-8gpu-fsdp.yaml"):
+        jsonschema.validate(yaml.safe_load((REPO / "recipes" / shipped).read_text()), schema)
+    strategy = defs["TrainerSettings"]["properties"]["strategy"]
+    assert {"enum": ["auto", "ddp", "fsdp", "model_parallel"], "type": "string"} in strategy["anyOf"], strategy
+
+
+def test_multi_device_trainer_settings_and_their_fingerprint() -> None:
+    single = R.from_dict({"budget": "1GiB"})
+    assert (single.trainer.devices, single.trainer.num_nodes, single.trainer.strategy) == (1, 1, "auto")
+    # Keys added with multi-device trials stay out of the fingerprint at their defaults, so studies
+    # made before them still resume: the quickstart's fingerprint as it was before they existed.
+    assert R.load(REPO / "recipes" / "quickstart.yaml").fingerprint() == "56f2dccc65f5b7d8"
+    ddp = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2, "num_nodes": 4, "strategy": "ddp"}})
+    assert (ddp.trainer.world_size, ddp.trainer.strategy_name) == (8, "ddp")
+    assert ddp.fingerprint() != single.fingerprint()
+    custom = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"find_unused_parameters": True}}
+    recipe = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2, "strategy": custom}})
+    assert recipe.trainer.strategy == R.Component(**custom)
+    assert recipe.trainer.strategy_name == "lightning.pytorch.strategies.DDPStrategy"
+    assert R.from_dict(recipe.to_dict()) == recipe
 
 
 def test_precision_choices_match_lightning() -> None:
@@ -467,6 +528,17 @@ def test_quickstart_budget_forces_a_mixed_policy() -> None:
         peaks[label] = max(s["peak_bytes"] for s in result["steps"] if s["peak_bytes"] is not None)
     assert peaks["none"] > limit, peaks
     assert peaks["full"] < peaks["half full"] < limit, peaks
+
+
+def test_eight_gpu_recipe_loads_as_fsdp2_over_one_node() -> None:
+    from lightning_recompute.reference import ShardedGPT
+
+    recipe = R.load(REPO / "recipes" / "llama-8gpu-fsdp.yaml")
+    trainer = recipe.trainer
+    assert (trainer.accelerator, trainer.devices, trainer.num_nodes) == ("cuda", 8, 1)
+    assert (trainer.strategy, trainer.precision) == ("model_parallel", "bf16-mixed")
+    assert recipe.model.import_class() is ShardedGPT and recipe.budget.is_fraction
+    assert "NOT MEASURED" in (REPO / "recipes" / "llama-8gpu-fsdp.yaml").read_text().splitlines()[0]
 
 
 def test_gpu_recipe_describes_a_billion_parameter_model() -> None:

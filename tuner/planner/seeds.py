@@ -21,7 +21,14 @@ if TYPE_CHECKING:
     from tuner.profile import Profile
     from tuner.recipe import Recipe
 
-__all__ = ["PLANNER_FRONT_SEEDS", "PROFILE_REPEATS", "PlannerSeeds", "plan_seeds", "planner_seeds"]
+__all__ = [
+    "PLANNER_FRONT_SEEDS",
+    "PROFILE_REPEATS",
+    "PlannerSeeds",
+    "plan_seeds",
+    "planner_seeds",
+    "seeds_off_reason",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -94,6 +101,10 @@ def plan_seeds(
     from tuner.profile import Profile
     from tuner.trials import profile_recipe
 
+    off = seeds_off_reason(recipe)
+    if off is not None:
+        _log.info(off)
+        return PlannerSeeds(note=off)
     try:
         mb = space.micro_batches[0] if space.micro_batches else None
         profile = (
@@ -111,3 +122,21 @@ def plan_seeds(
             f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions"
         )
     return PlannerSeeds(planner=planner, profile=profile, seeds=seeds, note="; ".join(notes) or None)
+
+
+def seeds_off_reason(recipe: Recipe) -> str | None:
+    """Why the planner does not seed a session of ``recipe``, or ``None`` when it does.
+
+    The planner predicts one device running the whole model. A recipe training on several ranks
+    shards or replicates it (DDP, FSDP, ModelParallel), so a single-device prediction taken as a
+    per-rank one would seed and skip candidates on the wrong figures: such sessions seed from the
+    baselines only, until a per-rank (sharded) planner predicts them. This is the one place that
+    decides it.
+    """
+    world = recipe.trainer.devices * recipe.trainer.num_nodes
+    if world <= 1:
+        return None
+    return (
+        f"planner: seeds off for multi-rank recipes ({world} ranks, strategy {recipe.trainer.strategy_name}): "
+        f"its predictions are for one device; seeding from baselines only"
+    )

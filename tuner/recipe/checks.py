@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import re
 import sys
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ def _check_component(key: str, section: Any, base_name: str, errors: list[str]) 
         return None
     import lightning as L
 
-    base = getattr(L, base_name)
+    base = operator.attrgetter(base_name)(L)  # a dotted name: "pytorch.strategies.Strategy"
     if not issubclass(cls, base):
         errors.append(f"{key}.class_path: {section['class_path']} is not a lightning.{base_name} subclass")
     init_args = section.get("init_args", {})
@@ -147,6 +148,27 @@ def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, typ
                 errors.append(
                     f"data.init_args.{arg}: {mine} exceeds the model's {arg} {theirs} (valid: at most {theirs})"
                 )
+
+
+def _check_strategy(parsed: _RecipeFile, classes: Mapping[str, type | None], errors: list[str]) -> None:
+    """Strategy, accelerator and device combinations that cannot run, each with what would."""
+    trainer = parsed.trainer
+    accel = trainer.accelerator
+    if trainer.strategy == "fsdp" and accel == "cpu":
+        errors.append(
+            "trainer.strategy: 'fsdp' is Lightning's FSDPStrategy (FSDP1), which needs CUDA, and "
+            "trainer.accelerator is cpu (valid on cpu: ddp, or model_parallel for FSDP2's fully_shard over gloo)"
+        )
+    model_cls = classes.get("model")
+    if trainer.strategy == "model_parallel" and model_cls is not None:
+        import lightning as L
+
+        if issubclass(model_cls, L.LightningModule) and model_cls.configure_model is L.LightningModule.configure_model:
+            errors.append(
+                f"trainer.strategy: 'model_parallel' shards the model in its configure_model hook (fully_shard on "
+                f"self.device_mesh), and {parsed.model.class_path} does not override configure_model "
+                f"(valid for it: auto, ddp, or fsdp on cuda)"
+            )
 
 
 def _reference_data_class() -> type:

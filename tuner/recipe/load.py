@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from lightning_recompute.errors import DocumentError, clip
 from lightning_recompute.safe_yaml import parse_document, read_text
-from tuner.recipe.checks import _check_component, _cross_check, _default_data, _describe, _importable
+from tuner.recipe.checks import _check_component, _check_strategy, _cross_check, _default_data, _describe, _importable
 from tuner.recipe.schema import (
     _FILE_ADAPTER,
     REFERENCE_DATA,
@@ -111,10 +111,15 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
         if section is None:
             continue
         classes[key] = _check_component(key, section, base_name, errors)
+    trainer = raw.get("trainer")
+    strategy = trainer.get("strategy") if isinstance(trainer, Mapping) else None
+    if isinstance(strategy, Mapping):
+        classes["strategy"] = _check_component("trainer.strategy", strategy, "pytorch.strategies.Strategy", errors)
 
     if parsed is not None:
         data_component = _default_data(parsed, classes)
         _cross_check(parsed, data_component, classes, errors)
+        _check_strategy(parsed, classes, errors)
     if errors or parsed is None:
         raise RecipeError(errors, src)
 

@@ -100,6 +100,26 @@ def _precision(value: Any) -> str:
     )
 
 
+STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
+"""The strategy names a recipe's ``trainer.strategy`` takes (or a class_path/init_args mapping)."""
+StrategyName = Literal["auto", "ddp", "fsdp", "model_parallel"]
+
+
+def _strategy(value: Any) -> Any:
+    """A known strategy name, or a mapping left for `Component` to validate."""
+    if isinstance(value, str) and value not in STRATEGIES:
+        raise ValueError(
+            f"{clip(repr(value))} is not valid{_suggest(value, STRATEGIES)} "
+            f"(valid: {', '.join(STRATEGIES)}, or {{class_path: ..., init_args: {{...}}}})"
+        )
+    if not isinstance(value, (str, Mapping, Component)):
+        raise ValueError(
+            f"{clip(repr(value))} is not a strategy (valid: {', '.join(STRATEGIES)}, "
+            f"or {{class_path: ..., init_args: {{...}}}})"
+        )
+    return value
+
+
 @schema_dataclass(frozen=True, config=_SCHEMA)
 class TrainerSettings:
     """The Lightning ``Trainer`` arguments a trial runs with."""
@@ -107,14 +127,40 @@ class TrainerSettings:
     accelerator: Literal["cpu", "cuda", "auto"] = Field(
         default="cpu", description="Where trials run; 'auto' picks CUDA when available."
     )
-    devices: Literal[1] = Field(
-        default=1, description="Devices per trial. The tuner measures one device's memory and speed, so only 1."
+    devices: _PositiveInt = Field(
+        default=1,
+        description="Devices (ranks) per node of every trial. Above 1, a trial runs that many ranks under "
+        "`strategy`; its peak is the maximum over ranks and its throughput the sum.",
     )
     precision: Annotated[str, BeforeValidator(_precision)] = Field(
         default="32-true",
         description="Lightning precision: " + ", ".join(PRECISIONS) + " (or the aliases 32, 16, bf16, 64).",
         json_schema_extra={"enum": [*PRECISIONS, *_PRECISION_ALIASES]},
     )
+    num_nodes: _PositiveInt = Field(
+        default=1,
+        description="Nodes of the training job. Trials run on one node (the tuner launches its ranks itself); "
+        "more nodes are for planning the job's world size, devices * num_nodes.",
+    )
+    strategy: Annotated[StrategyName | Component, Field(union_mode="left_to_right"), BeforeValidator(_strategy)] = (
+        Field(
+            default="auto",
+            description="Lightning strategy of every trial: auto (one device; DDP with several, as Lightning picks), "
+            "ddp, fsdp (Lightning's FSDPStrategy, FSDP1: CUDA only), model_parallel (ModelParallelStrategy with "
+            "data_parallel_size = all ranks, tensor_parallel_size = 1: FSDP2 through the model's configure_model), "
+            "or {class_path: a lightning.pytorch.strategies.Strategy subclass, init_args: {...}}.",
+        )
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the training job: ``devices * num_nodes``."""
+        return self.devices * self.num_nodes
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy as one word for logs: its name, or the ``class_path`` of a custom one."""
+        return self.strategy if isinstance(self.strategy, str) else self.strategy.class_path
 
 
 def _budget_value(value: Any) -> int | float:
@@ -436,6 +482,10 @@ class Recipe:
         """
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
+        # Keys added after studies existed stay out at their defaults, so those studies still resume.
+        keep["trainer"] = {
+            k: v for k, v in d["trainer"].items() if (k, v) not in (("num_nodes", 1), ("strategy", "auto"))
+        }
         keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
         canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

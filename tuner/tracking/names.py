@@ -37,6 +37,7 @@ __all__ = [
     "PREVIOUS_GOOD",
     "PROMOTED",
     "PROMOTED_AT",
+    "RANK_PEAK_METRIC",
     "REASON",
     "RECIPE_CHANGED_ON_RESUME",
     "RECIPE_FINGERPRINT",
@@ -58,6 +59,7 @@ __all__ = [
     "TRIALS_JSON",
     "TRIAL_NUMBER_PARAM",
     "TUNED_MICRO_BATCH",
+    "rank_peak_metric",
 ]
 
 # ---------------------------------------------------------------------------------------------- tags
@@ -112,6 +114,17 @@ TRIAL_NUMBER_PARAM = "trial_number"
 MICRO_BATCH_PARAM = "micro_batch"
 POLICY_FINGERPRINT_PARAM = "policy_fingerprint"
 # Also: one ``layer.<path>`` param per layer (its mode), and ``recipe.<key>`` per recipe setting.
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+RANK_PEAK_METRIC = "measured_peak_bytes_rank"
+"""Prefix of a multi-rank trial's per-rank peaks (`rank_peak_metric`); ``measured_peak_bytes`` is their maximum."""
+
+
+def rank_peak_metric(rank: int) -> str:
+    """The metric holding rank ``rank``'s measured peak: ``measured_peak_bytes_rank0``, ..."""
+    return f"{RANK_PEAK_METRIC}{rank}"
+
 
 # ---------------------------------------------------------------------------------------------- artifacts
 

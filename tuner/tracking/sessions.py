@@ -64,6 +64,7 @@ from tuner.tracking.names import (
     TRIAL_NUMBER_PARAM,
     TRIALS_CSV,
     TRIALS_JSON,
+    rank_peak_metric,
 )
 from tuner.tracking.report import _csv, _flatten, _modes, _result_dict, session_markdown
 
@@ -525,6 +526,8 @@ class SessionLog(TrackingClient):
                 v = _finite(r.get(key))
                 if v is not None:
                     metrics[f"measured_{key}"] = v
+            for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
+                metrics[rank_peak_metric(rank)] = float(peak)
             if wall:
                 metrics["wall_s"] = wall
             if _finite(r.get("device_total_bytes")) is not None:

@@ -3,7 +3,9 @@
 One child protocol serves them all: the parent (`tuner.trials.runner`) writes a JSON spec, runs
 ``python -m tuner.trials.worker SPEC.json RESULT.json`` in its own process group with a deadline,
 and reads one JSON result that the child (`tuner.trials.worker`) writes atomically. Whatever the
-model does (run out of memory, crash, hang) ends that process only.
+model does (run out of memory, crash, hang) ends that process only. A multi-rank trial
+(``trainer.devices`` > 1) is the same command: Lightning starts ranks 1..N-1 from it, in its process
+group, each writes its own result, and the parent merges them (`merge_ranks`).
 
 The parent-side names below load `tuner.trials.runner` on first use (PEP 562): the child imports
 this package too, and every second it spends importing the parent side is a second of its
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
         check_numerics,
         clean_stale_trial_dirs,
         device_info,
+        merge_ranks,
         profile_recipe,
         run_trial,
         summarize_steps,
@@ -35,6 +38,7 @@ __all__ = [
     "check_numerics",
     "clean_stale_trial_dirs",
     "device_info",
+    "merge_ranks",
     "profile_recipe",
     "run_trial",
     "summarize_steps",

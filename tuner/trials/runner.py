@@ -34,6 +34,7 @@ from tuner.killpoints import kill_point
 from tuner.liveness import Owner
 from tuner.recipe import Recipe
 from tuner.trials.oom import OOM_MARKERS
+from tuner.trials.worker import rank_result_path, spec_ranks
 
 if TYPE_CHECKING:
     from tuner.profile import Profile
@@ -45,6 +46,7 @@ __all__ = [
     "check_numerics",
     "clean_stale_trial_dirs",
     "device_info",
+    "merge_ranks",
     "profile_recipe",
     "run_trial",
     "summarize_steps",
@@ -98,6 +100,8 @@ class TrialResult:
     """Device name (``cpu``, ``NVIDIA H100 80GB HBM3``)."""
     device_total_bytes: int | None = None
     """The device's total memory; ``None`` on CPU."""
+    rank_peak_bytes: tuple[int, ...] = ()
+    """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum); empty for one device."""
 
     @property
     def measured(self) -> bool:
@@ -108,6 +112,7 @@ class TrialResult:
         """Plain types only (JSON-ready)."""
         d = dataclasses.asdict(self)
         d["step_times_s"] = list(self.step_times_s)
+        d["rank_peak_bytes"] = list(self.rank_peak_bytes)
         return d
 
     @classmethod
@@ -123,6 +128,7 @@ class TrialResult:
             )
         values = dict(data)
         values["step_times_s"] = tuple(values.get("step_times_s", ()))
+        values["rank_peak_bytes"] = tuple(int(v) for v in values.get("rank_peak_bytes", ()))
         return cls(**values)
 
     @classmethod
@@ -227,17 +233,20 @@ def check_numerics(
     with the reason.
     """
     limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
-    spec = {**_base_spec(recipe, policy, micro_batch), "kind": "numerics"}
     # cuBLAS reads this when its handle is created: it must be in the environment the process starts with.
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **recipe.trial.env}
-    run = _run_worker(spec, limit, env)
+    if recipe.trainer.devices > 1:
+        run, skipped = _numerics_on_ranks(recipe, policy, micro_batch, limit, env)
+    else:
+        run, skipped = _run_worker({**_base_spec(recipe, policy, micro_batch), "kind": "numerics"}, limit, env), []
     res = run.result
     if not run.timed_out and res is not None and res.get("outcome") == "ok":
         mb = res.get("micro_batch")
+        halved = f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
         return NumericsResult(
             equal=bool(res["equal"]),
             max_abs_diff=float(res["max_abs_diff"]),
-            detail=str(res["detail"]),
+            detail=str(res["detail"]) + halved,
             baseline_spread=float(res.get("baseline_spread", 0.0)),
             micro_batch=None if mb is None else int(mb),
         )
@@ -247,6 +256,31 @@ def check_numerics(
         why = f"the numerics check failed ({_classify_failure(run)[1]})"
     tail = _last_lines(run.tail, 5)
     return NumericsResult(equal=False, max_abs_diff=float("inf"), detail=f"{why}{': ' + tail if tail else ''}")
+
+
+def _numerics_on_ranks(
+    recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None, limit: float, env: Mapping[str, str]
+) -> tuple[_WorkerRun, list[int]]:
+    """The numerics check on the recipe's N ranks, halving the micro-batch while a rank runs out of memory.
+
+    One rank's out-of-memory error ends every rank (the worker's ranks cannot agree to retry
+    together), so the halving the single-device worker does in-process happens here, one launch
+    per size, all within ``limit`` seconds. Returns the last run and the sizes that did not fit.
+    """
+    from tuner.recipe import data_batch_size
+
+    end = time.monotonic() + limit
+    size = micro_batch
+    skipped: list[int] = []
+    while True:
+        spec = {**_base_spec(recipe, policy, size), "kind": "numerics"}
+        run = _run_worker(spec, max(1.0, end - time.monotonic()), env)
+        res = run.result
+        current = size if size is not None else data_batch_size(recipe)
+        if run.timed_out or res is None or res.get("outcome") != "oom" or current is None or current <= 1:
+            return run, skipped
+        skipped.append(current)
+        size = current // 2
 
 
 def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: int = 3) -> Profile:
@@ -361,15 +395,75 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
                 # Also reaps anything the worker left behind (data-loader workers, compile helpers).
                 _kill_group(proc)
         wall = time.monotonic() - start
-        result = None
-        if result_path.exists():
-            try:
-                result = json.loads(result_path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError):
-                result = None  # written atomically, so this means something else wrote there
+        ranks = spec_ranks(spec)
+        if ranks == 1:
+            result = _read_result(result_path)
+        else:
+            result = merge_ranks(
+                str(spec["kind"]), [_read_result(rank_result_path(result_path, r)) for r in range(ranks)]
+            )
         return _WorkerRun(
             returncode=proc.returncode, result=result, tail=_tail(log_path), wall_s=wall, timed_out=timed_out
         )
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None  # written atomically, so this means something else wrote there
+    return data if isinstance(data, dict) else None
+
+
+def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """One result from the per-rank results of a multi-rank run (``None``: a rank missing, no failure said why).
+
+    A rank that ran out of memory makes the whole run ``oom``, even if other ranks were then killed
+    waiting for it in a collective and wrote nothing; another failure makes it ``error``; each names
+    its rank. A trial's steps merge step by step (the ranks step together): the time is the
+    slowest rank's, the peak the highest, samples and tokens the sum over ranks (so throughput is
+    global), and ``rank_peak_bytes`` keeps each rank's peak. A numerics check is equal only if it is
+    on every rank.
+    """
+    failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None and rep.get("outcome") != "ok"]
+    if failed:
+        rank, rep = next(((r, f) for r, f in failed if f.get("outcome") == "oom"), failed[0])
+        error = f"rank {rank} of {len(reports)}: {rep.get('error') or 'failed'}"
+        return {**rep, "outcome": rep.get("outcome", "error"), "error": error}
+    if any(rep is None for rep in reports):
+        return None
+    done = [dict(rep) for rep in reports if rep is not None]
+    if kind == "trial":
+        return {**done[0], **_merge_steps([rep["steps"] for rep in done])}
+    if kind == "numerics":
+        unequal = [f"rank {r}: {rep['detail']}" for r, rep in enumerate(done) if not rep["equal"]]
+        return {
+            **done[0],
+            "equal": not unequal,
+            "max_abs_diff": max(float(rep["max_abs_diff"]) for rep in done),
+            "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
+            "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
+        }
+    raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: trial, numerics")
+
+
+def _merge_steps(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    steps = []
+    for column in zip(*per_rank, strict=False):  # a rank with fewer records: the shortest decides
+        peaks = [int(s["peak_bytes"]) for s in column if s.get("peak_bytes") is not None]
+        tokens = [s.get("tokens") for s in column]
+        steps.append(
+            {
+                "seconds": max(float(s["seconds"]) for s in column),
+                "peak_bytes": max(peaks) if peaks else None,
+                "samples": sum(int(s["samples"]) for s in column),
+                "tokens": None if any(t is None for t in tokens) else sum(int(t) for t in tokens if t is not None),
+            }
+        )
+    rank_peaks = [[int(s["peak_bytes"]) for s in steps if s.get("peak_bytes") is not None] for steps in per_rank]
+    return {"steps": steps, "rank_peak_bytes": [max(p) for p in rank_peaks] if all(rank_peaks) else []}
 
 
 def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
@@ -495,6 +589,7 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
         error=f"peak {peak} bytes exceeds the budget limit of {budget_bytes} bytes" if over else None,
         device=str(res.get("device", "")),
         device_total_bytes=res.get("device_total_bytes"),
+        rank_peak_bytes=tuple(int(v) for v in res.get("rank_peak_bytes", ())),
         **stats,
     )
 

@@ -48,9 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m tuner.trials.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
-    _die_with_parent(os.environ.get("RECOMPUTE_TUNE_PARENT_PID"))
+    _die_with_parent(os.environ.get(_PARENT_PID_ENV))
+    # Ranks 1..N-1 of a multi-rank trial are this same command, started by Lightning from this
+    # process with a copy of its environment: they follow this process, not the tuner.
+    os.environ[_PARENT_PID_ENV] = str(os.getpid())
     spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    result_path = Path(args[1])
+    ranks = spec_ranks(spec)
+    rank = _local_rank() if ranks > 1 else 0
+    result_path = rank_result_path(Path(args[1]), rank) if ranks > 1 else Path(args[1])
     _arm_hang_report(spec.get("deadline"))
     for entry in spec.get("sys_path", []):
         # Where the parent could import the user's class_path from (the recipe's folder, its
@@ -62,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kind == "trial":
             payload = _trial(spec)
         elif kind == "numerics":
-            payload = _numerics(spec)
+            payload = _numerics_ranks(spec) if ranks > 1 else _numerics(spec)
         elif kind == "device":
             payload = {"outcome": "ok", **_device(spec["accelerator"])}
         elif kind == "profile":
@@ -73,11 +78,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         oom = is_oom_error(err)
         outcome = "oom" if oom else "error"
-        _write_atomic(result_path, {"outcome": outcome, "error": _one_line(err), **_device_or_empty(spec)})
+        _write_atomic(
+            result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec)}
+        )
         # An OOM is a measurement (this configuration does not fit), not a failure of the worker.
-        return 0 if oom else 1
-    _write_atomic(result_path, payload)
+        # Except on ranks 1..N-1: there a nonzero status is what makes Lightning's process observer
+        # in rank 0 kill every rank at once, rather than rank 0 waiting in a collective for a rank
+        # that is gone until the tuner's deadline. The tuner reads this rank's file either way.
+        return 0 if oom and rank == 0 else 1
+    _write_atomic(result_path, {**payload, "rank": rank})
+    if rank == 0 and ranks > 1:
+        # The tuner kills the whole process group once this process exits: wait for the other
+        # ranks' results first (each rank writes its own, after its own last step).
+        _await_ranks(Path(args[1]), ranks, spec.get("deadline"))
     return 0
+
+
+_PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"  # tuner.trials.runner.PARENT_PID_ENV; importing it would pull the runner
+_RANKED_KINDS = ("trial", "numerics")
+_RANK_POLL_S = 0.05
+
+
+def spec_ranks(spec: Mapping[str, Any]) -> int:
+    """How many ranks run ``spec``: the recipe's ``trainer.devices`` for trials and numerics, else 1.
+
+    Trials run on one node: the ranks are the devices of this machine, launched by Lightning.
+    """
+    if spec.get("kind") not in _RANKED_KINDS:
+        return 1
+    trainer = spec.get("recipe", {}).get("trainer", {})
+    return int(trainer.get("devices", 1))
+
+
+def rank_result_path(result_path: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a multi-rank run writes its own result (``result.rank1.json``)."""
+    return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
+
+
+def _local_rank() -> int:
+    # Lightning's launcher sets LOCAL_RANK in ranks 1..N-1 (and in rank 0 once it has launched them).
+    value = os.environ.get("LOCAL_RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
+    """Wait until every rank's result file exists, or the deadline passes (the tuner then kills all)."""
+    end = float(deadline) if deadline is not None else time.time() + 60.0
+    paths = [rank_result_path(result_path, r) for r in range(1, ranks)]
+    while time.time() < end and not all(p.exists() for p in paths):
+        time.sleep(_RANK_POLL_S)
 
 
 # ---------------------------------------------------------------------------------------------- kinds
@@ -109,6 +158,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
+        strategy=_strategy(recipe),
         precision=_precision(recipe.trainer.precision),
         max_steps=steps,
         max_epochs=-1,  # a short data module cycles rather than ending the trial early
@@ -315,6 +365,130 @@ def _profile(spec: Mapping[str, Any]) -> dict[str, Any]:
     recipe = from_dict(spec["recipe"], source=spec.get("source"))
     profile = profile_recipe_here(recipe, spec.get("micro_batch"), int(spec["repeats"]))
     return {"outcome": "ok", "profile": profile.to_dict()}
+
+
+def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """`_numerics` on N ranks under the recipe's strategy: this rank's loss and gradients, three runs.
+
+    Each run is one `Trainer` step (no recompute, the policy, no recompute again) in this same
+    process group, with the same seeds. What is compared, bitwise on CPU, is what this rank
+    holds after backward: under DDP the all-reduced gradients (equal on every rank), under
+    ModelParallel (FSDP2) this rank's reduce-scattered gradient shards (`DTensor.to_local`), and
+    under FSDP1 its flat-parameter shards; the loss is this rank's own micro-batch's. The tuner
+    merges the ranks: the policy is equal only if it is on every rank. A micro-batch that runs out
+    of memory is halved by the tuner (one rank's OOM ends every rank), not here.
+    """
+    import lightning as L
+    import torch
+
+    from lightning_recompute import RecomputeCallback, RecomputePolicy
+    from tuner.recipe import build_datamodule, build_model, from_dict
+
+    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
+    seed = recipe.search.seed
+
+    class CaptureStep(L.Callback):
+        """Reseeds before the batch (the dropout masks) and keeps this rank's loss and gradients."""
+
+        def __init__(self) -> None:
+            self.loss: Any = None
+            self.step: _Step | None = None
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+            torch.manual_seed(seed + 1)
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed_all(seed + 1)
+
+        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+            self.loss = loss.detach().float().cpu()
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
+            self.step = (self.loss, grads)
+
+    def one_step(with_policy: bool) -> _Step:
+        L.seed_everything(seed, verbose=False)  # every run starts from the same weights
+        model = build_model(recipe)
+        capture = CaptureStep()
+        callbacks: list[L.Callback] = [capture]
+        if with_policy:
+            callbacks.append(RecomputeCallback(policy, layers=recipe.layers))
+        trainer = L.Trainer(
+            accelerator=recipe.trainer.accelerator,
+            devices=recipe.trainer.devices,
+            strategy=_strategy(recipe),
+            precision=_precision(recipe.trainer.precision),
+            max_steps=1,
+            limit_train_batches=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, datamodule=build_datamodule(recipe, spec.get("micro_batch")))
+        if capture.step is None:
+            raise RuntimeError("the numerics run ended before its first backward")
+        return capture.step
+
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        base = one_step(False)
+        pol = one_step(True)
+        again = one_step(False)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    spread, _ = _max_diff(base, again)
+    diff, differing = _max_diff(base, pol)
+    n = len(base[1])
+    on_cpu = recipe.trainer.accelerator == "cpu" or not torch.cuda.is_available()
+    mb = spec.get("micro_batch")
+    where = f"on rank {_local_rank()} ({recipe.trainer.strategy_name})" + (
+        "" if mb is None else f" at micro-batch {mb}"
+    )
+    if not differing:
+        equal, detail = True, f"loss and all {n} local gradients bitwise equal {where}"
+    elif spread > 0 and not on_cpu and diff <= spread:
+        equal, detail = True, f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs"
+    else:
+        worst = max(differing)
+        equal = False
+        detail = f"{len(differing)} of {n + 1} values differ {where}, most at {worst[1]} ({worst[0]:.3g})"
+    return {
+        "outcome": "ok",
+        "equal": equal,
+        "max_abs_diff": diff,
+        "baseline_spread": spread,
+        "micro_batch": mb,
+        "detail": detail,
+        **_device(recipe.trainer.accelerator),
+    }
+
+
+def _local(grad: Any) -> Any:
+    """This rank's part of a gradient, on the host: a DTensor's local shard, else the tensor."""
+    to_local = getattr(grad, "to_local", None)
+    local = to_local() if callable(to_local) else grad
+    return local.detach().cpu().clone()
+
+
+def _strategy(recipe: Any) -> Any:
+    """The ``Trainer(strategy=...)`` argument of the recipe's ``trainer.strategy``."""
+    strategy = recipe.trainer.strategy
+    if strategy == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # FSDP2 over every rank: Lightning's own default makes all ranks one tensor-parallel group
+        # (data_parallel_size = num_nodes), which leaves a fully_shard on the data-parallel mesh
+        # unsharded and feeds every rank the same samples. Tensor parallelism: the mapping form.
+        return ModelParallelStrategy(data_parallel_size=recipe.trainer.world_size, tensor_parallel_size=1)
+    if isinstance(strategy, str):
+        return strategy  # auto, ddp, fsdp: Lightning's registry names
+    return strategy.instantiate()
 
 
 def _precision(value: str) -> _PRECISION_INPUT:

@@ -1,0 +1,235 @@
+"""Multi-rank trials: a recipe's ``trainer.devices: 2`` on CPU with gloo, for DDP and ModelParallel (FSDP2).
+
+One real tuning session per strategy (module-scoped: two trials, two measured steps, the gate
+with its confirmation and its numerics check on both ranks), every assertion read off it and
+its MLflow store. Then the ways a multi-rank trial ends badly: a rank out of memory while the
+other waits in the all-reduce, a hang killed at the deadline, and the tuner SIGKILLed, each
+leaving no rank behind. The rank-merging rules themselves are checked on plain dictionaries.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner import session
+from tuner.planner.seeds import seeds_off_reason
+from tuner.recipe import Recipe, from_dict, load
+from tuner.tracking.names import KIND, rank_peak_metric
+from tuner.trials import TrialResult, merge_ranks, run_trial
+from tuner.trials.runner import _pids_with_env
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="PyTorch built without distributed")
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_ARGS = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_embd": 32, "n_head": 2, "dropout": 0.1}
+BATCH, SEQ = 2, 16
+MARK_ENV = "RECOMPUTE_TEST_MULTIRANK_MARK"
+"""Set in every trial's environment (``trial.env``): every rank inherits it, so a leftover rank is findable."""
+
+
+def _recipe_dict(tmp: Path, strategy: str, model: str, **trial: Any) -> dict[str, Any]:
+    return {
+        "name": f"multirank-{strategy}",
+        "model": {"class_path": model, "init_args": dict(MODEL_ARGS)},
+        "data": {"init_args": {"batch_size": BATCH, "num_batches": 8}},
+        "trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy},
+        "budget": "1GiB",
+        "search": {"modes": ["none", "full"], "n_trials": 2, "seed": 0},
+        "trial": {
+            "warmup_steps": 1,
+            "measure_steps": 2,
+            "timeout_s": 240,
+            "env": {"OMP_NUM_THREADS": "1", MARK_ENV: uuid.uuid4().hex},
+            **trial,
+        },
+        "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+        "study": {"storage": f"sqlite:///{tmp / 'optuna.db'}"},
+        "output": str(tmp / "policy.yaml"),
+    }
+
+
+def _leftovers(recipe: Recipe) -> list[int]:
+    return _pids_with_env(MARK_ENV, recipe.trial.env[MARK_ENV])
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+SESSIONS = {
+    "ddp": "lightning_recompute.reference.ReferenceGPT",
+    "model_parallel": "lightning_recompute.reference.ShardedGPT",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SESSIONS))
+def tuned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Recipe, Any]:
+    strategy = request.param
+    tmp = tmp_path_factory.mktemp(strategy)
+    recipe = from_dict(_recipe_dict(tmp, strategy, SESSIONS[strategy]))
+    notes: list[str] = []
+    summary = session.tune(recipe, handle_signals=False, on_note=notes.append)
+    return recipe, (summary, notes)
+
+
+@pytest.mark.slow
+def test_a_two_rank_session_promotes_and_logs_every_ranks_peak(tuned: tuple[Recipe, Any]) -> None:
+    recipe, (summary, notes) = tuned
+    assert summary.status == "promoted", (summary.reasons, notes)
+    assert recipe.output.exists()
+    # The planner predicts one device: its seeds are off for this recipe, and the session says so.
+    assert seeds_off_reason(recipe) is not None
+    assert any("seeds off for multi-rank recipes (2 ranks" in n for n in notes), notes
+    # The gate's numerics check ran on both ranks under the same strategy, bitwise.
+    numerics = summary.evidence["numerics"]
+    assert numerics["equal"] is True, numerics
+    assert "bitwise equal on rank 0" in numerics["detail"] and "every rank of 2" in numerics["detail"], numerics
+
+    client = MlflowClient(recipe.tracking.uri)
+    exp = client.get_experiment_by_name(str(recipe.tracking.experiment))
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{KIND}` IN ('trial', 'confirmation')")
+    measured = [r for r in runs if "measured_peak_bytes" in r.data.metrics]
+    assert len(measured) >= 3, [r.data.tags.get(KIND) for r in runs]  # two trials and the confirmation
+    for run in measured:
+        m = run.data.metrics
+        peaks = [m[rank_peak_metric(0)], m[rank_peak_metric(1)]]
+        assert rank_peak_metric(2) not in m
+        assert min(peaks) > 0 and m["measured_peak_bytes"] == max(peaks)
+        # Throughput is global: both ranks' tokens per (slowest rank's) step.
+        assert m["measured_tokens_per_s"] * m["measured_step_time_s"] == pytest.approx(2 * BATCH * SEQ)
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.slow
+def test_one_rank_out_of_memory_while_the_other_waits_is_oom_and_leaves_no_rank(tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails")
+    data["model"]["init_args"].update(marks=str(marks), how="oom", fail_rank=1)
+    recipe = from_dict(data)
+    result = run_trial(recipe, RecomputePolicy.uniform("none"))
+    assert result.outcome == "oom", (result.error, result.stderr_tail)
+    assert result.error is not None and result.error.startswith("rank 1 of 2:"), result.error
+    assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}
+    assert _leftovers(recipe) == []
+
+
+@pytest.mark.slow
+def test_the_deadline_kills_every_rank(tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=90)
+    data["model"]["init_args"].update(marks=str(marks), how="hang", fail_rank=1)
+    recipe = from_dict(data)
+    result = run_trial(recipe, RecomputePolicy.uniform("none"))
+    assert result.outcome == "timeout", (result.error, result.stderr_tail)
+    assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, result.stderr_tail
+    assert _leftovers(recipe) == []
+
+
+TUNER = """
+import sys
+from lightning_recompute.policy import RecomputePolicy
+from tuner.recipe import load
+from tuner.trials import run_trial
+run_trial(load(sys.argv[1]), RecomputePolicy.uniform("none"))
+"""
+
+
+@pytest.mark.slow
+def test_ranks_die_with_a_sigkilled_tuner(tmp_path: Path) -> None:
+    """Rank 0 follows the tuner (PDEATHSIG), and ranks 1..N-1 follow rank 0, their parent."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=300)
+    data["model"]["init_args"].update(marks=str(marks), how="hang", fail_rank=1)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    recipe = load(path)
+    tuner = subprocess.Popen([sys.executable, "-c", TUNER, str(path)], cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(marks.iterdir())) < 2 and tuner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, tuner.poll()
+        tuner.send_signal(signal.SIGKILL)
+        tuner.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _leftovers(recipe) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _leftovers(recipe) == []
+    finally:
+        if tuner.poll() is None:
+            tuner.kill()
+            tuner.wait(timeout=30)
+        for pid in _leftovers(recipe):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------- merging
+
+
+def _step(seconds: float, peak: int | None, samples: int = 2, tokens: int | None = 32) -> dict[str, Any]:
+    return {"seconds": seconds, "peak_bytes": peak, "samples": samples, "tokens": tokens}
+
+
+def test_merged_steps_take_the_slowest_rank_the_highest_peak_and_every_ranks_samples() -> None:
+    rank0 = {"outcome": "ok", "warmup_steps": 1, "steps": [_step(0.5, 100), _step(0.2, 120), _step(0.3, None)]}
+    rank1 = {"outcome": "ok", "warmup_steps": 1, "steps": [_step(0.4, 90), _step(0.25, 130), _step(0.1, None)]}
+    merged = merge_ranks("trial", [rank0, rank1])
+    assert merged is not None
+    assert merged["steps"] == [_step(0.5, 100, 4, 64), _step(0.25, 130, 4, 64), _step(0.3, None, 4, 64)]
+    assert merged["rank_peak_bytes"] == [120, 130]
+
+
+def test_an_oom_on_any_rank_wins_over_a_rank_killed_while_waiting() -> None:
+    oom = {"outcome": "oom", "error": "OutOfMemoryError: injected"}
+    assert merge_ranks("trial", [None, oom]) == {"outcome": "oom", "error": "rank 1 of 2: OutOfMemoryError: injected"}
+    error = {"outcome": "error", "error": "RuntimeError: x"}
+    assert merge_ranks("trial", [error, oom])["outcome"] == "oom"  # type: ignore[index]
+    assert merge_ranks("trial", [error, None])["error"] == "rank 0 of 2: RuntimeError: x"  # type: ignore[index]
+    ok = {"outcome": "ok", "warmup_steps": 0, "steps": [_step(0.1, 1)]}
+    assert merge_ranks("trial", [ok, None]) is None  # a rank missing without a reason: the parent classifies
+
+
+def test_numerics_are_equal_only_on_every_rank() -> None:
+    same = {"outcome": "ok", "equal": True, "max_abs_diff": 0.0, "detail": "bitwise equal on rank 0"}
+    differs = {"outcome": "ok", "equal": False, "max_abs_diff": 0.5, "detail": "1 of 9 values differ on rank 1"}
+    merged = merge_ranks("numerics", [same, differs])
+    assert merged is not None and merged["equal"] is False and merged["max_abs_diff"] == 0.5
+    assert merged["detail"] == "rank 1: 1 of 9 values differ on rank 1"
+    both = merge_ranks("numerics", [same, same])
+    assert both is not None and both["equal"] is True and both["detail"].endswith("and on every rank of 2")
+
+
+def test_trial_results_keep_per_rank_peaks_through_their_dict_form() -> None:
+    result = TrialResult(outcome="ok", peak_bytes=130, rank_peak_bytes=(120, 130))
+    assert result.to_dict()["rank_peak_bytes"] == [120, 130]
+    assert TrialResult.from_dict(result.to_dict()) == result
+    old = result.to_dict()
+    del old["rank_peak_bytes"]  # recorded before multi-rank trials existed
+    assert TrialResult.from_dict(old).rank_peak_bytes == ()
+
+
+def test_the_planner_seeds_single_device_recipes_only(tmp_path: Path) -> None:
+    single = from_dict({"budget": "1GiB"})
+    assert seeds_off_reason(single) is None
+    two = from_dict({"budget": "1GiB", "trainer": {"devices": 2, "strategy": "ddp"}})
+    assert seeds_off_reason(two) == (
+        "planner: seeds off for multi-rank recipes (2 ranks, strategy ddp): its predictions are for one device; "
+        "seeding from baselines only"
+    )
