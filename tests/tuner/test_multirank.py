@@ -249,3 +249,12 @@ def test_the_planner_seeds_single_device_recipes_only(tmp_path: Path) -> None:
         "planner: seeds off for multi-rank recipes (2 ranks, strategy ddp): its predictions are for one device; "
         "seeding from baselines only"
     )
+
+
+def test_a_session_refuses_trials_over_several_nodes() -> None:
+    from tuner.preflight import nodes_problem
+
+    assert nodes_problem(from_dict({"budget": "1GiB", "trainer": {"devices": 2}})) is None
+    problem = nodes_problem(from_dict({"budget": "1GiB", "trainer": {"devices": 2, "num_nodes": 2}}))
+    assert problem is not None and problem.startswith("trainer.num_nodes: 2, but a trial runs its ranks on this one")
+    assert "(valid for tuning: 1" in problem
