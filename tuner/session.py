@@ -310,6 +310,9 @@ class _TuningSession:
         self.name = study_name(recipe, device)
         self.notify(f"recipe {recipe.name}: {len(layers)} layers on {device}; budget {recipe.budget.describe(total)}")
         self.notify(f"search space {self.space.describe()}")
+        ranks = recipe.trainer.describe_ranks()
+        if ranks is not None:
+            self.notify(ranks)
         try:
             self.study = TuningStudy.open(
                 name=self.name,

@@ -2,9 +2,10 @@
 
 One real tuning session per strategy (module-scoped: two trials, two measured steps, the gate
 with its confirmation and its numerics check on both ranks), every assertion read off it and
-its MLflow store. Then the ways a multi-rank trial ends badly: a rank out of memory while the
-other waits in the all-reduce, a hang killed at the deadline, and the tuner SIGKILLed, each
-leaving no rank behind. The rank-merging rules themselves are checked on plain dictionaries.
+its MLflow store. Then the ways a multi-rank trial ends badly, each leaving no rank behind: a
+rank out of memory while the other waits in the all-reduce; Ctrl-C in the tuner during a hang
+(the deadline kills the same way, the trial's whole process group); the tuner SIGKILLed. The
+rank-merging rules themselves are checked on plain dictionaries.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -61,8 +63,12 @@ def _recipe_dict(tmp: Path, strategy: str, model: str, **trial: Any) -> dict[str
     }
 
 
-def _leftovers(recipe: Recipe) -> list[int]:
-    return _pids_with_env(MARK_ENV, recipe.trial.env[MARK_ENV])
+def _leftovers(recipe: Recipe, within_s: float = 30.0) -> list[int]:
+    """The recipe's trial processes still alive after up to ``within_s`` (a SIGKILL lands asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while (pids := _pids_with_env(MARK_ENV, recipe.trial.env[MARK_ENV])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
 
 
 # ---------------------------------------------------------------------------------------------- sessions
@@ -128,16 +134,31 @@ def test_one_rank_out_of_memory_while_the_other_waits_is_oom_and_leaves_no_rank(
     assert _leftovers(recipe) == []
 
 
+def _await_marks(marks: Path, alive: Any = lambda: True, within_s: float = 180.0) -> None:
+    deadline = time.monotonic() + within_s
+    while len(list(marks.iterdir())) < 2 and alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
-def test_the_deadline_kills_every_rank(tmp_path: Path) -> None:
+def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
+    """The tuner's wait ending early (Ctrl-C here; the deadline takes the same path) kills the group."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=90)
+    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=300)
     data["model"]["init_args"].update(marks=str(marks), how="hang", fail_rank=1)
     recipe = from_dict(data)
-    result = run_trial(recipe, RecomputePolicy.uniform("none"))
-    assert result.outcome == "timeout", (result.error, result.stderr_tail)
-    assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, result.stderr_tail
+
+    def press_ctrl_c() -> None:
+        _await_marks(marks)  # both ranks are in their first step: rank 1 hangs, rank 0 waits for it
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_trial(recipe, RecomputePolicy.uniform("none"))
+    presser.join(timeout=30)
+    assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}
     assert _leftovers(recipe) == []
 
 
@@ -162,21 +183,16 @@ def test_ranks_die_with_a_sigkilled_tuner(tmp_path: Path) -> None:
     recipe = load(path)
     tuner = subprocess.Popen([sys.executable, "-c", TUNER, str(path)], cwd=REPO, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
-        while len(list(marks.iterdir())) < 2 and tuner.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _await_marks(marks, alive=lambda: tuner.poll() is None)
         assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, tuner.poll()
         tuner.send_signal(signal.SIGKILL)
         tuner.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _leftovers(recipe) and time.monotonic() < deadline:
-            time.sleep(0.2)
         assert _leftovers(recipe) == []
     finally:
         if tuner.poll() is None:
             tuner.kill()
             tuner.wait(timeout=30)
-        for pid in _leftovers(recipe):
+        for pid in _leftovers(recipe, within_s=0):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -233,3 +249,12 @@ def test_the_planner_seeds_single_device_recipes_only(tmp_path: Path) -> None:
         "planner: seeds off for multi-rank recipes (2 ranks, strategy ddp): its predictions are for one device; "
         "seeding from baselines only"
     )
+
+
+def test_a_session_refuses_trials_over_several_nodes() -> None:
+    from tuner.preflight import nodes_problem
+
+    assert nodes_problem(from_dict({"budget": "1GiB", "trainer": {"devices": 2}})) is None
+    problem = nodes_problem(from_dict({"budget": "1GiB", "trainer": {"devices": 2, "num_nodes": 2}}))
+    assert problem is not None and problem.startswith("trainer.num_nodes: 2, but a trial runs its ranks on this one")
+    assert "(valid for tuning: 1" in problem

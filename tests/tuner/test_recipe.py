@@ -475,6 +475,12 @@ def test_multi_device_trainer_settings_and_their_fingerprint() -> None:
     assert R.load(REPO / "recipes" / "quickstart.yaml").fingerprint() == "56f2dccc65f5b7d8"
     ddp = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2, "num_nodes": 4, "strategy": "ddp"}})
     assert (ddp.trainer.world_size, ddp.trainer.strategy_name) == (8, "ddp")
+    assert single.trainer.describe_ranks() is None
+    auto = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2}}).trainer
+    assert auto.describe_ranks() == (
+        "2 ranks per trial (auto: Lightning runs DDP on several devices); peak = the highest rank's, "
+        "throughput = all ranks'"
+    )
     assert ddp.fingerprint() != single.fingerprint()
     custom = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"find_unused_parameters": True}}
     recipe = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2, "strategy": custom}})

@@ -162,6 +162,15 @@ class TrainerSettings:
         """The strategy as one word for logs: its name, or the ``class_path`` of a custom one."""
         return self.strategy if isinstance(self.strategy, str) else self.strategy.class_path
 
+    def describe_ranks(self) -> str | None:
+        """``"2 ranks per trial (ddp)"``-style text for a multi-device trial; ``None`` for one device."""
+        if self.devices == 1:
+            return None
+        how = self.strategy_name
+        if self.strategy == "auto":
+            how = "auto: Lightning runs DDP on several devices"
+        return f"{self.devices} ranks per trial ({how}); peak = the highest rank's, throughput = all ranks'"
+
 
 def _budget_value(value: Any) -> int | float:
     """Bytes (an int or a size string) or a fraction of device memory (a float in (0, 1] or "80%")."""

@@ -15,6 +15,11 @@ Spec kinds:
   deterministic mode, at a micro-batch where no recompute fits, against the spread of two runs without it.
 - ``device``: the name and total memory of the device the recipe's accelerator selects.
 - ``profile``: the recipe's per-layer cost profile (`tuner.profile.recipe_profile`), as a mapping.
+
+With ``trainer.devices`` N > 1, ``trial`` and ``numerics`` run on N ranks: this process is rank 0,
+and Lightning's launcher starts ranks 1..N-1 by running this same command (``LOCAL_RANK`` set) in
+this process group. Each rank writes its own ``RESULT.rank<r>.json``; rank 0 exits once all have
+(or at the deadline), and the parent merges them (`tuner.trials.runner.merge_ranks`).
 """
 
 from __future__ import annotations
