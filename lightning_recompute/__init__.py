@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
         PolicyError,
         RecomputeError,
     )
+    from lightning_recompute.grads import GradFreeing, free_gradients
     from lightning_recompute.layers import LayerSpec, find_layers, layer_names
     from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
     from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
@@ -48,6 +49,8 @@ _EXPORTS: dict[str, str] = {
     "LayerDiscoveryError": "errors",
     "PolicyError": "errors",
     "RecomputeError": "errors",
+    "GradFreeing": "grads",
+    "free_gradients": "grads",
     "LayerSpec": "layers",
     "find_layers": "layers",
     "layer_names": "layers",
@@ -71,6 +74,7 @@ __all__ = [
     "BatchSizeWarning",
     "CudaMemoryMeter",
     "DocumentError",
+    "GradFreeing",
     "IncompatibleModelError",
     "LayerDiscoveryError",
     "LayerSpec",
@@ -89,6 +93,7 @@ __all__ = [
     "apply_policy",
     "as_policy",
     "find_layers",
+    "free_gradients",
     "layer_names",
     "memory_meter",
     "remove_policy",

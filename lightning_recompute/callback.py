@@ -31,6 +31,7 @@ from lightning_recompute.errors import (
     LayerDiscoveryError,
     RecomputeError,
 )
+from lightning_recompute.grads import GradFreeing, decide_grad_freeing, free_gradients
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.meter import MemoryMeter, StepTimer, StorageMeter, memory_meter
 from lightning_recompute.policy import RecomputePolicy
@@ -106,6 +107,15 @@ class RecomputeCallback(L.Callback):
             the message names both sizes, the peak the policy was promoted on, its limit, and the
             ``batch_size`` and ``accumulate_grad_batches`` that keep the global batch. A batch at or
             under the tuned one, or a policy without ``tuned_for``, is not checked further.
+        free_grads_at_batch_start: set the previous step's gradients to ``None`` at each batch start
+            instead of after ``training_step``, so they are not alive through the forward (the
+            memory goes to activations; training computes the same). ``None`` (default): on where
+            that cannot change training (automatic optimisation, no gradient accumulation, no
+            overridden ``optimizer_zero_grad``, and no hook that runs before Lightning's
+            ``zero_grad``, such as ``on_before_zero_grad``, overridden); ``False``: off; ``True``: on
+            even though such a hook is overridden (an error where it would change training). Fit
+            start logs which applies and why; `grad_freeing` holds it. Turn it off if your
+            ``training_step`` reads the previous step's gradients.
     """
 
     def __init__(
@@ -116,6 +126,7 @@ class RecomputeCallback(L.Callback):
         memory_steps: Collection[int] | None = None,
         max_records: int = 10_000,
         strict_batch_size: bool = False,
+        free_grads_at_batch_start: bool | None = None,
     ) -> None:
         self.policy = as_policy(policy)
         self.strict_batch_size = strict_batch_size
@@ -130,6 +141,9 @@ class RecomputeCallback(L.Callback):
         self._timer: StepTimer | None = None
         self._step: int | None = None
         self._metering = False
+        self.free_grads_at_batch_start = free_grads_at_batch_start
+        self.grad_freeing: GradFreeing | None = None
+        """Whether gradients are freed at batch start, and why (decided at fit start)."""
 
     # ------------------------------------------------------------------ applying
 
@@ -168,6 +182,8 @@ class RecomputeCallback(L.Callback):
             )
         if self.applied is not None:
             rank_zero_info(f"RecomputeCallback: applied policy\n{self.applied.describe()}")
+        self.grad_freeing = decide_grad_freeing(self.free_grads_at_batch_start, trainer, pl_module, self)
+        rank_zero_info(self.grad_freeing.describe())
 
     def _finish_deferred(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         already = applied_policy(pl_module)
@@ -231,6 +247,14 @@ class RecomputeCallback(L.Callback):
         if not self._batch_checked:
             self._batch_checked = True
             self._check_batch_size(trainer, batch)
+        # Before the meter starts, so the step it measures begins without them. StochasticWeightAveraging's
+        # extra epoch skips backward and zero_grad (`_skip_backward`): leave those batches alone.
+        if (
+            self.grad_freeing is not None
+            and self.grad_freeing.enabled
+            and not getattr(trainer.fit_loop, "_skip_backward", False)
+        ):
+            free_gradients(trainer.optimizers)
         if self._timer is None:
             return
         self._step = trainer.global_step

@@ -3,7 +3,7 @@ policy for a memory budget.
 
 API::
 
-    Planner(profile)
+    Planner(profile, free_grads_at_batch_start=None)
     Planner.predict(policy, micro_batch=None) -> Prediction
     Planner.solve(budget_bytes, modes=None, micro_batch=None) -> PlannedPolicy  # BudgetError if impossible
     Planner.pareto_front(modes=None, micro_batch=None) -> list[PlannedPolicy]  # peak ascending
@@ -29,6 +29,15 @@ its forward and backward leave behind (its gradients, output minus input), which
 on the mode. The step time is the sum of the segments' times. This captures the peak's structure:
 during layer ``i``'s backward, the activations of layers ``0..i`` are still held, layers after it
 have been replaced by their gradients, and the layer's own recomputation sits on top.
+
+Gradients in the forward: in Lightning's order the previous step's gradients are alive until
+``zero_grad`` (after ``training_step``), so through the whole forward. `RecomputeCallback` frees
+them at batch start where that cannot change training; the planner predicts whichever the profile
+says the job does (`Profile.free_grads_at_batch_start`, or ``Planner(profile,
+free_grads_at_batch_start=...)``): freed, ``base`` drops by the gradient bytes the profile saw
+``zero_grad`` free (its own segment, ``fixed:loss->zero_grad``), and that segment frees nothing.
+Every level before it drops by those bytes and none after, so the peak drops by them exactly
+when it is in the forward, and by less (or nothing) when the backward's is close.
 
 Micro-batch scaling (``micro_batch`` != the profiled one, factor ``k``): the activation part of every
 segment (its delta and peak minus the parameter gradients it allocates) and its time scale by

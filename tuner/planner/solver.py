@@ -13,6 +13,7 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.sources import as_policy
 from tuner.profile import ALL_MODES, Profile, SegmentCost
+from tuner.profile.model import ZERO_GRAD_SEGMENT
 from tuner.units import format_bytes, format_seconds, parse_bytes
 
 
@@ -147,12 +148,25 @@ _NEG = np.iinfo(np.int64).min // 4
 class Planner:
     """Predicts and optimises policies for the model a `Profile` describes."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, free_grads_at_batch_start: bool | None = None) -> None:
+        """``free_grads_at_batch_start``: predict a job that frees the previous step's gradients at batch
+        start (they are not alive in the forward; `RecomputeCallback`'s default where safe) or not
+        (Lightning's order); ``None``: as the profile says (`Profile.free_grads_at_batch_start`)."""
         if not isinstance(profile, Profile):
             raise PlannerError(f"profile: expected a tuner.profile.Profile, got {type(profile).__name__}")
         self.profile = profile
         self.names = profile.layer_names
         self._check_timeline()
+        frees = profile.free_grads_at_batch_start if free_grads_at_batch_start is None else free_grads_at_batch_start
+        if frees and profile.forward_grad_bytes is None:
+            raise PlannerError(
+                f"free_grads_at_batch_start: the profile has no {ZERO_GRAD_SEGMENT!r} segment (it predates it), so "
+                f"the gradients alive in the forward are unknown; profile again"
+            )
+        self.free_grads_at_batch_start = bool(frees)
+        # Freed at batch start, the previous step's gradients leave the base level, and Lightning's zero_grad
+        # (the segment that freed them) frees nothing: every level before it drops by these bytes, none after.
+        self._freed_grads = (profile.forward_grad_bytes or 0) if frees else 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -206,6 +220,14 @@ class Planner:
         peak = max(gp + round((c.peak - gp) * k), delta, 0) if c.peak >= gp else max(round(c.peak * k), delta, 0)
         return delta, peak, c.seconds * k
 
+    def _fixed_seg(self, name: str, k: float) -> tuple[int, int, float]:
+        """`_seg` of fixed segment ``name``; zero_grad frees nothing if the gradients went at batch start."""
+        d, pk, s = self._seg(self.profile.fixed[name], k)
+        if name == ZERO_GRAD_SEGMENT and self._freed_grads:
+            d += self._freed_grads
+            pk = max(pk, d)
+        return d, pk, s
+
     def _net(self, i: int, k: float) -> int:
         layer = self.profile.layers[i]
         if k == 1.0:
@@ -226,7 +248,7 @@ class Planner:
                 _, bp, bs = self._seg(layer.bwd[m], k)
                 a[i, j], f[i, j], b[i, j], t[i, j] = fd, fp, bp, round((fs + bs) * 1e9)
         net = np.array([self._net(i, k) for i in range(n)], np.int64)
-        base = prof.base_bytes + round(prof.batch_bytes * (k - 1))
+        base = prof.base_bytes - self._freed_grads + round(prof.batch_bytes * (k - 1))
         fwd_c = np.zeros(n, np.int64)
         bwd_c = np.zeros(n, np.int64)
         fixed_c = np.full(n + 1, _NEG, np.int64)
@@ -235,7 +257,7 @@ class Planner:
         for key in prof.timeline:
             kind, _, rest = key.partition(":")
             if kind == "fixed":
-                d, pk, s = self._seg(prof.fixed[rest], k)
+                d, pk, s = self._fixed_seg(rest, k)
                 fixed_c[p] = max(fixed_c[p], const + pk)
                 const += d
                 fixed_t += round(s * 1e9)
@@ -272,13 +294,13 @@ class Planner:
         """`predict` for resolved per-layer modes: the timeline walk of the module docstring."""
         k = mb / self.profile.micro_batch
         prof = self.profile
-        level = base = prof.base_bytes + round(prof.batch_bytes * (k - 1))
+        level = base = prof.base_bytes - self._freed_grads + round(prof.batch_bytes * (k - 1))
         peak, peak_at, total = level, "start", 0.0
         bwd_peak: dict[int, int] = {}
         for key in prof.timeline:
             kind, _, rest = key.partition(":")
             if kind == "fixed":
-                d, pk, s = self._seg(prof.fixed[rest], k)
+                d, pk, s = self._fixed_seg(rest, k)
                 cand, level = level + pk, level + d
             else:
                 i = int(rest)

@@ -34,7 +34,9 @@ Conventions and assumptions (the planner relies on them):
   loss.backward(); optimizer.step()``, in the order Lightning's automatic optimisation runs it:
   the previous step's gradients are alive through the forward and freed just before backward.
   The profiled step is the second one, so optimizer state and gradients exist (part of the base
-  level, not of the step).
+  level, not of the step). ``zero_grad`` is a segment of its own (``fixed:loss->zero_grad``), so
+  the planner can also predict a job that frees them at batch start (`RecomputeCallback`'s
+  default where safe; `Profile.free_grads_at_batch_start` records which the job does).
 - Every layer runs once per step, in order, and its backward runs after every later layer's.
 - A layer's ``fwd`` delta is what it keeps for backward *including its output* (the next layer
   holds it); the net change of a layer over its forward and backward (``net``: its parameter

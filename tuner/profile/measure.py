@@ -57,6 +57,22 @@ def _default_loss_fn(model: nn.Module) -> LossFn:
     return lambda m, batch: m(batch)
 
 
+def _frees_grads(model: nn.Module, flag: bool | None) -> bool:
+    """Whether the profiled job frees gradients at batch start: ``flag``, or (``None``) what
+    `RecomputeCallback` does by default for ``model`` at ``accumulate_grad_batches=1`` with no other
+    callback (the tuner's trials): on for a LightningModule nothing in which stands against it."""
+    if flag is not None:
+        return bool(flag)
+    import lightning as L
+
+    from lightning_recompute.grads import module_blockers
+
+    if not isinstance(model, L.LightningModule):
+        return False  # no callback, no Lightning loop: the profile's order is the job's
+    hard, soft = module_blockers(model)
+    return not hard and not soft
+
+
 def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -108,6 +124,7 @@ def _run_step(
     # Lightning's automatic optimisation zeroes gradients after training_step and before
     # backward, so the previous step's gradients are alive through the whole forward.
     optimizer.zero_grad(set_to_none=True)
+    mark("zero_grad")  # its own segment (ZERO_GRAD_SEGMENT): what it frees, the planner can free at batch start
     loss.backward()
     del loss
     mark("backward")
@@ -216,8 +233,10 @@ class _ProfilingRun:
         optimizer: Any,
         loss_fn: LossFn | None,
         device: torch.device,
+        free_grads_at_batch_start: bool | None = None,
     ) -> None:
         self.model, self.batch, self.layer_spec, self.modes, self.device = model, batch, layers, modes, device
+        self.free_grads = _frees_grads(model, free_grads_at_batch_start)
         self.notes: list[str] = []
         self.layers = find_layers(model, layers)
         self.names = [n for n, _ in self.layers]
@@ -335,6 +354,7 @@ class _ProfilingRun:
             hardware=hardware,
             groups=groups,
             notes=self.notes,
+            free_grads_at_batch_start=self.free_grads,
         )
 
     def _assign_times(
@@ -378,6 +398,7 @@ def profile_model(
     repeats: int = 5,
     restore: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    free_grads_at_batch_start: bool | None = None,
 ) -> Profile:
     """Measure the per-layer, per-mode costs of a training step of ``model`` on ``batch``.
 
@@ -400,6 +421,10 @@ def profile_model(
         clock: the timer (wall clock by default, with a device synchronize at every boundary).
             On a shared CPU machine, ``time.thread_time`` with ``torch.set_num_threads(1)``
             measures the work of the step rather than the other tenants' load.
+        free_grads_at_batch_start: whether the training job frees the previous step's gradients
+            at batch start (`Profile.free_grads_at_batch_start`; the step is measured in Lightning's
+            order either way). ``None``: what `RecomputeCallback` does by default for this model
+            (on for a LightningModule with automatic optimisation and no hook against it).
 
     Raises:
         ProfileError: bad arguments, or a model whose layers do not run once each in order.
@@ -427,7 +452,7 @@ def profile_model(
     was_training = model.training
     model.train()
     try:
-        session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device)
+        session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
         session.warm_up()
         # On CPU offload is none (see the module docstring): measure it once, as none.
         measured = [m for m in mode_list if not (m == Mode.OFFLOAD.value and device.type != "cuda")]

@@ -30,6 +30,7 @@ def profile_meta(
     hardware: str = "H100",
     mfu: float = 0.5,
     bandwidth_efficiency: float = 0.7,
+    free_grads_at_batch_start: bool | None = None,
 ) -> Profile:
     """The memory profile of a training step computed on the meta device: no tensor is allocated.
 
@@ -50,6 +51,7 @@ def profile_meta(
         hardware: a key of `HARDWARE` (``A100``, ``H100``, ``H200``, ``L4``).
         mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
         bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
+        free_grads_at_batch_start: as for `profile_model`.
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
@@ -85,7 +87,7 @@ def profile_meta(
             + c.offload / hw.host_bytes_per_s
         )
 
-    session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device)
+    session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
     session.warm_up()
     mem: dict[str, _Recorder] = {}
     for m in mode_list:

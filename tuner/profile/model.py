@@ -15,6 +15,9 @@ from tuner.units import format_bytes
 
 ALL_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 PROFILE_VERSION = 1
+ZERO_GRAD_SEGMENT = "loss->zero_grad"
+"""The fixed segment that is Lightning's ``optimizer.zero_grad()`` alone (after ``training_step``, before
+backward): its ``delta`` is minus the previous step's gradient bytes, alive until then."""
 
 
 class ProfileError(RecomputeError, ValueError):
@@ -120,6 +123,10 @@ class Profile:
     groups: dict[str, list[str]] = field(default_factory=dict)
     """Layers sharing time measurements (see `LayerProfile.group`)."""
     notes: list[str] = field(default_factory=list)
+    free_grads_at_batch_start: bool = False
+    """Whether the training job frees the previous step's gradients at batch start (what
+    `lightning_recompute.RecomputeCallback` does where safe), so they are not alive in the forward.
+    The profile is measured in Lightning's order either way; the planner predicts the job's."""
     torch_version: str = torch.__version__
     version: int = PROFILE_VERSION
 
@@ -137,6 +144,13 @@ class Profile:
         first_bwd = next((i for i, k in enumerate(self.timeline) if k.startswith("bwd:")), len(self.timeline))
         keys = [k[len("fixed:") :] for k in self.timeline[:first_bwd] if k.startswith("fixed:")]
         return sum(self.fixed[k].delta - self.fixed[k].grad for k in keys)
+
+    @property
+    def forward_grad_bytes(self) -> int | None:
+        """Gradient bytes alive through the forward in Lightning's order (the previous step's, freed at its
+        ``zero_grad``); ``None`` for a profile measured before that segment was recorded."""
+        seg = self.fixed.get(ZERO_GRAD_SEGMENT)
+        return None if seg is None else -seg.delta
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -157,6 +171,7 @@ class Profile:
             "layers": [layer.to_dict() for layer in self.layers],
             "groups": {k: list(v) for k, v in self.groups.items()},
             "notes": list(self.notes),
+            "free_grads_at_batch_start": self.free_grads_at_batch_start,
         }
 
     @classmethod
@@ -179,6 +194,7 @@ class Profile:
             hardware=d.get("hardware"),
             groups={k: list(v) for k, v in d.get("groups", {}).items()},
             notes=list(d.get("notes", [])),
+            free_grads_at_batch_start=bool(d.get("free_grads_at_batch_start", False)),
             torch_version=d.get("torch_version", ""),
             version=d["version"],
         )
@@ -198,6 +214,8 @@ class Profile:
             f"base {format_bytes(self.base_bytes)} = params {format_bytes(self.param_bytes)}"
             f" + optimizer {format_bytes(self.optimizer_bytes)}"
             f" + batch {format_bytes(self.batch_bytes)} (+ buffers); gradients {format_bytes(self.grad_bytes)}",
+            "previous step's gradients in the forward: "
+            + ("freed at batch start" if self.free_grads_at_batch_start else "alive (Lightning's order)"),
         ]
         header = f"{'layer':<16}" + "".join(f"{m + ' kept':>16}{m + ' ms':>14}" for m in self.modes)
         lines.append(header)
