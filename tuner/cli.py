@@ -5,6 +5,7 @@ Usage::
 
     recompute-tune RECIPE [--n-trials N] [--search-only] [--no-plan] [--format text|json]
     recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--write policy.yaml] [--format text|json]
+    recompute-tune plan RECIPE --max-seq-len [--seq-arg seq_len] [--seq-step 64] [--seq-cap N] [--meta H100]
     recompute-tune rollback RECIPE
     recompute-tune history RECIPE [--format text|json]
     recompute-tune schema
@@ -83,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4",
     )
     plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="instead: per policy family (each mode on every layer, and the best mix), the longest sequence "
+        "length that fits the budget, and the predicted step time there",
+    )
+    plan.add_argument(
+        "--seq-arg",
+        default="seq_len",
+        metavar="NAME",
+        help="with --max-seq-len: the model's and data's constructor argument that sets the sequence length "
+        "(set on each that takes it; default seq_len)",
+    )
+    plan.add_argument(
+        "--seq-step", type=int, default=64, metavar="N", help="with --max-seq-len: lengths are multiples of N"
+    )
+    plan.add_argument(
+        "--seq-cap", type=int, default=2**20, metavar="N", help="with --max-seq-len: the longest length searched"
+    )
 
     rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
     rollback.add_argument("recipe", help="the recipe YAML file")
@@ -278,6 +298,8 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import commands
     from tuner.planner import format_front
 
+    if args.max_seq_len:
+        return _max_seq_len(recipe, args)
     try:
         summary = commands.plan(recipe, budget=args.budget, write=args.write, meta=args.meta)
     except RecomputeError as err:
@@ -301,6 +323,41 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
     if summary.written is not None:
         print(f"\npolicy written to {summary.written}")
     return summary.exit_code
+
+
+def _max_seq_len(recipe: Recipe, args: argparse.Namespace) -> int:
+    from tuner import commands
+    from tuner.units import format_seconds
+
+    if args.write is not None:
+        print("error: --write: --max-seq-len chooses no single policy to write", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        s = commands.max_seq_len(
+            recipe, budget=args.budget, meta=args.meta, seq_arg=args.seq_arg, step=args.seq_step, cap=args.seq_cap
+        )
+    except RecomputeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.format == "json":
+        print(json.dumps(s.to_dict(), indent=2, default=str))
+        return s.exit_code
+    print(
+        f"longest {s.seq_arg} within {_bytes(s.budget_bytes)} on {s.device}, micro-batch {s.micro_batch} "
+        f"(multiples of {s.step}, set on {' and '.join(s.set_on)}; {s.profiles} lengths profiled):"
+    )
+    print(f"{'family':<12}{s.seq_arg:>10}{'pred peak':>13}{'pred step':>12}{'tokens/s':>12}  policy")
+    for f in s.fits:
+        if f.plan is None or f.seq_len is None:
+            print(f"{f.family:<12}{'-':>10}  not even {s.seq_arg}={s.step} fits")
+            continue
+        length = f"{'>=' if f.capped else ''}{f.seq_len}"
+        tps = f.tokens_per_s
+        print(
+            f"{f.family:<12}{length:>10}{_bytes(f.plan.peak_bytes):>13}{format_seconds(f.plan.step_time_s):>12}"
+            f"{'-' if tps is None else f'{tps:,.0f}':>12}  {f.plan.short()}"
+        )
+    return s.exit_code
 
 
 def _rollback(recipe: Recipe) -> int:

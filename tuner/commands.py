@@ -15,11 +15,12 @@ from tuner.jsonable import jsonable
 
 if TYPE_CHECKING:
     from tuner.planner import PlannedPolicy
+    from tuner.planner.seqlen import SeqLenFit
     from tuner.profile import Profile
     from tuner.recipe import Recipe
     from tuner.tracking import Decision, GoodPolicy
 
-__all__ = ["HistorySummary", "PlanSummary", "history", "plan", "rollback"]
+__all__ = ["HistorySummary", "PlanSummary", "SeqLenSummary", "history", "max_seq_len", "plan", "rollback"]
 
 
 @dataclass
@@ -84,26 +85,11 @@ def plan(
     """
     from tuner.planner import BudgetError, Planner
     from tuner.preflight import output_problem
-    from tuner.profile import HARDWARE
     from tuner.profile.recipe_profile import profile_recipe_meta
-    from tuner.trials import device_info, profile_recipe
-    from tuner.units import parse_bytes
+    from tuner.trials import profile_recipe
 
     mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
-    total: int | None
-    if meta is not None:
-        if meta not in HARDWARE:
-            raise RecomputeError(f"--meta: unknown hardware {meta!r}; valid: {', '.join(HARDWARE)}")
-        device, total = f"{HARDWARE[meta].name} (estimated on the meta device)", HARDWARE[meta].memory_bytes
-    else:
-        device, total = device_info(recipe)
-    if budget is None:
-        limit = recipe.budget.limit_bytes(total)
-    else:
-        try:
-            limit = parse_bytes(budget)
-        except ValueError as err:
-            raise RecomputeError(f"--budget: {err}") from None
+    device, limit = _device_and_limit(recipe, budget, meta)
     if write is not None:
         problem = output_problem(Path(write).expanduser().absolute(), key="--write")
         if problem is not None:  # found before profiling, which can take minutes
@@ -131,6 +117,181 @@ def plan(
         except OSError as err:  # the folder changed since the check
             raise RecomputeError(f"--write: cannot write {write}: {err.strerror or err}") from None
     return summary
+
+
+def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None) -> tuple[str, int]:
+    """The device planned for (in words) and the budget limit in bytes (``--budget``, else the recipe's)."""
+    from tuner.profile import HARDWARE
+    from tuner.trials import device_info
+    from tuner.units import parse_bytes
+
+    total: int | None
+    if meta is not None:
+        if meta not in HARDWARE:
+            raise RecomputeError(f"--meta: unknown hardware {meta!r}; valid: {', '.join(HARDWARE)}")
+        device, total = f"{HARDWARE[meta].name} (estimated on the meta device)", HARDWARE[meta].memory_bytes
+    else:
+        device, total = device_info(recipe)
+    if budget is None:
+        return device, recipe.budget.limit_bytes(total)
+    try:
+        return device, parse_bytes(budget)
+    except ValueError as err:
+        raise RecomputeError(f"--budget: {err}") from None
+
+
+@dataclass
+class SeqLenSummary:
+    """What ``recompute-tune plan --max-seq-len`` shows: per policy family, the longest sequence that fits."""
+
+    recipe: str
+    device: str
+    budget_bytes: int
+    micro_batch: int
+    seq_arg: str
+    """The constructor argument that sets the sequence length."""
+    set_on: tuple[str, ...]
+    """The recipe components it is set on (``model``, ``data``)."""
+    step: int
+    cap: int
+    fits: list[SeqLenFit]
+    profiles: int
+    """How many lengths were profiled."""
+    exit_code: int = EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+
+        def row(f: SeqLenFit) -> dict[str, Any]:
+            return {
+                "family": f.family,
+                "seq_len": f.seq_len,
+                "capped": f.capped,
+                "peak_bytes": None if f.plan is None else f.plan.peak_bytes,
+                "step_time_s": None if f.plan is None else f.plan.step_time_s,
+                "tokens_per_s": f.tokens_per_s,
+                "short": None if f.plan is None else f.plan.short(),
+            }
+
+        return {
+            "recipe": self.recipe,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "micro_batch": self.micro_batch,
+            "seq_arg": self.seq_arg,
+            "set_on": list(self.set_on),
+            "step": self.step,
+            "cap": self.cap,
+            "fits": [row(f) for f in self.fits],
+            "profiles": self.profiles,
+            "exit_code": self.exit_code,
+        }
+
+
+def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tuple[str, ...]]:
+    """``recipe`` with ``seq_arg=length`` in the init args of its model and data, where their constructors take it.
+
+    Returns the recipe and the components set (``model``, ``data``).
+
+    Raises:
+        RecomputeError: neither the model nor the data takes an argument named ``seq_arg``.
+    """
+    import dataclasses
+
+    from tuner.recipe.checks import _accepts
+    from tuner.recipe.schema import Component
+
+    changes: dict[str, Component] = {}
+    for key in ("model", "data"):
+        component: Component = getattr(recipe, key)
+        if _accepts(component.import_class(), seq_arg):
+            changes[key] = Component(component.class_path, {**component.init_args, seq_arg: length})
+    if not changes:
+        raise RecomputeError(
+            f"--seq-arg: neither model {recipe.model.class_path} nor data {recipe.data.class_path} takes an argument "
+            f"named {seq_arg!r}; name the constructor argument that sets the sequence length with --seq-arg NAME"
+        )
+    return dataclasses.replace(
+        recipe, model=changes.get("model", recipe.model), data=changes.get("data", recipe.data)
+    ), tuple(changes)
+
+
+def _seq_len_of(recipe: Recipe, seq_arg: str) -> int | None:
+    """The recipe's own sequence length: ``seq_arg`` in the data's, else the model's init args or defaults."""
+    from tuner.recipe.checks import _init_signature
+
+    for component in (recipe.data, recipe.model):
+        value = component.init_args.get(seq_arg)
+        if value is None:
+            param = _init_signature(component.import_class()).parameters.get(seq_arg)
+            value = None if param is None else param.default
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def max_seq_len(
+    recipe: Recipe,
+    *,
+    budget: str | int | None = None,
+    meta: str | None = None,
+    seq_arg: str = "seq_len",
+    step: int = 64,
+    cap: int = 2**20,
+) -> SeqLenSummary:
+    """Per policy family (each searched mode on every layer, and the planner's best mix), the longest
+    sequence length that fits the budget, and the predicted step time there.
+
+    The sequence length is the constructor argument ``seq_arg`` of the recipe's model and data
+    (set on each that takes it); every probed length is profiled (measured, or on the meta device
+    with ``meta``) and planned; the search bisects (`tuner.planner.seqlen`).
+
+    Raises:
+        RecomputeError: no component takes ``seq_arg``, changing it does not change the batch, the
+            budget or hardware is invalid, or a length cannot be profiled.
+    """
+    from tuner.planner.seqlen import longest_fits
+    from tuner.profile.recipe_profile import profile_recipe_meta
+    from tuner.trials import profile_recipe
+
+    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
+    device, limit = _device_and_limit(recipe, budget, meta)
+    _, set_on = with_seq_len(recipe, seq_arg, 1)  # fails now, before any profiling, if nothing takes it
+    batches: dict[int, int] = {}
+
+    def profile_at(length: int) -> Profile:
+        variant, _ = with_seq_len(recipe, seq_arg, length)
+        try:
+            prof = profile_recipe_meta(variant, mb, meta) if meta is not None else profile_recipe(variant, mb)
+        except RecomputeError:
+            raise
+        except Exception as err:  # the user's model refusing a length (e.g. beyond its position table)
+            raise RecomputeError(f"profiling at {seq_arg}={length} failed: {type(err).__name__}: {err}") from err
+        same = [other for other, size in batches.items() if size == prof.batch_bytes]
+        if same:
+            raise RecomputeError(
+                f"--seq-arg: the batch is {prof.batch_bytes} bytes at both {seq_arg}={same[0]} and {seq_arg}={length}: "
+                f"{seq_arg} (set on {', '.join(set_on)}) does not change the sequence length of the batch"
+            )
+        batches[length] = prof.batch_bytes
+        return prof
+
+    start = _seq_len_of(recipe, seq_arg) or step
+    fits = longest_fits(profile_at, limit, modes=list(recipe.search.modes), start=start, step=step, cap=cap)
+    micro_batch = next((f.plan.prediction.micro_batch for f in fits if f.plan is not None), mb or 0)
+    return SeqLenSummary(
+        recipe=recipe.name,
+        device=device,
+        budget_bytes=limit,
+        micro_batch=micro_batch,
+        seq_arg=seq_arg,
+        set_on=set_on,
+        step=step,
+        cap=cap,
+        fits=fits,
+        profiles=len(batches),
+        exit_code=EXIT_OK if any(f.seq_len is not None for f in fits) else EXIT_INFEASIBLE,
+    )
 
 
 @dataclass

@@ -1,0 +1,133 @@
+"""The longest sequence length that fits a memory budget, per policy family (`longest_fits`).
+
+A profile is taken at one sequence length; activations grow with it, parameters and optimizer
+state do not. Rather than extrapolate, each probed length is profiled (on the meta device or
+measured) and planned exactly, and the answer is bisected: every family's least peak is
+non-decreasing in the sequence length (each activation is at least as large at a longer
+sequence), so "fits" flips once. Lengths are multiples of ``step`` (the granularity the answer is
+given in); profiles are cached per length and shared by all families, so the whole search takes
+about ``2 log2(answer / step)`` profiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner.planner.solver import PlannedPolicy, Planner, PlannerError
+from tuner.profile import Profile
+
+__all__ = ["BEST_MIXED", "SeqLenFit", "longest_fits"]
+
+BEST_MIXED = "best mixed"
+"""The family of every per-layer mix of the searched modes (the planner's fastest that fits)."""
+
+
+@dataclass(frozen=True)
+class SeqLenFit:
+    """The longest sequence length at which one policy family fits the budget."""
+
+    family: str
+    """A mode (every layer in it) or `BEST_MIXED`."""
+    seq_len: int | None
+    """The longest multiple of the step that fits; ``None`` when not even one step fits."""
+    plan: PlannedPolicy | None
+    """The policy at ``seq_len`` with its prediction (for `BEST_MIXED` the fastest that fits)."""
+    capped: bool = False
+    """It still fits at the largest length searched (``seq_len`` is that cap, not the limit)."""
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Predicted tokens per second at ``seq_len`` (micro-batch x length / step time)."""
+        if self.plan is None or self.seq_len is None or self.plan.step_time_s <= 0:
+            return None
+        return self.plan.prediction.micro_batch * self.seq_len / self.plan.step_time_s
+
+
+def _fit_at(profile: Profile, family: str, limit: int, modes: Sequence[str]) -> PlannedPolicy | None:
+    """``family``'s policy at this profile's length when it fits ``limit``, else ``None``."""
+    planner = Planner(profile)
+    if family == BEST_MIXED:
+        if planner.min_peak(modes) > limit:
+            return None
+        return planner.solve(limit, modes=modes)
+    mapping = dict.fromkeys(profile.layer_names, family)
+    plan = PlannedPolicy(RecomputePolicy.from_modes(mapping), mapping, planner.predict(mapping))
+    return plan if plan.peak_bytes <= limit else None
+
+
+def longest_fits(
+    profile_at: Callable[[int], Profile],
+    limit: int,
+    *,
+    modes: Sequence[str],
+    start: int,
+    step: int,
+    cap: int,
+) -> list[SeqLenFit]:
+    """For each mode of ``modes`` (every layer in it) and for `BEST_MIXED`, the longest fitting length.
+
+    Args:
+        profile_at: the profile of the training step at a sequence length (called once per probed length).
+        limit: the memory budget in bytes (predicted peaks must be at most this).
+        modes: the modes searched (the uniform families, and what the best mix chooses from).
+        start: where the search starts (the recipe's own length); rounded to a multiple of ``step``.
+        step: the granularity: only multiples of it are probed and reported.
+        cap: the largest length searched.
+
+    Raises:
+        PlannerError: ``step``, ``start`` or ``cap`` is not a positive length, or ``cap < step``.
+    """
+    for name, value in (("step", step), ("start", start), ("cap", cap)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlannerError(f"{name}: must be a positive sequence length, got {value!r}")
+    if cap < step:
+        raise PlannerError(f"cap: {cap} is below the step {step}; nothing to search")
+    cache: dict[int, Profile] = {}
+
+    def profile(units: int) -> Profile:
+        if units not in cache:
+            cache[units] = profile_at(units * step)
+        return cache[units]
+
+    top = cap // step
+    first = min(max(1, round(start / step)), top)
+    out = []
+    for family in [*modes, BEST_MIXED]:
+        fits: dict[int, PlannedPolicy | None] = {}
+
+        def fit(units: int, family: str = family, fits: dict[int, PlannedPolicy | None] = fits) -> bool:
+            if units not in fits:
+                fits[units] = _fit_at(profile(units), family, limit, modes)
+            return fits[units] is not None
+
+        # Exponential search from the start for a bracket lo (fits, or 0) < hi (does not fit, or top + 1).
+        if fit(first):
+            lo, hi = first, top + 1
+            probe = first * 2
+            while probe <= top and fit(probe):
+                lo, probe = probe, probe * 2
+            if probe <= top:
+                hi = probe
+            elif fit(top):
+                lo = top
+            else:
+                hi = top
+        else:
+            lo, hi = 0, first
+            probe = first // 2
+            while probe >= 1 and not fit(probe):
+                hi, probe = probe, probe // 2
+            lo = max(probe, 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fit(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            out.append(SeqLenFit(family, None, None))
+        else:
+            out.append(SeqLenFit(family, lo * step, fits[lo], capped=lo == top))
+    return out
