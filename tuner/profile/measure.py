@@ -108,6 +108,9 @@ def _run_step(
     # Lightning's automatic optimisation zeroes gradients after training_step and before
     # backward, so the previous step's gradients are alive through the whole forward.
     optimizer.zero_grad(set_to_none=True)
+    # Its own segment: a sharded strategy frees less here than one device (`tuner.planner.sharding`),
+    # and only a segment that does nothing but free can be rescaled exactly.
+    mark("zero_grad")
     loss.backward()
     del loss
     mark("backward")
