@@ -7,6 +7,12 @@ output storage with its size, and a `weakref.finalize` on the storage takes it o
 when the storage is freed. PyTorch keeps a storage's Python object alive exactly as long as the
 storage itself, so the ledger is exact: it agrees with sizes computed by hand, which is what lets
 this project test memory claims on a machine without a GPU.
+
+Two things FSDP2 (``fully_shard``) does need more than a dispatch mode: its parameters, gradients
+and optimizer state are `DTensor` wrappers, which own no storage themselves (the ledger counts
+their inner tensors), and it frees and re-allocates unsharded parameters by resizing their
+storages in place (``UntypedStorage.resize_``), which dispatches no op (the meter watches that
+method while it is started).
 """
 
 from __future__ import annotations
@@ -16,11 +22,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["CudaMemoryMeter", "MemoryMeter", "StepTimer", "StorageMeter", "memory_meter", "synchronize"]
@@ -108,6 +114,14 @@ class _Ledger:
         self._finalizers: dict[int, weakref.finalize] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            # A wrapper (DTensor) allocates nothing of its own; its inner tensors hold the memory.
+            attrs, _ = tensor.__tensor_flatten__()
+            for attr in attrs:
+                inner = getattr(tensor, attr)
+                if isinstance(inner, torch.Tensor):
+                    self.add(inner)
+            return
         if tensor.device.type != self.device_type or tensor.is_sparse or tensor.layout != torch.strided:
             return
         try:
@@ -123,6 +137,20 @@ class _Ledger:
         if self.current > self.peak:
             self.peak = self.current
         self._finalizers[key] = weakref.finalize(storage, self._free, key)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized in place: a known one changes size, an unknown one grown from 0 is new."""
+        if storage.device.type != self.device_type:
+            return
+        key, nbytes = storage._cdata, int(storage.nbytes())
+        if key in self.live:
+            self.current += nbytes - self.live[key]
+            self.live[key] = nbytes
+        elif nbytes > 0:
+            self.live[key] = nbytes
+            self.current += nbytes
+            self._finalizers[key] = weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.current)
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, None)
@@ -158,6 +186,40 @@ class _LedgerMode(TorchDispatchMode):
         return out
 
 
+class _ResizeWatch:
+    """Reports in-place storage resizes to the started ledgers.
+
+    ``UntypedStorage.resize_`` reaches no dispatch mode, and FSDP2 frees and re-gathers every
+    unsharded parameter with it; wrapping the method for as long as a meter is started is the
+    only place to see it. One wrapper serves every started meter (they may nest).
+    """
+
+    ledgers: ClassVar[list[_Ledger]] = []
+    original: ClassVar[Any] = None
+
+    @classmethod
+    def add(cls, ledger: _Ledger) -> None:
+        if not cls.ledgers:
+            cls.original = original = torch.UntypedStorage.resize_
+
+            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+                out = original(storage, size)
+                for each in cls.ledgers:
+                    each.resized(storage)
+                return out
+
+            setattr(torch.UntypedStorage, "resize_", resize_)  # noqa: B010 - restored in remove()
+        cls.ledgers.append(ledger)
+
+    @classmethod
+    def remove(cls, ledger: _Ledger) -> None:
+        if ledger in cls.ledgers:
+            cls.ledgers.remove(ledger)
+            if not cls.ledgers:
+                setattr(torch.UntypedStorage, "resize_", cls.original)  # noqa: B010
+                cls.original = None
+
+
 class StorageMeter(MemoryMeter):
     """Exact accounting of live tensor storage bytes on a device without allocator statistics.
 
@@ -177,10 +239,12 @@ class StorageMeter(MemoryMeter):
             raise RuntimeError("StorageMeter is already started")
         self._mode = _LedgerMode(self._ledger)
         self._mode.__enter__()
+        _ResizeWatch.add(self._ledger)
 
     def stop(self) -> None:
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            _ResizeWatch.remove(self._ledger)
             mode.__exit__(None, None, None)
 
     def close(self) -> None:

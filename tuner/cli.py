@@ -4,7 +4,8 @@ and `tuner.commands`.
 Usage::
 
     recompute-tune RECIPE [--n-trials N] [--search-only] [--no-plan] [--format text|json]
-    recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--write policy.yaml] [--format text|json]
+    recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--world-size 64 --strategy fsdp]
+                               [--write policy.yaml] [--format text|json]
     recompute-tune plan RECIPE --max-seq-len [--seq-arg seq_len] [--seq-step 64] [--seq-cap N] [--meta H100]
     recompute-tune rollback RECIPE
     recompute-tune history RECIPE [--format text|json]
@@ -82,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HARDWARE",
         help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4",
+    )
+    plan.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="predict one rank of N data-parallel ranks (default: the recipe's trainer devices x num_nodes)",
+    )
+    plan.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp", "model_parallel"),
+        default=None,
+        help="the strategy the ranks run (default: the recipe's trainer.strategy; auto is ddp)",
     )
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.add_argument(
@@ -301,7 +315,14 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
     if args.max_seq_len:
         return _max_seq_len(recipe, args)
     try:
-        summary = commands.plan(recipe, budget=args.budget, write=args.write, meta=args.meta)
+        summary = commands.plan(
+            recipe,
+            budget=args.budget,
+            write=args.write,
+            meta=args.meta,
+            world_size=args.world_size,
+            strategy=args.strategy,
+        )
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -310,7 +331,8 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
         return summary.exit_code
     print(summary.profile.describe())
     print()
-    print(f"predicted Pareto front ({len(summary.front)} policies; layers {', '.join(summary.layer_names)}):")
+    scope = f", {summary.sharding}" if summary.sharding is not None else ""
+    print(f"predicted Pareto front{scope} ({len(summary.front)} policies; layers {_span(summary.layer_names)}):")
     print(format_front(summary.front, budgets={"budget": summary.budget_bytes}))
     print()
     if summary.chosen is None:
@@ -430,6 +452,11 @@ def _micro_batch(micro_batch: int | None, data_batch_size: int | None) -> str:
     if micro_batch is not None:
         return f"micro-batch {micro_batch}"
     return f"micro-batch {data_batch_size} (the data's own)" if data_batch_size is not None else "the data's batch size"
+
+
+def _span(names: Sequence[str]) -> str:
+    """Layer names, the first and last of a long list only."""
+    return ", ".join(names) if len(names) <= 8 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
 def _num(value: float | None) -> str:

@@ -16,6 +16,7 @@ from tuner.jsonable import jsonable
 if TYPE_CHECKING:
     from tuner.planner import PlannedPolicy
     from tuner.planner.seqlen import SeqLenFit
+    from tuner.planner.sharding import ParamLayout
     from tuner.profile import Profile
     from tuner.recipe import Recipe
     from tuner.tracking import Decision, GoodPolicy
@@ -41,6 +42,8 @@ class PlanSummary:
     written: Path | None = None
     """Where the chosen policy was written (``--write``)."""
     exit_code: int = EXIT_OK
+    sharding: str | None = None
+    """``per rank, world size 64, fsdp`` when the front is per rank of a sharded or replicated run."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
@@ -64,11 +67,18 @@ class PlanSummary:
             "reason": self.reason,
             "written": None if self.written is None else str(self.written),
             "exit_code": self.exit_code,
+            "sharding": self.sharding,
         }
 
 
 def plan(
-    recipe: Recipe, *, budget: str | int | None = None, write: str | Path | None = None, meta: str | None = None
+    recipe: Recipe,
+    *,
+    budget: str | int | None = None,
+    write: str | Path | None = None,
+    meta: str | None = None,
+    world_size: int | None = None,
+    strategy: str | None = None,
 ) -> PlanSummary:
     """Profile the recipe's model and show the planner's front and its choice at ``budget``.
 
@@ -79,15 +89,22 @@ def plan(
         meta: plan without the hardware and without allocating: profile the model on the meta
             device and estimate time for this accelerator (a key of `tuner.profile.HARDWARE`), so a
             7B model can be planned for an 80 GiB GPU on a laptop.
+        world_size: plan one rank of this many data-parallel ranks (default: the recipe's
+            ``trainer`` devices x nodes); the budget is then per rank.
+        strategy: ``ddp``, ``fsdp`` or ``model_parallel`` (default: the recipe's ``trainer.strategy``);
+            see `tuner.planner.sharding` for what each rank is predicted to hold.
 
     Raises:
-        RecomputeError: the budget is not a size, the hardware is unknown, or the model cannot be profiled.
+        RecomputeError: the budget is not a size, the hardware is unknown, the world size or strategy
+            cannot be planned, or the model cannot be profiled.
     """
     from tuner.planner import BudgetError, Planner
+    from tuner.planner.sharding import shard_profile, sharding_for
     from tuner.preflight import output_problem
     from tuner.profile.recipe_profile import profile_recipe_meta
     from tuner.trials import profile_recipe
 
+    sharding = sharding_for(recipe, world_size, strategy)  # before profiling, which can take minutes
     mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
     device, limit = _device_and_limit(recipe, budget, meta)
     if write is not None:
@@ -95,6 +112,8 @@ def plan(
         if problem is not None:  # found before profiling, which can take minutes
             raise RecomputeError(problem)
     profile = profile_recipe_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
+    if sharding is not None:
+        profile = shard_profile(profile, _param_layout(recipe, profile.layer_names), sharding)
     planner = Planner(profile)
     modes = list(recipe.search.modes)
     summary = PlanSummary(
@@ -104,6 +123,7 @@ def plan(
         layer_names=tuple(profile.layer_names),
         front=planner.pareto_front(modes, micro_batch=mb),
         profile=profile,
+        sharding=None if sharding is None else sharding.describe(),
     )
     try:
         summary.chosen = planner.solve(limit, modes=modes, micro_batch=mb)
@@ -292,6 +312,26 @@ def max_seq_len(
         profiles=len(batches),
         exit_code=EXIT_OK if any(f.seq_len is not None for f in fits) else EXIT_INFEASIBLE,
     )
+def _param_layout(recipe: Recipe, layer_names: list[str]) -> ParamLayout:
+    """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
+    import torch
+
+    from tuner.planner.sharding import ParamLayout
+    from tuner.profile.recipe_profile import PRECISION_DTYPES
+    from tuner.recipe import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(recipe)
+    except Exception as err:  # the user's model: whatever its constructor raises on meta
+        raise RecomputeError(
+            f"model: {recipe.model.class_path} cannot be built on the meta device to read its parameter "
+            f"shapes for sharded planning: {type(err).__name__}: {err}"
+        ) from err
+    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return ParamLayout.of_model(model, layer_names)
 
 
 @dataclass

@@ -214,11 +214,11 @@ class Planner:
         """(delta, peak, seconds) scaled by ``k`` (see the module docstring)."""
         if k == 1.0 or not c.scales:
             return c.delta, c.peak, c.seconds
-        g = c.grad
-        delta = g + round((c.delta - g) * k)
-        gp = max(0, g)
-        peak = max(gp + round((c.peak - gp) * k), delta, 0) if c.peak >= gp else max(round(c.peak * k), delta, 0)
-        return delta, peak, c.seconds * k
+        g, sd, sp = c.grad, c.static_delta, c.static_peak  # the static parts: see `tuner.planner.sharding`
+        delta = g + sd + round((c.delta - g - sd) * k)
+        gp, act = max(0, g), c.peak - sp
+        peak = sp + (gp + round((act - gp) * k) if act >= gp else round(act * k))
+        return delta, max(peak, delta, 0), c.seconds * k
 
     def _fixed_seg(self, name: str, k: float) -> tuple[int, int, float]:
         """`_seg` of fixed segment ``name``; zero_grad frees nothing if the gradients went at batch start."""
@@ -232,7 +232,8 @@ class Planner:
         layer = self.profile.layers[i]
         if k == 1.0:
             return layer.net
-        g = layer.fwd[Mode.NONE.value].grad + layer.bwd[Mode.NONE.value].grad
+        fwd, bwd = layer.fwd[Mode.NONE.value], layer.bwd[Mode.NONE.value]
+        g = fwd.grad + bwd.grad + fwd.static_delta + bwd.static_delta
         return g + round((layer.net - g) * k)
 
     def _tables(self, modes: list[str], k: float) -> _Tables:

@@ -124,7 +124,10 @@ def _run_step(
     # Lightning's automatic optimisation zeroes gradients after training_step and before
     # backward, so the previous step's gradients are alive through the whole forward.
     optimizer.zero_grad(set_to_none=True)
-    mark("zero_grad")  # its own segment (ZERO_GRAD_SEGMENT): what it frees, the planner can free at batch start
+    # Its own segment (ZERO_GRAD_SEGMENT): what it frees, the planner can free at batch start, and a
+    # sharded strategy frees less here than one device (`tuner.planner.sharding`); only a segment that
+    # does nothing but free can be rescaled exactly.
+    mark("zero_grad")
     loss.backward()
     del loss
     mark("backward")

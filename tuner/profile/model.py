@@ -44,6 +44,11 @@ class SegmentCost:
     """Bytes copied to host memory in this segment's forward and back in its backward (``offload``)."""
     scales: bool = True
     """Whether the activation part of this segment grows with the micro-batch (false for the optimizer)."""
+    static_delta: int = 0
+    """Bytes of ``delta`` besides ``grad`` that do not grow with the micro-batch (a sharded strategy's
+    gathered parameters and communication buffers, `tuner.planner.sharding`); 0 for a measured segment."""
+    static_peak: int = 0
+    """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch (as ``static_delta``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -72,6 +72,7 @@ class _Recorder:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.clock = clock
+        self.model = model
         self.params = [p for p in model.parameters()]
         self.layers = layers
         self.device = device
@@ -90,6 +91,9 @@ class _Recorder:
         for i, (_, module) in enumerate(self.layers):
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(i), with_kwargs=True))
+        # The end of the model's own forward (before the loss): where FSDP2's root post-forward frees
+        # the last layer's all-gather buffer, so `tuner.planner.sharding` can place that free exactly.
+        self._handles.append(self.model.register_forward_hook(self._output_hook))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -145,6 +149,10 @@ class _Recorder:
                 self.mark(lab)
 
         t.register_hook(hook)
+
+    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and not any(e.label == "output" for e in self.events):
+            self.mark("output")
 
     def _pre_hook(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,382 @@
+"""Per-rank memory of a sharded or replicated data-parallel step: `shard_profile` turns the profile
+of one device into the profile one rank of ``ddp``, ``fsdp`` or ``model_parallel`` sees, which
+`tuner.planner.Planner` then predicts and solves as it does for one device.
+
+What is modelled (PyTorch 2.13's ``fully_shard``, i.e. FSDP2, read from
+``torch/distributed/fsdp/_fully_shard``), at data-parallel size ``W`` = the world size:
+
+- **Layout.** Every layer (the blocks the policy addresses) is its own ``fully_shard`` unit, and
+  the parameters outside the layers (embeddings, final norm, head) belong to the root unit, as
+  torchtitan and Lightning's ``ModelParallelStrategy`` examples wrap them. No mixed precision
+  (parameters gathered in their own dtype), no CPU offload, no tensor parallelism.
+- **Sharded state, held through the step.** A parameter of shape ``(d0, ...)`` is chunked on dim 0;
+  every rank keeps a shard padded to ``ceil(d0 / W)`` rows. Rank 0's shard is the largest (later
+  ranks' last chunk may be short or empty), so rank 0 is the one predicted. Its parameters and its
+  gradients (one flat reduce-scatter output per unit) are the padded shards; its optimizer state is
+  the one-device state times ``padded shard bytes / parameter bytes`` (exact for per-element state
+  such as AdamW's two moments; a per-parameter scalar such as AdamW's ``step`` is counted as sharded).
+- **Forward.** Unit ``i``'s pre-forward all-gathers into a flat buffer ``AG_i`` (the padded unsharded
+  bytes, ``W`` shards) and copies out into the unsharded parameters ``U_i`` (same bytes); the buffer
+  is kept until the next unit's copy-out (FSDP2 defers its free to overlap that copy-out with the
+  next all-gather), the unsharded parameters are freed after the unit's forward
+  (``reshard_after_forward=True``). The root keeps its unsharded parameters from the start of the
+  forward until the end of the backward (``reshard_after_forward`` defaults to ``False`` for the root).
+- **Backward.** The root's pre-backward prefetches the last unit's all-gather; unit ``i``'s
+  pre-backward copies out ``U_i``, frees its buffer and prefetches unit ``i-1``'s (one unit of
+  backward prefetch, the default); the unit's gradients are computed unsharded (as on one device),
+  then its post-backward frees ``U_i``, releases the previous unit's reduce-scatter input, allocates
+  its own (``RS_i``, the padded unsharded bytes; kept until the next unit's post-backward, the
+  default of one buffer in flight), frees the unsharded gradients and keeps the sharded ones. The
+  root's gradients stay unsharded until its post-backward at the end of the backward.
+- **Activations** are the profile's: each rank runs the profiled micro-batch (Lightning's batch size
+  is per device), and the recomputation of a ``full`` or ``selective`` layer runs while the layer's
+  parameters are gathered anyway, so it adds no all-gather and no memory beyond one device's.
+- **``fsdp``** (Lightning's ``FSDPStrategy``, FSDP1 with flat parameters) is predicted with the same
+  rules, provided its wrap policy wraps each layer: FSDP1 pads each flat parameter as a whole
+  rather than each parameter, and rate-limits all-gathers rather than deferring frees, differences
+  of a few padding rows and at most one unit's buffer.
+- **``ddp``**: parameters, gradients and optimizer state are replicated (one device's), plus the
+  reducer's gradient buckets, which ``DistributedDataParallel`` allocates once for every trainable
+  parameter (``gradient_as_bucket_view=False``, its default and Lightning's) and holds for the run.
+
+Not modelled: the caching allocator's fragmentation and the NCCL/gloo workspaces (the prediction
+is the bytes of live tensors, as `torch.cuda.max_memory_allocated` counts them), a reduce-scatter
+in a lower precision, hybrid sharding. Time is compute-only: the profile's per-segment time, with
+no communication added (FSDP overlaps the all-gathers and reduce-scatters with compute; where the
+links are too slow for that, the real step is slower than predicted).
+
+A world size of 1 is one device: the profile is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from tuner.planner.solver import PlannerError
+from tuner.profile.model import LayerProfile, Profile, SegmentCost
+from tuner.units import format_bytes
+
+__all__ = ["STRATEGIES", "ParamGroup", "ParamLayout", "Sharding", "shard_profile", "sharding_for"]
+
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "model_parallel")
+"""Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP)."""
+
+# Lightning strategy classes a recipe's ``class_path`` may name, and the strategy they are planned as.
+_CLASS_STRATEGIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel"}
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """The parameters of one ``fully_shard`` unit: their shapes and element sizes."""
+
+    name: str
+    """The layer's module path, or ``""`` for the root (the parameters outside every layer)."""
+    shapes: tuple[tuple[int, ...], ...]
+    itemsizes: tuple[int, ...]
+    trainable: tuple[bool, ...]
+
+    def full_bytes(self, trainable_only: bool = False) -> int:
+        """Bytes of the parameters, unsharded and unpadded (with ``trainable_only``: their gradients)."""
+        return sum(
+            math.prod(s) * n
+            for s, n, t in zip(self.shapes, self.itemsizes, self.trainable, strict=True)
+            if t or not trainable_only
+        )
+
+    def shard_bytes(self, world_size: int, trainable_only: bool = False) -> int:
+        """Bytes of rank 0's shards: each parameter chunked on dim 0, padded to ``ceil(d0 / W)`` rows."""
+        total = 0
+        for shape, size, trainable in zip(self.shapes, self.itemsizes, self.trainable, strict=True):
+            if trainable_only and not trainable:
+                continue
+            d0 = shape[0] if shape else 1
+            rest = math.prod(shape[1:]) if shape else 1
+            total += -(-d0 // world_size) * rest * size
+        return total
+
+    def gathered_bytes(self, world_size: int) -> int:
+        """Bytes of the unit's all-gather output, unsharded parameters or reduce-scatter input (padded)."""
+        return self.shard_bytes(world_size) * world_size
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Which parameters each ``fully_shard`` unit holds: one unit per layer, and the root."""
+
+    layers: tuple[ParamGroup, ...]
+    """In the profile's layer order."""
+    root: ParamGroup
+
+    @classmethod
+    def of_model(cls, model: nn.Module, layer_names: Sequence[str]) -> ParamLayout:
+        """The layout of ``model`` (any device, meta included) with the layers at ``layer_names``."""
+        modules = dict(model.named_modules())
+        missing = [n for n in layer_names if n not in modules]
+        if missing:
+            raise PlannerError(f"layers: {missing} are not modules of {type(model).__name__}")
+        owned: set[int] = set()
+        groups = []
+        for name in layer_names:
+            params = [p for p in modules[name].parameters() if id(p) not in owned]
+            owned.update(id(p) for p in params)
+            groups.append(_group(name, params))
+        root = [p for p in model.parameters() if id(p) not in owned]
+        return cls(tuple(groups), _group("", root))
+
+
+def _group(name: str, params: Sequence[nn.Parameter]) -> ParamGroup:
+    return ParamGroup(
+        name,
+        tuple(tuple(p.shape) for p in params),
+        tuple(p.element_size() for p in params),
+        tuple(p.requires_grad for p in params),
+    )
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A data-parallel strategy at a world size: what the planner predicts one rank of."""
+
+    strategy: str
+    """One of `STRATEGIES`."""
+    world_size: int
+    """Ranks, all data-parallel (devices per node x nodes)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise PlannerError(f"world size: must be a positive integer, got {self.world_size!r}")
+        if self.strategy not in STRATEGIES:
+            raise PlannerError(f"strategy: unknown {self.strategy!r}; valid: {', '.join(STRATEGIES)}")
+
+    def describe(self) -> str:
+        return f"per rank, world size {self.world_size}, {self.strategy}"
+
+
+def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | None = None) -> Sharding | None:
+    """The sharding to plan ``recipe`` for: the recipe's ``trainer`` devices, nodes and strategy,
+    overridden by ``world_size`` / ``strategy`` (the CLI's flags); ``None`` for one device.
+
+    A recipe's ``strategy`` may be ``auto`` (Lightning's choice: ``ddp`` on more than one device),
+    a name of `STRATEGIES`, or ``{class_path, init_args}`` naming Lightning's ``DDPStrategy``,
+    ``FSDPStrategy`` or ``ModelParallelStrategy`` (without tensor parallelism).
+
+    Raises:
+        PlannerError: a world size that is not a positive integer or not a multiple of the
+            recipe's devices per node, an unknown strategy, tensor parallelism.
+    """
+    trainer = recipe.trainer
+    # Read with defaults: the recipe schema gains devices/num_nodes/strategy in the multi-device work.
+    devices = getattr(trainer, "devices", 1)
+    nodes = getattr(trainer, "num_nodes", 1)
+    declared = getattr(trainer, "strategy", "auto")
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise PlannerError(f"--world-size: must be a positive integer, got {world_size!r}")
+        if isinstance(devices, int) and devices > 1 and world_size % devices:
+            raise PlannerError(
+                f"--world-size: {world_size} is not a multiple of the recipe's trainer.devices {devices} "
+                f"(devices per node); valid: {devices}, {2 * devices}, {4 * devices}, ..."
+            )
+    else:
+        world_size = (devices if isinstance(devices, int) else 1) * (nodes if isinstance(nodes, int) else 1)
+    name = strategy if strategy is not None else _strategy_name(declared)
+    if name == "auto":
+        name = "ddp"  # what Lightning picks for more than one device
+    if name not in STRATEGIES:
+        where = "--strategy" if strategy is not None else "trainer.strategy"
+        raise PlannerError(f"{where}: the planner cannot predict {name!r}; valid: {', '.join(STRATEGIES)}")
+    if world_size == 1 and strategy is None:
+        return None
+    return Sharding(name, world_size)
+
+
+def _strategy_name(declared: Any) -> str:
+    if isinstance(declared, str):
+        return declared
+    if isinstance(declared, Mapping) or hasattr(declared, "class_path"):
+        path = declared["class_path"] if isinstance(declared, Mapping) else declared.class_path
+        args = (declared.get("init_args") if isinstance(declared, Mapping) else declared.init_args) or {}
+        cls = str(path).rsplit(".", 1)[-1]
+        if cls not in _CLASS_STRATEGIES:
+            raise PlannerError(
+                f"trainer.strategy: the planner cannot predict {path}; it predicts "
+                f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
+            )
+        tp = args.get("tensor_parallel_size", 1)
+        if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
+            raise PlannerError(
+                f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
+                f"parallelism only (tensor_parallel_size: 1)"
+            )
+        return _CLASS_STRATEGIES[cls]
+    return str(declared)
+
+
+# --------------------------------------------------------------------------- the transform
+
+
+def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
+    """The profile one rank of ``sharding`` sees (see the module docstring); world size 1: ``profile``."""
+    if [g.name for g in layout.layers] != profile.layer_names:
+        raise PlannerError(
+            f"layout: its layers {[g.name for g in layout.layers][:4]}... differ from the profile's "
+            f"{profile.layer_names[:4]}...; build both from the same model and layers"
+        )
+    if sharding.world_size == 1:
+        return profile
+    if sharding.strategy == "ddp":
+        return _ddp(profile, layout, sharding)
+    return _fsdp(profile, layout, sharding)
+
+
+def _ddp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
+    buckets = sum(g.full_bytes(trainable_only=True) for g in (*layout.layers, layout.root))
+    note = (
+        f"{sharding.describe()}: one device's parameters, gradients and optimizer state, plus "
+        f"{format_bytes(buckets)} of DDP gradient buckets"
+    )
+    return replace(
+        profile,
+        base_bytes=profile.base_bytes + buckets,
+        device=f"{profile.device}, {sharding.describe()}",
+        notes=[*profile.notes, note],
+    )
+
+
+def _adjust(c: SegmentCost, delta: int, peak: int, grad: int | None = None) -> SegmentCost:
+    """``c`` with a new delta, peak (and gradient bytes); the differences are static (not batch-scaled)."""
+    g = c.grad if grad is None else grad
+    return replace(
+        c,
+        delta=delta,
+        peak=max(peak, 0),
+        grad=g,
+        static_delta=c.static_delta + (delta - g) - (c.delta - c.grad),
+        static_peak=c.static_peak + (max(peak, 0) - max(0, g)) - (c.peak - max(0, c.grad)),
+    )
+
+
+def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
+    w = sharding.world_size
+    n = len(profile.layers)
+    gathered = [g.gathered_bytes(w) for g in layout.layers]  # AG_i = U_i = RS_i
+    shard_grads = [g.shard_bytes(w, trainable_only=True) for g in layout.layers]
+    root_gathered = layout.root.gathered_bytes(w)
+    shard_params = sum(g.shard_bytes(w) for g in (*layout.layers, layout.root))
+    shard_grads_all = sum(shard_grads) + layout.root.shard_bytes(w, trainable_only=True)
+    full_grads = profile.grad_bytes
+    ratio = shard_params / profile.param_bytes if profile.param_bytes else 0.0
+    shard_optimizer = round(profile.optimizer_bytes * ratio)
+
+    def ag(i: int) -> int:
+        """The all-gather buffer freed at unit ``i + 1``'s forward copy-out (``-1``: the root's)."""
+        return root_gathered if i < 0 else gathered[i]
+
+    layers: list[LayerProfile] = []
+    for i, lp in enumerate(profile.layers):
+        fwd, bwd = {}, {}
+        prefetched = gathered[i - 1] if i > 0 else 0  # backward prefetch of unit i-1 (none before unit 0)
+        held = gathered[i + 1] if i + 1 < n else 0  # reduce-scatter input of unit i+1, until i's post-backward
+        for m, c in lp.fwd.items():
+            delta = c.delta + ag(i) - ag(i - 1)
+            fwd[m] = _adjust(c, delta, max(ag(i), ag(i) - ag(i - 1) + gathered[i] + c.peak))
+        for m, c in lp.bwd.items():
+            swap = -ag(i) + prefetched  # this unit's buffer freed at its copy-out, unit i-1's prefetched
+            peak = max(
+                gathered[i],  # the copy-out, its buffer still held
+                gathered[i] + swap + c.peak,  # the backward, unsharded parameters and gradients
+                c.delta + swap - held + gathered[i],  # the post-backward's reduce-scatter input
+            )
+            delta = c.delta + swap - held + gathered[i] - c.grad + shard_grads[i]
+            bwd[m] = _adjust(c, delta, peak, grad=shard_grads[i])
+        net = fwd["none"].delta + bwd["none"].delta if "none" in fwd else lp.net
+        layers.append(replace(lp, fwd=fwd, bwd=bwd, net=net, param_bytes=layout.layers[i].shard_bytes(w)))
+
+    fixed = dict(profile.fixed)
+    order = profile.timeline
+    first_fwd = order.index("fwd:0")
+    last_fwd = order.index(f"fwd:{n - 1}")
+    first_bwd = order.index(f"bwd:{n - 1}")
+    last_bwd = order.index("bwd:0")
+    root_grads = full_grads - sum(lp.bwd["none"].grad for lp in profile.layers if "none" in lp.bwd)
+
+    def fixed_between(a: int, b: int) -> list[str]:
+        return [k[len("fixed:") :] for k in order[a:b] if k.startswith("fixed:")]
+
+    before = fixed_between(0, first_fwd)
+    after_fwd = fixed_between(last_fwd + 1, first_bwd)
+    after_bwd = fixed_between(last_bwd + 1, len(order))
+    if not (before and after_fwd and after_bwd):
+        raise PlannerError(
+            "profile: FSDP needs fixed segments before the first layer, between forward and backward, and "
+            f"after the backward (the root's own work); this timeline has none of some: {order[:3]}..."
+        )
+    # Gradients freed before the backward (zero_grad): the sharded gradients, not one device's.
+    for key, c in fixed.items():
+        if c.grad < 0 and c.scales:
+            kept_positive = c.grad + full_grads  # a segment may also allocate the head's gradients
+            grad = (
+                kept_positive - shard_grads_all if kept_positive >= 0 else round(c.grad * shard_grads_all / full_grads)
+            )
+            pure_free = c.delta == c.grad and c.peak == 0
+            fixed[key] = _adjust(c, c.delta - c.grad + grad, 0 if pure_free else c.peak + grad - c.grad, grad)
+    # The root's pre-forward gathers its parameters (kept) and its buffer (freed at unit 0's copy-out).
+    key = before[-1]
+    c = fixed[key]
+    fixed[key] = _adjust(c, c.delta + 2 * root_gathered, c.peak + 2 * root_gathered)
+    # The root's post-forward frees the last unit's buffer at the end of the model's forward: exactly
+    # there when the profile marks it (``output``), else at the end of the first segment after the layers.
+    key = next((k for k in after_fwd if k.endswith("->output")), after_fwd[0])
+    c = fixed[key]
+    fixed[key] = _adjust(c, c.delta - gathered[-1], c.peak)
+    # The root's pre-backward prefetches the last unit's parameters.
+    key = after_fwd[-1]
+    c = fixed[key]
+    fixed[key] = _adjust(c, c.delta + gathered[-1], c.peak + gathered[-1])
+    # The root's post-backward: its parameters resharded, unit 0's reduce-scatter input released, its
+    # own reduce-scatter input allocated while its unsharded gradients live, then sharded gradients only.
+    key = after_bwd[0]
+    c = fixed[key]
+    root_shard_grads = layout.root.shard_bytes(w, trainable_only=True)
+    fixed[key] = _adjust(
+        c,
+        c.delta - root_gathered - gathered[0] - root_grads + root_shard_grads,
+        max(c.peak, c.delta - gathered[0]),
+        grad=c.grad - root_grads + root_shard_grads,
+    )
+    # The optimizer steps over shards: its temporaries shrink with them.
+    for key, c in fixed.items():
+        if not c.scales:
+            fixed[key] = _adjust(c, round(c.delta * ratio), round(c.peak * ratio), round(c.grad * ratio))
+
+    freed = -sum(min(0, c.grad) for c in profile.fixed.values())  # gradients alive when the step starts
+    base = (
+        profile.base_bytes
+        - profile.param_bytes
+        - profile.optimizer_bytes
+        - freed
+        + shard_params
+        + shard_optimizer
+        + round(freed * shard_grads_all / full_grads if full_grads else 0)
+    )
+    note = (
+        f"{sharding.describe()}: parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)}"
+        f" and optimizer state {format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered "
+        f"parameters up to {format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
+    )
+    return replace(
+        profile,
+        layers=layers,
+        fixed=fixed,
+        base_bytes=base,
+        param_bytes=shard_params,
+        grad_bytes=shard_grads_all,
+        optimizer_bytes=shard_optimizer,
+        device=f"{profile.device}, {sharding.describe()}",
+        notes=[*profile.notes, note],
+    )
