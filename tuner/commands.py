@@ -312,6 +312,8 @@ def max_seq_len(
         profiles=len(batches),
         exit_code=EXIT_OK if any(f.seq_len is not None for f in fits) else EXIT_INFEASIBLE,
     )
+
+
 def _param_layout(recipe: Recipe, layer_names: list[str]) -> ParamLayout:
     """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
     import torch
