@@ -45,6 +45,8 @@ segment (its delta and peak minus the parameter gradients it allocates) and its 
 activations are linear in the batch (true for transformers at fixed sequence length) and that a
 segment's transient peak happens after its gradients exist; profile at the batch you will run
 for figures that are exact rather than scaled.
+A segment's ``static_delta`` / ``static_peak`` (what `tuner.planner.sharding` adds for one rank of
+a sharded run: gathered parameters, all-gather and reduce-scatter buffers) do not scale either.
 
 The solver
 ----------
@@ -64,7 +66,8 @@ modes earlier in ``none, selective, full, offload`` order.
 
 Modules: `tuner.planner.solver` (the cost model, `Planner`, `Prediction`, `PlannedPolicy`),
 `tuner.planner.report` (`format_front`), `tuner.planner.seeds` (the planner's seeds and
-predictions for a tuning session).
+predictions for a tuning session), `tuner.planner.sharding` (`shard_profile`: the profile one rank
+of DDP / FSDP / FSDP2 sees at a world size).
 """
 
 from __future__ import annotations
