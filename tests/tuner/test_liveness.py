@@ -24,6 +24,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lightning_recompute.policy import RecomputePolicy
+from tests.tuner.test_cli import TINY as CLI_TINY
 from tests.tuner.test_session import make_recipe, runs, study_of
 from tuner import liveness, session
 from tuner.liveness import Owner, dead_reason
@@ -239,13 +240,8 @@ os.kill(os.getpid(), 9)
 
 # ---------------------------------------------------------------------------------------------- fault injection
 
-TINY = {
-    "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout": 0.0}},
-    "data": {"init_args": {"batch_size": 4, "num_batches": 8}},
-    "budget": "64MiB",
-    "search": {"n_trials": 2, "seed": 0},
-    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}},
-}
+# test_cli's tiny recipe (three blocks of width 32, sequence 32), with two trials.
+TINY = {**CLI_TINY, "search": {"n_trials": 2, "seed": 0}}
 SEEDS = {f"baseline:{b}" for b in ("none", "full", "selective", "every_2nd_full")}
 
 
