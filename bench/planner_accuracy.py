@@ -43,7 +43,7 @@ import torch
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy, remove_policy
 from lightning_recompute.reference import ReferenceGPT
 from tuner.planner import Planner
-from tuner.profile import profile_model
+from tuner.profile import Profile, profile_model
 from tuner.units import format_bytes
 
 MODES = ("none", "selective", "full")
@@ -123,10 +123,9 @@ def random_policies(names: list[str], n: int, seed: int) -> list[RecomputePolicy
     return out
 
 
-def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: list[str]) -> dict[str, float]:
-    model, batch = build(size, attention)
-    t0 = time.perf_counter()
-    prof = profile_model(
+def profile(model: torch.nn.Module, batch: Any, rounds: int) -> Profile:
+    """The profile both measurements start from: every mode, ``rounds`` repeats, the AdamW the runs use."""
+    return profile_model(
         model,
         batch,
         modes=MODES,
@@ -135,6 +134,12 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
         clock=CLOCK,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
     )
+
+
+def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: list[str]) -> dict[str, float]:
+    model, batch = build(size, attention)
+    t0 = time.perf_counter()
+    prof = profile(model, batch, rounds)
     t_prof = time.perf_counter() - t0
     planner = Planner(prof)
     policies = random_policies(prof.layer_names, n_policies, seed=len(size) * 10 + len(attention))
@@ -169,15 +174,7 @@ def accuracy(size: str, attention: str, n_policies: int, rounds: int, lines: lis
 
 def solver_vs_sweep(rounds: int, lines: list[str]) -> list[float]:
     model, batch = build("small", "eager")
-    prof = profile_model(
-        model,
-        batch,
-        modes=MODES,
-        loss_fn=loss_fn,
-        repeats=rounds,
-        clock=CLOCK,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
-    )
+    prof = profile(model, batch, rounds)
     planner = Planner(prof)
     names = prof.layer_names
     everything = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -39,15 +40,22 @@ def _cluster_or_skip() -> PostgresCluster:
         pytest.skip(f"no PostgreSQL server for the cluster tests: {exc}")
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[PostgresCluster]:
-    """A throwaway PostgreSQL cluster on 127.0.0.1 shared by the session (skips where PostgreSQL is missing)."""
+@contextlib.contextmanager
+def _started_cluster() -> Iterator[PostgresCluster]:
+    """A PostgreSQL cluster, started; destroyed on exit (skips where PostgreSQL is missing)."""
     cluster = _cluster_or_skip()
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresCluster]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 shared by the session (skips where PostgreSQL is missing)."""
+    with _started_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -59,12 +67,8 @@ def postgres_url(postgres: PostgresCluster) -> str:
 @pytest.fixture
 def own_postgres() -> Iterator[PostgresCluster]:
     """A PostgreSQL cluster of the test's own, started, that the test may `stop` and `start` again."""
-    cluster = _cluster_or_skip()
-    try:
-        cluster.start()
+    with _started_cluster() as cluster:
         yield cluster
-    finally:
-        cluster.destroy()
 
 
 @pytest.fixture(scope="session")

@@ -374,28 +374,18 @@ def _side_by_side(
         # on both sides alike instead of always on the second.
         order = ("candidate", "good") if i % 2 == 0 else ("good", "candidate")
         for who in order:
-            if who == "candidate":
-                res = run_trial(
-                    recipe,
-                    cand.policy,
-                    micro_batch=cand.micro_batch,
-                    warmup_steps=warmup,
-                    measure_steps=steps,
-                    timeout_s=timeout,
-                    budget_bytes=budget_bytes,
-                )
-            else:
-                # Under the same limit as the candidate: a good policy that no longer fits (a
-                # tightened budget, a grown model) is no contender, however fast.
-                res = run_trial(
-                    recipe,
-                    good.policy,
-                    micro_batch=good.micro_batch,
-                    warmup_steps=warmup,
-                    measure_steps=steps,
-                    timeout_s=timeout,
-                    budget_bytes=budget_bytes,
-                )
+            side = cand if who == "candidate" else good
+            # Both under the same limit: a good policy that no longer fits (a tightened budget, a
+            # grown model) is no contender, however fast.
+            res = run_trial(
+                recipe,
+                side.policy,
+                micro_batch=side.micro_batch,
+                warmup_steps=warmup,
+                measure_steps=steps,
+                timeout_s=timeout,
+                budget_bytes=budget_bytes,
+            )
             runs.append({"round": i, "who": who, **_as_dict(res)})
             if who == "candidate":
                 if res.outcome != "ok" or res.throughput is None:

@@ -1,8 +1,10 @@
 """RecomputeCallback under ModelParallelStrategy (FSDP2's fully_shard) on two CPU gloo ranks.
 
-Each configuration is its own two-process run (Lightning launches the second rank by re-running
-the script), with a deadline; rank 0 saves the full (unsharded) weights after three AdamW steps
-with dropout, and every rank prints its measured peak.
+One two-process run (Lightning launches the second rank by re-running the script), with a
+deadline, fits the three configurations in turn, each from the same seed with a fresh model and
+Trainer (the process group, once made, serves every fit: a launch per configuration would import
+torch and Lightning six times instead of twice); rank 0 saves the full (unsharded) weights after
+three AdamW steps with dropout, and every rank prints its measured peak.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="PyTorch built without distributed")
 
 SCRIPT = """
-import sys, torch, lightning as L
+import gc, sys, torch, lightning as L
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -51,8 +53,7 @@ class Sharded(ReferenceGPT):
         fully_shard(self, mesh=mesh)
 
 
-if __name__ == "__main__":
-    how, out = sys.argv[1], sys.argv[2]
+def fit(how, out):
     torch.manual_seed(0)
     FULL = RecomputePolicy.uniform("full")
     callback_policy = {"none": RecomputePolicy.uniform("none"), "callback": MIXED, "before": FULL}[how]
@@ -68,47 +69,52 @@ if __name__ == "__main__":
     if trainer.global_rank == 0:
         torch.save(full, f"{out}/weights-{how}.pt")
     peak = cb.records[-1].peak_bytes
-    print(f"RANK{trainer.global_rank} modes={modes} records={len(cb.records)} peak={peak}", flush=True)
+    print(f"RANK{trainer.global_rank} {how} modes={modes} records={len(cb.records)} peak={peak}", flush=True)
     torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    for how in ("none", "callback", "before"):
+        fit(how, sys.argv[1])
+        gc.collect()  # the last configuration's model and optimizer state off the ledger before the next
     torch.distributed.destroy_process_group()
 """
 
 
-def _run(tmp_path: Path, how: str) -> tuple[str, dict[str, torch.Tensor]]:
+def _run(tmp_path: Path) -> tuple[str, dict[str, dict[str, torch.Tensor]]]:
     script = tmp_path / "fsdp2_run.py"
     script.write_text(SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), how, str(tmp_path)],
+        [sys.executable, str(script), str(tmp_path)],
         check=False,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout, torch.load(tmp_path / f"weights-{how}.pt")
+    return proc.stdout, {how: torch.load(tmp_path / f"weights-{how}.pt") for how in ("none", "callback", "before")}
 
 
-def _peaks(stdout: str) -> list[int]:
-    return [int(p) for p in re.findall(r"RANK\d .* peak=(\d+)", stdout)]
+def _peaks(stdout: str, how: str) -> list[int]:
+    return [int(p) for p in re.findall(rf"RANK\d {how} .* peak=(\d+)", stdout)]
 
 
 @pytest.mark.slow
 def test_model_parallel_fsdp2_bitwise_after_or_before_sharding_and_lower_peak(tmp_path: Path) -> None:
-    none_out, reference = _run(tmp_path, "none")
-    out, weights = _run(tmp_path, "callback")
+    out, weights = _run(tmp_path)
+    reference = weights["none"]
     expected = "modes={'blocks.0': 'full', 'blocks.1': 'selective', 'blocks.2': 'full', 'blocks.3': 'none'} records=3"
-    assert f"RANK0 {expected}" in out and f"RANK1 {expected}" in out, out
-    assert weights.keys() == reference.keys()
-    for key in weights:
-        assert torch.equal(weights[key], reference[key]), key
+    assert f"RANK0 callback {expected}" in out and f"RANK1 callback {expected}" in out, out
+    assert weights["callback"].keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(weights["callback"][key], reference[key]), key
     # Every block applied full in configure_model, before fully_shard: the same weights, and each
     # rank's peak (the CPU storage ledger) lower than without recomputation.
-    before_out, before = _run(tmp_path, "before")
-    assert "RANK0 modes={'blocks.0': 'full', 'blocks.1': 'full', 'blocks.2': 'full', 'blocks.3': 'full'}" in before_out
-    for key in before:
-        assert torch.equal(before[key], reference[key]), key
-    none_peaks, full_peaks = _peaks(none_out), _peaks(before_out)
-    assert len(none_peaks) == len(full_peaks) == 2, (none_out, before_out)
+    assert "RANK0 before modes={'blocks.0': 'full', 'blocks.1': 'full', 'blocks.2': 'full', 'blocks.3': 'full'}" in out
+    for key in reference:
+        assert torch.equal(weights["before"][key], reference[key]), key
+    none_peaks, full_peaks = _peaks(out, "none"), _peaks(out, "before")
+    assert len(none_peaks) == len(full_peaks) == 2, out
     for none, full in zip(none_peaks, full_peaks, strict=True):
         assert none > full > 0

@@ -2,8 +2,8 @@
 
 The fast tests kill a real child process that runs a tuning session (with the deterministic fake
 trials of `test_session.py`), then run the next session here. The slow fault-injection test
-SIGKILLs the real ``recompute-tune`` at five points (``RECOMPUTE_TUNE_TEST_KILL_AT``, see
-`tuner.killpoints`) and reruns it to completion.
+SIGKILLs the real ``recompute-tune`` at each of five points in turn (``RECOMPUTE_TUNE_TEST_KILL_AT``,
+see `tuner.killpoints`), each run recovering from the one before, and reruns it to completion.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import yaml
 from optuna.trial import TrialState
 
 from lightning_recompute.policy import RecomputePolicy
-from tests.tuner.test_session import FakeTrials, make_recipe, runs, study_of
+from tests.tuner.test_cli import TINY as CLI_TINY
+from tests.tuner.test_session import make_recipe, runs, study_of
 from tuner import liveness, session
 from tuner.liveness import Owner, dead_reason
 from tuner.search import TuningStudy
 from tuner.search.attrs import StudyAttr, TrialAttr
+from tuner.search.lease import lease_name
 from tuner.trials.runner import TRIAL_DIR_ENV, clean_stale_trial_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,19 +72,6 @@ def run_child(folder: Path, uri: str, kill_on_call: int, **env: str) -> subproce
     )
     assert proc.returncode == -signal.SIGKILL, f"the child was not killed ({proc.returncode}):\n{proc.stderr[-3000:]}"
     return proc
-
-
-@pytest.fixture(scope="module")
-def tracking_uri(tmp_path_factory):
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    f = FakeTrials()
-    monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
-    monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
-    return f
 
 
 def dead_pid() -> int:
@@ -251,13 +240,8 @@ os.kill(os.getpid(), 9)
 
 # ---------------------------------------------------------------------------------------------- fault injection
 
-TINY = {
-    "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout": 0.0}},
-    "data": {"init_args": {"batch_size": 4, "num_batches": 8}},
-    "budget": "64MiB",
-    "search": {"n_trials": 2, "seed": 0},
-    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}},
-}
+# test_cli's tiny recipe (three blocks of width 32, sequence 32), with two trials.
+TINY = {**CLI_TINY, "search": {"n_trials": 2, "seed": 0}}
 SEEDS = {f"baseline:{b}" for b in ("none", "full", "selective", "every_2nd_full")}
 
 
@@ -284,35 +268,67 @@ def trial_processes(tmpdir: Path) -> list[int]:
     return [p for f in tmpdir.glob("recompute-trial-*") for p in _pids_with_env(TRIAL_DIR_ENV, str(f))]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("point", ["profiling", "trial", "between", "gate", "after_write"])
-def test_kill_9_then_rerun_leaves_nothing_running_and_loses_no_candidate(tmp_path, point):
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY), encoding="utf-8")
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    killed = tune_cli(tmp_path, tmpdir, point)
-    assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode}\n{killed.stderr[-3000:]}"
-    if point == "trial":
-        # The worker followed its parent: no trial process outlives the kill.
-        deadline = time.monotonic() + 60
-        while trial_processes(tmpdir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not trial_processes(tmpdir)
-        assert list(tmpdir.glob("recompute-trial-*"))  # the folder stays until the next run
-    done = tune_cli(tmp_path, tmpdir, None)
-    assert done.returncode == 0, f"after {point}:\n{done.stderr[-3000:]}"
-    check_consistent(tmp_path, point)
-    assert not list(tmpdir.glob("recompute-trial-*")), point
+# The points in the order one session reaches them: with n_trials=2, each rerun of the study gets
+# one point further than the run it recovers from (setup, a trial, the next trial, the gate, the
+# promotion), so one study killed at each in turn exercises all five, each recovered from by a real
+# run; one study rather than five saves four whole sessions of subprocesses.
+CHAIN = ("profiling", "trial", "between", "gate", "after_write")
 
 
-def check_consistent(folder: Path, point: str) -> None:
+def study_trials(folder: Path, *, lease_allowed: bool = True) -> list[optuna.trial.FrozenTrial]:
+    """The trials of the one study in the folder's storage (a session killed in the gate leaves its
+    gate lease study behind, which the next run breaks: ``lease_allowed`` says whether it may be there)."""
     from tuner.recipe import load
     from tuner.stores import open_storage
 
     storage = open_storage(str(load(folder / "tiny.yaml").study.storage))
-    (name,) = optuna.get_all_study_names(storage)
-    study = optuna.load_study(study_name=name, storage=storage)
-    trials = study.get_trials(deepcopy=False)
+    names = optuna.get_all_study_names(storage)
+    studies = [n for n in names if not any(n == lease_name(m) for m in names)]
+    assert len(studies) == 1 and (lease_allowed or names == studies), names
+    return optuna.load_study(study_name=studies[0], storage=storage).get_trials(deepcopy=False)
+
+
+@pytest.mark.slow
+def test_kill_9_at_each_point_in_turn_then_rerun_leaves_nothing_running_and_loses_no_candidate(tmp_path):
+    from tuner.killpoints import POINTS
+
+    assert set(CHAIN) == set(POINTS), "a new kill point needs its place in the chain"
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY), encoding="utf-8")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    for point in CHAIN:
+        killed = tune_cli(tmp_path, tmpdir, point)
+        assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.returncode}\n{killed.stderr[-3000:]}"
+        trials = study_trials(tmp_path)
+        if point == "profiling":
+            assert not trials  # killed while setting the study up: nothing seeded yet
+        elif point == "trial":
+            # This run took the dead run's setup over at once, then died mid-trial.
+            assert "taking over the study's setup: owner died" in killed.stderr, killed.stderr[-3000:]
+            # The worker followed its parent: no trial process outlives the kill.
+            deadline = time.monotonic() + 60
+            while trial_processes(tmpdir) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not trial_processes(tmpdir)
+            assert list(tmpdir.glob("recompute-trial-*"))  # the folder stays until the next run
+            assert [t.state for t in trials if t.state != TrialState.WAITING] == [TrialState.RUNNING]
+        else:
+            # The run after each kill reaped what it left: no trial RUNNING, no dead owner's folder.
+            assert not [t for t in trials if t.state == TrialState.RUNNING], point
+            assert not list(tmpdir.glob("recompute-trial-*")), point
+            outcomes = [t.user_attrs.get("outcome") for t in trials if t.state != TrialState.WAITING]
+            assert "abandoned" in outcomes, (point, outcomes)  # the trial killed mid-run, failed
+            if point == "after_write":
+                # The file is written, the promotion not recorded: the next run must reconcile them.
+                assert (tmp_path / "policy.yaml").exists()
+    done = tune_cli(tmp_path, tmpdir, None)
+    assert done.returncode == 0, f"after the chain:\n{done.stderr[-3000:]}"
+    check_consistent(tmp_path, "the chain")
+    assert not list(tmpdir.glob("recompute-trial-*"))
+
+
+def check_consistent(folder: Path, point: str) -> None:
+    trials = study_trials(folder, lease_allowed=False)
     assert not [t for t in trials if t.state == TrialState.RUNNING], point
     measured = [t for t in trials if t.user_attrs.get("outcome") in ("ok", "over_budget", "oom", "timeout", "error")]
     keys = Counter(t.user_attrs["candidate_key"] for t in measured)

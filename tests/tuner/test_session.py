@@ -79,20 +79,6 @@ class FakeTrials:
         return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
 
 
-@pytest.fixture(scope="module")
-def tracking_uri(tmp_path_factory):
-    # One MLflow database for the module (creating one costs seconds); one experiment per test.
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    f = FakeTrials()
-    monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
-    monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
-    return f
-
-
 def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
     data = {
         "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2}},

@@ -1,0 +1,22 @@
+"""Fixtures of the session tests (`test_session.py`) and the dead-owner tests (`test_liveness.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tuner.test_session import FakeTrials
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # One MLflow database per module (creating one costs seconds); one experiment per test.
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> FakeTrials:
+    """The session's trial runner and numerics check replaced by `FakeTrials`' exact figures."""
+    f = FakeTrials()
+    monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
+    monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
+    return f
