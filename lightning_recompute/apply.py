@@ -233,18 +233,38 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
 
 
 def _compile_layers(found: list[tuple[str, nn.Module]]) -> None:
-    """``nn.Module.compile`` each layer, around its recompute wrapper (torchtitan's ``apply_compile`` order).
+    """Compile each layer's call, around its recompute wrapper (torchtitan's ``apply_compile`` order).
 
-    Compiling the module's call (not wrapping it in ``torch.compile``'s ``OptimizedModule``, as
-    torchtitan does) keeps module paths and ``state_dict`` keys unchanged, like the rest of this
-    module. The checkpoint inside is traced by dynamo as its activation-checkpoint operator, so the
-    recompute choice (and a selective save list) holds in the compiled graph. A layer the user
-    compiled already is left as it is.
+    Compiling the module's call, as ``nn.Module.compile`` does (not wrapping it in
+    ``torch.compile``'s ``OptimizedModule``, as torchtitan does), keeps module paths and
+    ``state_dict`` keys unchanged, like the rest of this module. The checkpoint inside is traced by
+    dynamo as its activation-checkpoint operator, so the recompute choice (and a selective save
+    list) holds in the compiled graph. A layer the user compiled already is left as it is.
     """
     for _, module in found:
         if getattr(module, "_compiled_call_impl", None) is None:
-            module.compile()
+            module._compiled_call_impl = _CompiledCall(module)
             module.__dict__[_COMPILED_ATTR] = True
+
+
+class _CompiledCall:
+    """A layer's compiled call (what ``nn.Module.compile`` installs), run eagerly under a dispatch mode.
+
+    Not ``nn.Module.compile`` itself: dynamo, called while a ``TorchDispatchMode`` is active (the
+    CPU memory ledger, ``FlopCounterMode``), runs the frame eagerly *and remembers to skip it*, so
+    a model first stepped under the ledger would never compile. Deciding here, before dynamo sees
+    the call, keeps metered steps eager and every other step compiled.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.eager = module._call_impl
+        self.compiled = torch.compile(module._call_impl)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # torch has no public query of the dispatch-mode stack; this is what its own modes consult.
+        if torch._C._len_torch_dispatch_stack() > 0:
+            return self.eager(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
 
 def _refuse_foreign_checkpointing(model: nn.Module) -> None:

@@ -57,6 +57,7 @@ def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor]
     return peak
 
 
+@pytest.mark.slow
 def test_the_profile_costs_each_family_per_layer_in_the_order_its_save_list_implies(measured: Any) -> None:
     _, _, prof = measured
     assert prof.modes == MODES
@@ -71,6 +72,7 @@ def test_the_profile_costs_each_family_per_layer_in_the_order_its_save_list_impl
         assert flops["selective"] == 0 < flops["selective:attn+wide"] < flops["selective:attn"] <= flops["full"]
 
 
+@pytest.mark.slow
 def test_the_planner_mixes_families_per_layer_and_predicts_their_peak(measured: Any) -> None:
     model, batch, prof = measured
     planner = Planner(prof)
