@@ -424,7 +424,8 @@ class RecomputePolicy:
         return "\n".join(lines)
 
     def short(self, layer_names: Sequence[str]) -> str:
-        """One character per layer (see `glyph`: ``.`` none, ``s`` selective, ``F`` full, ...), for logs."""
+        """One character per layer (see `glyph`: ``.`` none, ``s`` selective, ``a``/``w``/``n`` the
+        save-list families attn/attn+wide/attn+narrow, ``F`` full, ``o`` offload), for logs."""
         return "".join(glyph(self.choice_for(n)) for n in layer_names)
 
 

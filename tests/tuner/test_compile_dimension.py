@@ -153,7 +153,7 @@ def test_a_compiling_trial_reports_compile_time_outside_its_timed_steps(tmp_path
     recipe = R.from_dict(
         {
             "budget": "1GiB",
-            "model": {"init_args": {"n_layer": 1, "n_embd": C, "n_head": H, "seq_len": T, "dropout": 0.0}},
+            "model": {"init_args": {"n_layer": 2, "n_embd": C, "n_head": H, "seq_len": T, "dropout": 0.0}},
             "data": {"init_args": {"batch_size": B, "num_batches": 4}},
             "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 600, "env": {"OMP_NUM_THREADS": 1}},
         },
@@ -166,3 +166,24 @@ def test_a_compiling_trial_reports_compile_time_outside_its_timed_steps(tmp_path
     assert eager.compile_s is None
     assert len(compiled.step_times_s) == 2  # the compiling step is not among the timed ones
     assert compiled.peak_bytes == eager.peak_bytes  # metered steps run the layers eagerly on CPU
+
+
+def test_the_recipe_takes_search_compile_and_family_modes() -> None:
+    base = {"budget": "1GiB", "search": {"modes": ["none", "full"]}}
+    plain = R.from_dict(base)
+    assert plain.search.compile == (False,)
+    searched = R.from_dict(
+        {**base, "search": {"modes": ["none", "selective:attn+wide", "full"], "compile": [False, True]}}
+    )
+    assert searched.search.compile == (False, True) and "selective:attn+wide" in searched.search.modes
+    # The default keeps a recipe's fingerprint (and so its study) as before the key existed.
+    assert R.from_dict({**base, "search": {"modes": ["none", "full"], "compile": [False]}}).fingerprint() == (
+        plain.fingerprint()
+    )
+    assert R.from_dict({**base, "search": {"modes": ["none", "full"], "compile": [False, True]}}).fingerprint() != (
+        plain.fingerprint()
+    )
+    with pytest.raises(R.RecipeError, match=r"search.compile"):
+        R.from_dict({**base, "search": {"compile": ["sometimes"]}})
+    with pytest.raises(R.RecipeError, match=r"search.modes\[1\]"):
+        R.from_dict({**base, "search": {"modes": ["none", "selective:mlp"]}})

@@ -119,7 +119,8 @@ class PlannedPolicy:
         return self.prediction.step_time_s
 
     def short(self) -> str:
-        """One character per layer: ``.`` none, ``s`` selective, ``F`` full, ``o`` offload."""
+        """One character per layer (`lightning_recompute.policy.glyph`): ``.`` none, ``s`` selective,
+        ``a``/``w``/``n`` selective:attn/attn+wide/attn+narrow, ``F`` full, ``o`` offload."""
         return "".join(glyph(m) for m in self.modes.values())
 
 
