@@ -19,7 +19,7 @@ no-recompute peak), the methods are:
   tuned           the policy `recompute-tune` promotes (tuner.session.tune on a generated recipe)
 
 The planner and the tuner choose per layer among none, selective, full and the save-list families
-(selective:attn, selective:attn+wide, selective:attn+narrow; --no-families: the first three only),
+(selective:attn, selective:attn+wide, selective:attn+narrow; --no-families, and --smoke: the first three only),
 and on the workloads named by --compile-search the tuner also searches compile: [false, true].
 
 Peak memory: one Lightning run per configuration with `RecomputeCallback(measure_memory=True)`,
@@ -712,7 +712,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="workloads whose tuner searches compile: [false, true] (default: the first one in full runs; 'all')",
     )
     parser.add_argument(
-        "--no-families", dest="families", action="store_false", help="plan and tune over none/selective/full only"
+        "--families",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan and tune over the save-list families too (default: on, off for --smoke, which CI runs)",
     )
     parser.add_argument("--tolerance", type=float, default=0.02, help="noise allowed before a row counts as slower")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
@@ -722,13 +725,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         workloads, defaults = (
             SMOKE_WORKLOADS,
-            dict(budgets=[0.7], rounds=1, steps=1, trials=2, compile=[], compile_search=[]),
+            dict(budgets=[0.7], rounds=1, steps=1, trials=2, compile=[], compile_search=[], families=False),
         )
         tag = "smoke"
     elif args.quick:
         workloads, defaults = (
             QUICK_WORKLOADS,
-            dict(budgets=list(BUDGETS), rounds=3, steps=2, trials=4, compile=[], compile_search=[]),
+            dict(budgets=list(BUDGETS), rounds=3, steps=2, trials=4, compile=[], compile_search=[], families=True),
         )
         tag = "quick"
     else:
@@ -741,6 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 trials=5,
                 compile=[FULL_WORKLOADS[0].name],
                 compile_search=[FULL_WORKLOADS[0].name],
+                families=True,
             ),
         )
         tag = ""
@@ -754,6 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.trials = args.trials or defaults["trials"]
     args.compile_workloads = defaults["compile"] if args.compile_workloads is None else args.compile_workloads
     args.compile_search = defaults["compile_search"] if args.compile_search is None else args.compile_search
+    args.families = defaults["families"] if args.families is None else args.families
 
     # One thread: on a shared 2-core machine two threads fight other jobs and step times triple;
     # the tuner's trials run with OMP_NUM_THREADS=1 too (see _recipe_dict).
