@@ -18,6 +18,10 @@ no-recompute peak), the methods are:
   planner         tuner.planner's exact solver on a measured profile, no trials
   tuned           the policy `recompute-tune` promotes (tuner.session.tune on a generated recipe)
 
+The planner and the tuner choose per layer among none, selective, full and the save-list families
+(selective:attn, selective:attn+wide, selective:attn+narrow; --no-families, and --smoke: the first three only),
+and on the workloads named by --compile-search the tuner also searches compile: [false, true].
+
 Peak memory: one Lightning run per configuration with `RecomputeCallback(measure_memory=True)`,
 the exact CPU storage ledger with parameters, gradients, optimizer state and batch tracked, max
 over a warm-up and a measured step: the figure the tuner's trials report. Throughput: separate,
@@ -65,6 +69,7 @@ import compare_methods as peers
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (0.3, 0.5, 0.7)
 MODES = ("none", "selective", "full")
+FAMILY_MODES = ("selective:attn", "selective:attn+wide", "selective:attn+narrow")
 MEGATRON_SAVE = ("aten.mm", "aten.addmm")
 METHODS = (
     "none",
@@ -114,6 +119,8 @@ FULL_WORKLOADS = (
     # Width grows then shrinks: the middle layers hold most of the activations, so a uniform
     # choice recomputes the cheap thin layers for nothing or keeps the fat ones it cannot afford.
     Workload("hetero-eager-128", _gpt(8, 64, 128, "eager", widths=[32, 64, 128, 192, 192, 128, 64, 32]), 4),
+    # Long context: the (seq x seq) attention scores are most of what a layer keeps.
+    Workload("gpt-s-eager-512", _gpt(4, 64, 512, "eager"), 2),
 )
 QUICK_WORKLOADS = (Workload("gpt-xs-eager-128", _gpt(4, 64, 128, "eager"), 4),)
 SMOKE_WORKLOADS = (Workload("gpt-tiny-eager-64", _gpt(3, 32, 64, "eager"), 2),)
@@ -276,7 +283,9 @@ class TunerRun:
     trial_table: list[dict[str, Any]]
 
 
-def _recipe_dict(wl: Workload, budget_bytes: int, n_trials: int, name: str) -> dict[str, Any]:
+def _recipe_dict(
+    wl: Workload, budget_bytes: int, n_trials: int, name: str, modes: Sequence[str], compile_search: bool
+) -> dict[str, Any]:
     return {
         "name": name,
         "model": {"class_path": "lightning_recompute.reference.ReferenceGPT", "init_args": dict(wl.model)},
@@ -293,7 +302,12 @@ def _recipe_dict(wl: Workload, budget_bytes: int, n_trials: int, name: str) -> d
         "layers": "auto",
         # Margin 0: the tuner is held to exactly the budget every other method is judged by.
         "budget": {"value": int(budget_bytes), "margin": 0.0},
-        "search": {"modes": list(MODES), "n_trials": n_trials, "seed": 0},
+        "search": {
+            "modes": list(modes),
+            "n_trials": n_trials,
+            "seed": 0,
+            **({"compile": [False, True]} if compile_search else {}),
+        },
         "trial": {"warmup_steps": 1, "measure_steps": 3, "timeout_s": 300, "env": {"OMP_NUM_THREADS": "1"}},
         "tracking": {"uri": "sqlite:///mlflow.db"},
         "study": {"storage": "sqlite:///optuna.db"},
@@ -301,7 +315,15 @@ def _recipe_dict(wl: Workload, budget_bytes: int, n_trials: int, name: str) -> d
     }
 
 
-def run_tuner(wl: Workload, fraction: float, budget_bytes: int, n_trials: int, workdir: Path) -> TunerRun:
+def run_tuner(
+    wl: Workload,
+    fraction: float,
+    budget_bytes: int,
+    n_trials: int,
+    workdir: Path,
+    modes: Sequence[str] = MODES,
+    compile_search: bool = False,
+) -> TunerRun:
     """One `recompute-tune` session (the library call behind the CLI) on a recipe for this workload."""
     import optuna
 
@@ -311,7 +333,8 @@ def run_tuner(wl: Workload, fraction: float, budget_bytes: int, n_trials: int, w
     folder = workdir / f"{wl.name}-{round(fraction * 100)}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "recipe.yaml"
-    path.write_text(yaml.safe_dump(_recipe_dict(wl, budget_bytes, n_trials, f"compare-{folder.name}"), sort_keys=False))
+    recipe_dict = _recipe_dict(wl, budget_bytes, n_trials, f"compare-{folder.name}", modes, compile_search)
+    path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
     recipe = recipe_mod.load(path)
     started = dt.datetime.now()
     t0 = time.perf_counter()
@@ -429,13 +452,14 @@ def run_workload(
     from tuner.profile import profile_model
 
     t = time.perf_counter()
-    profile = profile_model(_model(wl), _batch(wl), modes=list(MODES), repeats=args.profile_repeats)
+    modes = [*MODES, *(FAMILY_MODES if args.families else ())]
+    profile = profile_model(_model(wl), _batch(wl), modes=modes, repeats=args.profile_repeats)
     profile_s = time.perf_counter() - t
     planner = Planner(profile)
     planned: dict[float, Config | str] = {}
     for f, b in budgets.items():
         try:
-            plan = planner.solve(b, modes=list(MODES))
+            plan = planner.solve(b, modes=modes)
             planned[f] = policy_cfg(f"planner {plan.short()}", plan.policy)
         except BudgetError as err:
             planned[f] = f"nothing predicted to fit: {err}"
@@ -444,7 +468,8 @@ def run_workload(
     tuned_cfg: dict[float, Config] = {}
     for f, b in budgets.items():
         log(f"  tuner at {f:.0%} ({b / 2**20:.2f} MiB), {args.trials} trials ...")
-        tr = run_tuner(wl, f, b, args.trials, workdir)
+        compile_search = wl.name in args.compile_search or "all" in args.compile_search
+        tr = run_tuner(wl, f, b, args.trials, workdir, modes, compile_search)
         tuned[f] = tr
         if tr.policy is not None:
             tuned_cfg[f] = policy_cfg(f"tuned {tr.policy.short(names)}", tr.policy)
@@ -680,21 +705,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="workloads that run torch.compile (default: the first one in full and quick runs; 'all')",
     )
+    parser.add_argument(
+        "--compile-search",
+        nargs="*",
+        default=None,
+        help="workloads whose tuner searches compile: [false, true] (default: the first one in full runs; 'all')",
+    )
+    parser.add_argument(
+        "--families",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan and tune over the save-list families too (default: on, off for --smoke, which CI runs)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.02, help="noise allowed before a row counts as slower")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--plots", type=Path, default=None, help="plot folder (default docs/)")
     args = parser.parse_args(argv)
 
     if args.smoke:
-        workloads, defaults = SMOKE_WORKLOADS, dict(budgets=[0.7], rounds=1, steps=1, trials=2, compile=[])
+        workloads, defaults = (
+            SMOKE_WORKLOADS,
+            dict(budgets=[0.7], rounds=1, steps=1, trials=2, compile=[], compile_search=[], families=False),
+        )
         tag = "smoke"
     elif args.quick:
-        workloads, defaults = QUICK_WORKLOADS, dict(budgets=list(BUDGETS), rounds=3, steps=2, trials=4, compile=[])
+        workloads, defaults = (
+            QUICK_WORKLOADS,
+            dict(budgets=list(BUDGETS), rounds=3, steps=2, trials=4, compile=[], compile_search=[], families=True),
+        )
         tag = "quick"
     else:
         workloads, defaults = (
             FULL_WORKLOADS,
-            dict(budgets=list(BUDGETS), rounds=5, steps=3, trials=5, compile=[FULL_WORKLOADS[0].name]),
+            dict(
+                budgets=list(BUDGETS),
+                rounds=5,
+                steps=3,
+                trials=5,
+                compile=[FULL_WORKLOADS[0].name],
+                compile_search=[FULL_WORKLOADS[0].name],
+                families=True,
+            ),
         )
         tag = ""
     if args.workloads:
@@ -706,6 +757,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.steps = args.steps or defaults["steps"]
     args.trials = args.trials or defaults["trials"]
     args.compile_workloads = defaults["compile"] if args.compile_workloads is None else args.compile_workloads
+    args.compile_search = defaults["compile_search"] if args.compile_search is None else args.compile_search
+    args.families = defaults["families"] if args.families is None else args.families
 
     # One thread: on a shared 2-core machine two threads fight other jobs and step times triple;
     # the tuner's trials run with OMP_NUM_THREADS=1 too (see _recipe_dict).
@@ -746,6 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": (
             f"budgets {args.budgets}, rounds {args.rounds} x {args.steps} steps (+1 re-warm step per visit), "
             f"tuner trials {args.trials} per budget (1 warm-up + 3 measured steps each, margin 0), "
+            f"save-list families {'on' if args.families else 'off'}, compile searched on "
+            f"{', '.join(args.compile_search) or 'no workload'}, "
             f"1 torch thread, total {time.perf_counter() - started:.0f} s"
         ),
         "sac_ilp": sac_ilp_error,

@@ -31,9 +31,15 @@ from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 from lightning_recompute.sources import as_policy
 
-__all__ = ["AppliedPolicy", "applied_policy", "apply_policy", "remove_policy"]
+__all__ = ["COMPILED_ATOL", "COMPILED_RTOL", "AppliedPolicy", "applied_policy", "apply_policy", "remove_policy"]
 
 _STATE_ATTR = "_lightning_recompute_applied"
+_COMPILED_ATTR = "_lightning_recompute_compiled"
+
+COMPILED_RTOL, COMPILED_ATOL = 1e-4, 1e-5
+"""How far gradients of compiled layers (``compile: true``) may be from eager without recompute, per
+tensor as `torch.testing.assert_close` reads ``rtol``/``atol``: inductor reorders and fuses float
+operations, so compiled numerics are close, not bitwise (the README states the measured figures)."""
 
 
 @dataclass(frozen=True)
@@ -183,9 +189,13 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
     remove_policy(model)
     found = find_layers(model, layers)
     modes = policy.resolve([name for name, _ in found])
-    selective_fn = None
-    if Mode.SELECTIVE in modes.values():
-        selective_fn = selective_context_fn(resolve_save_ops(policy.selective_save))
+    # One context function per save list in use (the global one and each family), shared by its layers.
+    selective_fns: dict[str | None, Callable[[], Any]] = {}
+    for name, mode in modes.items():
+        family = policy.family_for(name) if mode is Mode.SELECTIVE else None
+        if mode is Mode.SELECTIVE and family not in selective_fns:
+            save = resolve_save_ops(policy.selective_save, family=family, where=f"layers.{name}")
+            selective_fns[family] = selective_context_fn(save)
     notice = _OffloadNotice()
     for name, module in found:
         mode = modes[name]
@@ -196,10 +206,12 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
             module,
             mode,
             previous=previous,
-            context_fn=selective_fn if mode is Mode.SELECTIVE else None,
+            context_fn=selective_fns[policy.family_for(name)] if mode is Mode.SELECTIVE else None,
             offload_notice=notice,
             cache_args=CacheArguments.of(previous or type(module).forward, bound=previous is not None),
         )
+    if policy.compile:
+        _compile_layers(found)
     applied = AppliedPolicy(policy=policy, modes=modes)
     model.__dict__[_STATE_ATTR] = applied
     return applied
@@ -208,6 +220,8 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
 def remove_policy(model: nn.Module) -> RecomputePolicy | None:
     """Take off whatever `apply_policy` put on ``model``; returns the policy that was applied, if any."""
     for module in model.modules():
+        if module.__dict__.pop(_COMPILED_ATTR, False):
+            module._compiled_call_impl = None  # what nn.Module.compile set; the module runs eagerly again
         fwd = module.__dict__.get("forward")
         if isinstance(fwd, _RecomputedForward):
             if fwd.previous is not None:
@@ -216,6 +230,41 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
                 del module.__dict__["forward"]
     applied = model.__dict__.pop(_STATE_ATTR, None)
     return None if applied is None else applied.policy
+
+
+def _compile_layers(found: list[tuple[str, nn.Module]]) -> None:
+    """Compile each layer's call, around its recompute wrapper (torchtitan's ``apply_compile`` order).
+
+    Compiling the module's call, as ``nn.Module.compile`` does (not wrapping it in
+    ``torch.compile``'s ``OptimizedModule``, as torchtitan does), keeps module paths and
+    ``state_dict`` keys unchanged, like the rest of this module. The checkpoint inside is traced by
+    dynamo as its activation-checkpoint operator, so the recompute choice (and a selective save
+    list) holds in the compiled graph. A layer the user compiled already is left as it is.
+    """
+    for _, module in found:
+        if getattr(module, "_compiled_call_impl", None) is None:
+            module._compiled_call_impl = _CompiledCall(module)
+            module.__dict__[_COMPILED_ATTR] = True
+
+
+class _CompiledCall:
+    """A layer's compiled call (what ``nn.Module.compile`` installs), run eagerly under a dispatch mode.
+
+    Not ``nn.Module.compile`` itself: dynamo, called while a ``TorchDispatchMode`` is active (the
+    CPU memory ledger, ``FlopCounterMode``), runs the frame eagerly *and remembers to skip it*, so
+    a model first stepped under the ledger would never compile. Deciding here, before dynamo sees
+    the call, keeps metered steps eager and every other step compiled.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.eager = module._call_impl
+        self.compiled = torch.compile(module._call_impl)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # torch has no public query of the dispatch-mode stack; this is what its own modes consult.
+        if torch._C._len_torch_dispatch_stack() > 0:
+            return self.eager(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
 
 def _refuse_foreign_checkpointing(model: nn.Module) -> None:

@@ -9,6 +9,7 @@ entry that matches a layer decides its mode, and a layer no entry matches keeps 
       blocks.0: none
       "blocks.[1-3]": selective
       "blocks.*": full
+      "blocks.8": selective:attn   # selective with its own save list (a family, see below)
     selective:
       save: [aten.mm, aten.addmm]
     tuned_for:                     # optional: what the tuner measured it at (`TunedFor`)
@@ -17,6 +18,14 @@ entry that matches a layer decides its mode, and a layer no entry matches keeps 
       limit_bytes: 47815065
 
 A file without ``tuned_for`` is as valid as one with it; applying a policy never reads it.
+
+A layer's mode may be ``selective:<family>``: selective recomputation with one of the named save
+lists of `lightning_recompute.selective.SAVE_FAMILIES` instead of ``selective.save``. Files without
+such a mode read, compare and fingerprint exactly as before families existed.
+
+``compile: true`` also compiles each layer with `torch.compile` (per block, after its recompute
+wrapper: torchtitan's order). A file without the key (or with ``false``) does not compile, and
+its fingerprint is what it was before the key existed.
 """
 
 from __future__ import annotations
@@ -59,6 +68,24 @@ class Mode(str, enum.Enum):
         return self.value
 
     @classmethod
+    def parse_choice(cls, value: Any, *, where: str) -> tuple[Mode, str | None]:
+        """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``).
+
+        The family's name is checked against `lightning_recompute.selective.SAVE_FAMILIES` by
+        `RecomputePolicy`, which imports torch only when a policy uses one.
+        """
+        if isinstance(value, str) and ":" in value:
+            base, _, family = value.strip().partition(":")
+            mode = cls.parse(base, where=where)
+            if mode is not Mode.SELECTIVE or not family.strip():
+                raise PolicyError(
+                    f"{where}: {clip(repr(value))}: only selective takes a save-list family, written "
+                    f"selective:<family> (e.g. selective:attn)"
+                )
+            return mode, family.strip()
+        return cls.parse(value, where=where), None
+
+    @classmethod
     def parse(cls, value: Any, *, where: str) -> Mode:
         """The mode named by ``value``; a `PolicyError` naming ``where`` and the valid modes otherwise."""
         if isinstance(value, Mode):
@@ -72,7 +99,7 @@ class Mode(str, enum.Enum):
         raise PolicyError(f"{where}: unknown mode {clip(repr(value))}; valid modes are: {valid}")
 
 
-_TOP_LEVEL_KEYS = ("version", "layers", "selective", "tuned_for")
+_TOP_LEVEL_KEYS = ("version", "layers", "selective", "compile", "tuned_for")
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,14 @@ class RecomputePolicy:
     selective_save: tuple[str, ...] | None = None
     """Ops whose outputs ``selective`` keeps (``aten.mm`` style names); ``None`` means the default
     list of `lightning_recompute.selective.DEFAULT_SAVE_OPS`."""
+    families: tuple[tuple[str, str], ...] = ()
+    """``(pattern, family)`` for the ``layers`` entries in mode ``selective:<family>``: those layers
+    save the ops of `lightning_recompute.selective.SAVE_FAMILIES` ``[family]`` instead of
+    ``selective_save``. Filled from modes written ``selective:<family>`` in ``layers``."""
+    compile: bool = False
+    """Whether `apply_policy` also compiles every layer (``nn.Module.compile``, one block at a time,
+    around the layer's recompute wrapper). Numerics are then equal to eager within float
+    reordering, not bitwise (see the README)."""
     version: int = field(default=POLICY_VERSION)
     """File format version; only ``1`` exists."""
     tuned_for: TunedFor | None = field(default=None, compare=False)
@@ -103,14 +138,19 @@ class RecomputePolicy:
                 f"version: unsupported policy version {clip(repr(self.version))}; valid: {POLICY_VERSION}"
             )
         layers = []
+        families = dict(self.families)
         for i, entry in enumerate(self.layers):
             if not (isinstance(entry, tuple) and len(entry) == 2):
                 raise PolicyError(f"layers[{i}]: expected a (pattern, mode) pair, got {clip(repr(entry))}")
             pattern, mode = entry
             if not isinstance(pattern, str) or not pattern.strip():
                 raise PolicyError(f"layers[{i}]: a layer pattern must be a non-empty string, got {clip(repr(pattern))}")
-            layers.append((pattern, Mode.parse(mode, where=f"layers.{clip(pattern)}")))
+            parsed, family = Mode.parse_choice(mode, where=f"layers.{clip(pattern)}")
+            if family is not None:
+                families.setdefault(pattern, family)
+            layers.append((pattern, parsed))
         object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "families", self._check_families(families))
         if self.selective_save is not None:
             # Imported here: selective imports torch, policy files are read by tools that need not.
             from lightning_recompute.selective import resolve_save_ops
@@ -118,23 +158,50 @@ class RecomputePolicy:
             names = tuple(self.selective_save)
             resolve_save_ops(names, where="selective.save")  # validates; raises PolicyError
             object.__setattr__(self, "selective_save", names)
+        if not isinstance(self.compile, bool):
+            raise PolicyError(f"compile: must be true or false, got {clip(repr(self.compile))}")
         if self.tuned_for is not None and not isinstance(self.tuned_for, TunedFor):
             raise PolicyError(f"tuned_for: expected a TunedFor, got {type(self.tuned_for).__name__}")
+
+    def _check_families(self, families: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+        """``families`` in layer order; a `PolicyError` for a family on a non-selective entry or an unknown name."""
+        if not families:
+            return ()
+        modes = dict(reversed(self.layers))  # the first entry of a pattern decides it
+        for pattern in families:
+            if modes.get(pattern) is not Mode.SELECTIVE:
+                raise PolicyError(
+                    f"layers.{clip(pattern)}: a save-list family needs mode selective, the entry's mode is "
+                    f"{modes[pattern].value if pattern in modes else 'missing (no such layers entry)'}"
+                )
+        from lightning_recompute.selective import SAVE_FAMILIES
+
+        for pattern, family in families.items():
+            if family not in SAVE_FAMILIES:
+                raise PolicyError(
+                    f"layers.{clip(pattern)}: unknown save-list family {clip(repr(family))}; valid families are: "
+                    f"{', '.join(SAVE_FAMILIES)}"
+                )
+        return tuple((p, families[p]) for p, _ in self.layers if p in families and p in modes)
 
     # ------------------------------------------------------------------ constructors
 
     @classmethod
     def uniform(cls, mode: Mode | str, pattern: str = "*", **kwargs: Any) -> RecomputePolicy:
         """Every layer (or every layer matching ``pattern``) in one mode."""
-        return cls(layers=((pattern, Mode.parse(mode, where="mode")),), **kwargs)
+        return cls.from_modes({pattern: mode}, **kwargs)
 
     @classmethod
     def from_modes(cls, modes: Mapping[str, Mode | str], **kwargs: Any) -> RecomputePolicy:
-        """One explicit entry per layer path, in the mapping's order."""
-        return cls(
-            layers=tuple((name, Mode.parse(m, where=f"layers.{clip(str(name))}")) for name, m in modes.items()),
-            **kwargs,
-        )
+        """One explicit entry per layer path, in the mapping's order (a mode may be ``selective:<family>``)."""
+        layers: list[tuple[str, Mode]] = []
+        families: list[tuple[str, str]] = []
+        for name, m in modes.items():
+            mode, family = Mode.parse_choice(m, where=f"layers.{clip(str(name))}")
+            layers.append((name, mode))
+            if family is not None:
+                families.append((name, family))
+        return cls(layers=tuple(layers), families=tuple(families), **kwargs)
 
     @classmethod
     def every_kth(
@@ -189,11 +256,15 @@ class RecomputePolicy:
                 f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}"
             )
         layers = []
+        families = []
         for pattern, mode in raw_layers.items():
             try:
-                layers.append((str(pattern), Mode.parse(mode, where=f"layers.{clip(str(pattern))}")))
+                parsed, family = Mode.parse_choice(mode, where=f"layers.{clip(str(pattern))}")
             except PolicyError as err:
                 raise PolicyError(f"{source}: {err}") from None
+            layers.append((str(pattern), parsed))
+            if family is not None:
+                families.append((str(pattern), family))
         save = None
         selective = data.get("selective")
         if selective is not None:
@@ -206,12 +277,17 @@ class RecomputePolicy:
                 raise PolicyError(
                     f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
                 )
+        compile_layers = data.get("compile", False)
+        if not isinstance(compile_layers, bool):
+            raise PolicyError(f"{source}: key 'compile' must be true or false, got {clip(repr(compile_layers))}")
         raw_tuned = data.get("tuned_for")
         tuned = None if raw_tuned is None else TunedFor.from_dict(raw_tuned, source=source)
         try:
             return cls(
                 layers=tuple(layers),
                 selective_save=None if save is None else tuple(str(s) for s in save),
+                families=tuple(families),
+                compile=compile_layers,
                 tuned_for=tuned,
             )
         except PolicyError as err:
@@ -244,9 +320,15 @@ class RecomputePolicy:
 
     def _behaviour_dict(self) -> dict[str, Any]:
         """What the policy does to a model: the file structure without ``tuned_for``."""
-        out: dict[str, Any] = {"version": self.version, "layers": {p: m.value for p, m in self.layers}}
+        families = dict(self.families)
+        out: dict[str, Any] = {
+            "version": self.version,
+            "layers": {p: _choice(m, families.get(p)) for p, m in self.layers},
+        }
         if self.selective_save is not None:
             out["selective"] = {"save": list(self.selective_save)}
+        if self.compile:
+            out["compile"] = True  # absent when false: files from before the key keep their fingerprint
         return out
 
     def with_tuned_for(self, tuned_for: TunedFor | None) -> RecomputePolicy:
@@ -290,6 +372,22 @@ class RecomputePolicy:
                 return mode
         return Mode.NONE
 
+    def family_for(self, layer: str) -> str | None:
+        """The save-list family of one layer path (``None``: not selective, or ``selective_save``'s list)."""
+        for pattern, _ in self.layers:
+            if _matches(pattern, layer):
+                return dict(self.families).get(pattern)
+        return None
+
+    def choice_for(self, layer: str) -> str:
+        """The mode of one layer path as the file writes it: ``full``, ``selective``, ``selective:attn``, ..."""
+        return _choice(self.mode_for(layer), self.family_for(layer))
+
+    def resolve_choices(self, layer_names: Sequence[str], *, source: str = "policy") -> dict[str, str]:
+        """`resolve`, with each mode written as `choice_for` writes it (family included)."""
+        self.resolve(layer_names, source=source)
+        return {name: self.choice_for(name) for name in layer_names}
+
     def resolve(self, layer_names: Sequence[str], *, source: str = "policy") -> dict[str, Mode]:
         """The mode of every layer; a `PolicyError` if some pattern matches no layer.
 
@@ -308,24 +406,47 @@ class RecomputePolicy:
     def describe(self, layer_names: Sequence[str] | None = None) -> str:
         """A readable table: per pattern, or per layer when ``layer_names`` is given."""
         if layer_names is None:
-            rows = [(p, m.value) for p, m in self.layers] or [("*", "none (no entries)")]
+            families = dict(self.families)
+            rows = [(p, _choice(m, families.get(p))) for p, m in self.layers] or [("*", "none (no entries)")]
             header = ("pattern", "mode")
         else:
-            rows = [(n, self.mode_for(n).value) for n in layer_names]
+            rows = [(n, self.choice_for(n)) for n in layer_names]
             header = ("layer", "mode")
         width = max(len(header[0]), *(len(r[0]) for r in rows))
         lines = [f"{header[0]:<{width}}  {header[1]}", f"{'-' * width}  {'-' * 9}"]
         lines += [f"{a:<{width}}  {b}" for a, b in rows]
         save = "default" if self.selective_save is None else ", ".join(self.selective_save)
-        lines.append(f"policy {self.fingerprint()}; selective saves: {save}")
+        lines.append(
+            f"policy {self.fingerprint()}; selective saves: {save}{'; layers compiled' if self.compile else ''}"
+        )
         if self.tuned_for is not None:
             lines.append(self.tuned_for.describe())
         return "\n".join(lines)
 
     def short(self, layer_names: Sequence[str]) -> str:
-        """One character per layer (``.`` none, ``s`` selective, ``F`` full, ``o`` offload), for logs."""
-        glyph = {Mode.NONE: ".", Mode.SELECTIVE: "s", Mode.FULL: "F", Mode.OFFLOAD: "o"}
-        return "".join(glyph[self.mode_for(n)] for n in layer_names)
+        """One character per layer (see `glyph`: ``.`` none, ``s`` selective, ``a``/``w``/``n`` the
+        save-list families attn/attn+wide/attn+narrow, ``F`` full, ``o`` offload), for logs."""
+        return "".join(glyph(self.choice_for(n)) for n in layer_names)
+
+
+_GLYPHS = {
+    "none": ".",
+    "selective": "s",
+    "full": "F",
+    "offload": "o",
+    "selective:attn": "a",
+    "selective:attn+wide": "w",
+    "selective:attn+narrow": "n",
+}
+
+
+def glyph(choice: str) -> str:
+    """One character for a layer's mode as `RecomputePolicy.choice_for` writes it (``?`` if it has none)."""
+    return _GLYPHS.get(choice, "?")
+
+
+def _choice(mode: Mode, family: str | None) -> str:
+    return mode.value if family is None else f"{mode.value}:{family}"
 
 
 PolicyLike = RecomputePolicy | Mapping[str, Any] | str | os.PathLike

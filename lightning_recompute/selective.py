@@ -7,6 +7,14 @@ attention kernels (expensive per byte) and recomputes everything elementwise or 
 sequence length that is cheap per byte: norms, activations, dropout, and in eager attention the
 score matmul, softmax and the probability-value product (Korthikanti et al. 2022's
 "selective activation recomputation").
+
+`SAVE_FAMILIES` names a few other save lists, which a policy gives a layer as
+``selective:<family>``: which ops are worth keeping depends on shapes (at long sequence the
+attention kernels dominate the recompute time; with wide MLPs the up-projections do), so the tuner
+profiles each family per layer and lets its planner choose. A save-list entry may qualify a weight
+matmul by its shape, ``aten.mm:wide`` (output wider than input: fused QKV, MLP up/gate) or
+``aten.mm:narrow`` (output no wider than input: attention output projection, MLP down, separate
+q/k/v projections), because op names alone cannot tell those GEMMs apart.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_recompute.errors import PolicyError
 
-__all__ = ["DEFAULT_SAVE_OPS", "resolve_save_ops", "selective_context_fn"]
+__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_ROLES", "SAVE_FAMILIES", "resolve_save_ops", "selective_context_fn"]
 
 DEFAULT_SAVE_OPS: tuple[str, ...] = (
     "aten.mm",
@@ -35,6 +43,36 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
 """Matmuls against weights and fused attention kernels. ``aten.bmm`` is deliberately absent: in
 eager attention it produces the (batch, heads, seq, seq) score and context tensors, which are
 the cheapest to recompute per byte kept."""
+
+
+_ATTENTION_KERNELS: tuple[str, ...] = DEFAULT_SAVE_OPS[2:]
+
+MATMUL_ROLES: tuple[str, ...] = ("wide", "narrow")
+"""Shape qualifiers of a weight matmul entry (``aten.mm:wide``): ``wide`` when the output has more
+features than the input (fused QKV, MLP up and gate projections), ``narrow`` otherwise (attention
+output projection, MLP down projection, separate q/k/v projections)."""
+
+_QUALIFIABLE = ("mm", "addmm")
+
+SAVE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "attn": _ATTENTION_KERNELS,
+    "attn+wide": (*_ATTENTION_KERNELS, "aten.mm:wide", "aten.addmm:wide"),
+    "attn+narrow": (*_ATTENTION_KERNELS, "aten.mm:narrow", "aten.addmm:narrow"),
+}
+"""Named save lists a layer can take as ``selective:<name>`` (plain ``selective`` is
+`DEFAULT_SAVE_OPS`: every weight matmul plus the attention kernels). Ordered by bytes kept:
+
+- ``attn``: only the fused attention kernels' outputs. Every GEMM, norm and activation is
+  recomputed; the least memory selective recomputation keeps, for the price of re-running the
+  layer's GEMMs. Pays off at long sequence, where attention is the expensive part to recompute.
+- ``attn+wide``: plus the widening GEMMs (fused QKV, MLP up/gate): keeps what attention and the
+  activation function consume, recomputes the output and down projections (GEMMs whose outputs
+  are the narrow ones).
+- ``attn+narrow``: plus the narrowing GEMMs (output and MLP down projections, separate q/k/v):
+  the outputs with the most FLOPs behind each byte kept; recomputes the wide GEMMs.
+
+In eager attention (the score matmul is an ``aten.bmm``) no family keeps the (seq x seq) scores;
+there ``attn`` keeps nothing of attention and the profile shows what each family is worth."""
 
 
 def _lookup(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload | None:
@@ -59,7 +97,13 @@ def _dropout_index(op: Any) -> int | None:
 @functools.lru_cache(maxsize=64)
 def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]:
     ops: set[Any] = set()
-    for name in names:
+    for entry in names:
+        name, _, role = entry.partition(":")
+        if role and (role not in MATMUL_ROLES or name.strip().split(".")[1:2] not in (["mm"], ["addmm"])):
+            raise PolicyError(
+                f"save-list entry {entry!r}: a ':' qualifier is only valid on aten.mm or aten.addmm, and is one of "
+                f"{', '.join(MATMUL_ROLES)} (e.g. aten.mm:wide)"
+            )
         op = _lookup(name)
         if op is None:
             if name in optional:
@@ -74,12 +118,25 @@ def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]
                 # Caching a random op would skip its RNG draw during recompute and shift the
                 # random stream of every later op: dropout would no longer match bit for bit.
                 raise PolicyError(f"op {name!r} draws random numbers and cannot be saved by selective recomputation")
-        ops.update(overloads)
+        ops.update((ov, role) if role else ov for ov in overloads)
     return frozenset(ops)
 
 
-def resolve_save_ops(names: Sequence[str] | None, *, where: str = "selective.save") -> frozenset[Any]:
-    """The `OpOverload` set named by ``names`` (``None``: the defaults); `PolicyError` on unknown names."""
+def resolve_save_ops(
+    names: Sequence[str] | None, *, where: str = "selective.save", family: str | None = None
+) -> frozenset[Any]:
+    """The ops named by ``names`` (``None``: the defaults) or by the save-list ``family``.
+
+    An element is an `OpOverload` (always saved) or an ``(OpOverload, role)`` pair (saved when the
+    matmul has that shape role, see `MATMUL_ROLES`). A `PolicyError` names an unknown op or family.
+    """
+    if family is not None:
+        if family not in SAVE_FAMILIES:
+            raise PolicyError(
+                f"{where}: unknown save-list family {family!r}; valid families are: {', '.join(SAVE_FAMILIES)}"
+            )
+        # Attention kernels a PyTorch build lacks are skipped, as in the default list.
+        return _resolve(SAVE_FAMILIES[family], frozenset(_ATTENTION_KERNELS))
     if names is None:
         return _resolve(DEFAULT_SAVE_OPS, frozenset(DEFAULT_SAVE_OPS))
     try:
@@ -107,9 +164,25 @@ def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, An
     skip its RNG draw in recomputation and change every later dropout mask.
     """
 
+    qualified = any(isinstance(e, tuple) for e in save_ops)
+
     def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op in save_ops and not _draws_random(op, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        if qualified and (op, _matmul_role(op, args)) in save_ops:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy_fn)
+
+
+def _matmul_role(op: Any, args: tuple[Any, ...]) -> str | None:
+    """``wide`` or ``narrow`` for ``mm(a, w)`` / ``addmm(bias, a, w)`` by ``w``'s (in, out) shape; else ``None``.
+
+    A function of shapes only, so the forward and its recomputation decide alike.
+    """
+    name = op.overloadpacket.__name__ if hasattr(op, "overloadpacket") else ""
+    if name not in _QUALIFIABLE:
+        return None
+    w = args[1] if name == "mm" else args[2]
+    return "wide" if w.shape[-1] > w.shape[-2] else "narrow"

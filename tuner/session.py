@@ -305,7 +305,9 @@ class _TuningSession:
         device, total = device_info(recipe)
         self.budget = recipe.budget.limit_bytes(total)
         layers = inspect_layers(recipe)
-        self.space = SearchSpace.for_layers(layers, recipe.search.modes, recipe.search.micro_batch_sizes)
+        self.space = SearchSpace.for_layers(
+            layers, recipe.search.modes, recipe.search.micro_batch_sizes, recipe.search.compile
+        )
         self.device = device
         self.name = study_name(recipe, device)
         self.notify(f"recipe {recipe.name}: {len(layers)} layers on {device}; budget {recipe.budget.describe(total)}")

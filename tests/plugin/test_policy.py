@@ -90,7 +90,7 @@ def _write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
         (
             "version: 1\nlayer: {h.0: full}\n",
             r"policy\.yaml: unknown key\(s\) \['layer'\]; "
-            r"valid keys are \['version', 'layers', 'selective', 'tuned_for'\]",
+            r"valid keys are \['version', 'layers', 'selective', 'compile', 'tuned_for'\]",
         ),
         ("version: 1\nlayers: [full]\n", r"policy\.yaml: key 'layers' must map layer paths"),
         ("", r"policy\.yaml: policy file is empty"),

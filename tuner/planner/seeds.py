@@ -79,6 +79,10 @@ def planner_seeds(
             notes.append(f"planner: nothing fits at micro-batch {mb if mb is not None else 'default'}: {err}")
             continue
         seeds.append(Seed(f"planner:budget{at}", dict(pick.modes), mb))
+        if space.compile_searched:
+            # The planner predicts eager steps only (compiling every mode's blocks to profile them
+            # would cost a compilation each); compile is measured by trials, starting here.
+            seeds.append(Seed(f"planner:budget{at}+compile", dict(pick.modes), mb, compile=True))
         # Fitting points of the front other than the pick, evenly over it: alternatives the
         # prediction error could reorder.
         front = [p for p in planner.pareto_front(list(modes), micro_batch=mb) if p.peak_bytes <= budget_bytes]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
+from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, glyph
 from lightning_recompute.sources import as_policy
 from tuner.profile import ALL_MODES, Profile, SegmentCost
 from tuner.profile.model import ZERO_GRAD_SEGMENT
@@ -120,9 +120,9 @@ class PlannedPolicy:
         return self.prediction.step_time_s
 
     def short(self) -> str:
-        """One character per layer: ``.`` none, ``s`` selective, ``F`` full, ``o`` offload."""
-        glyph = {"none": ".", "selective": "s", "full": "F", "offload": "o"}
-        return "".join(glyph[m] for m in self.modes.values())
+        """One character per layer (`lightning_recompute.policy.glyph`): ``.`` none, ``s`` selective,
+        ``a``/``w``/``n`` selective:attn/attn+wide/attn+narrow, ``F`` full, ``o`` offload."""
+        return "".join(glyph(m) for m in self.modes.values())
 
 
 @dataclass
@@ -330,8 +330,8 @@ class Planner:
     def _resolve(self, policy: PolicyLike | Mapping[str, str]) -> list[str]:
         if isinstance(policy, Mapping) and "version" not in policy:
             policy = RecomputePolicy.from_modes(policy)
-        resolved = as_policy(policy).resolve(self.names)
-        modes = [resolved[n].value for n in self.names]
+        resolved = as_policy(policy).resolve_choices(self.names)
+        modes = [resolved[n] for n in self.names]
         missing = sorted({m for m in modes if m not in self.profile.modes})
         if missing:
             raise PlannerError(

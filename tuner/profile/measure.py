@@ -18,7 +18,7 @@ from lightning_recompute import RecomputePolicy, applied_policy, apply_policy, f
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.meter import StorageMeter, memory_meter
 from lightning_recompute.policy import Mode
-from tuner.profile.model import ALL_MODES, LayerProfile, Profile, ProfileError, SegmentCost
+from tuner.profile.model import ALL_MODES, BASE_MODES, LayerProfile, Profile, ProfileError, SegmentCost
 from tuner.profile.recorder import _Event, _Recorder, _TrafficMode
 
 # --------------------------------------------------------------------------- the step
@@ -205,13 +205,13 @@ def _batch_size(batch: Any) -> int:
 
 def _check_modes(modes: Sequence[str] | None, device: torch.device) -> list[str]:
     if modes is None:
-        return list(ALL_MODES)
+        return list(BASE_MODES)
     out = []
     for m in modes:
-        try:
-            out.append(Mode(str(m).strip().lower()).value)
-        except ValueError:
-            raise ProfileError(f"modes: unknown mode {m!r}; valid modes are: {', '.join(ALL_MODES)}") from None
+        name = m.value if isinstance(m, Mode) else str(m).strip().lower()
+        if name not in ALL_MODES:
+            raise ProfileError(f"modes: unknown mode {m!r}; valid modes are: {', '.join(ALL_MODES)}")
+        out.append(name)
     if not out:
         raise ProfileError(f"modes: empty; valid modes are: {', '.join(ALL_MODES)}")
     if Mode.NONE.value not in out:

@@ -11,9 +11,15 @@ import torch
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import Mode
+from lightning_recompute.selective import SAVE_FAMILIES
 from tuner.units import format_bytes
 
-ALL_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+BASE_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+"""The plugin's modes; what a profile measures when not told which modes."""
+FAMILY_MODES: tuple[str, ...] = tuple(f"{Mode.SELECTIVE.value}:{f}" for f in SAVE_FAMILIES)
+"""``selective:<family>`` for every save-list family: more modes per layer, profiled when asked for."""
+ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES
+"""Every mode a profile can hold, in the planner's canonical order (it breaks ties)."""
 PROFILE_VERSION = 1
 ZERO_GRAD_SEGMENT = "loss->zero_grad"
 """The fixed segment that is Lightning's ``optimizer.zero_grad()`` alone (after ``training_step``, before

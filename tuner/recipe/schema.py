@@ -275,10 +275,30 @@ def _budget_shorthand(value: Any) -> Any:
 class SearchSettings:
     """How the Optuna study searches."""
 
-    modes: tuple[Literal["none", "selective", "full", "offload"], ...] = Field(
+    modes: tuple[
+        Literal[
+            "none",
+            "selective",
+            "full",
+            "offload",
+            "selective:attn",
+            "selective:attn+wide",
+            "selective:attn+narrow",
+        ],
+        ...,
+    ] = Field(
         default=("none", "selective", "full"),
         min_length=1,
-        description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only.",
+        description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only. "
+        "'selective:<family>' is selective recomputation with a named save list "
+        "(lightning_recompute.selective.SAVE_FAMILIES): attn, attn+wide, attn+narrow.",
+    )
+    compile: tuple[bool, ...] = Field(
+        default=(False,),
+        min_length=1,
+        description="Whether trials torch.compile each layer (per block, around its recompute wrapper): "
+        "[false, true] searches both. The planner predicts eager steps; trials measure compiled ones, "
+        "compilation warmed up outside the timed steps.",
     )
     n_trials: _PositiveInt = Field(default=20, description="Trials to run (planner-skipped candidates do not count).")
     timeout_s: float | None = Field(default=None, gt=0, description="Stop starting new trials after this many seconds.")
@@ -496,6 +516,8 @@ class Recipe:
             k: v for k, v in d["trainer"].items() if (k, v) not in (("num_nodes", 1), ("strategy", "auto"))
         }
         keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
+        if list(d["search"]["compile"]) != [False]:
+            keep["search"]["compile"] = d["search"]["compile"]  # only then: older recipes keep their fingerprint
         canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -28,6 +28,8 @@ class Seed:
     """Per-layer modes."""
     micro_batch: int | None = None
     """Micro-batch size (``None``: the first searched, or the data module's own)."""
+    compile: bool | None = None
+    """Whether the layers are compiled (``None``: the first choice of ``search.compile``)."""
 
 
 BASELINES = ("none", "full", "selective", "every_2nd_full")

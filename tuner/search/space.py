@@ -33,7 +33,16 @@ PLACEMENTS = ("first", "last", "spread")
 
 # Memory saved per layer, weakest first: the mode left on the layers no count claims ("fill") is the
 # weakest mode searched, and placement hands out positions to the strongest first.
-_STRENGTH = (Mode.NONE.value, Mode.SELECTIVE.value, Mode.OFFLOAD.value, Mode.FULL.value)
+# Save-list families sit between selective (which keeps every matmul) and offload, by bytes kept.
+_STRENGTH = (
+    Mode.NONE.value,
+    Mode.SELECTIVE.value,
+    "selective:attn+wide",
+    "selective:attn+narrow",
+    "selective:attn",
+    Mode.OFFLOAD.value,
+    Mode.FULL.value,
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,9 @@ class SearchSpace:
     """Whether the space is counts + placement (alike layers) rather than one choice per layer."""
     micro_batches: tuple[int, ...] | None = None
     """Micro-batch sizes searched; ``None`` keeps the data module's own."""
+    compile_choices: tuple[bool, ...] = (False,)
+    """Whether the policy compiles its layers (``RecomputePolicy.compile``): the recipe's
+    ``search.compile``; a ``compile`` parameter when both are searched."""
 
     def __post_init__(self) -> None:
         if not self.layer_names:
@@ -110,7 +122,11 @@ class SearchSpace:
 
     @classmethod
     def for_layers(
-        cls, layers: Sequence[LayerInfo], modes: Sequence[str], micro_batches: Sequence[int] | None = None
+        cls,
+        layers: Sequence[LayerInfo],
+        modes: Sequence[str],
+        micro_batches: Sequence[int] | None = None,
+        compile_choices: Sequence[bool] = (False,),
     ) -> SearchSpace:
         """Grouped when there are several layers and all are of one kind; per-layer otherwise."""
         alike = len(layers) > 1 and len({layer.kind for layer in layers}) == 1
@@ -119,7 +135,13 @@ class SearchSpace:
             modes=tuple(dict.fromkeys(modes)),
             grouped=alike,
             micro_batches=tuple(micro_batches) if micro_batches else None,
+            compile_choices=tuple(dict.fromkeys(bool(c) for c in compile_choices)) or (False,),
         )
+
+    @property
+    def compile_searched(self) -> bool:
+        """Whether the study has a ``compile`` parameter (both choices searched)."""
+        return len(self.compile_choices) > 1
 
     # -------------------------------------------------------------- structure
 
@@ -143,6 +165,10 @@ class SearchSpace:
         mb = (
             f"; micro_batch in {list(self.micro_batches)}" if self.micro_batches and len(self.micro_batches) > 1 else ""
         )
+        if self.compile_searched:
+            mb += "; compile in [false, true]"
+        elif self.compile_choices[0]:
+            mb += "; layers compiled"
         if self.grouped:
             counts = ", ".join(f"n_{m}" for m in self.counted_modes)
             if not counts:
@@ -163,25 +189,35 @@ class SearchSpace:
                 dists[f"layer.{name}"] = CategoricalDistribution(self.modes)
         if self.micro_batches and len(self.micro_batches) > 1:
             dists["micro_batch"] = CategoricalDistribution(self.micro_batches)
+        if self.compile_searched:
+            dists["compile"] = CategoricalDistribution(self.compile_choices)
         return dists
 
     def signature(self) -> dict[str, Any]:
         """What a study created for this space records, to refuse resuming it with another space."""
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "layers": list(self.layer_names),
             "modes": list(self.modes),
             "micro_batches": list(self.micro_batches or ()),
         }
+        if self.compile_choices != (False,):
+            # Only when compile is in play: a study created before the dimension existed still joins.
+            out["compile"] = list(self.compile_choices)
+        return out
 
     # -------------------------------------------------------------- params <-> policy
 
-    def policy(self, modes: Mapping[str, str]) -> RecomputePolicy:
+    def policy(self, modes: Mapping[str, str], compile_layers: bool = False) -> RecomputePolicy:
         """The canonical policy of a per-layer mode map: one explicit entry per layer, in model order.
 
         Every policy the tuner builds goes through here, so equal decisions have equal fingerprints.
         """
-        return RecomputePolicy.from_modes({name: str(modes[name]) for name in self.layer_names})
+        return RecomputePolicy.from_modes({name: str(modes[name]) for name in self.layer_names}, compile=compile_layers)
+
+    def compiles(self, params: Mapping[str, Any]) -> bool:
+        """Whether a parameter set compiles the layers."""
+        return bool(params.get("compile", self.compile_choices[0]))
 
     def micro_batch(self, params: Mapping[str, Any]) -> int | None:
         """The micro-batch size a parameter set asks for (``None``: the data module's own)."""
@@ -213,17 +249,21 @@ class SearchSpace:
 
     def decode(self, params: Mapping[str, Any]) -> tuple[RecomputePolicy, int | None]:
         """The policy and micro-batch size of a parameter set."""
-        return self.policy(self.modes_of(params)), self.micro_batch(params)
+        return self.policy(self.modes_of(params), self.compiles(params)), self.micro_batch(params)
 
-    def encode(self, modes: Mapping[str, str], micro_batch: int | None = None) -> dict[str, Any] | None:
+    def encode(
+        self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
+    ) -> dict[str, Any] | None:
         """Parameters that `decode` to exactly ``modes`` (and ``micro_batch``); ``None`` if the space has none.
 
         A grouped space cannot express every arrangement (e.g. ``F.sF``); the caller decides what
-        to do with such a policy (see `nearest`).
+        to do with such a policy (see `nearest`). ``compile_layers`` ``None`` is the first choice searched.
         """
         if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
             return None
-        params: dict[str, Any] = {}
+        params = self._compile_param(compile_layers)
+        if params is None:
+            return None
         if self.micro_batches and len(self.micro_batches) > 1:
             mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
             if mb not in self.micro_batches:
@@ -243,19 +283,32 @@ class SearchSpace:
                 return candidate
         return None
 
-    def nearest(self, modes: Mapping[str, str], micro_batch: int | None = None) -> dict[str, Any] | None:
+    def _compile_param(self, compile_layers: bool | None) -> dict[str, Any] | None:
+        """``{"compile": ...}`` when searched, ``{}`` when not, ``None`` when the choice is outside the space."""
+        if compile_layers is None:
+            compile_layers = self.compile_choices[0]
+        if compile_layers not in self.compile_choices:
+            return None
+        return {"compile": compile_layers} if self.compile_searched else {}
+
+    def nearest(
+        self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
+    ) -> dict[str, Any] | None:
         """`encode`, or in a grouped space the same per-mode counts placed first.
 
         Alike layers cost alike, so a planner's choice is mostly in its counts; keeping those
         keeps its predicted memory and time, whatever the arrangement.
         """
-        exact = self.encode(modes, micro_batch)
+        exact = self.encode(modes, micro_batch, compile_layers)
         if exact is not None or not self.grouped:
             return exact
         if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
             return None
+        compile_param = self._compile_param(compile_layers)
+        if compile_param is None:
+            return None
         counts = {f"n_{m}": sum(1 for v in modes.values() if str(v) == m) for m in self.counted_modes}
-        params = {**counts, "placement": "first"}
+        params = {**counts, "placement": "first", **compile_param}
         if self.micro_batches and len(self.micro_batches) > 1:
             mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
             if mb not in self.micro_batches:

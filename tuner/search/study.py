@@ -343,7 +343,7 @@ class TuningStudy:
         }
         enqueued = []
         for s in seeds:
-            params = self.space.nearest(s.modes, s.micro_batch)
+            params = self.space.nearest(s.modes, s.micro_batch, s.compile)
             if params is None:
                 _log.info(
                     "seed %s is outside the search space (modes %s); not enqueued",

@@ -15,6 +15,8 @@ __all__ = [
     "BEST_JSON",
     "BEST_POLICY_YAML",
     "BEST_RUN",
+    "COMPILE_PARAM",
+    "COMPILE_SECONDS_METRIC",
     "DECISION",
     "DECISION_SEQ",
     "DEVICE",
@@ -113,6 +115,8 @@ STUDY_NAME_PARAM = "study_name"
 TRIAL_NUMBER_PARAM = "trial_number"
 MICRO_BATCH_PARAM = "micro_batch"
 POLICY_FINGERPRINT_PARAM = "policy_fingerprint"
+COMPILE_PARAM = "compile"
+"""``true`` when the trial's policy compiles its layers (``RecomputePolicy.compile``); logged only then."""
 # Also: one ``layer.<path>`` param per layer (its mode), and ``recipe.<key>`` per recipe setting.
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -125,6 +129,11 @@ def rank_peak_metric(rank: int) -> str:
     """The metric holding rank ``rank``'s measured peak: ``measured_peak_bytes_rank0``, ..."""
     return f"{RANK_PEAK_METRIC}{rank}"
 
+
+COMPILE_SECONDS_METRIC = "compile_s"
+"""Seconds torch.compile spent compiling a trial's layers (dynamo + inductor, forward and backward),
+spent in warm-up steps outside the timed ones; logged only for trials that compile."""
+# Also: ``measured_*`` and ``predicted_*`` per figure, ``wall_s``, ``step_time_s`` per step.
 
 # ---------------------------------------------------------------------------------------------- artifacts
 

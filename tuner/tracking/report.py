@@ -31,7 +31,7 @@ def _result_dict(result: TrialResult) -> dict[str, Any]:
 def _modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
     """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
     if layer_names:
-        return {name: policy.mode_for(name).value for name in layer_names}
+        return {name: policy.choice_for(name) for name in layer_names}
     return {pattern: mode.value for pattern, mode in policy.layers}
 
 

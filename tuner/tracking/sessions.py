@@ -34,6 +34,8 @@ from tuner.tracking.names import (
     BEST_JSON,
     BEST_POLICY_YAML,
     BEST_RUN,
+    COMPILE_PARAM,
+    COMPILE_SECONDS_METRIC,
     DEVICE,
     ERROR,
     EVIDENCE_JSON,
@@ -521,7 +523,11 @@ class SessionLog(TrackingClient):
                 Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
                 *(Param(k, v) for k, v in extra_params.items()),
             ]
+            if policy.compile:
+                params.append(Param(COMPILE_PARAM, "true"))
             metrics: dict[str, float] = {}
+            if _finite(r.get("compile_s")) is not None:
+                metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
             for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
                 v = _finite(r.get(key))
                 if v is not None:

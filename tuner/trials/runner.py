@@ -92,6 +92,9 @@ class TrialResult:
     """Every measured step's seconds, in order."""
     wall_s: float = 0.0
     """Seconds the whole subprocess took, startup included."""
+    compile_s: float | None = None
+    """Seconds torch.compile spent on the policy's layers (in warm-up, outside the timed steps);
+    ``None`` when the policy does not compile."""
     error: str | None = None
     """One line saying what went wrong (``None`` for ``ok``)."""
     stderr_tail: str | None = None
@@ -590,6 +593,7 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
         device=str(res.get("device", "")),
         device_total_bytes=res.get("device_total_bytes"),
         rank_peak_bytes=tuple(int(v) for v in res.get("rank_peak_bytes", ())),
+        compile_s=res.get("compile_s"),
         **stats,
     )
 

@@ -155,6 +155,14 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         # the steady one) and time the measured steps with the meter off.
         memory_steps = range(warmup + 1)
         steps += 1
+    skipped = steps - measure  # steps before the timed ones
+    if policy.compile and memory_steps is not None:
+        # Dynamo runs a compiled layer eagerly while the CPU ledger's dispatch mode is on, so the
+        # metered steps above compile nothing: the first unmetered step would compile inside the
+        # timing. One more unmetered warm-up step compiles first.
+        steps += 1
+        skipped += 1
+    compile_before = _compile_seconds() if policy.compile else None
 
     L.seed_everything(recipe.search.seed, verbose=False)
     model = build_model(recipe)
@@ -182,13 +190,28 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup}, measured {measure})")
     return {
         "outcome": "ok",
-        "warmup_steps": warmup,
+        "warmup_steps": skipped if policy.compile else warmup,
+        **({} if compile_before is None else {"compile_s": _compile_seconds() - compile_before}),
         "steps": [
             {"seconds": r.seconds, "peak_bytes": r.peak_bytes, "samples": r.samples, "tokens": r.tokens}
             for r in records
         ],
         **_device(recipe.trainer.accelerator),
     }
+
+
+def _compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (dynamo, AOTAutograd, inductor; forward and backward).
+
+    torch has no public counter of compile time; ``torch._dynamo.utils.calculate_time_spent`` is
+    what ``TORCH_LOGS`` prints from, and ``total_wall_time`` its sum of every compilation phase.
+    """
+    from torch._dynamo import utils as dynamo_utils
+
+    spent = dynamo_utils.calculate_time_spent()
+    if "total_wall_time" in spent:
+        return float(spent["total_wall_time"])
+    return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))
 
 
 def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -257,6 +280,15 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
     )
     if not differing:
         equal, detail = True, f"loss and all {n} parameter gradients bitwise equal {where}"
+    elif policy.compile and _all_close(base, pol):
+        from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
+
+        # Compiled layers reorder float operations: held to the plugin's stated tolerance, not bitwise.
+        equal = True
+        detail = (
+            f"max abs diff {diff:.3g} {where}, within the compiled-layer tolerance "
+            f"(rtol {COMPILED_RTOL:g}, atol {COMPILED_ATOL:g})"
+        )
     elif spread > 0 and not on_cpu and diff <= spread:
         # The kernels themselves are not reproducible here: the policy is held to their spread.
         equal = True
@@ -315,6 +347,23 @@ def _runs_that_fit(
                 raise
             skipped.append(k)
             k //= 2
+
+
+def _all_close(a: _Step, b: _Step) -> bool:
+    """Loss and every gradient of ``b`` within the compiled-layer tolerance of ``a``'s."""
+    import torch
+
+    from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
+
+    pairs = [(a[0], b[0]), *((ga, b[1].get(name)) for name, ga in a[1].items())]
+    for x, y in pairs:
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return False
+            continue
+        if x.shape != y.shape or not torch.allclose(y.float(), x.float(), rtol=COMPILED_RTOL, atol=COMPILED_ATOL):
+            return False
+    return True
 
 
 def _batch_size(batch: Any) -> int | None:
