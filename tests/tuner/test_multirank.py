@@ -158,9 +158,16 @@ def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
     presser = threading.Thread(target=press_ctrl_c, daemon=True)
-    presser.start()
-    with pytest.raises(KeyboardInterrupt):
-        run_trial(recipe, RecomputePolicy.uniform("none"))
+    # Python's own Ctrl-C handler for this test: code that ran earlier in this process (an earlier
+    # test's compile workers or Trainer) may have left another SIGINT handler installed, which would
+    # swallow the signal and let the trial run into its deadline instead of raising here.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        presser.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_trial(recipe, RecomputePolicy.uniform("none"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     presser.join(timeout=30)
     assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}
     assert _leftovers(recipe) == []

@@ -40,7 +40,7 @@ def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor]
 
     from lightning_recompute import RecomputeCallback
 
-    cb = RecomputeCallback(policy, memory_steps={1})
+    cb = RecomputeCallback(policy, memory_steps={1}, free_grads_at_batch_start=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -75,8 +75,14 @@ def test_the_profile_costs_each_family_per_layer_in_the_order_its_save_list_impl
 @pytest.mark.slow
 def test_the_planner_mixes_families_per_layer_and_predicts_their_peak(measured: Any) -> None:
     model, batch, prof = measured
-    planner = Planner(prof)
-    front = planner.pareto_front(MODES)
+    # In Lightning's order (the previous step's gradients alive through the forward) the forward's
+    # activations set the peak of this 3-layer model, which is where the families differ; freed at
+    # batch start, the peak moves to the backward and the front has too few points to show them.
+    planner = Planner(prof, free_grads_at_batch_start=False)
+    # Against `none` only: every family keeps fewer bytes than none, so the low-memory end of this
+    # front is made of families whatever the measured times (with selective and full also offered,
+    # a tiny model's timing noise can let full dominate them, and the test would test the clock).
+    front = planner.pareto_front(["none", *FAMILY_MODES])
     chosen = {m for p in front for m in p.modes.values()}
     assert chosen & set(FAMILY_MODES), f"no family on the Pareto front: {[p.short() for p in front]}"
     # A front point using a family: the prediction holds when measured, as for the other modes.
