@@ -158,9 +158,9 @@ def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
     presser = threading.Thread(target=press_ctrl_c, daemon=True)
-    # Python's own Ctrl-C handler for this test: code that ran earlier in this process (an earlier
-    # test's compile workers or Trainer) may have left another SIGINT handler installed, which would
-    # swallow the signal and let the trial run into its deadline instead of raising here.
+    # Python's own Ctrl-C handler for this test: Lightning's `_call_and_handle_interrupt` sets SIGINT
+    # to SIG_IGN when a fit in this process was interrupted and never restores it, so after such an
+    # earlier test the signal would be ignored and the trial would run into its deadline instead.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         presser.start()
