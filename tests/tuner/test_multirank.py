@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -144,35 +143,6 @@ def _await_marks(marks: Path, alive: Any = lambda: True, within_s: float = 180.0
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
-    """The tuner's wait ending early (Ctrl-C here; the deadline takes the same path) kills the group."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=300)
-    data["model"]["init_args"].update(marks=str(marks), how="hang", fail_rank=1)
-    recipe = from_dict(data)
-
-    def press_ctrl_c() -> None:
-        _await_marks(marks)  # both ranks are in their first step: rank 1 hangs, rank 0 waits for it
-        os.kill(os.getpid(), signal.SIGINT)
-
-    presser = threading.Thread(target=press_ctrl_c, daemon=True)
-    # Python's own Ctrl-C handler for this test: Lightning's `_call_and_handle_interrupt` sets SIGINT
-    # to SIG_IGN when a fit in this process was interrupted and never restores it, so after such an
-    # earlier test the signal would be ignored and the trial would run into its deadline instead.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        presser.start()
-        with pytest.raises(KeyboardInterrupt):
-            run_trial(recipe, RecomputePolicy.uniform("none"))
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    presser.join(timeout=30)
-    assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}
-    assert _leftovers(recipe) == []
-
-
 TUNER = """
 import sys
 from lightning_recompute.policy import RecomputePolicy
@@ -180,6 +150,42 @@ from tuner.recipe import load
 from tuner.trials import run_trial
 run_trial(load(sys.argv[1]), RecomputePolicy.uniform("none"))
 """
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
+    """The tuner's wait ending early (Ctrl-C here; the deadline takes the same path) kills the group.
+
+    The tuner is its own process, as in the SIGKILL test below: what earlier tests left in the
+    test process (signal handlers, launcher environment) cannot change what Ctrl-C does to it.
+    """
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=300)
+    data["model"]["init_args"].update(marks=str(marks), how="hang", fail_rank=1)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    recipe = load(path)
+    log = tmp_path / "tuner.stderr"  # a file, not a pipe nobody reads while the ranks start
+    with log.open("w", encoding="utf-8") as sink:
+        tuner = subprocess.Popen(
+            [sys.executable, "-c", TUNER, str(path)], cwd=REPO, stdin=subprocess.DEVNULL, stderr=sink
+        )
+    try:
+        # Both ranks are in their first step: rank 1 hangs, rank 0 waits for it in a collective.
+        _await_marks(marks, alive=lambda: tuner.poll() is None)
+        assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, tuner.poll()
+        tuner.send_signal(signal.SIGINT)
+        tuner.wait(timeout=60)
+        err = log.read_text(encoding="utf-8")
+        assert tuner.returncode != 0 and "KeyboardInterrupt" in err, (tuner.returncode, err[-2000:])
+        assert _leftovers(recipe) == []
+    finally:
+        if tuner.poll() is None:
+            tuner.kill()
+            tuner.wait(timeout=30)
+        for pid in _leftovers(recipe, within_s=0):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
