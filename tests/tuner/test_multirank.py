@@ -10,12 +10,14 @@ rank-merging rules themselves are checked on plain dictionaries.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +154,10 @@ run_trial(load(sys.argv[1]), RecomputePolicy.uniform("none"))
 """
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
-    """The tuner's wait ending early (Ctrl-C here; the deadline takes the same path) kills the group.
-
-    The tuner is its own process, as in the SIGKILL test below: what earlier tests left in the
-    test process (signal handlers, launcher environment) cannot change what Ctrl-C does to it.
-    """
+@contextlib.contextmanager
+def _tuner_with_a_hanging_rank(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Recipe, Path]]:
+    """A tuner process running one 2-rank DDP trial whose rank 1 hangs in its first step, once both
+    ranks are there; yields the tuner, the recipe and the tuner's stderr file. Kills whatever is left."""
     marks = tmp_path / "marks"
     marks.mkdir()
     data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=300)
@@ -175,11 +174,7 @@ def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
         # Both ranks are in their first step: rank 1 hangs, rank 0 waits for it in a collective.
         _await_marks(marks, alive=lambda: tuner.poll() is None)
         assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, tuner.poll()
-        tuner.send_signal(signal.SIGINT)
-        tuner.wait(timeout=60)
-        err = log.read_text(encoding="utf-8")
-        assert tuner.returncode != 0 and "KeyboardInterrupt" in err, (tuner.returncode, err[-2000:])
-        assert _leftovers(recipe) == []
+        yield tuner, recipe, log
     finally:
         if tuner.poll() is None:
             tuner.kill()
@@ -189,28 +184,27 @@ def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_ctrl_c_in_the_tuner_kills_every_rank(tmp_path: Path) -> None:
+    """The tuner's wait ending early (Ctrl-C here; the deadline takes the same path) kills the group.
+
+    The tuner is its own process, as in the SIGKILL test below: what earlier tests left in the
+    test process (signal handlers, launcher environment) cannot change what Ctrl-C does to it.
+    """
+    with _tuner_with_a_hanging_rank(tmp_path) as (tuner, recipe, log):
+        tuner.send_signal(signal.SIGINT)
+        tuner.wait(timeout=60)
+        err = log.read_text(encoding="utf-8")
+        assert tuner.returncode != 0 and "KeyboardInterrupt" in err, (tuner.returncode, err[-2000:])
+        assert _leftovers(recipe) == []
+
+
+@pytest.mark.slow
 def test_ranks_die_with_a_sigkilled_tuner(tmp_path: Path) -> None:
     """Rank 0 follows the tuner (PDEATHSIG), and ranks 1..N-1 follow rank 0, their parent."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    data = _recipe_dict(tmp_path, "ddp", "tests.tuner.multirank_models.OneRankFails", timeout_s=300)
-    data["model"]["init_args"].update(marks=str(marks), how="hang", fail_rank=1)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data), encoding="utf-8")
-    recipe = load(path)
-    tuner = subprocess.Popen([sys.executable, "-c", TUNER, str(path)], cwd=REPO, stdin=subprocess.DEVNULL)
-    try:
-        _await_marks(marks, alive=lambda: tuner.poll() is None)
-        assert {p.name for p in marks.iterdir()} == {"rank0.pid", "rank1.pid"}, tuner.poll()
+    with _tuner_with_a_hanging_rank(tmp_path) as (tuner, recipe, _):
         tuner.send_signal(signal.SIGKILL)
         tuner.wait(timeout=30)
         assert _leftovers(recipe) == []
-    finally:
-        if tuner.poll() is None:
-            tuner.kill()
-            tuner.wait(timeout=30)
-        for pid in _leftovers(recipe, within_s=0):
-            os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------- merging
