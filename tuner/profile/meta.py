@@ -3,7 +3,7 @@ estimated from FLOPs and memory traffic against `tuner.profile.hardware.HARDWARE
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
+from tuner.profile.extrapolate import profile_stack, stack_of
 from tuner.profile.hardware import HARDWARE
 from tuner.profile.measure import LossFn, _check_modes, _ProfilingRun
 from tuner.profile.model import Profile, ProfileError, SegmentCost
@@ -31,6 +32,7 @@ def profile_meta(
     mfu: float = 0.5,
     bandwidth_efficiency: float = 0.7,
     free_grads_at_batch_start: bool | None = None,
+    extrapolate: bool = True,
 ) -> Profile:
     """The memory profile of a training step computed on the meta device: no tensor is allocated.
 
@@ -52,6 +54,9 @@ def profile_meta(
         mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
         bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
         free_grads_at_batch_start: as for `profile_model`.
+        extrapolate: profile a deep stack of identical layers from its first 4 and first 3 layers
+            and put the whole stack's profile together from them (`tuner.profile.extrapolate`: equal
+            to stepping every layer, and ~n/7 times faster); False steps every layer.
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
@@ -87,18 +92,45 @@ def profile_meta(
             + c.offload / hw.host_bytes_per_s
         )
 
-    session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
-    session.warm_up()
-    mem: dict[str, _Recorder] = {}
-    for m in mode_list:
-        mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
-    remove_policy(model)
     source = (
         f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
     )
-    prof = session.build(mem, None, source, hardware, estimate)
+
+    def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
+        session = _ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
+        session.warm_up()
+        mem: dict[str, _Recorder] = {}
+        for m in run_modes:
+            mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
+        remove_policy(model)
+        return session.build(mem, None, source, hardware, estimate)
+
+    prof: Profile | None = None
+    stack = stack_of(model, layers) if extrapolate else None
+    note: str | None = None
+    if isinstance(stack, str):
+        note = f"meta: every layer stepped ({stack})"
+    elif stack is not None:
+        # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
+        prof, note = profile_stack(stack[0], stack[1], mode_list, run)
+        if prof is not None:
+            for c in _costs(prof):
+                c.seconds = estimate(c)
+        else:
+            note = f"meta: every layer stepped ({note})"
+    if prof is None:
+        prof = run(layers, mode_list)
+    if note is not None:
+        prof.notes.append(note)
     if Mode.OFFLOAD.value in mode_list:
         prof.notes.append(
             "offload: emulated on meta (saved tensors leave device memory in forward, return in backward)"
         )
     return prof
+
+
+def _costs(prof: Profile) -> Iterator[SegmentCost]:
+    for layer in prof.layers:
+        yield from layer.fwd.values()
+        yield from layer.bwd.values()
+    yield from prof.fixed.values()

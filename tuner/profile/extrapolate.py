@@ -1,0 +1,273 @@
+"""Profiling a deep stack of identical layers on meta from three short cuts of it (`profile_stack`).
+
+On the meta device a profile costs Python dispatch per op: a 70B-class model's 80 blocks take minutes
+to step through once per mode, twice (memory, then FLOPs), although 78 of them are the same block
+seeing the same input. So the stack is cut to its first 3, 4 and 5 layers, each cut is profiled in
+every mode, and the whole stack's profile is put together from the 3- and 4-layer runs:
+
+- the layers in between the first and the last are copies of the 4-layer run's second layer, and
+  the segments between two inner layers (backward's gradient hand-over) copies of its inner one;
+- everything else (the first and last layers' costs, which may depend on depth: a Hugging Face model's
+  first layer frees in backward what every layer's forward left behind; the fixed segments:
+  embedding, head, loss, ``zero_grad``, the optimizer step; the parameter, gradient,
+  optimizer-state and base bytes) is taken as affine in the number of layers n:
+  ``q(n) = q4 + (n - 4)(q4 - q3)``.
+
+Both assumptions are checked, not trusted: the same assembly for n = 5 must equal the 5-layer run
+field by field, or the shortcut is refused and every layer is stepped (with a note saying why).
+The tests compare the result with stepping every layer, field by field.
+
+The cut is made by giving the stack's container (an ``nn.ModuleList`` / ``nn.Sequential``) only
+its first k children for the duration of the run; nothing is copied. Also refused: layers that are
+not all the children of one container, children that differ in class or parameter/buffer shapes,
+and a Hugging Face config whose ``layer_types`` mixes kinds (sliding and global attention
+interleaved with a period the cuts could miss).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from typing import Any
+
+from torch import nn
+
+from lightning_recompute.layers import LayerSpec, find_layers
+from tuner.profile.model import LayerProfile, Profile, SegmentCost
+
+MIN_LAYERS = 13
+"""Stacks shorter than this are stepped in full: the three cuts hold 12 layers between them."""
+_CUTS = (3, 4, 5)
+
+ProfileRun = Callable[[LayerSpec, list[str]], Profile]
+"""``(layers, modes) -> Profile`` of the model as it stands (cut or not)."""
+
+
+def stack_of(model: nn.Module, layers: LayerSpec) -> tuple[nn.Module, list[str]] | str | None:
+    """The container holding exactly the model's layers, and their paths; or why there is none
+    (None: too few layers for the shortcut to matter)."""
+    found = find_layers(model, layers)
+    n = len(found)
+    if n < MIN_LAYERS:
+        return None
+    parents = {path.rpartition(".")[0] for path, _ in found}
+    if len(parents) != 1:
+        return f"the layers sit in {len(parents)} containers, not one"
+    parent = parents.pop()
+    container = model.get_submodule(parent) if parent else model
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        return (
+            f"{parent or type(model).__name__} is a {type(container).__name__}, not an nn.ModuleList or nn.Sequential"
+        )
+    children = list(container.children())
+    if len(children) != n or any(c is not m for c, (_, m) in zip(children, found, strict=True)):
+        return f"{parent} holds other modules besides the layers"
+    signatures = {_signature(m) for _, m in found}
+    if len(signatures) != 1:
+        return "the layers differ in class or in parameter or buffer shapes"
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(set(layer_types)) > 1:
+        return f"config.layer_types mixes {sorted(set(map(str, layer_types)))}"
+    return container, [path for path, _ in found]
+
+
+def _signature(module: nn.Module) -> tuple[object, ...]:
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
+    return type(module), params, buffers
+
+
+@contextmanager
+def _first(container: nn.Module, k: int) -> Iterator[None]:
+    """The container with only its first ``k`` children, for the duration."""
+    saved = container._modules
+    container._modules = OrderedDict(list(saved.items())[:k])
+    try:
+        yield
+    finally:
+        container._modules = saved
+
+
+def profile_stack(
+    container: nn.Module, names: list[str], modes: list[str], run: ProfileRun
+) -> tuple[Profile | None, str]:
+    """The profile of the whole stack from runs of its first 3, 4 and 5 layers.
+
+    Returns ``(profile, note)``; ``(None, reason)`` where the 5-layer run is not what the 3- and
+    4-layer runs predict for it (then the caller steps the whole model).
+    """
+    cuts = {}
+    for k in _CUTS:
+        with _first(container, k):
+            cuts[k] = run(names[:k], modes)
+    short, long, check = (cuts[k] for k in _CUTS)
+    predicted = _assemble(short, long, names[: _CUTS[2]])
+    if isinstance(predicted, str):
+        return None, predicted
+    mismatch = _first_difference(predicted, check)
+    if mismatch is not None:
+        return None, f"the {_CUTS[2]}-layer run differs from what the 3- and 4-layer runs predict ({mismatch})"
+    prof = _assemble(short, long, names)
+    if isinstance(prof, str):
+        return None, prof
+    note = (
+        f"meta: the {len(names)} identical layers {names[0]} .. {names[-1]} were profiled as cuts of 3, 4 "
+        f"and 5 layers (inner layers copied, the rest extrapolated and checked; `tuner.profile.extrapolate`)"
+    )
+    return prof, note
+
+
+def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile | str:
+    """The profile of a stack of ``len(names)`` layers from its 3- and 4-layer cuts; or why not."""
+    n, k3, k4 = len(names), len(short.layers), len(long.layers)
+    expanded = _expand(long.timeline, n)
+    if expanded is None:
+        return "a segment between layers names a layer out of order"
+
+    def affine(q4: int, q3: int) -> int:
+        return q4 + (n - k4) * (q4 - q3)
+
+    def affine_cost(c4: SegmentCost, c3: SegmentCost) -> SegmentCost:
+        ints = {
+            f.name: affine(getattr(c4, f.name), getattr(c3, f.name)) for f in fields(SegmentCost) if f.type == "int"
+        }
+        return SegmentCost(**ints, scales=c4.scales)
+
+    def end_layer(c4: LayerProfile, c3: LayerProfile, name: str) -> LayerProfile:
+        return LayerProfile(
+            name=name,
+            group=c4.group,
+            param_bytes=c4.param_bytes,
+            fwd={m: affine_cost(c4.fwd[m], c3.fwd[m]) for m in c4.fwd},
+            bwd={m: affine_cost(c4.bwd[m], c3.bwd[m]) for m in c4.bwd},
+            net=affine(c4.net, c3.net),
+        )
+
+    short_fixed = {
+        _relabel(key, {k3 - 1: n - 1}): cost for key, cost in short.fixed.items() if _gap("fixed:" + key) is None
+    }
+    fixed: dict[str, SegmentCost] = {}
+    for key, source in expanded:
+        if not key.startswith("fixed:"):
+            continue
+        name, c4 = key[len("fixed:") :], long.fixed[source[len("fixed:") :]]
+        if _gap(key) is not None:
+            fixed[name] = copy.deepcopy(c4)  # one per pair of adjacent layers: copied, like the layers
+            continue
+        c3 = short_fixed.pop(name, None)
+        if c3 is None:
+            return f"the segment {name} has no counterpart in the {k3}-layer run"
+        fixed[name] = affine_cost(c4, c3)
+    if short_fixed:
+        return f"the segments {sorted(short_fixed)} appear in the {k3}-layer run only"
+    layers = [end_layer(long.layers[0], short.layers[0], names[0])]
+    for name in names[1:-1]:
+        layer = copy.deepcopy(long.layers[1])
+        layer.name = name
+        layers.append(layer)
+    layers.append(end_layer(long.layers[-1], short.layers[-1], names[-1]))
+    groups: dict[str, list[str]] = {}
+    for layer in layers:
+        groups.setdefault(layer.group, []).append(layer.name)
+    prof = copy.copy(long)
+    prof.layers = layers
+    prof.timeline = [key for key, _ in expanded]
+    prof.fixed = fixed
+    prof.groups = groups
+    prof.notes = list(long.notes)
+    for attr in ("base_bytes", "param_bytes", "grad_bytes", "optimizer_bytes"):
+        setattr(prof, attr, affine(getattr(long, attr), getattr(short, attr)))
+    return prof
+
+
+def _first_difference(a: Profile, b: Profile) -> str | None:
+    """The first field in which two profiles differ, or None. Notes (they name layers) and times (on meta
+    a function of the FLOPs and bytes compared here, set by the caller) are left out."""
+    da, db = _without_times(a.to_dict()), _without_times(b.to_dict())
+    da.pop("notes")
+    db.pop("notes")
+    for key in da:
+        if da[key] == db[key]:
+            continue
+        if key == "layers":
+            for la, lb in zip(da[key], db[key], strict=True):
+                if la != lb:
+                    return f"layer {la['name']}"
+        if key == "fixed":
+            for name in sorted(set(da[key]) | set(db[key])):
+                if da[key].get(name) != db[key].get(name):
+                    return f"segment {name}"
+        return key
+    return None
+
+
+def _without_times(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _without_times(v) for k, v in d.items() if k != "seconds"}
+    if isinstance(d, list):
+        return [_without_times(v) for v in d]
+    return d
+
+
+def _relabel(key: str, indices: dict[int, int]) -> str:
+    """``key`` with its layer indices (``fwd:3``, ``bwd_end:3->bwd_start:2``) mapped by ``indices``."""
+    prefix = "fixed:" if key.startswith("fixed:") else ""
+    parts = []
+    for label in key[len(prefix) :].split("->"):
+        kind, sep, idx = label.partition(":")
+        parts.append(f"{kind}:{indices.get(int(idx), int(idx))}" if sep and idx.isdigit() else label)
+    return prefix + "->".join(parts)
+
+
+def _indices(key: str) -> list[int]:
+    labels = key.removeprefix("fixed:").split("->")
+    return [int(idx) for label in labels for _, sep, idx in [label.partition(":")] if sep and idx.isdigit()]
+
+
+def _gap(key: str) -> tuple[str, int] | None:
+    """``(direction, lower index)`` of a fixed segment between two adjacent layers (backward's
+    ``bwd_end:3->bwd_start:2``), else None."""
+    if not key.startswith("fixed:"):
+        return None
+    idx = _indices(key)
+    if len(idx) == 2 and abs(idx[0] - idx[1]) == 1:
+        return key[len("fixed:") :].partition("_")[0], min(idx)
+    return None
+
+
+def _gaps(timeline: list[str]) -> dict[tuple[str, int], str]:
+    return {gap: key[len("fixed:") :] for key in timeline if (gap := _gap(key)) is not None}
+
+
+def _expand(keys: list[str], n: int) -> list[tuple[str, str]] | None:
+    """The n-layer stack's timeline as ``(key, key of the 4-layer run it copies)``; None where a
+    segment outside the layers' own stretch of the run names another layer.
+
+    The 4-layer run reads: ``..., fwd:0, [fwd:1 ...], [fwd:2 ... bwd:3 ...], [bwd:2 ...], bwd:1, ...``;
+    the first bracket (layer 1 and the gap after it) repeats for layers 1 .. n-3, the last
+    (layer 2 and the gap before layer 1) for layers n-2 .. 2.
+    """
+    pos = {k: i for i, k in enumerate(keys)}
+    try:
+        f1, f2, b2, b1 = pos["fwd:1"], pos["fwd:2"], pos["bwd:2"], pos["bwd:1"]
+    except KeyError:
+        return None
+    if not f1 < f2 < b2 < b1:
+        return None
+    out: list[tuple[str, str]] = []
+    parts: list[tuple[list[str], set[int], list[dict[int, int]]]] = [
+        (keys[:f1], {0, 1}, [{}]),
+        (keys[f1:f2], {1, 2}, [{1: i, 2: i + 1} for i in range(1, n - 2)]),
+        (keys[f2:b2], {2, 3}, [{2: n - 2, 3: n - 1}]),
+        (keys[b2:b1], {1, 2}, [{2: i, 1: i - 1} for i in range(n - 2, 1, -1)]),
+        (keys[b1:], {0, 1}, [{}]),
+    ]
+    for part, allowed, maps in parts:
+        if any(not set(_indices(k)) <= allowed for k in part):
+            return None
+        for indices in maps:
+            out += [(_relabel(k, indices), k) for k in part]
+    return out
