@@ -131,11 +131,13 @@ def plan_seeds(
 def seeds_off_reason(recipe: Recipe) -> str | None:
     """Why the planner does not seed a session of ``recipe``, or ``None`` when it does.
 
-    The planner predicts one device running the whole model. A recipe training on several ranks
-    shards or replicates it (DDP, FSDP, ModelParallel), so a single-device prediction taken as a
-    per-rank one would seed and skip candidates on the wrong figures: such sessions seed from the
-    baselines only, until a per-rank (sharded) planner predicts them. This is the one place that
-    decides it.
+    A session's planner profiles the recipe's model measured on one device, whole. A recipe
+    training on several ranks shards or replicates it (DDP, FSDP, ModelParallel): the one-device
+    prediction taken as a per-rank one would seed and skip candidates on the wrong figures, and a
+    model that needs sharding may not fit one device to be profiled at all. `tuner.planner.sharding`
+    turns a profile into a rank's (``recompute-tune plan --world-size``), but the session has no
+    measured profile of a sharded model to give it (profiling on meta estimates times only), so
+    such sessions seed from the baselines. This is the one place that decides it.
     """
     world = recipe.trainer.devices * recipe.trainer.num_nodes
     if world <= 1:
