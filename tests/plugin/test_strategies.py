@@ -69,7 +69,10 @@ def fit(how, out):
     if trainer.global_rank == 0:
         torch.save(full, f"{out}/weights-{how}.pt")
     peak = cb.records[-1].peak_bytes
-    print(f"RANK{trainer.global_rank} {how} modes={modes} records={len(cb.records)} peak={peak}", flush=True)
+    # One write per line: with PYTHONUNBUFFERED, print() writes the text and its newline apart, and
+    # the other rank's line can land in between.
+    sys.stdout.write(f"RANK{trainer.global_rank} {how} modes={modes} records={len(cb.records)} peak={peak}\\n")
+    sys.stdout.flush()
     torch.distributed.barrier()
 
 
@@ -97,7 +100,7 @@ def _run(tmp_path: Path) -> tuple[str, dict[str, dict[str, torch.Tensor]]]:
 
 
 def _peaks(stdout: str, how: str) -> list[int]:
-    return [int(p) for p in re.findall(rf"RANK\d {how} .* peak=(\d+)", stdout)]
+    return [int(p) for p in re.findall(rf"RANK\d {how} .*? peak=(\d+)", stdout)]
 
 
 @pytest.mark.slow
