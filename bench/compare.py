@@ -24,11 +24,15 @@ and on the workloads named by --compile-search the tuner also searches compile: 
 
 Peak memory: one Lightning run per configuration with `RecomputeCallback(measure_memory=True)`,
 the exact CPU storage ledger with parameters, gradients, optimizer state and batch tracked, max
-over a warm-up and a measured step: the figure the tuner's trials report. Throughput: separate,
+over a warm-up and a measured step: the figure the tuner's trials report. The peers (and the
+no-recompute reference the budgets are fractions of) run in Lightning's order, the previous step's
+gradients alive through the forward, as a job without the plugin runs; the planner's and the
+tuner's policies free them at batch start, as `RecomputeCallback` does by default: that is one of
+the plugin's levers, not a peer's. Throughput: separate,
 unmetered steps of a plain training loop (forward, backward, AdamW step), interleaved: every
 configuration of a workload once per round in a rotated order, for several rounds, medians.
 
-Run:  python bench/compare.py            (full, ~16 min on 2 CPU cores)
+Run:  python bench/compare.py            (full, ~45 min on 2 CPU cores, nothing else running)
       python bench/compare.py --quick    (one small workload)
 Writes bench/results/compare[-quick].{txt,json} and docs/compare_<workload>.png.
 """
@@ -141,6 +145,10 @@ class Config:
     """For the plugin's policies: applied by RecomputeCallback in the memory pass."""
     compile_metered: Callable[[ReferenceGPT, Any], None] | None = None
     """torch.compile only: a different preparation for the memory pass (see compare_methods)."""
+    frees_grads: bool = False
+    """Whether the memory pass frees the previous step's gradients at batch start (the plugin's
+    `RecomputeCallback` default, one of its levers): on for the planner's and the tuner's policies,
+    off for the peers, which run in Lightning's order as their own frameworks do."""
     peak_bytes: int | None = None
     step_times: list[float] = field(default_factory=list)
     error: str | None = None
@@ -149,8 +157,14 @@ class Config:
         return statistics.median(self.step_times) if self.step_times else None
 
 
-def _policy_config(key: str, label: str, policy: RecomputePolicy) -> Config:
-    return Config(key=key, label=label, prepare=lambda m, _meter: apply_policy(m, policy), policy=policy)
+def _policy_config(key: str, label: str, policy: RecomputePolicy, frees_grads: bool = False) -> Config:
+    return Config(
+        key=key,
+        label=label,
+        prepare=lambda m, _meter: apply_policy(m, policy),
+        policy=policy,
+        frees_grads=frees_grads,
+    )
 
 
 @dataclass
@@ -195,7 +209,7 @@ def measure_peak(wl: Workload, cfg: Config) -> int:
     """Peak bytes of a warm-up and a measured Lightning step, metered by RecomputeCallback."""
     model = _model(wl)
     policy = cfg.policy if cfg.policy is not None else RecomputePolicy.uniform("none")
-    callback = RecomputeCallback(policy, measure_memory=True)
+    callback = RecomputeCallback(policy, measure_memory=True, free_grads_at_batch_start=cfg.frees_grads)
     if cfg.policy is None:
         # The callback's meter exists only once fit starts; the compiled forward asks for it per call.
         prepare = cfg.compile_metered or cfg.prepare
@@ -411,8 +425,11 @@ def run_workload(
             configs[cfg.key] = cfg
         return configs[cfg.key]
 
-    def policy_cfg(label: str, policy: RecomputePolicy) -> Config:
-        return add(_policy_config(f"policy:{policy.fingerprint()}", label, policy))
+    def policy_cfg(label: str, policy: RecomputePolicy, plugin: bool = False) -> Config:
+        # The plugin's own policies (planner, tuned) run as RecomputeCallback runs them by default,
+        # gradients freed at batch start; the same policy as a peer (full, every-k) runs in Lightning's order.
+        key = f"policy:{policy.fingerprint()}" + (":frees-grads" if plugin else "")
+        return add(_policy_config(key, label, policy, frees_grads=plugin))
 
     none = policy_cfg("none", RecomputePolicy.uniform("none"))
     none_peak = int(none.peak_bytes or 0)
@@ -460,7 +477,7 @@ def run_workload(
     for f, b in budgets.items():
         try:
             plan = planner.solve(b, modes=modes)
-            planned[f] = policy_cfg(f"planner {plan.short()}", plan.policy)
+            planned[f] = policy_cfg(f"planner {plan.short()}", plan.policy, plugin=True)
         except BudgetError as err:
             planned[f] = f"nothing predicted to fit: {err}"
 
@@ -472,7 +489,7 @@ def run_workload(
         tr = run_tuner(wl, f, b, args.trials, workdir, modes, compile_search)
         tuned[f] = tr
         if tr.policy is not None:
-            tuned_cfg[f] = policy_cfg(f"tuned {tr.policy.short(names)}", tr.policy)
+            tuned_cfg[f] = policy_cfg(f"tuned {tr.policy.short(names)}", tr.policy, plugin=True)
         log(f"    {tr.status}: {tr.trials} trials, {tr.wall_s:.0f} s; within 2% after {tr.trials_to_2pct} trials")
 
     log(f"  timing {len(configs)} configurations x {args.rounds} rounds x {args.steps} steps ...")
