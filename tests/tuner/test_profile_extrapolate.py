@@ -114,6 +114,27 @@ def test_a_stack_the_cuts_cannot_describe_is_stepped_in_full() -> None:
     assert "5-layer run differs from what the 3- and 4-layer runs predict" in note
 
 
+class _IndexedByDepth(nn.Module):
+    """A forward that walks the stack by a depth fixed at construction: a cut stack cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = DEPTH
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(DEPTH))
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.depth):
+            x = torch.tanh(self.blocks[i](x))
+        return x.square().mean()
+
+
+def test_a_model_that_cannot_run_cut_is_stepped_in_full() -> None:
+    cut, stepped = _both(_IndexedByDepth, torch.ones(8, 16), modes=["none", "full"])
+    _same(cut, stepped)
+    note = next(n for n in cut.notes if n.startswith("meta: every layer stepped"))
+    assert "does not run with its stack cut to 3 layers (IndexError" in note
+
+
 def test_layers_of_different_shapes_are_stepped_in_full() -> None:
     widths = [32, 64] * (DEPTH // 2) + [32]
 

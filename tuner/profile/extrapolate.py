@@ -102,7 +102,10 @@ def profile_stack(
     cuts = {}
     for k in _CUTS:
         with _first(container, k):
-            cuts[k] = run(names[:k], modes)
+            try:
+                cuts[k] = run(names[:k], modes)
+            except Exception as err:  # noqa: BLE001 - e.g. a forward that indexes the stack by its config's depth
+                return None, f"the model does not run with its stack cut to {k} layers ({type(err).__name__}: {err})"
     short, long, check = (cuts[k] for k in _CUTS)
     predicted = _assemble(short, long, names[: _CUTS[2]])
     if isinstance(predicted, str):

@@ -98,11 +98,13 @@ def profile_meta(
 
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
         session = _ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
-        session.warm_up()
-        mem: dict[str, _Recorder] = {}
-        for m in run_modes:
-            mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
-        remove_policy(model)
+        try:
+            session.warm_up()
+            mem: dict[str, _Recorder] = {}
+            for m in run_modes:
+                mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
+        finally:
+            remove_policy(model)
         return session.build(mem, None, source, hardware, estimate)
 
     prof: Profile | None = None
