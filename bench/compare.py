@@ -489,7 +489,8 @@ def run_workload(
         tr = run_tuner(wl, f, b, args.trials, workdir, modes, compile_search)
         tuned[f] = tr
         if tr.policy is not None:
-            tuned_cfg[f] = policy_cfg(f"tuned {tr.policy.short(names)}", tr.policy, plugin=True)
+            label = f"tuned {tr.policy.short(names)}" + (" +compile" if tr.policy.compile else "")
+            tuned_cfg[f] = policy_cfg(label, tr.policy, plugin=True)
         log(f"    {tr.status}: {tr.trials} trials, {tr.wall_s:.0f} s; within 2% after {tr.trials_to_2pct} trials")
 
     log(f"  timing {len(configs)} configurations x {args.rounds} rounds x {args.steps} steps ...")
