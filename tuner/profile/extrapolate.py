@@ -241,10 +241,6 @@ def _gap(key: str) -> tuple[str, int] | None:
     return None
 
 
-def _gaps(timeline: list[str]) -> dict[tuple[str, int], str]:
-    return {gap: key[len("fixed:") :] for key in timeline if (gap := _gap(key)) is not None}
-
-
 def _expand(keys: list[str], n: int) -> list[tuple[str, str]] | None:
     """The n-layer stack's timeline as ``(key, key of the 4-layer run it copies)``; None where a
     segment outside the layers' own stretch of the run names another layer.

@@ -54,9 +54,10 @@ def profile_meta(
         mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
         bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
         free_grads_at_batch_start: as for `profile_model`.
-        extrapolate: profile a deep stack of identical layers from its first 4 and first 3 layers
-            and put the whole stack's profile together from them (`tuner.profile.extrapolate`: equal
-            to stepping every layer, and ~n/7 times faster); False steps every layer.
+        extrapolate: profile a stack of 13 or more identical layers from cuts of its first 3, 4
+            and 5 layers and put the whole stack's profile together from them
+            (`tuner.profile.extrapolate`: equal to stepping every layer, checked against the 5-layer
+            cut, and ~n/12 times faster); False steps every layer.
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
