@@ -64,7 +64,7 @@ import lightning as L
 import torch
 import yaml
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy, apply_policy, layer_names
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy, apply_policy, layer_names
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -226,10 +226,7 @@ def measure_peak(wl: Workload, cfg: Config) -> int:
         max_epochs=-1,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[callback],
     )
     trainer.fit(model, datamodule=_data(wl))

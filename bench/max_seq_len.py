@@ -18,10 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
 import torch
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy
+from lightning_recompute import step_peak
 from tuner import commands
 from tuner.planner import Planner
 from tuner.planner.seqlen import BEST_MIXED
@@ -57,24 +56,6 @@ def recipe(budget: int) -> Recipe:
     )
 
 
-def measured_peak(r: Recipe, policy: RecomputePolicy) -> int:
-    L.seed_everything(0, verbose=False)
-    cb = RecomputeCallback(policy, layers=r.layers, memory_steps={1})
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    trainer.fit(build_model(r), datamodule=build_datamodule(r))
-    peak = cb.records[1].peak_bytes
-    assert peak is not None
-    return peak
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="45.6MiB")
@@ -99,14 +80,14 @@ def main() -> int:
             lines.append(f"{f.family:<12}{'-':>8}  nothing fits")
             continue
         at, _ = commands.with_seq_len(r, "seq_len", f.seq_len)
-        here = measured_peak(at, f.plan.policy)
+        here = step_peak(build_model(at), build_datamodule(at), f.plan.policy, layers=at.layers)
         longer, _ = commands.with_seq_len(r, "seq_len", f.seq_len + s.step)
         if f.family == BEST_MIXED:  # past it nothing fits: measure the policy of least predicted peak there
             prof = profile_recipe_meta(longer, None, "H100") if meta else profile_recipe(longer, None)
             least = Planner(prof).pareto_front(list(r.search.modes))[0].policy
         else:
             least = f.plan.policy
-        past = measured_peak(longer, least)
+        past = step_peak(build_model(longer), build_datamodule(longer), least, layers=longer.layers)
         lines.append(
             f"{f.family:<12}{f.seq_len:>8}{format_bytes(f.plan.peak_bytes):>12}{format_bytes(here):>12}"
             f"{'yes' if here <= budget else 'NO':>6}{format_bytes(past):>12}{'yes' if past <= budget else 'no':>6}"

@@ -30,7 +30,7 @@ import lightning as L
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 MODEL = dict(vocab_size=512, seq_len=256, n_layer=6, n_embd=256, n_head=8, dropout=0.1, attention="eager")
@@ -77,10 +77,7 @@ def run(config: str, steps: int, warmup: int, tiny: bool = False) -> list[float]
         accelerator="cpu",
         devices=1,
         max_steps=warmup + steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=callbacks,
     )
     trainer.fit(model, SyntheticTokens(**(TINY_DATA if tiny else DATA)))

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.layers import LayerSpec, find_layers, layer_names
     from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
     from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
+    from lightning_recompute.probe import QUIET_TRAINER, step_peak
     from lightning_recompute.selective import DEFAULT_SAVE_OPS
     from lightning_recompute.sources import as_policy
     from lightning_recompute.tuned_for import TunedFor
@@ -64,11 +65,14 @@ _EXPORTS: dict[str, str] = {
     "RecomputePolicy": "policy",
     "DEFAULT_SAVE_OPS": "selective",
     "as_policy": "sources",
+    "QUIET_TRAINER": "probe",
+    "step_peak": "probe",
     "TunedFor": "tuned_for",
 }
 
 __all__ = [
     "DEFAULT_SAVE_OPS",
+    "QUIET_TRAINER",
     "AppliedPolicy",
     "BatchSizeError",
     "BatchSizeWarning",
@@ -97,6 +101,7 @@ __all__ = [
     "layer_names",
     "memory_meter",
     "remove_policy",
+    "step_peak",
 ]
 
 try:

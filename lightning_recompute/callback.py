@@ -9,7 +9,6 @@ refused with a pointer to ``apply_policy`` in ``configure_model``).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from lightning_recompute.errors import (
 from lightning_recompute.grads import GradFreeing, decide_grad_freeing, free_gradients
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.meter import MemoryMeter, StepTimer, StorageMeter, memory_meter
-from lightning_recompute.policy import RecomputePolicy
+from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
 from lightning_recompute.tuned_for import batch_advice
 
@@ -120,7 +119,7 @@ class RecomputeCallback(L.Callback):
 
     def __init__(
         self,
-        policy: dict[str, Any] | str | os.PathLike | RecomputePolicy,
+        policy: PolicyLike,
         layers: LayerSpec = "auto",
         measure_memory: bool = True,
         memory_steps: Collection[int] | None = None,

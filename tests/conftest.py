@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 
+from lightning_recompute import QUIET_TRAINER
 from tests.servers import MlflowServer, PostgresCluster, ServerUnavailable
 
 
@@ -28,6 +31,19 @@ def uri(tmp_path: Path, empty_db: Path) -> str:
     """A fresh sqlite MLflow tracking URI of the test's own."""
     shutil.copy(empty_db, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def quiet_trainer(tmp_path: Path) -> Callable[..., L.Trainer]:
+    """Makes a ``Trainer`` on one CPU device that writes nothing (no logger, checkpoints, progress bar or
+    summary; `QUIET_TRAINER`) and keeps its folder in the test's own; keywords add or override."""
+
+    def make(**kwargs: Any) -> L.Trainer:
+        return L.Trainer(
+            **{"accelerator": "cpu", "devices": 1, "default_root_dir": tmp_path, **QUIET_TRAINER, **kwargs}
+        )
+
+    return make
 
 
 # ---------------------------------------------------------------------------------------------- real servers

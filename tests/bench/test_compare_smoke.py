@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
 METHODS = (
     "none",
     "full",
@@ -36,7 +37,7 @@ def test_compare_smoke_has_every_method_and_computes_fits_and_ratios(tmp_path: P
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "compare.py"),
+            str(REPO / "bench" / "compare.py"),
             "--smoke",
             "--out",
             str(tmp_path),

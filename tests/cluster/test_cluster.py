@@ -26,9 +26,9 @@ import yaml
 from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
+from tests.helpers import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 DEADLINE_S = 600
 
 # The quickstart recipe, made as small as a real run gets: three blocks of width 32, sequence 32.
@@ -58,7 +58,7 @@ def write_recipe(folder: Path, *, storage: str, tracking: str, n_trials: int, na
 
 def child_env() -> dict[str, str]:
     e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH", "")) if p)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH", "")) if p)
     e["PYTHONUNBUFFERED"] = "1"
     return e
 
@@ -136,15 +136,14 @@ def promotions(runs: list[Any]) -> list[Any]:
 TRAIN = """
 import sys
 import lightning as L
-from lightning_recompute import RecomputeCallback
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 model_args, data_args, source = sys.argv[1], sys.argv[2], sys.argv[3]
 import json
 callback = RecomputeCallback(policy=source)
 trainer = L.Trainer(
-    accelerator="cpu", max_steps=1, callbacks=[callback], logger=False, enable_checkpointing=False,
-    enable_progress_bar=False, enable_model_summary=False,
+    accelerator="cpu", max_steps=1, callbacks=[callback], **QUIET_TRAINER,
 )
 trainer.fit(ReferenceGPT(**json.loads(model_args)), SyntheticTokens(**json.loads(data_args)))
 print(json.dumps({"fingerprint": callback.policy.fingerprint(), "steps": trainer.global_step}))

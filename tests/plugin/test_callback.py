@@ -6,6 +6,7 @@ import csv
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,19 +30,14 @@ from lightning_recompute.reference import Block, ReferenceGPT, SyntheticTokens
 
 TINY = dict(vocab_size=64, seq_len=16, n_layer=3, n_embd=32, n_head=4, dropout=0.1)
 DATA = dict(vocab_size=64, seq_len=16, batch_size=4, num_batches=8)
-FAST = dict(accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False)
 
 
-def _trainer(tmp_path: Path, callbacks: list[L.Callback], **kw: Any) -> L.Trainer:
-    opts = dict(FAST, max_steps=4, logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
-    opts.update(kw)
-    return L.Trainer(callbacks=callbacks, **opts)
-
-
-def test_fit_logs_memory_time_and_throughput_through_the_logger(tmp_path: Path) -> None:
+def test_fit_logs_memory_time_and_throughput_through_the_logger(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
     cb = RecomputeCallback({"version": 1, "layers": {"blocks.0": "full", "blocks.*": "selective"}})
     logger = CSVLogger(tmp_path, name="run", version=0)
-    trainer = _trainer(tmp_path, [cb], logger=logger, log_every_n_steps=1)
+    trainer = quiet_trainer(callbacks=[cb], max_steps=4, logger=logger, log_every_n_steps=1)
     model = ReferenceGPT(**TINY)
     trainer.fit(model, SyntheticTokens(**DATA))
     assert applied_policy(model).modes == {
@@ -62,36 +58,38 @@ def test_fit_logs_memory_time_and_throughput_through_the_logger(tmp_path: Path) 
     assert [r.samples for r in cb.records] == [4] * 4 and [r.tokens for r in cb.records] == [64] * 4
 
 
-def test_peak_memory_logged_per_step_orders_the_modes(tmp_path: Path) -> None:
+def test_peak_memory_logged_per_step_orders_the_modes(quiet_trainer: Callable[..., L.Trainer], tmp_path: Path) -> None:
     peaks = {}
     for mode in ("none", "selective", "full"):
         cb = RecomputeCallback(RecomputePolicy.uniform(mode))
         torch.manual_seed(0)
-        _trainer(tmp_path, [cb], max_steps=2).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
+        quiet_trainer(callbacks=[cb], max_steps=2).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
         peaks[mode] = cb.records[-1].peak_bytes
     assert peaks["none"] > peaks["selective"] > peaks["full"]
 
 
-def test_step_time_and_throughput_from_a_patched_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_time_and_throughput_from_a_patched_clock(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     clock = iter(float(i) * 0.5 for i in range(1000))  # every reading 0.5 s after the previous
     monkeypatch.setattr("lightning_recompute.meter.perf_counter", lambda: next(clock))
     cb = RecomputeCallback(RecomputePolicy.uniform("full"), measure_memory=False)
-    _trainer(tmp_path, [cb], max_steps=3).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
+    quiet_trainer(callbacks=[cb], max_steps=3).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
     assert [r.seconds for r in cb.records] == [0.5, 0.5, 0.5]
     assert [r.peak_bytes for r in cb.records] == [None] * 3
     assert cb.records[0].samples_per_s == 8.0 and cb.records[0].tokens_per_s == 128.0
 
 
-def test_memory_measured_only_on_the_chosen_steps(tmp_path: Path) -> None:
+def test_memory_measured_only_on_the_chosen_steps(quiet_trainer: Callable[..., L.Trainer], tmp_path: Path) -> None:
     cb = RecomputeCallback(RecomputePolicy.uniform("full"), memory_steps={1, 2})
-    _trainer(tmp_path, [cb], max_steps=4).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
+    quiet_trainer(callbacks=[cb], max_steps=4).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
     peaks = [r.peak_bytes for r in cb.records]
     assert peaks[0] is None and peaks[3] is None
     # steady once AdamW's state exists (to a few bytes: scalar tensors such as the logged loss)
     assert peaks[1] is not None and peaks[1] == pytest.approx(peaks[2], abs=64)
 
 
-def test_samples_only_batches_report_no_tokens(tmp_path: Path) -> None:
+def test_samples_only_batches_report_no_tokens(quiet_trainer: Callable[..., L.Trainer], tmp_path: Path) -> None:
     class Regressor(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -105,7 +103,7 @@ def test_samples_only_batches_report_no_tokens(tmp_path: Path) -> None:
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 8)), batch_size=3)
     cb = RecomputeCallback(RecomputePolicy.uniform("full"))
-    _trainer(tmp_path, [cb], max_steps=2).fit(Regressor(), data)
+    quiet_trainer(callbacks=[cb], max_steps=2).fit(Regressor(), data)
     assert [(r.samples, r.tokens) for r in cb.records] == [(3, None), (3, None)]
 
 
@@ -143,9 +141,9 @@ def test_lightning_cli_yaml_with_the_callback(tmp_path: Path) -> None:
     assert len(cb.records) == 2
 
 
-def test_save_under_one_policy_resume_under_another(tmp_path: Path) -> None:
+def test_save_under_one_policy_resume_under_another(quiet_trainer: Callable[..., L.Trainer], tmp_path: Path) -> None:
     first = RecomputeCallback(RecomputePolicy.uniform("full"))
-    trainer = _trainer(tmp_path, [first], max_steps=2)
+    trainer = quiet_trainer(callbacks=[first], max_steps=2)
     trainer.fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA))
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
@@ -160,7 +158,9 @@ def test_save_under_one_policy_resume_under_another(tmp_path: Path) -> None:
             rf"resuming under {second.policy.fingerprint()}"
         ),
     ):
-        _trainer(tmp_path, [second], max_steps=4).fit(ReferenceGPT(**TINY), SyntheticTokens(**DATA), ckpt_path=ckpt)
+        quiet_trainer(callbacks=[second], max_steps=4).fit(
+            ReferenceGPT(**TINY), SyntheticTokens(**DATA), ckpt_path=ckpt
+        )
     assert second.records[-1].step == 3
     # the same checkpoint loads into a model that never saw the plugin
     plain = ReferenceGPT(**TINY)
@@ -183,18 +183,22 @@ class _BuiltLate(ReferenceGPT):
             apply_policy(self, self.apply_here)
 
 
-def test_models_built_in_configure_model_get_the_policy(tmp_path: Path) -> None:
+def test_models_built_in_configure_model_get_the_policy(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
     cb = RecomputeCallback(RecomputePolicy.uniform("full"))
     model = _BuiltLate()
-    _trainer(tmp_path, [cb], max_steps=1).fit(model, SyntheticTokens(**DATA))
+    quiet_trainer(callbacks=[cb], max_steps=1).fit(model, SyntheticTokens(**DATA))
     assert set(applied_policy(model).modes.values()) == {Mode.FULL}
 
 
-def test_policy_applied_in_configure_model_wins_and_differences_are_reported(tmp_path: Path) -> None:
+def test_policy_applied_in_configure_model_wins_and_differences_are_reported(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
     cb = RecomputeCallback(RecomputePolicy.uniform("full"))
     model = _BuiltLate(apply_here=RecomputePolicy.uniform("selective"))
     with pytest.warns(UserWarning, match="the one applied in configure_model is in effect"):
-        _trainer(tmp_path, [cb], max_steps=1).fit(model, SyntheticTokens(**DATA))
+        quiet_trainer(callbacks=[cb], max_steps=1).fit(model, SyntheticTokens(**DATA))
     assert set(applied_policy(model).modes.values()) == {Mode.SELECTIVE}
     assert len(cb.records) == 1
 
@@ -225,15 +229,14 @@ def test_bad_policy_path_fails_at_construction(tmp_path: Path) -> None:
 
 DDP_SCRIPT = """
 import sys, torch, lightning as L
-from lightning_recompute import RecomputeCallback, RecomputePolicy, applied_policy
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy, applied_policy
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 if __name__ == "__main__":
     torch.manual_seed(0)
     cb = RecomputeCallback(RecomputePolicy.from_modes({"blocks.0": "full", "blocks.1": "selective"}))
     model = ReferenceGPT(vocab_size=64, seq_len=16, n_layer=3, n_embd=32, n_head=4, dropout=0.1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, callbacks=[cb],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, callbacks=[cb], **QUIET_TRAINER,
                         default_root_dir=sys.argv[1])
     trainer.fit(model, SyntheticTokens(vocab_size=64, seq_len=16, batch_size=2, num_batches=8))
     modes = {k: v.value for k, v in applied_policy(model).modes.items()}

@@ -8,7 +8,7 @@ callback reports no peak for compiled models (the storage ledger cannot see comp
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import lightning as L
 import pytest
@@ -20,7 +20,9 @@ from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 MIXED = RecomputePolicy.from_modes({"blocks.0": "full", "blocks.1": "selective"})
 
 
-def _fit(tmp_path: Path, policy: RecomputePolicy, how: str, backend: str) -> tuple[dict, RecomputeCallback]:
+def _fit(
+    make: Callable[..., L.Trainer], policy: RecomputePolicy, how: str, backend: str
+) -> tuple[dict, RecomputeCallback]:
     torch._dynamo.reset()
     L.seed_everything(0, verbose=False)
     model = ReferenceGPT(vocab_size=64, seq_len=16, n_layer=2, n_embd=32, n_head=4, dropout=0.0, learning_rate=1e-2)
@@ -31,39 +33,29 @@ def _fit(tmp_path: Path, policy: RecomputePolicy, how: str, backend: str) -> tup
     else:
         fitted = torch.compile(model, backend=backend)
     cb = RecomputeCallback(policy)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        callbacks=[cb],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
+    trainer = make(max_steps=2, callbacks=[cb], limit_val_batches=0)
     with pytest.warns(UserWarning, match="recompute/peak_memory_bytes is not logged"):
         trainer.fit(fitted, SyntheticTokens(vocab_size=64, seq_len=16, batch_size=2, num_batches=4))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, cb
 
 
-def _check(tmp_path: Path, how: str, backend: str, modes: list[str]) -> None:
-    reference, _ = _fit(tmp_path, RecomputePolicy.uniform("none"), how, backend)
+def _check(make: Callable[..., L.Trainer], how: str, backend: str, modes: list[str]) -> None:
+    reference, _ = _fit(make, RecomputePolicy.uniform("none"), how, backend)
     for mode in modes:
         policy = MIXED if mode == "mixed" else RecomputePolicy.uniform(mode)
-        weights, cb = _fit(tmp_path, policy, how, backend)
+        weights, cb = _fit(make, policy, how, backend)
         assert [r.peak_bytes for r in cb.records] == [None, None]
         for key in weights:
             assert torch.equal(weights[key], reference[key]), (mode, key)
 
 
-def test_per_block_compile_every_mode_bitwise(tmp_path: Path) -> None:
+def test_per_block_compile_every_mode_bitwise(quiet_trainer: Callable[..., L.Trainer]) -> None:
     # aot_eager: the same Dynamo capture and AOTAutograd partitioning as Inductor, without its code
     # generation, which costs a minute a graph on CPU (the Inductor run is the slow test below).
     # Each block is compiled on its own, so the mixed policy (blocks.0 full, blocks.1 selective)
     # compiles and trains a full block and a selective block: the same graphs uniform full and
     # uniform selective would make, without two more fits.
-    _check(tmp_path, "per-block", "aot_eager", ["mixed"])
+    _check(quiet_trainer, "per-block", "aot_eager", ["mixed"])
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_recompute import RecomputeCallback, RecomputeError, RecomputePolicy
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputeError, RecomputePolicy
 from lightning_recompute.reference import ReferenceGPT
 
 B, T, V = 2, 16, 32
@@ -58,15 +58,7 @@ def _fit(
     cb = RecomputeCallback(RecomputePolicy.uniform("none"), memory_steps={1}, free_grads_at_batch_start=flag)
     losses = _Losses()
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb, losses],
-        **trainer_kwargs,
+        accelerator="cpu", devices=1, max_steps=steps, callbacks=[cb, losses], **QUIET_TRAINER, **trainer_kwargs
     )
     torch.manual_seed(0)  # the same dropout masks in every run
     trainer.fit(model, _batches(steps * trainer_kwargs.get("accumulate_grad_batches", 1)))

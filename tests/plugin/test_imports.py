@@ -6,13 +6,12 @@ import importlib.metadata
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import lightning_recompute
+from tests.helpers import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("lightning", "pytorch_lightning", "mlflow", "torch")
 
 
@@ -20,7 +19,7 @@ def loaded_after(code: str) -> list[str]:
     """Which of `HEAVY` a fresh interpreter has imported after running ``code``."""
     probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))\n"
     proc = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])

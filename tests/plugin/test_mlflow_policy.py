@@ -19,6 +19,7 @@ from lightning_recompute.mlflow_policy import (
     load_good_policy,
 )
 from lightning_recompute.policy import RecomputePolicy
+from tests.helpers import REPO
 
 POLICY = RecomputePolicy.from_dict(
     {
@@ -193,7 +194,7 @@ def test_the_plugin_module_does_not_import_the_tuner() -> None:
         "assert not any(k == 'tuner' or k.startswith('tuner.') for k in sys.modules), 'tuner imported'\n"
         "assert 'mlflow' not in sys.modules, 'mlflow imported at module import'\n"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = REPO
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=False
     )

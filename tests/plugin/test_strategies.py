@@ -24,7 +24,7 @@ import gc, sys, torch, lightning as L
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning_recompute import RecomputeCallback, RecomputePolicy, applied_policy, apply_policy
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy, applied_policy, apply_policy
 from lightning_recompute.reference import Block, ReferenceGPT, SyntheticTokens
 
 MIXED = RecomputePolicy.from_modes(
@@ -60,8 +60,7 @@ def fit(how, out):
     model = Sharded(apply_here=FULL if how == "before" else None)
     cb = RecomputeCallback(callback_policy)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
-                        tensor_parallel_size=1), max_steps=3, logger=False, callbacks=[cb],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        tensor_parallel_size=1), max_steps=3, callbacks=[cb], **QUIET_TRAINER,
                         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=out)
     trainer.fit(model, SyntheticTokens(vocab_size=64, seq_len=32, batch_size=4, num_batches=8))
     modes = {k: v.value for k, v in applied_policy(model).modes.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -17,22 +18,19 @@ DATA = dict(vocab_size=64, seq_len=16, batch_size=2, num_batches=16)
 MIXED = RecomputePolicy.from_modes({"blocks.0": "full", "blocks.1": "selective"})
 
 
-def _fit(tmp_path: Path, policy: RecomputePolicy, name: str) -> tuple[ReferenceGPT, RecomputeCallback, list[dict]]:
+def _fit(
+    make: Callable[..., L.Trainer], tmp_path: Path, policy: RecomputePolicy, name: str
+) -> tuple[ReferenceGPT, RecomputeCallback, list[dict]]:
     L.seed_everything(0, verbose=False)
     model = ReferenceGPT(**TINY)
     cb = RecomputeCallback(policy)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make(
         max_steps=2,
         accumulate_grad_batches=4,
         gradient_clip_val=0.05,  # small enough that every step is clipped
         logger=CSVLogger(tmp_path, name=name, version=0),
         log_every_n_steps=1,
         callbacks=[cb],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, SyntheticTokens(**DATA))
     with open(tmp_path / name / "version_0" / "metrics.csv") as f:
@@ -40,9 +38,11 @@ def _fit(tmp_path: Path, policy: RecomputePolicy, name: str) -> tuple[ReferenceG
     return model, cb, rows
 
 
-def test_accumulation_and_clipping_bitwise_equal_and_one_record_per_micro_batch(tmp_path: Path) -> None:
-    plain, plain_cb, _ = _fit(tmp_path, RecomputePolicy.uniform("none"), "none")
-    model, cb, rows = _fit(tmp_path, MIXED, "mixed")
+def test_accumulation_and_clipping_bitwise_equal_and_one_record_per_micro_batch(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
+    plain, plain_cb, _ = _fit(quiet_trainer, tmp_path, RecomputePolicy.uniform("none"), "none")
+    model, cb, rows = _fit(quiet_trainer, tmp_path, MIXED, "mixed")
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(p, q), name
     # One record per training batch (micro-batch), tagged with the optimizer step it belongs to.

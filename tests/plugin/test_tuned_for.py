@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +84,11 @@ def test_batch_advice_keeps_the_global_batch_exactly(
     assert (size, steps) == advice and size * steps == global_batch and size <= micro_batch
 
 
-def _fit(tmp_path: Path, policy: Any, batch_size: int, **callback_kw: Any) -> list[warnings.WarningMessage]:
+def _fit(
+    make: Callable[..., L.Trainer], policy: Any, batch_size: int, **callback_kw: Any
+) -> list[warnings.WarningMessage]:
     cb = RecomputeCallback(policy, measure_memory=False, **callback_kw)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[cb],
-    )
+    trainer = make(max_steps=2, callbacks=[cb])
     data = SyntheticTokens(vocab_size=64, seq_len=16, batch_size=batch_size, num_batches=4)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -103,9 +96,11 @@ def _fit(tmp_path: Path, policy: Any, batch_size: int, **callback_kw: Any) -> li
     return [w for w in seen if issubclass(w.category, BatchSizeWarning)]
 
 
-def test_training_at_a_larger_batch_warns_with_both_numbers_and_what_to_set(tmp_path: Path) -> None:
+def test_training_at_a_larger_batch_warns_with_both_numbers_and_what_to_set(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
     path = POLICY.with_tuned_for(TUNED).save(tmp_path / "policy.yaml")
-    caught = _fit(tmp_path, str(path), batch_size=8)
+    caught = _fit(quiet_trainer, str(path), batch_size=8)
     assert len(caught) == 1
     message = str(caught[0].message)
     assert "tuned for micro-batch 4 (peak 38.23 MiB, limit 45.60 MiB on cpu)" in message
@@ -113,16 +108,22 @@ def test_training_at_a_larger_batch_warns_with_both_numbers_and_what_to_set(tmp_
     assert "Set batch_size=4, accumulate_grad_batches=2 to keep the global batch of 8" in message
 
 
-def test_training_at_or_under_the_tuned_batch_is_silent(tmp_path: Path) -> None:
+def test_training_at_or_under_the_tuned_batch_is_silent(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
     path = POLICY.with_tuned_for(TUNED).save(tmp_path / "policy.yaml")
-    assert _fit(tmp_path, str(path), batch_size=4) == []
-    assert _fit(tmp_path, str(path), batch_size=2, strict_batch_size=True) == []
+    assert _fit(quiet_trainer, str(path), batch_size=4) == []
+    assert _fit(quiet_trainer, str(path), batch_size=2, strict_batch_size=True) == []
 
 
-def test_a_policy_without_tuned_for_trains_at_any_batch_without_a_warning(tmp_path: Path) -> None:
-    assert _fit(tmp_path, POLICY.to_dict(), batch_size=8, strict_batch_size=True) == []
+def test_a_policy_without_tuned_for_trains_at_any_batch_without_a_warning(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
+    assert _fit(quiet_trainer, POLICY.to_dict(), batch_size=8, strict_batch_size=True) == []
 
 
-def test_strict_batch_size_raises_before_the_larger_batch_runs(tmp_path: Path) -> None:
+def test_strict_batch_size_raises_before_the_larger_batch_runs(
+    quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
+) -> None:
     with pytest.raises(BatchSizeError, match=r"micro-batch 4 .* batch size 8.*batch_size=4, accumulate_grad_batches=2"):
-        _fit(tmp_path, POLICY.with_tuned_for(TUNED), batch_size=8, strict_batch_size=True)
+        _fit(quiet_trainer, POLICY.with_tuned_for(TUNED), batch_size=8, strict_batch_size=True)

@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from lightning_recompute import RecomputePolicy
+from tests.helpers import REPO
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "hf-llama-tiny.yaml"
+RECIPE = REPO / "recipes" / "hf-llama-tiny.yaml"
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ def test_hf_llama_tiny_recipe_tunes_and_promotes(tmp_path: Path) -> None:
     path = tmp_path / "hf-llama-tiny.yaml"
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     cli = Path(sys.executable).with_name("recompute-tune")
     proc = subprocess.run(
         [str(cli), str(path), "--format", "json"],

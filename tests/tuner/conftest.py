@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tuner.test_session import FakeTrials
+from tests.tuner.fakes import ExactTrials
 
 
 @pytest.fixture(scope="module")
@@ -14,9 +14,9 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture
-def fakes(monkeypatch: pytest.MonkeyPatch) -> FakeTrials:
-    """The session's trial runner and numerics check replaced by `FakeTrials`' exact figures."""
-    f = FakeTrials()
+def fakes(monkeypatch: pytest.MonkeyPatch) -> ExactTrials:
+    """The session's trial runner and numerics check replaced by `ExactTrials`' exact figures."""
+    f = ExactTrials()
     monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
     monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
     return f

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
@@ -11,12 +11,13 @@ from mlflow import MlflowClient
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.mlflow_policy import load_good_policy
 from lightning_recompute.policy import RecomputePolicy
+from tests.tuner.fakes import GATE_LAYERS, FixedTrials, numerics
 from tuner import recipe as recipe_mod
 from tuner.gate import Candidate, GateSettings, decide, evaluate
 from tuner.tracking import Tracker, TrackingError
-from tuner.trials import NumericsResult, Outcome, TrialResult
+from tuner.trials import TrialResult
 
-LAYERS = ("blocks.0", "blocks.1")
+LAYERS = GATE_LAYERS
 A = RecomputePolicy.uniform("full")
 B = RecomputePolicy.first_n(LAYERS, 1, "selective")
 C = RecomputePolicy.uniform("selective")
@@ -43,64 +44,11 @@ def recipe(tmp_path: Path, uri: str) -> recipe_mod.Recipe:
     )
 
 
-class FakeTrials:
-    """`run_trial` stand-in: each policy has a fixed peak and throughput; every call is recorded."""
-
-    def __init__(
-        self,
-        speeds: dict[RecomputePolicy, float],
-        peaks: dict[RecomputePolicy, int] | None = None,
-        outcome: dict[RecomputePolicy, str] | None = None,
-        short_by: int = 0,
-    ) -> None:
-        self.speeds, self.peaks, self.outcome, self.short_by = speeds, peaks or {}, outcome or {}, short_by
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, recipe: Any, policy: RecomputePolicy, **kw: Any) -> TrialResult:
-        self.calls.append({"policy": policy, **kw})
-        outcome = self.outcome.get(policy, "ok")
-        if outcome not in ("ok", "over_budget"):
-            return TrialResult(outcome=outcome, error=f"injected {outcome}")  # type: ignore[arg-type]
-        peak = self.peaks.get(policy, 50 * 2**20)
-        if kw.get("budget_bytes") is not None and peak > kw["budget_bytes"]:
-            outcome = "over_budget"
-        thr = self.speeds[policy]
-        n = kw["measure_steps"] - self.short_by
-        return TrialResult(
-            outcome=cast(Outcome, outcome),
-            peak_bytes=peak,
-            step_time_s=1 / thr,
-            throughput=thr,
-            tokens_per_s=thr,
-            throughput_unit="tokens/s",
-            step_times_s=(1 / thr,) * n,
-            wall_s=1.0,
-            device="cpu",
-        )
-
-    def who(self) -> list[str]:
-        names = {A: "A", B: "B", C: "C"}
-        return [names[c["policy"]] for c in self.calls]
-
-
-def numerics(equal: bool = True) -> Any:
-    calls: list[RecomputePolicy] = []
-
-    def check(recipe: Any, policy: RecomputePolicy, **kw: Any) -> NumericsResult:
-        calls.append(policy)
-        if equal:
-            return NumericsResult(True, 0.0, "loss and 12 gradients bitwise equal")
-        return NumericsResult(False, 3e-3, "grad of blocks.1.mlp.weight differs")
-
-    check.calls = calls  # type: ignore[attr-defined]
-    return check
-
-
 def gate(
     tracker: Tracker,
     policy: RecomputePolicy,
     recipe: recipe_mod.Recipe,
-    trials: FakeTrials,
+    trials: FixedTrials,
     check: Any | None = None,
     **kw: Any,
 ):
@@ -116,7 +64,7 @@ def gate(
 
 
 def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: recipe_mod.Recipe) -> None:
-    trials, check = FakeTrials({A: 100.0}), numerics()
+    trials, check = FixedTrials({A: 100.0}), numerics()
     tracker = Tracker(uri, "gate")
     with tracker.session(recipe, study_name="s"):
         d = decide(
@@ -161,12 +109,12 @@ def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_on
     uri: str, recipe: recipe_mod.Recipe
 ) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
-    trials = FakeTrials({A: 100.0, B: 120.0})
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    trials = FixedTrials({A: 100.0, B: 120.0})
     d = gate(tracker, B, recipe, trials)
     assert d.promoted, d.reasons
     # confirmation, then candidate/good interleaved ABBA over 2 rounds at a trial's length.
-    assert trials.who() == ["B", "B", "A", "A", "B"]
+    assert trials.who({A: "A", B: "B", C: "C"}) == ["B", "B", "A", "A", "B"]
     assert [c["measure_steps"] for c in trials.calls] == [12, 4, 4, 4, 4]
     assert d.evidence["regression"]["candidate_median"] == 120.0
     assert d.evidence["regression"]["good_median"] == 100.0
@@ -177,24 +125,24 @@ def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_on
 @pytest.mark.parametrize(
     ("trials", "check", "failed", "reason"),
     [
-        (FakeTrials({A: 100.0, B: 150.0}), numerics(equal=False), "numerics", "numerics differ from no recompute"),
-        (FakeTrials({A: 100.0, B: 150.0}, peaks={B: LIMIT + 1}), numerics(), "confirmation", "over the budget limit"),
-        (FakeTrials({A: 100.0, B: 150.0}, outcome={B: "oom"}), numerics(), "confirmation", "ended oom: injected oom"),
+        (FixedTrials({A: 100.0, B: 150.0}), numerics(equal=False), "numerics", "numerics differ from no recompute"),
+        (FixedTrials({A: 100.0, B: 150.0}, peaks={B: LIMIT + 1}), numerics(), "confirmation", "over the budget limit"),
+        (FixedTrials({A: 100.0, B: 150.0}, outcome={B: "oom"}), numerics(), "confirmation", "ended oom: injected oom"),
         (
-            FakeTrials({A: 100.0, B: 150.0}, short_by=1),
+            FixedTrials({A: 100.0, B: 150.0}, short_by=1),
             numerics(),
             "confirmation",
             "measured 11 steps; the gate needs 12",
         ),
-        (FakeTrials({A: 100.0, B: 97.0}), numerics(), "regression", "slower than the current good policy"),
+        (FixedTrials({A: 100.0, B: 97.0}), numerics(), "regression", "slower than the current good policy"),
     ],
     ids=["numerics-unequal", "over-budget", "oom", "too-few-steps", "slower"],
 )
 def test_a_failing_candidate_keeps_the_last_good_policy_and_its_file(
-    uri: str, recipe: recipe_mod.Recipe, trials: FakeTrials, check: Any, failed: str, reason: str
+    uri: str, recipe: recipe_mod.Recipe, trials: FixedTrials, check: Any, failed: str, reason: str
 ) -> None:
     tracker = Tracker(uri, "gate")
-    first = gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    first = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
     before = Path(recipe.output).read_bytes()
     mtime = Path(recipe.output).stat().st_mtime_ns
 
@@ -219,9 +167,9 @@ def test_a_failing_candidate_keeps_the_last_good_policy_and_its_file(
 
 def test_noise_within_the_tolerance_is_not_a_regression(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
-    assert gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 98.5})).promoted  # 1.5% slower < 2%
-    strict = gate(tracker, C, recipe, FakeTrials({B: 98.5, C: 98.0}), settings=GateSettings(tolerance=0.0))
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    assert gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 98.5})).promoted  # 1.5% slower < 2%
+    strict = gate(tracker, C, recipe, FixedTrials({B: 98.5, C: 98.0}), settings=GateSettings(tolerance=0.0))
     assert not strict.promoted and "0% noise tolerance" in strict.reasons[0]
 
 
@@ -229,16 +177,16 @@ def test_a_good_policy_that_no_longer_runs_does_not_block_a_working_candidate(
     uri: str, recipe: recipe_mod.Recipe
 ) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
-    d = gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 80.0}, outcome={A: "error"}))
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    d = gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 80.0}, outcome={A: "error"}))
     assert d.promoted
     assert "current good policy failed to run (error, error)" in d.reason
 
 
 def test_the_current_good_policy_as_candidate_changes_nothing(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
-    trials = FakeTrials({A: 100.0})
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    trials = FixedTrials({A: 100.0})
     d = gate(tracker, A, recipe, trials)
     assert d.unchanged and not d.promoted and trials.calls == []
     assert [h.kind for h in tracker.history()] == ["promote"]
@@ -246,8 +194,8 @@ def test_the_current_good_policy_as_candidate_changes_nothing(uri: str, recipe: 
 
 def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
-    a = gate(tracker, A, recipe, FakeTrials({A: 100.0}))
-    b = gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 120.0}))
+    a = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    b = gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
     assert load_good_policy("gate", uri) == B
 
     restored = tracker.rollback(output_path=recipe.output)
@@ -271,7 +219,7 @@ def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe
         tracker.rollback(output_path=recipe.output)
     assert RecomputePolicy.load(recipe.output) == A
     # Rollbacks stack with later promotions: promote C, rollback -> A again.
-    gate(tracker, C, recipe, FakeTrials({A: 100.0, C: 130.0}))
+    gate(tracker, C, recipe, FixedTrials({A: 100.0, C: 130.0}))
     assert tracker.rollback(output_path=recipe.output).policy == A
     assert [h.kind for h in tracker.history()] == ["promote", "promote", "rollback", "promote", "rollback"]
 
@@ -287,8 +235,8 @@ def test_rollback_with_nothing_to_roll_back_to(uri: str, recipe: recipe_mod.Reci
 
 def test_rollback_refuses_a_hand_edited_record(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FakeTrials({A: 100.0}))
-    gate(tracker, B, recipe, FakeTrials({A: 100.0, B: 120.0}))
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
     stray = MlflowClient(tracking_uri=uri).create_run(tracker.experiment_id).info.run_id
     MlflowClient(tracking_uri=uri).set_experiment_tag(tracker.experiment_id, "recompute.good_run_id", stray)
     with pytest.raises(TrackingError, match="changed outside the tuner"):
@@ -344,7 +292,7 @@ def test_gate_settings_are_validated() -> None:
 
 
 def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:
-    d = evaluate(A, None, recipe=recipe, budget_bytes=None, run_trial=FakeTrials({A: 1.0}), check_numerics=numerics())
+    d = evaluate(A, None, recipe=recipe, budget_bytes=None, run_trial=FixedTrials({A: 1.0}), check_numerics=numerics())
     assert d.promoted and d.evidence["regression"] == {"skipped": "no current good policy to compare against"}
     assert not Path(recipe.output).exists()
 
@@ -387,9 +335,9 @@ def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path)
 
 def test_a_good_policy_recorded_over_a_tightened_limit_is_no_contender(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FakeTrials({A: 200.0}, peaks={A: 80 * 2**20}))  # promoted at LIMIT (100 MiB)
+    gate(tracker, A, recipe, FixedTrials({A: 200.0}, peaks={A: 80 * 2**20}))  # promoted at LIMIT (100 MiB)
     tight = 60 * 2**20
-    trials = FakeTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
+    trials = FixedTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
     d = decide(
         tracker,
         Candidate(B, layer_names=LAYERS),
@@ -410,7 +358,7 @@ def test_a_good_policy_that_peaks_over_the_limit_side_by_side_is_no_contender(re
 
     # A good policy without a recorded peak (an older run): the side-by-side run measures it.
     good = GoodPolicy("run-a", A, A.fingerprint(), throughput=200.0, peak_bytes=None, promoted_at=None)
-    trials = FakeTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
+    trials = FixedTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
     d = evaluate(B, good, recipe=recipe, budget_bytes=60 * 2**20, run_trial=trials, check_numerics=numerics())
     assert d.promoted, d.reasons
     assert "regression: not compared: the current good policy (run run-a) peaked at" in d.reason
@@ -422,10 +370,10 @@ def test_a_good_policy_that_peaks_over_the_limit_side_by_side_is_no_contender(re
 def test_progress_is_told_only_for_checks_that_run(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
     lines: list[str] = []
-    gate(tracker, A, recipe, FakeTrials({A: 100.0}), progress=lines.append)
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}), progress=lines.append)
     assert [line.split(" ")[1] for line in lines] == ["confirming", "checking"]
     lines.clear()
-    d = gate(tracker, A, recipe, FakeTrials({A: 100.0}), progress=lines.append)
+    d = gate(tracker, A, recipe, FixedTrials({A: 100.0}), progress=lines.append)
     assert d.unchanged and lines == []
 
 
@@ -436,7 +384,7 @@ def test_progress_is_told_only_for_checks_that_run(uri: str, recipe: recipe_mod.
 def test_restore_file_puts_the_good_policy_back(uri: str, recipe: recipe_mod.Recipe, damage: str) -> None:
     tracker = Tracker(uri, "gate")
     assert tracker.restore_file(recipe.output) is None  # no good policy yet: not the tuner's file
-    d = gate(tracker, A, recipe, FakeTrials({A: 100.0}))
+    d = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
     out = Path(recipe.output)
     assert tracker.restore_file(out) is None  # matches: untouched
     if damage == "missing":
@@ -467,7 +415,7 @@ def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path:
         }
     )
     tracker = Tracker(uri, "gate")
-    trials = FakeTrials({A: 100.0, B: 120.0}, peaks={A: 30 * 2**20, B: 40 * 2**20})
+    trials = FixedTrials({A: 100.0, B: 120.0}, peaks={A: 30 * 2**20, B: 40 * 2**20})
     check = numerics()
     a = decide(
         tracker, Candidate(A, micro_batch=4), recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=check

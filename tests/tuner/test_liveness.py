@@ -9,7 +9,6 @@ see `tuner.killpoints`), each run recovering from the one before, and reruns it 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -24,8 +23,9 @@ import yaml
 from optuna.trial import TrialState
 
 from lightning_recompute.policy import RecomputePolicy
-from tests.tuner.test_cli import TINY as CLI_TINY
-from tests.tuner.test_session import make_recipe, runs, study_of
+from tests.helpers import REPO, child_env
+from tests.tuner.cli_run import TINY as CLI_TINY
+from tests.tuner.fakes import make_recipe, runs, study_of
 from tuner import liveness, session
 from tuner.liveness import Owner, dead_reason
 from tuner.search import TuningStudy
@@ -33,37 +33,29 @@ from tuner.search.attrs import StudyAttr, TrialAttr
 from tuner.search.lease import lease_name
 from tuner.trials.runner import TRIAL_DIR_ENV, clean_stale_trial_dirs
 
-ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300
 
 # A child process running one tuning session with the fake trials, killing itself as told.
 CHILD = """
 import os, signal, sys
 from pathlib import Path
-from tests.tuner.test_session import FakeTrials, make_recipe
+from tests.tuner.fakes import ExactTrials, make_recipe
 from tuner import session
 import tuner.trials
 
 folder, uri, kill_on_call = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 os.chdir(folder)
-fakes = FakeTrials(on_call=lambda n, policy: os.kill(os.getpid(), signal.SIGKILL) if n == kill_on_call else None)
+fakes = ExactTrials(on_call=lambda n, policy: os.kill(os.getpid(), signal.SIGKILL) if n == kill_on_call else None)
 tuner.trials.run_trial = fakes.run_trial
 tuner.trials.check_numerics = fakes.check_numerics
 session.tune(make_recipe(folder, uri, n_trials=4), use_planner=False)
 """
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH", "")) if p)
-    e.update(extra)
-    return e
-
-
 def run_child(folder: Path, uri: str, kill_on_call: int, **env: str) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(folder), uri, str(kill_on_call)],
-        cwd=ROOT,
+        cwd=REPO,
         env=child_env(**env),
         capture_output=True,
         text=True,
@@ -246,7 +238,7 @@ SEEDS = {f"baseline:{b}" for b in ("none", "full", "selective", "every_2nd_full"
 
 
 def tune_cli(folder: Path, tmpdir: Path, kill_at: str | None) -> subprocess.CompletedProcess[str]:
-    env = child_env(PYTHONUNBUFFERED="1", TMPDIR=str(tmpdir))
+    env = child_env(TMPDIR=str(tmpdir))
     env.pop("RECOMPUTE_TUNE_TEST_KILL_AT", None)
     if kill_at is not None:
         env["RECOMPUTE_TUNE_TEST_KILL_AT"] = kill_at

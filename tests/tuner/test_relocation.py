@@ -17,7 +17,8 @@ from mlflow import MlflowClient
 
 from lightning_recompute.mlflow_policy import load_good_policy
 from lightning_recompute.policy import RecomputePolicy
-from tests.tuner.test_gate import LAYERS, FakeTrials, numerics
+from tests.tuner.fakes import GATE_LAYERS as LAYERS
+from tests.tuner.fakes import FixedTrials, numerics
 from tuner import commands
 from tuner import recipe as recipe_mod
 from tuner.gate import Candidate, decide
@@ -54,7 +55,7 @@ def promote_twice(folder: Path, empty_db: Path) -> None:
                 Candidate(policy, layer_names=LAYERS),
                 recipe=recipe,
                 budget_bytes=LIMIT,
-                run_trial=FakeTrials({A: 100.0, B: speed}),
+                run_trial=FixedTrials({A: 100.0, B: speed}),
                 check_numerics=numerics(),
             )
         assert d.promoted

@@ -12,100 +12,17 @@ import signal
 from typing import cast
 
 import pytest
-from mlflow import MlflowClient
 from optuna.trial import TrialState
 
 from lightning_recompute.policy import RecomputePolicy
+from tests.tuner.fakes import MIB, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
+from tests.tuner.fakes import SESSION_LAYERS as LAYERS
 from tuner import session
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.planner import Planner, Prediction
 from tuner.planner.seeds import PlannerSeeds
 from tuner.recipe import from_dict
-from tuner.search import TuningStudy
-from tuner.trials import NumericsResult, TrialResult
-
-MIB = 1 << 20
-KEPT = {"none": 4 * MIB, "selective": 2 * MIB, "full": 1 * MIB}
-COST = {"none": 0.0, "selective": 30.0, "full": 100.0}
-BASE = 2 * MIB
-LAYERS = ("blocks.0", "blocks.1", "blocks.2")
-
-
-def fake_peak(policy: RecomputePolicy | None) -> int:
-    assert policy is not None, "every measured trial records its policy"
-    return BASE + sum(KEPT[policy.mode_for(n).value] for n in LAYERS)
-
-
-def fake_throughput(policy: RecomputePolicy | None) -> float:
-    assert policy is not None, "every measured trial records its policy"
-    return 1000.0 - sum(COST[policy.mode_for(n).value] for n in LAYERS)
-
-
-class FakeTrials:
-    """`run_trial` / `check_numerics` stand-ins: exact figures per policy, and a log of calls."""
-
-    def __init__(self, on_call=None):
-        self.calls: list[str] = []
-        self.on_call = on_call
-
-    def run_trial(
-        self,
-        recipe,
-        policy,
-        *,
-        micro_batch=None,
-        warmup_steps=None,
-        measure_steps=None,
-        timeout_s=None,
-        budget_bytes=None,
-    ):
-        self.calls.append(policy.short(LAYERS))
-        if self.on_call is not None:
-            self.on_call(len(self.calls), policy)
-        steps = measure_steps or recipe.trial.measure_steps
-        peak, thr = fake_peak(policy), fake_throughput(policy)
-        over = budget_bytes is not None and peak > budget_bytes
-        return TrialResult(
-            outcome="over_budget" if over else "ok",
-            peak_bytes=peak,
-            step_time_s=1.0 / thr,
-            throughput=thr,
-            throughput_unit="tokens/s",
-            step_times_s=(1.0 / thr,) * steps,
-            device="cpu",
-        )
-
-    def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
-        return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
-
-
-def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
-    data = {
-        "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2}},
-        "budget": {"value": budget, "margin": 0.05},
-        "search": {"n_trials": n_trials, "seed": 0},
-        "trial": {"warmup_steps": 1, "measure_steps": 2},
-        "tracking": {"uri": tracking_uri, "experiment": f"exp-{tmp_path.name}"},
-        "study": {"storage": "optuna.log"},
-    }
-    return from_dict(data, source=tmp_path / "recipe.yaml")
-
-
-def study_of(recipe, summary) -> TuningStudy:
-    from tuner.search import SearchSpace, inspect_layers
-
-    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
-    return TuningStudy.open(
-        name=summary.study, storage=str(recipe.study.storage), space=space, budget_bytes=summary.budget_bytes
-    )
-
-
-def runs(recipe, kind=None):
-    client = MlflowClient(recipe.tracking.uri)
-    exp = client.get_experiment_by_name(recipe.tracking.experiment)
-    assert exp is not None
-    found = client.search_runs([exp.experiment_id], max_results=1000)
-    return [r for r in found if kind is None or r.data.tags.get("recompute.kind") == kind]
+from tuner.trials import TrialResult
 
 
 def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(tmp_path, tracking_uri, fakes):
@@ -258,7 +175,7 @@ def test_second_ctrl_c_kills_the_trial_and_its_seed_runs_on_resume(tmp_path, tra
 
 
 def test_failed_trials_are_recorded_and_the_session_goes_on(tmp_path, tracking_uri, monkeypatch):
-    fakes = FakeTrials()
+    fakes = ExactTrials()
 
     def flaky(recipe, policy, **kwargs):
         if policy.short(LAYERS) == "FFF":

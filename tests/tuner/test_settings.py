@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.tuner.test_cli import TINY, env, run_cli, write_recipe
+from tests.helpers import child_env
+from tests.tuner.cli_run import TINY, run_cli, write_recipe
 from tuner import preflight
 from tuner.preflight import output_problem, storage_problem, tracking_problem
 
@@ -176,7 +177,7 @@ def test_the_tuner_bounds_mlflow_http_retries_unless_the_user_set_them(tmp_path:
         "MLFLOW_HTTP_REQUEST_TIMEOUT as T, MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT as S\n"
         "print(json.dumps([R.get(), T.get(), S.get()]))\n"
     )
-    e = env()
+    e = child_env()
     for name in preflight_env_names():
         e.pop(name, None)
     e["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "77"  # the user's own value wins

@@ -140,7 +140,7 @@ def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
 def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
-    from lightning_recompute import RecomputeCallback, RecomputePolicy
+    from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
     from tuner.recipe import build_datamodule, build_model, from_dict
 
     recipe = from_dict(spec["recipe"], source=spec.get("source"))
@@ -178,10 +178,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         limit_train_batches=steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[callback],
     )
     trainer.fit(model, datamodule=datamodule)
@@ -435,7 +432,7 @@ def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from lightning_recompute import RecomputeCallback, RecomputePolicy
+    from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
     from tuner.recipe import build_datamodule, build_model, from_dict
 
     recipe = from_dict(spec["recipe"], source=spec.get("source"))
@@ -477,10 +474,7 @@ def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
             limit_train_batches=1,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET_TRAINER,
             callbacks=callbacks,
         )
         trainer.fit(model, datamodule=build_datamodule(recipe, spec.get("micro_batch")))

@@ -7,20 +7,18 @@ The real 2-rank FSDP2 run the terms are checked against is `bench/sharded_planne
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from tests.helpers import REPO
 from tuner.cli import build_parser, main
 from tuner.models import LlamaConfig, LlamaLike
 from tuner.planner import Planner, PlannerError
 from tuner.planner.sharding import STRATEGIES, ParamGroup, ParamLayout, Sharding, shard_profile, sharding_for
 from tuner.profile import LayerProfile, Profile, SegmentCost
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------- a hand-computed profile
 
@@ -226,7 +224,7 @@ def test_cli_strategy_choices_are_the_planners() -> None:
 
 
 def test_cli_plan_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
     assert main(["plan", recipe, "--meta", "L4", "--world-size", "0"]) == 2
     assert "--world-size: must be a positive integer, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
@@ -237,7 +235,7 @@ def test_cli_plan_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 def test_cli_plans_per_rank_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    recipe = str(REPO / "recipes" / "quickstart.yaml")
     code = main(["plan", recipe, "--meta", "L4", "--world-size", "4", "--strategy", "fsdp", "--budget", "1GiB"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -248,5 +246,5 @@ def test_cli_plans_per_rank_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
 def test_llama_70b_recipe_loads() -> None:
     from tuner.recipe import load
 
-    recipe = load(ROOT / "recipes" / "llama-70b-fsdp-plan.yaml")
+    recipe = load(REPO / "recipes" / "llama-70b-fsdp-plan.yaml")
     assert recipe.model.init_args["n_layer"] == 80

@@ -3,15 +3,16 @@ slower, and predicted peaks match the CPU meter on the reference model."""
 
 from __future__ import annotations
 
+import copy
 import itertools
-from typing import Any, Literal, cast
+from typing import Literal
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recompute import RecomputeError, RecomputePolicy
+from lightning_recompute import RecomputeError, RecomputePolicy, step_peak
 from lightning_recompute.reference import ReferenceGPT
 from tuner.planner import BudgetError, Planner, PlannerError, format_front
 from tuner.profile import LayerProfile, Profile, SegmentCost, profile_model
@@ -211,34 +212,6 @@ def _model(attention: Literal["eager", "sdpa"]) -> ReferenceGPT:
     return ReferenceGPT(vocab_size=64, seq_len=T, n_layer=4, n_embd=32, n_head=4, dropout=0.1, attention=attention)
 
 
-def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor], policy: RecomputePolicy) -> int:
-    """The peak of a real Lightning training step (the second: optimizer state exists), as the
-    tuner's trials measure it: RecomputeCallback's CPU meter, params, grads and AdamW state counted."""
-    import copy
-
-    import lightning as L
-    from torch.utils.data import DataLoader, Dataset
-
-    from lightning_recompute import RecomputeCallback
-
-    cb = RecomputeCallback(policy, memory_steps={1})
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    # A list of batches is a map-style dataset (it has __getitem__ and __len__); torch types only Dataset.
-    trainer.fit(copy.deepcopy(model), DataLoader(cast(Dataset[Any], [batch, batch]), batch_size=None))
-    peak = cb.records[1].peak_bytes
-    assert peak is not None, "the callback measured no peak"
-    return peak
-
-
 @pytest.fixture(scope="module")
 def eager_profile() -> tuple[ReferenceGPT, tuple[torch.Tensor, torch.Tensor], Profile]:
     model = _model("eager")
@@ -258,7 +231,7 @@ def test_predicted_peak_matches_the_cpu_meter_within_5_percent(eager_profile, gl
         {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(names, glyphs, strict=False)}
     )
     predicted = Planner(prof).predict(policy).peak_bytes
-    measured = _measured_peak(model, batch, policy)
+    measured = step_peak(copy.deepcopy(model), [batch, batch], policy)
     assert abs(predicted - measured) <= 0.05 * measured, (glyphs, predicted, measured)
 
 
@@ -270,7 +243,7 @@ def test_solved_policy_fits_the_budget_when_measured(eager_profile) -> None:
     budget = least + (none_peak - least) // 2
     plan = planner.solve(budget)
     assert plan.peak_bytes <= budget
-    assert _measured_peak(model, batch, plan.policy) <= budget * 1.05
+    assert step_peak(copy.deepcopy(model), [batch, batch], plan.policy) <= budget * 1.05
     front = planner.pareto_front()
     assert front[0].peak_bytes == least and front[-1].step_time_s == min(p.step_time_s for p in front)
     table = format_front(front, {"budget": budget})
@@ -300,6 +273,6 @@ def test_micro_batch_scaling_predicts_a_larger_batch_within_5_percent(eager_prof
             {n: {".": "none", "s": "selective", "F": "full"}[g] for n, g in zip(prof.layer_names, glyphs, strict=False)}
         )
         predicted = planner.predict(policy, micro_batch=2 * B)
-        measured = _measured_peak(model, big, policy)
+        measured = step_peak(copy.deepcopy(model), [big, big], policy)
         assert predicted.micro_batch == 2 * B
         assert abs(predicted.peak_bytes - measured) <= 0.05 * measured, (glyphs, predicted.peak_bytes, measured)

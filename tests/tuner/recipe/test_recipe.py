@@ -16,9 +16,8 @@ import yaml
 from lightning_recompute import RecomputePolicy
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+from tests.helpers import REPO
 from tuner import recipe as R
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class NeedsWidth(L.LightningModule):

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from lightning_recompute import RecomputePolicy
+from tests.helpers import REPO
 from tuner import recipe as R
 from tuner.trials import NumericsResult, TrialResult, check_numerics, device_info, run_trial, summarize_steps
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
 BATCH = 4
 

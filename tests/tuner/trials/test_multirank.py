@@ -27,6 +27,7 @@ import yaml
 from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
+from tests.helpers import REPO
 from tuner import session
 from tuner.planner.seeds import seeds_off_reason
 from tuner.recipe import Recipe, from_dict, load
@@ -36,7 +37,6 @@ from tuner.trials.runner import _pids_with_env
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="PyTorch built without distributed")
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL_ARGS = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_embd": 32, "n_head": 2, "dropout": 0.1}
 BATCH, SEQ = 2, 16
 MARK_ENV = "RECOMPUTE_TEST_MULTIRANK_MARK"

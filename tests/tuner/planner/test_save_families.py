@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
 
-from lightning_recompute import RecomputePolicy
+from lightning_recompute import step_peak
 from lightning_recompute.reference import ReferenceGPT
 from tuner.planner import Planner
 from tuner.profile import Profile, profile_model
@@ -32,29 +32,6 @@ def measured() -> tuple[ReferenceGPT, tuple[torch.Tensor, torch.Tensor], Profile
     batch = (x, x.roll(-1, 1))
     prof = profile_model(model, batch, modes=MODES, repeats=1, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     return model, batch, prof
-
-
-def _measured_peak(model: ReferenceGPT, batch: tuple[torch.Tensor, torch.Tensor], policy: RecomputePolicy) -> int:
-    import lightning as L
-    from torch.utils.data import DataLoader, Dataset
-
-    from lightning_recompute import RecomputeCallback
-
-    cb = RecomputeCallback(policy, memory_steps={1}, free_grads_at_batch_start=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    trainer.fit(copy.deepcopy(model), DataLoader(cast(Dataset[Any], [batch, batch]), batch_size=None))
-    peak = cb.records[1].peak_bytes
-    assert peak is not None
-    return peak
 
 
 @pytest.mark.slow
@@ -87,7 +64,7 @@ def test_the_planner_mixes_families_per_layer_and_predicts_their_peak(measured: 
     assert chosen & set(FAMILY_MODES), f"no family on the Pareto front: {[p.short() for p in front]}"
     # A front point using a family: the prediction holds when measured, as for the other modes.
     pick = next(p for p in front if set(p.modes.values()) & set(FAMILY_MODES))
-    measured_peak = _measured_peak(model, batch, pick.policy)
+    measured_peak = step_peak(copy.deepcopy(model), [batch, batch], pick.policy, free_grads_at_batch_start=False)
     assert abs(pick.peak_bytes - measured_peak) <= 0.05 * measured_peak, (pick.short(), pick.peak_bytes, measured_peak)
     # Without the families the planner cannot produce those points.
     assert not {m for p in planner.pareto_front(["none", "selective", "full"]) for m in p.modes.values()} & set(

@@ -7,19 +7,18 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_recompute.reference import ReferenceGPT
+from tests.helpers import REPO
 from tuner.models import LlamaConfig, LlamaLike, token_batch
 from tuner.profile import HARDWARE, Profile, ProfileError, profile_meta, profile_model
 
 B, T, C, H = 4, 32, 32, 4
 E = 4  # float32
 BTC, BHTT = B * T * C, B * H * T * T
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpt(**kw: object) -> ReferenceGPT:
@@ -167,8 +166,8 @@ def test_7b_llama_at_4096_tokens_plans_on_meta_without_allocating() -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])

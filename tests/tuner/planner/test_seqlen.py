@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import pytest
 
-from lightning_recompute import RecomputeCallback, RecomputeError, RecomputePolicy
+from lightning_recompute import RecomputeError, step_peak
 from tuner import commands
 from tuner.planner import Planner
 from tuner.planner.seqlen import BEST_MIXED, longest_fits
@@ -38,25 +37,6 @@ def _recipe(**model_args: Any) -> Recipe:
     )
 
 
-def _measured_peak(recipe: Recipe, policy: RecomputePolicy) -> int:
-    """A training step's peak as the tuner's trials measure it (the second step: optimizer state exists)."""
-    L.seed_everything(0, verbose=False)
-    cb = RecomputeCallback(policy, layers=recipe.layers, memory_steps={1})
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-    )
-    trainer.fit(build_model(recipe), datamodule=build_datamodule(recipe))
-    peak = cb.records[1].peak_bytes
-    assert peak is not None
-    return peak
-
-
 @pytest.mark.slow
 def test_the_predicted_longest_sequence_fits_when_measured_and_one_step_more_does_not() -> None:
     recipe = _recipe()
@@ -73,14 +53,14 @@ def test_the_predicted_longest_sequence_fits_when_measured_and_one_step_more_doe
     for fit in (none, best):
         assert fit.seq_len is not None and fit.plan is not None
         at, _ = commands.with_seq_len(recipe, "seq_len", fit.seq_len)
-        assert _measured_peak(at, fit.plan.policy) <= BUDGET
+        assert step_peak(build_model(at), build_datamodule(at), fit.plan.policy, layers=at.layers) <= BUDGET
         longer, _ = commands.with_seq_len(recipe, "seq_len", fit.seq_len + STEP)
         if fit.family == BEST_MIXED:
             # One step longer nothing fits: even the policy of least predicted peak there measures over.
             least = Planner(profile_recipe_meta(longer, None, "H100")).pareto_front(["none", "full"])[0].policy
         else:
             least = fit.plan.policy
-        assert _measured_peak(longer, least) > BUDGET
+        assert step_peak(build_model(longer), build_datamodule(longer), least, layers=longer.layers) > BUDGET
 
 
 def test_a_recipe_without_the_argument_and_bad_search_bounds_are_clear_errors() -> None:

@@ -1,0 +1,20 @@
+"""Helpers every test package shares: the repository's root and the environment of a child interpreter."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root (the folder holding ``tests/``, ``tuner/`` and ``recipes/``)."""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child interpreter: the repository importable (so ``tests.*``
+    class paths resolve), output unbuffered (so a test reading a pipe sees lines as they come), and
+    ``extra`` on top."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env

@@ -1,0 +1,157 @@
+"""Stand-ins for the tuner's trial runner and numerics check, and the tiny recipes they price.
+
+`ExactTrials` prices a session's trials per mode (exact peaks and speeds, so a session's bookkeeping
+can be checked exactly); `FixedTrials` gives the gate fixed figures per policy. Optuna and MLflow
+stay real in the tests that use them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from mlflow import MlflowClient
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner.recipe import from_dict
+from tuner.search import TuningStudy
+from tuner.trials import NumericsResult, Outcome, TrialResult
+
+GATE_LAYERS = ("blocks.0", "blocks.1")
+"""The two layers of the gate tests' model."""
+
+MIB = 1 << 20
+KEPT = {"none": 4 * MIB, "selective": 2 * MIB, "full": 1 * MIB}
+COST = {"none": 0.0, "selective": 30.0, "full": 100.0}
+BASE = 2 * MIB
+SESSION_LAYERS = ("blocks.0", "blocks.1", "blocks.2")
+"""The three layers of `make_recipe`'s model, which `ExactTrials` prices."""
+
+
+def fake_peak(policy: RecomputePolicy | None) -> int:
+    assert policy is not None, "every measured trial records its policy"
+    return BASE + sum(KEPT[policy.mode_for(n).value] for n in SESSION_LAYERS)
+
+
+def fake_throughput(policy: RecomputePolicy | None) -> float:
+    assert policy is not None, "every measured trial records its policy"
+    return 1000.0 - sum(COST[policy.mode_for(n).value] for n in SESSION_LAYERS)
+
+
+class ExactTrials:
+    """`run_trial` / `check_numerics` stand-ins for a session: exact figures per mode, and a log of calls."""
+
+    def __init__(self, on_call=None):
+        self.calls: list[str] = []
+        self.on_call = on_call
+
+    def run_trial(
+        self,
+        recipe,
+        policy,
+        *,
+        micro_batch=None,
+        warmup_steps=None,
+        measure_steps=None,
+        timeout_s=None,
+        budget_bytes=None,
+    ):
+        self.calls.append(policy.short(SESSION_LAYERS))
+        if self.on_call is not None:
+            self.on_call(len(self.calls), policy)
+        steps = measure_steps or recipe.trial.measure_steps
+        peak, thr = fake_peak(policy), fake_throughput(policy)
+        over = budget_bytes is not None and peak > budget_bytes
+        return TrialResult(
+            outcome="over_budget" if over else "ok",
+            peak_bytes=peak,
+            step_time_s=1.0 / thr,
+            throughput=thr,
+            throughput_unit="tokens/s",
+            step_times_s=(1.0 / thr,) * steps,
+            device="cpu",
+        )
+
+    def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
+        return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
+
+
+def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
+    data = {
+        "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2}},
+        "budget": {"value": budget, "margin": 0.05},
+        "search": {"n_trials": n_trials, "seed": 0},
+        "trial": {"warmup_steps": 1, "measure_steps": 2},
+        "tracking": {"uri": tracking_uri, "experiment": f"exp-{tmp_path.name}"},
+        "study": {"storage": "optuna.log"},
+    }
+    return from_dict(data, source=tmp_path / "recipe.yaml")
+
+
+def study_of(recipe, summary) -> TuningStudy:
+    from tuner.search import SearchSpace, inspect_layers
+
+    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
+    return TuningStudy.open(
+        name=summary.study, storage=str(recipe.study.storage), space=space, budget_bytes=summary.budget_bytes
+    )
+
+
+def runs(recipe, kind=None):
+    client = MlflowClient(recipe.tracking.uri)
+    exp = client.get_experiment_by_name(recipe.tracking.experiment)
+    assert exp is not None
+    found = client.search_runs([exp.experiment_id], max_results=1000)
+    return [r for r in found if kind is None or r.data.tags.get("recompute.kind") == kind]
+
+
+class FixedTrials:
+    """`run_trial` stand-in for the gate: each policy has a fixed peak and throughput; every call is recorded."""
+
+    def __init__(
+        self,
+        speeds: dict[RecomputePolicy, float],
+        peaks: dict[RecomputePolicy, int] | None = None,
+        outcome: dict[RecomputePolicy, str] | None = None,
+        short_by: int = 0,
+    ) -> None:
+        self.speeds, self.peaks, self.outcome, self.short_by = speeds, peaks or {}, outcome or {}, short_by
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, recipe: Any, policy: RecomputePolicy, **kw: Any) -> TrialResult:
+        self.calls.append({"policy": policy, **kw})
+        outcome = self.outcome.get(policy, "ok")
+        if outcome not in ("ok", "over_budget"):
+            return TrialResult(outcome=outcome, error=f"injected {outcome}")  # type: ignore[arg-type]
+        peak = self.peaks.get(policy, 50 * 2**20)
+        if kw.get("budget_bytes") is not None and peak > kw["budget_bytes"]:
+            outcome = "over_budget"
+        thr = self.speeds[policy]
+        n = kw["measure_steps"] - self.short_by
+        return TrialResult(
+            outcome=cast(Outcome, outcome),
+            peak_bytes=peak,
+            step_time_s=1 / thr,
+            throughput=thr,
+            tokens_per_s=thr,
+            throughput_unit="tokens/s",
+            step_times_s=(1 / thr,) * n,
+            wall_s=1.0,
+            device="cpu",
+        )
+
+    def who(self, names: dict[RecomputePolicy, str]) -> list[str]:
+        """The calls' policies, by the names given."""
+        return [names[c["policy"]] for c in self.calls]
+
+
+def numerics(equal: bool = True) -> Any:
+    calls: list[RecomputePolicy] = []
+
+    def check(recipe: Any, policy: RecomputePolicy, **kw: Any) -> NumericsResult:
+        calls.append(policy)
+        if equal:
+            return NumericsResult(True, 0.0, "loss and 12 gradients bitwise equal")
+        return NumericsResult(False, 3e-3, "grad of blocks.1.mlp.weight differs")
+
+    check.calls = calls  # type: ignore[attr-defined]
+    return check
