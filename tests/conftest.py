@@ -1,9 +1,11 @@
-"""Fixtures shared by the plugin and tuner tests."""
+"""Fixtures shared by the plugin and tuner tests, and the fast tier's guard against unmarked subprocesses."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,28 @@ import pytest
 
 from lightning_recompute import QUIET_TRAINER
 from tests.servers import MlflowServer, PostgresCluster, ServerUnavailable
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a test not marked ``slow`` that starts a process (an interpreter, a server, a launch of ranks).
+
+    The fast tier (``-m 'not slow'``, the default) promises to start none: a process costs seconds
+    to import torch and Lightning, and a new test that starts one without saying so is how a
+    three-minute suite became a forty-minute one. This makes the marker a checked fact.
+    """
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        program = args if isinstance(args, (str, bytes, os.PathLike)) else next(iter(args), "")
+        pytest.fail(
+            f"{request.node.nodeid} starts a process ({os.fsdecode(program)!r}) but is not marked slow: "
+            "mark it @pytest.mark.slow (the fast tier starts no process)",
+            pytrace=False,
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture(scope="session")
