@@ -76,6 +76,7 @@ def dead_pid() -> int:
 # ---------------------------------------------------------------------------------------------- owners
 
 
+@pytest.mark.slow
 def test_an_owner_on_this_host_is_dead_once_its_pid_is_gone_and_elsewhere_after_the_grace_period():
     me = Owner.me()
     assert dead_reason(me, None, grace=1.0, since=0.0) is None  # alive here, however old
@@ -100,6 +101,7 @@ def test_the_grace_period_and_heartbeat_come_from_the_environment_and_bad_values
 # ---------------------------------------------------------------------------------------------- a dead session
 
 
+@pytest.mark.slow
 def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measured_by_the_next(
     tmp_path, tracking_uri, fakes
 ):
@@ -134,6 +136,7 @@ def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measure
     assert sorted(logged) == sorted(str(t.number) for t in asked) and set(logged.values()) == {1}
 
 
+@pytest.mark.slow
 def test_a_setup_whose_owner_died_is_taken_over_at_once(tmp_path, tracking_uri, fakes, monkeypatch):
     run_child(tmp_path, tracking_uri, kill_on_call=0, RECOMPUTE_TUNE_TEST_KILL_AT="profiling")
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
@@ -182,6 +185,7 @@ def test_a_trial_of_a_silent_owner_on_another_host_is_reaped_after_the_grace_per
 # ---------------------------------------------------------------------------------------------- workers, folders
 
 
+@pytest.mark.slow
 def test_trial_folders_of_dead_owners_are_removed_with_their_processes_and_live_ones_kept(tmp_path):
     def folder(name: str, owner: Owner | None) -> Path:
         f = tmp_path / f"recompute-trial-{name}"
@@ -206,6 +210,7 @@ def test_trial_folders_of_dead_owners_are_removed_with_their_processes_and_live_
     assert not dead.exists() and live.exists() and unowned.exists() and elsewhere.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_trial_worker_dies_with_its_parent(tmp_path):
     # A parent starts the worker (which then waits on stdin-less sleep via a hang spec) and is SIGKILLed.

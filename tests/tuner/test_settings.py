@@ -141,6 +141,7 @@ def test_problems_are_reported_together(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow
 def test_tune_refuses_bad_settings_before_profiling(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     write_recipe(
@@ -158,6 +159,7 @@ def test_tune_refuses_bad_settings_before_profiling(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "tiny.yaml"]  # no database, no policy
 
 
+@pytest.mark.slow
 def test_an_unreachable_tracking_server_fails_clearly(tmp_path: Path) -> None:
     port = closed_port()
     write_recipe(tmp_path, tracking={"uri": f"http://127.0.0.1:{port}/"})
@@ -168,6 +170,7 @@ def test_an_unreachable_tracking_server_fails_clearly(tmp_path: Path) -> None:
     assert not (tmp_path / "optuna.db").exists()
 
 
+@pytest.mark.slow
 def test_the_tuner_bounds_mlflow_http_retries_unless_the_user_set_them(tmp_path: Path) -> None:
     script = (
         "import json, os\n"
@@ -193,6 +196,7 @@ def preflight_env_names() -> list[str]:
     return list(TRACKING_REQUEST_DEFAULTS)
 
 
+@pytest.mark.slow
 def test_plan_refuses_an_unwritable_write_path_and_rejected_init_args(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     write_recipe(tmp_path)
@@ -207,6 +211,7 @@ def test_plan_refuses_an_unwritable_write_path_and_rejected_init_args(tmp_path: 
     assert "model.init_args:" in proc.stderr and "n_head=4" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_read_only_commands_create_no_database(tmp_path: Path) -> None:
     write_recipe(tmp_path)
     proc = run_cli(tmp_path, "history", "tiny.yaml", "--format", "json", timeout=300)

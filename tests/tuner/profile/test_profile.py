@@ -137,6 +137,7 @@ def test_meta_llama_selective_and_emulated_offload() -> None:
     assert any("emulated" in n for n in prof.notes)
 
 
+@pytest.mark.slow
 def test_7b_llama_at_4096_tokens_plans_on_meta_without_allocating() -> None:
     # In a fresh interpreter so that its peak resident memory is this plan's alone. The model's
     # bf16 parameters alone would be 12.6 GiB; the step's tensors well over 60 GiB.

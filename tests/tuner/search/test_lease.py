@@ -113,6 +113,7 @@ def _hold(storage: optuna.storages.BaseStorage, host: str, pid: int) -> None:
     storage.set_study_user_attr(lease_id, "since", "2026-01-01T00:00:00+00:00")
 
 
+@pytest.mark.slow
 def test_a_lease_whose_holder_died_on_this_host_is_broken(tmp_path: Path) -> None:
     storage = open_storage(_storage_url(tmp_path, "journal"))
     gone = subprocess.run(
