@@ -54,6 +54,8 @@ class StepRecord:
     """Samples in the batch."""
     tokens: int | None
     """Tokens in the batch (``None`` when the batch has no sequence dimension)."""
+    policy: str | None = None
+    """Fingerprint of the policy the batch ran under (`RecomputeCallback.switch_policy` may change it)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -184,6 +186,28 @@ class RecomputeCallback(L.Callback):
         self.grad_freeing = decide_grad_freeing(self.free_grads_at_batch_start, trainer, pl_module, self)
         rank_zero_info(self.grad_freeing.describe())
 
+    def switch_policy(self, pl_module: L.LightningModule, policy: PolicyLike) -> AppliedPolicy:
+        """Put ``policy`` on the model in place of the current one, for the batches that follow.
+
+        Recomputation never changes what a step computes, so a policy may change between any two
+        training batches without changing training (with gradient accumulation, switch at optimizer-step
+        boundaries so one step's micro-batches share a memory profile). The old policy is removed
+        first, so the model is exactly as `apply_policy` would leave it; `StepRecord.policy` says
+        which policy each batch ran under.
+
+        Call it between batches (from another callback's ``on_train_batch_end``, or outside ``fit``).
+
+        Raises:
+            RecomputeError: called while a batch runs.
+            PolicyError: the policy is invalid or matches no layer.
+        """
+        if self._step is not None:
+            raise RecomputeError("RecomputeCallback.switch_policy: called while a batch runs; call it between batches")
+        new = as_policy(policy)
+        self.applied = apply_policy(pl_module, new, self.layers)
+        self.policy = new
+        return self.applied
+
     def _finish_deferred(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         already = applied_policy(pl_module)
         if already is not None:
@@ -279,7 +303,12 @@ class RecomputeCallback(L.Callback):
         if seconds is None:
             return
         record = StepRecord(
-            step=self._step, seconds=seconds, peak_bytes=peak, samples=_samples(batch), tokens=_tokens(batch)
+            step=self._step,
+            seconds=seconds,
+            peak_bytes=peak,
+            samples=_samples(batch),
+            tokens=_tokens(batch),
+            policy=self.policy.fingerprint(),
         )
         self._step = None
         self.records.append(record)
