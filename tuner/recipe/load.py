@@ -139,6 +139,7 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
         budget=parsed.budget,
         search=parsed.search,
         trial=parsed.trial,
+        race=parsed.race,
         tracking=tracking,
         study=study,
         output=_resolve_path(parsed.output or "policy.yaml", folder),

@@ -341,6 +341,32 @@ class TrialSettings:
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
+class RaceSettings:
+    """The race before the gate: the leading candidates re-measured interleaved in one process."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Race the leaders before the gate. Off: the best single trial is gated, and no 'vs' figure is "
+        "printed (single trials are not comparable).",
+    )
+    leaders: _PositiveInt = Field(
+        default=4, description="How many of the fastest fitting trials race (besides the planner's pick and baselines)."
+    )
+    steps: _PositiveInt = Field(default=2, description="Timed steps per candidate per round (after one settling step).")
+    min_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
+        default=6, description="Rounds before the race may stop early on a separated leader."
+    )
+    max_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(default=30, description="Selection rounds at most.")
+    time_s: float = Field(default=120.0, gt=0, description="Seconds of selection rounds at most.")
+    estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
+        default=8, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
+    )
+    confidence: float = Field(
+        default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
 class TrackingSettings:
     """Where MLflow records sessions, trials and decisions."""
 
@@ -427,6 +453,7 @@ class _RecipeFile:
     )
     search: SearchSettings = Field(default_factory=SearchSettings, description="The search.")
     trial: TrialSettings = Field(default_factory=TrialSettings, description="One trial's length.")
+    race: RaceSettings = Field(default_factory=RaceSettings, description="The race before the gate.")
     tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow tracking.")
     study: StudySettings = Field(default_factory=StudySettings, description="Optuna study storage.")
     output: str | None = Field(
@@ -444,6 +471,7 @@ _SECTIONS: dict[str, type] = {
     "budget": Budget,
     "search": SearchSettings,
     "trial": TrialSettings,
+    "race": RaceSettings,
     "tracking": TrackingSettings,
     "study": StudySettings,
 }
@@ -474,6 +502,8 @@ class Recipe:
     """The search."""
     trial: TrialSettings
     """One trial's length."""
+    race: RaceSettings
+    """The race before the gate."""
     tracking: TrackingSettings
     """MLflow tracking; ``experiment`` is always set."""
     study: StudySettings
@@ -497,6 +527,7 @@ class Recipe:
             "budget": dataclasses.asdict(self.budget),
             "search": jsonable(dataclasses.asdict(self.search)),
             "trial": dataclasses.asdict(self.trial),
+            "race": dataclasses.asdict(self.race),
             "tracking": dataclasses.asdict(self.tracking),
             "study": dataclasses.asdict(self.study),
             "output": str(self.output),

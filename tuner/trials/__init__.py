@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         device_info,
         merge_ranks,
         profile_recipe,
+        run_race,
         run_trial,
         summarize_steps,
     )
@@ -40,6 +41,7 @@ __all__ = [
     "device_info",
     "merge_ranks",
     "profile_recipe",
+    "run_race",
     "run_trial",
     "summarize_steps",
 ]

@@ -38,6 +38,7 @@ from tuner.trials.worker import rank_result_path, spec_ranks
 
 if TYPE_CHECKING:
     from tuner.profile import Profile
+    from tuner.race import RacePlan, RaceResult
 
 __all__ = [
     "NumericsResult",
@@ -48,6 +49,7 @@ __all__ = [
     "device_info",
     "merge_ranks",
     "profile_recipe",
+    "run_race",
     "run_trial",
     "summarize_steps",
 ]
@@ -217,6 +219,66 @@ def run_trial(
     return TrialResult(
         outcome=outcome, wall_s=run.wall_s, error=error, stderr_tail=run.tail, **_device_fields(recipe, res)
     )
+
+
+def run_race(
+    recipe: Recipe,
+    entrants: Sequence[tuple[RecomputePolicy, Sequence[str]]],
+    *,
+    layer_names: Sequence[str],
+    references: Sequence[RecomputePolicy] = (),
+    micro_batch: int | None = None,
+    budget_bytes: int | None = None,
+    plan: RacePlan | None = None,
+    timeout_s: float | None = None,
+) -> RaceResult:
+    """Race ``entrants`` (a policy and why it races) interleaved on one model, in one subprocess.
+
+    See `tuner.race.engine` for how. Entrants are keyed by their policy's fingerprint; ``references``
+    (entrants too) are what the winner's "vs" figures are about. Never raises for what the race does:
+    a worker that fails gives a ``failed`` result with the reason.
+
+    Args:
+        recipe: the recipe (model, data, trainer; ``race`` for the plan unless ``plan`` is given).
+        entrants: ``(policy, labels)``; equal policies are raced once, their labels merged.
+        layer_names: the model's layers, for each policy's glyphs (the tie-break reads them).
+        references: the policies the winner is compared with in the estimation phase.
+        micro_batch: the micro-batch every entrant runs at (``None``: the data module's).
+        budget_bytes: an entrant peaking over it is out of the race.
+        plan: how long and how sure (default: from ``recipe.race``).
+        timeout_s: the worker's deadline (default: a trial's timeout plus twice the race's time).
+    """
+    from tuner.race import RacePlan, RaceResult
+
+    plan = plan or RacePlan.from_recipe(recipe)
+    labels: dict[str, list[str]] = {}
+    policies: dict[str, RecomputePolicy] = {}
+    for policy, why in entrants:
+        key = policy.fingerprint()
+        policies.setdefault(key, policy)
+        labels.setdefault(key, []).extend(w for w in why if w not in labels.get(key, []))
+    if not policies:
+        return RaceResult(outcome="skipped", reason="no entrant")
+    spec = {
+        **_recipe_spec(recipe, micro_batch),
+        "kind": "race",
+        "entrants": [{"key": k, "policy": p.to_dict(), "short": p.short(layer_names)} for k, p in policies.items()],
+        "references": [p.fingerprint() for p in references if p.fingerprint() in policies],
+        "budget_bytes": budget_bytes,
+        "plan": plan.to_dict(),
+    }
+    limit = float(timeout_s) if timeout_s is not None else float(recipe.trial.timeout_s) + 2.0 * plan.time_s
+    run = _run_worker(spec, limit, recipe.trial.env)
+    if run.timed_out:
+        return RaceResult(outcome="failed", reason=f"no result within {limit:g} s; the race's process group was killed")
+    res = run.result
+    if res is None or res.get("outcome") != "ok":
+        outcome, error = _classify_failure(run)
+        return RaceResult(outcome="failed", reason=f"the race ended {outcome}: {error}")
+    try:
+        return RaceResult.from_worker(res, labels)
+    except (KeyError, TypeError, ValueError) as err:
+        return RaceResult(outcome="failed", reason=f"malformed race result: {err!r}")
 
 
 def check_numerics(

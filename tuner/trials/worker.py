@@ -15,6 +15,7 @@ Spec kinds:
   deterministic mode, at a micro-batch where no recompute fits, against the spread of two runs without it.
 - ``device``: the name and total memory of the device the recipe's accelerator selects.
 - ``profile``: the recipe's per-layer cost profile (`tuner.profile.recipe_profile`), as a mapping.
+- ``race``: several policies measured in turn on one model in one fit (`tuner.race.engine`).
 
 With ``trainer.devices`` N > 1, ``trial`` and ``numerics`` run on N ranks: this process is rank 0,
 and Lightning's launcher starts ranks 1..N-1 by running this same command (``LOCAL_RANK`` set) in
@@ -77,8 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload = {"outcome": "ok", **_device(spec["accelerator"])}
         elif kind == "profile":
             payload = _profile(spec)
+        elif kind == "race":
+            payload = _race(spec)
         else:
-            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device, profile")
+            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device, profile, race")
     except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
         traceback.print_exc()
         oom = is_oom_error(err)
@@ -195,6 +198,35 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         ],
         **_device(recipe.trainer.accelerator),
     }
+
+
+def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
+    import lightning as L
+
+    from lightning_recompute import RecomputePolicy
+    from tuner.race.engine import RacePlan, race
+    from tuner.recipe import build_datamodule, build_model, from_dict
+
+    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    L.seed_everything(recipe.search.seed, verbose=False)
+    entrants = [
+        (str(e["key"]), RecomputePolicy.from_dict(e["policy"], source=f"race entrant {e['key']}"), str(e["short"]))
+        for e in spec["entrants"]
+    ]
+    result = race(
+        build_model(recipe),
+        build_datamodule(recipe, spec.get("micro_batch")),
+        entrants,
+        references=spec.get("references", ()),
+        plan=RacePlan.from_dict(spec.get("plan", {})),
+        budget_bytes=spec.get("budget_bytes"),
+        layers=recipe.layers,
+        trainer_kwargs={
+            "accelerator": recipe.trainer.accelerator,
+            "precision": _precision(recipe.trainer.precision),
+        },
+    )
+    return {**result, **_device(recipe.trainer.accelerator)}
 
 
 def _compile_seconds() -> float:

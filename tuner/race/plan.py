@@ -1,0 +1,58 @@
+"""How long a race runs and how sure it must be: the recipe's ``race`` section as the race engine reads it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+
+__all__ = ["RacePlan"]
+
+
+@dataclass(frozen=True)
+class RacePlan:
+    """How long a race runs and how sure it must be (see `tuner.recipe.schema.RaceSettings` for the user's view)."""
+
+    steps: int = 2
+    """Timed steps per entrant per round (after one settling step)."""
+    min_rounds: int = 6
+    """Selection rounds before the race may stop early."""
+    max_rounds: int = 30
+    """Selection rounds at most."""
+    time_s: float = 120.0
+    """Seconds of selection rounds at most (the round in progress finishes)."""
+    estimate_rounds: int = 8
+    """Rounds of the estimation phase (the winner against the references)."""
+    confidence: float = 0.95
+    """Confidence of the intervals reported, and of "tied" (not separated at this level)."""
+    stop_confidence: float = 0.99
+    """Confidence the selection needs to stop before `max_rounds` (stricter: it looks after every round)."""
+    warmup_steps: int = 2
+    """Steps before the first round (lazy initialisation, optimizer state), neither timed nor metered."""
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> RacePlan:
+        """The plan of ``recipe.race``, warmed up as long as the recipe's trials (at least one step)."""
+        r = recipe.race
+        return cls(
+            steps=r.steps,
+            min_rounds=r.min_rounds,
+            max_rounds=r.max_rounds,
+            time_s=r.time_s,
+            estimate_rounds=r.estimate_rounds,
+            confidence=r.confidence,
+            warmup_steps=max(1, recipe.trial.warmup_steps),
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RacePlan:
+        """The inverse of `to_dict` (keys it does not know are ignored: a newer parent's plan)."""
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+        return dataclasses.asdict(self)

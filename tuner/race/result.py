@@ -1,0 +1,196 @@
+"""What a race found, as the parent reads it: the winner, the tie, and figures with their intervals."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tuner.race.stats import Interval
+
+__all__ = ["RaceEntrant", "RaceResult", "format_gain"]
+
+RaceOutcome = Literal["ok", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class RaceEntrant:
+    """One policy in a race."""
+
+    key: str
+    """The entrant's key (its policy's fingerprint)."""
+    short: str
+    """Its glyphs, one per layer."""
+    labels: tuple[str, ...]
+    """Why it raced: ``trial 12``, ``planner``, ``baseline full``, ``good`` ..."""
+    peak_bytes: int | None = None
+    """The highest peak metered in the race."""
+    out: str | None = None
+    """Why it left the race (over the limit), or ``None``."""
+    select_s: tuple[float | None, ...] = ()
+    """Its time per selection round (median of its timed steps there; ``None``: not run that round)."""
+    estimate_s: tuple[float | None, ...] = ()
+    """Its time per estimation round."""
+
+    def median_s(self) -> float | None:
+        """Median of its round times over both phases, or ``None`` if it ran none."""
+        times = [t for t in (*self.select_s, *self.estimate_s) if t is not None]
+        return statistics.median(times) if times else None
+
+    @property
+    def label(self) -> str:
+        """Its labels in one string (``trial 3 = baseline full``)."""
+        return " = ".join(self.labels) if self.labels else self.key
+
+
+def format_gain(interval: Interval) -> str:
+    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``."""
+    gain, low, high = interval.gain()
+    return (
+        f"{gain * 100:+.1f}% ({interval.confidence:.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
+        f"interleaved, {interval.rounds} rounds)"
+    )
+
+
+@dataclass(frozen=True)
+class RaceResult:
+    """A race's outcome: ``ok`` with a winner, or why there was none."""
+
+    outcome: RaceOutcome
+    """``ok``, ``failed`` (the worker failed; the reason says how) or ``skipped`` (not raced; the reason says why)."""
+    reason: str | None = None
+    entrants: dict[str, RaceEntrant] = field(default_factory=dict)
+    winner: str | None = None
+    """Key of the entrant chosen: the leader, or of those tied with it the one with the most headroom,
+    then the least recomputation."""
+    leader: str | None = None
+    """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
+    tied: tuple[str, ...] = ()
+    """The leader and every entrant within noise of it."""
+    behind: dict[str, Interval] = field(default_factory=dict)
+    """Selection: each entrant's time over the leader's."""
+    vs: dict[str, Interval] = field(default_factory=dict)
+    """Estimation: each reference's time over the winner's (above 1: the winner is faster)."""
+    stop: str = ""
+    """Why the selection stopped."""
+    select_rounds: int = 0
+    estimate_rounds: int = 0
+    tokens_per_step: int | None = None
+    samples_per_step: int | None = None
+    wall_s: float = 0.0
+    machine_before: dict[str, Any] = field(default_factory=dict)
+    machine_after: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok" and self.winner is not None
+
+    @property
+    def unit(self) -> str:
+        return "tokens/s" if self.tokens_per_step else "samples/s"
+
+    def throughput(self, key: str) -> float | None:
+        """An entrant's throughput from its median round time (``None``: not measured)."""
+        entrant = self.entrants.get(key)
+        per_step = self.tokens_per_step or self.samples_per_step
+        t = entrant.median_s() if entrant is not None else None
+        return per_step / t if per_step and t else None
+
+    def is_tie(self) -> bool:
+        """More than one entrant within noise of the leader."""
+        return len(self.tied) > 1
+
+    def tie_line(self) -> str | None:
+        """``tie within noise: ...; chose ... (...)`` when the selection ended in a tie."""
+        if not self.is_tie() or self.winner is None:
+            return None
+        names = ", ".join(self.entrants[k].short for k in self.tied)
+        why = "the leader" if self.winner == self.leader else "more memory headroom, then less recomputation"
+        return f"tie within noise between {names}; chose {self.entrants[self.winner].short} ({why})"
+
+    def headlines(self) -> list[str]:
+        """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ..., interleaved, 14 rounds)``."""
+        if self.winner is None:
+            return []
+        win = self.entrants[self.winner]
+        lines = []
+        for key, iv in self.vs.items():
+            ref = self.entrants[key]
+            lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
+        return lines
+
+    # ---------------------------------------------------------------- conversion
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready); `from_dict` of it is an equal result."""
+        d = dataclasses.asdict(self)
+        d["behind"] = {k: v.to_dict() for k, v in self.behind.items()}
+        d["vs"] = {k: v.to_dict() for k, v in self.vs.items()}
+        d["entrants"] = {
+            k: {
+                **dataclasses.asdict(e),
+                "labels": list(e.labels),
+                "select_s": list(e.select_s),
+                "estimate_s": list(e.estimate_s),
+            }
+            for k, e in self.entrants.items()
+        }
+        d["tied"] = list(self.tied)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
+        values = dict(data)
+        values["entrants"] = {
+            k: RaceEntrant(
+                **{
+                    **e,
+                    "labels": tuple(e.get("labels", ())),
+                    "select_s": tuple(e.get("select_s", ())),
+                    "estimate_s": tuple(e.get("estimate_s", ())),
+                }
+            )
+            for k, e in data.get("entrants", {}).items()
+        }
+        values["behind"] = {k: Interval(**v) for k, v in data.get("behind", {}).items()}
+        values["vs"] = {k: Interval(**v) for k, v in data.get("vs", {}).items()}
+        values["tied"] = tuple(data.get("tied", ()))
+        return cls(**values)
+
+    @classmethod
+    def from_worker(cls, res: Mapping[str, Any], labels: Mapping[str, Sequence[str]]) -> RaceResult:
+        """The result of `tuner.race.engine.race` (the worker's payload), with each entrant's labels."""
+        sel, est = res.get("selection", {}), res.get("estimate", {})
+        entrants = {
+            k: RaceEntrant(
+                key=k,
+                short=str(e["short"]),
+                labels=tuple(labels.get(k, ())),
+                peak_bytes=e.get("peak_bytes"),
+                out=e.get("out"),
+                select_s=tuple(e.get("select_s", ())),
+                estimate_s=tuple(e.get("estimate_s", ())),
+            )
+            for k, e in res.get("entrants", {}).items()
+        }
+        return cls(
+            outcome="ok",
+            entrants=entrants,
+            winner=sel.get("winner"),
+            leader=sel.get("leader") or sel.get("winner"),
+            tied=tuple(sel.get("tied", ())),
+            behind={k: Interval(**v) for k, v in sel.get("behind", {}).items()},
+            vs={k: Interval(**v) for k, v in est.get("vs", {}).items()},
+            stop=str(sel.get("stop", "")),
+            select_rounds=int(sel.get("rounds", 0)),
+            estimate_rounds=int(est.get("rounds", 0)),
+            tokens_per_step=res.get("tokens_per_step"),
+            samples_per_step=res.get("samples_per_step"),
+            wall_s=float(res.get("wall_s", 0.0)),
+            machine_before=dict(res.get("machine_before", {})),
+            machine_after=dict(res.get("machine_after", {})),
+        )

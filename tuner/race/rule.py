@@ -1,0 +1,90 @@
+"""Who leads a race, who is beaten, and who is tied: the decision over per-round step times.
+
+Pure functions of the measurements (no model, no clock), so the decision can be tested exactly.
+The statistics and why they were chosen are in `tuner.race.stats`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tuner.race.stats import Interval, paired_ratio
+
+__all__ = ["Standing", "recompute_strength", "stand", "tie_break"]
+
+
+@dataclass(frozen=True)
+class Standing:
+    """The state of a race after some rounds."""
+
+    leader: str
+    """The entrant fastest relative to the others, round by round."""
+    behind: dict[str, Interval]
+    """Every other entrant's time over the leader's (above 1: slower), with its interval."""
+
+    def beaten(self) -> list[str]:
+        """Entrants slower than the leader with the interval's confidence."""
+        return [k for k, iv in self.behind.items() if iv.low > 1.0]
+
+    def tied(self) -> list[str]:
+        """Entrants the interval cannot tell from the leader (tie within noise)."""
+        return [k for k, iv in self.behind.items() if iv.low <= 1.0]
+
+
+def stand(
+    rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float, seed: int = 0
+) -> Standing:
+    """The standing of ``entrants`` over ``rounds`` (each: entrant -> its time in that round).
+
+    The leader has the lowest median, over rounds, of its log time less the round's mean log time
+    of the entrants present (so a slow round weighs on nobody). Each other entrant is compared with
+    the leader on the rounds both ran (`paired_ratio`).
+
+    Raises:
+        ValueError: no entrant, or an entrant with fewer than 2 rounds beside the leader.
+    """
+    if not entrants:
+        raise ValueError("a race needs at least one entrant")
+    rel: dict[str, list[float]] = {k: [] for k in entrants}
+    for times in rounds:
+        present = [k for k in entrants if k in times]
+        if len(present) < 2:
+            continue
+        mean = statistics.fmean(math.log(times[k]) for k in present)
+        for k in present:
+            rel[k].append(math.log(times[k]) - mean)
+    scored = [k for k in entrants if rel[k]]
+    leader = min(scored, key=lambda k: (statistics.median(rel[k]), entrants.index(k))) if scored else entrants[0]
+    behind: dict[str, Interval] = {}
+    for k in entrants:
+        if k == leader:
+            continue
+        pairs = [(t[leader], t[k]) for t in rounds if leader in t and k in t]
+        a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+        behind[k] = paired_ratio(a, b, confidence=confidence, seed=seed)
+    return Standing(leader=leader, behind=behind)
+
+
+_STRENGTH = {".": 0, "o": 1, "a": 2, "w": 2, "n": 2, "s": 2, "F": 3}
+"""How much a layer's mode recomputes, by its glyph (`RecomputePolicy.short`): none keeps everything,
+offload recomputes nothing but moves activations, the selective families recompute the cheap ops,
+full recomputes the layer."""
+
+
+def recompute_strength(short: str) -> tuple[int, int]:
+    """How much a policy recomputes, from its glyphs: (layers recomputed in full, total strength)."""
+    return short.count("F"), sum(_STRENGTH.get(g, 3) for g in short)
+
+
+def tie_break(tied: Sequence[str], peaks: Mapping[str, int | None], shorts: Mapping[str, str]) -> str:
+    """Of entrants tied within noise, the one a user wants: the most memory headroom (lowest peak),
+    then the least recomputation, then the first given (the leader)."""
+
+    def key(k: str) -> tuple[float, tuple[int, int], int]:
+        peak = peaks.get(k)
+        return (math.inf if peak is None else float(peak), recompute_strength(shorts.get(k, "")), tied.index(k))
+
+    return min(tied, key=key)
