@@ -253,40 +253,41 @@ def _final_report(s: SessionSummary) -> str:
     ]
     ranked = s.ranked
     base_by_number = {r.number: name for name, r in s.baselines.items()}
+    width = max(6, len(s.layer_names))
     if ranked:
-        full = s.baselines.get("full")
-        ref = full.throughput if full is not None and full.throughput else None
         unit = next((r.throughput_unit for r in ranked if r.throughput_unit), "")
+        # A trial's figure is one short run in its own process: shown, never compared (the race compares).
         header = (
-            f"{'rank':>4}  {'trial':>5}  {'policy':<{max(6, len(s.layer_names))}}  {'mb':>4}  "
-            f"{'throughput':>12}  {'peak':>11}  {'fits':>4}  {'vs full':>8}  seed"
+            f"{'rank':>4}  {'trial':>5}  {'policy':<{width}}  {'mb':>4}  "
+            f"{'throughput':>12}  {'noise':>6}  {'peak':>11}  {'fits':>4}  seed"
         )
-        lines += [f"ranked trials ({unit}):", header, "-" * len(header)]
+        lines += [f"trials, one run each ({unit}; noise: step-time MAD over median):", header, "-" * len(header)]
         shown = ranked[:10] + [r for r in ranked[10:] if r.number in base_by_number]
-        for _i, r in enumerate(shown, 1):
+        for r in shown:
             rank = ranked.index(r) + 1
-            vs = f"{(r.throughput / ref - 1) * 100:+.1f}%" if ref and r.throughput else "-"
+            noise = "-" if r.noise_rel is None else f"{r.noise_rel * 100:.1f}%"
             lines.append(
-                f"{rank:>4}  {r.number:>5}  {r.short:<{max(6, len(s.layer_names))}}  "
-                f"{'-' if r.micro_batch is None else r.micro_batch:>4}  {_num(r.throughput):>12}  "
-                f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {vs:>8}  {r.seed or ''}"
+                f"{rank:>4}  {r.number:>5}  {r.short:<{width}}  "
+                f"{'-' if r.micro_batch is None else r.micro_batch:>4}  {_num(r.throughput):>12}  {noise:>6}  "
+                f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {r.seed or ''}"
             )
         lines.append("")
+    lines += _race_report(s, width)
     if s.best is not None:
+        chosen = "chosen" if s.race is not None and s.race.ok else "best single trial"
         lines.append(
-            f"best: trial {s.best.number} {s.best.short} at {_micro_batch(s.best.micro_batch, s.data_batch_size)}  "
-            f"{_num(s.best.throughput)} {s.best.throughput_unit}, peak {_bytes(s.best.peak_bytes)}"
+            f"{chosen}: trial {s.best.number} {s.best.short} at {_micro_batch(s.best.micro_batch, s.data_batch_size)}  "
+            f"peak {_bytes(s.best.peak_bytes)}"
         )
+        figures = s.vs_figures()
         for name, rec in s.baselines.items():
-            gain = s.gains.get(name)
-            if gain is not None:
-                note = "" if rec.feasible else " (baseline over budget)"
-                lines.append(f"  vs {name:<15} {rec.short}: {gain * 100:+.1f}%{note}")
-            else:
-                lines.append(
-                    f"  vs {name:<15} {rec.short}: not measured"
-                    f" ({rec.outcome}{': ' + rec.reason if rec.reason else ''})"
-                )
+            if name in figures:
+                lines.append(f"  vs {name:<15} {rec.short}: {figures[name]['text']}")
+            elif not rec.measured:
+                why = f"{rec.outcome}: {rec.reason}" if rec.reason else rec.outcome
+                lines.append(f"  vs {name:<15} {rec.short}: not measured ({why})")
+            elif not rec.feasible:
+                lines.append(f"  vs {name:<15} {rec.short}: over the budget, not raced")
     lines.append("")
     tuned = s.tuned_for
     lines.append(
@@ -303,6 +304,39 @@ def _final_report(s: SessionSummary) -> str:
             lines.append(f"in the training job: {s.training_change}")
     lines.append(f"browse in MLflow: {s.mlflow_command}")
     return "\n".join(lines)
+
+
+def _race_report(s: SessionSummary, width: int) -> list[str]:
+    race = s.race
+    if race is None:
+        return []
+    if not race.ok:
+        return [f"race: {race.outcome}: {race.reason}", ""]
+    lines = [
+        f"race: {len(race.entrants)} candidates interleaved in one process, {race.select_rounds} rounds "
+        f"({race.stop}), then {race.estimate_rounds} fresh rounds for the figures ({race.unit}):",
+    ]
+    header = f"  {'policy':<{width}}  {'throughput':>12}  {'vs leader':>26}  {'peak':>11}  entered as"
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for key, e in race.entrants.items():
+        iv = race.behind.get(key)
+        if key == race.leader:
+            vs = "leader"
+        elif iv is not None:
+            vs = f"{(1 / iv.ratio - 1) * 100:+.1f}% ({(1 / iv.high - 1) * 100:+.1f}..{(1 / iv.low - 1) * 100:+.1f}%)"
+        else:
+            vs = "-"
+        mark = "*" if key == race.winner else " "
+        status = f"  out: {e.out}" if e.out else ""
+        lines.append(
+            f"{mark} {e.short:<{width}}  {_num(race.throughput(key)):>12}  {vs:>26}  {_bytes(e.peak_bytes):>11}"
+            f"  {e.label}{status}"
+        )
+    tie = race.tie_line()
+    if tie:
+        lines.append(f"  {tie}")
+    lines.append("")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- other commands

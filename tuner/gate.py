@@ -6,28 +6,29 @@ the output policy file changes, the candidate must pass three checks, in this or
 verdict first; the first failure ends the gate, and later checks are reported as not run):
 
 1. **confirmation**: one run at least `GateSettings.confirm_factor` (3) times as many measured
-   steps as a search trial, which must end ``ok`` and peak under the budget limit (the budget
-   less its margin);
+   steps as a search trial, which must end ``ok``, peak under the budget limit (the budget
+   less its margin) and, when the candidate came out of a race, not be much slower than the race
+   measured it (`GateSettings.confirm_slack`): a race figure that does not hold up is no evidence;
 2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute
    (`tuner.trials.check_numerics`: deterministic mode; at the largest micro-batch up to the
    candidate's where no recompute fits; bitwise, or on an accelerator within the spread of two
    runs without recompute);
-3. **regression**: candidate and current good policy re-measured side by side, interleaved
-   (``C G G C`` for two rounds, so a drift in the machine's speed hits both equally); the
-   candidate's median throughput must reach the good policy's median less a noise tolerance
-   (2% by default: run-to-run noise of short CPU and GPU trials, not a real regression). A
-   current good policy that does not fit the budget limit (its recorded peak, or its peak now, is
-   over it: the budget was tightened) is no contender: the candidate replaces it.
+3. **regression**: candidate and current good policy raced (`tuner.race`: interleaved in one
+   process, paired per round, until one is ahead with confidence or the race's time is spent);
+   the candidate must win that race. Within noise the two are tied, and the tie goes to the one
+   with more memory headroom, then less recomputation, as in the session's race. A session whose
+   race already had both hands its `RaceResult` in and nothing is re-measured. A current good
+   policy that does not fit the budget limit (its recorded peak, or its peak in the race, is over
+   it: the budget was tightened) is no contender: the candidate replaces it.
 
 `evaluate` decides; `decide` also records the confirmation run and the promotion or rejection
-through a `tuner.tracking.Tracker`. The trial runner and numerics checker are injectable so the
-gate can be tested without subprocesses; by default they are `tuner.trials.run_trial` and
-`tuner.trials.check_numerics`.
+through a `tuner.tracking.Tracker`. The trial runner, race runner and numerics checker are
+injectable so the gate can be tested without subprocesses; by default they are
+`tuner.trials.run_trial`, `tuner.trials.run_race` and `tuner.trials.check_numerics`.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from tuner.jsonable import jsonable
 from tuner.units import format_bytes
 
 if TYPE_CHECKING:
+    from tuner.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.tracking import GoodPolicy, Tracker
     from tuner.trials import NumericsResult, TrialResult
@@ -48,6 +50,8 @@ __all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate", "t
 
 RunTrial = Callable[..., "TrialResult"]
 """``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes)``."""
+RunRace = Callable[..., "RaceResult"]
+"""``run_race(recipe, entrants, *, layer_names, references, micro_batch, budget_bytes) -> RaceResult``."""
 CheckNumerics = Callable[..., "NumericsResult"]
 """``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
 Progress = Callable[[str], None]
@@ -74,18 +78,16 @@ class GateSettings:
 
     confirm_factor: int = 3
     """The confirmation run measures this many times a trial's ``measure_steps`` (at least 3)."""
-    rounds: int = 2
-    """Side-by-side rounds; each runs the candidate and the current good policy once."""
-    tolerance: float = 0.02
-    """The candidate passes when its median throughput >= good median * (1 - tolerance)."""
+    confirm_slack: float = 0.25
+    """The confirmation fails when its throughput is more than this fraction below the race's figure for
+    the candidate. A confirmation is one run in its own process, minutes after the race, so it is
+    allowed the difference between processes and moments; "much slower" is beyond that."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.confirm_factor, int) or self.confirm_factor < 3:
             raise RecomputeError(f"gate.confirm_factor: {self.confirm_factor!r}; valid: an integer >= 3")
-        if not isinstance(self.rounds, int) or self.rounds < 1:
-            raise RecomputeError(f"gate.rounds: {self.rounds!r}; valid: an integer >= 1")
-        if not 0.0 <= self.tolerance < 0.5:
-            raise RecomputeError(f"gate.tolerance: {self.tolerance!r}; valid: a fraction in [0, 0.5)")
+        if not 0.0 < self.confirm_slack < 1.0:
+            raise RecomputeError(f"gate.confirm_slack: {self.confirm_slack!r}; valid: a fraction in (0, 1)")
 
 
 @dataclass
@@ -123,6 +125,8 @@ def evaluate(
     budget_bytes: int | None,
     run_trial: RunTrial | None = None,
     check_numerics: CheckNumerics | None = None,
+    run_race: RunRace | None = None,
+    race: RaceResult | None = None,
     settings: GateSettings | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
@@ -136,7 +140,11 @@ def evaluate(
             ``None`` checks no budget.
         run_trial: the trial runner; default `tuner.trials.run_trial`.
         check_numerics: the numerics checker; default `tuner.trials.check_numerics`.
-        settings: `GateSettings` (defaults: 3x steps, 2 rounds, 2% tolerance).
+        run_race: the race runner of the regression check; default `tuner.trials.run_race`.
+        race: the session's race the candidate won, if any: the confirmation is compared with its
+            figure, and when the current good policy raced too, the regression check reads it
+            instead of racing again.
+        settings: `GateSettings` (defaults: 3x steps, 25% confirmation slack).
         progress: told a line before each check that runs (nothing for an unchanged candidate).
     """
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
@@ -144,13 +152,14 @@ def evaluate(
         raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
     cfg = settings or GateSettings()
     tell = progress or (lambda _line: None)
-    if run_trial is None or check_numerics is None:
+    if run_trial is None or check_numerics is None or run_race is None:
         # Imported late: tuner.trials spawns subprocesses and imports the recipe machinery, which
         # callers injecting their own runners (tests, other schedulers) do not need.
         from tuner import trials
 
         run_trial = run_trial or trials.run_trial
         check_numerics = check_numerics or trials.check_numerics
+        run_race = run_race or trials.run_race
 
     warmup = int(recipe.trial.warmup_steps)
     steps = int(recipe.trial.measure_steps)
@@ -172,7 +181,7 @@ def evaluate(
             "peak_bytes": current_good.peak_bytes,
         },
         "budget_bytes": budget_bytes,
-        "settings": {"confirm_factor": cfg.confirm_factor, "rounds": cfg.rounds, "tolerance": cfg.tolerance},
+        "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
     }
     decision = GateDecision(
         promoted=False,
@@ -222,6 +231,8 @@ def evaluate(
         )
     elif got < want:
         failure = f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x {steps})"
+    else:
+        failure = _slower_than_raced(conf, cand.policy, race, cfg)
     if failure:
         return _fail(decision, "confirmation", failure)
     decision.checks["confirmation"] = "passed"
@@ -252,19 +263,40 @@ def evaluate(
         evidence["regression"] = {"skipped": over}
         decision.reasons.append(f"regression: not compared: {over}")
     else:
-        tell(f"gate: measuring the candidate and the current good policy side by side ({cfg.rounds} rounds) ...")
-        failure = _side_by_side(
-            decision,
-            cand,
-            current_good,
-            recipe=recipe,
-            budget_bytes=budget_bytes,
-            run_trial=run_trial,
-            settings=cfg,
-            warmup=warmup,
-            steps=steps,
-            timeout=timeout,
-        )
+        raced = race if _raced_both(race, cand.policy, current_good) else None
+        if raced is None:
+            tell("gate: racing the candidate against the current good policy, interleaved ...")
+            raced = run_race(
+                recipe,
+                [(cand.policy, ["candidate"]), (current_good.policy, ["good"])],
+                layer_names=cand.layer_names or (),
+                references=[current_good.policy],
+                micro_batch=cand.micro_batch,
+                budget_bytes=budget_bytes,
+            )
+        if raced.outcome == "failed":
+            # A good policy that no longer runs here (a changed model or machine) fails the race it is
+            # in; it must not block a candidate that works. Run it alone to tell.
+            alone = run_trial(
+                recipe,
+                current_good.policy,
+                micro_batch=current_good.micro_batch,
+                warmup_steps=warmup,
+                measure_steps=steps,
+                timeout_s=timeout,
+                budget_bytes=budget_bytes,
+            )
+            if not alone.measured:
+                decision.evidence["regression"] = {"race": raced.to_dict(), "good_alone": _as_dict(alone)}
+                decision.checks["regression"] = "passed"
+                decision.reasons.append(
+                    f"regression: the current good policy failed to run ({alone.outcome}"
+                    + (f": {alone.error}" if alone.error else "")
+                    + "); nothing to be slower than"
+                )
+                decision.promoted = True
+                return decision
+        failure = _regression(decision, cand, current_good, raced, budget_bytes)
         if failure:
             return _fail(decision, "regression", failure)
     decision.promoted = True
@@ -280,6 +312,8 @@ def decide(
     output_path: str | Path | None = None,
     run_trial: RunTrial | None = None,
     check_numerics: CheckNumerics | None = None,
+    run_race: RunRace | None = None,
+    race: RaceResult | None = None,
     settings: GateSettings | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
@@ -299,6 +333,8 @@ def decide(
         budget_bytes=budget_bytes,
         run_trial=run_trial,
         check_numerics=check_numerics,
+        run_race=run_race,
+        race=race,
         settings=settings,
         progress=progress,
     )
@@ -351,88 +387,69 @@ def tuned_for(
     )
 
 
-def _side_by_side(
+def _slower_than_raced(
+    conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None, cfg: GateSettings
+) -> str | None:
+    """Why the confirmation contradicts the race's figure for ``policy``, or ``None``."""
+    if race is None or not race.ok or conf.throughput is None:
+        return None
+    raced = race.throughput(policy.fingerprint())
+    if raced is None or conf.throughput >= raced * (1.0 - cfg.confirm_slack):
+        return None
+    unit = conf.throughput_unit or race.unit
+    return (
+        f"confirmation run measured {conf.throughput:.4g} {unit}, {1 - conf.throughput / raced:.0%} below the "
+        f"race's {raced:.4g} {unit} for the same policy (more than the {cfg.confirm_slack:.0%} allowed between "
+        "runs): the race's figure did not hold up"
+    )
+
+
+def _raced_both(race: RaceResult | None, candidate: RecomputePolicy, good: GoodPolicy) -> bool:
+    """Whether ``race`` ran the candidate and the good policy and chose between them."""
+    if race is None or not race.ok:
+        return False
+    return candidate.fingerprint() in race.entrants and good.fingerprint in race.entrants
+
+
+def _regression(
     decision: GateDecision,
     cand: Candidate,
     good: GoodPolicy,
-    *,
-    recipe: Recipe,
+    race: RaceResult,
     budget_bytes: int | None,
-    run_trial: RunTrial,
-    settings: GateSettings,
-    warmup: int,
-    steps: int,
-    timeout: float,
 ) -> str | None:
-    """Interleaved re-measurement; a failure reason, or ``None`` (and a pass line in ``decision``)."""
-    runs: list[dict[str, Any]] = []
-    cand_thr: list[float] = []
-    good_thr: list[float] = []
-    good_failed: list[str] = []
-    for i in range(settings.rounds):
-        # ABBA order: whatever drifts over the gate's minutes (thermals, a neighbour's job) lands
-        # on both sides alike instead of always on the second.
-        order = ("candidate", "good") if i % 2 == 0 else ("good", "candidate")
-        for who in order:
-            side = cand if who == "candidate" else good
-            # Both under the same limit: a good policy that no longer fits (a tightened budget, a
-            # grown model) is no contender, however fast.
-            res = run_trial(
-                recipe,
-                side.policy,
-                micro_batch=side.micro_batch,
-                warmup_steps=warmup,
-                measure_steps=steps,
-                timeout_s=timeout,
-                budget_bytes=budget_bytes,
-            )
-            runs.append({"round": i, "who": who, **_as_dict(res)})
-            if who == "candidate":
-                if res.outcome != "ok" or res.throughput is None:
-                    decision.evidence["regression"] = {"runs": runs}
-                    return f"side-by-side run {i + 1} of the candidate ended {res.outcome}" + (
-                        f": {res.error}" if getattr(res, "error", None) else ""
-                    )
-                cand_thr.append(float(res.throughput))
-            elif res.outcome == "ok" and res.throughput is not None:
-                good_thr.append(float(res.throughput))
-            elif res.outcome == "over_budget":
-                decision.evidence["regression"] = {"runs": runs}
-                decision.checks["regression"] = "passed"
-                decision.reasons.append(
-                    f"regression: not compared: the current good policy (run {good.run_id}) peaked at "
-                    f"{format_bytes(res.peak_bytes)} side by side, over the budget limit {format_bytes(budget_bytes)}: "
-                    "it does not fit, so it is no contender"
-                )
-                return None
-            else:
-                good_failed.append(str(res.outcome))
-    cand_med = statistics.median(cand_thr)
-    unit = getattr(decision.confirmation, "throughput_unit", "") or ""
-    ev: dict[str, Any] = {"runs": runs, "candidate_median": cand_med, "tolerance": settings.tolerance}
-    decision.evidence["regression"] = ev
-    if not good_thr:
-        # The good policy no longer runs here (a changed model or machine); nothing to be slower than.
-        ev["good_median"] = None
+    """The regression verdict from a race that had the candidate and the good policy; a failure reason, or ``None``."""
+    from tuner.race import format_gain
+
+    decision.evidence["regression"] = race.to_dict()
+    if not race.ok:
+        return f"the race against the current good policy (run {good.run_id}) failed: {race.reason}"
+    c, g = cand.policy.fingerprint(), good.fingerprint
+    good_entrant = race.entrants.get(g)
+    if good_entrant is not None and good_entrant.out is not None:
         decision.checks["regression"] = "passed"
         decision.reasons.append(
-            f"regression: the current good policy failed to run ({', '.join(good_failed)}); "
-            f"candidate median {cand_med:.4g} {unit}"
+            f"regression: not compared: the current good policy (run {good.run_id}) {good_entrant.out}: "
+            "it does not fit, so it is no contender"
         )
         return None
-    good_med = statistics.median(good_thr)
-    ratio = cand_med / good_med if good_med > 0 else float("inf")
-    ev.update({"good_median": good_med, "ratio": ratio})
-    floor = good_med * (1.0 - settings.tolerance)
-    line = (
-        f"candidate median {cand_med:.4g} vs current good {good_med:.4g} {unit} "
-        f"(ratio {ratio:.3f}, {settings.rounds} interleaved rounds, {settings.tolerance:.0%} noise tolerance)"
-    )
-    if cand_med < floor:
-        return f"slower than the current good policy (run {good.run_id}): {line}"
-    decision.checks["regression"] = "passed"
-    decision.reasons.append(f"regression: not slower: {line}")
-    return None
+    interval = race.vs.get(g) if race.winner == c else race.vs.get(c) if race.winner == g else None
+    if interval is None:  # the session's race: the selection's standing has the pair
+        interval = race.behind.get(g) if race.leader == c else race.behind.get(c) if race.leader == g else None
+    figures = f": {format_gain(interval)}" if interval is not None else ""
+    tie = race.tie_line()
+    if race.winner == c:
+        decision.checks["regression"] = "passed"
+        decision.reasons.append(
+            f"regression: the race put the candidate ahead of the current good policy (run {good.run_id})"
+            + (f" ({tie})" if tie else figures)
+        )
+        return None
+    if race.winner == g:
+        return f"the current good policy (run {good.run_id}) won the race against the candidate" + (
+            f" ({tie})" if tie else figures
+        )
+    return f"the race against the current good policy (run {good.run_id}) chose neither ({race.winner})"
 
 
 def _over_limit(good: GoodPolicy | None, budget_bytes: int | None) -> str | None:

@@ -50,6 +50,7 @@ from tuner.search import (
 from tuner.stores import open_tracker, storage_failure
 
 if TYPE_CHECKING:
+    from tuner.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.tracking import Tracker
     from tuner.trials import TrialResult
@@ -114,7 +115,10 @@ class SessionSummary:
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
     """Baseline name (``none``, ``full``, ``selective``, ``every_2nd_full``) -> its trial."""
     gains: dict[str, float | None] = field(default_factory=dict)
-    """Baseline name -> the best trial's throughput over the baseline's, minus 1 (``None``: not measured)."""
+    """Baseline name -> the race winner's throughput over the baseline's, minus 1, from the race's
+    estimation rounds (``None``: not raced against it; single trials are never compared)."""
+    race: RaceResult | None = None
+    """The race before the gate (``None``: not run; its ``reason`` says why when skipped or failed)."""
     reasons: list[str] = field(default_factory=list)
     """The gate's reasons, or why there was nothing to gate."""
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -142,6 +146,28 @@ class SessionSummary:
         """The command that browses this session in MLflow."""
         return f"mlflow ui --backend-store-uri {self.tracking_uri}"
 
+    def vs_figures(self) -> dict[str, dict[str, Any]]:
+        """Baseline name -> the race's figure against it: ``gain``, ``low``, ``high`` (fractions),
+        ``rounds``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)``)."""
+        from tuner.race import format_gain
+
+        out: dict[str, dict[str, Any]] = {}
+        if self.race is None or not self.race.ok:
+            return out
+        for name, rec in self.baselines.items():
+            iv = self.race.vs.get(rec.fingerprint)
+            if iv is not None:
+                gain, low, high = iv.gain()
+                out[name] = {
+                    "gain": gain,
+                    "low": low,
+                    "high": high,
+                    "rounds": iv.rounds,
+                    "confidence": iv.confidence,
+                    "text": format_gain(iv),
+                }
+        return out
+
     @property
     def ranked(self) -> list[TrialRecord]:
         """Measured trials: feasible ones first, each group by throughput, highest first."""
@@ -164,6 +190,8 @@ class SessionSummary:
             "best": None if self.best is None else self.best.to_dict(),
             "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
             "gains": dict(self.gains),
+            "vs": self.vs_figures(),
+            "race": None if self.race is None else self.race.to_dict(),
             "reasons": list(self.reasons),
             "evidence": jsonable(self.evidence),
             "policy_path": None if self.policy_path is None else str(self.policy_path),
@@ -568,14 +596,19 @@ class _TuningSession:
 
     # -------------------------------------------------------------- endings
 
-    def _summary(self, status: str, exit_code: int) -> SessionSummary:
+    def _summary(self, status: str, exit_code: int, race: RaceResult | None = None) -> SessionSummary:
         records = self.study.records() if self.study is not None else []
         best = self.study.best() if self.study is not None else None
+        if race is not None and race.ok:
+            # The race's winner is the session's answer; its trial (if a trial ran it) is the record shown.
+            best = next((r for r in records if r.measured and r.fingerprint == race.winner), best)
         baselines = _baselines(records)
+        # "vs" figures come from the race's estimation rounds only: two single trials minutes apart
+        # compare the machine's moments as much as the policies.
         gains: dict[str, float | None] = {}
         for name, rec in baselines.items():
-            ok = best is not None and best.throughput and rec.throughput and rec.measured
-            gains[name] = (best.throughput / rec.throughput - 1.0) if ok else None  # type: ignore[operator,union-attr]
+            iv = race.vs.get(rec.fingerprint) if race is not None and race.ok else None
+            gains[name] = iv.gain()[0] if iv is not None else None
         return SessionSummary(
             recipe=self.recipe.name,
             study=self.name,
@@ -597,6 +630,7 @@ class _TuningSession:
             session_run_id=self.session_run_id,
             notes=self.notes,
             data_batch_size=data_batch_size(self.recipe),
+            race=race,
         )
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
@@ -650,29 +684,26 @@ class _TuningSession:
             self._finish_tracking("FINISHED", summary)
             return summary
         from tuner import gate
-        from tuner.trials import check_numerics, run_trial
+        from tuner.trials import check_numerics, run_race, run_trial
 
         if best.policy is None:
             raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
         tracker = self._tracker()
-        candidate = gate.Candidate(
-            policy=best.policy,
-            micro_batch=best.micro_batch,
-            source_run_id=best.run_id,
-            layer_names=self.space.layer_names,
-        )
-        self.notify(f"gate: trial {best.number} ({best.short}) is the best feasible trial")
         # One gate at a time per study (`tuner.search.lease`): a worker that waited finds the
         # winner another worker promoted meanwhile already current, and records nothing twice.
+        # The race runs under the same lease: two races at once would measure each other.
         trial_s = float(self.recipe.trial.timeout_s)
         settings = gate.GateSettings()
-        wait_s = trial_s * (settings.confirm_factor + 1 + 2 * settings.rounds) + 60.0
+        wait_s = trial_s * (settings.confirm_factor + 3) + 3 * float(self.recipe.race.time_s) + 60.0
         storage = self.study.storage if self.study is not None else None
         with (
             gate_lease(storage, self.name, wait_s=wait_s, on_wait=self.notify, cancel=self.interrupts.stop)
             if storage is not None
             else contextlib.nullcontext(False)
         ) as waited:
+            race = self._race(best, tracker, self._killable(run_race))
+            candidate = self._candidate(best, race)
+            self.notify(f"gate: {candidate.policy.short(self.space.layer_names)} is the candidate")
             decision = gate.decide(
                 tracker,
                 candidate,
@@ -681,6 +712,8 @@ class _TuningSession:
                 output_path=self.recipe.output,
                 run_trial=self._killable(run_trial),
                 check_numerics=self._killable(check_numerics),
+                run_race=self._killable(run_race),
+                race=race,
                 settings=settings,
                 progress=self.notify,
             )
@@ -692,7 +725,7 @@ class _TuningSession:
             status, code = "promoted", EXIT_OK
         else:
             status, code = "rejected", EXIT_INFEASIBLE
-        summary = self._summary(status, code)
+        summary = self._summary(status, code, race=race)
         good = tracker.current_good()
         summary.policy_path = self.recipe.output if (decision.promoted or good) else None
         summary.tuned_for = good.policy.tuned_for if good is not None else None
@@ -702,6 +735,69 @@ class _TuningSession:
         self._check_policy_file(summary)
         self._finish_tracking("FINISHED", summary)
         return summary
+
+    def _race(self, best: TrialRecord, tracker: Tracker, run_race: Callable[..., RaceResult]) -> RaceResult | None:
+        """Race the leading candidates (`tuner.race.field`); ``None`` when the recipe turns the race off."""
+        from tuner.race import RaceResult
+        from tuner.race.field import choose_field, suspects
+
+        if not self.recipe.race.enabled:
+            self.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
+            return None
+        records = self.study.records() if self.study is not None else []
+        good = tracker.current_good()
+        chosen = choose_field(records, best, good, leaders=self.recipe.race.leaders, budget_bytes=self.budget)
+        for record, why in suspects(records):
+            self.note(why)
+            if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
+                chosen.add(record.policy, f"suspect trial {record.number}")
+        for note in chosen.notes:
+            self.note(f"race: {note}")
+        if self.recipe.trainer.devices > 1 or self.recipe.trainer.num_nodes > 1:
+            chosen.skipped = "multi-device trials are not raced yet (one process races on one device)"
+        if chosen.skipped is not None:
+            self.note(f"race: not run: {chosen.skipped}")
+            return RaceResult(outcome="skipped", reason=chosen.skipped)
+        names = ", ".join(f"{p.short(self.space.layer_names)} ({' = '.join(labels)})" for p, labels in chosen.entrants)
+        self.notify(f"race: {len(chosen.entrants)} candidates interleaved in one process: {names} ...")
+        race = run_race(
+            self.recipe,
+            chosen.entrants,
+            layer_names=self.space.layer_names,
+            references=chosen.references,
+            micro_batch=chosen.micro_batch,
+            budget_bytes=self.budget,
+        )
+        if race.ok:
+            self.notify(
+                f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})"  # type: ignore[index]
+            )
+            for line in (race.tie_line(), *race.headlines()):
+                if line:
+                    self.notify(f"race: {line}")
+        else:
+            self.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
+        if self.tracker is not None and self.session_run_id is not None:
+            self.tracker.log_race(race)
+        return race
+
+    def _candidate(self, best: TrialRecord, race: RaceResult | None) -> Any:
+        """The gate's candidate: the race's winner, or without one the best single trial."""
+        from tuner import gate
+
+        policy, source = best.policy, best.run_id
+        if race is not None and race.ok:
+            records = self.study.records() if self.study is not None else []
+            won = next((r for r in records if r.measured and r.fingerprint == race.winner), None)
+            good = self._tracker().current_good()
+            if won is not None:
+                policy, source = won.policy, won.run_id
+            elif good is not None and good.fingerprint == race.winner:
+                policy, source = good.policy, good.run_id
+        assert policy is not None
+        return gate.Candidate(
+            policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=self.space.layer_names
+        )
 
     def _wait_for_other_workers(self) -> None:
         """Wait until no trial of the study runs, so every worker gates the same final winner.

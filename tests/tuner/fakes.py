@@ -12,6 +12,7 @@ from typing import Any, cast
 from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
+from tuner.race import RaceEntrant, RaceResult
 from tuner.recipe import from_dict
 from tuner.search import TuningStudy
 from tuner.trials import NumericsResult, Outcome, TrialResult
@@ -42,6 +43,7 @@ class ExactTrials:
 
     def __init__(self, on_call=None):
         self.calls: list[str] = []
+        self.races: list[list[str]] = []
         self.on_call = on_call
 
     def run_trial(
@@ -73,6 +75,12 @@ class ExactTrials:
 
     def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
         return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
+
+    def run_race(self, recipe, entrants, *, layer_names, references=(), micro_batch=None, budget_bytes=None):
+        """The race the real engine would run on exact figures: same rule, rounds without noise."""
+        self.races.append([p.short(SESSION_LAYERS) for p, _ in entrants])
+        times = {p.fingerprint(): 1.0 / fake_throughput(p) for p, _ in entrants}
+        return exact_race(entrants, times, {p.fingerprint(): fake_peak(p) for p, _ in entrants}, references)
 
 
 def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
@@ -116,6 +124,7 @@ class FixedTrials:
     ) -> None:
         self.speeds, self.peaks, self.outcome, self.short_by = speeds, peaks or {}, outcome or {}, short_by
         self.calls: list[dict[str, Any]] = []
+        self.races: list[list[RecomputePolicy]] = []
 
     def __call__(self, recipe: Any, policy: RecomputePolicy, **kw: Any) -> TrialResult:
         self.calls.append({"policy": policy, **kw})
@@ -139,6 +148,31 @@ class FixedTrials:
             device="cpu",
         )
 
+    def run_race(
+        self,
+        recipe: Any,
+        entrants: Any,
+        *,
+        layer_names: Any,
+        references: Any = (),
+        micro_batch: Any = None,
+        budget_bytes: int | None = None,
+    ) -> RaceResult:
+        """The race on the fixed figures (exact rounds, the real rule); a policy whose outcome is a
+        failure fails the whole race, as a step raising in the engine's one fit does."""
+        self.races.append([p for p, _ in entrants])
+        for p, _ in entrants:
+            if self.outcome.get(p, "ok") not in ("ok", "over_budget"):
+                return RaceResult(outcome="failed", reason=f"the race ended error: injected {self.outcome[p]}")
+        return exact_race(
+            entrants,
+            {p.fingerprint(): 1.0 / self.speeds[p] for p, _ in entrants},
+            {p.fingerprint(): self.peaks.get(p, 50 * 2**20) for p, _ in entrants},
+            references,
+            layer_names=GATE_LAYERS,
+            budget_bytes=budget_bytes,
+        )
+
     def who(self, names: dict[RecomputePolicy, str]) -> list[str]:
         """The calls' policies, by the names given."""
         return [names[c["policy"]] for c in self.calls]
@@ -155,3 +189,47 @@ def numerics(equal: bool = True) -> Any:
 
     check.calls = calls  # type: ignore[attr-defined]
     return check
+
+
+def exact_race(
+    entrants, times, peaks, references=(), *, rounds=6, layer_names=SESSION_LAYERS, budget_bytes=None
+) -> RaceResult:
+    """A `RaceResult` of ``entrants`` (``(policy, labels)``) whose every round measures ``times``
+    (fingerprint -> seconds) exactly, decided by the real rule (`tuner.race.rule.verdict`); an entrant
+    peaking over ``budget_bytes`` is out, as in the engine."""
+    from tuner.race.rule import verdict
+    from tuner.race.stats import paired_ratio
+
+    out = {k for k, peak in peaks.items() if budget_bytes is not None and peak is not None and peak > budget_bytes}
+    keys = [p.fingerprint() for p, _ in entrants if p.fingerprint() not in out]
+    shorts = {p.fingerprint(): p.short(layer_names) for p, _ in entrants}
+    select = [dict(times) for _ in range(rounds)]
+    standing, tied, winner = verdict(select, keys, peaks, shorts, confidence=0.95)
+    refs = [p.fingerprint() for p in references if p.fingerprint() in keys and p.fingerprint() != winner]
+    vs = {r: paired_ratio([times[winner]] * rounds, [times[r]] * rounds) for r in refs} if winner else {}
+    return RaceResult(
+        outcome="ok",
+        entrants={
+            p.fingerprint(): RaceEntrant(
+                key=p.fingerprint(),
+                short=shorts[p.fingerprint()],
+                labels=tuple(labels),
+                peak_bytes=peaks.get(p.fingerprint()),
+                out=f"peaked at {peaks[p.fingerprint()]} bytes in the race, over the limit {budget_bytes}"
+                if p.fingerprint() in out
+                else None,
+                select_s=(times[p.fingerprint()],) * rounds if p.fingerprint() not in out else (None,),
+                estimate_s=(times[p.fingerprint()],) * rounds if p.fingerprint() in (winner, *refs) else (),
+            )
+            for p, labels in entrants
+        },
+        winner=winner,
+        leader=None if standing is None else standing.leader,
+        tied=tuple(tied),
+        behind={} if standing is None else dict(standing.behind),
+        vs=vs,
+        stop="fake: exact figures",
+        select_rounds=rounds,
+        estimate_rounds=rounds if refs else 0,
+        tokens_per_step=1,
+    )

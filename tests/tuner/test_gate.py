@@ -59,6 +59,7 @@ def gate(
         budget_bytes=LIMIT,
         run_trial=trials,
         check_numerics=check or numerics(),
+        run_race=trials.run_race,
         **kw,
     )
 
@@ -105,7 +106,7 @@ def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: 
     assert load_good_policy("gate", uri) == A  # what RecomputeCallback(policy="mlflow:gate") reads
 
 
-def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_one(
+def test_the_regression_check_races_candidate_and_good_and_a_faster_candidate_replaces_it(
     uri: str, recipe: recipe_mod.Recipe
 ) -> None:
     tracker = Tracker(uri, "gate")
@@ -113,11 +114,12 @@ def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_on
     trials = FixedTrials({A: 100.0, B: 120.0})
     d = gate(tracker, B, recipe, trials)
     assert d.promoted, d.reasons
-    # confirmation, then candidate/good interleaved ABBA over 2 rounds at a trial's length.
-    assert trials.who({A: "A", B: "B", C: "C"}) == ["B", "B", "A", "A", "B"]
-    assert [c["measure_steps"] for c in trials.calls] == [12, 4, 4, 4, 4]
-    assert d.evidence["regression"]["candidate_median"] == 120.0
-    assert d.evidence["regression"]["good_median"] == 100.0
+    # One confirmation run (3x a trial's steps), then one race of the candidate against the good policy.
+    assert [c["measure_steps"] for c in trials.calls] == [12]
+    assert trials.races == [[B, A]]
+    assert d.evidence["regression"]["winner"] == B.fingerprint()
+    assert "the race put the candidate ahead of the current good policy" in d.reason
+    assert "+20.0% (95% CI +20.0..+20.0%, interleaved, 6 rounds)" in d.reason
     assert RecomputePolicy.load(recipe.output) == B
     assert load_good_policy("gate", uri) == B
 
@@ -134,7 +136,7 @@ def test_side_by_side_is_interleaved_and_a_faster_candidate_replaces_the_good_on
             "confirmation",
             "measured 11 steps; the gate needs 12",
         ),
-        (FixedTrials({A: 100.0, B: 97.0}), numerics(), "regression", "slower than the current good policy"),
+        (FixedTrials({A: 100.0, B: 97.0}), numerics(), "regression", "won the race against the candidate"),
     ],
     ids=["numerics-unequal", "over-budget", "oom", "too-few-steps", "slower"],
 )
@@ -165,12 +167,16 @@ def test_a_failing_candidate_keeps_the_last_good_policy_and_its_file(
     assert rejected.data.tags.get("recompute.good") is None
 
 
-def test_noise_within_the_tolerance_is_not_a_regression(uri: str, recipe: recipe_mod.Recipe) -> None:
+def test_a_tie_within_noise_goes_to_more_headroom(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
-    assert gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 98.5})).promoted  # 1.5% slower < 2%
-    strict = gate(tracker, C, recipe, FixedTrials({B: 98.5, C: 98.0}), settings=GateSettings(tolerance=0.0))
-    assert not strict.promoted and "0% noise tolerance" in strict.reasons[0]
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}, peaks={A: 60 * 2**20}))
+    # As fast as the good policy and 10 MiB lower: the tie goes to the candidate.
+    d = gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 100.0}, peaks={A: 60 * 2**20, B: 50 * 2**20}))
+    assert d.promoted and "tie within noise" in d.reason and "the most memory headroom" in d.reason
+    # As fast and higher: the good policy keeps its place.
+    d = gate(tracker, C, recipe, FixedTrials({B: 100.0, C: 100.0}, peaks={B: 50 * 2**20, C: 55 * 2**20}))
+    assert not d.promoted and d.checks["regression"] == "failed"
+    assert "won the race against the candidate (tie within noise" in d.reasons[0]
 
 
 def test_a_good_policy_that_no_longer_runs_does_not_block_a_working_candidate(
@@ -178,9 +184,12 @@ def test_a_good_policy_that_no_longer_runs_does_not_block_a_working_candidate(
 ) -> None:
     tracker = Tracker(uri, "gate")
     gate(tracker, A, recipe, FixedTrials({A: 100.0}))
-    d = gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 80.0}, outcome={A: "error"}))
+    trials = FixedTrials({A: 100.0, B: 80.0}, outcome={A: "error"})
+    d = gate(tracker, B, recipe, trials)
     assert d.promoted
-    assert "current good policy failed to run (error, error)" in d.reason
+    # The race with it failed, and the good policy alone fails too: nothing to be slower than.
+    assert trials.races == [[B, A]] and [c["policy"] for c in trials.calls] == [B, A]
+    assert "current good policy failed to run (error: injected error)" in d.reason
 
 
 def test_the_current_good_policy_as_candidate_changes_nothing(uri: str, recipe: recipe_mod.Recipe) -> None:
@@ -285,10 +294,10 @@ def test_a_failed_record_puts_the_old_file_back(
 def test_gate_settings_are_validated() -> None:
     with pytest.raises(RecomputeError, match="confirm_factor"):
         GateSettings(confirm_factor=2)
-    with pytest.raises(RecomputeError, match="rounds"):
-        GateSettings(rounds=0)
-    with pytest.raises(RecomputeError, match="tolerance"):
-        GateSettings(tolerance=-0.1)
+    with pytest.raises(RecomputeError, match="confirm_slack"):
+        GateSettings(confirm_slack=0.0)
+    with pytest.raises(RecomputeError, match="confirm_slack"):
+        GateSettings(confirm_slack=1.5)
 
 
 def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:
@@ -356,15 +365,22 @@ def test_a_good_policy_recorded_over_a_tightened_limit_is_no_contender(uri: str,
 def test_a_good_policy_that_peaks_over_the_limit_side_by_side_is_no_contender(recipe: recipe_mod.Recipe) -> None:
     from tuner.tracking import GoodPolicy
 
-    # A good policy without a recorded peak (an older run): the side-by-side run measures it.
+    # A good policy without a recorded peak (an older run): the race meters it, under the same limit.
     good = GoodPolicy("run-a", A, A.fingerprint(), throughput=200.0, peak_bytes=None, promoted_at=None)
     trials = FixedTrials({A: 200.0, B: 100.0}, peaks={A: 80 * 2**20, B: 50 * 2**20})
-    d = evaluate(B, good, recipe=recipe, budget_bytes=60 * 2**20, run_trial=trials, check_numerics=numerics())
+    d = evaluate(
+        B,
+        good,
+        recipe=recipe,
+        budget_bytes=60 * 2**20,
+        run_trial=trials,
+        check_numerics=numerics(),
+        run_race=trials.run_race,
+    )
     assert d.promoted, d.reasons
     assert "regression: not compared: the current good policy (run run-a) peaked at" in d.reason
-    assert "side by side, over the budget limit" in d.reason and "no contender" in d.reason
-    good_runs = [c for c in trials.calls if c["policy"] == A]
-    assert good_runs and all(c["budget_bytes"] == 60 * 2**20 for c in good_runs)
+    assert "in the race, over the limit" in d.reason and "no contender" in d.reason
+    assert trials.races == [[B, A]]
 
 
 def test_progress_is_told_only_for_checks_that_run(uri: str, recipe: recipe_mod.Recipe) -> None:
@@ -418,7 +434,13 @@ def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path:
     trials = FixedTrials({A: 100.0, B: 120.0}, peaks={A: 30 * 2**20, B: 40 * 2**20})
     check = numerics()
     a = decide(
-        tracker, Candidate(A, micro_batch=4), recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=check
+        tracker,
+        Candidate(A, micro_batch=4),
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=trials,
+        check_numerics=check,
+        run_race=trials.run_race,
     )
     assert a.promoted
     written = RecomputePolicy.load(recipe.output).tuned_for
@@ -434,7 +456,15 @@ def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path:
     assert load_good_policy("gate", uri).tuned_for == written
 
     # A candidate without a micro-batch of its own was tuned at the data module's batch size.
-    b = decide(tracker, Candidate(B), recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=check)
+    b = decide(
+        tracker,
+        Candidate(B),
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=trials,
+        check_numerics=check,
+        run_race=trials.run_race,
+    )
     assert b.promoted
     tuned_b = RecomputePolicy.load(recipe.output).tuned_for
     assert tuned_b is not None and (tuned_b.micro_batch, tuned_b.peak_bytes) == (8, 40 * 2**20)

@@ -50,13 +50,15 @@ def promote_twice(folder: Path, empty_db: Path) -> None:
     tracker = Tracker(recipe.tracking.uri, "moved")
     for policy, speed in ((A, 100.0), (B, 200.0)):
         with tracker.session(recipe, study_name="s"):
+            trials = FixedTrials({A: 100.0, B: speed})
             d = decide(
                 tracker,
                 Candidate(policy, layer_names=LAYERS),
                 recipe=recipe,
                 budget_bytes=LIMIT,
-                run_trial=FixedTrials({A: 100.0, B: speed}),
+                run_trial=trials,
                 check_numerics=numerics(),
+                run_race=trials.run_race,
             )
         assert d.promoted
 

@@ -41,8 +41,14 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert RecomputePolicy.load(recipe.output) == summary.best.policy
     # Baselines: "none" measured over budget (14 MiB > 11.4 MiB), the others within it.
     assert summary.baselines["none"].outcome == "over_budget" and not summary.baselines["none"].feasible
+    # "vs" figures come from the race only: against full (raced as a reference), not against "none",
+    # which does not fit and so never raced, whatever its single trial measured.
+    assert summary.race is not None and summary.race.ok and len(fakes.races) == 1
+    assert summary.race.winner == summary.best.fingerprint
     assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
-    assert summary.gains["none"] == pytest.approx(summary.best.throughput / 1000.0 - 1.0)  # faster, but does not fit
+    assert summary.gains["none"] is None
+    full = summary.vs_figures()["full"]
+    assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 6 rounds" in full["text"]
     # One live event per trial told, in order, with the best so far.
     assert [e.record.number for e in events] == [r.number for r in summary.records]
     assert events[-1].best is not None and events[-1].best.number == summary.best.number
@@ -58,6 +64,8 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     (sess,) = runs(recipe, "session")
     assert sess.info.status == "FINISHED"
     assert "search space grouped" in sess.data.tags["recompute.session_notes"]
+    assert sess.data.tags["recompute.race_winner"] == summary.best.fingerprint
+    assert sess.data.metrics["race_vs_baseline_full_gain"] == pytest.approx(summary.gains["full"])
     decisions = [r.data.tags["recompute.decision"] for r in runs(recipe, "decision")]
     assert decisions == ["promote"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]

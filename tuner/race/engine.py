@@ -35,7 +35,7 @@ import torch
 from lightning_recompute import RecomputeCallback, RecomputePolicy
 from tuner.race.machine import machine_state
 from tuner.race.plan import RacePlan
-from tuner.race.rule import Standing, stand, tie_break
+from tuner.race.rule import Standing, stand, verdict
 
 __all__ = ["race"]
 
@@ -192,17 +192,12 @@ class _Race(L.Callback):
 
     def _decide(self) -> None:
         alive = self._alive(self.order)
-        if not alive:
-            return
-        if len(alive) == 1 or len(self.select_rounds) < 2:
-            self.winner, self.tied = alive[0], [alive[0]]
-            return
-        self.standing = stand(self.select_rounds, alive, confidence=self.plan.confidence)
-        self.tied = [self.standing.leader, *self.standing.tied()]
-        self.winner = tie_break(
-            self.tied,
-            {k: self.entrants[k].peak_bytes for k in self.tied},
-            {k: self.entrants[k].short for k in self.tied},
+        self.standing, self.tied, self.winner = verdict(
+            self.select_rounds,
+            alive,
+            {k: self.entrants[k].peak_bytes for k in alive},
+            {k: self.entrants[k].short for k in alive},
+            confidence=self.plan.confidence,
         )
 
     def _estimate_field(self) -> list[str]:

@@ -108,9 +108,19 @@ class RaceResult:
         """``tie within noise: ...; chose ... (...)`` when the selection ended in a tie."""
         if not self.is_tie() or self.winner is None:
             return None
+        from tuner.race.rule import recompute_strength
+
         names = ", ".join(self.entrants[k].short for k in self.tied)
-        why = "the leader" if self.winner == self.leader else "more memory headroom, then less recomputation"
-        return f"tie within noise between {names}; chose {self.entrants[self.winner].short} ({why})"
+        win = self.entrants[self.winner]
+        others = [self.entrants[k] for k in self.tied if k != self.winner]
+        peaks = [e.peak_bytes for e in others if e.peak_bytes is not None]
+        if win.peak_bytes is not None and peaks and win.peak_bytes < min(peaks):
+            why = "the most memory headroom"
+        elif all(recompute_strength(win.short) < recompute_strength(e.short) for e in others):
+            why = "as much headroom, the least recomputation"
+        else:
+            why = "the leader"
+        return f"tie within noise between {names}; chose {win.short} ({why})"
 
     def headlines(self) -> list[str]:
         """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ..., interleaved, 14 rounds)``."""

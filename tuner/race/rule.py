@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tuner.race.stats import Interval, paired_ratio
 
-__all__ = ["Standing", "recompute_strength", "stand", "tie_break"]
+__all__ = ["Standing", "recompute_strength", "stand", "tie_break", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,26 @@ def tie_break(tied: Sequence[str], peaks: Mapping[str, int | None], shorts: Mapp
         return (math.inf if peak is None else float(peak), recompute_strength(shorts.get(k, "")), tied.index(k))
 
     return min(tied, key=key)
+
+
+def verdict(
+    rounds: Sequence[Mapping[str, float]],
+    entrants: Sequence[str],
+    peaks: Mapping[str, int | None],
+    shorts: Mapping[str, str],
+    *,
+    confidence: float,
+) -> tuple[Standing | None, list[str], str | None]:
+    """The selection's outcome: ``(standing, tied, winner)``.
+
+    ``tied`` is the leader and every entrant within noise of it; ``winner`` is `tie_break` of them.
+    With one entrant (or fewer than 2 rounds) it wins alone and there is no standing; with none,
+    nobody wins.
+    """
+    if not entrants:
+        return None, [], None
+    if len(entrants) == 1 or len(rounds) < 2:
+        return None, [entrants[0]], entrants[0]
+    standing = stand(rounds, entrants, confidence=confidence)
+    tied = [standing.leader, *standing.tied()]
+    return standing, tied, tie_break(tied, peaks, shorts)

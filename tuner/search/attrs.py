@@ -55,6 +55,8 @@ class TrialAttr:
     THROUGHPUT_UNIT = "throughput_unit"
     PEAK_BYTES = "peak_bytes"
     STEP_TIME_S = "step_time_s"
+    NOISE_REL = "step_time_mad_rel"
+    """The trial's step times' median absolute deviation over their median (absent in older studies)."""
     WALL_S = "wall_s"
     DUPLICATE_OF = "duplicate_of"
     OWNER = "owner"

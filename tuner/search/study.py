@@ -121,6 +121,8 @@ class TrialRecord:
     throughput_unit: str = ""
     peak_bytes: int | None = None
     step_time_s: float | None = None
+    noise_rel: float | None = None
+    """The trial's noise: MAD of its step times over their median (``None``: too few steps, or an older study)."""
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
     reason: str | None = None
@@ -149,6 +151,7 @@ class TrialRecord:
             "throughput_unit": self.throughput_unit,
             "peak_bytes": self.peak_bytes,
             "step_time_s": self.step_time_s,
+            "noise_rel": self.noise_rel,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_step_time_s": self.predicted_step_time_s,
             "reason": self.reason,
@@ -423,6 +426,7 @@ class TuningStudy:
             (TrialAttr.PEAK_BYTES, result.peak_bytes),
             (TrialAttr.STEP_TIME_S, result.step_time_s),
             (TrialAttr.WALL_S, result.wall_s),
+            (TrialAttr.NOISE_REL, None if result.noise is None else result.noise.mad_rel),
         ):
             t.set_user_attr(key, value)
         if result.measured and result.throughput is not None:
@@ -516,6 +520,7 @@ class TuningStudy:
                     throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
                     peak_bytes=a.get(TrialAttr.PEAK_BYTES),
                     step_time_s=a.get(TrialAttr.STEP_TIME_S),
+                    noise_rel=a.get(TrialAttr.NOISE_REL),
                     predicted_peak_bytes=a.get(TrialAttr.PREDICTED_PEAK_BYTES),
                     predicted_step_time_s=a.get(TrialAttr.PREDICTED_STEP_TIME_S),
                     reason=a.get(TrialAttr.REASON),

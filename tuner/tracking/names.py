@@ -27,6 +27,7 @@ __all__ = [
     "GOOD_RUN_TAG",
     "HEARTBEAT",
     "KIND",
+    "MACHINE_METRIC_PREFIX",
     "MICRO_BATCH_PARAM",
     "NEW_GOOD",
     "NOTE",
@@ -39,6 +40,9 @@ __all__ = [
     "PREVIOUS_GOOD",
     "PROMOTED",
     "PROMOTED_AT",
+    "RACE_JSON",
+    "RACE_SUMMARY",
+    "RACE_WINNER",
     "RANK_PEAK_METRIC",
     "REASON",
     "RECIPE_CHANGED_ON_RESUME",
@@ -54,6 +58,7 @@ __all__ = [
     "SESSION_STATUS",
     "SOURCE_RUN",
     "STDERR_TAIL_TXT",
+    "STEP_NOISE_METRICS",
     "STUDY",
     "STUDY_NAME_PARAM",
     "THROUGHPUT_UNIT",
@@ -104,6 +109,10 @@ SESSION_NOTES = "recompute.session_notes"
 BEST_FINGERPRINT = "recompute.best_fingerprint"
 BEST_RUN = "recompute.best_run_id"
 TUNED_MICRO_BATCH = "recompute.tuned_micro_batch"
+RACE_WINNER = "recompute.race_winner"
+"""On a session run: the fingerprint of the policy the race chose."""
+RACE_SUMMARY = "recompute.race"
+"""On a session run: the race in words (winner, tie, stop reason, the "vs" figures with their intervals)."""
 """Decision run tag: the micro-batch the decided policy was tuned for (its ``tuned_for.micro_batch``)."""
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
@@ -130,6 +139,12 @@ def rank_peak_metric(rank: int) -> str:
     return f"{RANK_PEAK_METRIC}{rank}"
 
 
+STEP_NOISE_METRICS = ("step_time_mad_rel", "step_time_ci_rel")
+"""A trial's noise: median absolute deviation of its step times over their median, and the relative width
+of a 95% interval of the median (`tuner.race.stats.spread`); logged where the trial has enough steps."""
+MACHINE_METRIC_PREFIX = "machine_"
+"""``machine_load_1m``, ``machine_cpu_mhz``, ``machine_gpu_sm_mhz`` ...: the machine while a trial or race ran."""
+
 COMPILE_SECONDS_METRIC = "compile_s"
 """Seconds torch.compile spent compiling a trial's layers (dynamo + inductor, forward and backward),
 spent in warm-up steps outside the timed ones; logged only for trials that compile."""
@@ -144,5 +159,6 @@ BASELINES_JSON = "baselines.json"
 BEST_POLICY_YAML = "best_policy.yaml"
 BEST_JSON = "best.json"
 EVIDENCE_JSON = "evidence.json"
+RACE_JSON = "race.json"
 STDERR_TAIL_TXT = "stderr_tail.txt"
 # ``pareto.png`` is named by `tuner.plots.pareto_plot`'s output file; ``policy.yaml`` is POLICY_ARTIFACT.

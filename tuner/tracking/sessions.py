@@ -42,6 +42,7 @@ from tuner.tracking.names import (
     FINGERPRINT,
     HEARTBEAT,
     KIND,
+    MACHINE_METRIC_PREFIX,
     MICRO_BATCH_PARAM,
     NOTE,
     OUTCOME,
@@ -49,6 +50,9 @@ from tuner.tracking.names import (
     PARENT,
     POLICY_FINGERPRINT_PARAM,
     POLICY_SHORT,
+    RACE_JSON,
+    RACE_SUMMARY,
+    RACE_WINNER,
     REASON,
     RECIPE_CHANGED_ON_RESUME,
     RECIPE_FINGERPRINT,
@@ -60,6 +64,7 @@ from tuner.tracking.names import (
     SESSION_STATUS,
     SOURCE_RUN,
     STDERR_TAIL_TXT,
+    STEP_NOISE_METRICS,
     STUDY,
     STUDY_NAME_PARAM,
     THROUGHPUT_UNIT,
@@ -71,6 +76,7 @@ from tuner.tracking.names import (
 from tuner.tracking.report import _csv, _flatten, _modes, _result_dict, session_markdown
 
 if TYPE_CHECKING:
+    from tuner.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.trials import TrialResult
 
@@ -397,6 +403,35 @@ class SessionLog(TrackingClient):
             # Whatever failed above, the run must not stay RUNNING.
             self.close(final)
 
+    def log_race(self, race: RaceResult) -> None:
+        """Record the race on the session run: ``race.json`` (every entrant's per-round times, the
+        standing, the intervals), its winner and words as tags, its figures as metrics."""
+        from tuner.race import format_gain
+
+        run_id = self._require_session()
+        self._log_json(run_id, RACE_JSON, race.to_dict())
+        words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
+        if race.ok:
+            words.append(
+                f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
+            )
+            words += [line for line in (race.tie_line(), *race.headlines()) if line]
+        tags = {RACE_SUMMARY: _clip("; ".join(words))}
+        metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
+        if race.winner is not None:
+            tags[RACE_WINNER] = race.winner
+            thr = race.throughput(race.winner)
+            if thr is not None:
+                metrics["race_winner_throughput"] = thr
+        for key, iv in race.vs.items():
+            name = _metric_key(race.entrants[key].labels[-1] if race.entrants[key].labels else key)
+            gain, low, high = iv.gain()
+            metrics.update({f"race_vs_{name}_gain": gain, f"race_vs_{name}_low": low, f"race_vs_{name}_high": high})
+            tags[f"{RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
+        metrics.update(_machine_metrics(race.machine_before))
+        self._log_batch(run_id, metrics=metrics)
+        self._set_tags(run_id, tags)
+
     def close(self, status: str = "KILLED") -> None:
         """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
         if not self._session_open or self._session_run_id is None:
@@ -534,6 +569,8 @@ class SessionLog(TrackingClient):
                     metrics[f"measured_{key}"] = v
             for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
                 metrics[rank_peak_metric(rank)] = float(peak)
+            metrics.update(_noise_metrics(r.get("step_times_s") or ()))
+            metrics.update(_machine_metrics(r.get("machine") or {}))
             if wall:
                 metrics["wall_s"] = wall
             if _finite(r.get("device_total_bytes")) is not None:
@@ -560,3 +597,30 @@ class SessionLog(TrackingClient):
         finally:
             self.client.set_terminated(run_id, status)
         return run_id
+
+
+def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
+    """`STEP_NOISE_METRICS` of a trial's measured step times (none with fewer than 2 steps)."""
+    from tuner.race import spread
+
+    times = [float(t) for t in step_times if _finite(t) is not None]
+    if len(times) < 2:
+        return {}
+    sp = spread(times)
+    out = {STEP_NOISE_METRICS[0]: sp.mad_rel}
+    if sp.ci_rel != float("inf"):
+        out[STEP_NOISE_METRICS[1]] = sp.ci_rel
+    return out
+
+
+def _machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric parts of a machine state as ``machine_*`` metrics (other GPU processes as a count)."""
+    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if _finite(v) is not None}
+    if isinstance(machine.get("gpu_processes"), list):
+        out[f"{MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
+    return out
+
+
+def _metric_key(label: str) -> str:
+    """A label (``baseline full``) as an MLflow metric name part (``baseline_full``)."""
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"

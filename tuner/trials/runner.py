@@ -38,7 +38,7 @@ from tuner.trials.worker import rank_result_path, spec_ranks
 
 if TYPE_CHECKING:
     from tuner.profile import Profile
-    from tuner.race import RacePlan, RaceResult
+    from tuner.race import RacePlan, RaceResult, Spread
 
 __all__ = [
     "NumericsResult",
@@ -107,6 +107,16 @@ class TrialResult:
     """The device's total memory; ``None`` on CPU."""
     rank_peak_bytes: tuple[int, ...] = ()
     """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum); empty for one device."""
+    machine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The machine while the trial ran (`tuner.race.machine.machine_state`: load, clocks, other GPU processes)."""
+
+    @property
+    def noise(self) -> Spread | None:
+        """The spread of the measured step times (``None`` without any): a single trial's figure is one
+        sample, and this says how loud the machine was while it was taken."""
+        from tuner.race.stats import spread
+
+        return spread(self.step_times_s) if self.step_times_s else None
 
     @property
     def measured(self) -> bool:
@@ -656,6 +666,7 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
         device_total_bytes=res.get("device_total_bytes"),
         rank_peak_bytes=tuple(int(v) for v in res.get("rank_peak_bytes", ())),
         compile_s=res.get("compile_s"),
+        machine=dict(res.get("machine") or {}),
         **stats,
     )
 

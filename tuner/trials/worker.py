@@ -184,6 +184,9 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         **QUIET_TRAINER,
         callbacks=[callback],
     )
+    from tuner.race.machine import machine_state
+
+    machine = machine_state(recipe.trainer.accelerator)
     trainer.fit(model, datamodule=datamodule)
     records = list(callback.records)
     if len(records) < steps:
@@ -196,6 +199,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
             {"seconds": r.seconds, "peak_bytes": r.peak_bytes, "samples": r.samples, "tokens": r.tokens}
             for r in records
         ],
+        "machine": machine,
         **_device(recipe.trainer.accelerator),
     }
 
