@@ -13,9 +13,16 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_recompute import QUIET_TRAINER
 from tests.servers import MlflowServer, PostgresCluster, ServerUnavailable
+
+
+# One intra-op thread: the test models are tiny (a second thread buys nothing), and two threads per
+# process oversubscribe two cores as soon as anything else runs (a trial, a second pytest worker),
+# which made steps 10x slower. Child processes set their own (a recipe's trial.env).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

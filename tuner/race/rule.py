@@ -24,18 +24,21 @@ class Standing:
     """The entrant fastest relative to the others, round by round."""
     behind: dict[str, Interval]
     """Every other entrant's time over the leader's (above 1: slower), with its interval."""
+    confidence: float = 0.95
+    """The confidence asked for: an interval whose coverage is below it (too few rounds) beats nobody."""
 
     def beaten(self) -> list[str]:
-        """Entrants slower than the leader with the interval's confidence."""
-        return [k for k, iv in self.behind.items() if iv.low > 1.0]
+        """Entrants slower than the leader with at least the confidence asked for."""
+        return [k for k, iv in self.behind.items() if iv.low > 1.0 and iv.confidence >= self.confidence]
 
     def tied(self) -> list[str]:
-        """Entrants the interval cannot tell from the leader (tie within noise)."""
-        return [k for k, iv in self.behind.items() if iv.low <= 1.0]
+        """Entrants the race cannot tell from the leader (tie within noise)."""
+        beaten = set(self.beaten())
+        return [k for k in self.behind if k not in beaten]
 
 
 def stand(
-    rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float, seed: int = 0
+    rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float
 ) -> Standing:
     """The standing of ``entrants`` over ``rounds`` (each: entrant -> its time in that round).
 
@@ -64,8 +67,8 @@ def stand(
             continue
         pairs = [(t[leader], t[k]) for t in rounds if leader in t and k in t]
         a, b = [p[0] for p in pairs], [p[1] for p in pairs]
-        behind[k] = paired_ratio(a, b, confidence=confidence, seed=seed)
-    return Standing(leader=leader, behind=behind)
+        behind[k] = paired_ratio(a, b, confidence=confidence)
+    return Standing(leader=leader, behind=behind, confidence=confidence)
 
 
 _STRENGTH = {".": 0, "o": 1, "a": 2, "w": 2, "n": 2, "s": 2, "F": 3}

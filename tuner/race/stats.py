@@ -11,10 +11,12 @@ Why these and not a t-test on step times:
   of load slows all of them; the ratio of two candidates' times in the same round cancels most of
   it. The comparison is on ``log(time_b / time_a)`` per round (log: a 10% gain and a 10% loss are
   symmetric, and ratios of ratios compose).
-- **Median and bootstrap.** Load comes in spells that make a few rounds far off: the median of the
-  per-round log ratios ignores them where a mean would not, and a percentile bootstrap over rounds
-  gives its interval without assuming a distribution the data does not have. The resampling is
-  seeded, so the same measurements always give the same verdict.
+- **Median and order statistics.** Load comes in spells that make a few rounds far off: the median
+  of the per-round log ratios ignores them where a mean would not. Its interval is the
+  distribution-free one from order statistics (how many of n values fall below the true median is
+  Binomial(n, 1/2)), so its coverage is at least the stated confidence whatever the distribution;
+  a percentile bootstrap of the median was tried first and covered the true ratio in only 85% of
+  simulated 14-round races at a nominal 95%. The price is width: the interval moves in whole ranks.
 - **Looking after every round** (a sequential test) inflates the chance of a false separation; a
   race therefore needs `RaceRule.min_rounds` before it may stop, and stops on a stricter interval
   (`RaceRule.stop_confidence`) than the one it reports.
@@ -23,15 +25,11 @@ Why these and not a t-test on step times:
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Interval", "Spread", "paired_ratio", "spread"]
-
-_BOOTSTRAP = 2000
-"""Resamples per interval: the interval's ends move by well under 0.1% between seeds at this count."""
 
 
 @dataclass(frozen=True)
@@ -74,24 +72,25 @@ def spread(values: Sequence[float]) -> Spread:
     n = len(xs)
     med = statistics.median(xs)
     mad = statistics.median(abs(x - med) for x in xs)
-    lo, hi = _median_ranks(n)
-    ci_rel = math.inf if lo is None or hi is None or med <= 0 else (xs[hi] - xs[lo]) / med
+    lo, hi, coverage = _median_ranks(n)
+    ci_rel = math.inf if coverage < 0.95 or med <= 0 else (xs[hi] - xs[lo]) / med
     return Spread(n=n, median=med, mad_rel=(mad / med) if med > 0 else 0.0, ci_rel=ci_rel)
 
 
-def _median_ranks(n: int, confidence: float = 0.95) -> tuple[int | None, int | None]:
-    """0-based ranks whose values bracket the median with at least ``confidence``: ``(j - 1, n - j)``
-    for the largest ``j`` with ``1 - 2 P(Binomial(n, 1/2) <= j - 1) >= confidence``; ``(None, None)`` if none."""
-    best = None
+def _median_ranks(n: int, confidence: float = 0.95) -> tuple[int, int, float]:
+    """0-based ranks ``(j - 1, n - j)`` whose values bracket the median, and their coverage.
+
+    ``j`` is the largest with coverage ``1 - 2 P(Binomial(n, 1/2) <= j - 1) >= confidence``; when even
+    the sample's extremes (``j = 1``) fall short of it, they are returned with the coverage they have.
+    """
+    best, coverage = 1, 1.0 - 2.0 / 2.0**n
     below = 0.0  # P(Binomial(n, 1/2) <= j - 1)
     for j in range(1, n // 2 + 1):
         below += math.comb(n, j - 1) / 2.0**n
         if 1.0 - 2.0 * below < confidence:
             break
-        best = j
-    if best is None:
-        return None, None
-    return best - 1, n - best
+        best, coverage = j, 1.0 - 2.0 * below
+    return best - 1, n - best, coverage
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class Interval:
     rounds: int
     """Rounds paired."""
     confidence: float
-    """The interval's confidence (e.g. 0.95)."""
+    """The interval's coverage: at least the confidence asked for, or less when too few rounds allow no more."""
 
     @property
     def excludes_one(self) -> bool:
@@ -130,12 +129,13 @@ class Interval:
         }
 
 
-def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95, seed: int = 0) -> Interval:
-    """The median ratio ``b / a`` of two candidates' per-round times, with a bootstrap interval.
+def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95) -> Interval:
+    """The median ratio ``b / a`` of two candidates' per-round times, with its interval.
 
     ``a[i]`` and ``b[i]`` are the two candidates' times in round ``i`` (a round where either is
-    missing is left out by the caller). The interval is the percentile bootstrap of the median of
-    per-round log ratios, resampling rounds, with a seeded generator.
+    missing is left out by the caller). The interval brackets the median of the per-round log ratios
+    by order statistics (`Interval.confidence` is its exact coverage: with fewer rounds than the
+    confidence needs, the extremes, and the lower coverage they have).
 
     Raises:
         ValueError: fewer than 2 rounds, different lengths, or a time that is not positive.
@@ -146,17 +146,12 @@ def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 
         raise ValueError(f"a paired ratio needs at least 2 rounds, got {len(a)}")
     if any(x <= 0 for x in (*a, *b)):
         raise ValueError("step times must be positive")
-    logs = [math.log(y / x) for x, y in zip(a, b, strict=True)]
-    rng = random.Random(seed)
-    n = len(logs)
-    meds = sorted(statistics.median(rng.choices(logs, k=n)) for _ in range(_BOOTSTRAP))
-    tail = (1.0 - confidence) / 2.0
-    low = meds[max(0, math.floor(tail * _BOOTSTRAP))]
-    high = meds[min(_BOOTSTRAP - 1, math.ceil((1.0 - tail) * _BOOTSTRAP) - 1)]
+    logs = sorted(math.log(y / x) for x, y in zip(a, b, strict=True))
+    lo, hi, coverage = _median_ranks(len(logs), confidence)
     return Interval(
         ratio=math.exp(statistics.median(logs)),
-        low=math.exp(low),
-        high=math.exp(high),
-        rounds=n,
-        confidence=confidence,
+        low=math.exp(logs[lo]),
+        high=math.exp(logs[hi]),
+        rounds=len(logs),
+        confidence=coverage,
     )

@@ -1,0 +1,138 @@
+"""`tuner.race.rule` and `tuner.race.field`: who leads, who is beaten, who is tied, and who races."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner.race.field import choose_field, suspects
+from tuner.race.rule import recompute_strength, stand, tie_break, verdict
+from tuner.search import TrialRecord
+
+NAMES = ("blocks.0", "blocks.1", "blocks.2")
+
+
+def _rounds(times: dict[str, float], n: int = 10, noise: float = 0.02, seed: int = 0) -> list[dict[str, float]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        load = rng.uniform(1.0, 1.8)  # the round's moment: every entrant alike
+        out.append({k: t * load * rng.uniform(1 - noise, 1 + noise) for k, t in times.items()})
+    return out
+
+
+def test_the_fastest_leads_and_a_slower_one_is_beaten() -> None:
+    s = stand(_rounds({"a": 1.0, "b": 1.12, "c": 1.3}), ["a", "b", "c"], confidence=0.95)
+    assert s.leader == "a" and sorted(s.beaten()) == ["b", "c"] and s.tied() == []
+    assert s.behind["b"].low > 1.0 and s.behind["c"].ratio == pytest.approx(1.3, rel=0.03)
+
+
+def test_entrants_within_noise_are_tied() -> None:
+    s = stand(_rounds({"a": 1.0, "b": 1.0, "c": 1.25}, noise=0.05), ["a", "b", "c"], confidence=0.95)
+    assert {s.leader, *s.tied()} == {"a", "b"} and s.beaten() == ["c"]
+
+
+def test_a_round_an_entrant_missed_is_left_out_of_its_comparison() -> None:
+    rounds = _rounds({"a": 1.0, "b": 1.2})
+    rounds[3].pop("b")
+    s = stand(rounds, ["a", "b"], confidence=0.95)
+    assert s.behind["b"].rounds == len(rounds) - 1
+
+
+def test_a_tie_goes_to_the_most_headroom_then_the_least_recomputation() -> None:
+    shorts = {"a": "FFF", "b": "FF.", "c": "ss."}
+    assert tie_break(["a", "b", "c"], {"a": 10, "b": 20, "c": 20}, shorts) == "a"
+    assert tie_break(["a", "b", "c"], {"a": 30, "b": 20, "c": 20}, shorts) == "c"  # ss. recomputes less than FF.
+    assert tie_break(["b", "a"], {"a": 20, "b": 20}, {"a": "F..", "b": "F.."}) == "b"  # then the leader
+    assert recompute_strength("F.s") == (1, 5)
+
+
+def test_verdict_with_one_entrant_or_none() -> None:
+    assert verdict([], ["a"], {}, {}, confidence=0.95) == (None, ["a"], "a")
+    assert verdict([], [], {}, {}, confidence=0.95) == (None, [], None)
+
+
+def _record(
+    n: int,
+    policy: RecomputePolicy,
+    thr: float,
+    *,
+    seed: str | None = None,
+    mb: int | None = None,
+    feasible: bool = True,
+    predicted: float | None = None,
+) -> TrialRecord:
+    return TrialRecord(
+        number=n,
+        state="COMPLETE",
+        outcome="ok",
+        policy=policy,
+        fingerprint=policy.fingerprint(),
+        short=policy.short(NAMES),
+        micro_batch=mb,
+        seed=seed,
+        throughput=thr,
+        step_time_s=1 / thr,
+        predicted_step_time_s=predicted,
+        feasible=feasible,
+        peak_bytes=1,
+    )
+
+
+FULL = RecomputePolicy.uniform("full")
+EVERY = RecomputePolicy.from_modes({"blocks.0": "full", "blocks.2": "full"})
+ONE = RecomputePolicy.first_n(NAMES, 1, "full")
+TWO = RecomputePolicy.first_n(NAMES, 2, "full")
+SEL = RecomputePolicy.uniform("selective")
+COMPILED = dataclasses.replace(RecomputePolicy.first_n(NAMES, 1, "full"), compile=True)
+
+
+def test_the_field_is_the_leaders_the_planners_pick_the_baselines_and_the_good_policy() -> None:
+    from tuner.tracking import GoodPolicy
+
+    records = [
+        _record(0, FULL, 100.0, seed="baseline:full"),
+        _record(1, EVERY, 120.0, seed="baseline:every_2nd_full"),
+        _record(2, TWO, 130.0, seed="planner:budget"),
+        _record(3, ONE, 150.0),
+        _record(4, SEL, 160.0, feasible=False),  # over budget: never races
+        _record(5, COMPILED, 170.0),  # compiled: left out, said so
+        _record(6, SEL, 140.0, mb=4),  # another micro-batch,
+    ]
+    good = GoodPolicy("run-g", EVERY, EVERY.fingerprint(), throughput=1.0, peak_bytes=1, promoted_at=None)
+    f = choose_field(records, records[3], good, leaders=2, budget_bytes=10)
+    got = {p.short(NAMES): labels for p, labels in f.entrants}
+    assert got == {
+        "F..": ["trial 3"],
+        "FF.": ["trial 2", "planner"],
+        "F.F": ["baseline every_2nd_full", "good"],
+        "FFF": ["baseline full"],
+    }
+    assert [p.short(NAMES) for p in f.references] == ["F.F", "FFF"]
+    assert f.skipped is None and any("1 compiled trial(s) not raced" in n for n in f.notes)
+
+
+def test_no_race_for_a_compiled_best_or_a_lone_candidate() -> None:
+    compiled = _record(5, COMPILED, 170.0)
+    assert "compiles its layers" in (
+        choose_field([compiled], compiled, None, leaders=4, budget_bytes=None).skipped or ""
+    )
+    lone = _record(3, ONE, 150.0)
+    assert (
+        choose_field([lone], lone, None, leaders=4, budget_bytes=None).skipped
+        == "only one candidate fits: nothing to race"
+    )
+
+
+def test_a_trial_far_from_its_prediction_while_the_others_are_close_is_suspect() -> None:
+    records = [_record(i, p, 100.0 + i, predicted=0.5 / (100.0 + i)) for i, p in enumerate([FULL, EVERY, TWO, ONE])]
+    records.append(_record(9, SEL, 250.0, predicted=0.5 / 100.0))  # measured 2.5x faster than predicted, alone
+    (found,) = suspects(records)
+    assert found[0].number == 9 and "suspect, re-measured in the race" in found[1]
+    # The planner off by 2x everywhere is no reason to distrust one trial.
+    assert (
+        suspects([_record(i, p, 100.0, predicted=0.02 * (1 + i)) for i, p in enumerate([FULL, EVERY, TWO, ONE])]) == []
+    )
