@@ -18,7 +18,6 @@ import torch
 from lightning_recompute import QUIET_TRAINER
 from tests.servers import MlflowServer, PostgresCluster, ServerUnavailable
 
-
 # One intra-op thread: the test models are tiny (a second thread buys nothing), and two threads per
 # process oversubscribe two cores as soon as anything else runs (a trial, a second pytest worker),
 # which made steps 10x slower. Child processes set their own (a recipe's trial.env).

@@ -37,9 +37,7 @@ class Standing:
         return [k for k in self.behind if k not in beaten]
 
 
-def stand(
-    rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float
-) -> Standing:
+def stand(rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float) -> Standing:
     """The standing of ``entrants`` over ``rounds`` (each: entrant -> its time in that round).
 
     The leader has the lowest median, over rounds, of its log time less the round's mean log time
