@@ -443,6 +443,7 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
         "budget",
         "search",
         "trial",
+        "race",
         "tracking",
         "study",
         "output",
@@ -450,7 +451,7 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
     for key, prop in schema["properties"].items():
         assert prop.get("description"), key
     defs = schema["$defs"]
-    for section in ("TrainerSettings", "SearchSettings", "TrialSettings", "Budget", "Component"):
+    for section in ("TrainerSettings", "SearchSettings", "TrialSettings", "RaceSettings", "Budget", "Component"):
         assert defs[section]["additionalProperties"] is False
         assert set(defs[section]["properties"]) == {f.name for f in dataclasses.fields(getattr(R, section))}
     assert defs["TrainerSettings"]["properties"]["accelerator"]["enum"] == ["cpu", "cuda", "auto"]
