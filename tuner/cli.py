@@ -274,7 +274,7 @@ def _final_report(s: SessionSummary) -> str:
         lines.append("")
     lines += _race_report(s, width)
     if s.best is not None:
-        chosen = "chosen" if s.race is not None and s.race.ok else "best single trial"
+        chosen = "chosen" if s.chosen else "best single trial"
         lines.append(
             f"{chosen}: trial {s.best.number} {s.best.short} at {_micro_batch(s.best.micro_batch, s.data_batch_size)}  "
             f"peak {_bytes(s.best.peak_bytes)}"
@@ -327,7 +327,7 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
         else:
             vs = "-"
         mark = "*" if key == race.winner else " "
-        status = f"  out: {e.out}" if e.out else ""
+        status = f"  out: {e.out}" if e.out else f"  (dropped: {e.dropped})" if e.dropped else ""
         lines.append(
             f"{mark} {e.short:<{width}}  {_num(race.throughput(key)):>12}  {vs:>26}  {_bytes(e.peak_bytes):>11}"
             f"  {e.label}{status}"

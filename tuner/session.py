@@ -119,6 +119,8 @@ class SessionSummary:
     estimation rounds (``None``: not raced against it; single trials are never compared)."""
     race: RaceResult | None = None
     """The race before the gate (``None``: not run; its ``reason`` says why when skipped or failed)."""
+    chosen: bool = False
+    """`best` is the race's winner (or the good policy a race chose before), not merely the fastest single trial."""
     reasons: list[str] = field(default_factory=list)
     """The gate's reasons, or why there was nothing to gate."""
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -192,6 +194,7 @@ class SessionSummary:
             "gains": dict(self.gains),
             "vs": self.vs_figures(),
             "race": None if self.race is None else self.race.to_dict(),
+            "chosen": self.chosen,
             "reasons": list(self.reasons),
             "evidence": jsonable(self.evidence),
             "policy_path": None if self.policy_path is None else str(self.policy_path),
@@ -596,12 +599,15 @@ class _TuningSession:
 
     # -------------------------------------------------------------- endings
 
-    def _summary(self, status: str, exit_code: int, race: RaceResult | None = None) -> SessionSummary:
+    def _summary(
+        self, status: str, exit_code: int, race: RaceResult | None = None, chosen: str | None = None
+    ) -> SessionSummary:
         records = self.study.records() if self.study is not None else []
         best = self.study.best() if self.study is not None else None
-        if race is not None and race.ok:
-            # The race's winner is the session's answer; its trial (if a trial ran it) is the record shown.
-            best = next((r for r in records if r.measured and r.fingerprint == race.winner), best)
+        if chosen is not None:
+            # The race's winner (or the good policy it chose before) is the session's answer; its trial,
+            # if a trial ran it, is the record shown.
+            best = next((r for r in records if r.measured and r.fingerprint == chosen), best)
         baselines = _baselines(records)
         # "vs" figures come from the race's estimation rounds only: two single trials minutes apart
         # compare the machine's moments as much as the policies.
@@ -631,6 +637,7 @@ class _TuningSession:
             notes=self.notes,
             data_batch_size=data_batch_size(self.recipe),
             race=race,
+            chosen=chosen is not None and best is not None and best.fingerprint == chosen,
         )
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
@@ -701,8 +708,23 @@ class _TuningSession:
             if storage is not None
             else contextlib.nullcontext(False)
         ) as waited:
-            race = self._race(best, tracker, self._killable(run_race))
-            candidate = self._candidate(best, race)
+            good = tracker.current_good()
+            if self.ran == 0 and good is not None and good.micro_batch == best.micro_batch:
+                # Nothing measured since the last decision: racing again would only re-roll the noise
+                # the last race already settled. The good policy stands (and is gated as unchanged).
+                race = None
+                candidate = gate.Candidate(
+                    policy=good.policy,
+                    micro_batch=good.micro_batch,
+                    source_run_id=good.run_id,
+                    layer_names=self.space.layer_names,
+                )
+                chosen: str | None = good.fingerprint
+                self.note("race: not run: no new trial since the last decision; the current good policy stands")
+            else:
+                race = self._race(best, tracker, self._killable(run_race))
+                candidate = self._candidate(best, race)
+                chosen = race.winner if race is not None and race.ok else None
             self.notify(f"gate: {candidate.policy.short(self.space.layer_names)} is the candidate")
             decision = gate.decide(
                 tracker,
@@ -725,7 +747,7 @@ class _TuningSession:
             status, code = "promoted", EXIT_OK
         else:
             status, code = "rejected", EXIT_INFEASIBLE
-        summary = self._summary(status, code, race=race)
+        summary = self._summary(status, code, race=race, chosen=chosen)
         good = tracker.current_good()
         summary.policy_path = self.recipe.output if (decision.promoted or good) else None
         summary.tuned_for = good.policy.tuned_for if good is not None else None
@@ -746,26 +768,26 @@ class _TuningSession:
             return None
         records = self.study.records() if self.study is not None else []
         good = tracker.current_good()
-        chosen = choose_field(records, best, good, leaders=self.recipe.race.leaders, budget_bytes=self.budget)
+        entry = choose_field(records, best, good, leaders=self.recipe.race.leaders, budget_bytes=self.budget)
         for record, why in suspects(records):
             self.note(why)
             if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
-                chosen.add(record.policy, f"suspect trial {record.number}")
-        for note in chosen.notes:
+                entry.add(record.policy, f"suspect trial {record.number}")
+        for note in entry.notes:
             self.note(f"race: {note}")
         if self.recipe.trainer.devices > 1 or self.recipe.trainer.num_nodes > 1:
-            chosen.skipped = "multi-device trials are not raced yet (one process races on one device)"
-        if chosen.skipped is not None:
-            self.note(f"race: not run: {chosen.skipped}")
-            return RaceResult(outcome="skipped", reason=chosen.skipped)
-        names = ", ".join(f"{p.short(self.space.layer_names)} ({' = '.join(labels)})" for p, labels in chosen.entrants)
-        self.notify(f"race: {len(chosen.entrants)} candidates interleaved in one process: {names} ...")
+            entry.skipped = "multi-device trials are not raced yet (one process races on one device)"
+        if entry.skipped is not None:
+            self.note(f"race: not run: {entry.skipped}")
+            return RaceResult(outcome="skipped", reason=entry.skipped)
+        names = ", ".join(f"{p.short(self.space.layer_names)} ({' = '.join(labels)})" for p, labels in entry.entrants)
+        self.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
         race = run_race(
             self.recipe,
-            chosen.entrants,
+            entry.entrants,
             layer_names=self.space.layer_names,
-            references=chosen.references,
-            micro_batch=chosen.micro_batch,
+            references=entry.references,
+            micro_batch=entry.micro_batch,
             budget_bytes=self.budget,
         )
         if race.ok:

@@ -47,6 +47,7 @@ class _Entrant:
     short: str
     peak_bytes: int | None = None
     out: str | None = None
+    dropped: str | None = None
     select: list[float | None] = field(default_factory=list)
     estimate: list[float | None] = field(default_factory=list)
 
@@ -130,7 +131,12 @@ class _Race(L.Callback):
         self.current = turn
 
     def _alive(self, keys: Sequence[str]) -> list[str]:
+        """Entrants not out of the race (over the limit)."""
         return [k for k in keys if self.entrants[k].out is None]
+
+    def _contenders(self) -> list[str]:
+        """Entrants the selection still races: alive and not yet beaten with confidence."""
+        return [k for k in self._alive(self.order) if self.entrants[k].dropped is None]
 
     def _close_round(self) -> None:
         """Turn the round's step times into one time per entrant (its median) and file the round."""
@@ -158,7 +164,7 @@ class _Race(L.Callback):
                 return False
             self._queue(field_, len(self.estimate_rounds), "estimate")
             return True
-        self._queue(self._alive(self.order), len(self.select_rounds), "select")
+        self._queue(self._contenders(), len(self.select_rounds), "select")
         return True
 
     def _queue(self, keys: list[str], index: int, phase: str) -> None:
@@ -170,7 +176,7 @@ class _Race(L.Callback):
             self.turns.extend(_Turn(key, True, self.meter_every_step, phase) for _ in range(self.plan.steps))
 
     def _selection_over(self) -> bool:
-        alive = self._alive(self.order)
+        alive = self._contenders()
         rounds = len(self.select_rounds)
         if len(alive) < 2:
             self.stop_reason = "one entrant left" if alive else "no entrant left"
@@ -184,10 +190,15 @@ class _Race(L.Callback):
             return True
         if rounds >= self.plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=self.plan.stop_confidence)
+            level = f"{self.plan.stop_confidence:.0%}"
             if len(early.beaten()) == len(alive) - 1:
-                level = f"{self.plan.stop_confidence:.0%}"
                 self.stop_reason = f"leader separated from every other entrant at {level} after {rounds} rounds"
                 return True
+            # Racing (F-Race): an entrant beaten with confidence stops costing rounds; the rounds
+            # left go to the ones the race cannot tell apart yet.
+            for key in early.beaten():
+                leader = self.entrants[early.leader].short
+                self.entrants[key].dropped = f"beaten by {leader} at {level} after {rounds} rounds"
         return False
 
     def _decide(self) -> None:
@@ -228,6 +239,7 @@ class _Race(L.Callback):
                     "fingerprint": e.policy.fingerprint(),
                     "peak_bytes": e.peak_bytes,
                     "out": e.out,
+                    "dropped": e.dropped,
                     "select_s": e.select,
                     "estimate_s": e.estimate,
                 }

@@ -25,7 +25,7 @@ class RacePlan:
     """Selection rounds at most."""
     time_s: float = 120.0
     """Seconds of selection rounds at most (the round in progress finishes)."""
-    estimate_rounds: int = 8
+    estimate_rounds: int = 16
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95
     """Confidence of the intervals reported, and of "tied" (not separated at this level)."""

@@ -29,6 +29,8 @@ class RaceEntrant:
     """The highest peak metered in the race."""
     out: str | None = None
     """Why it left the race (over the limit), or ``None``."""
+    dropped: str | None = None
+    """Why the selection stopped racing it (beaten with confidence), or ``None``."""
     select_s: tuple[float | None, ...] = ()
     """Its time per selection round (median of its timed steps there; ``None``: not run that round)."""
     estimate_s: tuple[float | None, ...] = ()
@@ -182,6 +184,7 @@ class RaceResult:
                 labels=tuple(labels.get(k, ())),
                 peak_bytes=e.get("peak_bytes"),
                 out=e.get("out"),
+                dropped=e.get("dropped"),
                 select_s=tuple(e.get("select_s", ())),
                 estimate_s=tuple(e.get("estimate_s", ())),
             )

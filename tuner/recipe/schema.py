@@ -359,7 +359,7 @@ class RaceSettings:
     max_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(default=30, description="Selection rounds at most.")
     time_s: float = Field(default=120.0, gt=0, description="Seconds of selection rounds at most.")
     estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
-        default=8, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
+        default=16, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
     )
     confidence: float = Field(
         default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."

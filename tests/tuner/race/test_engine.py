@@ -116,3 +116,13 @@ def test_every_race_step_is_a_training_step(monkeypatch: pytest.MonkeyPatch, qui
     quiet_trainer(max_steps=steps, limit_val_batches=0).fit(plain, SyntheticTokens(**DATA))
     for (name, p), q in zip(raced.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_an_entrant_beaten_with_confidence_stops_costing_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    out, clock, _ = _race(monkeypatch, {ONE: 0.10, TWO: 0.10, FULL: 0.2})
+    full = out["entrants"][FULL.fingerprint()]
+    assert full["dropped"] is not None and full["dropped"].startswith("beaten by F.. at 99% after")
+    ran = [t for t in full["select_s"] if t is not None]
+    assert len(ran) < out["selection"]["rounds"] == 12  # dropped early; the tied two raced on
+    assert clock.order.count(FULL.fingerprint()) < clock.order.count(ONE.fingerprint())
+    assert sorted(out["selection"]["tied"]) == sorted([ONE.fingerprint(), TWO.fingerprint()])
