@@ -108,6 +108,25 @@ def test_bad_arguments_are_refused_with_the_valid_choices(
         assert "no CUDA device is visible; use --device cpu" in capsys.readouterr().err
 
 
+def test_cuda_sizes_are_what_the_issue_asks(acceptance: ModuleType, tmp_path: Path) -> None:
+    """The GPU run's sizes are never run here; on the meta device they are cheap to keep honest."""
+    sizes = acceptance.CUDA_SIZES
+    with torch.device("meta"):
+        meter_model = acceptance.ReferenceGPT(**sizes.model)
+    weights = sum(p.numel() * p.element_size() for p in meter_model.parameters())
+    assert 100 * 2**20 <= weights <= 1024 * 2**20  # "a model of a few hundred MB" (fp32)
+    assert sizes.compile_backend is None  # Inductor, the backend whose buffers the CPU ledger cannot see
+
+    # Check 5 on an 80 GB card: keeping everything does not fit, and the planner finds a policy that does.
+    assert sizes.card_bytes is None  # the device's own memory
+    card = 80 * 10**9
+    ctx = acceptance.Context(torch.device("cpu"), sizes, tmp_path, print)
+    one = acceptance.Planner(acceptance._plan_profile(ctx, 1))
+    micro_batch = acceptance.plan_micro_batch(one, card)
+    plan = one.solve(int(acceptance.PLANNER_BUDGET_FRACTION * card), micro_batch=micro_batch)
+    assert set(plan.short()) != {"."} and set(plan.short()) != {"F"}  # recomputes, and not everything
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_session_check_promotes_a_policy_that_recomputes(acceptance: ModuleType, tmp_path: Path) -> None:
