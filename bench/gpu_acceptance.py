@@ -36,7 +36,8 @@ The checks (tolerances are the issue's):
    with ``none``: the step's peak as the CUDA allocator sees it (Inductor's buffers included) is
    lower with recomputation, and the weights after two steps are equal (bitwise, or within the
    plugin's compiled tolerance). The CPU dry run compiles with ``aot_eager`` (Inductor costs about a
-   minute per graph on CPU) and measures no peak: the CPU ledger cannot see compiled code.
+   minute per graph on CPU), and its peak is an eager step's: the CPU ledger runs compiled layers
+   eagerly, as it cannot see compiled code.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Sizes:
     """Check 3's timed steps per policy (after two warm-up steps)."""
     numerics_model: dict[str, Any]
     numerics_batch: int
-    numerics_precision: str
+    numerics_precisions: tuple[str, ...]
     session_model: dict[str, Any]
     session_batch: int
     session_trials: int
@@ -140,7 +141,8 @@ CUDA_SIZES = Sizes(
     timed_steps=6,
     numerics_model=_gpt(8192, 512, 4, 512, 8, 0.1),
     numerics_batch=8,
-    numerics_precision="bf16-mixed",  # what the GPU recipes train in: SDPA picks the flash kernels
+    # bf16-mixed, what the GPU recipes train in, runs SDPA's flash kernels; fp32 its memory-efficient ones.
+    numerics_precisions=("bf16-mixed", "32-true"),
     session_model=_gpt(8192, 512, 4, 512, 8, 0.1),
     session_batch=8,
     session_trials=4,
@@ -160,7 +162,7 @@ CPU_SIZES = Sizes(
     timed_steps=2,
     numerics_model=_gpt(128, 32, 2, 32, 4, 0.1),
     numerics_batch=2,
-    numerics_precision="32-true",
+    numerics_precisions=("32-true",),
     session_model=_gpt(128, 32, 4, 32, 4, 0.1),
     session_batch=4,
     session_trials=3,
@@ -204,6 +206,8 @@ class Context:
     sizes: Sizes
     scratch: Path
     say: Callable[[str], None]
+    child_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    """The environment a child process gets: this process's as it started, before `main` set anything."""
 
     @property
     def accelerator(self) -> str:
@@ -384,33 +388,40 @@ def _worker_numerics(recipe: Mapping[str, Any], policy: RecomputePolicy, folder:
 def check_numerics(ctx: Context) -> Verdict:
     sz = ctx.sizes
     names = _layer_names(sz.numerics_model)
-    recipe = _recipe_dict(sz.numerics_model, sz.numerics_batch, ctx.accelerator, sz.numerics_precision)
     policies = {m: RecomputePolicy.uniform(m) for m in ALL_MODES}
     policies["mixed"] = _mixed(names)
-    rows: dict[str, Any] = {}
+    rows: dict[str, dict[str, Any]] = {}
     failed: list[str] = []
     bitwise = 0
-    for label, policy in policies.items():
-        with _quiet():
-            res = _worker_numerics(recipe, policy, ctx.scratch)
-        _release(ctx.device)
-        if res.get("outcome") != "ok":
-            raise RuntimeError(f"numerics of {label} ended {res.get('outcome')}: {res.get('error')}")
-        rows[label] = {k: res.get(k) for k in ("equal", "max_abs_diff", "baseline_spread", "detail")}
-        bitwise += res["max_abs_diff"] == 0.0
-        if not res["equal"]:
-            failed.append(label)
-        ctx.say(
-            f"  {label:<22} {'equal' if res['equal'] else 'DIFFERENT':<9} policy vs no recompute "
-            f"{res['max_abs_diff']:.3g}, no recompute vs itself {res['baseline_spread']:.3g}"
-        )
+    for precision in sz.numerics_precisions:
+        recipe = _recipe_dict(sz.numerics_model, sz.numerics_batch, ctx.accelerator, precision)
+        rows[precision] = {}
+        for label, policy in policies.items():
+            with _quiet():
+                res = _worker_numerics(recipe, policy, ctx.scratch)
+            _release(ctx.device)
+            if res.get("outcome") != "ok":
+                # One mode that cannot run (an OOM, an error) is that mode's failure; the others still say theirs.
+                rows[precision][label] = {"equal": False, "error": res.get("error"), "outcome": res.get("outcome")}
+                failed.append(f"{precision}/{label} ({res.get('outcome')})")
+                ctx.say(f"  {precision:<10} {label:<22} {res.get('outcome')}: {res.get('error')}")
+                continue
+            rows[precision][label] = {k: res.get(k) for k in ("equal", "max_abs_diff", "baseline_spread", "detail")}
+            bitwise += res["max_abs_diff"] == 0.0
+            if not res["equal"]:
+                failed.append(f"{precision}/{label}")
+            ctx.say(
+                f"  {precision:<10} {label:<22} {'equal' if res['equal'] else 'DIFFERENT':<9} policy vs no recompute "
+                f"{res['max_abs_diff']:.3g}, no recompute vs itself {res['baseline_spread']:.3g}"
+            )
+    total = len(policies) * len(sz.numerics_precisions)
     summary = (
-        f"{len(policies) - len(failed)}/{len(policies)} modes equal to no recompute ({bitwise} bitwise), "
-        f"{sz.numerics_precision}, SDPA default backends"
+        f"{total - len(failed)}/{total} mode runs equal to no recompute ({bitwise} bitwise), "
+        f"{' and '.join(sz.numerics_precisions)}, SDPA default backends"
     )
     if failed:
-        summary += f"; different: {', '.join(failed)}"
-    return Verdict(not failed, summary, {"precision": sz.numerics_precision, "modes": rows})
+        summary += f"; not equal: {', '.join(failed)}"
+    return Verdict(not failed, summary, {"precisions": rows})
 
 
 # ---------------------------------------------------------------------------------------------- 3. offload
@@ -645,7 +656,8 @@ def check_session(ctx: Context) -> Verdict:
         f"  budget limit {format_bytes(limit)} (predicted full {format_bytes(full)}, none {format_bytes(none)}); "
         f"{sz.session_trials} trials in {folder}"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    path = os.pathsep.join(p for p in (str(REPO), ctx.child_env.get("PYTHONPATH")) if p)
+    env = {**ctx.child_env, "PYTHONPATH": path}
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "tuner", "recipe.yaml", "--format", "json"],
@@ -813,49 +825,77 @@ def _compile_backend(backend: str | None) -> Iterator[None]:
         torch.compile = real
 
 
-def _compiled_run(ctx: Context, mode: str, steps: int) -> tuple[int | None, dict[str, torch.Tensor]]:
-    """Peak of the last of ``steps`` steps of the compiled ``mode`` policy, and the weights after them."""
+@dataclass(frozen=True)
+class _CompiledRun:
+    peak_bytes: int | None
+    """The last step's peak: the CUDA allocator's, Inductor's buffers included; on CPU an eager step's."""
+    weights: dict[str, torch.Tensor]
+    graphs: int
+    """Graphs dynamo compiled: a compile check that compiled nothing would prove nothing."""
+
+
+def _compiled_run(ctx: Context, mode: str, steps: int) -> _CompiledRun:
+    """``steps`` steps of the ``mode`` policy with ``compile: true``: the last step's peak, the weights after all."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     cfg = ctx.sizes.compile_model
     torch._dynamo.reset()  # each run compiles its own graphs, as a trial's fresh process does
-    callback = RecomputeCallback(RecomputePolicy.uniform(mode, compile=True))
+    counters.clear()
+    # On CUDA every step is metered by the allocator and runs compiled. On CPU a metered step runs its
+    # compiled layers eagerly (the ledger is a dispatch mode, README), so only the last step is metered:
+    # the ones before it run compiled.
+    metered = None if ctx.cuda else range(steps - 1, steps)
+    callback = RecomputeCallback(RecomputePolicy.uniform(mode, compile=True), memory_steps=metered)
     trainer = L.Trainer(accelerator=ctx.accelerator, devices=1, max_steps=steps, callbacks=[callback], **QUIET_TRAINER)
     model = _model(cfg, cls=_SGDReferenceGPT)
     with _quiet(), _compile_backend(ctx.sizes.compile_backend):
         trainer.fit(model, datamodule=_data(cfg, ctx.sizes.compile_batch))
-    peak = callback.records[-1].peak_bytes
-    weights = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
-    return peak, weights
+    return _CompiledRun(
+        peak_bytes=callback.records[-1].peak_bytes,
+        weights={n: p.detach().float().cpu().clone() for n, p in model.named_parameters()},
+        graphs=int(counters["stats"]["unique_graphs"]),
+    )
 
 
 def check_compile(ctx: Context) -> Verdict:
     steps = 3  # the first compiles; the peak is the last one's
-    peak_none, base = _compiled_run(ctx, "none", steps)
+    none = _compiled_run(ctx, "none", steps)
     _release(ctx.device)
-    peak_full, got = _compiled_run(ctx, "full", steps)
+    full = _compiled_run(ctx, "full", steps)
     _release(ctx.device)
+    base, got = none.weights, full.weights
     diffs = {n: float((got[n] - w).abs().max()) for n, w in base.items()}
     bitwise = all(torch.equal(got[n], w) for n, w in base.items())
     close = all(torch.allclose(got[n], w, rtol=COMPILED_RTOL, atol=COMPILED_ATOL) for n, w in base.items())
     worst = max(diffs.values())
     backend = ctx.sizes.compile_backend or "inductor"
-    if peak_none is None or peak_full is None:
-        # The CPU ledger cannot see compiled code, so the callback reports no peak there (README).
-        peaks_ok = not ctx.cuda
-        peak_text = "peaks not measured (CPU ledger cannot see compiled code)"
+    compiled = none.graphs > 0 and full.graphs > 0
+    if none.peak_bytes is None or full.peak_bytes is None:
+        peaks_ok, peak_text = False, "no peak recorded"
     else:
-        peaks_ok = peak_full < peak_none
-        peak_text = f"peak full {format_bytes(peak_full)} {'<' if peaks_ok else '>='} none {format_bytes(peak_none)}"
-    ctx.say(f"  {backend}: {peak_text}; weights after {steps} steps max abs diff {worst:.3g}, bitwise {bitwise}")
+        peaks_ok = full.peak_bytes < none.peak_bytes
+        where = "compiled" if ctx.cuda else "eager (CPU ledger)"
+        peak_text = (
+            f"{where} peak full {format_bytes(full.peak_bytes)} {'<' if peaks_ok else '>='} "
+            f"none {format_bytes(none.peak_bytes)}"
+        )
+    ctx.say(
+        f"  {backend}: {none.graphs} + {full.graphs} graphs compiled; {peak_text}; weights after {steps} steps "
+        f"max abs diff {worst:.3g}, bitwise {bitwise}"
+    )
     return Verdict(
-        close and peaks_ok,
-        f"{backend}: {peak_text}; weights {'bitwise equal' if bitwise else f'max abs diff {worst:.3g}'} "
-        f"(tolerance rtol {COMPILED_RTOL:g} atol {COMPILED_ATOL:g})",
+        close and peaks_ok and compiled,
+        f"{backend}, {none.graphs}+{full.graphs} graphs: {peak_text}; weights "
+        f"{'bitwise equal' if bitwise else f'max abs diff {worst:.3g}'} (tolerance rtol {COMPILED_RTOL:g} "
+        f"atol {COMPILED_ATOL:g})",
         {
             "backend": backend,
-            "peak_none_bytes": peak_none,
-            "peak_full_bytes": peak_full,
+            "graphs_none": none.graphs,
+            "graphs_full": full.graphs,
+            "peak_is_compiled": ctx.cuda,
+            "peak_none_bytes": none.peak_bytes,
+            "peak_full_bytes": full.peak_bytes,
             "weights_bitwise_equal": bitwise,
             "weights_within_tolerance": close,
             "max_abs_diff": worst,
@@ -894,6 +934,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env.update(
             device=props.name,
             capability=f"{props.major}.{props.minor}",
+            memory=format_bytes(int(props.total_memory)),
             memory_bytes=int(props.total_memory),
             cudnn=torch.backends.cudnn.version(),
             cuda_driver_api=getattr(torch._C, "_cuda_getDriverVersion", lambda: None)(),
@@ -1008,6 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not names:
         print("--only/--skip: no check left to run", file=sys.stderr)
         return 2
+    child_env = dict(os.environ)  # the tuning session's trials run as the product runs them, without the line below
     if args.device == "cuda":
         # The numerics check's deterministic cuBLAS workspace (the gate sets it for its worker); cuBLAS
         # reads it when its handle is created, so before any check touches the device.
@@ -1021,7 +1063,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment(device)
     say("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     with tempfile.TemporaryDirectory(prefix="gpu-acceptance-") as scratch:
-        ctx = Context(device, CUDA_SIZES if device.type == "cuda" else CPU_SIZES, Path(scratch), say)
+        ctx = Context(device, CUDA_SIZES if device.type == "cuda" else CPU_SIZES, Path(scratch), say, child_env)
         with _lightning_quiet():
             results = run_checks(ctx, names)
     wall = time.perf_counter() - started

@@ -73,7 +73,7 @@ def test_dry_run_passes_every_cpu_check_and_a_raising_check_stops_nothing(
     assert peaks["full"] < peaks["selective"] < peaks["none"] == peaks["offload"]  # offload is none on CPU
     assert all(v["rel_error"] <= 0.005 for v in meter["policies"].values())
 
-    numerics = checks["numerics"]["figures"]["modes"]
+    (numerics,) = checks["numerics"]["figures"]["precisions"].values()  # fp32 on CPU
     assert set(numerics) == {*ALL_MODES, "mixed"}
     assert all(m["equal"] and m["max_abs_diff"] == 0.0 and m["baseline_spread"] == 0.0 for m in numerics.values())
 
@@ -88,6 +88,8 @@ def test_dry_run_passes_every_cpu_check_and_a_raising_check_stops_nothing(
 
     compiled = checks["compile"]["figures"]
     assert compiled["backend"] == "aot_eager" and compiled["weights_within_tolerance"]
+    assert compiled["graphs_none"] > 0 and compiled["graphs_full"] > 0  # it compiled, not only ran eagerly
+    assert compiled["peak_full_bytes"] < compiled["peak_none_bytes"]
 
     # Versions first (a partial run is informative), one table last.
     assert printed.startswith("environment: device cpu, torch ")
