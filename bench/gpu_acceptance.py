@@ -708,10 +708,10 @@ def check_session(ctx: Context) -> Verdict:
     for reason in summary.get("reasons") or []:
         ctx.say(f"  gate: {reason}")
     passed = promoted and written is not None and written == candidate
-    peak = best.get("peak_bytes")
+    peak, used = best.get("peak_bytes"), summary.get("budget_bytes")
     verdict = (
         f"{summary.get('status')} {best.get('policy_short')} ({candidate}), exit {proc.returncode}, "
-        f"peak {format_bytes(peak) if peak is not None else '?'} <= limit {format_bytes(limit)}, "
+        f"peak {format_bytes(peak) if peak is not None else '?'} (limit {format_bytes(used or limit)}), "
         f"{best.get('throughput') or 0:,.0f} {best.get('throughput_unit', '')}, session {wall:.0f} s"
     )
     if written is not None and written != candidate:
