@@ -129,6 +129,10 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
     )
     storage = parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}"
     study = StudySettings(storage=_resolve_uri(storage, folder), name=parsed.study.name)
+    output = _resolve_path(parsed.output or "policy.yaml", folder)
+    clash = _output_clash(output, {"tracking.uri": tracking.uri, "study.storage": str(study.storage)})
+    if clash is not None:
+        raise RecipeError([clash], src)
     return Recipe(
         source=src,
         name=name,
@@ -141,7 +145,7 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
         trial=parsed.trial,
         tracking=tracking,
         study=study,
-        output=_resolve_path(parsed.output or "policy.yaml", folder),
+        output=output,
     )
 
 
@@ -156,6 +160,41 @@ def json_schema() -> dict[str, Any]:
 def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (folder / p).resolve()
+
+
+_SQLITE_COMPANIONS = ("", "-journal", "-wal", "-shm", ".lock")
+"""The files SQLite (and the tuner's setup lock, `tuner.stores.sqlite_setup_lock`) keep beside a database."""
+
+
+def _store_files(url: str) -> list[Path]:
+    """The local files a store at ``url`` keeps (a SQLite database or an Optuna journal, with their companions)."""
+    if url.startswith("sqlite:///"):
+        rest = url[len("sqlite:///") :]
+        if not rest or rest == ":memory:":
+            return []
+        return [Path(f"{rest}{suffix}") for suffix in _SQLITE_COMPANIONS]
+    if "://" not in url and url.endswith(".log"):
+        return [Path(url), Path(f"{url}.lock")]  # Optuna's journal and its lock file
+    return []
+
+
+def _output_clash(output: Path, stores: Mapping[str, str]) -> str | None:
+    """Why ``output`` cannot be the policy file: it is one of the stores' own files; ``None`` when it is not.
+
+    Every promotion writes the policy file atomically over whatever is there, so an ``output``
+    naming ``optuna.db`` or ``mlflow.db`` replaced the database with a YAML file: every trial
+    and decision lost. Paths are compared after following symbolic links.
+    """
+    target = os.path.realpath(output)
+    for key, url in stores.items():
+        for path in _store_files(url):
+            if os.path.realpath(path) == target:
+                instead = clip(str(output.parent / "policy.yaml"))
+                return (
+                    f"output: {clip(str(output))} is a file of the store in {key} ({clip(url)}); writing the policy "
+                    f"there would destroy it (valid: a file of its own, e.g. {instead})"
+                )
+    return None
 
 
 def _resolve_uri(uri: str, folder: Path) -> str:
