@@ -19,9 +19,12 @@ to roll back to), 2 a bad recipe or argument, 130 interrupted (rerun the same co
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from lightning_recompute.errors import RecomputeError
@@ -140,6 +143,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
+    if getattr(args, "format", "text") != "json":
+        return _run(args, sys.stdout)
+    # `--format json` promises a program reading stdout nothing but the JSON: whatever else would
+    # reach stdout while the command runs (a user module printing at import or in its forward, a
+    # library, native code) goes to stderr, and the JSON is written once the command is done.
+    out = io.StringIO()
+    try:
+        with _stdout_to_stderr():
+            return _run(args, out)
+    finally:
+        sys.stdout.write(out.getvalue())
+        sys.stdout.flush()
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    """Run the parsed command; its JSON (``--format json``) goes to ``out``."""
     try:
         if args.command == "schema":
             from tuner.recipe import json_schema
@@ -150,15 +169,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         if recipe is None:
             return EXIT_BAD_INPUT
         if args.command == "tune":
-            return _tune(recipe, args)
+            return _tune(recipe, args, out)
         if args.command == "plan":
-            return _plan(recipe, args)
+            return _plan(recipe, args, out)
         if args.command == "rollback":
             return _rollback(recipe)
-        return _history(recipe, args)
+        return _history(recipe, args, out)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send this process's stdout to stderr: Python's ``sys.stdout``, and file descriptor 1 where it is one.
+
+    The descriptor matters too: native code and child processes that inherit it write there
+    without passing through ``sys.stdout``.
+    """
+    sys.stdout.flush()
+    saved: int | None = None
+    try:
+        os.fstat(2)
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # a descriptor closed (a daemon's): Python's level only
+        if saved is not None:
+            os.close(saved)
+            saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _quiet_libraries() -> None:
@@ -196,7 +242,7 @@ def _load(path: str) -> Recipe | None:
 # ---------------------------------------------------------------------------------------------- tune
 
 
-def _tune(recipe: Recipe, args: argparse.Namespace) -> int:
+def _tune(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import session
 
     if args.n_trials is not None and args.n_trials < 1:
@@ -216,7 +262,7 @@ def _tune(recipe: Recipe, args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
     else:
         print(_final_report(summary))
     return int(summary.exit_code)
@@ -308,12 +354,12 @@ def _final_report(s: SessionSummary) -> str:
 # ---------------------------------------------------------------------------------------------- other commands
 
 
-def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
+def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
     from tuner.planner import format_front
 
     if args.max_seq_len:
-        return _max_seq_len(recipe, args)
+        return _max_seq_len(recipe, args, out)
     try:
         summary = commands.plan(
             recipe,
@@ -327,7 +373,7 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
         return summary.exit_code
     print(summary.profile.describe())
     print()
@@ -347,7 +393,7 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
-def _max_seq_len(recipe: Recipe, args: argparse.Namespace) -> int:
+def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
     from tuner.units import format_seconds
 
@@ -362,7 +408,7 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(s.to_dict(), indent=2, default=str))
+        print(json.dumps(s.to_dict(), indent=2, default=str), file=out)
         return s.exit_code
     print(
         f"longest {s.seq_arg} within {_bytes(s.budget_bytes)} on {s.device}, micro-batch {s.micro_batch} "
@@ -412,7 +458,7 @@ def _rollback(recipe: Recipe) -> int:
     return EXIT_OK
 
 
-def _history(recipe: Recipe, args: argparse.Namespace) -> int:
+def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
 
     try:
@@ -421,7 +467,7 @@ def _history(recipe: Recipe, args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
         return EXIT_OK
     if summary.missing is not None:
         print(f"experiment {summary.experiment}: nothing recorded yet (no tracking database at {summary.missing})")

@@ -110,6 +110,39 @@ def test_rollback_without_history_exits_1(tmp_path, capsys):
     assert "nothing to roll back to" in capsys.readouterr().err
 
 
+NOISY_MODEL = """
+import os
+from lightning_recompute.reference import ReferenceGPT
+
+print("noisy: imported")
+
+
+class Noisy(ReferenceGPT):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        print("noisy: built")
+
+    def training_step(self, batch, batch_idx):
+        print("noisy: step")
+        os.write(1, b"noisy: native write\\n")  # as native code would, past sys.stdout
+        return super().training_step(batch, batch_idx)
+"""
+
+
+@pytest.mark.parametrize("command", ["plan", "history"])
+def test_json_output_is_the_only_thing_on_stdout(tmp_path, capfd, command):
+    # A user module printing at import (and, for plan, in its steps) used to come before the JSON.
+    module = f"noisy_{command}_{tmp_path.name}"  # a fresh module name: its import prints again
+    (tmp_path / f"{module}.py").write_text(NOISY_MODEL, encoding="utf-8")
+    recipe_path = write_recipe(tmp_path, model={"class_path": f"{module}.Noisy"})
+    assert cli.main([command, str(recipe_path), "--format", "json"]) == 0
+    out, err = capfd.readouterr()
+    assert isinstance(json.loads(out), dict), out
+    assert "noisy: imported" in err
+    if command == "plan":
+        assert "noisy: built" in err and "noisy: step" in err and "noisy: native write" in err
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     recipe_path = write_recipe(tmp_path, search={"n_trials": 3, "seed": 0})
