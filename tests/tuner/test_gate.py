@@ -444,3 +444,16 @@ def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path:
     assert RecomputePolicy.load(recipe.output).tuned_for == written
     assert load_good_policy("gate", uri).tuned_for == written
     assert [(h.kind, h.micro_batch) for h in tracker.history()] == [("promote", 4), ("promote", 8), ("rollback", 4)]
+
+
+def test_history_and_rollback_survive_a_decision_run_with_a_bad_seq_tag(uri: str, recipe: recipe_mod.Recipe) -> None:
+    # One hand-edited recompute.decision_seq tag made `history` fail with ValueError.
+    tracker = Tracker(uri, "gate")
+    a = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
+    client = MlflowClient(tracking_uri=uri)
+    first = client.search_runs([tracker.experiment_id], filter_string="tags.`recompute.decision_seq` = '1'")[0]
+    client.set_tag(first.info.run_id, "recompute.decision_seq", "one")
+    assert [(h.kind, h.seq) for h in tracker.history()] == [("promote", 0), ("promote", 2)]
+    assert tracker.rollback(output_path=recipe.output).run_id == a.confirmation_run_id
+    assert [h.seq for h in tracker.history()] == [0, 2, 3]

@@ -209,11 +209,14 @@ class PolicyRegistry(TrackingClient):
         out = []
         for run in self._decision_runs():
             t = run.data.tags
+            kind = t.get(DECISION)
+            if kind not in ("promote", "reject", "rollback"):
+                continue  # a run tagged a decision by other means, saying nothing the history can show
             out.append(
                 Decision(
                     run_id=run.info.run_id,
-                    kind=t[DECISION],
-                    seq=int(t.get(DECISION_SEQ, "0")),
+                    kind=kind,
+                    seq=_decision_seq(t),
                     at=datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc),
                     reason=t.get(REASON, ""),
                     fingerprint=t.get(FINGERPRINT),
@@ -277,7 +280,7 @@ class PolicyRegistry(TrackingClient):
 
     def _decision_runs(self) -> list[Any]:
         runs = self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
-        return sorted(runs, key=lambda r: (int(r.data.tags.get(DECISION_SEQ, "0")), r.info.start_time))
+        return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
 
     def _good_stack(self) -> list[str]:
         """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
@@ -300,9 +303,7 @@ class PolicyRegistry(TrackingClient):
         previous: str | None,
         source_run_id: str | None,
     ) -> str:
-        seq = 1 + max(
-            (int(r.data.tags.get(DECISION_SEQ, "0")) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0
-        )
+        seq = 1 + max((_decision_seq(r.data.tags) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0)
         tags = {
             KIND: "decision",
             DECISION: kind,
@@ -391,6 +392,15 @@ def _file_state(path: Path, fingerprint: str) -> str | None:
     if held.fingerprint() != fingerprint:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
     return None
+
+
+def _decision_seq(tags: Mapping[str, str]) -> int:
+    """A decision run's position in the history; 0 (first, then by start time) when its tag is not a number.
+
+    The tag is editable in the MLflow UI; one hand-edited or foreign run must not make the whole
+    history unreadable (``history`` used to fail with ``ValueError``).
+    """
+    return _tag_int(tags.get(DECISION_SEQ)) or 0
 
 
 def _tag_int(value: str | None) -> int | None:
