@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tuner.planner.sharding import ParamLayout
     from tuner.profile import Profile
     from tuner.recipe import Recipe
-    from tuner.tracking import Decision, GoodPolicy
+    from tuner.tracking import Decision, GoodPolicy, Tracker
 
 __all__ = ["HistorySummary", "PlanSummary", "SeqLenSummary", "history", "max_seq_len", "plan", "rollback"]
 
@@ -369,14 +369,13 @@ def history(recipe: Recipe) -> HistorySummary:
     Raises:
         RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
     """
-    from tuner.tracking import Tracker
 
     missing = _missing_tracking_database(recipe)
     if missing is not None:
         return HistorySummary(
             experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=[], missing=missing
         )
-    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    tracker = _existing_tracker(recipe)
     return HistorySummary(
         experiment=str(recipe.tracking.experiment),
         tracking_uri=recipe.tracking.uri,
@@ -408,7 +407,6 @@ def rollback(recipe: Recipe) -> RollbackSummary:
         RecomputeError: there is nothing to roll back to (no tracking database, or no earlier good
             policy) and the file needed no repair.
     """
-    from tuner.tracking import Tracker
 
     missing = _missing_tracking_database(recipe)
     if missing is not None:
@@ -417,12 +415,28 @@ def rollback(recipe: Recipe) -> RollbackSummary:
             f"nothing has been tuned with this recipe there yet"
         )
 
-    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    tracker = _existing_tracker(recipe)
     note = tracker.restore_file(recipe.output)
     current = tracker.current_good()
     if note is not None and current is not None and not tracker.can_roll_back():
         return RollbackSummary(good=current, rolled_back=False, file_note=note)
     return RollbackSummary(good=tracker.rollback(output_path=recipe.output), rolled_back=True, file_note=note)
+
+
+def _existing_tracker(recipe: Recipe) -> Tracker:
+    """The recipe's `Tracker` for a command that reads or restores: it never creates the experiment.
+
+    Raises:
+        SettingsError: the store has no experiment named ``tracking.experiment`` (a misspelt name
+            used to be created, empty, by ``history`` or ``rollback``).
+    """
+    from tuner.preflight import SettingsError
+    from tuner.tracking import ExperimentNotFound, Tracker
+
+    try:
+        return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment), create=False)
+    except ExperimentNotFound as err:
+        raise SettingsError([str(err)]) from None
 
 
 def _missing_tracking_database(recipe: Recipe) -> Path | None:

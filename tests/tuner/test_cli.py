@@ -271,3 +271,14 @@ def test_a_co_tuned_micro_batch_is_written_into_the_policy_file_and_printed(tmp_
     assert f" at micro-batch {best_mb} " in again.stdout
     assert f"decision: current (good policy tuned for micro-batch {best_mb})" in again.stdout
     assert f"in the training job: {expected}" in again.stdout
+
+
+@pytest.mark.parametrize("command", ["history", "rollback"])
+def test_read_only_commands_never_create_an_experiment(tmp_path, uri, capsys, command):
+    # A misspelt tracking.experiment used to be created, empty, by history and rollback.
+    MlflowClient(uri).create_experiment("tiny-real")
+    recipe_path = write_recipe(tmp_path, tracking={"uri": uri, "experiment": "tiny-reel"})
+    assert cli.main([command, str(recipe_path)]) == 2
+    err = capsys.readouterr().err
+    assert "tracking.experiment: 'tiny-reel' is not an experiment in" in err and "'tiny-real'" in err, err
+    assert MlflowClient(uri).get_experiment_by_name("tiny-reel") is None
