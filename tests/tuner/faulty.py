@@ -152,3 +152,10 @@ class BrokenReplay(OOMUnlessRecomputed):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.blocks = nn.ModuleList(_ReseedingDropout(b) for b in self.blocks)
+
+
+class NanLoss(ReferenceGPT):
+    """A model whose loss is nan from the first step (a diverged run, a bad batch), recompute or not."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * float("nan")

@@ -36,7 +36,7 @@ _STATUSES = {
     "error": "FAILED",
 }
 # Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
-_FAILED_OUTCOMES = ("oom", "timeout", "error")
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
 _BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")
 _MAX_TAG = 5000  # below MLflow's 8000-character tag limit, with room for a multi-byte encoding
 

@@ -52,9 +52,10 @@ __all__ = [
     "summarize_steps",
 ]
 
-Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "skipped"]
+Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped"]
 """What became of a trial: measured and within budget; measured above the budget; out of memory;
-killed at its deadline; failed otherwise; or not run (the planner predicted it far over budget)."""
+killed at its deadline; failed otherwise; ran to a nan or inf training loss (its figures are not
+evidence); or not run (the planner predicted it far over budget)."""
 
 _log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class TrialResult:
     """What one trial measured, or why it measured nothing."""
 
     outcome: Outcome
-    """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``skipped``."""
+    """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``nonfinite`` / ``skipped``."""
     peak_bytes: int | None = None
     """Peak device memory over every step, warm-up included (a real job goes through those too)."""
     step_time_s: float | None = None
@@ -550,7 +551,7 @@ def _last_lines(text: str, n: int) -> str:
 def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
     """``(outcome, one-line error)`` for a worker that produced no measurement."""
     res = run.result
-    if res is not None and res.get("outcome") in ("oom", "error"):
+    if res is not None and res.get("outcome") in ("oom", "error", "nonfinite"):
         return res["outcome"], str(res.get("error") or "the worker reported an error")
     if any(marker in run.tail for marker in OOM_MARKERS):
         return "oom", "out of memory (the worker died before writing a result)"
