@@ -33,7 +33,7 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner.killpoints import kill_point
 from tuner.liveness import Owner
 from tuner.recipe import Recipe
-from tuner.trials.oom import OOM_MARKERS
+from tuner.trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
 from tuner.trials.worker import rank_result_path, spec_ranks
 
 if TYPE_CHECKING:
@@ -363,6 +363,8 @@ class _WorkerRun:
     tail: str
     wall_s: float
     timed_out: bool
+    oom: OomEvidence | None = None
+    """For a worker killed by SIGKILL (not at its deadline): what the kernel says about out-of-memory kills."""
 
 
 def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
@@ -376,6 +378,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
         start = time.monotonic()
         spec = {**spec, "deadline": time.time() + timeout_s}
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        kills_before = oom_kill_count()
         with open(log_path, "wb") as log:
             # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
             proc = subprocess.Popen(
@@ -406,8 +409,14 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
             result = merge_ranks(
                 str(spec["kind"]), [_read_result(rank_result_path(result_path, r)) for r in range(ranks)]
             )
+        killed = not timed_out and proc.returncode == -signal.SIGKILL
         return _WorkerRun(
-            returncode=proc.returncode, result=result, tail=_tail(log_path), wall_s=wall, timed_out=timed_out
+            returncode=proc.returncode,
+            result=result,
+            tail=_tail(log_path),
+            wall_s=wall,
+            timed_out=timed_out,
+            oom=oom_evidence(proc.pid, kills_before) if killed else None,
         )
 
 
@@ -559,9 +568,14 @@ def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
     if code is not None and code < 0:
         sig = _signal_name(-code)
         if -code == signal.SIGKILL:
-            # Nobody here sent it (a timeout is handled before this): on Linux a SIGKILL out of the
-            # blue is the kernel's out-of-memory killer reclaiming host memory.
-            return "oom", f"the worker was killed by {sig} (most likely the kernel's out-of-memory killer)"
+            # Nobody here sent it (a timeout is handled before this); the kernel's out-of-memory
+            # killer sends it, but so do `kill -9`, schedulers and container runtimes. Calling every
+            # one `oom` marked a policy as not fitting for the rest of the study: oom only on record.
+            evidence = run.oom
+            if evidence is not None and evidence.found is not None:
+                return "oom", f"the worker was killed by signal {-code} ({sig}) for out of memory: {evidence.found}"
+            looked = f"; {evidence.looked}" if evidence is not None else ""
+            return "error", f"the worker was killed by signal {-code} ({sig}) from outside the tuner{looked}"
         return "error", f"the worker was killed by {sig}: {_crash_summary(run.tail)}"
     return "error", f"the worker exited with status {code} without a result: {_last_lines(run.tail, 1) or 'no output'}"
 
