@@ -13,7 +13,8 @@ Usage::
 
 Exit codes: 0 the policy file holds the study's best policy (promoted now or already), 1 nothing
 promoted (nothing fits the budget, or the gate kept the current policy; for ``rollback``: nothing
-to roll back to), 2 a bad recipe or argument, 130 interrupted (rerun the same command to resume).
+to roll back to), 2 a bad recipe or argument, 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; rerun the same
+command to resume).
 """
 
 from __future__ import annotations

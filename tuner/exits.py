@@ -11,4 +11,4 @@ EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 """The recipe or an argument is invalid (the CLI prints every problem)."""
 EXIT_INTERRUPTED = 130
-"""Stopped by Ctrl-C (or SIGTERM); the study resumes on the next run."""
+"""Stopped by Ctrl-C, SIGTERM or SIGHUP (a closed terminal); the study resumes on the next run."""
