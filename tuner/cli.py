@@ -442,6 +442,8 @@ def _rollback(recipe: Recipe) -> int:
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    for line in done.cleaned:
+        print(f"cleaned up: {line}")
     if done.file_note is not None:
         print(f"policy file: {done.file_note}")
     good = done.good

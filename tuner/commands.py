@@ -394,6 +394,8 @@ class RollbackSummary:
     """Whether the record moved back to an earlier good policy."""
     file_note: str | None
     """What was wrong with the policy file before (missing, corrupt, another policy) and was repaired."""
+    cleaned: tuple[str, ...] = ()
+    """What a killed earlier command left and this one cleaned up (a decision run, temporary files), in words."""
 
 
 def rollback(recipe: Recipe) -> RollbackSummary:
@@ -416,11 +418,15 @@ def rollback(recipe: Recipe) -> RollbackSummary:
         )
 
     tracker = _existing_tracker(recipe)
+    from tuner.liveness import grace_s
+
+    cleaned = tracker.clean_leftovers(recipe.output, grace_s())
     note = tracker.restore_file(recipe.output)
     current = tracker.current_good()
     if note is not None and current is not None and not tracker.can_roll_back():
-        return RollbackSummary(good=current, rolled_back=False, file_note=note)
-    return RollbackSummary(good=tracker.rollback(output_path=recipe.output), rolled_back=True, file_note=note)
+        return RollbackSummary(good=current, rolled_back=False, file_note=note, cleaned=cleaned)
+    restored = tracker.rollback(output_path=recipe.output)
+    return RollbackSummary(good=restored, rolled_back=True, file_note=note, cleaned=cleaned)
 
 
 def _existing_tracker(recipe: Recipe) -> Tracker:

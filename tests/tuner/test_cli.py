@@ -282,3 +282,56 @@ def test_read_only_commands_never_create_an_experiment(tmp_path, uri, capsys, co
     err = capsys.readouterr().err
     assert "tracking.experiment: 'tiny-reel' is not an experiment in" in err and "'tiny-real'" in err, err
     assert MlflowClient(uri).get_experiment_by_name("tiny-reel") is None
+
+
+@pytest.mark.slow
+def test_a_rollback_killed_mid_decision_is_cleaned_up_by_the_next(tmp_path, capsys):
+    # A rollback SIGKILLed before its file replace left its decision run RUNNING and its
+    # .policy.yaml.*.tmp for good, through later rollbacks and tunes.
+    import os
+    import time
+
+    recipe_path = write_recipe(tmp_path)
+    recipe = load(recipe_path)
+    from tuner.tracking import Tracker
+
+    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    first = RecomputePolicy.uniform("full")
+    tracker.promote(first, source_run_id=None, output_path=recipe.output, reason="first", evidence={})
+    tracker.promote(
+        RecomputePolicy.uniform("selective"),
+        source_run_id=None,
+        output_path=recipe.output,
+        reason="second",
+        evidence={},
+    )
+    killed = subprocess.run(
+        command("rollback", str(recipe_path)),
+        cwd=tmp_path,
+        env=child_env(RECOMPUTE_TUNE_TEST_KILL_AT="rollback"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    client, _, runs = mlflow_runs(recipe_path)
+    (dead,) = [r for r in runs if r.info.status == "RUNNING"]
+    assert dead.data.tags["recompute.decision"] == "rollback"
+    # What a kill inside the atomic write leaves (the kill point is just before it), an hour old;
+    # and a fresh one, as another worker's write in progress would be.
+    stale, fresh = tmp_path / ".policy.yaml.k1ll3d.tmp", tmp_path / ".policy.yaml.wr1t1ng.tmp"
+    stale.write_text("half a policy")
+    fresh.write_text("a write in progress")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+
+    assert cli.main(["rollback", str(recipe_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"cleaned up: decision run {dead.info.run_id} of a dead process ended KILLED" in out
+    assert f"cleaned up: removed {stale}: a temporary file of a killed write" in out
+    assert not stale.exists() and fresh.exists()
+    assert client.get_run(dead.info.run_id).info.status == "KILLED"
+    _, _, runs = mlflow_runs(recipe_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert [d.kind for d in tracker.history()] == ["promote", "promote", "rollback"]
+    assert RecomputePolicy.load(recipe.output) == first

@@ -5,7 +5,9 @@ good policy; every change to it is a decision run, so the history is MLflow's al
 
 from __future__ import annotations
 
+import json
 import tempfile
+import time
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
@@ -20,12 +22,14 @@ from tuner.killpoints import kill_point
 from tuner.tracking.client import TrackingClient, TrackingError, _clip, _int_or_none
 from tuner.tracking.names import (
     DECISION,
+    DECISION_ENDED_BY,
     DECISION_SEQ,
     EVIDENCE_JSON,
     FINGERPRINT,
     GOOD,
     KIND,
     NEW_GOOD,
+    OWNER,
     PARENT,
     PREVIOUS_GOOD,
     PROMOTED,
@@ -121,6 +125,43 @@ class PolicyRegistry(TrackingClient):
             return None
         good.policy.save(out)
         return f"{out} {found}; restored the good policy {good.fingerprint} from MLflow run {good.run_id}"
+
+    def end_dead_decisions(self, grace_s: float) -> list[str]:
+        """End KILLED every RUNNING decision run whose owner is dead (SIGKILLed mid-decision); their ids.
+
+        Such a run is not history (only FINISHED decisions are), but left RUNNING it reads in the
+        MLflow UI as a decision still being made. A run without an owner tag (an older version's)
+        is judged by its start time against ``grace_s``; a decision takes seconds.
+        """
+        from tuner.liveness import Owner, dead_reason
+
+        ended = []
+        for run in self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'RUNNING'"):
+            t = run.data.tags
+            try:
+                owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
+            except (ValueError, TypeError, KeyError):
+                owner = None
+            why = dead_reason(owner, None, grace=grace_s, since=run.info.start_time / 1000.0)
+            if why is None:
+                continue
+            self.client.set_tag(run.info.run_id, DECISION_ENDED_BY, _clip(why))
+            self.client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+        return ended
+
+    def clean_leftovers(self, output_path: str | Path, grace_s: float) -> tuple[str, ...]:
+        """End the decision runs of dead processes and remove their temporary policy files; what was done.
+
+        A ``rollback`` or promotion SIGKILLed mid-decision leaves its decision run RUNNING and,
+        inside the atomic write, a ``.policy.yaml.*.tmp`` file; every later ``tune`` and
+        ``rollback`` calls this first.
+        """
+        done = [f"decision run {run_id} of a dead process ended KILLED" for run_id in self.end_dead_decisions(grace_s)]
+        done += [
+            f"removed {tmp}: a temporary file of a killed write" for tmp in remove_stale_temps(output_path, grace_s)
+        ]
+        return tuple(done)
 
     def promote(
         self,
@@ -314,6 +355,9 @@ class PolicyRegistry(TrackingClient):
         }
         if source_run_id:
             tags[SOURCE_RUN] = source_run_id
+        from tuner.liveness import Owner
+
+        tags[OWNER] = json.dumps(Owner.me().to_dict())  # a later run ends it if this process dies mid-decision
         if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
             tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
         parent = self._parent_run_id()
@@ -344,6 +388,7 @@ class PolicyRegistry(TrackingClient):
         old_bytes = out.read_bytes() if out.exists() else None
         try:
             self.client.set_tag(decision_id, NEW_GOOD, new)
+            kill_point("rollback" if rolled_back else "")  # a test hook; see tuner.killpoints
             policy.save(out)
             kill_point("after_write")  # a test hook; a no-op unless the fault-injection test sets it
             now = datetime.now(timezone.utc).isoformat()
@@ -377,6 +422,27 @@ class PolicyRegistry(TrackingClient):
                     self.client.set_terminated(decision_id, "FAILED")
             raise
         self.client.set_terminated(decision_id, "FINISHED")
+
+
+def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Path]:
+    """Remove the temporary files of atomic writes to ``output_path`` left by a killed writer; those removed.
+
+    `lightning_recompute.atomic.atomic_write` writes ``.<name>.<random>.tmp`` beside the file and
+    renames it over the file; a writer SIGKILLed in between leaves it forever. A write takes
+    milliseconds, so one older than ``older_than_s`` (the liveness grace period) has no live
+    writer; a younger one may be another worker's write in progress and is left alone.
+    """
+    out = Path(output_path)
+    removed = []
+    now = time.time()
+    for tmp in out.parent.glob(f".{out.name}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > older_than_s:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:  # gone meanwhile (another worker cleaned it), or not ours to remove
+            continue
+    return removed
 
 
 def _file_state(path: Path, fingerprint: str) -> str | None:
