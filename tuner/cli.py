@@ -7,7 +7,7 @@ Usage::
     recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--world-size 64 --strategy fsdp]
                                [--write policy.yaml] [--format text|json]
     recompute-tune plan RECIPE --max-seq-len [--seq-arg seq_len] [--seq-step 64] [--seq-cap N] [--meta H100]
-    recompute-tune rollback RECIPE
+    recompute-tune rollback RECIPE [--allow-over-budget]
     recompute-tune history RECIPE [--format text|json]
     recompute-tune schema
 
@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
     rollback.add_argument("recipe", help="the recipe YAML file")
+    rollback.add_argument(
+        "--allow-over-budget",
+        action="store_true",
+        help="restore the earlier policy even when its measured peak is over the recipe's budget now",
+    )
 
     hist = sub.add_parser("history", help="list every promotion, rejection and rollback")
     hist.add_argument("recipe", help="the recipe YAML file")
@@ -174,7 +179,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         if args.command == "plan":
             return _plan(recipe, args, out)
         if args.command == "rollback":
-            return _rollback(recipe)
+            return _rollback(recipe, args)
         return _history(recipe, args, out)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -429,13 +434,13 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     return s.exit_code
 
 
-def _rollback(recipe: Recipe) -> int:
+def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import commands
     from tuner.preflight import SettingsError
     from tuner.session import training_change
 
     try:
-        done = commands.rollback(recipe)
+        done = commands.rollback(recipe, allow_over_budget=args.allow_over_budget)
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -449,6 +454,8 @@ def _rollback(recipe: Recipe) -> int:
     good = done.good
     if done.rolled_back:
         print(f"rolled back: the good policy is now run {good.run_id} ({good.fingerprint}); written to {recipe.output}")
+        if done.budget_note is not None:
+            print(f"budget: {done.budget_note}")
     else:
         print(f"nothing earlier to roll back to: the good policy stays run {good.run_id} ({good.fingerprint})")
     tuned = good.policy.tuned_for
@@ -482,6 +489,8 @@ def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
             f"mb {'-' if d.micro_batch is None else d.micro_batch:<4}  "
             f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}"
         )
+    if summary.current_problem is not None:
+        print(f"current good policy: unreadable: {summary.current_problem}")
     if summary.current is not None:
         c = summary.current
         print(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -210,14 +210,20 @@ class PolicyRegistry(TrackingClient):
         """Whether an earlier good policy exists for `rollback` to restore."""
         return len(self._good_stack()) >= 2
 
-    def rollback(self, *, output_path: str | Path) -> GoodPolicy:
+    def rollback(self, *, output_path: str | Path, vet: Callable[[GoodPolicy], None] | None = None) -> GoodPolicy:
         """Restore the good policy before the current one (file and MLflow record); the restored one.
 
         Rollbacks stack: promote A, promote B, promote C, rollback, rollback leaves A.
 
+        Args:
+            output_path: the policy file to write.
+            vet: called with the policy to restore before anything changes; raising refuses the
+                rollback (``rollback`` checks it against the recipe's current budget).
+
         Raises:
-            TrackingError: there is no earlier good policy, or the experiment's good-run tag no
-                longer matches the recorded history (someone edited it by hand).
+            TrackingError: there is no earlier good policy, the experiment's good-run tag no
+                longer matches the recorded history (someone edited it by hand), or the earlier
+                run's artifact was changed after it was logged.
         """
         current = self._good_run_id()
         stack = self._good_stack()
@@ -234,6 +240,8 @@ class PolicyRegistry(TrackingClient):
             )
         target = stack[-2]
         restored = self._good_policy(target)
+        if vet is not None:
+            vet(restored)
         decision_id = self._start_decision(
             "rollback",
             restored.policy,
@@ -307,6 +315,16 @@ class PolicyRegistry(TrackingClient):
         if policy is None:
             raise TrackingError(f"experiment {self.experiment!r}: good run {run_id} has no {POLICY_ARTIFACT} artifact")
         m, p, t = run.data.metrics, run.data.params, run.data.tags
+        recorded = t.get(FINGERPRINT)
+        if recorded and policy.fingerprint() != recorded:
+            # The check the plugin's "mlflow:" loader makes: restoring an edited artifact would put a
+            # policy nobody measured into the file training jobs read.
+            raise TrackingError(
+                f"experiment {self.experiment!r}: good run {run_id}: artifact {POLICY_ARTIFACT!r} has fingerprint "
+                f"{policy.fingerprint()}, but the run recorded {recorded} (tag {FINGERPRINT}); the artifact was "
+                f"changed after the run logged it, so it is not restored and the policy file is left as it is. "
+                f"Put the artifact back, or run `recompute-tune RECIPE` to measure and promote a policy again"
+            )
         at = t.get(PROMOTED_AT)
         mb = p.get("micro_batch")
         return GoodPolicy(
