@@ -503,3 +503,41 @@ def test_rollback_refuses_a_policy_over_the_recipe_s_budget_now(uri: str, recipe
     gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}, peaks={A: 100 * 2**20, B: 90 * 2**20}))
     done = commands.rollback(recipe)
     assert done.budget_note is not None and done.budget_note.endswith("within the budget limit 121.60 MiB")
+
+
+def test_a_hand_edited_tuned_for_is_restored_like_the_policy(tmp_path: Path, uri: str) -> None:
+    # Editing tuned_for.micro_batch 4 -> 64 in the file was kept: the callback then gave no
+    # BatchSizeWarning at batch 16.
+    import dataclasses
+
+    recipe = recipe_mod.from_dict(
+        {
+            "name": "gate",
+            "budget": "128MiB",
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}},
+            "data": {"init_args": {"batch_size": 8, "vocab_size": 64, "seq_len": 16}},
+            "tracking": {"uri": uri, "experiment": "gate"},
+            "output": str(tmp_path / "policy.yaml"),
+        }
+    )
+    tracker = Tracker(uri, "gate")
+    trials = FixedTrials({A: 100.0}, peaks={A: 30 * 2**20})
+    decide(
+        tracker,
+        Candidate(A, micro_batch=4),
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=trials,
+        check_numerics=numerics(),
+    )
+    good = RecomputePolicy.load(recipe.output)
+    assert good.tuned_for is not None and good.tuned_for.micro_batch == 4
+    edited = dataclasses.replace(good, tuned_for=dataclasses.replace(good.tuned_for, micro_batch=64))
+    edited.save(recipe.output)
+    assert edited.fingerprint() == good.fingerprint()  # the layers are the same: the fingerprint cannot tell
+
+    note = tracker.restore_file(recipe.output)
+    assert note is not None and f"held the good policy {good.fingerprint()} with another tuned_for: " in note
+    assert "micro_batch 64 (the good run's: 4)" in note
+    assert RecomputePolicy.load(recipe.output).tuned_for == good.tuned_for
+    assert tracker.restore_file(recipe.output) is None  # now it matches

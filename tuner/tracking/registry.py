@@ -120,7 +120,7 @@ class PolicyRegistry(TrackingClient):
         if good is None:
             return None
         out = Path(output_path)
-        found = _file_state(out, good.fingerprint)
+        found = _file_state(out, good.policy)
         if found is None:
             return None
         good.policy.save(out)
@@ -463,10 +463,15 @@ def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Pat
     return removed
 
 
-def _file_state(path: Path, fingerprint: str) -> str | None:
-    """What is wrong with the policy file at ``path`` for the good policy ``fingerprint``; ``None`` if nothing."""
+def _file_state(path: Path, good: RecomputePolicy) -> str | None:
+    """What is wrong with the policy file at ``path`` for the good policy ``good``; ``None`` if nothing.
+
+    The file's ``tuned_for`` counts like its layers: training jobs read it to warn when they run at
+    another batch size, so a hand-edited one (micro_batch 4 -> 64) silences that warning.
+    """
     from lightning_recompute.errors import PolicyError
 
+    fingerprint = good.fingerprint()
     if not path.exists():
         return "was missing"
     try:
@@ -475,6 +480,15 @@ def _file_state(path: Path, fingerprint: str) -> str | None:
         return f"was not a readable policy ({_clip(str(err), 200)})"
     if held.fingerprint() != fingerprint:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
+    if held.tuned_for != good.tuned_for:
+        mine = {} if held.tuned_for is None else held.tuned_for.to_dict()
+        theirs = {} if good.tuned_for is None else good.tuned_for.to_dict()
+        changed = ", ".join(
+            f"{key} {mine.get(key)!r} (the good run's: {theirs.get(key)!r})"
+            for key in sorted(set(mine) | set(theirs))
+            if mine.get(key) != theirs.get(key)
+        )
+        return f"held the good policy {fingerprint} with another tuned_for: {_clip(changed, 500)}"
     return None
 
 
