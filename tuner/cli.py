@@ -13,8 +13,9 @@ Usage::
 
 Exit codes: 0 the policy file holds the study's best policy (promoted now or already), 1 nothing
 promoted (nothing fits the budget, or the gate kept the current policy; for ``rollback``: nothing
-to roll back to), 2 a bad recipe or argument, 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; rerun the same
-command to resume).
+to roll back to), 2 a bad recipe or argument, 3 a store failed (study storage, tracking store,
+output folder or disk; the message says which and what to do), 130 interrupted (Ctrl-C, SIGTERM or
+SIGHUP; rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from lightning_recompute.errors import RecomputeError
-from tuner.exits import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
+from tuner.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_INFEASIBLE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STORE_FAILED,
+    StoreFailure,
+)
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -46,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="recompute-tune",
         description="Find, by measurement, the fastest per-layer activation-recomputation policy"
         " that fits a memory budget.",
-        epilog="Exit codes: 0 policy promoted (or already current), 1 nothing promoted, 2 bad recipe, 130 interrupted.",
+        epilog="Exit codes: 0 policy promoted (or already current), 1 nothing promoted, 2 bad recipe, "
+        "3 a store failed, 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{tune,plan,rollback,history,schema}")
 
@@ -155,16 +164,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     # reach stdout while the command runs (a user module printing at import or in its forward, a
     # library, native code) goes to stderr, and the JSON is written once the command is done.
     out = io.StringIO()
+    args.error = None
+    code = 1  # what the interpreter exits with when an exception escapes
     try:
         with _stdout_to_stderr():
-            return _run(args, out)
+            code = _run(args, out)
+            return code
+    except BaseException as err:
+        args.error = args.error or f"{type(err).__name__}: {err} (the traceback is on stderr)"
+        raise
     finally:
-        sys.stdout.write(out.getvalue())
+        text = out.getvalue()
+        if not text:
+            # The command ended before its summary (a store failed, interrupted, bad input, a bug): a
+            # program reading stdout still gets JSON, saying how it ended.
+            text = json.dumps({"status": _STATUS.get(code, "failed"), "exit_code": code, "error": args.error}) + "\n"
+        sys.stdout.write(text)
         sys.stdout.flush()
+
+
+_STATUS = {
+    EXIT_OK: "ok",
+    EXIT_BAD_INPUT: "bad input",
+    EXIT_STORE_FAILED: "store failed",
+    EXIT_INTERRUPTED: "interrupted",
+}
+"""The ``status`` of the JSON written when a command ends before its summary, by exit code."""
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     """Run the parsed command; its JSON (``--format json``) goes to ``out``."""
+    recipe: Recipe | None = None
     try:
         if args.command == "schema":
             from tuner.recipe import json_schema
@@ -183,7 +213,17 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         return _history(recipe, args, out)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
+        args.error = "interrupted"
         return EXIT_INTERRUPTED
+    except Exception as err:
+        from tuner.stores import store_failure
+
+        failure = None if recipe is None else store_failure(recipe, err)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr)
+        args.error = str(failure)
+        return EXIT_STORE_FAILED
 
 
 @contextlib.contextmanager
@@ -264,6 +304,8 @@ def _tune(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
             on_trial=lambda event: _print(live, _trial_line(event)),
             on_note=lambda note: _print(sys.stderr, note),
         )
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -375,6 +417,8 @@ def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
             world_size=args.world_size,
             strategy=args.strategy,
         )
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -410,6 +454,8 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
         s = commands.max_seq_len(
             recipe, budget=args.budget, meta=args.meta, seq_arg=args.seq_arg, step=args.seq_step, cap=args.seq_cap
         )
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -444,6 +490,8 @@ def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
@@ -473,6 +521,8 @@ def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
     try:
         summary = commands.history(recipe)
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -335,3 +335,97 @@ def test_a_rollback_killed_mid_decision_is_cleaned_up_by_the_next(tmp_path, caps
     assert not [r for r in runs if r.info.status == "RUNNING"]
     assert [d.kind for d in tracker.history()] == ["promote", "promote", "rollback"]
     assert RecomputePolicy.load(recipe.output) == first
+
+
+def _damaged_sqlite(path: Path) -> None:
+    path.write_bytes(b"SQLite format 3\x00" + b"\x00" * 84)  # a header, then nothing: as a cut copy leaves it
+
+
+def _cut_journal(path: Path) -> None:
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    study = optuna.create_study(storage=storage, study_name="earlier")
+    for _ in range(2):
+        study.tell(study.ask(), 1.0)
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size - 7)
+
+
+@pytest.mark.parametrize(
+    ("command", "damage", "key", "expected"),
+    [
+        ("tune", "optuna.db", "study.storage", "failed: DatabaseError: file is not a database."),
+        ("history", "mlflow.db", "tracking.uri", "failed: DatabaseError: file is not a database."),
+        ("tune", "optuna.log", "study.storage", "its last record was probably cut short"),
+    ],
+    ids=["damaged-optuna-db", "damaged-mlflow-db", "cut-journal"],
+)
+def test_a_damaged_store_is_one_clear_message_exit_3_and_json(tmp_path, capsys, fakes, command, damage, key, expected):
+    # Each used to be a traceback of 43-230 lines, exit 1 (nothing promoted), nothing on stdout.
+    study = {"storage": "optuna.log"} if damage.endswith(".log") else {}
+    recipe_path = write_recipe(tmp_path, study=study) if study else write_recipe(tmp_path)
+    (_cut_journal if damage.endswith(".log") else _damaged_sqlite)(tmp_path / damage)
+    before = (tmp_path / damage).read_bytes()
+    args = [command, str(recipe_path), "--format", "json"] + (["--no-plan"] if command == "tune" else [])
+    assert cli.main(args) == 3
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert (summary["status"], summary["exit_code"]) == ("store failed", 3)
+    assert summary["error"].startswith(f"{key}: ") and expected in summary["error"], summary["error"]
+    assert str(tmp_path / damage) in summary["error"]
+    assert "Traceback" not in err and err.count("\n") <= 4, err
+    if damage != "optuna.log":  # the journal's tail is appended to by Optuna itself before it fails
+        assert (tmp_path / damage).read_bytes() == before  # nothing stored is removed
+    assert not (tmp_path / "policy.yaml").exists()
+
+
+def test_a_tracking_uri_that_is_not_mlflow_is_one_clear_message(tmp_path, capsys):
+    import http.server
+    import threading
+
+    class NotMlflow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b"<html>a web site, not MLflow</html>")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotMlflow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        recipe_path = write_recipe(tmp_path, tracking={"uri": uri, "experiment": "x"})
+        assert cli.main(["history", str(recipe_path)]) == 3
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: tracking.uri: the MLflow tracking store {uri} failed: "), err
+    assert "check that tracking.uri is an MLflow tracking server" in err and "Traceback" not in err
+
+
+def test_a_full_disk_while_promoting_is_exit_3_and_nothing_is_promoted(tmp_path, capsys, fakes, monkeypatch):
+    import errno
+
+    recipe_path = write_recipe(tmp_path)
+
+    def no_space(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(RecomputePolicy, "save", no_space)
+    assert cli.main([str(recipe_path), "--no-plan", "--format", "json"]) == 3
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["error"].startswith(
+        f"output: cannot write {tmp_path / 'policy.yaml'} (No space left on device). Nothing was promoted"
+    ), summary["error"]
+    assert "Traceback" not in err
+    monkeypatch.undo()
+    assert not (tmp_path / "policy.yaml").exists()
+    _, _, runs = mlflow_runs(recipe_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert not [r for r in runs if r.data.tags.get("recompute.decision") and r.info.status == "FINISHED"]
