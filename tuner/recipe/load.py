@@ -124,12 +124,19 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
         raise RecipeError(errors, src)
 
     name = parsed.name or (src.stem if src is not None else "recipe")
+    raw_paths = {
+        "tracking.uri": parsed.tracking.uri,
+        "study.storage": parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}",
+        "output": parsed.output or "policy.yaml",
+    }
+    expanded = {key: _expand_vars(key, value, errors) for key, value in raw_paths.items()}
+    if errors:
+        raise RecipeError(errors, src)
     tracking = TrackingSettings(
-        uri=_resolve_uri(parsed.tracking.uri, folder), experiment=parsed.tracking.experiment or name
+        uri=_resolve_uri(expanded["tracking.uri"], folder), experiment=parsed.tracking.experiment or name
     )
-    storage = parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}"
-    study = StudySettings(storage=_resolve_uri(storage, folder), name=parsed.study.name)
-    output = _resolve_path(parsed.output or "policy.yaml", folder)
+    study = StudySettings(storage=_resolve_uri(expanded["study.storage"], folder), name=parsed.study.name)
+    output = _resolve_path(expanded["output"], folder)
     clash = _output_clash(output, {"tracking.uri": tracking.uri, "study.storage": str(study.storage)})
     if clash is not None:
         raise RecipeError([clash], src)
@@ -160,6 +167,34 @@ def json_schema() -> dict[str, Any]:
 def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (folder / p).resolve()
+
+
+_VARIABLE = re.compile(r"\$(?:\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def _expand_vars(key: str, value: str, errors: list[str]) -> str:
+    """``value`` with ``$VAR`` and ``${VAR}`` replaced from the environment; an unset one is an error.
+
+    ``output: ${HOME}/policies/p.yaml`` used to make a folder literally named ``${HOME}``; a
+    recipe shared between machines or run from a scheduler names paths this way.
+    """
+    missing = []
+
+    def lookup(match: re.Match[str]) -> str:
+        var = match.group("braced") if match.group("braced") is not None else match.group("plain")
+        if var in os.environ:
+            return os.environ[var]
+        missing.append(var)
+        return match.group(0)
+
+    out = _VARIABLE.sub(lookup, value)
+    if missing:
+        names = ", ".join(f"${{{name}}}" if name else "${}" for name in missing)
+        errors.append(
+            f"{key}: {clip(value)} names environment variable(s) not set here: {names} (valid: set them, or give "
+            f"the path itself)"
+        )
+    return out
 
 
 _SQLITE_COMPANIONS = ("", "-journal", "-wal", "-shm", ".lock")

@@ -585,3 +585,34 @@ def test_an_output_reaching_a_store_through_a_symlink_is_refused(tmp_path: Path)
     (tmp_path / "link.yaml").symlink_to(tmp_path / "optuna.db")
     with pytest.raises(R.RecipeError, match=r"is a file of the store in study\.storage"):
         R.load(_write(tmp_path, {"budget": "1GiB", "output": "link.yaml"}))
+
+
+def test_environment_variables_in_paths_are_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `output: ${HOME}/...` used to make a folder literally named "${HOME}".
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    recipe = R.load(
+        _write(
+            tmp_path,
+            {
+                "budget": "1GiB",
+                "output": "${HOME}/policies/p.yaml",
+                "tracking": {"uri": "sqlite:///$RUNS/mlflow.db"},
+                "study": {"storage": "${RUNS}/optuna.log"},
+            },
+        )
+    )
+    assert recipe.output == tmp_path / "home" / "policies" / "p.yaml"
+    assert recipe.tracking.uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    assert recipe.study.storage == str(tmp_path / "runs" / "optuna.log")
+
+
+def test_an_unset_environment_variable_in_a_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_SUCH_VAR_24", raising=False)
+    path = _write(tmp_path, {"budget": "1GiB", "output": "${NO_SUCH_VAR_24}/p.yaml"})
+    with pytest.raises(R.RecipeError) as info:
+        R.load(path)
+    assert info.value.errors == [
+        "output: ${NO_SUCH_VAR_24}/p.yaml names environment variable(s) not set here: ${NO_SUCH_VAR_24} "
+        "(valid: set them, or give the path itself)"
+    ]
