@@ -159,3 +159,16 @@ class NanLoss(ReferenceGPT):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return super().training_step(batch, batch_idx) * float("nan")
+
+
+class Leaks(ReferenceGPT):
+    """Keeps ``leak_bytes`` more each training step (a leak, a growing cache): its peak grows with every step."""
+
+    def __init__(self, leak_bytes: int = 512 * 1024, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.leak_bytes = leak_bytes
+        self.kept: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.kept.append(torch.ones(self.leak_bytes, dtype=torch.uint8))
+        return super().training_step(batch, batch_idx)

@@ -150,11 +150,13 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     memory_steps = None
     if recipe.trainer.accelerator == "cpu":
         # The CPU storage ledger costs a Python call per op, more for policies that run more ops
-        # (recomputation): timing metered steps would rank policies by the meter's cost. Meter the
-        # warm-up and one step after it (the optimizer state exists by then, so that step's peak is
-        # the steady one) and time the measured steps with the meter off.
-        memory_steps = range(warmup + 1)
-        steps += 1
+        # (recomputation): timing metered steps would rank policies by the meter's cost. So the
+        # warm-up and every measured step are metered, as on an accelerator (a model that keeps
+        # more memory each step, or a batch that varies, shows on the step where it peaks; metering
+        # only the first step after warm-up promoted a leaking model), and as many steps again are
+        # timed after them with the meter off.
+        memory_steps = range(warmup + measure)
+        steps += measure
     skipped = steps - measure  # steps before the timed ones
     if policy.compile and memory_steps is not None:
         # Dynamo runs a compiled layer eagerly while the CPU ledger's dispatch mode is on, so the

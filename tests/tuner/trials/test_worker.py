@@ -64,3 +64,25 @@ def test_the_numerics_check_says_when_the_run_without_recompute_is_not_finite() 
     assert res["detail"].startswith("the run without recompute is itself non-finite at micro-batch 4 (loss nan"), res[
         "detail"
     ]
+
+
+def test_every_measured_step_is_metered_so_a_leak_shows_where_it_peaks() -> None:
+    # On CPU only the warm-up and one step after it were metered: a model keeping 512 KiB more each
+    # step was promoted on its second step's peak while its later steps went over the budget.
+    from tuner.trials import summarize_steps
+
+    recipe = from_dict({**RECIPE, "model": {**RECIPE["model"], "class_path": "tests.tuner.faulty.Leaks"}})
+    spec = {
+        "recipe": recipe.to_dict(),
+        "policy": RecomputePolicy.uniform("none").to_dict(),
+        "warmup_steps": 1,
+        "measure_steps": 4,
+    }
+    res = worker._trial(spec)
+    peaks = [s["peak_bytes"] for s in res["steps"]]
+    assert all(p is not None for p in peaks[:5]), peaks  # warm-up and all four measured steps
+    leak = 512 * 1024
+    assert peaks[4] >= peaks[1] + 3 * leak, peaks  # the leak is seen growing to the last measured step
+    stats = summarize_steps(res["steps"], int(res["warmup_steps"]))
+    assert stats["peak_bytes"] == max(peaks[:5])
+    assert len(stats["step_times_s"]) == 4  # timed on the unmetered steps after them
