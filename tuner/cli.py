@@ -7,25 +7,37 @@ Usage::
     recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--world-size 64 --strategy fsdp]
                                [--write policy.yaml] [--format text|json]
     recompute-tune plan RECIPE --max-seq-len [--seq-arg seq_len] [--seq-step 64] [--seq-cap N] [--meta H100]
-    recompute-tune rollback RECIPE
+    recompute-tune rollback RECIPE [--allow-over-budget]
     recompute-tune history RECIPE [--format text|json]
     recompute-tune schema
 
 Exit codes: 0 the policy file holds the study's best policy (promoted now or already), 1 nothing
 promoted (nothing fits the budget, or the gate kept the current policy; for ``rollback``: nothing
-to roll back to), 2 a bad recipe or argument, 130 interrupted (rerun the same command to resume).
+to roll back to), 2 a bad recipe or argument, 3 a store failed (study storage, tracking store,
+output folder or disk; the message says which and what to do), 130 interrupted (Ctrl-C, SIGTERM or
+SIGHUP; rerun the same command to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from lightning_recompute.errors import RecomputeError
-from tuner.exits import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
+from tuner.exits import (
+    EXIT_BAD_INPUT,
+    EXIT_INFEASIBLE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STORE_FAILED,
+    StoreFailure,
+)
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -42,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="recompute-tune",
         description="Find, by measurement, the fastest per-layer activation-recomputation policy"
         " that fits a memory budget.",
-        epilog="Exit codes: 0 policy promoted (or already current), 1 nothing promoted, 2 bad recipe, 130 interrupted.",
+        epilog="Exit codes: 0 policy promoted (or already current), 1 nothing promoted, 2 bad recipe, "
+        "3 a store failed, 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{tune,plan,rollback,history,schema}")
 
@@ -120,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
     rollback.add_argument("recipe", help="the recipe YAML file")
+    rollback.add_argument(
+        "--allow-over-budget",
+        action="store_true",
+        help="restore the earlier policy even when its measured peak is over the recipe's budget now",
+    )
 
     hist = sub.add_parser("history", help="list every promotion, rejection and rollback")
     hist.add_argument("recipe", help="the recipe YAML file")
@@ -140,6 +158,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_BAD_INPUT
+    if getattr(args, "format", "text") != "json":
+        return _run(args, sys.stdout)
+    # `--format json` promises a program reading stdout nothing but the JSON: whatever else would
+    # reach stdout while the command runs (a user module printing at import or in its forward, a
+    # library, native code) goes to stderr, and the JSON is written once the command is done.
+    out = io.StringIO()
+    args.error = None
+    code = 1  # what the interpreter exits with when an exception escapes
+    try:
+        with _stdout_to_stderr():
+            code = _run(args, out)
+            return code
+    except BaseException as err:
+        args.error = args.error or f"{type(err).__name__}: {err} (the traceback is on stderr)"
+        raise
+    finally:
+        text = out.getvalue()
+        if not text:
+            # The command ended before its summary (a store failed, interrupted, bad input, a bug): a
+            # program reading stdout still gets JSON, saying how it ended.
+            text = json.dumps({"status": _STATUS.get(code, "failed"), "exit_code": code, "error": args.error}) + "\n"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+_STATUS = {
+    EXIT_OK: "ok",
+    EXIT_BAD_INPUT: "bad input",
+    EXIT_STORE_FAILED: "store failed",
+    EXIT_INTERRUPTED: "interrupted",
+}
+"""The ``status`` of the JSON written when a command ends before its summary, by exit code."""
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    """Run the parsed command; its JSON (``--format json``) goes to ``out``."""
+    recipe: Recipe | None = None
     try:
         if args.command == "schema":
             from tuner.recipe import json_schema
@@ -150,15 +205,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         if recipe is None:
             return EXIT_BAD_INPUT
         if args.command == "tune":
-            return _tune(recipe, args)
+            return _tune(recipe, args, out)
         if args.command == "plan":
-            return _plan(recipe, args)
+            return _plan(recipe, args, out)
         if args.command == "rollback":
-            return _rollback(recipe)
-        return _history(recipe, args)
+            return _rollback(recipe, args)
+        return _history(recipe, args, out)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
+        args.error = "interrupted"
         return EXIT_INTERRUPTED
+    except Exception as err:
+        from tuner.stores import store_failure
+
+        failure = None if recipe is None else store_failure(recipe, err)
+        if failure is None:
+            raise
+        print(f"error: {failure}", file=sys.stderr)
+        args.error = str(failure)
+        return EXIT_STORE_FAILED
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send this process's stdout to stderr: Python's ``sys.stdout``, and file descriptor 1 where it is one.
+
+    The descriptor matters too: native code and child processes that inherit it write there
+    without passing through ``sys.stdout``.
+    """
+    sys.stdout.flush()
+    saved: int | None = None
+    try:
+        os.fstat(2)
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # a descriptor closed (a daemon's): Python's level only
+        if saved is not None:
+            os.close(saved)
+            saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _quiet_libraries() -> None:
@@ -196,7 +288,7 @@ def _load(path: str) -> Recipe | None:
 # ---------------------------------------------------------------------------------------------- tune
 
 
-def _tune(recipe: Recipe, args: argparse.Namespace) -> int:
+def _tune(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import session
 
     if args.n_trials is not None and args.n_trials < 1:
@@ -212,11 +304,13 @@ def _tune(recipe: Recipe, args: argparse.Namespace) -> int:
             on_trial=lambda event: _print(live, _trial_line(event)),
             on_note=lambda note: _print(sys.stderr, note),
         )
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
     else:
         print(_final_report(summary))
     return int(summary.exit_code)
@@ -342,12 +436,12 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------- other commands
 
 
-def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
+def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
     from tuner.planner import format_front
 
     if args.max_seq_len:
-        return _max_seq_len(recipe, args)
+        return _max_seq_len(recipe, args, out)
     try:
         summary = commands.plan(
             recipe,
@@ -357,11 +451,13 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
             world_size=args.world_size,
             strategy=args.strategy,
         )
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
         return summary.exit_code
     print(summary.profile.describe())
     print()
@@ -381,7 +477,7 @@ def _plan(recipe: Recipe, args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
-def _max_seq_len(recipe: Recipe, args: argparse.Namespace) -> int:
+def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
     from tuner.units import format_seconds
 
@@ -392,11 +488,13 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace) -> int:
         s = commands.max_seq_len(
             recipe, budget=args.budget, meta=args.meta, seq_arg=args.seq_arg, step=args.seq_step, cap=args.seq_cap
         )
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(s.to_dict(), indent=2, default=str))
+        print(json.dumps(s.to_dict(), indent=2, default=str), file=out)
         return s.exit_code
     print(
         f"longest {s.seq_arg} within {_bytes(s.budget_bytes)} on {s.device}, micro-batch {s.micro_batch} "
@@ -416,24 +514,30 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace) -> int:
     return s.exit_code
 
 
-def _rollback(recipe: Recipe) -> int:
+def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import commands
     from tuner.preflight import SettingsError
     from tuner.session import training_change
 
     try:
-        done = commands.rollback(recipe)
+        done = commands.rollback(recipe, allow_over_budget=args.allow_over_budget)
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    for line in done.cleaned:
+        print(f"cleaned up: {line}")
     if done.file_note is not None:
         print(f"policy file: {done.file_note}")
     good = done.good
     if done.rolled_back:
         print(f"rolled back: the good policy is now run {good.run_id} ({good.fingerprint}); written to {recipe.output}")
+        if done.budget_note is not None:
+            print(f"budget: {done.budget_note}")
     else:
         print(f"nothing earlier to roll back to: the good policy stays run {good.run_id} ({good.fingerprint})")
     tuned = good.policy.tuned_for
@@ -446,16 +550,18 @@ def _rollback(recipe: Recipe) -> int:
     return EXIT_OK
 
 
-def _history(recipe: Recipe, args: argparse.Namespace) -> int:
+def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
 
     try:
         summary = commands.history(recipe)
+    except StoreFailure:
+        raise  # `_run` explains it and exits EXIT_STORE_FAILED
     except RecomputeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.format == "json":
-        print(json.dumps(summary.to_dict(), indent=2, default=str))
+        print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
         return EXIT_OK
     if summary.missing is not None:
         print(f"experiment {summary.experiment}: nothing recorded yet (no tracking database at {summary.missing})")
@@ -467,6 +573,8 @@ def _history(recipe: Recipe, args: argparse.Namespace) -> int:
             f"mb {'-' if d.micro_batch is None else d.micro_batch:<4}  "
             f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}"
         )
+    if summary.current_problem is not None:
+        print(f"current good policy: unreadable: {summary.current_problem}")
     if summary.current is not None:
         c = summary.current
         print(

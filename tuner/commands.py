@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tuner.planner.sharding import ParamLayout
     from tuner.profile import Profile
     from tuner.recipe import Recipe
-    from tuner.tracking import Decision, GoodPolicy
+    from tuner.tracking import Decision, GoodPolicy, Tracker
 
 __all__ = ["HistorySummary", "PlanSummary", "SeqLenSummary", "history", "max_seq_len", "plan", "rollback"]
 
@@ -348,6 +348,8 @@ class HistorySummary:
     """``None`` before the first promotion."""
     missing: Path | None = None
     """The SQLite tracking database that does not exist (nothing tuned yet); ``None`` when it does."""
+    current_problem: str | None = None
+    """Why the good policy cannot be read (its run or artifact gone or changed); the decisions still show."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
@@ -357,6 +359,7 @@ class HistorySummary:
             "decisions": [jsonable(d) for d in self.decisions],
             "current": None if self.current is None else jsonable(self.current),
             "missing": None if self.missing is None else str(self.missing),
+            "current_problem": self.current_problem,
         }
 
 
@@ -369,20 +372,23 @@ def history(recipe: Recipe) -> HistorySummary:
     Raises:
         RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
     """
-    from tuner.tracking import Tracker
 
     missing = _missing_tracking_database(recipe)
     if missing is not None:
         return HistorySummary(
             experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=[], missing=missing
         )
-    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-    return HistorySummary(
-        experiment=str(recipe.tracking.experiment),
-        tracking_uri=recipe.tracking.uri,
-        decisions=tracker.history(),
-        current=tracker.current_good(),
+    from tuner.tracking import TrackingError
+
+    tracker = _existing_tracker(recipe)
+    summary = HistorySummary(
+        experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=tracker.history()
     )
+    try:
+        summary.current = tracker.current_good()
+    except TrackingError as err:  # an edited artifact must not hide the record of decisions
+        summary.current_problem = str(err)
+    return summary
 
 
 @dataclass(frozen=True)
@@ -395,20 +401,29 @@ class RollbackSummary:
     """Whether the record moved back to an earlier good policy."""
     file_note: str | None
     """What was wrong with the policy file before (missing, corrupt, another policy) and was repaired."""
+    cleaned: tuple[str, ...] = ()
+    """What a killed earlier command left and this one cleaned up (a decision run, temporary files), in words."""
+    budget_note: str | None = None
+    """How the restored policy's measured peak compares with the recipe's budget now (``None``: nothing restored)."""
 
 
-def rollback(recipe: Recipe) -> RollbackSummary:
+def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSummary:
     """Restore the previous good policy (MLflow record and ``recipe.output``).
 
     First the file is made to match the current good policy (restored from its MLflow run when
     missing, corrupt or different). With only one good policy recorded, that repair is the whole
-    rollback; without a repair either, there is nothing to do.
+    rollback; without a repair either, there is nothing to do. Every artifact restored must have
+    the fingerprint its run recorded (as the plugin's ``mlflow:`` loader checks).
+
+    The earlier policy was measured against the budget of its day: when its measured peak is over
+    the recipe's budget limit now, the rollback is refused (it would hand training jobs a policy
+    known not to fit) unless ``allow_over_budget``; `RollbackSummary.budget_note` says how it compares.
 
     Raises:
         RecomputeError: there is nothing to roll back to (no tracking database, or no earlier good
-            policy) and the file needed no repair.
+            policy) and the file needed no repair; an artifact was changed after it was logged; or
+            the earlier policy is over the budget and ``allow_over_budget`` is not set.
     """
-    from tuner.tracking import Tracker
 
     missing = _missing_tracking_database(recipe)
     if missing is not None:
@@ -417,12 +432,69 @@ def rollback(recipe: Recipe) -> RollbackSummary:
             f"nothing has been tuned with this recipe there yet"
         )
 
-    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    tracker = _existing_tracker(recipe)
+    from tuner.liveness import grace_s
+
+    cleaned = tracker.clean_leftovers(recipe.output, grace_s())
     note = tracker.restore_file(recipe.output)
     current = tracker.current_good()
     if note is not None and current is not None and not tracker.can_roll_back():
-        return RollbackSummary(good=current, rolled_back=False, file_note=note)
-    return RollbackSummary(good=tracker.rollback(output_path=recipe.output), rolled_back=True, file_note=note)
+        return RollbackSummary(good=current, rolled_back=False, file_note=note, cleaned=cleaned)
+    notes: list[str] = []
+
+    def vet(candidate: GoodPolicy) -> None:
+        note, over = _against_budget(recipe, candidate)
+        if over and not allow_over_budget:
+            raise RecomputeError(
+                f"rollback refused: {note}; nothing was changed. Training with it would likely run out of memory. "
+                f"Raise budget in {recipe.source or 'the recipe'} if it is meant to fit, or pass --allow-over-budget "
+                f"to restore it anyway"
+            )
+        notes.append(note)
+
+    restored = tracker.rollback(output_path=recipe.output, vet=vet)
+    return RollbackSummary(
+        good=restored, rolled_back=True, file_note=note, cleaned=cleaned, budget_note=notes[0] if notes else None
+    )
+
+
+def _against_budget(recipe: Recipe, good: GoodPolicy) -> tuple[str, bool]:
+    """How ``good``'s measured peak compares with ``recipe``'s budget limit now, in words, and whether it is over."""
+    from tuner.units import format_bytes
+
+    tuned = good.policy.tuned_for
+    peak = good.peak_bytes if good.peak_bytes is not None else (tuned.peak_bytes if tuned is not None else None)
+    what = f"run {good.run_id} ({good.fingerprint})"
+    if peak is None:
+        return f"{what} has no measured peak on record, so it is not checked against the budget", False
+    total = None
+    if recipe.budget.is_fraction:
+        from tuner.trials import device_info
+
+        total = device_info(recipe)[1]
+    limit = recipe.budget.limit_bytes(total)
+    if peak > limit:
+        return (
+            f"{what} peaked at {format_bytes(peak)} when measured, over the recipe's budget limit "
+            f"{format_bytes(limit)} ({recipe.budget.describe(total)})"
+        ), True
+    return f"{what} peaked at {format_bytes(peak)}, within the budget limit {format_bytes(limit)}", False
+
+
+def _existing_tracker(recipe: Recipe) -> Tracker:
+    """The recipe's `Tracker` for a command that reads or restores: it never creates the experiment.
+
+    Raises:
+        SettingsError: the store has no experiment named ``tracking.experiment`` (a misspelt name
+            used to be created, empty, by ``history`` or ``rollback``).
+    """
+    from tuner.preflight import SettingsError
+    from tuner.tracking import ExperimentNotFound, Tracker
+
+    try:
+        return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment), create=False)
+    except ExperimentNotFound as err:
+        raise SettingsError([str(err)]) from None
 
 
 def _missing_tracking_database(recipe: Recipe) -> Path | None:

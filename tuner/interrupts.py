@@ -1,5 +1,8 @@
 """Ctrl-C during a tuning session: finish the trial in flight on the first press, kill it on the second.
 
+SIGTERM (a scheduler stopping the job) and SIGHUP (a closed terminal, a lost SSH session) stop at
+once, as a second press does: nobody is left to wait for the trial to finish.
+
 The handler only raises `KeyboardInterrupt` where that is safe and wanted: while a trial's
 subprocess runs (`tuner.trials.run_trial` kills its process group and re-raises), while
 profiling, and in the gate. Between trials it only asks the loop to stop, so an Optuna tell or an
@@ -15,7 +18,14 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Literal
 
-__all__ = ["Interrupts", "Phase"]
+__all__ = ["STOP_SIGNALS", "Interrupts", "Phase"]
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),  # no SIGHUP on Windows
+)
+"""The signals that stop a session in order (trial and session runs ended, the study resumable)."""
 
 Phase = Literal["setup", "trial", "between", "gate"]
 """Where the session is: what a Ctrl-C may stop at once (setup, a trial on the second press, the gate)."""
@@ -32,25 +42,30 @@ class Interrupts:
         self._notify = notify
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        """The SIGINT / SIGTERM handler."""
+        """The SIGINT / SIGTERM / SIGHUP handler."""
         self.presses += 1
         self.stop.set()
         kill = signum != signal.SIGINT or self.presses > 1 or self.phase in ("setup", "gate")
         if self.phase == "trial" and not kill:
-            self._notify("interrupt: finishing the current trial, then stopping (Ctrl-C again to kill it)")
+            self._say("interrupt: finishing the current trial, then stopping (Ctrl-C again to kill it)")
             return
         if kill and self.phase != "between":
-            self._notify("interrupt: stopping now")
+            self._say("interrupt: stopping now")
             raise KeyboardInterrupt
-        self._notify("interrupt: stopping")
+        self._say("interrupt: stopping")
+
+    def _say(self, text: str) -> None:
+        # After SIGHUP the terminal may be gone: a write failing must not stop the orderly shutdown.
+        with contextlib.suppress(OSError):
+            self._notify(text)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Interrupts]:
-        """Install the handler for SIGINT and SIGTERM (main thread only; elsewhere a no-op)."""
+        """Install the handler for SIGINT, SIGTERM and SIGHUP (main thread only; elsewhere a no-op)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
         try:
             yield self
         finally:

@@ -7,7 +7,8 @@ chosen point as ``kill -9`` would, then checks that the next run recovers. The p
 - ``trial``: while a trial's worker process runs;
 - ``between``: after a trial was told and recorded, before the next is asked;
 - ``gate``: as the evidence gate starts a measurement;
-- ``after_write``: right after the policy file was written, before the promotion is recorded.
+- ``after_write``: right after the policy file was written, before the promotion is recorded;
+- ``rollback``: in a rollback, after its decision run started, before the policy file is replaced.
 
 Unset (always, outside that test) it does nothing.
 """
@@ -20,7 +21,7 @@ import signal
 __all__ = ["ENV", "POINTS", "kill_point"]
 
 ENV = "RECOMPUTE_TUNE_TEST_KILL_AT"
-POINTS = ("profiling", "trial", "between", "gate", "after_write")
+POINTS = ("profiling", "trial", "between", "gate", "after_write", "rollback")
 
 
 def kill_point(point: str) -> None:

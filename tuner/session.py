@@ -366,6 +366,8 @@ class _TuningSession:
             # session resumes it (one study, one session run) instead of opening another.
             for run_id in self.tracker.end_dead_sessions(self.name, self.grace):
                 self.note(f"session run {run_id} of a dead worker ended KILLED")
+            for done in self.tracker.clean_leftovers(recipe.output, self.grace):
+                self.note(done)
             self.session_run_id = self.tracker.start_session(recipe, study_name=self.name, resume=True)
             from tuner.trials import clean_stale_trial_dirs
 

@@ -9,18 +9,24 @@ server still starting).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import optuna
 from optuna.storages.journal import JournalFileBackend
 
 from lightning_recompute.errors import RecomputeError, clip
+from tuner.exits import StoreFailure
 from tuner.tracking import Tracker
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
 
 try:
     import fcntl
@@ -29,11 +35,13 @@ except ImportError:  # not POSIX: stores open unlocked; `open_tracker` retries a
 
 __all__ = [
     "StorageUnavailable",
+    "StoreFailure",
     "bound_tracking_requests",
     "open_storage",
     "open_tracker",
     "sqlite_setup_lock",
     "storage_failure",
+    "store_failure",
 ]
 
 TRACKING_REQUEST_DEFAULTS = {
@@ -130,7 +138,7 @@ def _open_server_storage(url: str) -> optuna.storages.RDBStorage:
     return optuna.storages.RDBStorage(url)
 
 
-class StorageUnavailable(RecomputeError):
+class StorageUnavailable(StoreFailure):
     """The study's database failed while a session was using it (a server stopped, a network cut)."""
 
 
@@ -154,7 +162,8 @@ def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
     return StorageUnavailable(
         f"study.storage: the study database {clip(hide_password(url))} failed: {clip(lines[0])}. "
         "Nothing was promoted and the policy file is unchanged; once the database is reachable, run the "
-        "same command again and the study resumes"
+        "same command again and the study resumes",
+        "study.storage",
     )
 
 
@@ -179,3 +188,150 @@ def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Track
             _log.info("opening the MLflow store failed (%s); retrying", err)
             time.sleep(0.5 * attempt)
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+_DAMAGED = ("file is not a database", "malformed", "no such table", "corrupt", "unexpected end", "expecting value")
+"""Words in a store's error that mean its file is damaged, not unreachable."""
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+"""Errors writing a file that its filesystem, not the tuner, caused."""
+
+
+def store_failure(recipe: Recipe, err: BaseException) -> StoreFailure | None:
+    """The clear error for ``err`` when a store of ``recipe`` failed; ``None`` when it is something else.
+
+    A damaged SQLite file, an Optuna journal cut short, a full disk, a folder made read-only, a
+    tracking URI that answers HTTP but is not MLflow: each used to come out as a traceback of
+    dozens of lines. The store is told by where the error arose (MLflow's code or Optuna's) or
+    by the file it names; the message names the recipe key, the store, the first line of the
+    cause, and what to do. Nothing is promoted when a store fails mid-session (a promotion puts
+    the file back when its record fails), and nothing already stored is removed.
+    """
+    if isinstance(err, StoreFailure):
+        return err
+    from tuner.preflight import hide_password
+
+    cause = _first_line(err)
+    damaged = any(word in cause.lower() for word in _DAMAGED)
+    stores = {"study.storage": str(recipe.study.storage), "tracking.uri": recipe.tracking.uri}
+    if isinstance(err, OSError) and err.errno in _DISK_ERRNOS and err.filename is not None:
+        key = _key_of_file(recipe, Path(os.fsdecode(err.filename)))
+        if key is None and err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None  # a file of nobody's store (the user's own code): not ours to explain
+        store = f", a file of the store {clip(hide_password(stores[key]))}" if key in stores else ""
+        return StoreFailure(
+            f"{key or 'disk'}: cannot write {clip(str(err.filename))}{store} ({err.strerror or err}). Nothing was "
+            f"promoted and the policy file is unchanged; free space or make the folder writable, then run the same "
+            f"command again (the study resumes from what it holds)",
+            key or "disk",
+        )
+    if _raised_in(err, ("optuna", "storages", "journal")):
+        # A journal whose last record was cut short (a full disk, a killed writer) loads, then fails
+        # on the next write with whatever Optuna's replay trips over (AttributeError, AssertionError).
+        return StoreFailure(
+            f"study.storage: the Optuna journal {clip(stores['study.storage'])} is damaged ({clip(cause)}); its last "
+            f"record was probably cut short (a full disk, a killed writer). Nothing was promoted and the policy "
+            f"file is unchanged; keep a copy, remove the incomplete last line, and run again: the trials before it "
+            f"are kept",
+            "study.storage",
+        )
+    if not _is_store_error(err):
+        return None
+    key = _key_of_code(err)
+    if key is None:
+        return None
+    what = "study storage" if key == "study.storage" else "MLflow tracking store"
+    if damaged:
+        todo = (
+            "its file is damaged: restore it from a backup, or move it aside and run again to start afresh "
+            "(keep the old file: SQLite's `sqlite3 FILE .recover` can often salvage one)"
+        )
+    elif key == "tracking.uri" and recipe.tracking.uri.startswith(("http://", "https://")):
+        todo = "check that tracking.uri is an MLflow tracking server (`mlflow server`) and reachable, then run again"
+    else:
+        todo = "once it is reachable and writable, run the same command again (the study resumes from what it holds)"
+    return StoreFailure(
+        f"{key}: the {what} {clip(hide_password(stores[key]))} failed: {clip(cause)}. Nothing was promoted and the "
+        f"policy file is unchanged; {todo}",
+        key,
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    cause = getattr(err, "orig", None) or err
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
+
+
+def _raised_in(err: BaseException, package: tuple[str, ...]) -> bool:
+    """Whether a frame of ``err``'s traceback is in ``package`` (path parts, in order)."""
+    n = len(package)
+    tb = err.__traceback__
+    while tb is not None:
+        parts = Path(tb.tb_frame.f_code.co_filename).parts
+        if any(parts[i : i + n] == package for i in range(len(parts) - n + 1)):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _is_store_error(err: BaseException) -> bool:
+    """Whether ``err`` is of a kind a store raises (database, HTTP, journal parsing), not a bug of ours."""
+    import json
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    kinds: tuple[type[BaseException], ...] = (
+        MlflowException,
+        StorageInternalError,
+        SQLAlchemyError,
+        sqlite3.Error,
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        ConnectionError,
+    )
+    try:
+        import requests
+
+        kinds += (requests.RequestException,)
+    except ImportError:  # pragma: no cover - mlflow depends on requests
+        pass
+    return isinstance(err, kinds)
+
+
+def _key_of_code(err: BaseException) -> str | None:
+    """``tracking.uri`` when ``err`` arose in MLflow's code, ``study.storage`` in Optuna's; else ``None``."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    found = set()
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        tb = cur.__traceback__
+        while tb is not None:
+            parts = Path(tb.tb_frame.f_code.co_filename).parts
+            if "mlflow" in parts:
+                found.add("tracking.uri")
+            elif "optuna" in parts:
+                found.add("study.storage")
+            tb = tb.tb_next
+        cur = cur.__cause__ or cur.__context__
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def _key_of_file(recipe: Recipe, path: Path) -> str | None:
+    """The recipe key whose store or output ``path`` belongs to; ``None`` when it is none of them."""
+    here = Path(os.path.realpath(path))
+    output = Path(os.path.realpath(recipe.output))
+    if here == output or (here.parent == output.parent and here.name.startswith(f".{output.name}.")):
+        return "output"
+    for key, url in (("study.storage", str(recipe.study.storage)), ("tracking.uri", recipe.tracking.uri)):
+        local = url[len("sqlite:///") :] if url.startswith("sqlite:///") else url if "://" not in url else None
+        if local:
+            db = Path(os.path.realpath(local))
+            if here == db or (here.parent == db.parent and here.name.startswith(db.name)):
+                return key
+            if key == "tracking.uri" and (db.parent / "mlartifacts") in here.parents:
+                return key
+    return None

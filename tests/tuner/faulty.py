@@ -152,3 +152,23 @@ class BrokenReplay(OOMUnlessRecomputed):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.blocks = nn.ModuleList(_ReseedingDropout(b) for b in self.blocks)
+
+
+class NanLoss(ReferenceGPT):
+    """A model whose loss is nan from the first step (a diverged run, a bad batch), recompute or not."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * float("nan")
+
+
+class Leaks(ReferenceGPT):
+    """Keeps ``leak_bytes`` more each training step (a leak, a growing cache): its peak grows with every step."""
+
+    def __init__(self, leak_bytes: int = 512 * 1024, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.leak_bytes = leak_bytes
+        self.kept: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.kept.append(torch.ones(self.leak_bytes, dtype=torch.uint8))
+        return super().training_step(batch, batch_idx)

@@ -110,6 +110,39 @@ def test_rollback_without_history_exits_1(tmp_path, capsys):
     assert "nothing to roll back to" in capsys.readouterr().err
 
 
+NOISY_MODEL = """
+import os
+from lightning_recompute.reference import ReferenceGPT
+
+print("noisy: imported")
+
+
+class Noisy(ReferenceGPT):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        print("noisy: built")
+
+    def training_step(self, batch, batch_idx):
+        print("noisy: step")
+        os.write(1, b"noisy: native write\\n")  # as native code would, past sys.stdout
+        return super().training_step(batch, batch_idx)
+"""
+
+
+@pytest.mark.parametrize("command", ["plan", "history"])
+def test_json_output_is_the_only_thing_on_stdout(tmp_path, capfd, command):
+    # A user module printing at import (and, for plan, in its steps) used to come before the JSON.
+    module = f"noisy_{command}_{tmp_path.name}"  # a fresh module name: its import prints again
+    (tmp_path / f"{module}.py").write_text(NOISY_MODEL, encoding="utf-8")
+    recipe_path = write_recipe(tmp_path, model={"class_path": f"{module}.Noisy"})
+    assert cli.main([command, str(recipe_path), "--format", "json"]) == 0
+    out, err = capfd.readouterr()
+    assert isinstance(json.loads(out), dict), out
+    assert "noisy: imported" in err
+    if command == "plan":
+        assert "noisy: built" in err and "noisy: step" in err and "noisy: native write" in err
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     recipe_path = write_recipe(tmp_path, search={"n_trials": 3, "seed": 0})
@@ -238,3 +271,161 @@ def test_a_co_tuned_micro_batch_is_written_into_the_policy_file_and_printed(tmp_
     assert f" at micro-batch {best_mb} " in again.stdout
     assert f"decision: current (good policy tuned for micro-batch {best_mb})" in again.stdout
     assert f"in the training job: {expected}" in again.stdout
+
+
+@pytest.mark.parametrize("command", ["history", "rollback"])
+def test_read_only_commands_never_create_an_experiment(tmp_path, uri, capsys, command):
+    # A misspelt tracking.experiment used to be created, empty, by history and rollback.
+    MlflowClient(uri).create_experiment("tiny-real")
+    recipe_path = write_recipe(tmp_path, tracking={"uri": uri, "experiment": "tiny-reel"})
+    assert cli.main([command, str(recipe_path)]) == 2
+    err = capsys.readouterr().err
+    assert "tracking.experiment: 'tiny-reel' is not an experiment in" in err and "'tiny-real'" in err, err
+    assert MlflowClient(uri).get_experiment_by_name("tiny-reel") is None
+
+
+@pytest.mark.slow
+def test_a_rollback_killed_mid_decision_is_cleaned_up_by_the_next(tmp_path, capsys):
+    # A rollback SIGKILLed before its file replace left its decision run RUNNING and its
+    # .policy.yaml.*.tmp for good, through later rollbacks and tunes.
+    import os
+    import time
+
+    recipe_path = write_recipe(tmp_path)
+    recipe = load(recipe_path)
+    from tuner.tracking import Tracker
+
+    tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    first = RecomputePolicy.uniform("full")
+    tracker.promote(first, source_run_id=None, output_path=recipe.output, reason="first", evidence={})
+    tracker.promote(
+        RecomputePolicy.uniform("selective"),
+        source_run_id=None,
+        output_path=recipe.output,
+        reason="second",
+        evidence={},
+    )
+    killed = subprocess.run(
+        command("rollback", str(recipe_path)),
+        cwd=tmp_path,
+        env=child_env(RECOMPUTE_TUNE_TEST_KILL_AT="rollback"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    client, _, runs = mlflow_runs(recipe_path)
+    (dead,) = [r for r in runs if r.info.status == "RUNNING"]
+    assert dead.data.tags["recompute.decision"] == "rollback"
+    # What a kill inside the atomic write leaves (the kill point is just before it), an hour old;
+    # and a fresh one, as another worker's write in progress would be.
+    stale, fresh = tmp_path / ".policy.yaml.k1ll3d.tmp", tmp_path / ".policy.yaml.wr1t1ng.tmp"
+    stale.write_text("half a policy")
+    fresh.write_text("a write in progress")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+
+    assert cli.main(["rollback", str(recipe_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"cleaned up: decision run {dead.info.run_id} of a dead process ended KILLED" in out
+    assert f"cleaned up: removed {stale}: a temporary file of a killed write" in out
+    assert not stale.exists() and fresh.exists()
+    assert client.get_run(dead.info.run_id).info.status == "KILLED"
+    _, _, runs = mlflow_runs(recipe_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert [d.kind for d in tracker.history()] == ["promote", "promote", "rollback"]
+    assert RecomputePolicy.load(recipe.output) == first
+
+
+def _damaged_sqlite(path: Path) -> None:
+    path.write_bytes(b"SQLite format 3\x00" + b"\x00" * 84)  # a header, then nothing: as a cut copy leaves it
+
+
+def _cut_journal(path: Path) -> None:
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    study = optuna.create_study(storage=storage, study_name="earlier")
+    for _ in range(2):
+        study.tell(study.ask(), 1.0)
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size - 7)
+
+
+@pytest.mark.parametrize(
+    ("command", "damage", "key", "expected"),
+    [
+        ("tune", "optuna.db", "study.storage", "failed: DatabaseError: file is not a database."),
+        ("history", "mlflow.db", "tracking.uri", "failed: DatabaseError: file is not a database."),
+        ("tune", "optuna.log", "study.storage", "its last record was probably cut short"),
+    ],
+    ids=["damaged-optuna-db", "damaged-mlflow-db", "cut-journal"],
+)
+def test_a_damaged_store_is_one_clear_message_exit_3_and_json(tmp_path, capsys, fakes, command, damage, key, expected):
+    # Each used to be a traceback of 43-230 lines, exit 1 (nothing promoted), nothing on stdout.
+    study = {"storage": "optuna.log"} if damage.endswith(".log") else {}
+    recipe_path = write_recipe(tmp_path, study=study) if study else write_recipe(tmp_path)
+    (_cut_journal if damage.endswith(".log") else _damaged_sqlite)(tmp_path / damage)
+    before = (tmp_path / damage).read_bytes()
+    args = [command, str(recipe_path), "--format", "json"] + (["--no-plan"] if command == "tune" else [])
+    assert cli.main(args) == 3
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert (summary["status"], summary["exit_code"]) == ("store failed", 3)
+    assert summary["error"].startswith(f"{key}: ") and expected in summary["error"], summary["error"]
+    assert str(tmp_path / damage) in summary["error"]
+    assert "Traceback" not in err and err.count("\n") <= 4, err
+    if damage != "optuna.log":  # the journal's tail is appended to by Optuna itself before it fails
+        assert (tmp_path / damage).read_bytes() == before  # nothing stored is removed
+    assert not (tmp_path / "policy.yaml").exists()
+
+
+def test_a_tracking_uri_that_is_not_mlflow_is_one_clear_message(tmp_path, capsys):
+    import http.server
+    import threading
+
+    class NotMlflow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b"<html>a web site, not MLflow</html>")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotMlflow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        recipe_path = write_recipe(tmp_path, tracking={"uri": uri, "experiment": "x"})
+        assert cli.main(["history", str(recipe_path)]) == 3
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: tracking.uri: the MLflow tracking store {uri} failed: "), err
+    assert "check that tracking.uri is an MLflow tracking server" in err and "Traceback" not in err
+
+
+def test_a_full_disk_while_promoting_is_exit_3_and_nothing_is_promoted(tmp_path, capsys, fakes, monkeypatch):
+    import errno
+
+    recipe_path = write_recipe(tmp_path)
+
+    def no_space(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(RecomputePolicy, "save", no_space)
+    assert cli.main([str(recipe_path), "--no-plan", "--format", "json"]) == 3
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["error"].startswith(
+        f"output: cannot write {tmp_path / 'policy.yaml'} (No space left on device). Nothing was promoted"
+    ), summary["error"]
+    assert "Traceback" not in err
+    monkeypatch.undo()
+    assert not (tmp_path / "policy.yaml").exists()
+    _, _, runs = mlflow_runs(recipe_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert not [r for r in runs if r.data.tags.get("recompute.decision") and r.info.status == "FINISHED"]

@@ -474,3 +474,100 @@ def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path:
     assert RecomputePolicy.load(recipe.output).tuned_for == written
     assert load_good_policy("gate", uri).tuned_for == written
     assert [(h.kind, h.micro_batch) for h in tracker.history()] == [("promote", 4), ("promote", 8), ("rollback", 4)]
+
+
+def test_history_and_rollback_survive_a_decision_run_with_a_bad_seq_tag(uri: str, recipe: recipe_mod.Recipe) -> None:
+    # One hand-edited recompute.decision_seq tag made `history` fail with ValueError.
+    tracker = Tracker(uri, "gate")
+    a = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
+    client = MlflowClient(tracking_uri=uri)
+    first = client.search_runs([tracker.experiment_id], filter_string="tags.`recompute.decision_seq` = '1'")[0]
+    client.set_tag(first.info.run_id, "recompute.decision_seq", "one")
+    assert [(h.kind, h.seq) for h in tracker.history()] == [("promote", 0), ("promote", 2)]
+    assert tracker.rollback(output_path=recipe.output).run_id == a.confirmation_run_id
+    assert [h.seq for h in tracker.history()] == [0, 2, 3]
+
+
+def test_rollback_refuses_an_artifact_changed_after_its_run_logged_it(uri: str, recipe: recipe_mod.Recipe) -> None:
+    # rollback used to restore the edited artifact over a correct policy file, exit 0.
+    from tuner import commands
+
+    tracker = Tracker(uri, "gate")
+    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
+    b = gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
+    before = Path(recipe.output).read_bytes()
+    MlflowClient(tracking_uri=uri).log_text(b.confirmation_run_id, C.to_yaml(), "policy.yaml")
+    with pytest.raises(TrackingError, match="the artifact was changed after the run logged it") as info:
+        commands.rollback(recipe)
+    assert f"good run {b.confirmation_run_id}: artifact 'policy.yaml' has fingerprint {C.fingerprint()}" in str(
+        info.value
+    )
+    assert Path(recipe.output).read_bytes() == before
+    assert [h.kind for h in tracker.history()] == ["promote", "promote"]
+    # history still lists the decisions, and says what is wrong with the current one.
+    summary = commands.history(recipe)
+    assert len(summary.decisions) == 2 and summary.current is None
+    assert "artifact was changed" in (summary.current_problem or "")
+
+
+def test_rollback_refuses_a_policy_over_the_recipe_s_budget_now(uri: str, recipe: recipe_mod.Recipe) -> None:
+    # A rollback restored a policy measured at 2.35 MiB against a 2.18 MiB limit without a word.
+    import dataclasses
+
+    from tuner import commands
+
+    tracker = Tracker(uri, "gate")
+    a = gate(tracker, A, recipe, FixedTrials({A: 100.0}, peaks={A: 100 * 2**20}))
+    gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}, peaks={A: 100 * 2**20, B: 90 * 2**20}))
+    smaller = dataclasses.replace(recipe, budget=recipe_mod.Budget(96 * 2**20, 0.05))  # limit 91.2 MiB
+    with pytest.raises(RecomputeError, match=r"rollback refused: run \S+ \(\S+\) peaked at 100.00 MiB when measured, "):
+        commands.rollback(smaller)
+    assert RecomputePolicy.load(recipe.output) == B
+    assert [h.kind for h in tracker.history()] == ["promote", "promote"]
+
+    done = commands.rollback(smaller, allow_over_budget=True)
+    assert done.good.run_id == a.confirmation_run_id and RecomputePolicy.load(recipe.output) == A
+    assert done.budget_note is not None and "over the recipe's budget limit 91.20 MiB" in done.budget_note
+    # Within the budget, the summary says so too.
+    gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}, peaks={A: 100 * 2**20, B: 90 * 2**20}))
+    done = commands.rollback(recipe)
+    assert done.budget_note is not None and done.budget_note.endswith("within the budget limit 121.60 MiB")
+
+
+def test_a_hand_edited_tuned_for_is_restored_like_the_policy(tmp_path: Path, uri: str) -> None:
+    # Editing tuned_for.micro_batch 4 -> 64 in the file was kept: the callback then gave no
+    # BatchSizeWarning at batch 16.
+    import dataclasses
+
+    recipe = recipe_mod.from_dict(
+        {
+            "name": "gate",
+            "budget": "128MiB",
+            "model": {"init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq_len": 16, "vocab_size": 64}},
+            "data": {"init_args": {"batch_size": 8, "vocab_size": 64, "seq_len": 16}},
+            "tracking": {"uri": uri, "experiment": "gate"},
+            "output": str(tmp_path / "policy.yaml"),
+        }
+    )
+    tracker = Tracker(uri, "gate")
+    trials = FixedTrials({A: 100.0}, peaks={A: 30 * 2**20})
+    decide(
+        tracker,
+        Candidate(A, micro_batch=4),
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=trials,
+        check_numerics=numerics(),
+    )
+    good = RecomputePolicy.load(recipe.output)
+    assert good.tuned_for is not None and good.tuned_for.micro_batch == 4
+    edited = dataclasses.replace(good, tuned_for=dataclasses.replace(good.tuned_for, micro_batch=64))
+    edited.save(recipe.output)
+    assert edited.fingerprint() == good.fingerprint()  # the layers are the same: the fingerprint cannot tell
+
+    note = tracker.restore_file(recipe.output)
+    assert note is not None and f"held the good policy {good.fingerprint()} with another tuned_for: " in note
+    assert "micro_batch 64 (the good run's: 4)" in note
+    assert RecomputePolicy.load(recipe.output).tuned_for == good.tuned_for
+    assert tracker.restore_file(recipe.output) is None  # now it matches

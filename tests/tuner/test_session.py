@@ -344,3 +344,23 @@ def test_the_training_change_says_what_to_set(micro_batch, data_batch, says):
 
     assert training_change(TunedFor(micro_batch=micro_batch, data_batch_size=data_batch)).startswith(says)
     assert training_change(None) is None and training_change(TunedFor(device="cpu")) is None
+
+
+def test_sighup_stops_the_session_like_sigterm(tmp_path, tracking_uri, fakes):
+    # A closed terminal (SIGHUP) used to end the process with the trial and session runs RUNNING.
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGHUP reached the test's handler: the session did not handle it")
+
+    fakes.on_call = lambda n, policy: os.kill(os.getpid(), signal.SIGHUP) if n == 2 else None
+    previous = signal.signal(signal.SIGHUP, unhandled)  # without the fix, SIGHUP would end pytest itself
+    try:
+        summary = session.tune(recipe, use_planner=False)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert summary.status == "interrupted" and summary.exit_code == EXIT_INTERRUPTED
+    assert [r.outcome for r in summary.records] == ["over_budget", "interrupted"]  # killed at once, as SIGTERM
+    assert not study_of(recipe, summary).running()
+    assert [r.info.status for r in runs(recipe, "session")] == ["KILLED"]
+    assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]

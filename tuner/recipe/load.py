@@ -124,11 +124,22 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
         raise RecipeError(errors, src)
 
     name = parsed.name or (src.stem if src is not None else "recipe")
+    raw_paths = {
+        "tracking.uri": parsed.tracking.uri,
+        "study.storage": parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}",
+        "output": parsed.output or "policy.yaml",
+    }
+    expanded = {key: _expand_vars(key, value, errors) for key, value in raw_paths.items()}
+    if errors:
+        raise RecipeError(errors, src)
     tracking = TrackingSettings(
-        uri=_resolve_uri(parsed.tracking.uri, folder), experiment=parsed.tracking.experiment or name
+        uri=_resolve_uri(expanded["tracking.uri"], folder), experiment=parsed.tracking.experiment or name
     )
-    storage = parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}"
-    study = StudySettings(storage=_resolve_uri(storage, folder), name=parsed.study.name)
+    study = StudySettings(storage=_resolve_uri(expanded["study.storage"], folder), name=parsed.study.name)
+    output = _resolve_path(expanded["output"], folder)
+    clash = _output_clash(output, {"tracking.uri": tracking.uri, "study.storage": str(study.storage)})
+    if clash is not None:
+        raise RecipeError([clash], src)
     return Recipe(
         source=src,
         name=name,
@@ -142,7 +153,7 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
         race=parsed.race,
         tracking=tracking,
         study=study,
-        output=_resolve_path(parsed.output or "policy.yaml", folder),
+        output=output,
     )
 
 
@@ -157,6 +168,69 @@ def json_schema() -> dict[str, Any]:
 def _resolve_path(value: str | os.PathLike[str], folder: Path) -> Path:
     p = Path(value).expanduser()
     return p if p.is_absolute() else (folder / p).resolve()
+
+
+_VARIABLE = re.compile(r"\$(?:\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def _expand_vars(key: str, value: str, errors: list[str]) -> str:
+    """``value`` with ``$VAR`` and ``${VAR}`` replaced from the environment; an unset one is an error.
+
+    ``output: ${HOME}/policies/p.yaml`` used to make a folder literally named ``${HOME}``; a
+    recipe shared between machines or run from a scheduler names paths this way.
+    """
+    missing = []
+
+    def lookup(match: re.Match[str]) -> str:
+        var = match.group("braced") if match.group("braced") is not None else match.group("plain")
+        if var in os.environ:
+            return os.environ[var]
+        missing.append(var)
+        return match.group(0)
+
+    out = _VARIABLE.sub(lookup, value)
+    if missing:
+        names = ", ".join(f"${{{name}}}" if name else "${}" for name in missing)
+        errors.append(
+            f"{key}: {clip(value)} names environment variable(s) not set here: {names} (valid: set them, or give "
+            f"the path itself)"
+        )
+    return out
+
+
+_SQLITE_COMPANIONS = ("", "-journal", "-wal", "-shm", ".lock")
+"""The files SQLite (and the tuner's setup lock, `tuner.stores.sqlite_setup_lock`) keep beside a database."""
+
+
+def _store_files(url: str) -> list[Path]:
+    """The local files a store at ``url`` keeps (a SQLite database or an Optuna journal, with their companions)."""
+    if url.startswith("sqlite:///"):
+        rest = url[len("sqlite:///") :]
+        if not rest or rest == ":memory:":
+            return []
+        return [Path(f"{rest}{suffix}") for suffix in _SQLITE_COMPANIONS]
+    if "://" not in url and url.endswith(".log"):
+        return [Path(url), Path(f"{url}.lock")]  # Optuna's journal and its lock file
+    return []
+
+
+def _output_clash(output: Path, stores: Mapping[str, str]) -> str | None:
+    """Why ``output`` cannot be the policy file: it is one of the stores' own files; ``None`` when it is not.
+
+    Every promotion writes the policy file atomically over whatever is there, so an ``output``
+    naming ``optuna.db`` or ``mlflow.db`` replaced the database with a YAML file: every trial
+    and decision lost. Paths are compared after following symbolic links.
+    """
+    target = os.path.realpath(output)
+    for key, url in stores.items():
+        for path in _store_files(url):
+            if os.path.realpath(path) == target:
+                instead = clip(str(output.parent / "policy.yaml"))
+                return (
+                    f"output: {clip(str(output))} is a file of the store in {key} ({clip(url)}); writing the policy "
+                    f"there would destroy it (valid: a file of its own, e.g. {instead})"
+                )
+    return None
 
 
 def _resolve_uri(uri: str, folder: Path) -> str:

@@ -111,7 +111,8 @@ class TrialRecord:
     state: str
     """Optuna's state name: COMPLETE, FAIL, PRUNED (RUNNING/WAITING are not records)."""
     outcome: str
-    """ok / over_budget / oom / timeout / error / skipped, or duplicate / interrupted / abandoned (never measured)."""
+    """ok / over_budget / oom / timeout / error / nonfinite / skipped, or duplicate / interrupted / abandoned (never
+    measured)."""
     policy: RecomputePolicy | None
     fingerprint: str
     short: str
@@ -134,7 +135,7 @@ class TrialRecord:
     @property
     def measured(self) -> bool:
         """Whether this trial ran the policy (duplicates, skips and interruptions did not)."""
-        return self.outcome in ("ok", "over_budget", "oom", "timeout", "error")
+        return self.outcome in ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types for the trials table (``policy`` as the policy-file mapping)."""

@@ -30,7 +30,7 @@ markdown), `tuner.tracking.tracker` (`Tracker`, both together).
 
 from __future__ import annotations
 
-from tuner.tracking.client import DEFAULT_TRACKING_URI, TrackingError, artifact_location_for
+from tuner.tracking.client import DEFAULT_TRACKING_URI, ExperimentNotFound, TrackingError, artifact_location_for
 from tuner.tracking.registry import Decision, GoodPolicy
 from tuner.tracking.report import trial_row
 from tuner.tracking.tracker import Tracker
@@ -38,6 +38,7 @@ from tuner.tracking.tracker import Tracker
 __all__ = [
     "DEFAULT_TRACKING_URI",
     "Decision",
+    "ExperimentNotFound",
     "GoodPolicy",
     "Tracker",
     "TrackingError",

@@ -36,13 +36,17 @@ _STATUSES = {
     "error": "FAILED",
 }
 # Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
-_FAILED_OUTCOMES = ("oom", "timeout", "error")
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
 _BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")
 _MAX_TAG = 5000  # below MLflow's 8000-character tag limit, with room for a multi-byte encoding
 
 
 class TrackingError(RecomputeError):
     """The MLflow record cannot do what was asked (no session, nothing to roll back to, an inconsistent record)."""
+
+
+class ExperimentNotFound(TrackingError):
+    """A reader (``history``, ``rollback``) named an experiment the tracking store does not have."""
 
 
 def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
@@ -149,9 +153,21 @@ class TrackingClient:
         experiment: the experiment name (one per recipe); created when missing, with artifacts
             under the sqlite database's folder (`artifact_location_for`).
         artifact_location: overrides where a newly created experiment keeps artifacts.
+        create: create the experiment when it is missing; ``False`` for commands that only read
+            or restore (a misspelt name must not become a new, empty experiment).
+
+    Raises:
+        ExperimentNotFound: ``create`` is ``False`` and the store has no experiment of that name.
     """
 
-    def __init__(self, tracking_uri: str | None, experiment: str, *, artifact_location: str | None = None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str,
+        *,
+        artifact_location: str | None = None,
+        create: bool = True,
+    ) -> None:
         import mlflow
 
         if not isinstance(experiment, str) or not experiment.strip():
@@ -161,12 +177,14 @@ class TrackingClient:
         self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         self.relocated_from: str | None = None
         """The artifact folder the experiment was recorded under before its results folder moved."""
-        self.experiment_id = self._experiment_id(artifact_location)
+        self.experiment_id = self._experiment_id(artifact_location, create)
 
-    def _experiment_id(self, artifact_location: str | None) -> str:
+    def _experiment_id(self, artifact_location: str | None, create: bool) -> str:
         from mlflow.exceptions import MlflowException
 
         exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is None and not create:
+            raise ExperimentNotFound(self._not_found())
         if exp is None:
             location = artifact_location or artifact_location_for(self.tracking_uri, self.experiment)
             try:
@@ -183,6 +201,18 @@ class TrackingClient:
             )
         self.relocated_from = _follow_a_moved_folder(self.tracking_uri, self.experiment, exp)
         return exp.experiment_id
+
+    def _not_found(self) -> str:
+        """The message for a missing experiment: the store, and the experiments it does have."""
+        from tuner.preflight import hide_password
+
+        names = sorted(e.name for e in self.client.search_experiments() if e.name != "Default")
+        valid = ", ".join(repr(n) for n in names) if names else "none yet"
+        return (
+            f"tracking.experiment: {_clip(repr(self.experiment), 200)} is not an experiment in "
+            f"{_clip(hide_password(self.tracking_uri), 200)} (valid: {_clip(valid, 1000)}); check the spelling, "
+            f"or tune the recipe first (`recompute-tune RECIPE` creates it)"
+        )
 
     def _search(self, filter_string: str) -> list[Any]:
         from mlflow.entities import ViewType

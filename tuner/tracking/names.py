@@ -18,6 +18,7 @@ __all__ = [
     "COMPILE_PARAM",
     "COMPILE_SECONDS_METRIC",
     "DECISION",
+    "DECISION_ENDED_BY",
     "DECISION_SEQ",
     "DEVICE",
     "ERROR",
@@ -77,11 +78,13 @@ STUDY = "recompute.study"
 OUTCOME = "recompute.outcome"
 REASON = "recompute.reason"
 OWNER = "recompute.owner"
-"""On a session run: JSON of the `tuner.liveness.Owner` running it (host, pid, start)."""
+"""On a session or decision run: JSON of the `tuner.liveness.Owner` running it (host, pid, start)."""
 HEARTBEAT = "recompute.heartbeat"
 """On a session run: its owner's last heartbeat (``time.time()``); another host's dead owner is one that stopped."""
 SESSION_ENDED_BY = "recompute.session_ended_by"
 """On a session run another process ended: why (its owner died)."""
+DECISION_ENDED_BY = "recompute.decision_ended_by"
+"""On a decision run another process ended: why (its owner died before the decision was recorded)."""
 ERROR = "recompute.error"
 DEVICE = "recompute.device"
 THROUGHPUT_UNIT = "recompute.throughput_unit"

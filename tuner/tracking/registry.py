@@ -5,8 +5,10 @@ good policy; every change to it is a decision run, so the history is MLflow's al
 
 from __future__ import annotations
 
+import json
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,12 +22,14 @@ from tuner.killpoints import kill_point
 from tuner.tracking.client import TrackingClient, TrackingError, _clip, _int_or_none
 from tuner.tracking.names import (
     DECISION,
+    DECISION_ENDED_BY,
     DECISION_SEQ,
     EVIDENCE_JSON,
     FINGERPRINT,
     GOOD,
     KIND,
     NEW_GOOD,
+    OWNER,
     PARENT,
     PREVIOUS_GOOD,
     PROMOTED,
@@ -116,11 +120,48 @@ class PolicyRegistry(TrackingClient):
         if good is None:
             return None
         out = Path(output_path)
-        found = _file_state(out, good.fingerprint)
+        found = _file_state(out, good.policy)
         if found is None:
             return None
         good.policy.save(out)
         return f"{out} {found}; restored the good policy {good.fingerprint} from MLflow run {good.run_id}"
+
+    def end_dead_decisions(self, grace_s: float) -> list[str]:
+        """End KILLED every RUNNING decision run whose owner is dead (SIGKILLed mid-decision); their ids.
+
+        Such a run is not history (only FINISHED decisions are), but left RUNNING it reads in the
+        MLflow UI as a decision still being made. A run without an owner tag (an older version's)
+        is judged by its start time against ``grace_s``; a decision takes seconds.
+        """
+        from tuner.liveness import Owner, dead_reason
+
+        ended = []
+        for run in self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'RUNNING'"):
+            t = run.data.tags
+            try:
+                owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
+            except (ValueError, TypeError, KeyError):
+                owner = None
+            why = dead_reason(owner, None, grace=grace_s, since=run.info.start_time / 1000.0)
+            if why is None:
+                continue
+            self.client.set_tag(run.info.run_id, DECISION_ENDED_BY, _clip(why))
+            self.client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+        return ended
+
+    def clean_leftovers(self, output_path: str | Path, grace_s: float) -> tuple[str, ...]:
+        """End the decision runs of dead processes and remove their temporary policy files; what was done.
+
+        A ``rollback`` or promotion SIGKILLed mid-decision leaves its decision run RUNNING and,
+        inside the atomic write, a ``.policy.yaml.*.tmp`` file; every later ``tune`` and
+        ``rollback`` calls this first.
+        """
+        done = [f"decision run {run_id} of a dead process ended KILLED" for run_id in self.end_dead_decisions(grace_s)]
+        done += [
+            f"removed {tmp}: a temporary file of a killed write" for tmp in remove_stale_temps(output_path, grace_s)
+        ]
+        return tuple(done)
 
     def promote(
         self,
@@ -169,14 +210,20 @@ class PolicyRegistry(TrackingClient):
         """Whether an earlier good policy exists for `rollback` to restore."""
         return len(self._good_stack()) >= 2
 
-    def rollback(self, *, output_path: str | Path) -> GoodPolicy:
+    def rollback(self, *, output_path: str | Path, vet: Callable[[GoodPolicy], None] | None = None) -> GoodPolicy:
         """Restore the good policy before the current one (file and MLflow record); the restored one.
 
         Rollbacks stack: promote A, promote B, promote C, rollback, rollback leaves A.
 
+        Args:
+            output_path: the policy file to write.
+            vet: called with the policy to restore before anything changes; raising refuses the
+                rollback (``rollback`` checks it against the recipe's current budget).
+
         Raises:
-            TrackingError: there is no earlier good policy, or the experiment's good-run tag no
-                longer matches the recorded history (someone edited it by hand).
+            TrackingError: there is no earlier good policy, the experiment's good-run tag no
+                longer matches the recorded history (someone edited it by hand), or the earlier
+                run's artifact was changed after it was logged.
         """
         current = self._good_run_id()
         stack = self._good_stack()
@@ -193,6 +240,8 @@ class PolicyRegistry(TrackingClient):
             )
         target = stack[-2]
         restored = self._good_policy(target)
+        if vet is not None:
+            vet(restored)
         decision_id = self._start_decision(
             "rollback",
             restored.policy,
@@ -209,11 +258,14 @@ class PolicyRegistry(TrackingClient):
         out = []
         for run in self._decision_runs():
             t = run.data.tags
+            kind = t.get(DECISION)
+            if kind not in ("promote", "reject", "rollback"):
+                continue  # a run tagged a decision by other means, saying nothing the history can show
             out.append(
                 Decision(
                     run_id=run.info.run_id,
-                    kind=t[DECISION],
-                    seq=int(t.get(DECISION_SEQ, "0")),
+                    kind=kind,
+                    seq=_decision_seq(t),
                     at=datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc),
                     reason=t.get(REASON, ""),
                     fingerprint=t.get(FINGERPRINT),
@@ -263,6 +315,16 @@ class PolicyRegistry(TrackingClient):
         if policy is None:
             raise TrackingError(f"experiment {self.experiment!r}: good run {run_id} has no {POLICY_ARTIFACT} artifact")
         m, p, t = run.data.metrics, run.data.params, run.data.tags
+        recorded = t.get(FINGERPRINT)
+        if recorded and policy.fingerprint() != recorded:
+            # The check the plugin's "mlflow:" loader makes: restoring an edited artifact would put a
+            # policy nobody measured into the file training jobs read.
+            raise TrackingError(
+                f"experiment {self.experiment!r}: good run {run_id}: artifact {POLICY_ARTIFACT!r} has fingerprint "
+                f"{policy.fingerprint()}, but the run recorded {recorded} (tag {FINGERPRINT}); the artifact was "
+                f"changed after the run logged it, so it is not restored and the policy file is left as it is. "
+                f"Put the artifact back, or run `recompute-tune RECIPE` to measure and promote a policy again"
+            )
         at = t.get(PROMOTED_AT)
         mb = p.get("micro_batch")
         return GoodPolicy(
@@ -277,7 +339,7 @@ class PolicyRegistry(TrackingClient):
 
     def _decision_runs(self) -> list[Any]:
         runs = self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
-        return sorted(runs, key=lambda r: (int(r.data.tags.get(DECISION_SEQ, "0")), r.info.start_time))
+        return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
 
     def _good_stack(self) -> list[str]:
         """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
@@ -300,9 +362,7 @@ class PolicyRegistry(TrackingClient):
         previous: str | None,
         source_run_id: str | None,
     ) -> str:
-        seq = 1 + max(
-            (int(r.data.tags.get(DECISION_SEQ, "0")) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0
-        )
+        seq = 1 + max((_decision_seq(r.data.tags) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0)
         tags = {
             KIND: "decision",
             DECISION: kind,
@@ -313,6 +373,9 @@ class PolicyRegistry(TrackingClient):
         }
         if source_run_id:
             tags[SOURCE_RUN] = source_run_id
+        from tuner.liveness import Owner
+
+        tags[OWNER] = json.dumps(Owner.me().to_dict())  # a later run ends it if this process dies mid-decision
         if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
             tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
         parent = self._parent_run_id()
@@ -343,6 +406,7 @@ class PolicyRegistry(TrackingClient):
         old_bytes = out.read_bytes() if out.exists() else None
         try:
             self.client.set_tag(decision_id, NEW_GOOD, new)
+            kill_point("rollback" if rolled_back else "")  # a test hook; see tuner.killpoints
             policy.save(out)
             kill_point("after_write")  # a test hook; a no-op unless the fault-injection test sets it
             now = datetime.now(timezone.utc).isoformat()
@@ -378,10 +442,36 @@ class PolicyRegistry(TrackingClient):
         self.client.set_terminated(decision_id, "FINISHED")
 
 
-def _file_state(path: Path, fingerprint: str) -> str | None:
-    """What is wrong with the policy file at ``path`` for the good policy ``fingerprint``; ``None`` if nothing."""
+def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Path]:
+    """Remove the temporary files of atomic writes to ``output_path`` left by a killed writer; those removed.
+
+    `lightning_recompute.atomic.atomic_write` writes ``.<name>.<random>.tmp`` beside the file and
+    renames it over the file; a writer SIGKILLed in between leaves it forever. A write takes
+    milliseconds, so one older than ``older_than_s`` (the liveness grace period) has no live
+    writer; a younger one may be another worker's write in progress and is left alone.
+    """
+    out = Path(output_path)
+    removed = []
+    now = time.time()
+    for tmp in out.parent.glob(f".{out.name}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > older_than_s:
+                tmp.unlink()
+                removed.append(tmp)
+        except OSError:  # gone meanwhile (another worker cleaned it), or not ours to remove
+            continue
+    return removed
+
+
+def _file_state(path: Path, good: RecomputePolicy) -> str | None:
+    """What is wrong with the policy file at ``path`` for the good policy ``good``; ``None`` if nothing.
+
+    The file's ``tuned_for`` counts like its layers: training jobs read it to warn when they run at
+    another batch size, so a hand-edited one (micro_batch 4 -> 64) silences that warning.
+    """
     from lightning_recompute.errors import PolicyError
 
+    fingerprint = good.fingerprint()
     if not path.exists():
         return "was missing"
     try:
@@ -390,7 +480,25 @@ def _file_state(path: Path, fingerprint: str) -> str | None:
         return f"was not a readable policy ({_clip(str(err), 200)})"
     if held.fingerprint() != fingerprint:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
+    if held.tuned_for != good.tuned_for:
+        mine = {} if held.tuned_for is None else held.tuned_for.to_dict()
+        theirs = {} if good.tuned_for is None else good.tuned_for.to_dict()
+        changed = ", ".join(
+            f"{key} {mine.get(key)!r} (the good run's: {theirs.get(key)!r})"
+            for key in sorted(set(mine) | set(theirs))
+            if mine.get(key) != theirs.get(key)
+        )
+        return f"held the good policy {fingerprint} with another tuned_for: {_clip(changed, 500)}"
     return None
+
+
+def _decision_seq(tags: Mapping[str, str]) -> int:
+    """A decision run's position in the history; 0 (first, then by start time) when its tag is not a number.
+
+    The tag is editable in the MLflow UI; one hand-edited or foreign run must not make the whole
+    history unreadable (``history`` used to fail with ``ValueError``).
+    """
+    return _tag_int(tags.get(DECISION_SEQ)) or 0
 
 
 def _tag_int(value: str | None) -> int | None:

@@ -91,8 +91,15 @@ class SessionLog(TrackingClient):
     normal exit, KILLED on Ctrl-C, FAILED on an exception, and never stays RUNNING.
     """
 
-    def __init__(self, tracking_uri: str | None, experiment: str, *, artifact_location: str | None = None) -> None:
-        super().__init__(tracking_uri, experiment, artifact_location=artifact_location)
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str,
+        *,
+        artifact_location: str | None = None,
+        create: bool = True,
+    ) -> None:
+        super().__init__(tracking_uri, experiment, artifact_location=artifact_location, create=create)
         self._session_run_id: str | None = None
         self._session_open = False
         self._study: str | None = None

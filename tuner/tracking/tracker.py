@@ -26,4 +26,5 @@ class Tracker(SessionLog, PolicyRegistry):
         experiment: the experiment name (one per recipe); created when missing, with artifacts
             under the sqlite database's folder (`artifact_location_for`).
         artifact_location: overrides where a newly created experiment keeps artifacts.
+        create: create the experiment when missing (``False``: raise `ExperimentNotFound`, for readers).
     """

@@ -33,7 +33,7 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner.killpoints import kill_point
 from tuner.liveness import Owner
 from tuner.recipe import Recipe
-from tuner.trials.oom import OOM_MARKERS
+from tuner.trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
 from tuner.trials.worker import rank_result_path, spec_ranks
 
 if TYPE_CHECKING:
@@ -54,9 +54,10 @@ __all__ = [
     "summarize_steps",
 ]
 
-Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "skipped"]
+Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped"]
 """What became of a trial: measured and within budget; measured above the budget; out of memory;
-killed at its deadline; failed otherwise; or not run (the planner predicted it far over budget)."""
+killed at its deadline; failed otherwise; ran to a nan or inf training loss (its figures are not
+evidence); or not run (the planner predicted it far over budget)."""
 
 _log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class TrialResult:
     """What one trial measured, or why it measured nothing."""
 
     outcome: Outcome
-    """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``skipped``."""
+    """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``nonfinite`` / ``skipped``."""
     peak_bytes: int | None = None
     """Peak device memory over every step, warm-up included (a real job goes through those too)."""
     step_time_s: float | None = None
@@ -434,6 +435,8 @@ class _WorkerRun:
     tail: str
     wall_s: float
     timed_out: bool
+    oom: OomEvidence | None = None
+    """For a worker killed by SIGKILL (not at its deadline): what the kernel says about out-of-memory kills."""
 
 
 def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
@@ -447,6 +450,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
         start = time.monotonic()
         spec = {**spec, "deadline": time.time() + timeout_s}
         spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        kills_before = oom_kill_count()
         with open(log_path, "wb") as log:
             # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
             proc = subprocess.Popen(
@@ -477,8 +481,14 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
             result = merge_ranks(
                 str(spec["kind"]), [_read_result(rank_result_path(result_path, r)) for r in range(ranks)]
             )
+        killed = not timed_out and proc.returncode == -signal.SIGKILL
         return _WorkerRun(
-            returncode=proc.returncode, result=result, tail=_tail(log_path), wall_s=wall, timed_out=timed_out
+            returncode=proc.returncode,
+            result=result,
+            tail=_tail(log_path),
+            wall_s=wall,
+            timed_out=timed_out,
+            oom=oom_evidence(proc.pid, kills_before) if killed else None,
         )
 
 
@@ -622,7 +632,7 @@ def _last_lines(text: str, n: int) -> str:
 def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
     """``(outcome, one-line error)`` for a worker that produced no measurement."""
     res = run.result
-    if res is not None and res.get("outcome") in ("oom", "error"):
+    if res is not None and res.get("outcome") in ("oom", "error", "nonfinite"):
         return res["outcome"], str(res.get("error") or "the worker reported an error")
     if any(marker in run.tail for marker in OOM_MARKERS):
         return "oom", "out of memory (the worker died before writing a result)"
@@ -630,9 +640,14 @@ def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
     if code is not None and code < 0:
         sig = _signal_name(-code)
         if -code == signal.SIGKILL:
-            # Nobody here sent it (a timeout is handled before this): on Linux a SIGKILL out of the
-            # blue is the kernel's out-of-memory killer reclaiming host memory.
-            return "oom", f"the worker was killed by {sig} (most likely the kernel's out-of-memory killer)"
+            # Nobody here sent it (a timeout is handled before this); the kernel's out-of-memory
+            # killer sends it, but so do `kill -9`, schedulers and container runtimes. Calling every
+            # one `oom` marked a policy as not fitting for the rest of the study: oom only on record.
+            evidence = run.oom
+            if evidence is not None and evidence.found is not None:
+                return "oom", f"the worker was killed by signal {-code} ({sig}) for out of memory: {evidence.found}"
+            looked = f"; {evidence.looked}" if evidence is not None else ""
+            return "error", f"the worker was killed by signal {-code} ({sig}) from outside the tuner{looked}"
         return "error", f"the worker was killed by {sig}: {_crash_summary(run.tail)}"
     return "error", f"the worker exited with status {code} without a result: {_last_lines(run.tail, 1) or 'no output'}"
 

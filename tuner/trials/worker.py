@@ -153,11 +153,13 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     memory_steps = None
     if recipe.trainer.accelerator == "cpu":
         # The CPU storage ledger costs a Python call per op, more for policies that run more ops
-        # (recomputation): timing metered steps would rank policies by the meter's cost. Meter the
-        # warm-up and one step after it (the optimizer state exists by then, so that step's peak is
-        # the steady one) and time the measured steps with the meter off.
-        memory_steps = range(warmup + 1)
-        steps += 1
+        # (recomputation): timing metered steps would rank policies by the meter's cost. So the
+        # warm-up and every measured step are metered, as on an accelerator (a model that keeps
+        # more memory each step, or a batch that varies, shows on the step where it peaks; metering
+        # only the first step after warm-up promoted a leaking model), and as many steps again are
+        # timed after them with the meter off.
+        memory_steps = range(warmup + measure)
+        steps += measure
     skipped = steps - measure  # steps before the timed ones
     if policy.compile and memory_steps is not None:
         # Dynamo runs a compiled layer eagerly while the CPU ledger's dispatch mode is on, so the
@@ -171,6 +173,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     model = build_model(recipe)
     datamodule = build_datamodule(recipe, spec.get("micro_batch"))
     callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
+    losses = _loss_log()
     trainer = L.Trainer(
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
@@ -182,7 +185,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
         limit_val_batches=0,
         num_sanity_val_steps=0,
         **QUIET_TRAINER,
-        callbacks=[callback],
+        callbacks=[callback, losses],
     )
     from tuner.race.machine import machine_state
 
@@ -191,6 +194,17 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     records = list(callback.records)
     if len(records) < steps:
         raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup}, measured {measure})")
+    nonfinite = losses.first_nonfinite()
+    if nonfinite is not None:
+        # Speed and memory measured on nan or inf are not evidence for a policy: its own outcome.
+        step, value = nonfinite
+        return {
+            "outcome": "nonfinite",
+            "error": f"the training loss was {value} at step {step} of {steps}; a trial measured on a non-finite "
+            f"loss is not evidence (does the model train to a finite loss without recompute, on this data and "
+            f"precision?)",
+            **_device(recipe.trainer.accelerator),
+        }
     return {
         "outcome": "ok",
         "warmup_steps": skipped if policy.compile else warmup,
@@ -231,6 +245,42 @@ def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
         },
     )
     return {**result, **_device(recipe.trainer.accelerator)}
+
+
+def _loss_log() -> Any:
+    """A callback keeping each training step's loss as a Python float.
+
+    A float, not the tensor: a kept tensor would stay allocated into the next metered step and
+    raise its peak. It runs after `RecomputeCallback` (later in the callback list), which has
+    already timed the step, so reading the value to the host does not count in the step's time.
+    Defined in a function: the worker imports Lightning only when a trial needs it.
+    """
+    import math
+
+    import lightning as L
+    import torch
+
+    class LossLog(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float | None] = []
+
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self.losses.append(float(loss.detach()))
+            else:  # manual optimization returning nothing, or a loss that is not a scalar: nothing to check
+                self.losses.append(None)
+
+        def first_nonfinite(self) -> tuple[int, str] | None:
+            """``(step, value)`` of the first step (counted from 1) whose loss is nan or inf; ``None`` if none."""
+            for i, loss in enumerate(self.losses, 1):
+                if loss is not None and not math.isfinite(loss):
+                    return i, str(loss)
+            return None
+
+    return LossLog()
 
 
 def _compile_seconds() -> float:
@@ -311,7 +361,15 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
     where = ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
         f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
     )
-    if not differing:
+    base_bad = _nonfinite(base)
+    if base_bad:
+        # nan != nan: every value would "differ" and the policy would be blamed for the model's own state.
+        equal = False
+        detail = (
+            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data "
+            f"produces nan/inf, whatever the policy, so numerics cannot be compared; fix training first"
+        )
+    elif not differing:
         equal, detail = True, f"loss and all {n} parameter gradients bitwise equal {where}"
     elif policy.compile and _all_close(base, pol):
         from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
@@ -428,6 +486,20 @@ def _first(batch: Any, k: int) -> Any:
     return batch
 
 
+def _nonfinite(step: _Step) -> str | None:
+    """What in one step's loss and gradients is nan or inf, in words; ``None`` when everything is finite."""
+    import torch
+
+    loss, grads = step
+    bad = [name for name, g in grads.items() if g is not None and not bool(torch.isfinite(g).all())]
+    if bool(torch.isfinite(loss).all()) and not bad:
+        return None
+    parts = [] if bool(torch.isfinite(loss).all()) else [f"loss {loss.flatten()[0].item()}"]
+    if bad:
+        parts.append(f"{len(bad)} of {len(grads)} gradients, first {bad[0]}")
+    return "; ".join(parts)
+
+
 def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
     """The largest absolute difference of loss and gradients, and every differing ``(diff, name)``."""
     import torch
@@ -534,7 +606,14 @@ def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
     where = f"on rank {_local_rank()} ({recipe.trainer.strategy_name})" + (
         "" if mb is None else f" at micro-batch {mb}"
     )
-    if not differing:
+    base_bad = _nonfinite(base)
+    if base_bad:
+        equal = False
+        detail = (
+            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data, "
+            f"not the policy"
+        )
+    elif not differing:
         equal, detail = True, f"loss and all {n} local gradients bitwise equal {where}"
     elif spread > 0 and not on_cpu and diff <= spread:
         equal, detail = True, f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs"

@@ -556,3 +556,64 @@ def test_gpu_recipe_describes_a_billion_parameter_model() -> None:
         model = R.build_model(recipe)
     n_params = sum(p.numel() for p in model.parameters())
     assert 0.9e9 < n_params < 1.5e9, n_params
+
+
+@pytest.mark.parametrize(
+    ("output", "extra", "key"),
+    [
+        ("optuna.db", {}, "study.storage"),
+        ("mlflow.db", {}, "tracking.uri"),
+        ("mlflow.db-wal", {}, "tracking.uri"),
+        ("runs/optuna.log", {"study": {"storage": "runs/optuna.log"}}, "study.storage"),
+    ],
+    ids=["optuna-db", "mlflow-db", "sqlite-wal", "journal"],
+)
+def test_an_output_naming_a_store_file_is_refused_at_load(
+    tmp_path: Path, output: str, extra: dict[str, Any], key: str
+) -> None:
+    # A promotion used to write the policy over optuna.db (every trial lost) or mlflow.db.
+    path = _write(tmp_path, {"budget": "1GiB", "output": output, **extra})
+    with pytest.raises(R.RecipeError) as info:
+        R.load(path)
+    assert info.value.source == str(path)
+    (error,) = info.value.errors
+    assert error.startswith(f"output: {tmp_path / output} is a file of the store in {key}"), error
+    assert "policy.yaml" in error
+
+
+def test_an_output_reaching_a_store_through_a_symlink_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "optuna.db").touch()
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "optuna.db")
+    with pytest.raises(R.RecipeError, match=r"is a file of the store in study\.storage"):
+        R.load(_write(tmp_path, {"budget": "1GiB", "output": "link.yaml"}))
+
+
+def test_environment_variables_in_paths_are_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `output: ${HOME}/...` used to make a folder literally named "${HOME}".
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    recipe = R.load(
+        _write(
+            tmp_path,
+            {
+                "budget": "1GiB",
+                "output": "${HOME}/policies/p.yaml",
+                "tracking": {"uri": "sqlite:///$RUNS/mlflow.db"},
+                "study": {"storage": "${RUNS}/optuna.log"},
+            },
+        )
+    )
+    assert recipe.output == tmp_path / "home" / "policies" / "p.yaml"
+    assert recipe.tracking.uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    assert recipe.study.storage == str(tmp_path / "runs" / "optuna.log")
+
+
+def test_an_unset_environment_variable_in_a_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_SUCH_VAR_24", raising=False)
+    path = _write(tmp_path, {"budget": "1GiB", "output": "${NO_SUCH_VAR_24}/p.yaml"})
+    with pytest.raises(R.RecipeError) as info:
+        R.load(path)
+    assert info.value.errors == [
+        "output: ${NO_SUCH_VAR_24}/p.yaml names environment variable(s) not set here: ${NO_SUCH_VAR_24} "
+        "(valid: set them, or give the path itself)"
+    ]

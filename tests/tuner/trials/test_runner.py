@@ -286,3 +286,68 @@ def test_trial_result_round_trip_and_skipped() -> None:
     assert TrialResult.from_dict(skipped.to_dict()) == skipped
     with pytest.raises(Exception, match="outcome 'fine'"):
         TrialResult.from_dict({**skipped.to_dict(), "outcome": "fine"})
+
+
+@pytest.mark.slow
+def test_a_worker_killed_from_outside_is_killed_by_signal_9_not_oom(tmp_path: Path) -> None:
+    # Every SIGKILL used to be recorded as oom ("most likely the kernel's out-of-memory killer").
+    import os
+    import signal
+    import threading
+
+    pid_file = tmp_path / "pids"
+    recipe = _recipe(tmp_path, "tests.tuner.faulty.Hangs", timeout_s=300, pid_file=str(pid_file))
+
+    def kill_when_training() -> None:
+        deadline = time.monotonic() + 240
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_training, daemon=True)
+    killer.start()
+    result = run_trial(recipe, RecomputePolicy.uniform("full"))
+    killer.join(5)
+    assert result.outcome == "error", result
+    assert (result.error or "").startswith("the worker was killed by signal 9 (SIGKILL) from outside the tuner; ")
+
+
+def _fake_cgroup(root: Path, kills: int) -> None:
+    (root / "memory").mkdir(parents=True, exist_ok=True)
+    (root / "memory.events").write_text(f"low 0\nhigh 0\nmax 0\noom 1\noom_kill {kills}\n")
+    (root / "memory" / "memory.oom_control").write_text(f"oom_kill_disable 0\nunder_oom 0\noom_kill {kills}\n")
+
+
+def test_a_sigkill_is_oom_only_where_the_kernel_records_an_oom_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tuner.trials import oom, runner
+
+    monkeypatch.setattr(oom, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(oom, "KMSG", tmp_path / "no-kmsg")
+    _fake_cgroup(tmp_path, 2)
+    before = oom.oom_kill_count()
+    assert before == 2
+
+    def killed(evidence: oom.OomEvidence) -> tuple[str, str]:
+        run = runner._WorkerRun(returncode=-9, result=None, tail="", wall_s=1.0, timed_out=False, oom=evidence)
+        return runner._classify_failure(run)
+
+    # Nothing new in the cgroup, no kernel log: killed by a signal, not out of memory.
+    outcome, error = killed(oom.oom_evidence(4242, before))
+    assert outcome == "error"
+    assert error == (
+        "the worker was killed by signal 9 (SIGKILL) from outside the tuner; the cgroup's oom_kill counter "
+        "records no out-of-memory kill"
+    )
+    # The counter grew during the trial: the out-of-memory killer, and where that is recorded.
+    _fake_cgroup(tmp_path, 3)
+    outcome, error = killed(oom.oom_evidence(4242, before))
+    assert (outcome, error) == (
+        "oom",
+        "the worker was killed by signal 9 (SIGKILL) for out of memory: the cgroup's oom_kill counter went from 2 to 3",
+    )
+    # Nothing readable: unknown, and said so.
+    monkeypatch.setattr(oom, "CGROUP_ROOT", tmp_path / "absent")
+    outcome, error = killed(oom.oom_evidence(4242, None))
+    assert outcome == "error" and error.endswith("whether it was the kernel's out-of-memory killer is unknown")

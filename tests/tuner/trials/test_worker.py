@@ -29,3 +29,60 @@ def test_a_trials_steady_peak_is_step_peak_of_the_same_recipe_and_policy(glyphs:
     # The trial meters the warm-up step and the one after it (optimizer state allocated): the peak it checks.
     trial_peak = steps[1]["peak_bytes"]
     assert trial_peak == step_peak(build_model(recipe), build_datamodule(recipe), policy, layers=recipe.layers)
+
+
+NAN_RECIPE = {**RECIPE, "model": {**RECIPE["model"], "class_path": "tests.tuner.faulty.NanLoss"}}
+
+
+def test_a_trial_whose_loss_is_not_finite_is_its_own_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A nan loss used to be an `ok` trial, its speed and peak taken as evidence for the policy.
+    recipe = from_dict(NAN_RECIPE)
+    spec = {
+        "recipe": recipe.to_dict(),
+        "policy": RecomputePolicy.uniform("full").to_dict(),
+        "warmup_steps": 1,
+        "measure_steps": 1,
+    }
+    res = worker._trial(spec)
+    assert res["outcome"] == "nonfinite"
+    assert res["error"].startswith("the training loss was nan at step 1 of 3;"), res["error"]
+
+    # The parent keeps the outcome and the message (a worker run stands in for the subprocess).
+    from tuner.trials import runner
+
+    done = runner._WorkerRun(returncode=0, result=res, tail="", wall_s=1.0, timed_out=False)
+    monkeypatch.setattr(runner, "_run_worker", lambda *a, **k: done)
+    trial = runner.run_trial(recipe, RecomputePolicy.uniform("full"))
+    assert (trial.outcome, trial.error, trial.measured) == ("nonfinite", res["error"], False)
+
+
+def test_the_numerics_check_says_when_the_run_without_recompute_is_not_finite() -> None:
+    # It used to blame the policy: "42 of 42 values differ ... bitwise equality is the rule on CPU".
+    recipe = from_dict(NAN_RECIPE)
+    res = worker._numerics({"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("full").to_dict()})
+    assert res["equal"] is False
+    assert res["detail"].startswith("the run without recompute is itself non-finite at micro-batch 4 (loss nan"), res[
+        "detail"
+    ]
+
+
+def test_every_measured_step_is_metered_so_a_leak_shows_where_it_peaks() -> None:
+    # On CPU only the warm-up and one step after it were metered: a model keeping 512 KiB more each
+    # step was promoted on its second step's peak while its later steps went over the budget.
+    from tuner.trials import summarize_steps
+
+    recipe = from_dict({**RECIPE, "model": {**RECIPE["model"], "class_path": "tests.tuner.faulty.Leaks"}})
+    spec = {
+        "recipe": recipe.to_dict(),
+        "policy": RecomputePolicy.uniform("none").to_dict(),
+        "warmup_steps": 1,
+        "measure_steps": 4,
+    }
+    res = worker._trial(spec)
+    peaks = [s["peak_bytes"] for s in res["steps"]]
+    assert all(p is not None for p in peaks[:5]), peaks  # warm-up and all four measured steps
+    leak = 512 * 1024
+    assert peaks[4] >= peaks[1] + 3 * leak, peaks  # the leak is seen growing to the last measured step
+    stats = summarize_steps(res["steps"], int(res["warmup_steps"]))
+    assert stats["peak_bytes"] == max(peaks[:5])
+    assert len(stats["step_times_s"]) == 4  # timed on the unmetered steps after them
