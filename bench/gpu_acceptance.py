@@ -89,10 +89,9 @@ OFFLOAD_TOLERANCE = 0.05
 PLANNER_TOLERANCE = 0.03
 PLANNER_BUDGET_FRACTION = 0.85
 """Check 5's budget: the recipes' ``90%`` less a 5% margin, as gpt-1b-h100.yaml asks."""
-SESSION_FIGURE_KEYS = ("best", "gains", "race")
-"""Top-level keys of the tuner's JSON summary whose speed and uncertainty figures check 4 reports.
-``race`` is not written yet: the interleaved race planned for the gate will add it, and its figures
-are then reported without a change here."""
+SESSION_FIGURE_KEYS = ("best", "gains", "vs", "race")
+"""Top-level keys of the tuner's JSON summary whose speed and uncertainty figures check 4 reports:
+the chosen trial, the race's "vs" figures with their intervals, and the race itself."""
 CHECK_NAMES = ("meter", "numerics", "offload", "session", "planner", "compile")
 
 
@@ -704,7 +703,7 @@ def check_session(ctx: Context) -> Verdict:
         ctx.say(f"  {key}: " + (", ".join(f"{k}={v:.4g}" for k, v in found.items()) if found else "absent"))
     regression = _figures(((summary.get("evidence") or {}).get("regression")) or {})
     figures["summary.evidence.regression"] = regression
-    ctx.say("  gate side by side: " + (", ".join(f"{k}={v:.4g}" for k, v in regression.items()) or "not run"))
+    ctx.say("  gate regression race: " + (", ".join(f"{k}={v:.4g}" for k, v in regression.items()) or "not run"))
     for reason in summary.get("reasons") or []:
         ctx.say(f"  gate: {reason}")
     passed = promoted and written is not None and written == candidate

@@ -105,6 +105,10 @@ class _Race(L.Callback):
         turn = self.current
         if turn is not None and turn.phase != "warmup":
             entrant = self.entrants[turn.key]
+            if record.policy != entrant.policy.fingerprint():
+                # A step measured under another policy than the turn's would be filed under the wrong name.
+                expected = entrant.policy.fingerprint()
+                raise RuntimeError(f"race: step {record.step} ran policy {record.policy}, but the turn was {expected}")
             if record.peak_bytes is not None:
                 entrant.peak_bytes = max(entrant.peak_bytes or 0, record.peak_bytes)
                 if self.budget is not None and record.peak_bytes > self.budget and entrant.out is None:
