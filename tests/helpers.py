@@ -8,6 +8,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root (the folder holding ``tests/``, ``tuner/`` and ``recipes/``)."""
 
+SHORT_RACE = {"min_rounds": 4, "max_rounds": 8, "estimate_rounds": 6, "time_s": 20.0}
+"""A recipe's ``race`` section for tests that run whole sessions: every path of the race, a fraction
+of its default length (the race's statistics are tested with exact figures in tests/tuner/race)."""
+
 
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child interpreter: the repository importable (so ``tests.*``

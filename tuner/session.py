@@ -793,6 +793,7 @@ class _TuningSession:
             budget_bytes=self.budget,
         )
         if race.ok:
+            race = race.calibrated({r.fingerprint: r.throughput for r in records if r.measured})
             self.notify(
                 f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})"  # type: ignore[index]
             )

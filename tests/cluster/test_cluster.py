@@ -26,7 +26,7 @@ import yaml
 from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
-from tests.helpers import REPO
+from tests.helpers import REPO, SHORT_RACE
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 DEADLINE_S = 600
@@ -47,6 +47,7 @@ def write_recipe(folder: Path, *, storage: str, tracking: str, n_trials: int, na
     recipe["data"]["init_args"].update(TINY_DATA)
     recipe["budget"] = {"value": "64MiB"}
     recipe["trial"] = TINY_TRIAL
+    recipe["race"] = SHORT_RACE
     recipe["search"] = {**recipe["search"], "n_trials": n_trials, "seed": 0}
     recipe["study"] = {"storage": storage}
     recipe["tracking"] = {"uri": tracking}

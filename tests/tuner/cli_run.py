@@ -14,7 +14,7 @@ from typing import IO
 
 import yaml
 
-from tests.helpers import child_env
+from tests.helpers import SHORT_RACE, child_env
 
 TINY = {
     "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout": 0.0}},
@@ -22,6 +22,7 @@ TINY = {
     "budget": "64MiB",
     "search": {"n_trials": 3, "seed": 0},
     "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}},
+    "race": SHORT_RACE,
 }
 
 

@@ -571,3 +571,23 @@ def test_a_hand_edited_tuned_for_is_restored_like_the_policy(tmp_path: Path, uri
     assert "micro_batch 64 (the good run's: 4)" in note
     assert RecomputePolicy.load(recipe.output).tuned_for == good.tuned_for
     assert tracker.restore_file(recipe.output) is None  # now it matches
+
+
+def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process(recipe: recipe_mod.Recipe) -> None:
+    import dataclasses
+
+    from tests.tuner.fakes import exact_race
+
+    # The race measured B at 200/s; its confirmation, in its own process, measures 100/s.
+    race = exact_race([(B, ["trial 1"]), (A, ["trial 2"])], {B.fingerprint(): 1 / 200, A.fingerprint(): 1 / 150}, {})
+    trials = FixedTrials({B: 100.0})
+
+    def gate_b(r: Any) -> Any:
+        return evaluate(B, None, recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=numerics(), race=r)
+
+    failed = gate_b(dataclasses.replace(race, trial_scale=1.0))
+    assert failed.checks["confirmation"] == "failed" and "the race's figure did not hold up" in failed.reasons[0]
+    assert "50% below the 200 tokens/s expected" in failed.reasons[0]
+    # Trials measured the raced policies at 0.6x their race figures: 100/s is what B's should be (120 +- 25%).
+    assert gate_b(dataclasses.replace(race, trial_scale=0.6)).promoted
+    assert race.calibrated({B.fingerprint(): 120.0, A.fingerprint(): 90.0}).trial_scale == pytest.approx(0.6)

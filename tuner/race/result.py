@@ -84,6 +84,10 @@ class RaceResult:
     wall_s: float = 0.0
     machine_before: dict[str, Any] = field(default_factory=dict)
     machine_after: dict[str, Any] = field(default_factory=dict)
+    trial_scale: float | None = None
+    """How a trial in its own process measures against the race on the same policies: the median, over
+    entrants that also ran as trials, of trial throughput over race throughput (a short-lived process
+    is slower than a warm one, more so for small models). ``None``: no entrant had a trial."""
 
     # ---------------------------------------------------------------- reading
 
@@ -101,6 +105,15 @@ class RaceResult:
         per_step = self.tokens_per_step or self.samples_per_step
         t = entrant.median_s() if entrant is not None else None
         return per_step / t if per_step and t else None
+
+    def calibrated(self, trials: Mapping[str, float | None]) -> RaceResult:
+        """This result with `trial_scale` from ``trials`` (fingerprint -> a trial's throughput)."""
+        ratios = []
+        for key in self.entrants:
+            raced, trial = self.throughput(key), trials.get(key)
+            if raced and trial:
+                ratios.append(trial / raced)
+        return dataclasses.replace(self, trial_scale=statistics.median(ratios) if ratios else None)
 
     def is_tie(self) -> bool:
         """More than one entrant within noise of the leader."""
