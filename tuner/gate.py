@@ -393,8 +393,9 @@ def _slower_than_raced(
     """Why the confirmation contradicts the race's figure for ``policy``, or ``None``.
 
     The confirmation runs in its own short-lived process, as trials do, and those measure lower than a
-    warm race on the same policies; so the race's figure is first scaled by how the raced trials
-    compared with the race (`RaceResult.trial_scale`), and only then held against the confirmation.
+    warm race on the same policies; so the race's figure is first scaled down to the lowest any raced
+    trial came out at against the race (`RaceResult.trial_scale`), and only then held against the
+    confirmation: what fails is a confirmation further below the race than any trial of the session was.
     """
     if race is None or not race.ok or conf.throughput is None:
         return None
@@ -406,7 +407,7 @@ def _slower_than_raced(
     if conf.throughput >= expected * (1.0 - cfg.confirm_slack):
         return None
     unit = conf.throughput_unit or race.unit
-    how = f" ({scale:.2f}x the race's {raced:.4g}, as the raced trials measured)" if race.trial_scale else ""
+    how = f" ({scale:.2f}x the race's {raced:.4g}: the lowest a raced trial measured)" if race.trial_scale else ""
     return (
         f"confirmation run measured {conf.throughput:.4g} {unit}, {1 - conf.throughput / expected:.0%} below the "
         f"{expected:.4g} {unit} expected of this policy in its own process{how}, more than the "

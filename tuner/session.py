@@ -711,9 +711,10 @@ class _TuningSession:
             else contextlib.nullcontext(False)
         ) as waited:
             good = tracker.current_good()
-            if self.ran == 0 and good is not None and good.micro_batch == best.micro_batch:
-                # Nothing measured since the last decision: racing again would only re-roll the noise
-                # the last race already settled. The good policy stands (and is gated as unchanged).
+            if (self.ran == 0 or waited) and good is not None and good.micro_batch == best.micro_batch:
+                # Nothing measured since the last decision, or another worker of this study raced and
+                # gated the same finished study while this one waited: racing again would only re-roll
+                # the noise that race settled. The good policy stands (and is gated as unchanged).
                 race = None
                 candidate = gate.Candidate(
                     policy=good.policy,
@@ -722,7 +723,10 @@ class _TuningSession:
                     layer_names=self.space.layer_names,
                 )
                 chosen: str | None = good.fingerprint
-                self.note("race: not run: no new trial since the last decision; the current good policy stands")
+                why = (
+                    "another worker decided while this one waited" if waited else "no new trial since the last decision"
+                )
+                self.note(f"race: not run: {why}; the current good policy stands")
             else:
                 race = self._race(best, tracker, self._killable(run_race))
                 candidate = self._candidate(best, race)

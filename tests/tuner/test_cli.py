@@ -52,13 +52,17 @@ def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
     live = [line for line in proc.stderr.splitlines() if line.startswith("[")]
     assert len(live) == len(summary["trials"]) and "trial" in live[0] and "best" in live[0]
 
-    # The promoted policy file is the best trial's policy.
+    # The promoted policy file is the race winner's policy, and its "vs" figures carry their intervals.
     best = summary["best"]
     assert Path(summary["policy_path"]) == tmp_path / "policy.yaml"
     assert RecomputePolicy.load(tmp_path / "policy.yaml") == RecomputePolicy.from_dict(best["policy"])
     measured = [t for t in summary["trials"] if t["outcome"] in ("ok", "over_budget")]
     assert len(measured) == 3
-    assert best["throughput"] == max(t["throughput"] for t in measured if t["feasible"])
+    race = summary["race"]
+    assert race["outcome"] == "ok" and race["winner"] == best["policy_fingerprint"] and summary["chosen"]
+    assert set(race["entrants"]) == {t["policy_fingerprint"] for t in measured if t["feasible"]}
+    for figure in summary["vs"].values():
+        assert figure["low"] <= figure["gain"] <= figure["high"] and "interleaved" in figure["text"]
 
     # Everything is in MLflow: the session, one child per trial (params, metrics, outcome, policy), the decision.
     client, exp, runs = mlflow_runs(recipe_path)
@@ -80,7 +84,8 @@ def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
             assert run.data.metrics["measured_throughput"] == pytest.approx(trial["throughput"])
             assert run.data.metrics["measured_peak_bytes"] == trial["peak_bytes"]
     session_artifacts = {a.path for a in client.list_artifacts(session_id)}
-    assert {"trials.json", "pareto.png", "best_policy.yaml"} <= session_artifacts
+    assert {"trials.json", "pareto.png", "best_policy.yaml", "race.json"} <= session_artifacts
+    assert sessions[0].data.tags["recompute.race_winner"] == best["policy_fingerprint"]
     assert exp.tags["recompute.good_run_id"]
     assert not [r for r in runs if r.info.status == "RUNNING"]
     study = open_study(recipe_path)

@@ -590,4 +590,4 @@ def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process
     assert "50% below the 200 tokens/s expected" in failed.reasons[0]
     # Trials measured the raced policies at 0.6x their race figures: 100/s is what B's should be (120 +- 25%).
     assert gate_b(dataclasses.replace(race, trial_scale=0.6)).promoted
-    assert race.calibrated({B.fingerprint(): 120.0, A.fingerprint(): 90.0}).trial_scale == pytest.approx(0.6)
+    assert race.calibrated({B.fingerprint(): 120.0, A.fingerprint(): 120.0}).trial_scale == pytest.approx(0.6)

@@ -85,9 +85,11 @@ class RaceResult:
     machine_before: dict[str, Any] = field(default_factory=dict)
     machine_after: dict[str, Any] = field(default_factory=dict)
     trial_scale: float | None = None
-    """How a trial in its own process measures against the race on the same policies: the median, over
-    entrants that also ran as trials, of trial throughput over race throughput (a short-lived process
-    is slower than a warm one, more so for small models). ``None``: no entrant had a trial."""
+    """How low a trial in its own process measures against the race on the same policies: the lowest,
+    over entrants that also ran as trials, of trial throughput over race throughput (a short-lived
+    process is slower than a warm one, more so for small models and on a loaded machine, and the
+    lowest is what a separate run of a policy that truly is as fast as raced can come out at).
+    ``None``: no entrant had a trial."""
 
     # ---------------------------------------------------------------- reading
 
@@ -113,7 +115,7 @@ class RaceResult:
             raced, trial = self.throughput(key), trials.get(key)
             if raced and trial:
                 ratios.append(trial / raced)
-        return dataclasses.replace(self, trial_scale=statistics.median(ratios) if ratios else None)
+        return dataclasses.replace(self, trial_scale=min(ratios) if ratios else None)
 
     def is_tie(self) -> bool:
         """More than one entrant within noise of the leader."""
