@@ -115,6 +115,9 @@ class Sizes:
     session_batch: int
     session_trials: int
     session_timeout_s: float
+    session_race: dict[str, Any]
+    """The session recipe's ``race`` section: short, so the check fits its time (the race's statistics are
+    tested elsewhere; here it must run on the device and give figures)."""
     plan_model: dict[str, Any]
     plan_dtype: torch.dtype
     card_bytes: int | None
@@ -150,6 +153,7 @@ CUDA_SIZES = Sizes(
     session_batch=8,
     session_trials=4,
     session_timeout_s=330.0,
+    session_race={"max_rounds": 16, "estimate_rounds": 10, "time_s": 45.0},
     # ~0.94B parameters in bf16; about 2.6 GB of activations per sample with every one kept.
     plan_model=_gpt(32768, 2048, 16, 2048, 16, 0.0),
     plan_dtype=torch.bfloat16,
@@ -170,6 +174,7 @@ CPU_SIZES = Sizes(
     session_batch=4,
     session_trials=3,
     session_timeout_s=200.0,
+    session_race={"min_rounds": 4, "max_rounds": 8, "estimate_rounds": 6, "time_s": 20.0},
     plan_model=_gpt(128, 64, 3, 32, 4, 0.0),
     plan_dtype=torch.float32,
     card_bytes=4 * 2**20,
@@ -645,6 +650,7 @@ def check_session(ctx: Context) -> Verdict:
         name="gpu-acceptance-session",
         search={"modes": ["none", "selective", "full"], "n_trials": sz.session_trials, "seed": 0},
         trial={"warmup_steps": 2, "measure_steps": 3, "timeout_s": 120},
+        race=sz.session_race,
         tracking={"uri": "sqlite:///mlflow.db"},
         study={"storage": "sqlite:///optuna.db"},
         output="policy.yaml",
