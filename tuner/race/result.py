@@ -133,10 +133,12 @@ class RaceResult:
         peaks = [e.peak_bytes for e in others if e.peak_bytes is not None]
         if win.peak_bytes is not None and peaks and win.peak_bytes < min(peaks):
             why = "the most memory headroom"
-        elif all(recompute_strength(win.short) < recompute_strength(e.short) for e in others):
-            why = "as much headroom, the least recomputation"
-        else:
+        elif self.winner == self.leader:
             why = "the leader"
+        else:
+            same = [e for e in others if e.peak_bytes == win.peak_bytes]
+            less = all(recompute_strength(win.short) < recompute_strength(e.short) for e in same)
+            why = "the most memory headroom, then " + ("the least recomputation" if less else "the race's order")
         return f"tie within noise between {names}; chose {win.short} ({why})"
 
     def headlines(self) -> list[str]:

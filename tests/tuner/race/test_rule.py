@@ -136,3 +136,17 @@ def test_a_trial_far_from_its_prediction_while_the_others_are_close_is_suspect()
     assert (
         suspects([_record(i, p, 100.0, predicted=0.02 * (1 + i)) for i, p in enumerate([FULL, EVERY, TWO, ONE])]) == []
     )
+
+
+def test_the_tie_line_says_why_the_winner_was_chosen() -> None:
+    from tuner.race import RaceEntrant, RaceResult
+
+    def result(winner: str, peaks: dict[str, int]) -> RaceResult:
+        shorts = {"L": "FFs..", "W": "FFF..", "X": "F.F.F"}
+        entrants = {k: RaceEntrant(key=k, short=shorts[k], labels=(k,), peak_bytes=peaks[k]) for k in shorts}
+        return RaceResult(outcome="ok", entrants=entrants, winner=winner, leader="L", tied=("L", "W", "X"))
+
+    assert result("L", {"L": 4, "W": 4, "X": 5}).tie_line().endswith("chose FFs.. (the leader)")  # type: ignore[union-attr]
+    assert result("W", {"L": 5, "W": 3, "X": 4}).tie_line().endswith("(the most memory headroom)")  # type: ignore[union-attr]
+    line = result("W", {"L": 5, "W": 4, "X": 4}).tie_line()
+    assert line is not None and line.endswith("(the most memory headroom, then the race's order)")
