@@ -296,7 +296,7 @@ def evaluate(
                 )
                 decision.promoted = True
                 return decision
-        failure = _regression(decision, cand, current_good, raced, budget_bytes)
+        failure = _regression(decision, cand, current_good, raced)
         if failure:
             return _fail(decision, "regression", failure)
     decision.promoted = True
@@ -427,7 +427,6 @@ def _regression(
     cand: Candidate,
     good: GoodPolicy,
     race: RaceResult,
-    budget_bytes: int | None,
 ) -> str | None:
     """The regression verdict from a race that had the candidate and the good policy; a failure reason, or ``None``."""
     from tuner.race import format_gain

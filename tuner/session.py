@@ -50,9 +50,10 @@ from tuner.search import (
 from tuner.stores import open_tracker, storage_failure
 
 if TYPE_CHECKING:
+    from tuner.gate import Candidate
     from tuner.race import RaceResult
     from tuner.recipe import Recipe
-    from tuner.tracking import Tracker
+    from tuner.tracking import GoodPolicy, Tracker
     from tuner.trials import TrialResult
 
 __all__ = ["SessionSummary", "TrialEvent", "training_change", "tune"]
@@ -711,6 +712,7 @@ class _TuningSession:
             else contextlib.nullcontext(False)
         ) as waited:
             good = tracker.current_good()
+            records = self.study.records() if self.study is not None else []
             if (self.ran == 0 or waited) and good is not None and good.micro_batch == best.micro_batch:
                 # Nothing measured since the last decision, or another worker of this study raced and
                 # gated the same finished study while this one waited: racing again would only re-roll
@@ -728,8 +730,8 @@ class _TuningSession:
                 )
                 self.note(f"race: not run: {why}; the current good policy stands")
             else:
-                race = self._race(best, tracker, self._killable(run_race))
-                candidate = self._candidate(best, race)
+                race = self._race(best, good, records, self._killable(run_race))
+                candidate = self._candidate(best, race, good, records)
                 chosen = race.winner if race is not None and race.ok else None
             self.notify(f"gate: {candidate.policy.short(self.space.layer_names)} is the candidate")
             decision = gate.decide(
@@ -764,7 +766,13 @@ class _TuningSession:
         self._finish_tracking("FINISHED", summary)
         return summary
 
-    def _race(self, best: TrialRecord, tracker: Tracker, run_race: Callable[..., RaceResult]) -> RaceResult | None:
+    def _race(
+        self,
+        best: TrialRecord,
+        good: GoodPolicy | None,
+        records: Sequence[TrialRecord],
+        run_race: Callable[..., RaceResult],
+    ) -> RaceResult | None:
         """Race the leading candidates (`tuner.race.field`); ``None`` when the recipe turns the race off."""
         from tuner.race import RaceResult
         from tuner.race.field import choose_field, suspects
@@ -772,8 +780,6 @@ class _TuningSession:
         if not self.recipe.race.enabled:
             self.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
             return None
-        records = self.study.records() if self.study is not None else []
-        good = tracker.current_good()
         entry = choose_field(records, best, good, leaders=self.recipe.race.leaders, budget_bytes=self.budget)
         for record, why in suspects(records):
             self.note(why)
@@ -810,15 +816,15 @@ class _TuningSession:
             self.tracker.log_race(race)
         return race
 
-    def _candidate(self, best: TrialRecord, race: RaceResult | None) -> Any:
+    def _candidate(
+        self, best: TrialRecord, race: RaceResult | None, good: GoodPolicy | None, records: Sequence[TrialRecord]
+    ) -> Candidate:
         """The gate's candidate: the race's winner, or without one the best single trial."""
         from tuner import gate
 
         policy, source = best.policy, best.run_id
         if race is not None and race.ok:
-            records = self.study.records() if self.study is not None else []
             won = next((r for r in records if r.measured and r.fingerprint == race.winner), None)
-            good = self._tracker().current_good()
             if won is not None:
                 policy, source = won.policy, won.run_id
             elif good is not None and good.fingerprint == race.winner:

@@ -32,7 +32,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
 from tuner.race.machine import machine_state
 from tuner.race.plan import RacePlan
 from tuner.race.rule import Standing, stand, verdict
@@ -312,8 +312,6 @@ def race(
     )
     per_round = len(entrants) * (plan.steps + 1)
     bound = plan.warmup_steps + per_round * (plan.max_rounds + plan.estimate_rounds) + 1
-    from lightning_recompute import QUIET_TRAINER
-
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
