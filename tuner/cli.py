@@ -426,9 +426,9 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
             f"{mark} {e.short:<{width}}  {_num(race.throughput(key)):>12}  {vs:>26}  {_bytes(e.peak_bytes):>11}"
             f"  {e.label}{status}"
         )
-    tie = race.tie_line()
-    if tie:
-        lines.append(f"  {tie}")
+    for line in (race.tie_line(), race.unresolved_line()):
+        if line:
+            lines.append(f"  {line}")
     lines.append("")
     return lines
 

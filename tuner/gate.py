@@ -202,37 +202,35 @@ def evaluate(
     # 1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows.
     want = cfg.confirm_factor * steps
     tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
-    conf = run_trial(
-        recipe,
-        cand.policy,
-        micro_batch=cand.micro_batch,
-        warmup_steps=warmup,
-        measure_steps=want,
-        timeout_s=timeout * cfg.confirm_factor,
-        budget_bytes=budget_bytes,
-    )
+
+    def confirm() -> TrialResult:
+        return run_trial(
+            recipe,
+            cand.policy,
+            micro_batch=cand.micro_batch,
+            warmup_steps=warmup,
+            measure_steps=want,
+            timeout_s=timeout * cfg.confirm_factor,
+            budget_bytes=budget_bytes,
+        )
+
+    conf = confirm()
+    failure = _unconfirmed(conf, want, budget_bytes, cfg)
+    slow = None if failure else _slower_than_raced(conf, cand.policy, race, cfg)
+    if slow is not None:
+        # Load on a shared machine only ever slows a run, and one run in its own process can land in a
+        # spell of it; the race's figure stands unless a second run is too slow as well (the faster of
+        # the two is the confirmation: benchmark tools take the best of repeats against one-sided noise).
+        tell(f"gate: {slow}; measuring once more ...")
+        evidence["confirmation_slow"] = _as_dict(conf)
+        again = confirm()
+        failure = _unconfirmed(again, want, budget_bytes, cfg)  # a second run failing on its own terms stands
+        if failure is not None or (again.throughput or 0.0) > (conf.throughput or 0.0):
+            conf = again
+        failure = failure or _slower_than_raced(conf, cand.policy, race, cfg)
     decision.confirmation = conf
     evidence["confirmation"] = _as_dict(conf)
     got = len(getattr(conf, "step_times_s", ()) or ())
-    failure = None
-    if conf.outcome != "ok":
-        failure = f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if getattr(conf, "error", None) else "")
-        if conf.outcome == "over_budget":
-            failure = (
-                f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
-                f"over the budget limit {format_bytes(budget_bytes)}"
-            )
-    elif budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
-        failure = (
-            f"confirmation run peaked at {format_bytes(conf.peak_bytes)},"
-            f" over the budget limit {format_bytes(budget_bytes)}"
-            if conf.peak_bytes is not None
-            else "confirmation run reported no peak memory to check the budget"
-        )
-    elif got < want:
-        failure = f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x {steps})"
-    else:
-        failure = _slower_than_raced(conf, cand.policy, race, cfg)
     if failure:
         return _fail(decision, "confirmation", failure)
     decision.checks["confirmation"] = "passed"
@@ -385,6 +383,28 @@ def tuned_for(
         recipe=recipe.name,
         recipe_fingerprint=recipe.fingerprint(),
     )
+
+
+def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: GateSettings) -> str | None:
+    """Why a confirmation run fails the gate on its own (outcome, peak, steps measured), or ``None``."""
+    if conf.outcome != "ok":
+        if conf.outcome == "over_budget":
+            return (
+                f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
+                f"over the budget limit {format_bytes(budget_bytes)}"
+            )
+        return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if getattr(conf, "error", None) else "")
+    if budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
+        if conf.peak_bytes is None:
+            return "confirmation run reported no peak memory to check the budget"
+        return (
+            f"confirmation run peaked at {format_bytes(conf.peak_bytes)},"
+            f" over the budget limit {format_bytes(budget_bytes)}"
+        )
+    got = len(getattr(conf, "step_times_s", ()) or ())
+    if got < want:
+        return f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x a trial's)"
+    return None
 
 
 def _slower_than_raced(

@@ -807,7 +807,7 @@ class _TuningSession:
             self.notify(
                 f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})"  # type: ignore[index]
             )
-            for line in (race.tie_line(), *race.headlines()):
+            for line in (race.tie_line(), race.unresolved_line(), *race.headlines()):
                 if line:
                     self.notify(f"race: {line}")
         else:

@@ -591,3 +591,49 @@ def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process
     # Trials measured the raced policies at 0.6x their race figures: 100/s is what B's should be (120 +- 25%).
     assert gate_b(dataclasses.replace(race, trial_scale=0.6)).promoted
     assert race.calibrated({B.fingerprint(): 120.0, A.fingerprint(): 120.0}).trial_scale == pytest.approx(0.6)
+
+
+def test_a_confirmation_slowed_by_a_spell_of_load_is_measured_once_more_and_the_faster_run_counts(
+    recipe: recipe_mod.Recipe,
+) -> None:
+    from tests.tuner.fakes import exact_race
+
+    race = exact_race([(B, ["trial 1"]), (A, ["trial 2"])], {B.fingerprint(): 1 / 200, A.fingerprint(): 1 / 150}, {})
+    speeds = iter([100.0, 190.0])  # the first run lands in a spell of load; the second does not
+    runs: list[float] = []
+
+    def spelled(recipe: Any, policy: RecomputePolicy, **kw: Any) -> Any:
+        runs.append(next(speeds))
+        return FixedTrials({policy: runs[-1]})(recipe, policy, **kw)
+
+    lines: list[str] = []
+    d = evaluate(
+        B,
+        None,
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=spelled,
+        check_numerics=numerics(),
+        race=race,
+        progress=lines.append,
+    )
+    assert runs == [100.0, 190.0] and d.promoted and d.confirmation is not None and d.confirmation.throughput == 190.0
+    assert d.evidence["confirmation_slow"]["throughput"] == 100.0
+    assert any("did not hold up; measuring once more" in line for line in lines)
+
+    # Slow twice is a failed confirmation, on the faster of the two runs; no third run.
+    speeds, runs = iter([100.0, 110.0, 999.0]), []
+    d = evaluate(B, None, recipe=recipe, budget_bytes=LIMIT, run_trial=spelled, check_numerics=numerics(), race=race)
+    assert runs == [100.0, 110.0] and not d.promoted and "measured 110 tokens/s" in d.reasons[0]
+    # A second run that fails on its own terms (out of memory) is what the gate reports.
+    oom = iter([FixedTrials({B: 100.0}), FixedTrials({B: 200.0}, outcome={B: "oom"})])
+    d = evaluate(
+        B,
+        None,
+        recipe=recipe,
+        budget_bytes=LIMIT,
+        run_trial=lambda r, p, **kw: next(oom)(r, p, **kw),
+        check_numerics=numerics(),
+        race=race,
+    )
+    assert not d.promoted and "ended oom" in d.reasons[0]

@@ -213,6 +213,7 @@ class _Race(L.Callback):
             {k: self.entrants[k].peak_bytes for k in alive},
             {k: self.entrants[k].short for k in alive},
             confidence=self.plan.confidence,
+            tie_margin=self.plan.tie_margin,
         )
 
     def _estimate_field(self) -> list[str]:
@@ -255,6 +256,7 @@ class _Race(L.Callback):
                 "leader": None if standing is None else standing.leader,
                 "behind": {} if standing is None else {k: iv.to_dict() for k, iv in standing.behind.items()},
                 "tied": list(self.tied),
+                "unresolved": [] if standing is None else standing.unresolved(),
                 "winner": self.winner,
             },
             "estimate": {"rounds": len(self.estimate_rounds), "vs": vs},

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tuner.race.rule import TIE_MARGIN
+
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
@@ -29,6 +31,8 @@ class RacePlan:
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95
     """Confidence of the intervals reported, and of "tied" (not separated at this level)."""
+    tie_margin: float = TIE_MARGIN
+    """How far behind the leader an unseparated entrant may be and still tie (`tuner.race.rule.Standing`)."""
     stop_confidence: float = 0.99
     """Confidence the selection needs to stop before `max_rounds` (stricter: it looks after every round)."""
     warmup_steps: int = 2
@@ -45,6 +49,7 @@ class RacePlan:
             time_s=r.time_s,
             estimate_rounds=r.estimate_rounds,
             confidence=r.confidence,
+            tie_margin=r.tie_margin,
             warmup_steps=max(1, recipe.trial.warmup_steps),
         )
 

@@ -71,6 +71,9 @@ class RaceResult:
     """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
     tied: tuple[str, ...] = ()
     """The leader and every entrant within noise of it."""
+    unresolved: tuple[str, ...] = ()
+    """Entrants further behind the leader than the tie margin that the selection could not separate from it
+    (`tuner.race.rule.Standing.unresolved`): the leader won over them on its better median."""
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
     vs: dict[str, Interval] = field(default_factory=dict)
@@ -141,6 +144,24 @@ class RaceResult:
             why = "the most memory headroom, then " + ("the least recomputation" if less else "the race's order")
         return f"tie within noise between {names}; chose {win.short} ({why})"
 
+    def unresolved_line(self) -> str | None:
+        """``not separated: ...`` when entrants far behind the leader were not beaten with confidence."""
+        if not self.unresolved or self.leader is None:
+            return None
+        lead = self.entrants[self.leader].short
+        parts = []
+        for k in self.unresolved:
+            iv = self.behind.get(k)
+            if iv is not None:
+                parts.append(
+                    f"{self.entrants[k].short} {(1 / iv.ratio - 1) * 100:+.1f}% "
+                    f"({(1 / iv.high - 1) * 100:+.1f}..{(1 / iv.low - 1) * 100:+.1f}%)"
+                )
+        return (
+            f"not separated from {lead} with confidence, but further behind than a tie: {', '.join(parts)}; "
+            f"{lead} leads on its median"
+        )
+
     def headlines(self) -> list[str]:
         """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ..., interleaved, 14 rounds)``."""
         if self.winner is None:
@@ -169,6 +190,7 @@ class RaceResult:
             for k, e in self.entrants.items()
         }
         d["tied"] = list(self.tied)
+        d["unresolved"] = list(self.unresolved)
         return d
 
     @classmethod
@@ -188,6 +210,7 @@ class RaceResult:
         values["behind"] = {k: Interval(**v) for k, v in data.get("behind", {}).items()}
         values["vs"] = {k: Interval(**v) for k, v in data.get("vs", {}).items()}
         values["tied"] = tuple(data.get("tied", ()))
+        values["unresolved"] = tuple(data.get("unresolved", ()))
         return cls(**values)
 
     @classmethod
@@ -213,6 +236,7 @@ class RaceResult:
             winner=sel.get("winner"),
             leader=sel.get("leader") or sel.get("winner"),
             tied=tuple(sel.get("tied", ())),
+            unresolved=tuple(sel.get("unresolved", ())),
             behind={k: Interval(**v) for k, v in sel.get("behind", {}).items()},
             vs={k: Interval(**v) for k, v in est.get("vs", {}).items()},
             stop=str(sel.get("stop", "")),

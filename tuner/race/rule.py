@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 from tuner.race.stats import Interval, paired_ratio
 
-__all__ = ["Standing", "recompute_strength", "stand", "tie_break", "verdict"]
+__all__ = ["TIE_MARGIN", "Standing", "recompute_strength", "stand", "tie_break", "verdict"]
+
+TIE_MARGIN = 0.03
+"""The default `Standing.tie_margin` (the recipe's ``race.tie_margin``)."""
 
 
 @dataclass(frozen=True)
@@ -26,18 +29,34 @@ class Standing:
     """Every other entrant's time over the leader's (above 1: slower), with its interval."""
     confidence: float = 0.95
     """The confidence asked for: an interval whose coverage is below it (too few rounds) beats nobody."""
+    tie_margin: float = TIE_MARGIN
+    """How far behind the leader (median ratio over 1) an entrant the race could not separate may be and
+    still be tied with it."""
 
     def beaten(self) -> list[str]:
         """Entrants slower than the leader with at least the confidence asked for."""
         return [k for k, iv in self.behind.items() if iv.low > 1.0 and iv.confidence >= self.confidence]
 
     def tied(self) -> list[str]:
-        """Entrants the race cannot tell from the leader (tie within noise)."""
+        """Entrants the race cannot tell from the leader and whose median is within `tie_margin` of it
+        (tie within noise)."""
         beaten = set(self.beaten())
-        return [k for k in self.behind if k not in beaten]
+        return [k for k, iv in self.behind.items() if k not in beaten and iv.ratio <= 1.0 + self.tie_margin]
+
+    def unresolved(self) -> list[str]:
+        """Entrants behind the leader by more than `tie_margin` that the race could not separate from it.
+
+        Not a tie: a race that runs out of rounds on a noisy machine leaves wide intervals, and a tie
+        would hand the choice to the tie-break (most headroom), which favours the slowest policy. The
+        leader is the best estimate the race has, so it wins over these.
+        """
+        settled = {*self.beaten(), *self.tied()}
+        return [k for k in self.behind if k not in settled]
 
 
-def stand(rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float) -> Standing:
+def stand(
+    rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float, tie_margin: float = TIE_MARGIN
+) -> Standing:
     """The standing of ``entrants`` over ``rounds`` (each: entrant -> its time in that round).
 
     The leader has the lowest median, over rounds, of its log time less the round's mean log time
@@ -66,7 +85,7 @@ def stand(rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, con
         pairs = [(t[leader], t[k]) for t in rounds if leader in t and k in t]
         a, b = [p[0] for p in pairs], [p[1] for p in pairs]
         behind[k] = paired_ratio(a, b, confidence=confidence)
-    return Standing(leader=leader, behind=behind, confidence=confidence)
+    return Standing(leader=leader, behind=behind, confidence=confidence, tie_margin=tie_margin)
 
 
 _STRENGTH = {".": 0, "o": 1, "a": 2, "w": 2, "n": 2, "s": 2, "F": 3}
@@ -98,10 +117,12 @@ def verdict(
     shorts: Mapping[str, str],
     *,
     confidence: float,
+    tie_margin: float = TIE_MARGIN,
 ) -> tuple[Standing | None, list[str], str | None]:
     """The selection's outcome: ``(standing, tied, winner)``.
 
-    ``tied`` is the leader and every entrant within noise of it; ``winner`` is `tie_break` of them.
+    ``tied`` is the leader and every entrant within noise of it (`Standing.tied`); ``winner`` is
+    `tie_break` of them.
     With one entrant (or fewer than 2 rounds) it wins alone and there is no standing; with none,
     nobody wins.
     """
@@ -109,6 +130,6 @@ def verdict(
         return None, [], None
     if len(entrants) == 1 or len(rounds) < 2:
         return None, [entrants[0]], entrants[0]
-    standing = stand(rounds, entrants, confidence=confidence)
+    standing = stand(rounds, entrants, confidence=confidence, tie_margin=tie_margin)
     tied = [standing.leader, *standing.tied()]
     return standing, tied, tie_break(tied, peaks, shorts)

@@ -19,6 +19,7 @@ from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError, clip
 from tuner.jsonable import jsonable
+from tuner.race.rule import TIE_MARGIN
 from tuner.units import format_bytes as _format_bytes
 from tuner.units import parse_bytes
 
@@ -363,6 +364,14 @@ class RaceSettings:
     )
     confidence: float = Field(
         default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
+    )
+    tie_margin: float = Field(
+        default=TIE_MARGIN,
+        ge=0.0,
+        lt=1.0,
+        description="A candidate the race could not tell from the leader ties with it (and the tie goes to the most "
+        "memory headroom) only when its median time is within this fraction of the leader's; further behind, the "
+        "leader wins.",
     )
 
 

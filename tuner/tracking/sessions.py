@@ -422,7 +422,7 @@ class SessionLog(TrackingClient):
             words.append(
                 f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
             )
-            words += [line for line in (race.tie_line(), *race.headlines()) if line]
+            words += [line for line in (race.tie_line(), race.unresolved_line(), *race.headlines()) if line]
         tags = {RACE_SUMMARY: _clip("; ".join(words))}
         metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
         if race.winner is not None:

@@ -35,6 +35,21 @@ def test_entrants_within_noise_are_tied() -> None:
     assert {s.leader, *s.tied()} == {"a", "b"} and s.beaten() == ["c"]
 
 
+def test_an_entrant_far_behind_that_the_race_could_not_separate_loses_to_the_leader_not_the_tie_break() -> None:
+    # Eight rounds on a noisy machine: FFF is 1.4x slower in seven, and faster in one spell of load.
+    rounds = [{"none": 1.0, "full": 1.4} for _ in range(7)] + [{"none": 2.0, "full": 1.5}]
+    peaks, shorts = {"none": 20, "full": 10}, {"none": "...", "full": "FFF"}
+    standing, tied, winner = verdict(rounds, ["none", "full"], peaks, shorts, confidence=0.95)
+    assert standing is not None and standing.beaten() == [] and standing.behind["full"].low < 1.0
+    assert standing.unresolved() == ["full"] and tied == ["none"] and winner == "none"
+    # Within the margin the same interval is a tie, and the tie goes to the most headroom.
+    close = [{"none": 1.0, "full": 1.02} for _ in range(7)] + [{"none": 2.0, "full": 1.5}]
+    _, tied, winner = verdict(close, ["none", "full"], peaks, shorts, confidence=0.95)
+    assert tied == ["none", "full"] and winner == "full"
+    _, tied, winner = verdict(close, ["none", "full"], peaks, shorts, confidence=0.95, tie_margin=0.01)
+    assert tied == ["none"] and winner == "none"
+
+
 def test_a_round_an_entrant_missed_is_left_out_of_its_comparison() -> None:
     rounds = _rounds({"a": 1.0, "b": 1.2})
     rounds[3].pop("b")
@@ -150,3 +165,19 @@ def test_the_tie_line_says_why_the_winner_was_chosen() -> None:
     assert result("W", {"L": 5, "W": 3, "X": 4}).tie_line().endswith("(the most memory headroom)")  # type: ignore[union-attr]
     line = result("W", {"L": 5, "W": 4, "X": 4}).tie_line()
     assert line is not None and line.endswith("(the most memory headroom, then the race's order)")
+
+
+def test_the_unresolved_line_names_who_the_leader_beat_on_its_median_alone() -> None:
+    from tuner.race import RaceEntrant, RaceResult
+    from tuner.race.stats import Interval
+
+    entrants = {k: RaceEntrant(key=k, short=s, labels=(k,)) for k, s in {"L": "...", "F": "FFF"}.items()}
+    behind = {"F": Interval(ratio=1.6, low=0.9, high=2.0, rounds=8, confidence=0.99)}
+    r = RaceResult(
+        outcome="ok", entrants=entrants, winner="L", leader="L", tied=("L",), behind=behind, unresolved=("F",)
+    )
+    assert r.unresolved_line() == (
+        "not separated from ... with confidence, but further behind than a tie: FFF -37.5% (-50.0..+11.1%); "
+        "... leads on its median"
+    )
+    assert RaceResult.from_dict(r.to_dict()) == r and r.tie_line() is None
