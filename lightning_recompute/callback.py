@@ -103,11 +103,12 @@ class RecomputeCallback(L.Callback):
             same every step once the optimizer state exists.
         max_records: how many `StepRecord` to keep (oldest dropped first).
         strict_batch_size: what happens when the policy records the micro-batch it was tuned for
-            (its ``tuned_for.micro_batch``) and the first training batch is larger: ``False`` warns
-            (`BatchSizeWarning`), ``True`` raises `BatchSizeError` before the step runs. Either way
-            the message names both sizes, the peak the policy was promoted on, its limit, and the
-            ``batch_size`` and ``accumulate_grad_batches`` that keep the global batch. A batch at or
-            under the tuned one, or a policy without ``tuned_for``, is not checked further.
+            (its ``tuned_for.micro_batch``) and a training batch is larger (every batch is checked
+            until one is: batches of variable size can grow later in an epoch): ``False`` warns
+            (`BatchSizeWarning`, once), ``True`` raises `BatchSizeError` before the step runs. Either
+            way the message names both sizes, the peak the policy was promoted on, its limit, and the
+            ``batch_size`` and ``accumulate_grad_batches`` that keep the global batch. A policy
+            without ``tuned_for`` is not checked.
         free_grads_at_batch_start: set the previous step's gradients to ``None`` at each batch start
             instead of after ``training_step``, so they are not alive through the forward (the
             memory goes to activations; training computes the same). ``None`` (default): on where
@@ -131,7 +132,7 @@ class RecomputeCallback(L.Callback):
     ) -> None:
         self.policy = as_policy(policy)
         self.strict_batch_size = strict_batch_size
-        self._batch_checked = False
+        self._batch_warned = False
         self.layers = layers
         self.measure_memory = measure_memory
         self.memory_steps = None if memory_steps is None else frozenset(int(s) for s in memory_steps)
@@ -230,17 +231,18 @@ class RecomputeCallback(L.Callback):
         # still the user's modules at their own paths, so applying now is the same as in setup.
         self.applied = apply_policy(pl_module, self.policy, self.layers)
 
-    def _check_batch_size(self, trainer: L.Trainer, batch: Any) -> None:
-        """Warn (or raise) when the first batch is larger than the micro-batch the policy was tuned for."""
+    def _check_batch_size(self, trainer: L.Trainer, batch: Any) -> bool:
+        """Warn (or raise) when ``batch`` is larger than the micro-batch the policy was tuned for; whether it warned
+        or there is nothing to check (no micro-batch recorded)."""
         tuned = self.policy.tuned_for
         if tuned is None or tuned.micro_batch is None:
-            return
+            return True
         try:
             seen = int(extract_batch_size(batch))
         except (MisconfigurationException, RecursionError):
-            return  # no tensor to count samples in: nothing to compare
+            return True  # no tensor to count samples in: nothing to compare, now or later
         if seen <= tuned.micro_batch:
-            return
+            return False
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         global_batch = seen * accumulate
         size, steps = batch_advice(tuned.micro_batch, global_batch)
@@ -261,15 +263,18 @@ class RecomputeCallback(L.Callback):
         if self.strict_batch_size:
             raise BatchSizeError(message)
         rank_zero_warn(message, category=BatchSizeWarning)
+        return True
 
     # ------------------------------------------------------------------ measuring
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._batch_checked:
-            self._batch_checked = True
-            self._check_batch_size(trainer, batch)
+        if not self._batch_warned:
+            # Every batch until one is too large, not just the first: with dynamic padding or variable
+            # lengths the first batch can be the smallest of the epoch. Counting samples is a walk over
+            # the batch's structure, nothing beside a training step.
+            self._batch_warned = self._check_batch_size(trainer, batch)
         # Before the meter starts, so the step it measures begins without them. StochasticWeightAveraging's
         # extra epoch skips backward and zero_grad (`_skip_backward`): leave those batches alone.
         if (

@@ -14,7 +14,7 @@ promoted on) in the policy file's optional ``tuned_for:`` section::
       recipe_fingerprint: 3f0c...
 
 Every key is optional. Applying a policy never reads this section; `RecomputeCallback` compares
-``micro_batch`` with the batch it sees on the first training step (`batch_advice`).
+``micro_batch`` with every training batch until one is larger (`batch_advice`).
 """
 
 from __future__ import annotations

@@ -368,14 +368,20 @@ def decide(
 def tuned_for(
     recipe: Recipe, candidate: Candidate, confirmation: TrialResult | None, budget_bytes: int | None
 ) -> TunedFor:
-    """What ``candidate`` was tuned for: its micro-batch (the data module's own when it has none),
-    the confirmation run's peak and device, the budget limit, and the recipe."""
+    """What ``candidate`` was tuned for: its micro-batch (the data module's own when it has none; the
+    largest batch the confirmation measured when the data module's batches vary), the confirmation run's
+    peak and device, the budget limit, and the recipe."""
     from tuner.recipe import data_batch_size
 
     data_batch = data_batch_size(recipe)
     measured = confirmation is not None and confirmation.outcome in ("ok", "over_budget")
+    micro_batch = candidate.micro_batch if candidate.micro_batch is not None else data_batch
+    scan = confirmation.batches if measured and confirmation is not None else None
+    if scan and scan.get("varies"):
+        # The callback warns when a job's batch exceeds this; the budget held for the largest batch only.
+        micro_batch = int(scan["largest_samples"])
     return TunedFor(
-        micro_batch=candidate.micro_batch if candidate.micro_batch is not None else data_batch,
+        micro_batch=micro_batch,
         data_batch_size=data_batch,
         peak_bytes=(confirmation.peak_bytes or None) if measured and confirmation is not None else None,
         limit_bytes=budget_bytes,

@@ -314,6 +314,8 @@ class _TuningSession:
         """Whether this session holds the study's setup (its heartbeat keeps the setup owner alive)."""
         self.grace = grace_s()
         self.heartbeat: Heartbeat | None = None
+        self.data_noted = False
+        """Whether the session said that the data module's batches vary (once, at the first trial that saw it)."""
 
     def _tracker(self) -> Tracker:
         """The session's tracker; only called once `run` has opened it."""
@@ -563,6 +565,11 @@ class _TuningSession:
             result = run_trial(self.recipe, proposal.policy, micro_batch=proposal.micro_batch, budget_bytes=self.budget)
         finally:
             self.interrupts.phase = "between"
+        if not self.data_noted and result.batches and result.batches.get("varies"):
+            from tuner.trials.batches import BatchScan
+
+            self.data_noted = True
+            self.note(f"data: {BatchScan(**result.batches).describe()}")
         run_id = self._log(proposal, result, None)
         frozen = study.tell_result(proposal, result, run_id=run_id)
         self.in_flight = None

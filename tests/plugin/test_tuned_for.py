@@ -127,3 +127,19 @@ def test_strict_batch_size_raises_before_the_larger_batch_runs(
 ) -> None:
     with pytest.raises(BatchSizeError, match=r"micro-batch 4 .* batch size 8.*batch_size=4, accumulate_grad_batches=2"):
         _fit(quiet_trainer, POLICY.with_tuned_for(TUNED), batch_size=8, strict_batch_size=True)
+
+
+def test_a_larger_batch_later_in_the_epoch_warns_once_though_the_first_batch_is_small(
+    quiet_trainer: Callable[..., L.Trainer],
+) -> None:
+    from tests.tuner.faulty import VaryingBatches
+
+    # Batches of 1, 8, 2, 16 samples: only the first was checked, and it is the smallest.
+    cb = RecomputeCallback(POLICY.with_tuned_for(TUNED), measure_memory=False)
+    trainer = quiet_trainer(max_steps=4, callbacks=[cb])
+    data = VaryingBatches(vocab_size=64, seq_len=16, num_batches=4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(ReferenceGPT(**TINY), data)
+    caught = [w for w in seen if issubclass(w.category, BatchSizeWarning)]
+    assert len(caught) == 1 and "trains at batch size 8" in str(caught[0].message)

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_recompute.reference import ReferenceGPT
+from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 
 class RaisesOOM(ReferenceGPT):
@@ -172,3 +173,20 @@ class Leaks(ReferenceGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.kept.append(torch.ones(self.leak_bytes, dtype=torch.uint8))
         return super().training_step(batch, batch_idx)
+
+
+class VaryingBatches(SyntheticTokens):
+    """Batches whose sample counts take ``sizes`` in turn (dynamic batching, variable lengths): the first is the
+    smallest, and the largest comes later in the epoch. ``batch_size`` is the nominal size a recipe names."""
+
+    def __init__(self, sizes: tuple[int, ...] = (1, 8, 2, 16), batch_size: int = 4, **kwargs: Any) -> None:
+        super().__init__(batch_size=batch_size, **kwargs)
+        self.sizes = tuple(int(s) for s in sizes)
+
+    def train_dataloader(self) -> DataLoader:
+        counts = [self.sizes[i % len(self.sizes)] for i in range(max(self.num_batches, len(self.sizes)))]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        batches = [list(range(s, s + c)) for s, c in zip(starts, counts, strict=True)]
+        g = torch.Generator().manual_seed(self.seed)
+        rows = torch.randint(0, self.vocab_size, (sum(counts), self.seq_len + 1), generator=g)
+        return DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_sampler=batches)

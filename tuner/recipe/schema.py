@@ -319,6 +319,12 @@ def _env_values(value: Any) -> Any:
     return value
 
 
+_SCAN_BATCHES = 64
+"""The default ``trial.scan_batches``: enough to see a last partial batch and the spread of variable-length
+data, few enough that collating them costs little beside a trial. Left out of the recipe's fingerprint at
+this value, so studies from before the setting existed resume."""
+
+
 @schema_dataclass(frozen=True, config=_SCHEMA)
 class TrialSettings:
     """How long one trial measures."""
@@ -333,6 +339,12 @@ class TrialSettings:
         default=300.0,
         gt=0,
         description="Wall-clock limit of one trial's subprocess (startup included); then it is killed.",
+    )
+    scan_batches: _PositiveInt = Field(
+        default=_SCAN_BATCHES,
+        description="Batches of the data module scanned before a trial for the largest (the whole epoch when it "
+        "is shorter). When batches vary, every measured step uses the largest found, so 'fits the budget' "
+        "holds for it; the session says which batch that was and whether the scan saw the whole epoch.",
     )
     env: Annotated[dict[str, str], BeforeValidator(_env_values)] = Field(
         default_factory=dict,
@@ -551,6 +563,7 @@ class Recipe:
         """
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
+        keep["trial"] = {k: v for k, v in d["trial"].items() if (k, v) != ("scan_batches", _SCAN_BATCHES)}
         # Keys added after studies existed stay out at their defaults, so those studies still resume.
         keep["trainer"] = {
             k: v for k, v in d["trainer"].items() if (k, v) not in (("num_nodes", 1), ("strategy", "auto"))

@@ -110,6 +110,9 @@ class TrialResult:
     """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum); empty for one device."""
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The machine while the trial ran (`tuner.race.machine.machine_state`: load, clocks, other GPU processes)."""
+    batches: dict[str, Any] | None = None
+    """The scan of the data module's first batches (`tuner.trials.batches.BatchScan.to_dict`): when they vary,
+    every measured step used the largest. ``None``: not measured."""
 
     @property
     def noise(self) -> Spread | None:
@@ -682,6 +685,7 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
         rank_peak_bytes=tuple(int(v) for v in res.get("rank_peak_bytes", ())),
         compile_s=res.get("compile_s"),
         machine=dict(res.get("machine") or {}),
+        batches=res.get("batches"),
         **stats,
     )
 

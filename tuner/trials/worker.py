@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_recompute.atomic import atomic_write
+from tuner.trials.batches import BatchScan, serve_largest
 from tuner.trials.oom import is_oom_error
 
 if TYPE_CHECKING:
@@ -172,6 +173,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
     L.seed_everything(recipe.search.seed, verbose=False)
     model = build_model(recipe)
     datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    batches = serve_largest(datamodule, recipe.trial.scan_batches)
     callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
     losses = _loss_log()
     trainer = L.Trainer(
@@ -214,8 +216,14 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
             for r in records
         ],
         "machine": machine,
+        **_batches(batches()),
         **_device(recipe.trainer.accelerator),
     }
+
+
+def _batches(found: BatchScan | None) -> dict[str, Any]:
+    """The ``batches`` entry of a result: the data scan, when there was one."""
+    return {} if found is None else {"batches": found.to_dict()}
 
 
 def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -231,9 +239,11 @@ def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
         (str(e["key"]), RecomputePolicy.from_dict(e["policy"], source=f"race entrant {e['key']}"), str(e["short"]))
         for e in spec["entrants"]
     ]
+    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    batches = serve_largest(datamodule, recipe.trial.scan_batches)
     result = race(
         build_model(recipe),
-        build_datamodule(recipe, spec.get("micro_batch")),
+        datamodule,
         entrants,
         references=spec.get("references", ()),
         plan=RacePlan.from_dict(spec.get("plan", {})),
@@ -244,7 +254,7 @@ def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
             "precision": _precision(recipe.trainer.precision),
         },
     )
-    return {**result, **_device(recipe.trainer.accelerator)}
+    return {**result, **_batches(batches()), **_device(recipe.trainer.accelerator)}
 
 
 def _loss_log() -> Any:

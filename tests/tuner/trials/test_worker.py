@@ -86,3 +86,43 @@ def test_every_measured_step_is_metered_so_a_leak_shows_where_it_peaks() -> None
     stats = summarize_steps(res["steps"], int(res["warmup_steps"]))
     assert stats["peak_bytes"] == max(peaks[:5])
     assert len(stats["step_times_s"]) == 4  # timed on the unmetered steps after them
+
+
+VARYING = {**RECIPE, "data": {"class_path": "tests.tuner.faulty.VaryingBatches", "init_args": {"num_batches": 4}}}
+
+
+def test_a_trial_on_batches_that_vary_measures_every_step_on_the_largest_and_says_so() -> None:
+    # Batches of 1, 8, 2, 16 samples: a 2-step trial metered the 1- and 8-sample batches and passed a
+    # budget that the 16-sample batch exceeds.
+    from tuner.trials import summarize_steps
+    from tuner.trials.batches import BatchScan
+
+    recipe = from_dict(VARYING)
+    spec = {"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("none").to_dict(), "warmup_steps": 1}
+    res = worker._trial({**spec, "measure_steps": 2})
+    scan = BatchScan(**res["batches"])
+    assert (scan.varies, scan.exhaustive, scan.scanned, scan.largest_index) == (True, True, 4, 3)
+    assert (scan.smallest_samples, scan.largest_samples, scan.largest_elements) == (1, 16, 2 * 16 * 16)
+    assert "every measured step uses the largest, batch 3 (16 samples" in scan.describe()
+    assert {s["samples"] for s in res["steps"]} == {16}
+    # Its peak is that of a job whose every batch is the largest: nominal batch size 16, no variation.
+    fixed = from_dict({**RECIPE, "data": {"init_args": {"batch_size": 16, "num_batches": 4}}})
+    peak = summarize_steps(res["steps"], 1)["peak_bytes"]
+    assert peak == step_peak(build_model(fixed), build_datamodule(fixed), RecomputePolicy.uniform("none"))
+
+    # Batches that do not vary reach the trainer unchanged, and the scan says how many were seen.
+    same = worker._trial({**spec, "recipe": from_dict(RECIPE).to_dict(), "measure_steps": 1})
+    assert same["batches"]["varies"] is False and same["batches"]["scanned"] == 4
+    assert {s["samples"] for s in same["steps"]} == {4}
+
+
+def test_a_scan_shorter_than_the_epoch_says_a_larger_batch_may_come_later() -> None:
+    import torch
+
+    from tuner.trials.batches import scan
+
+    found, largest = scan([torch.zeros(n, 2) for n in (1, 3, 2, 9)], limit=3)
+    assert found is not None and not found.exhaustive and found.scanned == 3 and found.varies
+    assert largest.shape == (3, 2) and found.largest_index == 1
+    assert "the first 3; a larger batch may come later" in found.describe()
+    assert scan([], limit=3) == (None, None)
