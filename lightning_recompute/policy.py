@@ -2,7 +2,7 @@
 
 A policy is an ordered map from a layer path (or a glob over layer paths) to a mode; the first
 entry that matches a layer decides its mode, and a layer no entry matches keeps everything
-(``none``). The file format is the contract between the tuner and the plugin (see DESIGN.md)::
+(``none``). The file format is the contract between the tuner and the plugin::
 
     version: 1
     layers:
