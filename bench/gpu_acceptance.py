@@ -852,7 +852,7 @@ def _compiled_run(ctx: Context, mode: str, steps: int) -> _CompiledRun:
     torch._dynamo.reset()  # each run compiles its own graphs, as a trial's fresh process does
     counters.clear()
     # On CUDA every step is metered by the allocator and runs compiled. On CPU a metered step runs its
-    # compiled layers eagerly (the ledger is a dispatch mode, README), so only the last step is metered:
+    # compiled layers eagerly (the ledger is a dispatch mode, docs/TUNER.md), so only the last step is metered:
     # the ones before it run compiled.
     metered = None if ctx.cuda else range(steps - 1, steps)
     callback = RecomputeCallback(RecomputePolicy.uniform(mode, compile=True), memory_steps=metered)

@@ -39,7 +39,7 @@ _COMPILED_ATTR = "_lightning_recompute_compiled"
 COMPILED_RTOL, COMPILED_ATOL = 1e-4, 1e-5
 """How far gradients of compiled layers (``compile: true``) may be from eager without recompute, per
 tensor as `torch.testing.assert_close` reads ``rtol``/``atol``: inductor reorders and fuses float
-operations, so compiled numerics are close, not bitwise (the README states the measured figures)."""
+operations, so compiled numerics are close, not bitwise (docs/PLUGIN.md states the measured figures)."""
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,7 @@ class StepTimer:
     the host clock alone would time the launches: the device is synchronised before the step, a CUDA
     event is recorded at its start and another at its end, and the step's time is the device's time
     between the two events (after a synchronisation that waits for the end event). Not yet run on a
-    GPU: the README's "On a GPU" section says what is verified there.
+    GPU: docs/GPU.md says what is verified there.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:

@@ -2,7 +2,7 @@
 
 A policy is an ordered map from a layer path (or a glob over layer paths) to a mode; the first
 entry that matches a layer decides its mode, and a layer no entry matches keeps everything
-(``none``). The file format is the contract between the tuner and the plugin (see DESIGN.md)::
+(``none``). The file format is the contract between the tuner and the plugin::
 
     version: 1
     layers:
@@ -124,7 +124,7 @@ class RecomputePolicy:
     compile: bool = False
     """Whether `apply_policy` also compiles every layer (``nn.Module.compile``, one block at a time,
     around the layer's recompute wrapper). Numerics are then equal to eager within float
-    reordering, not bitwise (see the README)."""
+    reordering, not bitwise (see docs/PLUGIN.md)."""
     version: int = field(default=POLICY_VERSION)
     """File format version; only ``1`` exists."""
     tuned_for: TunedFor | None = field(default=None, compare=False)

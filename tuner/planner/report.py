@@ -8,6 +8,14 @@ from tuner.planner.solver import PlannedPolicy
 from tuner.profile import ALL_MODES
 from tuner.units import format_bytes, format_seconds
 
+_COUNT_NAMES = {"none": "none", "selective": "sel", "full": "full", "offload": "off"}
+
+
+def _count_name(mode: str) -> str:
+    """A mode's name in the front's mode-count header: ``sel`` for selective, the family alone
+    (``attn+wide``) for ``selective:<family>``."""
+    return _COUNT_NAMES.get(mode, mode.partition(":")[2] or mode)
+
 
 def format_front(plans: Sequence[PlannedPolicy], budgets: Mapping[str, int] | None = None) -> str:
     """A terminal table of plans (typically `Planner.pareto_front`): peak, step time, slowdown
@@ -17,14 +25,16 @@ def format_front(plans: Sequence[PlannedPolicy], budgets: Mapping[str, int] | No
         return "(no plans)"
     budgets = dict(budgets or {})
     fastest = min(p.step_time_s for p in plans)
-    head = f"{'#':>3}  {'peak':>11}  {'step':>11}  {'vs fastest':>10}  {'none/sel/full/off':>17}"
+    counts_head = "/".join(_count_name(mode) for mode in ALL_MODES)  # one name per count a row prints
+    counts_w = len(counts_head)
+    head = f"{'#':>3}  {'peak':>11}  {'step':>11}  {'vs fastest':>10}  {counts_head:>{counts_w}}"
     head += "".join(f"  {name:>{max(6, len(name))}}" for name in budgets) + "  layers"
     lines = [head, "-" * len(head)]
     for i, p in enumerate(plans):
         counts = [sum(1 for m in p.modes.values() if m == mode) for mode in ALL_MODES]
         row = (
             f"{i:>3}  {format_bytes(p.peak_bytes):>11}  {format_seconds(p.step_time_s):>11}  "
-            f"{(p.step_time_s / fastest - 1) * 100:>+9.1f}%  {'/'.join(map(str, counts)):>17}"
+            f"{(p.step_time_s / fastest - 1) * 100:>+9.1f}%  {'/'.join(map(str, counts)):>{counts_w}}"
         )
         row += "".join(
             f"  {('fits' if p.peak_bytes <= b else '-'):>{max(6, len(name))}}" for name, b in budgets.items()

@@ -87,15 +87,20 @@ class Prediction:
         return {"peak_bytes": self.peak_bytes, "step_time_s": self.step_time_s}
 
     def describe(self) -> str:
+        # The name and mode columns at least two characters wider than their longest entry, so a long
+        # name (``model.model.layers.0``) or mode (``selective:attn+narrow``) never runs into the next.
+        name_w = max(18, max((len(lp.name) for lp in self.layers), default=0) + 2)
+        mode_w = max(10, max((len(lp.mode) for lp in self.layers), default=0) + 2)
         lines = [
             f"predicted peak {format_bytes(self.peak_bytes)} (at {self.peak_at}), step "
             f"{format_seconds(self.step_time_s)}{' (estimated)' if self.estimated else ''},"
             f" micro-batch {self.micro_batch}",
-            f"{'layer':<18}{'mode':<10}{'kept':>12}{'fwd':>11}{'bwd':>11}{'recompute':>14}{'bwd peak':>12}",
+            f"{'layer':<{name_w}}{'mode':<{mode_w}}{'kept':>12}{'fwd':>11}{'bwd':>11}{'recompute':>14}{'bwd peak':>12}",
         ]
         for lp in self.layers:
             lines.append(
-                f"{lp.name:<18}{lp.mode:<10}{format_bytes(lp.kept_bytes):>12}{format_seconds(lp.forward_seconds):>11}"
+                f"{lp.name:<{name_w}}{lp.mode:<{mode_w}}{format_bytes(lp.kept_bytes):>12}"
+                f"{format_seconds(lp.forward_seconds):>11}"
                 f"{format_seconds(lp.backward_seconds):>11}{lp.recompute_flops / 1e9:>10.3f} GF"
                 f"{format_bytes(lp.backward_peak_bytes):>12}"
             )

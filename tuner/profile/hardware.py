@@ -20,7 +20,6 @@ class Hardware:
     """Host link bandwidth (PCIe or C2C), for ``offload`` copies."""
 
 
-_GIB = 1 << 30
 _MIB = 1 << 20
 HARDWARE: dict[str, Hardware] = {
     # Vendor datasheet dense peaks (no sparsity); fp32 is plain FP32 (PyTorch's default matmul

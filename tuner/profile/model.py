@@ -228,13 +228,22 @@ class Profile:
             "previous step's gradients in the forward: "
             + ("freed at batch start" if self.free_grads_at_batch_start else "alive (Lightning's order)"),
         ]
-        header = f"{'layer':<16}" + "".join(f"{m + ' kept':>16}{m + ' ms':>14}" for m in self.modes)
+        # Every column at least two characters wider than its longest header or name, so no name runs
+        # into the next column (``model.model.layers.0`` and ``selective:attn+narrow`` included).
+        name_w = max(16, max((len(layer.name) for layer in self.layers), default=0) + 2)
+        kept_w = {m: max(16, len(f"{m} kept") + 2) for m in self.modes}
+        ms_w = {m: max(14, len(f"{m} ms") + 2) for m in self.modes}
+        header = f"{'layer':<{name_w}}" + "".join(
+            f"{m + ' kept':>{kept_w[m]}}{m + ' ms':>{ms_w[m]}}" for m in self.modes
+        )
         lines.append(header)
         for layer in self.layers:
-            row = f"{layer.name:<16}"
+            row = f"{layer.name:<{name_w}}"
             for m in self.modes:
-                row += f"{format_bytes(layer.fwd[m].delta):>16}"
-                f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>14.3f}"
+                row += (
+                    f"{format_bytes(layer.fwd[m].delta):>{kept_w[m]}}"
+                    f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{ms_w[m]}.3f}"
+                )
             lines.append(row)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

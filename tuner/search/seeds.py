@@ -4,17 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from lightning_recompute.policy import RecomputePolicy
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: stores open unlocked; the session retries a failed open
-    fcntl = None  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    pass
 from tuner.search.space import SearchSpace
 
 

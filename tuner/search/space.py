@@ -16,11 +16,6 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import find_layers
 from lightning_recompute.policy import Mode, RecomputePolicy
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: stores open unlocked; the session retries a failed open
-    fcntl = None  # type: ignore[assignment]
-
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 

@@ -20,11 +20,6 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from tuner.units import format_bytes
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: stores open unlocked; the session retries a failed open
-    fcntl = None  # type: ignore[assignment]
-
 if TYPE_CHECKING:
     from tuner.planner.solver import Prediction
     from tuner.recipe import Recipe

@@ -13,7 +13,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
@@ -41,9 +41,6 @@ from tuner.tracking.names import (
     SOURCE_RUN,
     TUNED_MICRO_BATCH,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)

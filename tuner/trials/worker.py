@@ -2,7 +2,7 @@
 
 Runs in a fresh process that `tuner.trials` starts, so whatever the model does (run out of
 memory, crash the interpreter, hang) stays in this process. It only measures: it never writes to
-MLflow or Optuna storage (DESIGN.md: only the parent does). It writes one JSON result, atomically,
+MLflow or Optuna storage (only the parent does, docs/ARCHITECTURE.md). It writes one JSON result, atomically,
 and exits 0 when it has a measurement (including "this configuration ran out of memory"), nonzero
 otherwise. The parent classifies what this process did, including the cases where it could not
 write anything.
