@@ -379,7 +379,9 @@ def tuned_for(
     scan = confirmation.batches if measured and confirmation is not None else None
     if scan and scan.get("varies"):
         # The callback warns when a job's batch exceeds this; the budget held for the largest batch only.
-        micro_batch = int(scan["largest_samples"])
+        # That batch is also the data's own: the training job needs no change (its nominal batch_size is
+        # not what its largest step feeds the model).
+        micro_batch = data_batch = int(scan["largest_samples"])
     return TunedFor(
         micro_batch=micro_batch,
         data_batch_size=data_batch,

@@ -645,7 +645,8 @@ def test_a_policy_confirmed_on_batches_that_vary_is_tuned_for_the_largest(recipe
     scan = {"varies": True, "largest_samples": 16, "smallest_samples": 1, "scanned": 4, "exhaustive": True}
     conf = TrialResult(outcome="ok", peak_bytes=10, batches={**scan, "largest_index": 3, "largest_elements": 512})
     # The callback warns above tuned_for.micro_batch: the data module's nominal 4 hid its 16-sample batches.
-    assert tuned_for(recipe, Candidate(A), conf, LIMIT).micro_batch == 16
+    varying = tuned_for(recipe, Candidate(A), conf, LIMIT)
+    assert (varying.micro_batch, varying.data_batch_size) == (16, 16)
     same = TrialResult(outcome="ok", peak_bytes=10, batches={**scan, "varies": False, "largest_samples": 4})
     assert (
         tuned_for(recipe, Candidate(A), same, LIMIT).micro_batch
