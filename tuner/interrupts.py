@@ -54,6 +54,15 @@ class Interrupts:
             raise KeyboardInterrupt
         self._say("interrupt: stopping")
 
+    @contextlib.contextmanager
+    def during(self, phase: Phase) -> Iterator[None]:
+        """Be in ``phase`` for the ``with`` block, and "between" after it, however it ends."""
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = "between"
+
     def _say(self, text: str) -> None:
         # After SIGHUP the terminal may be gone: a write failing must not stop the orderly shutdown.
         with contextlib.suppress(OSError):

@@ -23,10 +23,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.tuned_for import TunedFor, batch_advice
+from tuner.decision import Stage, decide_best
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
 from tuner.jsonable import jsonable
@@ -43,32 +44,26 @@ from tuner.search import (
     baseline_seeds,
     best_of,
     far_over_budget,
-    gate_lease,
     inspect_layers,
     study_name,
 )
 from tuner.stores import open_tracker, storage_failure
+from tuner.workers import Presence, join_setup, others_fill, reap, slot_taken, wait_for_running
 
 if TYPE_CHECKING:
-    from tuner.gate import Candidate
     from tuner.race import RaceResult
     from tuner.recipe import Recipe
-    from tuner.tracking import GoodPolicy, Tracker
+    from tuner.tracking import Tracker
     from tuner.trials import TrialResult
 
 __all__ = ["SessionSummary", "TrialEvent", "training_change", "tune"]
 
 _log = logging.getLogger(__name__)
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 MAX_UNMEASURED_IN_A_ROW = 25
 """Proposals in a row that are duplicates or skipped before the session decides the space is exhausted."""
-
-SETUP_WAIT_S = 600.0
-"""How long a worker joining a new study waits for the worker that created it to profile and seed it
-(a dead creator is taken over at once on its host, after the grace period elsewhere)."""
 
 POLL_S = 1.0
 """How often a session waiting on other workers' trials looks at the study again."""
@@ -273,49 +268,91 @@ def tune(
     Raises:
         RecomputeError: the recipe cannot be tuned as written (layers not found, study clash ...).
     """
+    if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
+        raise RecomputeError(f"n_trials: must be a positive integer, got {n_trials!r}")
     notify = on_note or (lambda _msg: None)
     interrupts = Interrupts(notify)
     guard = interrupts.installed() if handle_signals else contextlib.nullcontext(interrupts)
     with guard:
-        return _TuningSession(recipe, n_trials, search_only, use_planner, on_trial, notify, interrupts).run()
+        where = _Where.of(recipe, search_only, notify)
+        options = _Options(n_trials or recipe.search.n_trials, search_only, use_planner, on_trial)
+        return _TuningSession(recipe, where, options, notify, interrupts).run()
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What a session tunes for, found before it opens anything: the device, its budget, the space, the study's name."""
+
+    device: str
+    budget: int
+    space: SearchSpace
+    name: str
+
+    @classmethod
+    def of(cls, recipe: Recipe, search_only: bool, notify: Notify) -> _Where:
+        from tuner.preflight import check_settings
+        from tuner.trials import device_info
+
+        # Before anything is measured: a path or URI that cannot work fails now, not after the search.
+        check_settings(recipe, output=not search_only)
+        device, total = device_info(recipe)
+        layers = inspect_layers(recipe)
+        space = SearchSpace.for_layers(
+            layers, recipe.search.modes, recipe.search.micro_batch_sizes, recipe.search.compile
+        )
+        where = cls(
+            device=device, budget=recipe.budget.limit_bytes(total), space=space, name=study_name(recipe, device)
+        )
+        notify(f"recipe {recipe.name}: {len(layers)} layers on {device}; budget {recipe.budget.describe(total)}")
+        notify(f"search space {space.describe()}")
+        ranks = recipe.trainer.describe_ranks()
+        if ranks is not None:
+            notify(ranks)
+        return where
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How `tune` was asked to run (its keyword arguments)."""
+
+    n_trials: int
+    search_only: bool
+    use_planner: bool
+    on_trial: Callable[[TrialEvent], None] | None
 
 
 class _TuningSession:
-    """The state of one `tune` call (kept off module level: several may run in one process)."""
+    """The state of one `tune` call (kept off module level: several may run in one process).
+
+    The loop only: set the study up, ask / run / tell trials, then hand the best to `tuner.decision`.
+    Workers sharing the study are `tuner.workers`' concern; the decision, `tuner.decision`'s.
+    """
 
     def __init__(
-        self,
-        recipe: Recipe,
-        n_trials: int | None,
-        search_only: bool,
-        use_planner: bool,
-        on_trial: Callable[[TrialEvent], None] | None,
-        notify: Notify,
-        interrupts: Interrupts,
+        self, recipe: Recipe, where: _Where, options: _Options, notify: Notify, interrupts: Interrupts
     ) -> None:
-        if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
-            raise RecomputeError(f"n_trials: must be a positive integer, got {n_trials!r}")
         self.recipe = recipe
-        self.n_trials = n_trials if n_trials is not None else recipe.search.n_trials
-        self.search_only = search_only
-        self.use_planner = use_planner
-        self.on_trial = on_trial
+        self.where = where
+        self.options = options
         self.notify = notify
         self.interrupts = interrupts
         self.notes: list[str] = []
-        self.study: TuningStudy | None = None
-        self.tracker: Tracker | None = None
+        self.presence = Presence()
         self.session_run_id: str | None = None
-        self.in_flight: Proposal | None = None
         self.seeding: PlannerSeeds | None = None
         self.predict: Predictor | None = None
         self.ran = 0
-        self.setting_up = False
-        """Whether this session holds the study's setup (its heartbeat keeps the setup owner alive)."""
         self.grace = grace_s()
-        self.heartbeat: Heartbeat | None = None
         self.data_noted = False
         """Whether the session said that the data module's batches vary (once, at the first trial that saw it)."""
+
+    @property
+    def study(self) -> TuningStudy | None:
+        return self.presence.study
+
+    @property
+    def tracker(self) -> Tracker | None:
+        return self.presence.tracker
 
     def _tracker(self) -> Tracker:
         """The session's tracker; only called once `run` has opened it."""
@@ -330,52 +367,24 @@ class _TuningSession:
     # -------------------------------------------------------------- the flow
 
     def run(self) -> SessionSummary:
-        from tuner.preflight import check_settings
-        from tuner.trials import device_info
-
-        recipe = self.recipe
-        # Before anything is measured: a path or URI that cannot work fails now, not after the search.
-        check_settings(recipe, output=not self.search_only)
-        device, total = device_info(recipe)
-        self.budget = recipe.budget.limit_bytes(total)
-        layers = inspect_layers(recipe)
-        self.space = SearchSpace.for_layers(
-            layers, recipe.search.modes, recipe.search.micro_batch_sizes, recipe.search.compile
-        )
-        self.device = device
-        self.name = study_name(recipe, device)
-        self.notify(f"recipe {recipe.name}: {len(layers)} layers on {device}; budget {recipe.budget.describe(total)}")
-        self.notify(f"search space {self.space.describe()}")
-        ranks = recipe.trainer.describe_ranks()
-        if ranks is not None:
-            self.notify(ranks)
+        recipe, where = self.recipe, self.where
+        heartbeat: Heartbeat | None = None
         try:
-            self.study = TuningStudy.open(
-                name=self.name,
+            self.presence.study = TuningStudy.open(
+                name=where.name,
                 storage=str(recipe.study.storage),
-                space=self.space,
-                budget_bytes=self.budget,
+                space=where.space,
+                budget_bytes=where.budget,
                 seed=recipe.search.seed,
                 recipe=recipe.name,
                 recipe_fingerprint=recipe.fingerprint(),
-                device=device,
+                device=where.device,
             )
-            self.heartbeat = Heartbeat(self._beat).start()
+            heartbeat = Heartbeat(self.presence.beat).start()
             self.seeding = self._setup_study()
             self.predict = self.seeding.predictor()
             self.interrupts.phase = "between"
-            self.tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-            # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
-            # session resumes it (one study, one session run) instead of opening another.
-            for run_id in self.tracker.end_dead_sessions(self.name, self.grace):
-                self.note(f"session run {run_id} of a dead worker ended KILLED")
-            for done in self.tracker.clean_leftovers(recipe.output, self.grace):
-                self.note(done)
-            self.session_run_id = self.tracker.start_session(recipe, study_name=self.name, resume=True)
-            from tuner.trials import clean_stale_trial_dirs
-
-            for folder in clean_stale_trial_dirs():
-                self.notify(f"removed {folder}: its tuning process is gone")
+            self._open_tracking()
             stop_reason = self._search()
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped after the current trial")
@@ -391,51 +400,35 @@ class _TuningSession:
                 raise failure from err
             raise
         finally:
-            if self.heartbeat is not None:
-                self.heartbeat.stop()
+            if heartbeat is not None:
+                heartbeat.stop()
 
-    def _beat(self) -> None:
-        """One heartbeat (from the `Heartbeat` thread): the setup, the trial in flight, the session run."""
-        study = self.study
-        if study is None:
-            return
-        if self.setting_up:
-            study.beat_setup()
-        proposal = self.in_flight
-        if proposal is not None:
-            with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
-                study.beat_trial(proposal)
-        if self.tracker is not None:
-            self.tracker.beat()
+    def _open_tracking(self) -> None:
+        """Open the tracker, end what dead sessions left, and start (or resume) this session's run."""
+        from tuner.trials import clean_stale_trial_dirs
 
-    def _reap(self) -> None:
-        """Fail the trials of dead workers (their candidates go back in the queue) and record them in MLflow."""
-        study, tracker = self.study, self._tracker()
-        assert study is not None
-        abandoned = study.reap_dead(self.grace)
-        for dead in abandoned:
-            tracker.log_abandoned_trial(
-                dead.number,
-                dead.policy,
-                list(self.space.layer_names),
-                dead.micro_batch,
-                reason=dead.reason,
-                session_run_id=dead.session_run_id,
-            )
-            self.note(f"trial {dead.number} failed: {dead.reason}; its candidate is queued again")
-        if abandoned:
-            for run_id in tracker.end_dead_sessions(self.name, self.grace):
-                self.note(f"session run {run_id} of a dead worker ended KILLED")
+        recipe = self.recipe
+        tracker = self.presence.tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+        # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
+        # session resumes it (one study, one session run) instead of opening another.
+        for run_id in tracker.end_dead_sessions(self.where.name, self.grace):
+            self.note(f"session run {run_id} of a dead worker ended KILLED")
+        for done in tracker.clean_leftovers(recipe.output, self.grace):
+            self.note(done)
+        self.session_run_id = tracker.start_session(recipe, study_name=self.where.name, resume=True)
+        for folder in clean_stale_trial_dirs():
+            self.notify(f"removed {folder}: its tuning process is gone")
 
     def _finish_failed(self, err: BaseException) -> None:
         """Leave nothing running after an unexpected error: the trial told FAIL, the session run FAILED."""
         why = f"session failed: {type(err).__name__}: {err}"
+        presence = self.presence
         with contextlib.suppress(Exception):
-            if self.in_flight is not None and self.study is not None:
-                self.study.tell_interrupted(self.in_flight, why)
-                self.in_flight = None
+            if presence.in_flight is not None and self.study is not None:
+                self.study.tell_interrupted(presence.in_flight, why)
+                presence.in_flight = None
         with contextlib.suppress(Exception):
-            if self.study is not None and self.seeding is None and self.setting_up:
+            if self.study is not None and self.seeding is None and presence.setting_up:
                 self.study.abandon_setup()
         if self.tracker is not None:
             with contextlib.suppress(Exception):
@@ -447,56 +440,49 @@ class _TuningSession:
         The profile is kept in the study so a resumed session and every worker sharing the study
         predict with the same figures (and skip the same candidates) without profiling again.
         """
-        study = self.study
+        study, where = self.study, self.where
         assert study is not None
-        takes_over = study.created
-        if not takes_over:
-            if not study.seeded:
-                self.notify(f"study {self.name} is being set up by another worker; waiting ...")
-            takes_over = not study.wait_seeded(SETUP_WAIT_S, grace_s=self.grace)
-            if takes_over:
-                dead = study.setup_owner_dead(self.grace)
-                self.note(f"taking over the study's setup: {dead or 'the worker setting it up gave up'}")
-                study.take_over_setup()
-        if not takes_over:
+        if not join_setup(study, where.name, self.grace, self.notify, self.note):
             stored = study.stored_profile()
             seeding = (
-                plan_seeds(self.recipe, self.space, self.budget, stored=stored)
+                plan_seeds(self.recipe, where.space, where.budget, stored=stored)
                 if stored
                 else PlannerSeeds(note=study.planner_note() or "the study holds no profile; no predictions")
             )
             seeding.seeds = []  # the study was seeded by the session that set it up
             if seeding.note:
                 self.note(seeding.note)
-            self.notify(f"study {self.name} resumed: {study.measured_count()} trials measured so far")
+            self.notify(f"study {where.name} resumed: {study.measured_count()} trials measured so far")
             return seeding
-        self.setting_up = True
+        self.presence.setting_up = True
         try:
             kill_point("profiling")  # a test hook; see tuner.killpoints
-            if self.use_planner:
-                self.notify("profiling the model and planning ...")
-                seeding = plan_seeds(self.recipe, self.space, self.budget)
-            else:
-                seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
+            seeding = self._plan()
             if seeding.profile is not None:
                 study.store_profile(seeding.profile.to_dict())
             if seeding.note:
                 study.store_planner_note(seeding.note)
                 self.note(seeding.note)
-            enqueued = study.seed([*baseline_seeds(self.space), *seeding.seeds])
+            enqueued = study.seed([*baseline_seeds(where.space), *seeding.seeds])
         except BaseException:
             study.abandon_setup()
             raise
         finally:
-            self.setting_up = False
-        self.notify(f"study {self.name} created; seeded {', '.join(enqueued) or 'nothing'}")
+            self.presence.setting_up = False
+        self.notify(f"study {where.name} created; seeded {', '.join(enqueued) or 'nothing'}")
         return seeding
+
+    def _plan(self) -> PlannerSeeds:
+        if not self.options.use_planner:
+            return PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
+        self.notify("profiling the model and planning ...")
+        return plan_seeds(self.recipe, self.where.space, self.where.budget)
 
     def _search(self) -> str | None:
         """Ask, run and tell trials until the study has ``n_trials`` measured; why it stopped early."""
-        assert self.study is not None
-        started = time.monotonic()
-        timeout = self.recipe.search.timeout_s
+        study = self.study
+        assert study is not None
+        n_trials, started, timeout = self.options.n_trials, time.monotonic(), self.recipe.search.timeout_s
         unmeasured = 0
         # Waiting on other workers' trials ends at the latest when each could have timed out and
         # been found dead: a live worker's trial ends by its deadline, a dead one's is reaped.
@@ -506,15 +492,14 @@ class _TuningSession:
             self.interrupts.phase = "between"
             if self.interrupts.stop.is_set():
                 return None
-            self._reap()
-            measured = self.study.measured_count()
-            if measured >= self.n_trials:
+            reap(study, self._tracker(), self.grace, self.where.space.layer_names, self.where.name, self.note)
+            if study.measured_count() >= n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
                 return f"search.timeout_s ({timeout:g} s) reached"
             if unmeasured >= MAX_UNMEASURED_IN_A_ROW:
                 return f"search space exhausted: {unmeasured} proposals in a row were duplicates or skipped"
-            if measured + self.study.running_alive(self.grace) >= self.n_trials:
+            if others_fill(study, n_trials, self.grace):
                 # Other workers' trials in flight make up n_trials: wait for them rather than run
                 # a surplus one. If one of them dies its candidate comes back, and this worker runs it.
                 if waiting_since is None:
@@ -525,64 +510,61 @@ class _TuningSession:
                 self.interrupts.stop.wait(POLL_S)
                 continue
             waiting_since = None
-            ran = self._one_trial()
+            ran = self._one_trial(study)
             unmeasured = 0 if ran else unmeasured + 1
             kill_point("between" if ran else "")  # a test hook; see tuner.killpoints
 
-    def _one_trial(self) -> bool:
+    def _one_trial(self, study: TuningStudy) -> bool:
         """One proposal, run or not; whether it was measured."""
         from tuner.trials import TrialResult, run_trial
 
-        study = self.study
-        if study is None:
-            raise RuntimeError("_one_trial called before the study was opened")
         proposal = study.ask(session_run_id=self.session_run_id)
-        self.in_flight = proposal
-        if study.measured_count() + study.running_alive(self.grace, below=proposal.number) >= self.n_trials:
-            # Another worker asked at the same moment and holds the last slot (the lower number
-            # wins): give this one back. A seed goes back in the queue, as for an interrupted trial.
+        self.presence.in_flight = proposal
+        device = self.where.device
+        if slot_taken(study, proposal, self.options.n_trials, self.grace):
+            # A seed goes back in the queue, as for an interrupted trial.
             reason = "not run: other workers' trials make up n_trials"
-            self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
-            frozen = study.tell_interrupted(proposal, reason)
-            self._event(frozen.number)
+            self._log(proposal, TrialResult.skipped(reason, device=device), reason)
+            self._event(study.tell_interrupted(proposal, reason).number)
             return False
         if proposal.duplicate_of is not None:
             reason = f"duplicate of trial {proposal.duplicate_of.number} (same policy and micro-batch)"
-            run_id = self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
-            frozen = study.tell_duplicate(proposal, run_id=run_id)
-            self._event(frozen.number)
+            run_id = self._log(proposal, TrialResult.skipped(reason, device=device), reason)
+            self._event(study.tell_duplicate(proposal, run_id=run_id).number)
             return False
         if self.predict is not None:
             proposal.prediction = self.predict(proposal.policy, proposal.micro_batch)
-        skip = far_over_budget(proposal.prediction, self.budget)
+        skip = far_over_budget(proposal.prediction, self.where.budget)
         if skip is not None:
-            run_id = self._log(proposal, TrialResult.skipped(skip, device=self.device), skip)
-            frozen = study.tell_skipped(proposal, skip, run_id=run_id)
-            self._event(frozen.number)
+            run_id = self._log(proposal, TrialResult.skipped(skip, device=device), skip)
+            self._event(study.tell_skipped(proposal, skip, run_id=run_id).number)
             return False
-        self.interrupts.phase = "trial"
-        try:
-            result = run_trial(self.recipe, proposal.policy, micro_batch=proposal.micro_batch, budget_bytes=self.budget)
-        finally:
-            self.interrupts.phase = "between"
-        if not self.data_noted and result.batches and result.batches.get("varies"):
-            from tuner.trials.batches import BatchScan
-
-            self.data_noted = True
-            self.note(f"data: {BatchScan(**result.batches).describe()}")
+        with self.interrupts.during("trial"):
+            result = run_trial(
+                self.recipe, proposal.policy, micro_batch=proposal.micro_batch, budget_bytes=self.where.budget
+            )
+        self._say_data(result)
         run_id = self._log(proposal, result, None)
         frozen = study.tell_result(proposal, result, run_id=run_id)
-        self.in_flight = None
         self.ran += 1
         self._event(frozen.number)
         return True
+
+    def _say_data(self, result: TrialResult) -> None:
+        """Say once that the data module's batches vary, and which batch the trials measure."""
+        if self.data_noted or not result.batches or not result.batches.get("varies"):
+            return
+        from tuner.trials.batches import BatchScan
+
+        self.data_noted = True
+        self.note(f"data: {BatchScan(**result.batches).describe()}")
 
     def _log(self, proposal: Proposal, result: TrialResult, reason: str | None) -> str | None:
         pred = proposal.prediction.figures() if proposal.prediction is not None else None
         return self._tracker().log_trial(
             proposal.number,
             proposal.policy,
-            list(self.space.layer_names),
+            list(self.where.space.layer_names),
             proposal.micro_batch,
             result,
             pred,
@@ -590,20 +572,19 @@ class _TuningSession:
         )
 
     def _event(self, number: int) -> None:
-        self.in_flight = None
-        if self.on_trial is None or self.study is None:
+        self.presence.in_flight = None
+        if self.options.on_trial is None or self.study is None:
             return
         records = self.study.records()
         record = next(r for r in records if r.number == number)
-        best = best_of(records)
-        self.on_trial(
+        self.options.on_trial(
             TrialEvent(
                 record=record,
-                best=best,
+                best=best_of(records),
                 measured=sum(1 for r in records if r.measured),
-                n_trials=self.n_trials,
-                budget_bytes=self.budget,
-                layer_names=self.space.layer_names,
+                n_trials=self.options.n_trials,
+                budget_bytes=self.where.budget,
+                layer_names=self.where.space.layer_names,
             )
         )
 
@@ -625,14 +606,15 @@ class _TuningSession:
         for name, rec in baselines.items():
             iv = race.vs.get(rec.fingerprint) if race is not None and race.ok else None
             gains[name] = iv.gain()[0] if iv is not None else None
+        where = self.where
         return SessionSummary(
             recipe=self.recipe.name,
-            study=self.name,
+            study=where.name,
             storage=str(self.recipe.study.storage),
-            device=self.device,
-            budget_bytes=self.budget,
-            layer_names=self.space.layer_names,
-            search_space=self.space.describe(),
+            device=where.device,
+            budget_bytes=where.budget,
+            layer_names=where.space.layer_names,
+            search_space=where.space.describe(),
             status=status,
             exit_code=exit_code,
             trials_this_session=self.ran,
@@ -656,7 +638,7 @@ class _TuningSession:
         # What the session decided without a trial (space, planner trouble, why it stopped) is
         # part of the record too: MLflow alone must explain the session.
         notes = [
-            f"study {self.name} ({summary.storage})",
+            f"study {self.where.name} ({summary.storage})",
             f"search space {summary.search_space}",
             f"status {summary.status}",
             *summary.notes,
@@ -667,222 +649,84 @@ class _TuningSession:
             best=None if summary.best is None else summary.best.to_dict(),
             trials_table=[r.to_dict() for r in summary.records],
             baselines={k: v.to_dict() for k, v in summary.baselines.items()},
-            budget_bytes=self.budget,
+            budget_bytes=self.where.budget,
         )
 
     def _finish_interrupted(self, how: str) -> SessionSummary:
         # Handlers stay installed: a further Ctrl-C during this bookkeeping only sets the flag.
         self.interrupts.phase = "between"
-        if self.in_flight is not None and self.study is not None:
-            self.study.tell_interrupted(self.in_flight, f"interrupted by the user ({how})")
-            self.in_flight = None
+        if self.presence.in_flight is not None and self.study is not None:
+            self.study.tell_interrupted(self.presence.in_flight, f"interrupted by the user ({how})")
+            self.presence.in_flight = None
         self.note(f"interrupted ({how}); run the same command again to resume the study")
         summary = self._summary("interrupted", EXIT_INTERRUPTED)
         self._finish_tracking("KILLED", summary)
         return summary
 
-    def _decide(self) -> SessionSummary:
-        """Gate the best feasible trial against the current good policy; promote or keep."""
-        if not self.search_only:
-            self._wait_for_other_workers()
-            if self.interrupts.stop.is_set():
-                return self._finish_interrupted("stopped while waiting for other workers' trials")
-        best = self.study.best() if self.study is not None else None
-        if best is None:
-            summary = self._summary("infeasible", EXIT_INFEASIBLE)
-            summary.reasons.append(_why_infeasible(summary, self.budget))
-            self._check_policy_file(summary)
-            self._finish_tracking("FINISHED", summary)
-            return summary
-        if self.search_only:
-            summary = self._summary("searched", EXIT_OK)
-            summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
-            self._check_policy_file(summary)
-            self._finish_tracking("FINISHED", summary)
-            return summary
-        from tuner import gate
-        from tuner.trials import check_numerics, run_race, run_trial
-
-        if best.policy is None:
-            raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
-        tracker = self._tracker()
-        # One gate at a time per study (`tuner.search.lease`): a worker that waited finds the
-        # winner another worker promoted meanwhile already current, and records nothing twice.
-        # The race runs under the same lease: two races at once would measure each other.
-        trial_s = float(self.recipe.trial.timeout_s)
-        settings = gate.GateSettings()
-        wait_s = trial_s * (settings.confirm_factor + 3) + 3 * float(self.recipe.race.time_s) + 60.0
-        storage = self.study.storage if self.study is not None else None
-        with (
-            gate_lease(storage, self.name, wait_s=wait_s, on_wait=self.notify, cancel=self.interrupts.stop)
-            if storage is not None
-            else contextlib.nullcontext(False)
-        ) as waited:
-            good = tracker.current_good()
-            records = self.study.records() if self.study is not None else []
-            if (self.ran == 0 or waited) and good is not None and good.micro_batch == best.micro_batch:
-                # Nothing measured since the last decision, or another worker of this study raced and
-                # gated the same finished study while this one waited: racing again would only re-roll
-                # the noise that race settled. The good policy stands (and is gated as unchanged).
-                race = None
-                candidate = gate.Candidate(
-                    policy=good.policy,
-                    micro_batch=good.micro_batch,
-                    source_run_id=good.run_id,
-                    layer_names=self.space.layer_names,
-                )
-                chosen: str | None = good.fingerprint
-                why = (
-                    "another worker decided while this one waited" if waited else "no new trial since the last decision"
-                )
-                self.note(f"race: not run: {why}; the current good policy stands")
-            else:
-                race = self._race(best, good, records, self._killable(run_race))
-                candidate = self._candidate(best, race, good, records)
-                chosen = race.winner if race is not None and race.ok else None
-            self.notify(f"gate: {candidate.policy.short(self.space.layer_names)} is the candidate")
-            decision = gate.decide(
-                tracker,
-                candidate,
-                recipe=self.recipe,
-                budget_bytes=self.budget,
-                output_path=self.recipe.output,
-                run_trial=self._killable(run_trial),
-                check_numerics=self._killable(check_numerics),
-                run_race=self._killable(run_race),
-                race=race,
-                settings=settings,
-                progress=self.notify,
-            )
-        if waited and decision.unchanged:
-            decision.reasons.append("another worker ran the gate for this study while this one waited")
-        if decision.unchanged:
-            status, code = "current", EXIT_OK
-        elif decision.promoted:
-            status, code = "promoted", EXIT_OK
-        else:
-            status, code = "rejected", EXIT_INFEASIBLE
-        summary = self._summary(status, code, race=race, chosen=chosen)
-        good = tracker.current_good()
-        summary.policy_path = self.recipe.output if (decision.promoted or good) else None
-        summary.tuned_for = good.policy.tuned_for if good is not None else None
-        summary.reasons.extend(decision.reasons)
-        summary.evidence = dict(decision.evidence)
-        summary.decision_run_id = decision.decision_run_id
-        self._check_policy_file(summary)
-        self._finish_tracking("FINISHED", summary)
-        return summary
-
-    def _race(
-        self,
-        best: TrialRecord,
-        good: GoodPolicy | None,
-        records: Sequence[TrialRecord],
-        run_race: Callable[..., RaceResult],
-    ) -> RaceResult | None:
-        """Race the leading candidates (`tuner.race.field`); ``None`` when the recipe turns the race off."""
-        from tuner.race import RaceResult
-        from tuner.race.field import choose_field, suspects
-
-        if not self.recipe.race.enabled:
-            self.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
-            return None
-        entry = choose_field(records, best, good, leaders=self.recipe.race.leaders, budget_bytes=self.budget)
-        for record, why in suspects(records):
-            self.note(why)
-            if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
-                entry.add(record.policy, f"suspect trial {record.number}")
-        for note in entry.notes:
-            self.note(f"race: {note}")
-        if self.recipe.trainer.devices > 1 or self.recipe.trainer.num_nodes > 1:
-            entry.skipped = "multi-device trials are not raced yet (one process races on one device)"
-        if entry.skipped is not None:
-            self.note(f"race: not run: {entry.skipped}")
-            return RaceResult(outcome="skipped", reason=entry.skipped)
-        names = ", ".join(f"{p.short(self.space.layer_names)} ({' = '.join(labels)})" for p, labels in entry.entrants)
-        self.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
-        race = run_race(
-            self.recipe,
-            entry.entrants,
-            layer_names=self.space.layer_names,
-            references=entry.references,
-            micro_batch=entry.micro_batch,
-            budget_bytes=self.budget,
-        )
-        if race.ok:
-            race = race.calibrated({r.fingerprint: r.throughput for r in records if r.measured})
-            self.notify(
-                f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})"  # type: ignore[index]
-            )
-            for line in (race.tie_line(), race.unresolved_line(), *race.headlines()):
-                if line:
-                    self.notify(f"race: {line}")
-        else:
-            self.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
-        if self.tracker is not None and self.session_run_id is not None:
-            self.tracker.log_race(race)
-        return race
-
-    def _candidate(
-        self, best: TrialRecord, race: RaceResult | None, good: GoodPolicy | None, records: Sequence[TrialRecord]
-    ) -> Candidate:
-        """The gate's candidate: the race's winner, or without one the best single trial."""
-        from tuner import gate
-
-        policy, source = best.policy, best.run_id
-        if race is not None and race.ok:
-            won = next((r for r in records if r.measured and r.fingerprint == race.winner), None)
-            if won is not None:
-                policy, source = won.policy, won.run_id
-            elif good is not None and good.fingerprint == race.winner:
-                policy, source = good.policy, good.run_id
-        assert policy is not None
-        return gate.Candidate(
-            policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=self.space.layer_names
-        )
-
-    def _wait_for_other_workers(self) -> None:
-        """Wait until no trial of the study runs, so every worker gates the same final winner.
-
-        Workers sharing a study stop at nearly the same time, but a trial another worker still
-        runs may beat the best one seen now; gating before it ends would promote a winner that
-        the next worker then replaces. Bounded by a trial's deadline (a dead worker's trial stays
-        RUNNING until it is recovered); a Ctrl-C ends the wait.
-        """
-        if self.study is None:
-            return
-        deadline = time.monotonic() + float(self.recipe.trial.timeout_s) + 60.0
-        told = False
-        while (running := len(self.study.running())) and time.monotonic() < deadline:
-            if not told:
-                self.notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
-                told = True
-            if self.interrupts.stop.wait(1.0):
-                return
-        if running:
-            self.note(f"{running} trial(s) of other workers still running after the wait; gating the best so far")
-
-    def _check_policy_file(self, summary: SessionSummary) -> None:
-        """Make the output file match the good policy (restored from MLflow when it does not), and say so."""
+    def _finish(self, summary: SessionSummary) -> SessionSummary:
+        """Make the output file hold the good policy (restored from MLflow when it does not, and said so)
+        and close the session run."""
         tracker = self._tracker()
         restored = tracker.restore_file(self.recipe.output)
         if restored is not None:
             self.note(f"policy file: {restored}")  # summary.notes is this very list
         if summary.policy_path is None and tracker.current_good() is not None:
             summary.policy_path = self.recipe.output
+        self._finish_tracking("FINISHED", summary)
+        return summary
 
-    def _killable(self, fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    def _decide(self) -> SessionSummary:
+        """Gate the best feasible trial against the current good policy (`tuner.decision`); promote or keep."""
+        study = self.study
+        if not self.options.search_only and study is not None:
+            timeout = float(self.recipe.trial.timeout_s) + 60.0
+            wait_for_running(study, timeout, self.interrupts.stop, self.notify, self.note)
+            if self.interrupts.stop.is_set():
+                return self._finish_interrupted("stopped while waiting for other workers' trials")
+        best = study.best() if study is not None else None
+        if best is None:
+            summary = self._summary("infeasible", EXIT_INFEASIBLE)
+            summary.reasons.append(_why_infeasible(summary, self.where.budget))
+            return self._finish(summary)
+        if self.options.search_only:
+            summary = self._summary("searched", EXIT_OK)
+            summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
+            return self._finish(summary)
+        stage = Stage(
+            recipe=self.recipe,
+            layer_names=self.where.space.layer_names,
+            budget=self.where.budget,
+            study_name=self.where.name,
+            tracker=self._tracker(),
+            session_run_id=self.session_run_id,
+            notify=self.notify,
+            note=self.note,
+            killable=self._killable,
+            stop=self.interrupts.stop,
+        )
+        done = decide_best(stage, best, study, new_trials=self.ran > 0)
+        decision = done.decision
+        status, code = ("current", EXIT_OK) if decision.unchanged else ("promoted", EXIT_OK)
+        if not decision.unchanged and not decision.promoted:
+            status, code = "rejected", EXIT_INFEASIBLE
+        summary = self._summary(status, code, race=done.race, chosen=done.chosen)
+        good = self._tracker().current_good()
+        summary.policy_path = self.recipe.output if (decision.promoted or good) else None
+        summary.tuned_for = good.policy.tuned_for if good is not None else None
+        summary.reasons.extend(decision.reasons)
+        summary.evidence = dict(decision.evidence)
+        summary.decision_run_id = decision.decision_run_id
+        return self._finish(summary)
+
+    def _killable(self, fn: _F) -> _F:
         """``fn`` with the first Ctrl-C stopping it (the gate's measurements; not its records)."""
 
-        def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            self.interrupts.phase = "gate"
-            kill_point("gate")  # a test hook; see tuner.killpoints
-            try:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.interrupts.during("gate"):
+                kill_point("gate")  # a test hook; see tuner.killpoints
                 return fn(*args, **kwargs)
-            finally:
-                self.interrupts.phase = "between"
 
-        return call
+        return cast("_F", call)
 
 
 def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:

@@ -26,7 +26,7 @@ from lightning_recompute.policy import RecomputePolicy
 from tests.helpers import REPO, child_env
 from tests.tuner.cli_run import TINY as CLI_TINY
 from tests.tuner.fakes import make_recipe, runs, study_of
-from tuner import liveness, session
+from tuner import liveness, session, workers
 from tuner.liveness import Owner, dead_reason
 from tuner.search import TuningStudy
 from tuner.search.attrs import StudyAttr, TrialAttr
@@ -141,7 +141,7 @@ def test_a_setup_whose_owner_died_is_taken_over_at_once(tmp_path, tracking_uri, 
     run_child(tmp_path, tracking_uri, kill_on_call=0, RECOMPUTE_TUNE_TEST_KILL_AT="profiling")
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
     # Waiting for a dead worker would hang this test past its deadline: the wait must not happen.
-    monkeypatch.setattr(session, "SETUP_WAIT_S", 10 * DEADLINE_S)
+    monkeypatch.setattr(workers, "SETUP_WAIT_S", 10 * DEADLINE_S)
     notes: list[str] = []
     summary = session.tune(recipe, use_planner=False, search_only=True, on_note=notes.append)
     assert any("taking over the study's setup: owner died" in n for n in notes), notes

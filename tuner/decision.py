@@ -1,0 +1,203 @@
+"""From a finished search to the good policy: the race of the leading trials, the gate's candidate, and
+the gate, all under the study's gate lease.
+
+A session hands `decide_best` the study's best feasible trial. One gate runs at a time per study
+(`tuner.search.gate_lease`): a worker that waited finds the winner another worker promoted meanwhile
+already current, and records nothing twice; the race runs under the same lease, since two races at once
+would measure each other. Without new trials since the last decision (or after waiting on another
+worker's gate) there is no race: racing again would only re-roll the noise that race settled, and the
+good policy stands. Otherwise the leaders race (`tuner.race`), the winner (or without a race the best
+single trial) is the candidate, and `tuner.gate.decide` checks, records and promotes or keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from lightning_recompute.errors import RecomputeError
+from tuner.search import gate_lease
+
+if TYPE_CHECKING:
+    from tuner.gate import Candidate, GateDecision
+    from tuner.race import RaceResult
+    from tuner.recipe import Recipe
+    from tuner.search import TrialRecord, TuningStudy
+    from tuner.tracking import GoodPolicy, Tracker
+
+__all__ = ["Decided", "candidate_of", "decide_best", "race_leaders"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+Say = Callable[[str], None]
+
+
+class Killable(Protocol):
+    """Wraps a measurement so that the first Ctrl-C stops it (the session's interrupt phases)."""
+
+    def __call__(self, fn: _F, /) -> _F: ...
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What `decide_best` decided."""
+
+    decision: GateDecision
+    race: RaceResult | None
+    """The race before the gate (``None``: not run)."""
+    chosen: str | None
+    """Fingerprint of the race's winner, or of the good policy that stood without a race; ``None``: no race chose."""
+    waited: bool
+    """This worker waited for another worker's gate of the same study."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Where the decision happens: the session's recipe, space, budget, records and voices."""
+
+    recipe: Recipe
+    layer_names: tuple[str, ...]
+    budget: int
+    study_name: str
+    tracker: Tracker
+    session_run_id: str | None
+    notify: Say
+    """Progress (printed, not kept)."""
+    note: Say
+    """A decision along the way (printed and kept in the session's notes)."""
+    killable: Killable
+    stop: threading.Event
+    """Set by a Ctrl-C: a wait for the lease ends."""
+
+
+def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, new_trials: bool) -> Decided:
+    """Race the leaders of ``study`` and gate the winner (``best`` is its best feasible trial) under the lease.
+
+    The study's records are read once the lease is held (another worker may have measured meanwhile);
+    ``new_trials`` says whether this session measured any trial.
+    """
+    from tuner import gate
+    from tuner.trials import check_numerics, run_race, run_trial
+
+    if best.policy is None:
+        raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
+    recipe = stage.recipe
+    settings = gate.GateSettings()
+    wait_s = float(recipe.trial.timeout_s) * (settings.confirm_factor + 3) + 3 * float(recipe.race.time_s) + 60.0
+    storage = study.storage if study is not None else None
+    lease = (
+        gate_lease(storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop)
+        if storage is not None
+        else contextlib.nullcontext(False)
+    )
+    with lease as waited:
+        good = stage.tracker.current_good()
+        records = study.records() if study is not None else []
+        race: RaceResult | None
+        chosen: str | None
+        if (not new_trials or waited) and good is not None and good.micro_batch == best.micro_batch:
+            why = "another worker decided while this one waited" if waited else "no new trial since the last decision"
+            stage.note(f"race: not run: {why}; the current good policy stands")
+            race, chosen = None, good.fingerprint
+            candidate = gate.Candidate(
+                policy=good.policy,
+                micro_batch=good.micro_batch,
+                source_run_id=good.run_id,
+                layer_names=stage.layer_names,
+            )
+        else:
+            race = race_leaders(stage, best, good, records, stage.killable(run_race))
+            candidate = candidate_of(best, race, good, records, stage.layer_names)
+            chosen = race.winner if race is not None and race.ok else None
+        stage.notify(f"gate: {candidate.policy.short(stage.layer_names)} is the candidate")
+        decision = gate.decide(
+            stage.tracker,
+            candidate,
+            recipe=recipe,
+            budget_bytes=stage.budget,
+            output_path=recipe.output,
+            run_trial=stage.killable(run_trial),
+            check_numerics=stage.killable(check_numerics),
+            run_race=stage.killable(run_race),
+            race=race,
+            settings=settings,
+            progress=stage.notify,
+        )
+    if waited and decision.unchanged:
+        decision.reasons.append("another worker ran the gate for this study while this one waited")
+    return Decided(decision=decision, race=race, chosen=chosen, waited=bool(waited))
+
+
+def race_leaders(
+    stage: Stage,
+    best: TrialRecord,
+    good: GoodPolicy | None,
+    records: Sequence[TrialRecord],
+    run_race: Callable[..., RaceResult],
+) -> RaceResult | None:
+    """Race the leading candidates (`tuner.race.field`); ``None`` when the recipe turns the race off."""
+    from tuner.race import RaceResult
+    from tuner.race.field import choose_field, suspects
+
+    recipe = stage.recipe
+    if not recipe.race.enabled:
+        stage.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
+        return None
+    entry = choose_field(records, best, good, leaders=recipe.race.leaders, budget_bytes=stage.budget)
+    for record, why in suspects(records):
+        stage.note(why)
+        if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
+            entry.add(record.policy, f"suspect trial {record.number}")
+    for line in entry.notes:
+        stage.note(f"race: {line}")
+    if recipe.trainer.devices > 1 or recipe.trainer.num_nodes > 1:
+        entry.skipped = "multi-device trials are not raced yet (one process races on one device)"
+    if entry.skipped is not None:
+        stage.note(f"race: not run: {entry.skipped}")
+        return RaceResult(outcome="skipped", reason=entry.skipped)
+    names = ", ".join(f"{p.short(stage.layer_names)} ({' = '.join(labels)})" for p, labels in entry.entrants)
+    stage.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
+    race = run_race(
+        recipe,
+        entry.entrants,
+        layer_names=stage.layer_names,
+        references=entry.references,
+        micro_batch=entry.micro_batch,
+        budget_bytes=stage.budget,
+    )
+    if race.ok and race.winner is not None:
+        race = race.calibrated({r.fingerprint: r.throughput for r in records if r.measured})
+        won = race.entrants[race.winner].short if race.winner is not None else "?"
+        stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
+        for said in (race.tie_line(), race.unresolved_line(), *race.headlines()):
+            if said:
+                stage.notify(f"race: {said}")
+    else:
+        stage.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
+    if stage.session_run_id is not None:
+        stage.tracker.log_race(race)
+    return race
+
+
+def candidate_of(
+    best: TrialRecord,
+    race: RaceResult | None,
+    good: GoodPolicy | None,
+    records: Sequence[TrialRecord],
+    layer_names: tuple[str, ...],
+) -> Candidate:
+    """The gate's candidate: the race's winner, or without one the best single trial."""
+    from tuner import gate
+
+    policy, source = best.policy, best.run_id
+    if race is not None and race.ok:
+        won = next((r for r in records if r.measured and r.fingerprint == race.winner), None)
+        if won is not None:
+            policy, source = won.policy, won.run_id
+        elif good is not None and good.fingerprint == race.winner:
+            policy, source = good.policy, good.run_id
+    if policy is None:
+        raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
+    return gate.Candidate(policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=layer_names)
