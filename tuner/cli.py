@@ -36,7 +36,7 @@ from tuner.exits import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_STORE_FAILED,
-    StoreFailure,
+    exit_code_of,
 )
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ _STATUS = {
     EXIT_OK: "ok",
     EXIT_BAD_INPUT: "bad input",
     EXIT_STORE_FAILED: "store failed",
+    EXIT_INFEASIBLE: "declined",
     EXIT_INTERRUPTED: "interrupted",
 }
 """The ``status`` of the JSON written when a command ends before its summary, by exit code."""
@@ -216,14 +217,22 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         args.error = "interrupted"
         return EXIT_INTERRUPTED
     except Exception as err:
+        # The one handler of every subcommand: a store failing is exit 3 whatever raised it; an
+        # error raised on purpose is its message and its exit code (`tuner.exits`); anything else
+        # is a bug, and its traceback is what to report.
         from tuner.stores import store_failure
 
         failure = None if recipe is None else store_failure(recipe, err)
-        if failure is None:
+        known: RecomputeError
+        if failure is not None:
+            known = failure
+        elif isinstance(err, RecomputeError):
+            known = err
+        else:
             raise
-        print(f"error: {failure}", file=sys.stderr)
-        args.error = str(failure)
-        return EXIT_STORE_FAILED
+        print(f"error: {known}", file=sys.stderr)
+        args.error = str(known)
+        return exit_code_of(known)
 
 
 @contextlib.contextmanager
@@ -295,20 +304,14 @@ def _tune(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
         print(f"--n-trials: must be a positive integer, got {args.n_trials}", file=sys.stderr)
         return EXIT_BAD_INPUT
     live: TextIO = sys.stderr if args.format == "json" else sys.stdout
-    try:
-        summary = session.tune(
-            recipe,
-            n_trials=args.n_trials,
-            search_only=args.search_only,
-            use_planner=not args.no_plan,
-            on_trial=lambda event: _print(live, _trial_line(event)),
-            on_note=lambda note: _print(sys.stderr, note),
-        )
-    except StoreFailure:
-        raise  # `_run` explains it and exits EXIT_STORE_FAILED
-    except RecomputeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    summary = session.tune(
+        recipe,
+        n_trials=args.n_trials,
+        search_only=args.search_only,
+        use_planner=not args.no_plan,
+        on_trial=lambda event: _print(live, _trial_line(event)),
+        on_note=lambda note: _print(sys.stderr, note),
+    )
     if args.format == "json":
         print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
     else:
@@ -442,20 +445,14 @@ def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
     if args.max_seq_len:
         return _max_seq_len(recipe, args, out)
-    try:
-        summary = commands.plan(
-            recipe,
-            budget=args.budget,
-            write=args.write,
-            meta=args.meta,
-            world_size=args.world_size,
-            strategy=args.strategy,
-        )
-    except StoreFailure:
-        raise  # `_run` explains it and exits EXIT_STORE_FAILED
-    except RecomputeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    summary = commands.plan(
+        recipe,
+        budget=args.budget,
+        write=args.write,
+        meta=args.meta,
+        world_size=args.world_size,
+        strategy=args.strategy,
+    )
     if args.format == "json":
         print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
         return summary.exit_code
@@ -484,15 +481,9 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     if args.write is not None:
         print("error: --write: --max-seq-len chooses no single policy to write", file=sys.stderr)
         return EXIT_BAD_INPUT
-    try:
-        s = commands.max_seq_len(
-            recipe, budget=args.budget, meta=args.meta, seq_arg=args.seq_arg, step=args.seq_step, cap=args.seq_cap
-        )
-    except StoreFailure:
-        raise  # `_run` explains it and exits EXIT_STORE_FAILED
-    except RecomputeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    s = commands.max_seq_len(
+        recipe, budget=args.budget, meta=args.meta, seq_arg=args.seq_arg, step=args.seq_step, cap=args.seq_cap
+    )
     if args.format == "json":
         print(json.dumps(s.to_dict(), indent=2, default=str), file=out)
         return s.exit_code
@@ -516,19 +507,9 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
 def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import commands
-    from tuner.preflight import SettingsError
     from tuner.session import training_change
 
-    try:
-        done = commands.rollback(recipe, allow_over_budget=args.allow_over_budget)
-    except SettingsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except StoreFailure:
-        raise  # `_run` explains it and exits EXIT_STORE_FAILED
-    except RecomputeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_INFEASIBLE
+    done = commands.rollback(recipe, allow_over_budget=args.allow_over_budget)
     for line in done.cleaned:
         print(f"cleaned up: {line}")
     if done.file_note is not None:
@@ -553,13 +534,7 @@ def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
 def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from tuner import commands
 
-    try:
-        summary = commands.history(recipe)
-    except StoreFailure:
-        raise  # `_run` explains it and exits EXIT_STORE_FAILED
-    except RecomputeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    summary = commands.history(recipe)
     if args.format == "json":
         print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
         return EXIT_OK

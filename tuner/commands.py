@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
-from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
+from tuner.exits import EXIT_INFEASIBLE, EXIT_OK, Declined
 from tuner.jsonable import jsonable
 
 if TYPE_CHECKING:
@@ -420,14 +420,17 @@ def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSumm
     known not to fit) unless ``allow_over_budget``; `RollbackSummary.budget_note` says how it compares.
 
     Raises:
-        RecomputeError: there is nothing to roll back to (no tracking database, or no earlier good
-            policy) and the file needed no repair; an artifact was changed after it was logged; or
-            the earlier policy is over the budget and ``allow_over_budget`` is not set.
+        SettingsError: ``tracking.uri`` or ``tracking.experiment`` names no store or experiment.
+        StoreFailure: a store failed.
+        Declined: there is no tracking database to roll back in, or the earlier policy is over the
+            budget and ``allow_over_budget`` is not set.
+        TrackingError: there is no earlier good policy and the file needed no repair, or an artifact
+            was changed after it was logged (a `Declined` too).
     """
 
     missing = _missing_tracking_database(recipe)
     if missing is not None:
-        raise RecomputeError(
+        raise Declined(
             f"nothing to roll back to: there is no tracking database at {missing} (tracking.uri); "
             f"nothing has been tuned with this recipe there yet"
         )
@@ -445,7 +448,7 @@ def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSumm
     def vet(candidate: GoodPolicy) -> None:
         note, over = _against_budget(recipe, candidate)
         if over and not allow_over_budget:
-            raise RecomputeError(
+            raise Declined(
                 f"rollback refused: {note}; nothing was changed. Training with it would likely run out of memory. "
                 f"Raise budget in {recipe.source or 'the recipe'} if it is meant to fit, or pass --allow-over-budget "
                 f"to restore it anyway"

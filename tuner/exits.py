@@ -1,10 +1,35 @@
-"""The exit codes of ``recompute-tune``, defined once for the CLI and the summaries it prints."""
+"""The exit codes of ``recompute-tune`` and the errors that carry them, defined once for every subcommand.
+
+Every error a command raises on purpose is a `RecomputeError`; the CLI has one handler, which prints
+the message (no traceback) and exits with `exit_code_of` it:
+
+- `StoreFailure`: `EXIT_STORE_FAILED` (3), a store needs a person;
+- `Declined`: `EXIT_INFEASIBLE` (1), the command ran and changed nothing (nothing to roll back to, a
+  rollback refused, the gate's lease held by another worker past the wait);
+- any other `RecomputeError` (`tuner.recipe.RecipeError`, `tuner.preflight.SettingsError`, a layer
+  not found, a planner error ...): `EXIT_BAD_INPUT` (2), what was asked cannot be done as written.
+
+A tuning session that ends without a promotion is no error: its summary carries `EXIT_INFEASIBLE`.
+Ctrl-C, SIGTERM and SIGHUP exit `EXIT_INTERRUPTED`.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from lightning_recompute.errors import RecomputeError
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STORE_FAILED", "StoreFailure"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INFEASIBLE",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_STORE_FAILED",
+    "Declined",
+    "StoreFailure",
+    "TunerError",
+    "exit_code_of",
+]
 
 EXIT_OK = 0
 """The output policy file holds the study's best feasible policy (promoted now, or already)."""
@@ -20,12 +45,32 @@ EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C, SIGTERM or SIGHUP (a closed terminal); the study resumes on the next run."""
 
 
-class StoreFailure(RecomputeError):
+class TunerError(RecomputeError):
+    """An error of a tuner command that says which exit code it ends the command with."""
+
+    exit_code: ClassVar[int] = EXIT_BAD_INPUT
+
+
+class Declined(TunerError):
+    """The command ran and changed nothing on purpose: nothing to roll back to, a rollback refused, another
+    worker's gate held the study past the wait."""
+
+    exit_code: ClassVar[int] = EXIT_INFEASIBLE
+
+
+def exit_code_of(err: RecomputeError) -> int:
+    """The exit code a command ends with when it raises ``err``."""
+    return err.exit_code if isinstance(err, TunerError) else EXIT_BAD_INPUT
+
+
+class StoreFailure(TunerError):
     """A store a command reads or writes failed: the study storage, the tracking store, or the output folder.
 
     The CLI prints the message alone (no traceback) and exits `EXIT_STORE_FAILED`; `tuner.stores.store_failure`
     makes one from what a store raised.
     """
+
+    exit_code: ClassVar[int] = EXIT_STORE_FAILED
 
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)

@@ -30,15 +30,15 @@ from datetime import datetime, timezone
 
 import optuna
 
-from lightning_recompute.errors import RecomputeError
+from tuner.exits import Declined
 
 __all__ = ["GateLeaseTimeout", "gate_lease", "lease_name"]
 
 _HOST, _PID, _SINCE = "host", "pid", "since"
 
 
-class GateLeaseTimeout(RecomputeError):
-    """Another process held the study's gate lease for longer than the wait allowed."""
+class GateLeaseTimeout(Declined):
+    """Another process held the study's gate lease for longer than the wait allowed (nothing promoted: exit 1)."""
 
 
 def lease_name(study_name: str) -> str:

@@ -11,9 +11,9 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning_recompute.errors import RecomputeError
+from tuner.exits import EXIT_BAD_INPUT, Declined
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -41,12 +41,15 @@ _BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")
 _MAX_TAG = 5000  # below MLflow's 8000-character tag limit, with room for a multi-byte encoding
 
 
-class TrackingError(RecomputeError):
-    """The MLflow record cannot do what was asked (no session, nothing to roll back to, an inconsistent record)."""
+class TrackingError(Declined):
+    """The MLflow record cannot do what was asked (no session, nothing to roll back to, an inconsistent record):
+    the command changes nothing (exit 1)."""
 
 
 class ExperimentNotFound(TrackingError):
-    """A reader (``history``, ``rollback``) named an experiment the tracking store does not have."""
+    """A reader (``history``, ``rollback``) named an experiment the tracking store does not have (bad input: exit 2)."""
+
+    exit_code: ClassVar[int] = EXIT_BAD_INPUT
 
 
 def artifact_location_for(tracking_uri: str, experiment: str) -> str | None:
