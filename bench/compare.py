@@ -65,6 +65,7 @@ import torch
 import yaml
 
 from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy, apply_policy, layer_names
+from lightning_recompute.modes import MODES as MODE_SPECS
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +74,7 @@ import compare_methods as peers
 ROOT = Path(__file__).resolve().parent.parent
 BUDGETS = (0.3, 0.5, 0.7)
 MODES = ("none", "selective", "full")
-FAMILY_MODES = ("selective:attn", "selective:attn+wide", "selective:attn+narrow")
+FAMILY_MODES = tuple(s.name for s in MODE_SPECS if s.is_family)
 MEGATRON_SAVE = ("aten.mm", "aten.addmm")
 METHODS = (
     "none",

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy
+from lightning_recompute.policy import glyph
 from tuner.models import LlamaConfig, LlamaLike, token_batch
 from tuner.planner import Planner
 from tuner.planner.sharding import ParamLayout, Sharding, shard_profile
@@ -163,7 +164,6 @@ def main() -> int:
     predicted = [planner.predict(p).peak_bytes for p in policies]
     measured = measure(policies)
 
-    glyph = {"none": ".", "selective": "s", "full": "F"}
     lines = [
         f"sharded planner accuracy: LlamaLike dim {CONFIG.dim}, {CONFIG.n_layers} layers, ffn {CONFIG.ffn_dim}, "
         f"vocab {CONFIG.vocab_size}, batch {BATCH}x{SEQ} per rank; {sharding.describe()} (FSDP2, gloo, CPU)",
@@ -177,7 +177,7 @@ def main() -> int:
         err = (pred - worst) / worst
         if k >= 2:
             errors.append(abs(err))
-        label = "".join(glyph[m] for m in modes.values())
+        label = "".join(glyph(m) for m in modes.values())
         lines.append(
             f"{label:<10}{format_bytes(pred):>12}{format_bytes(peaks[0]):>12}{format_bytes(peaks[1]):>12}"
             f"{pred - worst:>+16,}{err * 100:>+9.4f}%"

@@ -29,9 +29,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.grads import GradFreeing, free_gradients
     from lightning_recompute.layers import LayerSpec, find_layers, layer_names
     from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
-    from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
+    from lightning_recompute.modes import DEFAULT_SAVE_OPS, Mode
+    from lightning_recompute.policy import PolicyLike, RecomputePolicy
     from lightning_recompute.probe import QUIET_TRAINER, step_peak
-    from lightning_recompute.selective import DEFAULT_SAVE_OPS
     from lightning_recompute.sources import as_policy
     from lightning_recompute.tuned_for import TunedFor
 
@@ -60,10 +60,10 @@ _EXPORTS: dict[str, str] = {
     "StepTimer": "meter",
     "StorageMeter": "meter",
     "memory_meter": "meter",
-    "Mode": "policy",
+    "Mode": "modes",
     "PolicyLike": "policy",
     "RecomputePolicy": "policy",
-    "DEFAULT_SAVE_OPS": "selective",
+    "DEFAULT_SAVE_OPS": "modes",
     "as_policy": "sources",
     "QUIET_TRAINER": "probe",
     "step_peak": "probe",

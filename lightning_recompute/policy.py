@@ -20,8 +20,9 @@ entry that matches a layer decides its mode, and a layer no entry matches keeps 
 A file without ``tuned_for`` is as valid as one with it; applying a policy never reads it.
 
 A layer's mode may be ``selective:<family>``: selective recomputation with one of the named save
-lists of `lightning_recompute.selective.SAVE_FAMILIES` instead of ``selective.save``. Files without
-such a mode read, compare and fingerprint exactly as before families existed.
+lists of `lightning_recompute.modes.SAVE_FAMILIES` instead of ``selective.save``. Files without
+such a mode read, compare and fingerprint exactly as before families existed. Every mode (its name,
+glyph and ranks) is declared once, in `lightning_recompute.modes`; `Mode` is re-exported here.
 
 ``compile: true`` also compiles each layer with `torch.compile` (per block, after its recompute
 wrapper: torchtitan's order). A file without the key (or with ``false``) does not compile, and
@@ -30,7 +31,6 @@ its fingerprint is what it was before the key existed.
 
 from __future__ import annotations
 
-import enum
 import fnmatch
 import hashlib
 import json
@@ -44,59 +44,13 @@ import yaml
 
 from lightning_recompute.atomic import atomic_write
 from lightning_recompute.errors import DocumentError, PolicyError, clip
+from lightning_recompute.modes import MODES, SAVE_FAMILIES, UNKNOWN_GLYPH, Mode
 from lightning_recompute.safe_yaml import load_document
 from lightning_recompute.tuned_for import TunedFor
 
 __all__ = ["POLICY_VERSION", "Mode", "PolicyLike", "RecomputePolicy"]
 
 POLICY_VERSION = 1
-
-
-class Mode(str, enum.Enum):
-    """What a layer keeps between its forward and its backward."""
-
-    NONE = "none"
-    """Keep every activation (what PyTorch does without recomputation)."""
-    SELECTIVE = "selective"
-    """Keep the outputs of expensive ops (matmuls, attention kernels); recompute the cheap ones."""
-    FULL = "full"
-    """Keep only the layer's inputs; recompute the whole layer during backward."""
-    OFFLOAD = "offload"
-    """Keep every activation, but in host memory until backward needs it (CUDA only)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse_choice(cls, value: Any, *, where: str) -> tuple[Mode, str | None]:
-        """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``).
-
-        The family's name is checked against `lightning_recompute.selective.SAVE_FAMILIES` by
-        `RecomputePolicy`, which imports torch only when a policy uses one.
-        """
-        if isinstance(value, str) and ":" in value:
-            base, _, family = value.strip().partition(":")
-            mode = cls.parse(base, where=where)
-            if mode is not Mode.SELECTIVE or not family.strip():
-                raise PolicyError(
-                    f"{where}: {clip(repr(value))}: only selective takes a save-list family, written "
-                    f"selective:<family> (e.g. selective:attn)"
-                )
-            return mode, family.strip()
-        return cls.parse(value, where=where), None
-
-    @classmethod
-    def parse(cls, value: Any, *, where: str) -> Mode:
-        """The mode named by ``value``; a `PolicyError` naming ``where`` and the valid modes otherwise."""
-        if isinstance(value, Mode):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        valid = ", ".join(m.value for m in cls)
-        raise PolicyError(f"{where}: unknown mode {clip(repr(value))}; valid modes are: {valid}")
 
 
 _TOP_LEVEL_KEYS = ("version", "layers", "selective", "compile", "tuned_for")
@@ -119,7 +73,7 @@ class RecomputePolicy:
     list of `lightning_recompute.selective.DEFAULT_SAVE_OPS`."""
     families: tuple[tuple[str, str], ...] = ()
     """``(pattern, family)`` for the ``layers`` entries in mode ``selective:<family>``: those layers
-    save the ops of `lightning_recompute.selective.SAVE_FAMILIES` ``[family]`` instead of
+    save the ops of `lightning_recompute.modes.SAVE_FAMILIES` ``[family]`` instead of
     ``selective_save``. Filled from modes written ``selective:<family>`` in ``layers``."""
     compile: bool = False
     """Whether `apply_policy` also compiles every layer (``nn.Module.compile``, one block at a time,
@@ -174,8 +128,6 @@ class RecomputePolicy:
                     f"layers.{clip(pattern)}: a save-list family needs mode selective, the entry's mode is "
                     f"{modes[pattern].value if pattern in modes else 'missing (no such layers entry)'}"
                 )
-        from lightning_recompute.selective import SAVE_FAMILIES
-
         for pattern, family in families.items():
             if family not in SAVE_FAMILIES:
                 raise PolicyError(
@@ -429,20 +381,12 @@ class RecomputePolicy:
         return "".join(glyph(self.choice_for(n)) for n in layer_names)
 
 
-_GLYPHS = {
-    "none": ".",
-    "selective": "s",
-    "full": "F",
-    "offload": "o",
-    "selective:attn": "a",
-    "selective:attn+wide": "w",
-    "selective:attn+narrow": "n",
-}
+_GLYPHS = {s.name: s.glyph for s in MODES}
 
 
 def glyph(choice: str) -> str:
     """One character for a layer's mode as `RecomputePolicy.choice_for` writes it (``?`` if it has none)."""
-    return _GLYPHS.get(choice, "?")
+    return _GLYPHS.get(choice, UNKNOWN_GLYPH)
 
 
 def _choice(mode: Mode, family: str | None) -> str:

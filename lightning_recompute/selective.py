@@ -11,7 +11,9 @@ score matmul, softmax and the probability-value product (Korthikanti et al. 2022
 `SAVE_FAMILIES` names a few other save lists, which a policy gives a layer as
 ``selective:<family>``: which ops are worth keeping depends on shapes (at long sequence the
 attention kernels dominate the recompute time; with wide MLPs the up-projections do), so the tuner
-profiles each family per layer and lets its planner choose. A save-list entry may qualify a weight
+profiles each family per layer and lets its planner choose. `SAVE_FAMILIES` and `DEFAULT_SAVE_OPS`
+are declared with the modes in `lightning_recompute.modes` (which needs no torch) and re-exported
+here. A save-list entry may qualify a weight
 matmul by its shape, ``aten.mm:wide`` (output wider than input: fused QKV, MLP up/gate) or
 ``aten.mm:narrow`` (output no wider than input: attention output projection, MLP down, separate
 q/k/v projections), because op names alone cannot tell those GEMMs apart.
@@ -27,25 +29,10 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_recompute.errors import PolicyError
+from lightning_recompute.modes import ATTENTION_KERNELS as _ATTENTION_KERNELS
+from lightning_recompute.modes import DEFAULT_SAVE_OPS, SAVE_FAMILIES
 
 __all__ = ["DEFAULT_SAVE_OPS", "MATMUL_ROLES", "SAVE_FAMILIES", "resolve_save_ops", "selective_context_fn"]
-
-DEFAULT_SAVE_OPS: tuple[str, ...] = (
-    "aten.mm",
-    "aten.addmm",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention",
-    "aten._flash_attention_forward",
-    "aten._efficient_attention_forward",
-)
-"""Matmuls against weights and fused attention kernels. ``aten.bmm`` is deliberately absent: in
-eager attention it produces the (batch, heads, seq, seq) score and context tensors, which are
-the cheapest to recompute per byte kept."""
-
-
-_ATTENTION_KERNELS: tuple[str, ...] = DEFAULT_SAVE_OPS[2:]
 
 MATMUL_ROLES: tuple[str, ...] = ("wide", "narrow")
 """Shape qualifiers of a weight matmul entry (``aten.mm:wide``): ``wide`` when the output has more
@@ -53,26 +40,6 @@ features than the input (fused QKV, MLP up and gate projections), ``narrow`` oth
 output projection, MLP down projection, separate q/k/v projections)."""
 
 _QUALIFIABLE = ("mm", "addmm")
-
-SAVE_FAMILIES: dict[str, tuple[str, ...]] = {
-    "attn": _ATTENTION_KERNELS,
-    "attn+wide": (*_ATTENTION_KERNELS, "aten.mm:wide", "aten.addmm:wide"),
-    "attn+narrow": (*_ATTENTION_KERNELS, "aten.mm:narrow", "aten.addmm:narrow"),
-}
-"""Named save lists a layer can take as ``selective:<name>`` (plain ``selective`` is
-`DEFAULT_SAVE_OPS`: every weight matmul plus the attention kernels). Ordered by bytes kept:
-
-- ``attn``: only the fused attention kernels' outputs. Every GEMM, norm and activation is
-  recomputed; the least memory selective recomputation keeps, for the price of re-running the
-  layer's GEMMs. Pays off at long sequence, where attention is the expensive part to recompute.
-- ``attn+wide``: plus the widening GEMMs (fused QKV, MLP up/gate): keeps what attention and the
-  activation function consume, recomputes the output and down projections (GEMMs whose outputs
-  are the narrow ones).
-- ``attn+narrow``: plus the narrowing GEMMs (output and MLP down projections, separate q/k/v):
-  the outputs with the most FLOPs behind each byte kept; recomputes the wide GEMMs.
-
-In eager attention (the score matmul is an ``aten.bmm``) no family keeps the (seq x seq) scores;
-there ``attn`` keeps nothing of attention and the profile shows what each family is worth."""
 
 
 def _lookup(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload | None:

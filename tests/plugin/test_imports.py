@@ -33,9 +33,12 @@ def loaded_after(code: str) -> list[str]:
         "import lightning_recompute.policy",
         "from lightning_recompute import RecomputePolicy, PolicyError, Mode, __version__",
         "from lightning_recompute.safe_yaml import load_document",
+        "from lightning_recompute.modes import MODES",
         "import lightning_recompute.mlflow_policy",
         "from lightning_recompute.policy import RecomputePolicy\n"
         "RecomputePolicy.from_dict({'version': 1, 'layers': {'h.*': 'full'}}).to_yaml()",
+        "from lightning_recompute.policy import RecomputePolicy\n"
+        "RecomputePolicy.from_dict({'version': 1, 'layers': {'h.0': 'selective:attn'}}).short(['h.0'])",
     ],
 )
 def test_policy_side_loads_no_lightning_mlflow_or_torch(code: str) -> None:

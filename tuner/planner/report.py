@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from lightning_recompute.modes import MODES
 from tuner.planner.solver import PlannedPolicy
 from tuner.profile import ALL_MODES
 from tuner.units import format_bytes, format_seconds
 
-_COUNT_NAMES = {"none": "none", "selective": "sel", "full": "full", "offload": "off"}
+_COUNT_NAMES = {s.name: s.label for s in MODES}
 
 
 def _count_name(mode: str) -> str:

@@ -10,13 +10,12 @@ from typing import Any
 import torch
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.policy import Mode
-from lightning_recompute.selective import SAVE_FAMILIES
+from lightning_recompute.modes import MODES, Mode
 from tuner.units import format_bytes
 
-BASE_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)
 """The plugin's modes; what a profile measures when not told which modes."""
-FAMILY_MODES: tuple[str, ...] = tuple(f"{Mode.SELECTIVE.value}:{f}" for f in SAVE_FAMILIES)
+FAMILY_MODES: tuple[str, ...] = tuple(s.name for s in MODES if s.is_family)
 """``selective:<family>`` for every save-list family: more modes per layer, profiled when asked for."""
 ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES
 """Every mode a profile can hold, in the planner's canonical order (it breaks ties)."""

@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_recompute.modes import MODES, Mode
 from tuner.race.stats import Interval, paired_ratio
 
 __all__ = ["TIE_MARGIN", "Standing", "recompute_strength", "stand", "tie_break", "verdict"]
@@ -88,15 +89,18 @@ def stand(
     return Standing(leader=leader, behind=behind, confidence=confidence, tie_margin=tie_margin)
 
 
-_STRENGTH = {".": 0, "o": 1, "a": 2, "w": 2, "n": 2, "s": 2, "F": 3}
-"""How much a layer's mode recomputes, by its glyph (`RecomputePolicy.short`): none keeps everything,
-offload recomputes nothing but moves activations, the selective families recompute the cheap ops,
-full recomputes the layer."""
+_STRENGTH = {s.glyph: s.recompute for s in MODES}
+"""How much a layer's mode recomputes, by its glyph (`RecomputePolicy.short`), from
+`lightning_recompute.modes.ModeSpec.recompute`: none keeps everything, offload recomputes nothing but
+moves activations, the selective families recompute the cheap ops, full recomputes the layer."""
+_UNKNOWN_STRENGTH = max(_STRENGTH.values())
+"""A glyph of no mode counts as the most recomputation."""
+_FULL = next(s.glyph for s in MODES if s.name == Mode.FULL.value)
 
 
 def recompute_strength(short: str) -> tuple[int, int]:
     """How much a policy recomputes, from its glyphs: (layers recomputed in full, total strength)."""
-    return short.count("F"), sum(_STRENGTH.get(g, 3) for g in short)
+    return short.count(_FULL), sum(_STRENGTH.get(g, _UNKNOWN_STRENGTH) for g in short)
 
 
 def tie_break(tied: Sequence[str], peaks: Mapping[str, int | None], shorts: Mapping[str, str]) -> str:

@@ -12,12 +12,13 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, WithJsonSchema
 from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError, clip
+from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
 from tuner.jsonable import jsonable
 from tuner.race.rule import TIE_MARGIN
 from tuner.units import format_bytes as _format_bytes
@@ -272,27 +273,24 @@ def _budget_shorthand(value: Any) -> Any:
     return value
 
 
+if TYPE_CHECKING:  # a Literal must be spelled out for a type checker; the names are checked at run time
+    ModeName = str
+else:
+    ModeName = Literal[MODE_NAMES]
+"""A mode a recipe may search: one of `lightning_recompute.modes.MODE_NAMES`, in its order (the JSON Schema's
+enum and the ``valid:`` list of an error)."""
+
+
 @schema_dataclass(frozen=True, config=_SCHEMA)
 class SearchSettings:
     """How the Optuna study searches."""
 
-    modes: tuple[
-        Literal[
-            "none",
-            "selective",
-            "full",
-            "offload",
-            "selective:attn",
-            "selective:attn+wide",
-            "selective:attn+narrow",
-        ],
-        ...,
-    ] = Field(
+    modes: tuple[ModeName, ...] = Field(
         default=("none", "selective", "full"),
         min_length=1,
         description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only. "
         "'selective:<family>' is selective recomputation with a named save list "
-        "(lightning_recompute.selective.SAVE_FAMILIES): attn, attn+wide, attn+narrow.",
+        f"(lightning_recompute.selective.SAVE_FAMILIES): {', '.join(FAMILY_NAMES)}.",
     )
     compile: tuple[bool, ...] = Field(
         default=(False,),

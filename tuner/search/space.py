@@ -14,7 +14,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import find_layers
-from lightning_recompute.policy import Mode, RecomputePolicy
+from lightning_recompute.modes import BY_MEMORY_SAVED
+from lightning_recompute.policy import RecomputePolicy
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -26,18 +27,10 @@ PLACEMENTS = ("first", "last", "spread")
 """Where a grouped space puts the layers of each mode: at the front, at the back, or evenly spaced."""
 
 
-# Memory saved per layer, weakest first: the mode left on the layers no count claims ("fill") is the
-# weakest mode searched, and placement hands out positions to the strongest first.
-# Save-list families sit between selective (which keeps every matmul) and offload, by bytes kept.
-_STRENGTH = (
-    Mode.NONE.value,
-    Mode.SELECTIVE.value,
-    "selective:attn+wide",
-    "selective:attn+narrow",
-    "selective:attn",
-    Mode.OFFLOAD.value,
-    Mode.FULL.value,
-)
+# Memory saved per layer, weakest first (`lightning_recompute.modes.ModeSpec.saving`): the mode left
+# on the layers no count claims ("fill") is the weakest mode searched, and placement hands out
+# positions to the strongest first.
+_STRENGTH = BY_MEMORY_SAVED
 
 
 @dataclass(frozen=True)
