@@ -7,15 +7,9 @@ and exits 0 when it has a measurement (including "this configuration ran out of 
 otherwise. The parent classifies what this process did, including the cases where it could not
 write anything.
 
-Spec kinds:
-
-- ``trial``: a real Lightning ``Trainer`` with `RecomputeCallback` runs warm-up plus measured
-  steps; the result holds every step's time, peak memory, samples and tokens.
-- ``numerics``: loss and parameter gradients of one training step with and without the policy, in
-  deterministic mode, at a micro-batch where no recompute fits, against the spread of two runs without it.
-- ``device``: the name and total memory of the device the recipe's accelerator selects.
-- ``profile``: the recipe's per-layer cost profile (`tuner.profile.recipe_profile`), as a mapping.
-- ``race``: several policies measured in turn on one model in one fit (`tuner.race.engine`).
+The spec kinds and their fields are `tuner.trials.protocol`'s (`SPEC_TYPES`); `_HANDLERS` maps each
+to what runs it here. A spec of a protocol version or kind this worker does not know is an ``error``
+result that names it.
 
 With ``trainer.devices`` N > 1, ``trial`` and ``numerics`` run on N ranks: this process is rank 0,
 and Lightning's launcher starts ranks 1..N-1 by running this same command (``LOCAL_RANK`` set) in
@@ -42,6 +36,17 @@ from typing import TYPE_CHECKING, Any, cast
 from lightning_recompute.atomic import atomic_write
 from tuner.trials.batches import BatchScan, serve_largest
 from tuner.trials.oom import is_oom_error
+from tuner.trials.protocol import (
+    DeviceSpec,
+    NumericsSpec,
+    ProfileSpec,
+    ProtocolError,
+    RaceSpec,
+    Spec,
+    TrialSpec,
+    parse_spec,
+    rank_result_path,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.connector import _PRECISION_INPUT
@@ -59,36 +64,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Ranks 1..N-1 of a multi-rank trial are this same command, started by Lightning from this
     # process with a copy of its environment: they follow this process, not the tuner.
     os.environ[_PARENT_PID_ENV] = str(os.getpid())
-    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    ranks = spec_ranks(spec)
+    try:
+        spec = parse_spec(json.loads(Path(args[0]).read_text(encoding="utf-8")))
+    except ProtocolError as err:
+        # The parent wrote a spec this worker cannot read (another version of the tuner?): nothing runs.
+        traceback.print_exc()
+        _write_atomic(Path(args[1]), {"outcome": "error", "error": _one_line(err), "rank": 0})
+        return 1
+    ranks = spec.ranks
     rank = _local_rank() if ranks > 1 else 0
     result_path = rank_result_path(Path(args[1]), rank) if ranks > 1 else Path(args[1])
-    _arm_hang_report(spec.get("deadline"))
-    for entry in spec.get("sys_path", []):
+    _arm_hang_report(spec.deadline)
+    for entry in spec.sys_path:
         # Where the parent could import the user's class_path from (the recipe's folder, its
         # working directory); -m put only this process's cwd there.
         if entry not in sys.path:
             sys.path.append(entry)
     try:
-        kind = spec["kind"]
-        if kind == "trial":
-            payload = _trial(spec)
-        elif kind == "numerics":
-            payload = _numerics_ranks(spec) if ranks > 1 else _numerics(spec)
-        elif kind == "device":
-            payload = {"outcome": "ok", **_device(spec["accelerator"])}
-        elif kind == "profile":
-            payload = _profile(spec)
-        elif kind == "race":
-            payload = _race(spec)
-        else:
-            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device, profile, race")
+        payload = _HANDLERS[type(spec)](spec)
     except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
         traceback.print_exc()
         oom = is_oom_error(err)
         outcome = "oom" if oom else "error"
         _write_atomic(
-            result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec)}
+            result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec.runs_on)}
         )
         # An OOM is a measurement (this configuration does not fit), not a failure of the worker.
         # Except on ranks 1..N-1: there a nonzero status is what makes Lightning's process observer
@@ -99,29 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and ranks > 1:
         # The tuner kills the whole process group once this process exits: wait for the other
         # ranks' results first (each rank writes its own, after its own last step).
-        _await_ranks(Path(args[1]), ranks, spec.get("deadline"))
+        _await_ranks(Path(args[1]), ranks, spec.deadline)
     return 0
 
 
 _PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"  # tuner.trials.runner.PARENT_PID_ENV; importing it would pull the runner
-_RANKED_KINDS = ("trial", "numerics")
 _RANK_POLL_S = 0.05
-
-
-def spec_ranks(spec: Mapping[str, Any]) -> int:
-    """How many ranks run ``spec``: the recipe's ``trainer.devices`` for trials and numerics, else 1.
-
-    Trials run on one node: the ranks are the devices of this machine, launched by Lightning.
-    """
-    if spec.get("kind") not in _RANKED_KINDS:
-        return 1
-    trainer = spec.get("recipe", {}).get("trainer", {})
-    return int(trainer.get("devices", 1))
-
-
-def rank_result_path(result_path: Path, rank: int) -> Path:
-    """Where rank ``rank`` of a multi-rank run writes its own result (``result.rank1.json``)."""
-    return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
 
 
 def _local_rank() -> int:
@@ -141,15 +123,16 @@ def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
 # ---------------------------------------------------------------------------------------------- kinds
 
 
-def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
     from tuner.recipe import build_datamodule, build_model, from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    policy = RecomputePolicy.from_dict(spec["policy"], source="trial policy")
-    warmup, measure = int(spec["warmup_steps"]), int(spec["measure_steps"])
+    spec = TrialSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    policy = RecomputePolicy.from_dict(spec.policy, source="trial policy")
+    warmup, measure = spec.warmup_steps, spec.measure_steps
     steps = warmup + measure
     memory_steps = None
     if recipe.trainer.accelerator == "cpu":
@@ -172,7 +155,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     L.seed_everything(recipe.search.seed, verbose=False)
     model = build_model(recipe)
-    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule = build_datamodule(recipe, spec.micro_batch)
     batches = serve_largest(datamodule, recipe.trial.scan_batches)
     callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
     losses = _loss_log()
@@ -226,28 +209,28 @@ def _batches(found: BatchScan | None) -> dict[str, Any]:
     return {} if found is None else {"batches": found.to_dict()}
 
 
-def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_recompute import RecomputePolicy
     from tuner.race.engine import RacePlan, race
     from tuner.recipe import build_datamodule, build_model, from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    spec = RaceSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
     L.seed_everything(recipe.search.seed, verbose=False)
     entrants = [
-        (str(e["key"]), RecomputePolicy.from_dict(e["policy"], source=f"race entrant {e['key']}"), str(e["short"]))
-        for e in spec["entrants"]
+        (e.key, RecomputePolicy.from_dict(e.policy, source=f"race entrant {e.key}"), e.short) for e in spec.entrants
     ]
-    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule = build_datamodule(recipe, spec.micro_batch)
     batches = serve_largest(datamodule, recipe.trial.scan_batches)
     result = race(
         build_model(recipe),
         datamodule,
         entrants,
-        references=spec.get("references", ()),
-        plan=RacePlan.from_dict(spec.get("plan", {})),
-        budget_bytes=spec.get("budget_bytes"),
+        references=spec.references,
+        plan=RacePlan.from_dict(spec.plan),
+        budget_bytes=spec.budget_bytes,
         layers=recipe.layers,
         trainer_kwargs={
             "accelerator": recipe.trainer.accelerator,
@@ -307,7 +290,7 @@ def _compile_seconds() -> float:
     return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))
 
 
-def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     """Loss and gradients of one training step under the policy against two runs without it.
 
     Three runs on the same weights, batch and RNG seed, in deterministic mode: no recompute, the
@@ -324,12 +307,13 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
     from lightning_recompute import RecomputePolicy, apply_policy
     from tuner.recipe import build_datamodule, build_model, from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
+    spec = NumericsSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
     seed = recipe.search.seed
     fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=1, precision=_precision(recipe.trainer.precision))
 
-    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule = build_datamodule(recipe, spec.micro_batch)
     datamodule.prepare_data()
     datamodule.setup("fit")
     full_batch = next(iter(datamodule.train_dataloader()))
@@ -527,16 +511,21 @@ def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
     return max((d for d, _ in differing), default=0.0), differing
 
 
-def _profile(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _profile(spec: ProfileSpec | Mapping[str, Any]) -> dict[str, Any]:
     from tuner.profile.recipe_profile import profile_recipe_here
     from tuner.recipe import from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    profile = profile_recipe_here(recipe, spec.get("micro_batch"), int(spec["repeats"]))
+    spec = ProfileSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    profile = profile_recipe_here(recipe, spec.micro_batch, spec.repeats)
     return {"outcome": "ok", "profile": profile.to_dict()}
 
 
-def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _device_kind(spec: DeviceSpec | Mapping[str, Any]) -> dict[str, Any]:
+    return {"outcome": "ok", **_device(DeviceSpec.of(spec).accelerator)}
+
+
+def _numerics_ranks(spec: NumericsSpec) -> dict[str, Any]:
     """`_numerics` on N ranks under the recipe's strategy: this rank's loss and gradients, three runs.
 
     Each run is one `Trainer` step (no recompute, the policy, no recompute again) in this same
@@ -553,8 +542,8 @@ def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
     from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
     from tuner.recipe import build_datamodule, build_model, from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
+    recipe = from_dict(spec.recipe, source=spec.source)
+    policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
     seed = recipe.search.seed
 
     class CaptureStep(L.Callback):
@@ -595,7 +584,7 @@ def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
             **QUIET_TRAINER,
             callbacks=callbacks,
         )
-        trainer.fit(model, datamodule=build_datamodule(recipe, spec.get("micro_batch")))
+        trainer.fit(model, datamodule=build_datamodule(recipe, spec.micro_batch))
         if capture.step is None:
             raise RuntimeError("the numerics run ended before its first backward")
         return capture.step
@@ -612,7 +601,7 @@ def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
     diff, differing = _max_diff(base, pol)
     n = len(base[1])
     on_cpu = recipe.trainer.accelerator == "cpu" or not torch.cuda.is_available()
-    mb = spec.get("micro_batch")
+    mb = spec.micro_batch
     where = f"on rank {_local_rank()} ({recipe.trainer.strategy_name})" + (
         "" if mb is None else f" at micro-batch {mb}"
     )
@@ -682,8 +671,7 @@ def _device(accelerator: str) -> dict[str, Any]:
     return {"device": props.name, "device_total_bytes": int(props.total_memory)}
 
 
-def _device_or_empty(spec: Mapping[str, Any]) -> dict[str, Any]:
-    accelerator = spec.get("accelerator") or spec.get("recipe", {}).get("trainer", {}).get("accelerator", "cpu")
+def _device_or_empty(accelerator: str) -> dict[str, Any]:
     try:
         return _device(accelerator)
     except Exception:  # noqa: BLE001 - the device itself may be what failed
@@ -752,6 +740,20 @@ def _one_line(err: BaseException) -> str:
     if len(text) > 500:
         text = text[:497] + "..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _numerics_here(spec: NumericsSpec) -> dict[str, Any]:
+    return _numerics_ranks(spec) if spec.ranks > 1 else _numerics(spec)
+
+
+_HANDLERS: dict[type[Spec], Callable[[Any], dict[str, Any]]] = {
+    TrialSpec: _trial,
+    NumericsSpec: _numerics_here,
+    DeviceSpec: _device_kind,
+    ProfileSpec: _profile,
+    RaceSpec: _race,
+}
+"""What runs each kind of spec in `tuner.trials.protocol.SPEC_TYPES` (a test holds them to the same kinds)."""
 
 
 if __name__ == "__main__":

@@ -129,3 +129,30 @@ def test_each_rank_writes_its_own_result() -> None:
     from pathlib import Path
 
     assert P.rank_result_path(Path("/t/result.json"), 1) == Path("/t/result.rank1.json")
+
+
+def test_the_worker_runs_every_kind_and_no_other() -> None:
+    from tuner.trials import worker
+
+    assert set(worker._HANDLERS) == set(P.SPEC_TYPES.values())
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        ({**SPECS["trial"].to_dict(), "version": 2}, "ProtocolError: trial spec: protocol version 2 is not supported"),
+        ({"kind": "train", "version": 1}, "ProtocolError: unknown spec kind 'train'; valid: trial, numerics, device"),
+    ],
+)
+def test_a_worker_given_a_spec_it_cannot_read_writes_an_error_naming_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, data: dict[str, Any], error: str
+) -> None:
+    from tuner.trials import worker
+
+    monkeypatch.delenv(worker._PARENT_PID_ENV, raising=False)  # main() sets it for its ranks: undone after
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps(data), encoding="utf-8")
+    assert worker.main([str(spec), str(result)]) == 1
+    written = json.loads(result.read_text(encoding="utf-8"))
+    assert (written["outcome"], written["rank"]) == ("error", 0)
+    assert written["error"].startswith(error), written["error"]
