@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import faulthandler
 import json
 import os
@@ -30,6 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +40,7 @@ from tuner.trials.batches import BatchScan, serve_largest
 from tuner.trials.oom import is_oom_error
 from tuner.trials.protocol import (
     DeviceSpec,
+    NumericsPayload,
     NumericsSpec,
     ProfileSpec,
     ProtocolError,
@@ -290,34 +293,143 @@ def _compile_seconds() -> float:
     return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))
 
 
+_Step = tuple[Any, dict[str, Any]]
+"""One training step's ``(loss, {parameter name: gradient or None})``, on the host."""
+
+
+@dataclass(frozen=True)
+class _NumericsRuns:
+    """How the numerics check takes its three runs: in this one process, or as this rank of N.
+
+    The rest (deterministic mode, halving the batch, the comparison and its words) is `_numerics`'s, shared.
+    """
+
+    one_step: Callable[[Any, bool], _Step]
+    """One training step's ``(loss, gradients)`` on a batch, with or without the policy."""
+    batch: Any
+    """The batch compared (``None`` on ranks: each run loads its own part of the data)."""
+    size: int | None
+    """The micro-batch compared first: ``batch``'s samples, or the spec's micro-batch on ranks."""
+    halves: bool
+    """Whether a micro-batch where no recompute runs out of memory is halved here; on ranks the parent
+    halves it (one rank's out-of-memory error ends every rank), so the error propagates."""
+    where: Callable[[int | None, list[int]], str]
+    """Where the comparison ran, in words, from the micro-batch compared and the sizes that ran out of memory."""
+    gradients: str
+    """Which gradients are compared, in words: ``parameter``, or this rank's ``local`` ones."""
+    device: Callable[[], str]
+    """The type of the device the runs used (``cpu``, ``cuda``), once they have run."""
+
+
 def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     """Loss and gradients of one training step under the policy against two runs without it.
 
     Three runs on the same weights, batch and RNG seed, in deterministic mode: no recompute, the
     policy, and no recompute again. The two baselines measure what the hardware's kernels alone
     change between identical runs (their spread: zero on CPU and with deterministic kernels); a
-    correct recomputation differs from the baseline by no more than that. The comparison runs at
-    the recipe's micro-batch, or, when no recompute does not fit there (the reason to recompute),
+    correct recomputation differs from the baseline by no more than that (`_compare`). On one
+    device the runs take the recipe's micro-batch in this process (`_one_process_runs`), on N ranks
+    one `Trainer` step each under the recipe's strategy (`_rank_runs`).
+    """
+    import torch
+
+    from lightning_recompute import RecomputePolicy
+    from tuner.recipe import from_dict
+
+    spec = NumericsSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
+    runs = (_rank_runs if spec.ranks > 1 else _one_process_runs)(recipe, policy, spec.micro_batch)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    # warn_only: an op without a deterministic kernel still runs; the baseline spread measures it.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        compared, steps, skipped = _runs_that_fit(runs.batch, runs.size, runs.one_step, halves=runs.halves)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    verdict = _compare(
+        steps,
+        compiled=policy.compile,
+        on_cpu=runs.device() == "cpu",
+        where=runs.where(compared, skipped),
+        gradients=runs.gradients,
+    )
+    return dataclasses.replace(verdict, micro_batch=compared, **_device(recipe.trainer.accelerator)).to_dict()
+
+
+def _compare(
+    steps: tuple[_Step, _Step, _Step], *, compiled: bool, on_cpu: bool, where: str, gradients: str
+) -> NumericsPayload:
+    """Whether the policy's run of ``(baseline, baseline again, policy)`` equals the baseline, and the detail.
+
+    Equal when bitwise equal; a policy that compiles its layers, within the plugin's compiled-layer
+    tolerance; off CPU, within the spread of the two baselines (kernels that are not reproducible).
+    """
+    base, again, pol = steps
+    spread, _ = _max_diff(base, again)
+    diff, differing = _max_diff(base, pol)
+    n = len(base[1])
+    base_bad = _nonfinite(base)
+    equal = True
+    if base_bad:
+        # nan != nan: every value would "differ" and the policy would be blamed for the model's own state.
+        equal = False
+        detail = (
+            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data "
+            f"produces nan/inf, whatever the policy, so numerics cannot be compared; fix training first"
+        )
+    elif not differing:
+        detail = f"loss and all {n} {gradients} gradients bitwise equal {where}"
+    elif compiled and _all_close(base, pol):
+        from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
+
+        # Compiled layers reorder float operations: held to the plugin's stated tolerance, not bitwise.
+        detail = (
+            f"max abs diff {diff:.3g} {where}, within the compiled-layer tolerance "
+            f"(rtol {COMPILED_RTOL:g}, atol {COMPILED_ATOL:g})"
+        )
+    elif spread > 0 and not on_cpu and diff <= spread:
+        # The kernels themselves are not reproducible here: the policy is held to their spread.
+        detail = (
+            f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs without recompute "
+            f"(nondeterministic kernels)"
+        )
+    else:
+        equal = False
+        worst = max(differing)
+        rule = (
+            "bitwise equality is the rule on CPU"
+            if on_cpu
+            else f"two runs without recompute differ by {spread:.3g}"
+            if spread > 0
+            else "two runs without recompute are bitwise equal"
+        )
+        detail = (
+            f"{len(differing)} of {n + 1} values (loss and {n} gradients) differ {where}, "
+            f"most at {worst[1]} ({worst[0]:.3g}); {rule}"
+        )
+    return NumericsPayload(equal=equal, max_abs_diff=diff, baseline_spread=spread, detail=detail)
+
+
+def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
+    """The runs in this process with Fabric on one device, on the data module's first batch.
+
+    When no recompute does not fit at the recipe's micro-batch (the reason to recompute), they run
     on the first half, quarter, ... of the same batch, down to one sample: a recomputation bug
     shows at any batch size, so a smaller one that fits still proves it absent.
     """
     import torch
     from lightning.fabric import Fabric
 
-    from lightning_recompute import RecomputePolicy, apply_policy
-    from tuner.recipe import build_datamodule, build_model, from_dict
+    from lightning_recompute import apply_policy
+    from tuner.recipe import build_datamodule, build_model
 
-    spec = NumericsSpec.of(spec)
-    recipe = from_dict(spec.recipe, source=spec.source)
-    policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
     seed = recipe.search.seed
     fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=1, precision=_precision(recipe.trainer.precision))
-
-    datamodule = build_datamodule(recipe, spec.micro_batch)
+    datamodule = build_datamodule(recipe, micro_batch)
     datamodule.prepare_data()
     datamodule.setup("fit")
     full_batch = next(iter(datamodule.train_dataloader()))
-    size = _batch_size(full_batch)
 
     def one_step(batch: Any, with_policy: bool) -> _Step:
         fabric.seed_everything(seed, verbose=False)  # every run starts from the same weights
@@ -339,83 +451,101 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    # warn_only: an op without a deterministic kernel still runs; the baseline spread measures it.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        compared, runs, skipped = _runs_that_fit(full_batch, size, one_step)
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
+    def where(compared: int | None, skipped: list[int]) -> str:
+        return ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
+            f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+        )
 
-    base, again, pol = runs
-    spread, _ = _max_diff(base, again)
-    diff, differing = _max_diff(base, pol)
-    n = len(base[1])
-    on_cpu = fabric.device.type == "cpu"
-    where = ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
-        f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+    return _NumericsRuns(
+        one_step, full_batch, _batch_size(full_batch), True, where, "parameter", lambda: fabric.device.type
     )
-    base_bad = _nonfinite(base)
-    if base_bad:
-        # nan != nan: every value would "differ" and the policy would be blamed for the model's own state.
-        equal = False
-        detail = (
-            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data "
-            f"produces nan/inf, whatever the policy, so numerics cannot be compared; fix training first"
-        )
-    elif not differing:
-        equal, detail = True, f"loss and all {n} parameter gradients bitwise equal {where}"
-    elif policy.compile and _all_close(base, pol):
-        from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
-
-        # Compiled layers reorder float operations: held to the plugin's stated tolerance, not bitwise.
-        equal = True
-        detail = (
-            f"max abs diff {diff:.3g} {where}, within the compiled-layer tolerance "
-            f"(rtol {COMPILED_RTOL:g}, atol {COMPILED_ATOL:g})"
-        )
-    elif spread > 0 and not on_cpu and diff <= spread:
-        # The kernels themselves are not reproducible here: the policy is held to their spread.
-        equal = True
-        detail = (
-            f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs without recompute "
-            f"(nondeterministic kernels)"
-        )
-    else:
-        equal = False
-        worst = max(differing)
-        rule = (
-            "bitwise equality is the rule on CPU"
-            if on_cpu
-            else f"two runs without recompute differ by {spread:.3g}"
-            if spread > 0
-            else "two runs without recompute are bitwise equal"
-        )
-        detail = (
-            f"{len(differing)} of {n + 1} values (loss and {n} gradients) differ {where}, "
-            f"most at {worst[1]} ({worst[0]:.3g}); {rule}"
-        )
-    return {
-        "outcome": "ok",
-        "equal": equal,
-        "max_abs_diff": diff,
-        "baseline_spread": spread,
-        "micro_batch": compared,
-        "detail": detail,
-        **_device(recipe.trainer.accelerator),
-    }
 
 
-_Step = tuple[Any, dict[str, Any]]
-"""One training step's ``(loss, {parameter name: gradient or None})``, on the host."""
+def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
+    """The runs as this rank of N: each one `Trainer` step in this same process group, with the same seeds.
+
+    What is compared, bitwise on CPU, is what this rank holds after backward: under DDP the
+    all-reduced gradients (equal on every rank), under ModelParallel (FSDP2) this rank's
+    reduce-scattered gradient shards (`DTensor.to_local`), and under FSDP1 its flat-parameter
+    shards; the loss is this rank's own micro-batch's. The tuner merges the ranks: the policy is
+    equal only if it is on every rank. A micro-batch that runs out of memory is halved by the tuner
+    (one rank's OOM ends every rank), not here.
+    """
+    import lightning as L
+
+    from lightning_recompute import QUIET_TRAINER, RecomputeCallback
+    from tuner.recipe import build_datamodule, build_model
+
+    seed = recipe.search.seed
+    devices: list[str] = []
+
+    def one_step(_: Any, with_policy: bool) -> _Step:
+        L.seed_everything(seed, verbose=False)  # every run starts from the same weights
+        model = build_model(recipe)
+        capture = _capture_step(seed)
+        callbacks: list[L.Callback] = [capture]
+        if with_policy:
+            callbacks.append(RecomputeCallback(policy, layers=recipe.layers))
+        trainer = L.Trainer(
+            accelerator=recipe.trainer.accelerator,
+            devices=recipe.trainer.devices,
+            strategy=_strategy(recipe),
+            precision=_precision(recipe.trainer.precision),
+            max_steps=1,
+            limit_train_batches=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            **QUIET_TRAINER,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, datamodule=build_datamodule(recipe, micro_batch))
+        if capture.step is None:
+            raise RuntimeError("the numerics run ended before its first backward")
+        devices.append(trainer.strategy.root_device.type)
+        return capture.step
+
+    def where(compared: int | None, skipped: list[int]) -> str:
+        at = "" if compared is None else f" at micro-batch {compared}"
+        return f"on rank {_local_rank()} ({recipe.trainer.strategy_name}){at}"
+
+    return _NumericsRuns(one_step, None, micro_batch, False, where, "local", lambda: devices[-1])
+
+
+def _capture_step(seed: int) -> Any:
+    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss and gradients.
+
+    Defined in a function: the worker imports Lightning only when a check needs it.
+    """
+    import lightning as L
+    import torch
+
+    class CaptureStep(L.Callback):
+        def __init__(self) -> None:
+            self.loss: Any = None
+            self.step: _Step | None = None
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+            torch.manual_seed(seed + 1)
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed_all(seed + 1)
+
+        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+            self.loss = loss.detach().float().cpu()
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
+            self.step = (self.loss, grads)
+
+    return CaptureStep()
 
 
 def _runs_that_fit(
-    batch: Any, size: int | None, one_step: Callable[[Any, bool], _Step]
+    batch: Any, size: int | None, one_step: Callable[[Any, bool], _Step], *, halves: bool = True
 ) -> tuple[int | None, tuple[_Step, _Step, _Step], list[int]]:
     """``(micro-batch compared, (baseline, baseline again, policy), sizes that ran out of memory)``.
 
-    Halves the batch while the runs run out of memory; the last out-of-memory error propagates.
+    With ``halves``, halves the batch while the runs run out of memory; the last out-of-memory
+    error propagates (without ``halves``, the first).
     """
     skipped: list[int] = []
     k = size
@@ -428,7 +558,7 @@ def _runs_that_fit(
             again = one_step(part, False)
             return k, (base, again, pol), skipped
         except BaseException as err:
-            if k is None or k <= 1 or not is_oom_error(err):
+            if not halves or k is None or k <= 1 or not is_oom_error(err):
                 raise
             skipped.append(k)
             k //= 2
@@ -523,112 +653,6 @@ def _profile(spec: ProfileSpec | Mapping[str, Any]) -> dict[str, Any]:
 
 def _device_kind(spec: DeviceSpec | Mapping[str, Any]) -> dict[str, Any]:
     return {"outcome": "ok", **_device(DeviceSpec.of(spec).accelerator)}
-
-
-def _numerics_ranks(spec: NumericsSpec) -> dict[str, Any]:
-    """`_numerics` on N ranks under the recipe's strategy: this rank's loss and gradients, three runs.
-
-    Each run is one `Trainer` step (no recompute, the policy, no recompute again) in this same
-    process group, with the same seeds. What is compared, bitwise on CPU, is what this rank
-    holds after backward: under DDP the all-reduced gradients (equal on every rank), under
-    ModelParallel (FSDP2) this rank's reduce-scattered gradient shards (`DTensor.to_local`), and
-    under FSDP1 its flat-parameter shards; the loss is this rank's own micro-batch's. The tuner
-    merges the ranks: the policy is equal only if it is on every rank. A micro-batch that runs out
-    of memory is halved by the tuner (one rank's OOM ends every rank), not here.
-    """
-    import lightning as L
-    import torch
-
-    from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
-    from tuner.recipe import build_datamodule, build_model, from_dict
-
-    recipe = from_dict(spec.recipe, source=spec.source)
-    policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
-    seed = recipe.search.seed
-
-    class CaptureStep(L.Callback):
-        """Reseeds before the batch (the dropout masks) and keeps this rank's loss and gradients."""
-
-        def __init__(self) -> None:
-            self.loss: Any = None
-            self.step: _Step | None = None
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-            torch.manual_seed(seed + 1)
-            if torch.cuda.is_available():
-                torch.cuda.manual_seed_all(seed + 1)
-
-        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
-            self.loss = loss.detach().float().cpu()
-
-        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
-            self.step = (self.loss, grads)
-
-    def one_step(with_policy: bool) -> _Step:
-        L.seed_everything(seed, verbose=False)  # every run starts from the same weights
-        model = build_model(recipe)
-        capture = CaptureStep()
-        callbacks: list[L.Callback] = [capture]
-        if with_policy:
-            callbacks.append(RecomputeCallback(policy, layers=recipe.layers))
-        trainer = L.Trainer(
-            accelerator=recipe.trainer.accelerator,
-            devices=recipe.trainer.devices,
-            strategy=_strategy(recipe),
-            precision=_precision(recipe.trainer.precision),
-            max_steps=1,
-            limit_train_batches=1,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            **QUIET_TRAINER,
-            callbacks=callbacks,
-        )
-        trainer.fit(model, datamodule=build_datamodule(recipe, spec.micro_batch))
-        if capture.step is None:
-            raise RuntimeError("the numerics run ended before its first backward")
-        return capture.step
-
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        base = one_step(False)
-        pol = one_step(True)
-        again = one_step(False)
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-    spread, _ = _max_diff(base, again)
-    diff, differing = _max_diff(base, pol)
-    n = len(base[1])
-    on_cpu = recipe.trainer.accelerator == "cpu" or not torch.cuda.is_available()
-    mb = spec.micro_batch
-    where = f"on rank {_local_rank()} ({recipe.trainer.strategy_name})" + (
-        "" if mb is None else f" at micro-batch {mb}"
-    )
-    base_bad = _nonfinite(base)
-    if base_bad:
-        equal = False
-        detail = (
-            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data, "
-            f"not the policy"
-        )
-    elif not differing:
-        equal, detail = True, f"loss and all {n} local gradients bitwise equal {where}"
-    elif spread > 0 and not on_cpu and diff <= spread:
-        equal, detail = True, f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs"
-    else:
-        worst = max(differing)
-        equal = False
-        detail = f"{len(differing)} of {n + 1} values differ {where}, most at {worst[1]} ({worst[0]:.3g})"
-    return {
-        "outcome": "ok",
-        "equal": equal,
-        "max_abs_diff": diff,
-        "baseline_spread": spread,
-        "micro_batch": mb,
-        "detail": detail,
-        **_device(recipe.trainer.accelerator),
-    }
 
 
 def _local(grad: Any) -> Any:
@@ -742,13 +766,9 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def _numerics_here(spec: NumericsSpec) -> dict[str, Any]:
-    return _numerics_ranks(spec) if spec.ranks > 1 else _numerics(spec)
-
-
 _HANDLERS: dict[type[Spec], Callable[[Any], dict[str, Any]]] = {
     TrialSpec: _trial,
-    NumericsSpec: _numerics_here,
+    NumericsSpec: _numerics,
     DeviceSpec: _device_kind,
     ProfileSpec: _profile,
     RaceSpec: _race,
