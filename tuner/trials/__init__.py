@@ -1,6 +1,7 @@
 """Measurements in a fresh subprocess: trials, numerics checks, device queries and profiles.
 
-One child protocol serves them all: the parent (`tuner.trials.runner`) writes a JSON spec, runs
+One child protocol serves them all: the parent (`tuner.trials.runner`) writes a JSON spec (one of
+`tuner.trials.protocol`'s typed, versioned kinds), runs
 ``python -m tuner.trials.worker SPEC.json RESULT.json`` in its own process group with a deadline,
 and reads one JSON result that the child (`tuner.trials.worker`) writes atomically. Whatever the
 model does (run out of memory, crash, hang) ends that process only. A multi-rank trial

@@ -34,7 +34,19 @@ from tuner.killpoints import kill_point
 from tuner.liveness import Owner
 from tuner.recipe import Recipe
 from tuner.trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
-from tuner.trials.worker import rank_result_path, spec_ranks
+from tuner.trials.protocol import (
+    RANKED_KINDS,
+    DeviceSpec,
+    NumericsPayload,
+    NumericsSpec,
+    ProfileSpec,
+    ProtocolError,
+    RaceEntrant,
+    RaceSpec,
+    Spec,
+    TrialSpec,
+    rank_result_path,
+)
 
 if TYPE_CHECKING:
     from tuner.profile import Profile
@@ -202,12 +214,9 @@ def run_trial(
     if warmup < 0 or measure < 1:
         raise RecomputeError(f"warmup_steps must be >= 0 and measure_steps >= 1, got {warmup} and {measure}")
     limit = recipe.trial.timeout_s if timeout_s is None else float(timeout_s)
-    spec = {
-        **_base_spec(recipe, policy, micro_batch),
-        "kind": "trial",
-        "warmup_steps": warmup,
-        "measure_steps": measure,
-    }
+    spec = TrialSpec(
+        **_recipe_fields(recipe, micro_batch), policy=policy.to_dict(), warmup_steps=warmup, measure_steps=measure
+    )
     run = _run_worker(spec, limit, recipe.trial.env)
     if run.timed_out:
         return TrialResult(
@@ -273,14 +282,13 @@ def run_race(
         labels.setdefault(key, []).extend(w for w in why if w not in labels.get(key, []))
     if not policies:
         return RaceResult(outcome="skipped", reason="no entrant")
-    spec = {
-        **_recipe_spec(recipe, micro_batch),
-        "kind": "race",
-        "entrants": [{"key": k, "policy": p.to_dict(), "short": p.short(layer_names)} for k, p in policies.items()],
-        "references": [p.fingerprint() for p in references if p.fingerprint() in policies],
-        "budget_bytes": budget_bytes,
-        "plan": plan.to_dict(),
-    }
+    spec = RaceSpec(
+        **_recipe_fields(recipe, micro_batch),
+        entrants=tuple(RaceEntrant(key=k, policy=p.to_dict(), short=p.short(layer_names)) for k, p in policies.items()),
+        references=tuple(p.fingerprint() for p in references if p.fingerprint() in policies),
+        budget_bytes=budget_bytes,
+        plan=plan.to_dict(),
+    )
     limit = float(timeout_s) if timeout_s is not None else float(recipe.trial.timeout_s) + 2.0 * plan.time_s
     run = _run_worker(spec, limit, recipe.trial.env)
     if run.timed_out:
@@ -317,17 +325,20 @@ def check_numerics(
     if recipe.trainer.devices > 1:
         run, skipped = _numerics_on_ranks(recipe, policy, micro_batch, limit, env)
     else:
-        run, skipped = _run_worker({**_base_spec(recipe, policy, micro_batch), "kind": "numerics"}, limit, env), []
+        run, skipped = _run_worker(_numerics_spec(recipe, policy, micro_batch), limit, env), []
     res = run.result
     if not run.timed_out and res is not None and res.get("outcome") == "ok":
-        mb = res.get("micro_batch")
         halved = f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+        try:
+            got = NumericsPayload.from_dict(res)
+        except ProtocolError as err:
+            return NumericsResult(equal=False, max_abs_diff=float("inf"), detail=f"malformed numerics result: {err}")
         return NumericsResult(
-            equal=bool(res["equal"]),
-            max_abs_diff=float(res["max_abs_diff"]),
-            detail=str(res["detail"]) + halved,
-            baseline_spread=float(res.get("baseline_spread", 0.0)),
-            micro_batch=None if mb is None else int(mb),
+            equal=got.equal,
+            max_abs_diff=got.max_abs_diff,
+            detail=got.detail + halved,
+            baseline_spread=got.baseline_spread,
+            micro_batch=got.micro_batch,
         )
     if run.timed_out:
         why = f"the numerics check did not finish within {limit:g} s"
@@ -352,8 +363,7 @@ def _numerics_on_ranks(
     size = micro_batch
     skipped: list[int] = []
     while True:
-        spec = {**_base_spec(recipe, policy, size), "kind": "numerics"}
-        run = _run_worker(spec, max(1.0, end - time.monotonic()), env)
+        run = _run_worker(_numerics_spec(recipe, policy, size), max(1.0, end - time.monotonic()), env)
         res = run.result
         current = size if size is not None else data_batch_size(recipe)
         if run.timed_out or res is None or res.get("outcome") != "oom" or current is None or current <= 1:
@@ -379,9 +389,7 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
 
         return profile_recipe_here(recipe, micro_batch, repeats)
     limit = recipe.trial.timeout_s * 2
-    run = _run_worker(
-        {**_recipe_spec(recipe, micro_batch), "kind": "profile", "repeats": repeats}, limit, recipe.trial.env
-    )
+    run = _run_worker(ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats), limit, recipe.trial.env)
     res = run.result
     if run.timed_out:
         raise RecomputeError(f"profiling did not finish within {limit:g} s; its process group was killed")
@@ -410,7 +418,7 @@ def device_info(recipe: Recipe) -> tuple[str, int | None]:
 
 @functools.cache
 def _probe_device(accelerator: str) -> tuple[str, int | None]:
-    run = _run_worker({"kind": "device", "accelerator": accelerator, "sys_path": []}, _DEVICE_TIMEOUT_S)
+    run = _run_worker(DeviceSpec(accelerator=accelerator), _DEVICE_TIMEOUT_S)
     res = run.result
     if run.timed_out or res is None or res.get("outcome") != "ok":
         why = (res or {}).get("error") or _last_lines(run.tail, 3) or "no result"
@@ -418,17 +426,18 @@ def _probe_device(accelerator: str) -> tuple[str, int | None]:
     return str(res["device"]), res.get("device_total_bytes")
 
 
-def _recipe_spec(recipe: Recipe, micro_batch: int | None) -> dict[str, Any]:
+def _recipe_fields(recipe: Recipe, micro_batch: int | None) -> dict[str, Any]:
+    """The fields every spec about ``recipe`` carries (`tuner.trials.protocol`'s recipe specs)."""
     return {
         "recipe": recipe.to_dict(),
         "source": None if recipe.source is None else str(recipe.source),
         "micro_batch": micro_batch,
-        "sys_path": [os.getcwd(), str(recipe.folder)],
+        "sys_path": (os.getcwd(), str(recipe.folder)),
     }
 
 
-def _base_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None) -> dict[str, Any]:
-    return {**_recipe_spec(recipe, micro_batch), "policy": policy.to_dict()}
+def _numerics_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None) -> NumericsSpec:
+    return NumericsSpec(**_recipe_fields(recipe, micro_batch), policy=policy.to_dict())
 
 
 @dataclass(frozen=True)
@@ -442,7 +451,7 @@ class _WorkerRun:
     """For a worker killed by SIGKILL (not at its deadline): what the kernel says about out-of-memory kills."""
 
 
-def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
+def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
     """Run the worker on ``spec`` with a deadline; kill its whole process group at the deadline."""
     with tempfile.TemporaryDirectory(prefix=_DIR_PREFIX) as tmp:
         folder = Path(tmp)
@@ -451,8 +460,8 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
         # the folder (and anything the worker left running) once this owner is dead.
         (folder / _OWNER_FILE).write_text(json.dumps(Owner.me().to_dict()), encoding="utf-8")
         start = time.monotonic()
-        spec = {**spec, "deadline": time.time() + timeout_s}
-        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        spec = dataclasses.replace(spec, deadline=time.time() + timeout_s)
+        spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         kills_before = oom_kill_count()
         with open(log_path, "wb") as log:
             # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
@@ -466,7 +475,7 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
             )
             timed_out = False
             try:
-                kill_point("trial" if spec.get("kind") == "trial" else "")  # a test hook; see tuner.killpoints
+                kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner.killpoints
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -477,13 +486,11 @@ def _run_worker(spec: dict[str, Any], timeout_s: float, env: Mapping[str, str] |
                 # Also reaps anything the worker left behind (data-loader workers, compile helpers).
                 _kill_group(proc)
         wall = time.monotonic() - start
-        ranks = spec_ranks(spec)
+        ranks = spec.ranks
         if ranks == 1:
             result = _read_result(result_path)
         else:
-            result = merge_ranks(
-                str(spec["kind"]), [_read_result(rank_result_path(result_path, r)) for r in range(ranks)]
-            )
+            result = merge_ranks(spec.kind, [_read_result(rank_result_path(result_path, r)) for r in range(ranks)])
         killed = not timed_out and proc.returncode == -signal.SIGKILL
         return _WorkerRun(
             returncode=proc.returncode,
@@ -534,7 +541,7 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
             "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
             "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
         }
-    raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: trial, numerics")
+    raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: {', '.join(RANKED_KINDS)}")
 
 
 def _merge_steps(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:

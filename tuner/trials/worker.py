@@ -7,15 +7,9 @@ and exits 0 when it has a measurement (including "this configuration ran out of 
 otherwise. The parent classifies what this process did, including the cases where it could not
 write anything.
 
-Spec kinds:
-
-- ``trial``: a real Lightning ``Trainer`` with `RecomputeCallback` runs warm-up plus measured
-  steps; the result holds every step's time, peak memory, samples and tokens.
-- ``numerics``: loss and parameter gradients of one training step with and without the policy, in
-  deterministic mode, at a micro-batch where no recompute fits, against the spread of two runs without it.
-- ``device``: the name and total memory of the device the recipe's accelerator selects.
-- ``profile``: the recipe's per-layer cost profile (`tuner.profile.recipe_profile`), as a mapping.
-- ``race``: several policies measured in turn on one model in one fit (`tuner.race.engine`).
+The spec kinds and their fields are `tuner.trials.protocol`'s (`SPEC_TYPES`); `_HANDLERS` maps each
+to what runs it here. A spec of a protocol version or kind this worker does not know is an ``error``
+result that names it.
 
 With ``trainer.devices`` N > 1, ``trial`` and ``numerics`` run on N ranks: this process is rank 0,
 and Lightning's launcher starts ranks 1..N-1 by running this same command (``LOCAL_RANK`` set) in
@@ -27,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import faulthandler
 import json
 import os
@@ -36,12 +31,25 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_recompute.atomic import atomic_write
 from tuner.trials.batches import BatchScan, serve_largest
 from tuner.trials.oom import is_oom_error
+from tuner.trials.protocol import (
+    DeviceSpec,
+    NumericsPayload,
+    NumericsSpec,
+    ProfileSpec,
+    ProtocolError,
+    RaceSpec,
+    Spec,
+    TrialSpec,
+    parse_spec,
+    rank_result_path,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.connector import _PRECISION_INPUT
@@ -59,36 +67,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Ranks 1..N-1 of a multi-rank trial are this same command, started by Lightning from this
     # process with a copy of its environment: they follow this process, not the tuner.
     os.environ[_PARENT_PID_ENV] = str(os.getpid())
-    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    ranks = spec_ranks(spec)
+    try:
+        spec = parse_spec(json.loads(Path(args[0]).read_text(encoding="utf-8")))
+    except ProtocolError as err:
+        # The parent wrote a spec this worker cannot read (another version of the tuner?): nothing runs.
+        traceback.print_exc()
+        _write_atomic(Path(args[1]), {"outcome": "error", "error": _one_line(err), "rank": 0})
+        return 1
+    ranks = spec.ranks
     rank = _local_rank() if ranks > 1 else 0
     result_path = rank_result_path(Path(args[1]), rank) if ranks > 1 else Path(args[1])
-    _arm_hang_report(spec.get("deadline"))
-    for entry in spec.get("sys_path", []):
+    _arm_hang_report(spec.deadline)
+    for entry in spec.sys_path:
         # Where the parent could import the user's class_path from (the recipe's folder, its
         # working directory); -m put only this process's cwd there.
         if entry not in sys.path:
             sys.path.append(entry)
     try:
-        kind = spec["kind"]
-        if kind == "trial":
-            payload = _trial(spec)
-        elif kind == "numerics":
-            payload = _numerics_ranks(spec) if ranks > 1 else _numerics(spec)
-        elif kind == "device":
-            payload = {"outcome": "ok", **_device(spec["accelerator"])}
-        elif kind == "profile":
-            payload = _profile(spec)
-        elif kind == "race":
-            payload = _race(spec)
-        else:
-            raise ValueError(f"unknown spec kind {kind!r}; valid: trial, numerics, device, profile, race")
+        payload = _HANDLERS[type(spec)](spec)
     except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
         traceback.print_exc()
         oom = is_oom_error(err)
         outcome = "oom" if oom else "error"
         _write_atomic(
-            result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec)}
+            result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec.runs_on)}
         )
         # An OOM is a measurement (this configuration does not fit), not a failure of the worker.
         # Except on ranks 1..N-1: there a nonzero status is what makes Lightning's process observer
@@ -99,29 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and ranks > 1:
         # The tuner kills the whole process group once this process exits: wait for the other
         # ranks' results first (each rank writes its own, after its own last step).
-        _await_ranks(Path(args[1]), ranks, spec.get("deadline"))
+        _await_ranks(Path(args[1]), ranks, spec.deadline)
     return 0
 
 
 _PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"  # tuner.trials.runner.PARENT_PID_ENV; importing it would pull the runner
-_RANKED_KINDS = ("trial", "numerics")
 _RANK_POLL_S = 0.05
-
-
-def spec_ranks(spec: Mapping[str, Any]) -> int:
-    """How many ranks run ``spec``: the recipe's ``trainer.devices`` for trials and numerics, else 1.
-
-    Trials run on one node: the ranks are the devices of this machine, launched by Lightning.
-    """
-    if spec.get("kind") not in _RANKED_KINDS:
-        return 1
-    trainer = spec.get("recipe", {}).get("trainer", {})
-    return int(trainer.get("devices", 1))
-
-
-def rank_result_path(result_path: Path, rank: int) -> Path:
-    """Where rank ``rank`` of a multi-rank run writes its own result (``result.rank1.json``)."""
-    return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
 
 
 def _local_rank() -> int:
@@ -141,15 +126,16 @@ def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
 # ---------------------------------------------------------------------------------------------- kinds
 
 
-def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
     from tuner.recipe import build_datamodule, build_model, from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    policy = RecomputePolicy.from_dict(spec["policy"], source="trial policy")
-    warmup, measure = int(spec["warmup_steps"]), int(spec["measure_steps"])
+    spec = TrialSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    policy = RecomputePolicy.from_dict(spec.policy, source="trial policy")
+    warmup, measure = spec.warmup_steps, spec.measure_steps
     steps = warmup + measure
     memory_steps = None
     if recipe.trainer.accelerator == "cpu":
@@ -172,7 +158,7 @@ def _trial(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     L.seed_everything(recipe.search.seed, verbose=False)
     model = build_model(recipe)
-    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule = build_datamodule(recipe, spec.micro_batch)
     batches = serve_largest(datamodule, recipe.trial.scan_batches)
     callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
     losses = _loss_log()
@@ -226,28 +212,28 @@ def _batches(found: BatchScan | None) -> dict[str, Any]:
     return {} if found is None else {"batches": found.to_dict()}
 
 
-def _race(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_recompute import RecomputePolicy
     from tuner.race.engine import RacePlan, race
     from tuner.recipe import build_datamodule, build_model, from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
+    spec = RaceSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
     L.seed_everything(recipe.search.seed, verbose=False)
     entrants = [
-        (str(e["key"]), RecomputePolicy.from_dict(e["policy"], source=f"race entrant {e['key']}"), str(e["short"]))
-        for e in spec["entrants"]
+        (e.key, RecomputePolicy.from_dict(e.policy, source=f"race entrant {e.key}"), e.short) for e in spec.entrants
     ]
-    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule = build_datamodule(recipe, spec.micro_batch)
     batches = serve_largest(datamodule, recipe.trial.scan_batches)
     result = race(
         build_model(recipe),
         datamodule,
         entrants,
-        references=spec.get("references", ()),
-        plan=RacePlan.from_dict(spec.get("plan", {})),
-        budget_bytes=spec.get("budget_bytes"),
+        references=spec.references,
+        plan=RacePlan.from_dict(spec.plan),
+        budget_bytes=spec.budget_bytes,
         layers=recipe.layers,
         trainer_kwargs={
             "accelerator": recipe.trainer.accelerator,
@@ -307,33 +293,143 @@ def _compile_seconds() -> float:
     return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))
 
 
-def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
+_Step = tuple[Any, dict[str, Any]]
+"""One training step's ``(loss, {parameter name: gradient or None})``, on the host."""
+
+
+@dataclass(frozen=True)
+class _NumericsRuns:
+    """How the numerics check takes its three runs: in this one process, or as this rank of N.
+
+    The rest (deterministic mode, halving the batch, the comparison and its words) is `_numerics`'s, shared.
+    """
+
+    one_step: Callable[[Any, bool], _Step]
+    """One training step's ``(loss, gradients)`` on a batch, with or without the policy."""
+    batch: Any
+    """The batch compared (``None`` on ranks: each run loads its own part of the data)."""
+    size: int | None
+    """The micro-batch compared first: ``batch``'s samples, or the spec's micro-batch on ranks."""
+    halves: bool
+    """Whether a micro-batch where no recompute runs out of memory is halved here; on ranks the parent
+    halves it (one rank's out-of-memory error ends every rank), so the error propagates."""
+    where: Callable[[int | None, list[int]], str]
+    """Where the comparison ran, in words, from the micro-batch compared and the sizes that ran out of memory."""
+    gradients: str
+    """Which gradients are compared, in words: ``parameter``, or this rank's ``local`` ones."""
+    device: Callable[[], str]
+    """The type of the device the runs used (``cpu``, ``cuda``), once they have run."""
+
+
+def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     """Loss and gradients of one training step under the policy against two runs without it.
 
     Three runs on the same weights, batch and RNG seed, in deterministic mode: no recompute, the
     policy, and no recompute again. The two baselines measure what the hardware's kernels alone
     change between identical runs (their spread: zero on CPU and with deterministic kernels); a
-    correct recomputation differs from the baseline by no more than that. The comparison runs at
-    the recipe's micro-batch, or, when no recompute does not fit there (the reason to recompute),
+    correct recomputation differs from the baseline by no more than that (`_compare`). On one
+    device the runs take the recipe's micro-batch in this process (`_one_process_runs`), on N ranks
+    one `Trainer` step each under the recipe's strategy (`_rank_runs`).
+    """
+    import torch
+
+    from lightning_recompute import RecomputePolicy
+    from tuner.recipe import from_dict
+
+    spec = NumericsSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
+    runs = (_rank_runs if spec.ranks > 1 else _one_process_runs)(recipe, policy, spec.micro_batch)
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    # warn_only: an op without a deterministic kernel still runs; the baseline spread measures it.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        compared, steps, skipped = _runs_that_fit(runs.batch, runs.size, runs.one_step, halves=runs.halves)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    verdict = _compare(
+        steps,
+        compiled=policy.compile,
+        on_cpu=runs.device() == "cpu",
+        where=runs.where(compared, skipped),
+        gradients=runs.gradients,
+    )
+    return dataclasses.replace(verdict, micro_batch=compared, **_device(recipe.trainer.accelerator)).to_dict()
+
+
+def _compare(
+    steps: tuple[_Step, _Step, _Step], *, compiled: bool, on_cpu: bool, where: str, gradients: str
+) -> NumericsPayload:
+    """Whether the policy's run of ``(baseline, baseline again, policy)`` equals the baseline, and the detail.
+
+    Equal when bitwise equal; a policy that compiles its layers, within the plugin's compiled-layer
+    tolerance; off CPU, within the spread of the two baselines (kernels that are not reproducible).
+    """
+    base, again, pol = steps
+    spread, _ = _max_diff(base, again)
+    diff, differing = _max_diff(base, pol)
+    n = len(base[1])
+    base_bad = _nonfinite(base)
+    equal = True
+    if base_bad:
+        # nan != nan: every value would "differ" and the policy would be blamed for the model's own state.
+        equal = False
+        detail = (
+            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data "
+            f"produces nan/inf, whatever the policy, so numerics cannot be compared; fix training first"
+        )
+    elif not differing:
+        detail = f"loss and all {n} {gradients} gradients bitwise equal {where}"
+    elif compiled and _all_close(base, pol):
+        from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
+
+        # Compiled layers reorder float operations: held to the plugin's stated tolerance, not bitwise.
+        detail = (
+            f"max abs diff {diff:.3g} {where}, within the compiled-layer tolerance "
+            f"(rtol {COMPILED_RTOL:g}, atol {COMPILED_ATOL:g})"
+        )
+    elif spread > 0 and not on_cpu and diff <= spread:
+        # The kernels themselves are not reproducible here: the policy is held to their spread.
+        detail = (
+            f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs without recompute "
+            f"(nondeterministic kernels)"
+        )
+    else:
+        equal = False
+        worst = max(differing)
+        rule = (
+            "bitwise equality is the rule on CPU"
+            if on_cpu
+            else f"two runs without recompute differ by {spread:.3g}"
+            if spread > 0
+            else "two runs without recompute are bitwise equal"
+        )
+        detail = (
+            f"{len(differing)} of {n + 1} values (loss and {n} gradients) differ {where}, "
+            f"most at {worst[1]} ({worst[0]:.3g}); {rule}"
+        )
+    return NumericsPayload(equal=equal, max_abs_diff=diff, baseline_spread=spread, detail=detail)
+
+
+def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
+    """The runs in this process with Fabric on one device, on the data module's first batch.
+
+    When no recompute does not fit at the recipe's micro-batch (the reason to recompute), they run
     on the first half, quarter, ... of the same batch, down to one sample: a recomputation bug
     shows at any batch size, so a smaller one that fits still proves it absent.
     """
     import torch
     from lightning.fabric import Fabric
 
-    from lightning_recompute import RecomputePolicy, apply_policy
-    from tuner.recipe import build_datamodule, build_model, from_dict
+    from lightning_recompute import apply_policy
+    from tuner.recipe import build_datamodule, build_model
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
     seed = recipe.search.seed
     fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=1, precision=_precision(recipe.trainer.precision))
-
-    datamodule = build_datamodule(recipe, spec.get("micro_batch"))
+    datamodule = build_datamodule(recipe, micro_batch)
     datamodule.prepare_data()
     datamodule.setup("fit")
     full_batch = next(iter(datamodule.train_dataloader()))
-    size = _batch_size(full_batch)
 
     def one_step(batch: Any, with_policy: bool) -> _Step:
         fabric.seed_everything(seed, verbose=False)  # every run starts from the same weights
@@ -355,83 +451,101 @@ def _numerics(spec: Mapping[str, Any]) -> dict[str, Any]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    # warn_only: an op without a deterministic kernel still runs; the baseline spread measures it.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        compared, runs, skipped = _runs_that_fit(full_batch, size, one_step)
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
+    def where(compared: int | None, skipped: list[int]) -> str:
+        return ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
+            f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+        )
 
-    base, again, pol = runs
-    spread, _ = _max_diff(base, again)
-    diff, differing = _max_diff(base, pol)
-    n = len(base[1])
-    on_cpu = fabric.device.type == "cpu"
-    where = ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
-        f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+    return _NumericsRuns(
+        one_step, full_batch, _batch_size(full_batch), True, where, "parameter", lambda: fabric.device.type
     )
-    base_bad = _nonfinite(base)
-    if base_bad:
-        # nan != nan: every value would "differ" and the policy would be blamed for the model's own state.
-        equal = False
-        detail = (
-            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data "
-            f"produces nan/inf, whatever the policy, so numerics cannot be compared; fix training first"
-        )
-    elif not differing:
-        equal, detail = True, f"loss and all {n} parameter gradients bitwise equal {where}"
-    elif policy.compile and _all_close(base, pol):
-        from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
-
-        # Compiled layers reorder float operations: held to the plugin's stated tolerance, not bitwise.
-        equal = True
-        detail = (
-            f"max abs diff {diff:.3g} {where}, within the compiled-layer tolerance "
-            f"(rtol {COMPILED_RTOL:g}, atol {COMPILED_ATOL:g})"
-        )
-    elif spread > 0 and not on_cpu and diff <= spread:
-        # The kernels themselves are not reproducible here: the policy is held to their spread.
-        equal = True
-        detail = (
-            f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs without recompute "
-            f"(nondeterministic kernels)"
-        )
-    else:
-        equal = False
-        worst = max(differing)
-        rule = (
-            "bitwise equality is the rule on CPU"
-            if on_cpu
-            else f"two runs without recompute differ by {spread:.3g}"
-            if spread > 0
-            else "two runs without recompute are bitwise equal"
-        )
-        detail = (
-            f"{len(differing)} of {n + 1} values (loss and {n} gradients) differ {where}, "
-            f"most at {worst[1]} ({worst[0]:.3g}); {rule}"
-        )
-    return {
-        "outcome": "ok",
-        "equal": equal,
-        "max_abs_diff": diff,
-        "baseline_spread": spread,
-        "micro_batch": compared,
-        "detail": detail,
-        **_device(recipe.trainer.accelerator),
-    }
 
 
-_Step = tuple[Any, dict[str, Any]]
-"""One training step's ``(loss, {parameter name: gradient or None})``, on the host."""
+def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
+    """The runs as this rank of N: each one `Trainer` step in this same process group, with the same seeds.
+
+    What is compared, bitwise on CPU, is what this rank holds after backward: under DDP the
+    all-reduced gradients (equal on every rank), under ModelParallel (FSDP2) this rank's
+    reduce-scattered gradient shards (`DTensor.to_local`), and under FSDP1 its flat-parameter
+    shards; the loss is this rank's own micro-batch's. The tuner merges the ranks: the policy is
+    equal only if it is on every rank. A micro-batch that runs out of memory is halved by the tuner
+    (one rank's OOM ends every rank), not here.
+    """
+    import lightning as L
+
+    from lightning_recompute import QUIET_TRAINER, RecomputeCallback
+    from tuner.recipe import build_datamodule, build_model
+
+    seed = recipe.search.seed
+    devices: list[str] = []
+
+    def one_step(_: Any, with_policy: bool) -> _Step:
+        L.seed_everything(seed, verbose=False)  # every run starts from the same weights
+        model = build_model(recipe)
+        capture = _capture_step(seed)
+        callbacks: list[L.Callback] = [capture]
+        if with_policy:
+            callbacks.append(RecomputeCallback(policy, layers=recipe.layers))
+        trainer = L.Trainer(
+            accelerator=recipe.trainer.accelerator,
+            devices=recipe.trainer.devices,
+            strategy=_strategy(recipe),
+            precision=_precision(recipe.trainer.precision),
+            max_steps=1,
+            limit_train_batches=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            **QUIET_TRAINER,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, datamodule=build_datamodule(recipe, micro_batch))
+        if capture.step is None:
+            raise RuntimeError("the numerics run ended before its first backward")
+        devices.append(trainer.strategy.root_device.type)
+        return capture.step
+
+    def where(compared: int | None, skipped: list[int]) -> str:
+        at = "" if compared is None else f" at micro-batch {compared}"
+        return f"on rank {_local_rank()} ({recipe.trainer.strategy_name}){at}"
+
+    return _NumericsRuns(one_step, None, micro_batch, False, where, "local", lambda: devices[-1])
+
+
+def _capture_step(seed: int) -> Any:
+    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss and gradients.
+
+    Defined in a function: the worker imports Lightning only when a check needs it.
+    """
+    import lightning as L
+    import torch
+
+    class CaptureStep(L.Callback):
+        def __init__(self) -> None:
+            self.loss: Any = None
+            self.step: _Step | None = None
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+            torch.manual_seed(seed + 1)
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed_all(seed + 1)
+
+        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+            self.loss = loss.detach().float().cpu()
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
+            self.step = (self.loss, grads)
+
+    return CaptureStep()
 
 
 def _runs_that_fit(
-    batch: Any, size: int | None, one_step: Callable[[Any, bool], _Step]
+    batch: Any, size: int | None, one_step: Callable[[Any, bool], _Step], *, halves: bool = True
 ) -> tuple[int | None, tuple[_Step, _Step, _Step], list[int]]:
     """``(micro-batch compared, (baseline, baseline again, policy), sizes that ran out of memory)``.
 
-    Halves the batch while the runs run out of memory; the last out-of-memory error propagates.
+    With ``halves``, halves the batch while the runs run out of memory; the last out-of-memory
+    error propagates (without ``halves``, the first).
     """
     skipped: list[int] = []
     k = size
@@ -444,7 +558,7 @@ def _runs_that_fit(
             again = one_step(part, False)
             return k, (base, again, pol), skipped
         except BaseException as err:
-            if k is None or k <= 1 or not is_oom_error(err):
+            if not halves or k is None or k <= 1 or not is_oom_error(err):
                 raise
             skipped.append(k)
             k //= 2
@@ -527,119 +641,18 @@ def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
     return max((d for d, _ in differing), default=0.0), differing
 
 
-def _profile(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _profile(spec: ProfileSpec | Mapping[str, Any]) -> dict[str, Any]:
     from tuner.profile.recipe_profile import profile_recipe_here
     from tuner.recipe import from_dict
 
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    profile = profile_recipe_here(recipe, spec.get("micro_batch"), int(spec["repeats"]))
+    spec = ProfileSpec.of(spec)
+    recipe = from_dict(spec.recipe, source=spec.source)
+    profile = profile_recipe_here(recipe, spec.micro_batch, spec.repeats)
     return {"outcome": "ok", "profile": profile.to_dict()}
 
 
-def _numerics_ranks(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """`_numerics` on N ranks under the recipe's strategy: this rank's loss and gradients, three runs.
-
-    Each run is one `Trainer` step (no recompute, the policy, no recompute again) in this same
-    process group, with the same seeds. What is compared, bitwise on CPU, is what this rank
-    holds after backward: under DDP the all-reduced gradients (equal on every rank), under
-    ModelParallel (FSDP2) this rank's reduce-scattered gradient shards (`DTensor.to_local`), and
-    under FSDP1 its flat-parameter shards; the loss is this rank's own micro-batch's. The tuner
-    merges the ranks: the policy is equal only if it is on every rank. A micro-batch that runs out
-    of memory is halved by the tuner (one rank's OOM ends every rank), not here.
-    """
-    import lightning as L
-    import torch
-
-    from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
-    from tuner.recipe import build_datamodule, build_model, from_dict
-
-    recipe = from_dict(spec["recipe"], source=spec.get("source"))
-    policy = RecomputePolicy.from_dict(spec["policy"], source="numerics policy")
-    seed = recipe.search.seed
-
-    class CaptureStep(L.Callback):
-        """Reseeds before the batch (the dropout masks) and keeps this rank's loss and gradients."""
-
-        def __init__(self) -> None:
-            self.loss: Any = None
-            self.step: _Step | None = None
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-            torch.manual_seed(seed + 1)
-            if torch.cuda.is_available():
-                torch.cuda.manual_seed_all(seed + 1)
-
-        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
-            self.loss = loss.detach().float().cpu()
-
-        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
-            self.step = (self.loss, grads)
-
-    def one_step(with_policy: bool) -> _Step:
-        L.seed_everything(seed, verbose=False)  # every run starts from the same weights
-        model = build_model(recipe)
-        capture = CaptureStep()
-        callbacks: list[L.Callback] = [capture]
-        if with_policy:
-            callbacks.append(RecomputeCallback(policy, layers=recipe.layers))
-        trainer = L.Trainer(
-            accelerator=recipe.trainer.accelerator,
-            devices=recipe.trainer.devices,
-            strategy=_strategy(recipe),
-            precision=_precision(recipe.trainer.precision),
-            max_steps=1,
-            limit_train_batches=1,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            **QUIET_TRAINER,
-            callbacks=callbacks,
-        )
-        trainer.fit(model, datamodule=build_datamodule(recipe, spec.get("micro_batch")))
-        if capture.step is None:
-            raise RuntimeError("the numerics run ended before its first backward")
-        return capture.step
-
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        base = one_step(False)
-        pol = one_step(True)
-        again = one_step(False)
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-    spread, _ = _max_diff(base, again)
-    diff, differing = _max_diff(base, pol)
-    n = len(base[1])
-    on_cpu = recipe.trainer.accelerator == "cpu" or not torch.cuda.is_available()
-    mb = spec.get("micro_batch")
-    where = f"on rank {_local_rank()} ({recipe.trainer.strategy_name})" + (
-        "" if mb is None else f" at micro-batch {mb}"
-    )
-    base_bad = _nonfinite(base)
-    if base_bad:
-        equal = False
-        detail = (
-            f"the run without recompute is itself non-finite {where} ({base_bad}): the model or its data, "
-            f"not the policy"
-        )
-    elif not differing:
-        equal, detail = True, f"loss and all {n} local gradients bitwise equal {where}"
-    elif spread > 0 and not on_cpu and diff <= spread:
-        equal, detail = True, f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs"
-    else:
-        worst = max(differing)
-        equal = False
-        detail = f"{len(differing)} of {n + 1} values differ {where}, most at {worst[1]} ({worst[0]:.3g})"
-    return {
-        "outcome": "ok",
-        "equal": equal,
-        "max_abs_diff": diff,
-        "baseline_spread": spread,
-        "micro_batch": mb,
-        "detail": detail,
-        **_device(recipe.trainer.accelerator),
-    }
+def _device_kind(spec: DeviceSpec | Mapping[str, Any]) -> dict[str, Any]:
+    return {"outcome": "ok", **_device(DeviceSpec.of(spec).accelerator)}
 
 
 def _local(grad: Any) -> Any:
@@ -682,8 +695,7 @@ def _device(accelerator: str) -> dict[str, Any]:
     return {"device": props.name, "device_total_bytes": int(props.total_memory)}
 
 
-def _device_or_empty(spec: Mapping[str, Any]) -> dict[str, Any]:
-    accelerator = spec.get("accelerator") or spec.get("recipe", {}).get("trainer", {}).get("accelerator", "cpu")
+def _device_or_empty(accelerator: str) -> dict[str, Any]:
     try:
         return _device(accelerator)
     except Exception:  # noqa: BLE001 - the device itself may be what failed
@@ -752,6 +764,16 @@ def _one_line(err: BaseException) -> str:
     if len(text) > 500:
         text = text[:497] + "..."
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+_HANDLERS: dict[type[Spec], Callable[[Any], dict[str, Any]]] = {
+    TrialSpec: _trial,
+    NumericsSpec: _numerics,
+    DeviceSpec: _device_kind,
+    ProfileSpec: _profile,
+    RaceSpec: _race,
+}
+"""What runs each kind of spec in `tuner.trials.protocol.SPEC_TYPES` (a test holds them to the same kinds)."""
 
 
 if __name__ == "__main__":

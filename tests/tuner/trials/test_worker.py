@@ -126,3 +126,54 @@ def test_a_scan_shorter_than_the_epoch_says_a_larger_batch_may_come_later() -> N
     assert largest.shape == (3, 2) and found.largest_index == 1
     assert "the first 3; a larger batch may come later" in found.describe()
     assert scan([], limit=3) == (None, None)
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+
+
+def _step(loss: float, *grads: float) -> tuple[object, dict[str, object]]:
+    import torch
+
+    return torch.tensor(loss), {f"w{i}": torch.full((2,), g) for i, g in enumerate(grads)}
+
+
+def _verdict(pol: tuple[object, dict[str, object]], **kw: object) -> object:
+    base = _step(1.0, 0.5, 0.25)
+    again = kw.pop("again", base)
+    args = {"compiled": False, "on_cpu": True, "where": "at micro-batch 4", "gradients": "parameter", **kw}
+    return worker._compare((base, again, pol), **args)  # type: ignore[arg-type]
+
+
+def test_one_comparison_serves_one_process_and_every_rank() -> None:
+    # One device and N ranks once compared with two drifted copies: only one-device accepted a compiled policy
+    # within the compiled-layer tolerance, and each told CPU from accelerator its own way.
+    same = _verdict(_step(1.0, 0.5, 0.25), gradients="local", where="on rank 1 (ddp) at micro-batch 2")
+    assert (same.equal, same.max_abs_diff, same.baseline_spread) == (True, 0.0, 0.0)
+    assert same.detail == "loss and all 2 local gradients bitwise equal on rank 1 (ddp) at micro-batch 2"
+
+    close = _step(1.0, 0.5 + 2**-20, 0.25)  # within rtol 1e-4 / atol 1e-5, not bitwise
+    assert _verdict(close, compiled=True).equal
+    assert "within the compiled-layer tolerance (rtol 0.0001, atol 1e-05)" in _verdict(close, compiled=True).detail
+    eager = _verdict(close)
+    assert not eager.equal and eager.detail.endswith("bitwise equality is the rule on CPU"), eager.detail
+    assert eager.detail.startswith("1 of 3 values (loss and 2 gradients) differ at micro-batch 4, most at w0")
+
+    # Off CPU the policy may differ by what two runs without it differ by; on CPU it may not.
+    noisy = _step(1.0, 0.5 + 2**-10, 0.25)
+    assert _verdict(close, again=noisy, on_cpu=False).equal
+    assert (
+        "within the spread 0.000977 of two runs without recompute" in _verdict(close, again=noisy, on_cpu=False).detail
+    )
+    assert not _verdict(close, again=noisy, on_cpu=True).equal
+    far = _verdict(noisy, again=close, on_cpu=False)
+    assert not far.equal and far.detail.endswith("two runs without recompute differ by 9.54e-07"), far.detail
+
+
+def test_the_numerics_result_is_the_protocols_payload() -> None:
+    from tuner.trials.protocol import NumericsPayload
+
+    recipe = from_dict(RECIPE)
+    res = worker._numerics({"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("full").to_dict()})
+    got = NumericsPayload.from_dict(res)
+    assert (got.equal, got.max_abs_diff, got.micro_batch, got.device) == (True, 0.0, 4, "cpu")
+    assert got.detail == "loss and all 41 parameter gradients bitwise equal at micro-batch 4", got.detail
