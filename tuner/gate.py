@@ -151,7 +151,6 @@ def evaluate(
     if not isinstance(cand.policy, RecomputePolicy):
         raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
     cfg = settings or GateSettings()
-    tell = progress or (lambda _line: None)
     if run_trial is None or check_numerics is None or run_race is None:
         # Imported late: tuner.trials spawns subprocesses and imports the recipe machinery, which
         # callers injecting their own runners (tests, other schedulers) do not need.
@@ -160,36 +159,8 @@ def evaluate(
         run_trial = run_trial or trials.run_trial
         check_numerics = check_numerics or trials.check_numerics
         run_race = run_race or trials.run_race
-
-    warmup = int(recipe.trial.warmup_steps)
-    steps = int(recipe.trial.measure_steps)
-    timeout = float(recipe.trial.timeout_s)
-    evidence: dict[str, Any] = {
-        "candidate": {
-            "fingerprint": cand.policy.fingerprint(),
-            "micro_batch": cand.micro_batch,
-            "source_run_id": cand.source_run_id,
-            "policy": cand.policy.to_dict(),
-        },
-        "current_good": None
-        if current_good is None
-        else {
-            "run_id": current_good.run_id,
-            "fingerprint": current_good.fingerprint,
-            "micro_batch": current_good.micro_batch,
-            "throughput": current_good.throughput,
-            "peak_bytes": current_good.peak_bytes,
-        },
-        "budget_bytes": budget_bytes,
-        "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
-    }
-    decision = GateDecision(
-        promoted=False,
-        reasons=[],
-        evidence=evidence,
-        checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"},
-    )
-
+    gate = _Gate(recipe, cand, current_good, budget_bytes, cfg, progress or (lambda _line: None))
+    decision = gate.decision
     if (
         current_good is not None
         and current_good.fingerprint == cand.policy.fingerprint()
@@ -198,107 +169,180 @@ def evaluate(
         decision.unchanged = True
         decision.reasons.append(f"the candidate is already the current good policy (run {current_good.run_id})")
         return decision
-
-    # 1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows.
-    want = cfg.confirm_factor * steps
-    tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
-
-    def confirm() -> TrialResult:
-        return run_trial(
-            recipe,
-            cand.policy,
-            micro_batch=cand.micro_batch,
-            warmup_steps=warmup,
-            measure_steps=want,
-            timeout_s=timeout * cfg.confirm_factor,
-            budget_bytes=budget_bytes,
-        )
-
-    conf = confirm()
-    failure = _unconfirmed(conf, want, budget_bytes, cfg)
-    slow = None if failure else _slower_than_raced(conf, cand.policy, race, cfg)
-    if slow is not None:
-        # Load on a shared machine only ever slows a run, and one run in its own process can land in a
-        # spell of it; the race's figure stands unless a second run is too slow as well (the faster of
-        # the two is the confirmation: benchmark tools take the best of repeats against one-sided noise).
-        tell(f"gate: {slow}; measuring once more ...")
-        evidence["confirmation_slow"] = _as_dict(conf)
-        again = confirm()
-        failure = _unconfirmed(again, want, budget_bytes, cfg)  # a second run failing on its own terms stands
-        if failure is not None or (again.throughput or 0.0) > (conf.throughput or 0.0):
-            conf = again
-        failure = failure or _slower_than_raced(conf, cand.policy, race, cfg)
-    decision.confirmation = conf
-    evidence["confirmation"] = _as_dict(conf)
-    got = len(getattr(conf, "step_times_s", ()) or ())
-    if failure:
-        return _fail(decision, "confirmation", failure)
-    decision.checks["confirmation"] = "passed"
-    decision.reasons.append(
-        f"confirmation: {got} measured steps ({cfg.confirm_factor}x a trial), ok, peak {format_bytes(conf.peak_bytes)}"
-        + (f" <= limit {format_bytes(budget_bytes)}" if budget_bytes is not None else "")
-    )
-
-    # 2. Numerics: a recomputation that changes gradients is a bug, however fast.
-    tell("gate: checking numerics against no recompute ...")
-    num = check_numerics(recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=timeout)
-    evidence["numerics"] = _as_dict(num)
-    if not num.equal:
-        return _fail(
-            decision, "numerics", f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}"
-        )
-    decision.checks["numerics"] = "passed"
-    decision.reasons.append(f"numerics: loss and gradients equal to no recompute ({num.detail})")
-
-    # 3. Regression: never trade the good policy for a slower one, unless it no longer fits.
-    over = _over_limit(current_good, budget_bytes)
-    if current_good is None:
-        decision.checks["regression"] = "passed"
-        evidence["regression"] = {"skipped": "no current good policy to compare against"}
-        decision.reasons.append("regression: no current good policy to compare against")
-    elif over is not None:
-        decision.checks["regression"] = "passed"
-        evidence["regression"] = {"skipped": over}
-        decision.reasons.append(f"regression: not compared: {over}")
-    else:
-        raced = race if _raced_both(race, cand.policy, current_good) else None
-        if raced is None:
-            tell("gate: racing the candidate against the current good policy, interleaved ...")
-            raced = run_race(
-                recipe,
-                [(cand.policy, ["candidate"]), (current_good.policy, ["good"])],
-                layer_names=cand.layer_names or (),
-                references=[current_good.policy],
-                micro_batch=cand.micro_batch,
-                budget_bytes=budget_bytes,
-            )
-        if raced.outcome == "failed":
-            # A good policy that no longer runs here (a changed model or machine) fails the race it is
-            # in; it must not block a candidate that works. Run it alone to tell.
-            alone = run_trial(
-                recipe,
-                current_good.policy,
-                micro_batch=current_good.micro_batch,
-                warmup_steps=warmup,
-                measure_steps=steps,
-                timeout_s=timeout,
-                budget_bytes=budget_bytes,
-            )
-            if not alone.measured:
-                decision.evidence["regression"] = {"race": raced.to_dict(), "good_alone": _as_dict(alone)}
-                decision.checks["regression"] = "passed"
-                decision.reasons.append(
-                    f"regression: the current good policy failed to run ({alone.outcome}"
-                    + (f": {alone.error}" if alone.error else "")
-                    + "); nothing to be slower than"
-                )
-                decision.promoted = True
-                return decision
-        failure = _regression(decision, cand, current_good, raced)
-        if failure:
-            return _fail(decision, "regression", failure)
+    for check in (
+        lambda: gate.confirm(run_trial, race),
+        lambda: gate.numerics(check_numerics),
+        lambda: gate.regression(run_trial, run_race, race),
+    ):
+        if not check():
+            return decision
     decision.promoted = True
     return decision
+
+
+class _Gate:
+    """One `evaluate` call: the candidate, what it is held against, and the decision its checks fill in.
+
+    Each check returns whether the candidate passed it; a failing check has already recorded why.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        cand: Candidate,
+        good: GoodPolicy | None,
+        budget_bytes: int | None,
+        cfg: GateSettings,
+        tell: Progress,
+    ) -> None:
+        self.recipe, self.cand, self.good, self.budget_bytes, self.cfg, self.tell = (
+            recipe,
+            cand,
+            good,
+            budget_bytes,
+            cfg,
+            tell,
+        )
+        self.warmup = int(recipe.trial.warmup_steps)
+        self.steps = int(recipe.trial.measure_steps)
+        self.timeout = float(recipe.trial.timeout_s)
+        self.evidence: dict[str, Any] = {
+            "candidate": {
+                "fingerprint": cand.policy.fingerprint(),
+                "micro_batch": cand.micro_batch,
+                "source_run_id": cand.source_run_id,
+                "policy": cand.policy.to_dict(),
+            },
+            "current_good": None
+            if good is None
+            else {
+                "run_id": good.run_id,
+                "fingerprint": good.fingerprint,
+                "micro_batch": good.micro_batch,
+                "throughput": good.throughput,
+                "peak_bytes": good.peak_bytes,
+            },
+            "budget_bytes": budget_bytes,
+            "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
+        }
+        self.decision = GateDecision(
+            promoted=False,
+            reasons=[],
+            evidence=self.evidence,
+            checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"},
+        )
+
+    def confirm(self, run_trial: RunTrial, race: RaceResult | None) -> bool:
+        """1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows."""
+        cfg, cand, budget = self.cfg, self.cand, self.budget_bytes
+        want = cfg.confirm_factor * self.steps
+        self.tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
+
+        def run() -> TrialResult:
+            return run_trial(
+                self.recipe,
+                cand.policy,
+                micro_batch=cand.micro_batch,
+                warmup_steps=self.warmup,
+                measure_steps=want,
+                timeout_s=self.timeout * cfg.confirm_factor,
+                budget_bytes=budget,
+            )
+
+        conf = run()
+        failure = _unconfirmed(conf, want, budget, cfg)
+        slow = None if failure else _slower_than_raced(conf, cand.policy, race, cfg)
+        if slow is not None:
+            # Load on a shared machine only ever slows a run, and one run in its own process can land in a
+            # spell of it; the race's figure stands unless a second run is too slow as well (the faster of
+            # the two is the confirmation: benchmark tools take the best of repeats against one-sided noise).
+            self.tell(f"gate: {slow}; measuring once more ...")
+            self.evidence["confirmation_slow"] = _as_dict(conf)
+            again = run()
+            failure = _unconfirmed(again, want, budget, cfg)  # a second run failing on its own terms stands
+            if failure is not None or (again.throughput or 0.0) > (conf.throughput or 0.0):
+                conf = again
+            failure = failure or _slower_than_raced(conf, cand.policy, race, cfg)
+        self.decision.confirmation = conf
+        self.evidence["confirmation"] = _as_dict(conf)
+        if failure:
+            _fail(self.decision, "confirmation", failure)
+            return False
+        self.decision.checks["confirmation"] = "passed"
+        self.decision.reasons.append(
+            f"confirmation: {len(conf.step_times_s)} measured steps ({cfg.confirm_factor}x a trial), ok, "
+            f"peak {format_bytes(conf.peak_bytes)}"
+            + (f" <= limit {format_bytes(budget)}" if budget is not None else "")
+        )
+        return True
+
+    def numerics(self, check_numerics: CheckNumerics) -> bool:
+        """2. Numerics: a recomputation that changes gradients is a bug, however fast."""
+        self.tell("gate: checking numerics against no recompute ...")
+        cand = self.cand
+        num = check_numerics(self.recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=self.timeout)
+        self.evidence["numerics"] = _as_dict(num)
+        if not num.equal:
+            why = f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}"
+            _fail(self.decision, "numerics", why)
+            return False
+        self.decision.checks["numerics"] = "passed"
+        self.decision.reasons.append(f"numerics: loss and gradients equal to no recompute ({num.detail})")
+        return True
+
+    def regression(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:
+        """3. Regression: never trade the good policy for a slower one, unless it no longer fits."""
+        decision, good, cand = self.decision, self.good, self.cand
+        over = _over_limit(good, self.budget_bytes)
+        if good is None or over is not None:
+            why = "no current good policy to compare against" if good is None else over
+            decision.checks["regression"] = "passed"
+            self.evidence["regression"] = {"skipped": why}
+            decision.reasons.append(f"regression: {why}" if good is None else f"regression: not compared: {why}")
+            return True
+        raced = race if _raced_both(race, cand.policy, good) else None
+        if raced is None:
+            self.tell("gate: racing the candidate against the current good policy, interleaved ...")
+            raced = run_race(
+                self.recipe,
+                [(cand.policy, ["candidate"]), (good.policy, ["good"])],
+                layer_names=cand.layer_names or (),
+                references=[good.policy],
+                micro_batch=cand.micro_batch,
+                budget_bytes=self.budget_bytes,
+            )
+        if raced.outcome == "failed" and self._good_does_not_run(run_trial, raced):
+            return True
+        failure = _regression(decision, cand, good, raced)
+        if failure:
+            _fail(decision, "regression", failure)
+            return False
+        return True
+
+    def _good_does_not_run(self, run_trial: RunTrial, raced: RaceResult) -> bool:
+        """Whether the current good policy fails alone too (a changed model or machine): then it must not
+        block a candidate that works, and the regression check passes, saying why."""
+        good = self.good
+        assert good is not None
+        alone = run_trial(
+            self.recipe,
+            good.policy,
+            micro_batch=good.micro_batch,
+            warmup_steps=self.warmup,
+            measure_steps=self.steps,
+            timeout_s=self.timeout,
+            budget_bytes=self.budget_bytes,
+        )
+        if alone.measured:
+            return False
+        self.evidence["regression"] = {"race": raced.to_dict(), "good_alone": _as_dict(alone)}
+        self.decision.checks["regression"] = "passed"
+        self.decision.reasons.append(
+            f"regression: the current good policy failed to run ({alone.outcome}"
+            + (f": {alone.error}" if alone.error else "")
+            + "); nothing to be slower than"
+        )
+        return True
 
 
 def decide(
