@@ -24,6 +24,18 @@ from tests.servers import MlflowServer, PostgresCluster, ServerUnavailable
 torch.set_num_threads(1)
 
 
+SLOW_TIMEOUT_S = 900
+"""The per-test limit of a ``slow`` test without its own ``@pytest.mark.timeout``. The fast tier's 240 s
+(pyproject) catches a hang in seconds-long tests; a slow test runs whole tuning sessions of 100-150 s on an
+idle 2-core machine and twice that when the machine is busy, and the limit is there for hangs, not for load."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
 @pytest.fixture(autouse=True)
 def _unmarked_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails a test not marked ``slow`` that starts a process (an interpreter, a server, a launch of ranks).

@@ -134,7 +134,6 @@ def test_cuda_sizes_are_what_the_issue_asks(acceptance: ModuleType, tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_session_check_promotes_a_policy_that_recomputes(acceptance: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     assert acceptance.main(["--device", "cpu", "--only", "session", "--json", str(out)]) == 0
