@@ -41,7 +41,7 @@ from tuner.exits import (
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
-    from tuner.session import SessionSummary, TrialEvent
+    from tuner.summary import SessionSummary, TrialEvent
 
 __all__ = ["build_parser", "main"]
 
@@ -507,7 +507,7 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
 def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
     from tuner import commands
-    from tuner.session import training_change
+    from tuner.summary import training_change
 
     done = commands.rollback(recipe, allow_over_budget=args.allow_over_budget)
     for line in done.cleaned:

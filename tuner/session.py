@@ -1,10 +1,11 @@
-"""One tuning session, the loop only: study -> trials -> tracking -> gate -> policy file.
+"""One tuning session, the loop only: study -> trials -> tracking -> decision -> policy file.
 
 `tune` is what ``recompute-tune RECIPE`` runs. It opens the study (`tuner.search`), has it set up
 once (profile and plan: `tuner.planner.seeds`), asks, runs (`tuner.trials`) and tells trials,
-records each in MLflow (`tuner.tracking`), and hands the best feasible one to the evidence gate
-(`tuner.gate`). It returns a `SessionSummary` and reports progress through callbacks, so the CLI
-only parses arguments and prints.
+records each in MLflow (`tuner.tracking`), and hands the best feasible one to `tuner.decision` (the
+race and the evidence gate). What workers sharing the study agree on is `tuner.workers`'. It returns
+a `tuner.summary.SessionSummary` and reports progress through callbacks, so the CLI only parses
+arguments and prints.
 
 Interrupts (`tuner.interrupts`): the first Ctrl-C lets the trial in flight finish, records it,
 and stops; the second kills the trial (its process group) and records it as interrupted. Either
@@ -19,27 +20,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.tuned_for import TunedFor, batch_advice
 from tuner.decision import Stage, decide_best
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
-from tuner.jsonable import jsonable
 from tuner.killpoints import kill_point
 from tuner.liveness import Heartbeat, grace_s
 from tuner.planner.seeds import PlannerSeeds, plan_seeds
-from tuner.recipe.build import data_batch_size
 from tuner.search import (
     Predictor,
     Proposal,
     SearchSpace,
-    TrialRecord,
     TuningStudy,
     baseline_seeds,
     best_of,
@@ -48,6 +43,7 @@ from tuner.search import (
     study_name,
 )
 from tuner.stores import open_tracker, storage_failure
+from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 from tuner.workers import Presence, join_setup, others_fill, reap, slot_taken, wait_for_running
 
 if TYPE_CHECKING:
@@ -56,7 +52,7 @@ if TYPE_CHECKING:
     from tuner.tracking import Tracker
     from tuner.trials import TrialResult
 
-__all__ = ["SessionSummary", "TrialEvent", "training_change", "tune"]
+__all__ = ["tune"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,169 +65,6 @@ POLL_S = 1.0
 """How often a session waiting on other workers' trials looks at the study again."""
 
 Notify = Callable[[str], None]
-
-
-# ---------------------------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class TrialEvent:
-    """What the CLI prints for one trial as it finishes."""
-
-    record: TrialRecord
-    """The trial just told to Optuna (measured, skipped or duplicate)."""
-    best: TrialRecord | None
-    """The best feasible trial of the study so far (any worker's)."""
-    measured: int
-    """Trials measured in the study so far (what ``n_trials`` counts)."""
-    n_trials: int
-    budget_bytes: int
-    layer_names: tuple[str, ...]
-
-
-@dataclass
-class SessionSummary:
-    """What a tuning session did and decided; the CLI prints it, ``--format json`` dumps `to_dict`."""
-
-    recipe: str
-    study: str
-    storage: str
-    device: str
-    budget_bytes: int
-    layer_names: tuple[str, ...]
-    search_space: str
-    status: str
-    """``promoted``, ``current`` (the best is already the good policy), ``searched`` (search only),
-    ``rejected`` (the gate kept the current policy), ``infeasible`` or ``interrupted``."""
-    exit_code: int
-    trials_this_session: int = 0
-    records: list[TrialRecord] = field(default_factory=list)
-    """Every finished trial of the study, all sessions and workers."""
-    best: TrialRecord | None = None
-    baselines: dict[str, TrialRecord] = field(default_factory=dict)
-    """Baseline name (``none``, ``full``, ``selective``, ``every_2nd_full``) -> its trial."""
-    gains: dict[str, float | None] = field(default_factory=dict)
-    """Baseline name -> the race winner's throughput over the baseline's, minus 1, from the race's
-    estimation rounds (``None``: not raced against it; single trials are never compared)."""
-    race: RaceResult | None = None
-    """The race before the gate (``None``: not run; its ``reason`` says why when skipped or failed)."""
-    chosen: bool = False
-    """`best` is the race's winner (or the good policy a race chose before), not merely the fastest single trial."""
-    reasons: list[str] = field(default_factory=list)
-    """The gate's reasons, or why there was nothing to gate."""
-    evidence: dict[str, Any] = field(default_factory=dict)
-    policy_path: Path | None = None
-    """The policy file written (on promotion) or holding the current good policy."""
-    tracking_uri: str = ""
-    experiment: str = ""
-    session_run_id: str | None = None
-    decision_run_id: str | None = None
-    notes: list[str] = field(default_factory=list)
-    """What the session decided along the way (planner unavailable, space exhausted ...)."""
-    data_batch_size: int | None = None
-    """The batch size of the recipe's data module (what ``micro_batch`` ``None`` means)."""
-    tuned_for: TunedFor | None = None
-    """What the good policy in `policy_path` was tuned for (``None``: no good policy, or one
-    promoted before the tuner recorded it)."""
-
-    @property
-    def training_change(self) -> str | None:
-        """What to set in the training job for the good policy to fit, in words (``None``: unknown)."""
-        return training_change(self.tuned_for)
-
-    @property
-    def mlflow_command(self) -> str:
-        """The command that browses this session in MLflow."""
-        return f"mlflow ui --backend-store-uri {self.tracking_uri}"
-
-    def vs_figures(self) -> dict[str, dict[str, Any]]:
-        """Baseline name -> the race's figure against it: ``gain``, ``low``, ``high`` (fractions),
-        ``rounds``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)``)."""
-        from tuner.race import format_gain
-
-        out: dict[str, dict[str, Any]] = {}
-        if self.race is None or not self.race.ok:
-            return out
-        for name, rec in self.baselines.items():
-            iv = self.race.vs.get(rec.fingerprint)
-            if iv is not None:
-                gain, low, high = iv.gain()
-                out[name] = {
-                    "gain": gain,
-                    "low": low,
-                    "high": high,
-                    "rounds": iv.rounds,
-                    "confidence": iv.confidence,
-                    "text": format_gain(iv),
-                }
-        return out
-
-    @property
-    def ranked(self) -> list[TrialRecord]:
-        """Measured trials: feasible ones first, each group by throughput, highest first."""
-        rows = [r for r in self.records if r.measured and r.throughput is not None]
-        return sorted(rows, key=lambda r: (not r.feasible, -(r.throughput or 0.0), r.number))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types (JSON-ready)."""
-        return {
-            "recipe": self.recipe,
-            "study": self.study,
-            "storage": self.storage,
-            "device": self.device,
-            "budget_bytes": self.budget_bytes,
-            "layer_names": list(self.layer_names),
-            "search_space": self.search_space,
-            "status": self.status,
-            "exit_code": self.exit_code,
-            "trials_this_session": self.trials_this_session,
-            "best": None if self.best is None else self.best.to_dict(),
-            "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
-            "gains": dict(self.gains),
-            "vs": self.vs_figures(),
-            "race": None if self.race is None else self.race.to_dict(),
-            "chosen": self.chosen,
-            "reasons": list(self.reasons),
-            "evidence": jsonable(self.evidence),
-            "policy_path": None if self.policy_path is None else str(self.policy_path),
-            "tracking_uri": self.tracking_uri,
-            "experiment": self.experiment,
-            "mlflow_command": self.mlflow_command,
-            "session_run_id": self.session_run_id,
-            "decision_run_id": self.decision_run_id,
-            "trials": [r.to_dict() for r in self.records],
-            "notes": list(self.notes),
-            "data_batch_size": self.data_batch_size,
-            "tuned_for": None if self.tuned_for is None else self.tuned_for.to_dict(),
-            "training_change": self.training_change,
-        }
-
-
-def training_change(tuned: TunedFor | None) -> str | None:
-    """What a training job with the recipe's data must set for a policy tuned as ``tuned`` to fit.
-
-    The batch a job feeds the model per step must not exceed the tuned micro-batch; gradient
-    accumulation keeps the data's global batch (8 at micro-batch 4: ``batch_size=4,
-    accumulate_grad_batches=2``).
-    """
-    if tuned is None or tuned.micro_batch is None:
-        return None
-    mb, data = tuned.micro_batch, tuned.data_batch_size
-    if data is None:
-        return f"train at batch_size={mb} per device (the micro-batch the policy was measured at) or smaller"
-    if mb == data:
-        return f"no change: the policy was tuned at the data's batch size of {data}"
-    if mb < data:
-        size, steps = batch_advice(mb, data)
-        return (
-            f"set batch_size={size}, accumulate_grad_batches={steps} in the training job to keep the global batch "
-            f"of {data}; at batch size {data} the policy was not measured and may not fit the budget"
-        )
-    return (
-        f"set batch_size={mb} in the training job (the policy was tuned at micro-batch {mb}, larger than the "
-        f"data's {data}: a global batch of {mb}, so revisit the learning rate); at {data} it uses less memory "
-        f"and fits too, but that is not the combination measured fastest"
-    )
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -593,43 +426,21 @@ class _TuningSession:
     def _summary(
         self, status: str, exit_code: int, race: RaceResult | None = None, chosen: str | None = None
     ) -> SessionSummary:
-        records = self.study.records() if self.study is not None else []
-        best = self.study.best() if self.study is not None else None
-        if chosen is not None:
-            # The race's winner (or the good policy it chose before) is the session's answer; its trial,
-            # if a trial ran it, is the record shown.
-            best = next((r for r in records if r.measured and r.fingerprint == chosen), best)
-        baselines = _baselines(records)
-        # "vs" figures come from the race's estimation rounds only: two single trials minutes apart
-        # compare the machine's moments as much as the policies.
-        gains: dict[str, float | None] = {}
-        for name, rec in baselines.items():
-            iv = race.vs.get(rec.fingerprint) if race is not None and race.ok else None
-            gains[name] = iv.gain()[0] if iv is not None else None
         where = self.where
-        return SessionSummary(
-            recipe=self.recipe.name,
+        return summarize(
+            self.recipe,
+            self.study,
+            status,
+            exit_code,
             study=where.name,
-            storage=str(self.recipe.study.storage),
             device=where.device,
             budget_bytes=where.budget,
-            layer_names=where.space.layer_names,
-            search_space=where.space.describe(),
-            status=status,
-            exit_code=exit_code,
-            trials_this_session=self.ran,
-            records=records,
-            best=best,
-            baselines=baselines,
-            gains=gains,
-            policy_path=None,
-            tracking_uri=self.recipe.tracking.uri,
-            experiment=str(self.recipe.tracking.experiment),
+            space=where.space,
+            ran=self.ran,
             session_run_id=self.session_run_id,
             notes=self.notes,
-            data_batch_size=data_batch_size(self.recipe),
             race=race,
-            chosen=chosen is not None and best is not None and best.fingerprint == chosen,
+            chosen=chosen,
         )
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
@@ -686,7 +497,7 @@ class _TuningSession:
         best = study.best() if study is not None else None
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
-            summary.reasons.append(_why_infeasible(summary, self.where.budget))
+            summary.reasons.append(why_infeasible(summary, self.where.budget))
             return self._finish(summary)
         if self.options.search_only:
             summary = self._summary("searched", EXIT_OK)
@@ -727,33 +538,3 @@ class _TuningSession:
                 return fn(*args, **kwargs)
 
         return cast("_F", call)
-
-
-def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
-    """Each baseline's trial: the measured one (a re-queued seed may have an interrupted record too),
-    or, for a baseline that was a duplicate, the trial it duplicated."""
-    by_number = {r.number: r for r in records}
-    out: dict[str, TrialRecord] = {}
-    for r in records:
-        if not (r.seed or "").startswith("baseline:"):
-            continue
-        name = r.seed.split(":", 1)[1]  # type: ignore[union-attr]
-        if r.outcome == "duplicate" and r.duplicate_of in by_number:
-            r = by_number[r.duplicate_of]
-        if r.outcome in ("interrupted", "abandoned"):
-            out.setdefault(name, r)
-            continue
-        if name not in out or out[name].outcome in ("interrupted", "abandoned"):
-            out[name] = r
-    return out
-
-
-def _why_infeasible(summary: SessionSummary, budget: int) -> str:
-    """Why there is no best trial, consistent with the "N trials measured" count the report prints."""
-    if summary.ranked:
-        return f"no measured trial fits the budget limit of {budget} bytes"
-    ran = [r for r in summary.records if r.measured]
-    if not ran:
-        return "no trial was measured"
-    outcomes = ", ".join(f"{n} {o}" for o, n in sorted(Counter(r.outcome for r in ran).items()))
-    return f"none of the {len(ran)} trials run gave a throughput ({outcomes}); see each trial's reason"

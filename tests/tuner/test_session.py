@@ -22,12 +22,13 @@ from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.planner import Planner, Prediction
 from tuner.planner.seeds import PlannerSeeds
 from tuner.recipe import from_dict
+from tuner.summary import TrialEvent
 from tuner.trials import TrialResult
 
 
 def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(tmp_path, tracking_uri, fakes):
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
-    events: list[session.TrialEvent] = []
+    events: list[TrialEvent] = []
     summary = session.tune(recipe, use_planner=False, on_trial=events.append)
     assert summary.best is not None
 
@@ -340,7 +341,7 @@ def test_rollback_with_one_promotion_restores_a_missing_or_corrupt_file(tmp_path
 )
 def test_the_training_change_says_what_to_set(micro_batch, data_batch, says):
     from lightning_recompute import TunedFor
-    from tuner.session import training_change
+    from tuner.summary import training_change
 
     assert training_change(TunedFor(micro_batch=micro_batch, data_batch_size=data_batch)).startswith(says)
     assert training_change(None) is None and training_change(TunedFor(device="cpu")) is None
