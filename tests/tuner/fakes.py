@@ -41,10 +41,12 @@ def fake_throughput(policy: RecomputePolicy | None) -> float:
 class ExactTrials:
     """`run_trial` / `check_numerics` stand-ins for a session: exact figures per mode, and a log of calls."""
 
-    def __init__(self, on_call=None):
+    def __init__(self, on_call=None, batches=None):
         self.calls: list[str] = []
         self.races: list[list[str]] = []
         self.on_call = on_call
+        self.batches = batches
+        """The data scan every trial reports (`tuner.trials.batches.BatchScan.to_dict`), or ``None``."""
 
     def run_trial(
         self,
@@ -71,6 +73,7 @@ class ExactTrials:
             throughput_unit="tokens/s",
             step_times_s=(1.0 / thr,) * steps,
             device="cpu",
+            batches=self.batches,
         )
 
     def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):

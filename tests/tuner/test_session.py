@@ -222,6 +222,24 @@ def test_the_search_stops_when_the_space_is_exhausted(tmp_path, tracking_uri, fa
     assert all(r.outcome == "duplicate" for r in summary.records[-session.MAX_UNMEASURED_IN_A_ROW :])
 
 
+def test_a_data_module_whose_batches_vary_is_said_once_with_the_batch_trials_measure(tmp_path, tracking_uri, fakes):
+    fakes.batches = {
+        "scanned": 4,
+        "exhaustive": True,
+        "largest_index": 3,
+        "largest_samples": 16,
+        "largest_elements": 512,
+        "smallest_samples": 1,
+        "varies": True,
+    }
+    summary = session.tune(make_recipe(tmp_path, tracking_uri, n_trials=3), use_planner=False, search_only=True)
+    said = [n for n in summary.notes if n.startswith("data: ")]
+    assert said == [
+        "data: batches vary (1..16 samples over 4 batches, the whole epoch): every measured step uses the largest, "
+        "batch 3 (16 samples, 512 tensor elements)"
+    ]
+
+
 def test_the_search_stops_at_its_timeout(tmp_path, tracking_uri, fakes, monkeypatch):
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=5)
     recipe = type(recipe)(**{**recipe.__dict__, "search": type(recipe.search)(n_trials=5, timeout_s=30.0)})
