@@ -82,8 +82,8 @@ class TrialEvent:
     """The trial just told to Optuna (measured, skipped or duplicate)."""
     best: TrialRecord | None
     """The best feasible trial of the study so far (any worker's)."""
-    measured: int
-    """Trials measured in the study so far (what ``n_trials`` counts)."""
+    ran: int
+    """Trials run in the study so far (`TrialRecord.ran`: what ``n_trials`` counts)."""
     n_trials: int
     budget_bytes: int
     layer_names: tuple[str, ...]
@@ -452,7 +452,7 @@ class _TuningSession:
             seeding.seeds = []  # the study was seeded by the session that set it up
             if seeding.note:
                 self.note(seeding.note)
-            self.notify(f"study {where.name} resumed: {study.measured_count()} trials measured so far")
+            self.notify(f"study {where.name} resumed: {study.ran_count()} trials run so far")
             return seeding
         self.presence.setting_up = True
         try:
@@ -493,7 +493,7 @@ class _TuningSession:
             if self.interrupts.stop.is_set():
                 return None
             reap(study, self._tracker(), self.grace, self.where.space.layer_names, self.where.name, self.note)
-            if study.measured_count() >= n_trials:
+            if study.ran_count() >= n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
                 return f"search.timeout_s ({timeout:g} s) reached"
@@ -581,7 +581,7 @@ class _TuningSession:
             TrialEvent(
                 record=record,
                 best=best_of(records),
-                measured=sum(1 for r in records if r.measured),
+                ran=sum(1 for r in records if r.ran),
                 n_trials=self.options.n_trials,
                 budget_bytes=self.where.budget,
                 layer_names=self.where.space.layer_names,
@@ -598,7 +598,7 @@ class _TuningSession:
         if chosen is not None:
             # The race's winner (or the good policy it chose before) is the session's answer; its trial,
             # if a trial ran it, is the record shown.
-            best = next((r for r in records if r.measured and r.fingerprint == chosen), best)
+            best = next((r for r in records if r.ran and r.fingerprint == chosen), best)
         baselines = _baselines(records)
         # "vs" figures come from the race's estimation rounds only: two single trials minutes apart
         # compare the machine's moments as much as the policies.
@@ -749,10 +749,10 @@ def _baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
 
 
 def _why_infeasible(summary: SessionSummary, budget: int) -> str:
-    """Why there is no best trial, consistent with the "N trials measured" count the report prints."""
+    """Why there is no best trial, consistent with the "N trials run" count the report prints."""
     if summary.ranked:
         return f"no measured trial fits the budget limit of {budget} bytes"
-    ran = [r for r in summary.records if r.measured]
+    ran = [r for r in summary.records if r.ran]
     if not ran:
         return "no trial was measured"
     outcomes = ", ".join(f"{n} {o}" for o, n in sorted(Counter(r.outcome for r in ran).items()))

@@ -128,9 +128,16 @@ class TrialRecord:
     """Measured and within the budget limit."""
 
     @property
-    def measured(self) -> bool:
-        """Whether this trial ran the policy (duplicates, skips and interruptions did not)."""
+    def ran(self) -> bool:
+        """Whether this trial ran the policy to an outcome: measured, or oom / timeout / error / nonfinite
+        (duplicates, skips, interruptions and abandoned trials did not). What ``n_trials`` counts."""
         return self.outcome in ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")
+
+    @property
+    def measured(self) -> bool:
+        """Whether this trial produced memory and speed figures (``ok`` or ``over_budget``), as
+        `tuner.trials.TrialResult.measured` means it; a trial can have `ran` without being measured."""
+        return self.outcome in ("ok", "over_budget")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types for the trials table (``policy`` as the policy-file mapping)."""
@@ -531,9 +538,9 @@ class TuningStudy:
         """The measured, within-budget trial of highest throughput; ``None`` when there is none."""
         return best_of(self.records())
 
-    def measured_count(self) -> int:
-        """Trials that ran a policy (what ``n_trials`` counts), all workers together."""
-        return sum(1 for r in self.records() if r.measured)
+    def ran_count(self) -> int:
+        """Trials that ran a policy (`TrialRecord.ran`: what ``n_trials`` counts), all workers together."""
+        return sum(1 for r in self.records() if r.ran)
 
     def beat_trial(self, proposal: Proposal) -> None:
         """The heartbeat of a trial this process runs."""

@@ -233,7 +233,7 @@ def test_a_candidate_predicted_far_over_budget_is_skipped_not_run(tmp_path):
     assert frozen.state == TrialState.PRUNED
     assert frozen.user_attrs["outcome"] == "skipped" and frozen.user_attrs["reason"] == reason
     assert peak_constraint(frozen)[0] > 0
-    assert study.measured_count() == 0 and study.best() is None
+    assert study.ran_count() == 0 and study.best() is None
 
 
 def test_a_duplicate_policy_is_not_measured_twice(tmp_path):
@@ -251,7 +251,7 @@ def test_a_duplicate_policy_is_not_measured_twice(tmp_path):
     frozen = study.tell_duplicate(second)
     # The sampler sees the same value again (not a "bad" pruned trial); the table counts one measurement.
     assert frozen.state == TrialState.COMPLETE and frozen.value == 500.0
-    assert study.measured_count() == 1
+    assert study.ran_count() == 1
     assert [r.outcome for r in study.records()] == ["ok", "duplicate"]
     assert study.records()[1].throughput is None  # figures stay with the trial that measured them
 
@@ -302,5 +302,6 @@ def test_failed_trials_are_told_fail_with_their_outcome(tmp_path):
     frozen = study.tell_result(proposal, TrialResult(outcome="oom", error="CUDA out of memory", device="cpu"))
     assert frozen.state == TrialState.FAIL
     record = study.records()[0]
-    assert record.outcome == "oom" and record.reason == "CUDA out of memory" and record.measured
+    assert record.outcome == "oom" and record.reason == "CUDA out of memory"
+    assert record.ran and not record.measured  # it ran to an outcome, and produced no figures
     assert peak_constraint(frozen) == (math.inf,)
