@@ -305,3 +305,18 @@ def test_failed_trials_are_told_fail_with_their_outcome(tmp_path):
     assert record.outcome == "oom" and record.reason == "CUDA out of memory"
     assert record.ran and not record.measured  # it ran to an outcome, and produced no figures
     assert peak_constraint(frozen) == (math.inf,)
+
+
+def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
+    from typing import get_args
+
+    from tuner.search.study import MEASURED, NOT_EVIDENCE, RAN, RecordOutcome
+    from tuner.trials import Outcome
+
+    record_outcomes = set(get_args(RecordOutcome))
+    assert set(get_args(Outcome)) <= record_outcomes
+    assert set(RAN) | {"skipped"} | set(NOT_EVIDENCE) == record_outcomes
+    # "measured" means the same for a record as for the result it records: memory and speed figures.
+    for outcome in get_args(Outcome):
+        assert (outcome in MEASURED) == TrialResult(outcome=outcome).measured
+        assert (outcome in RAN) == (outcome != "skipped")
