@@ -287,7 +287,7 @@ class TunerRun:
     policy: RecomputePolicy | None
     status: str
     trials: int
-    """Trials measured in the session."""
+    """Trials run in the session (`TrialRecord.ran`: what ``n_trials`` counts)."""
     trials_to_2pct: int | None
     seconds_to_2pct: float | None
     wall_s: float
@@ -352,8 +352,8 @@ def run_tuner(
     t0 = time.perf_counter()
     summary = tune(recipe, handle_signals=False)
     wall = time.perf_counter() - t0
-    measured = sorted((r for r in summary.records if r.measured), key=lambda r: r.number)
-    table = [r.to_dict() for r in measured]
+    ran = sorted((r for r in summary.records if r.ran), key=lambda r: r.number)
+    table = [r.to_dict() for r in ran]
     best = summary.best
     promoted = summary.status in ("promoted", "current") and best is not None
     to_trials = to_seconds = None
@@ -362,7 +362,7 @@ def run_tuner(
         study = optuna.load_study(study_name=summary.study, storage=str(recipe.study.storage))
         done = {t.number: t.datetime_complete for t in study.get_trials(deepcopy=False)}
         running = 0.0
-        for i, rec in enumerate(measured, start=1):
+        for i, rec in enumerate(ran, start=1):
             if rec.feasible and rec.throughput:
                 running = max(running, rec.throughput)
             if running >= 0.98 * best.throughput:
@@ -374,7 +374,7 @@ def run_tuner(
         fraction,
         best.policy if promoted else None,
         summary.status,
-        len(measured),
+        len(ran),
         to_trials,
         to_seconds,
         wall,

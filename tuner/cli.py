@@ -326,7 +326,7 @@ def _print(stream: TextIO, text: str) -> None:
 def _trial_line(event: TrialEvent) -> str:
     r = event.record
     mb = f" mb {r.micro_batch}" if r.micro_batch is not None else ""
-    head = f"[{event.measured}/{event.n_trials}] trial {r.number:>3}  {r.short}{mb}"
+    head = f"[{event.ran}/{event.n_trials}] trial {r.number:>3}  {r.short}{mb}"
     if r.throughput is not None:
         body = f"{_num(r.throughput)} {r.throughput_unit}  peak {_bytes(r.peak_bytes)}  {r.outcome}"
     elif r.outcome in ("skipped", "duplicate"):
@@ -345,7 +345,7 @@ def _final_report(s: SessionSummary) -> str:
     lines = [
         "",
         f"study {s.study} on {s.device}: budget limit {_bytes(s.budget_bytes)}; search space {s.search_space}",
-        f"{len([r for r in s.records if r.measured])} trials measured ({s.trials_this_session} this session)",
+        f"{len([r for r in s.records if r.ran])} trials run ({s.trials_this_session} this session)",
         "",
     ]
     ranked = s.ranked
@@ -380,7 +380,7 @@ def _final_report(s: SessionSummary) -> str:
         for name, rec in s.baselines.items():
             if name in figures:
                 lines.append(f"  vs {name:<15} {rec.short}: {figures[name]['text']}")
-            elif not rec.measured:
+            elif not rec.ran:
                 why = f"{rec.outcome}: {rec.reason}" if rec.reason else rec.outcome
                 lines.append(f"  vs {name:<15} {rec.short}: not measured ({why})")
             elif not rec.feasible:

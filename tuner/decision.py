@@ -168,7 +168,7 @@ def race_leaders(
         budget_bytes=stage.budget,
     )
     if race.ok and race.winner is not None:
-        race = race.calibrated({r.fingerprint: r.throughput for r in records if r.measured})
+        race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
         won = race.entrants[race.winner].short if race.winner is not None else "?"
         stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
         for said in (race.tie_line(), race.unresolved_line(), *race.headlines()):
@@ -193,7 +193,7 @@ def candidate_of(
 
     policy, source = best.policy, best.run_id
     if race is not None and race.ok:
-        won = next((r for r in records if r.measured and r.fingerprint == race.winner), None)
+        won = next((r for r in records if r.ran and r.fingerprint == race.winner), None)
         if won is not None:
             policy, source = won.policy, won.run_id
         elif good is not None and good.fingerprint == race.winner:

@@ -31,8 +31,8 @@ def _number(value: Any) -> float | None:
 
 def _point(row: Mapping[str, Any]) -> tuple[float, float] | None:
     """``(peak_bytes, throughput)`` of a trials-table row, or ``None`` when it measured nothing."""
-    peak = _number(row.get("peak_bytes", row.get("measured_peak_bytes")))
-    thr = _number(row.get("throughput", row.get("measured_throughput")))
+    peak = _number(row.get("peak_bytes"))
+    thr = _number(row.get("throughput"))
     if peak is None or thr is None:
         return None
     return peak, thr
@@ -73,8 +73,8 @@ def pareto_plot(
     """Draw the trials, the front, the baselines and the budget to a PNG at ``path``.
 
     Args:
-        trials: trials-table rows; a row is drawn when it has ``peak_bytes`` and ``throughput``
-            (``measured_peak_bytes`` / ``measured_throughput`` are read too) and no ``duplicate_of``.
+        trials: trials-table rows (`tuner.search.TrialRecord.to_dict`); a row is drawn when it has
+            ``peak_bytes`` and ``throughput`` and no ``duplicate_of``.
             ``outcome`` picks the marker (ok, over budget); ``number`` labels the front's points.
         path: the PNG to write (folders are created).
         baselines: name -> row of the same shape (``none``, ``full``...); each is drawn and labelled.

@@ -285,7 +285,7 @@ class _TuningSession:
             seeding.seeds = []  # the study was seeded by the session that set it up
             if seeding.note:
                 self.note(seeding.note)
-            self.notify(f"study {where.name} resumed: {study.measured_count()} trials measured so far")
+            self.notify(f"study {where.name} resumed: {study.ran_count()} trials run so far")
             return seeding
         self.presence.setting_up = True
         try:
@@ -326,7 +326,7 @@ class _TuningSession:
             if self.interrupts.stop.is_set():
                 return None
             reap(study, self._tracker(), self.grace, self.where.space.layer_names, self.where.name, self.note)
-            if study.measured_count() >= n_trials:
+            if study.ran_count() >= n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
                 return f"search.timeout_s ({timeout:g} s) reached"
@@ -414,7 +414,7 @@ class _TuningSession:
             TrialEvent(
                 record=record,
                 best=best_of(records),
-                measured=sum(1 for r in records if r.measured),
+                ran=sum(1 for r in records if r.ran),
                 n_trials=self.options.n_trials,
                 budget_bytes=self.where.budget,
                 layer_names=self.where.space.layer_names,

@@ -33,8 +33,8 @@ class TrialEvent:
     """The trial just told to Optuna (measured, skipped or duplicate)."""
     best: TrialRecord | None
     """The best feasible trial of the study so far (any worker's)."""
-    measured: int
-    """Trials measured in the study so far (what ``n_trials`` counts)."""
+    ran: int
+    """Trials run in the study so far (`TrialRecord.ran`: what ``n_trials`` counts)."""
     n_trials: int
     budget_bytes: int
     layer_names: tuple[str, ...]
@@ -209,7 +209,7 @@ def summarize(
     records = source.records() if source is not None else []
     best = source.best() if source is not None else None
     if chosen is not None:
-        best = next((r for r in records if r.measured and r.fingerprint == chosen), best)
+        best = next((r for r in records if r.ran and r.fingerprint == chosen), best)
     base = baselines(records)
     # "vs" figures come from the race's estimation rounds only: two single trials minutes apart
     # compare the machine's moments as much as the policies.
@@ -263,10 +263,10 @@ def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
 
 
 def why_infeasible(summary: SessionSummary, budget: int) -> str:
-    """Why there is no best trial, consistent with the "N trials measured" count the report prints."""
+    """Why there is no best trial, consistent with the "N trials run" count the report prints."""
     if summary.ranked:
         return f"no measured trial fits the budget limit of {budget} bytes"
-    ran = [r for r in summary.records if r.measured]
+    ran = [r for r in summary.records if r.ran]
     if not ran:
         return "no trial was measured"
     outcomes = ", ".join(f"{n} {o}" for o, n in sorted(Counter(r.outcome for r in ran).items()))

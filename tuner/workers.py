@@ -101,12 +101,12 @@ def reap(
 
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     """Whether the study's measured trials and the live trials in flight already make up ``n_trials``."""
-    return study.measured_count() + study.running_alive(grace_s) >= n_trials
+    return study.ran_count() + study.running_alive(grace_s) >= n_trials
 
 
 def slot_taken(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> bool:
     """Whether another worker asked at the same moment and holds the last slot (the lower number wins)."""
-    return study.measured_count() + study.running_alive(grace_s, below=proposal.number) >= n_trials
+    return study.ran_count() + study.running_alive(grace_s, below=proposal.number) >= n_trials
 
 
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:

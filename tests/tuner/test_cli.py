@@ -175,7 +175,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     assert "rerun" in err or "resume" in err
 
     study = open_study(recipe_path)
-    first = [r for r in study.records() if r.measured]
+    first = [r for r in study.records() if r.ran]
     assert 1 <= len(first) <= 2  # the trial in flight at Ctrl-C is finished and kept
     assert not study.running()
     _, _, runs = mlflow_runs(recipe_path)
@@ -189,7 +189,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in again.stdout
     study = open_study(recipe_path)
     records = study.records()
-    measured = [r for r in records if r.measured]
+    measured = [r for r in records if r.ran]
     assert len(measured) == 3
     assert len({(r.fingerprint, r.micro_batch) for r in measured}) == 3  # nothing measured twice
     seeds = [r.seed for r in records if r.seed]
@@ -221,7 +221,7 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
 
     study = open_study(recipe_path)
     records = study.records()
-    measured = [r for r in records if r.measured]
+    measured = [r for r in records if r.ran]
     assert 3 <= len(measured) <= 4  # a worker may start one trial while the other finishes the last
     keys = [(r.fingerprint, r.micro_batch) for r in measured]
     assert len(keys) == len(set(keys)), "a policy was measured twice"

@@ -115,7 +115,7 @@ def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measure
     dead = [r for r in summary.records if r.outcome == "abandoned"]
     assert len(dead) == 1 and dead[0].state == "FAIL" and "is gone" in (dead[0].reason or "")
     # The candidate came back and was measured once; every baseline was measured exactly once.
-    measured = Counter(r.seed for r in summary.records if r.measured)
+    measured = Counter(r.seed for r in summary.records if r.ran)
     assert measured == Counter({f"baseline:{b}": 1 for b in ("none", "full", "selective", "every_2nd_full")})
     assert dead[0].seed in measured
     assert summary.baselines[dead[0].seed.split(":")[1]].outcome == "ok"  # type: ignore[union-attr]
@@ -145,7 +145,7 @@ def test_a_setup_whose_owner_died_is_taken_over_at_once(tmp_path, tracking_uri, 
     notes: list[str] = []
     summary = session.tune(recipe, use_planner=False, search_only=True, on_note=notes.append)
     assert any("taking over the study's setup: owner died" in n for n in notes), notes
-    assert sum(1 for r in summary.records if r.measured) == 4
+    assert sum(1 for r in summary.records if r.ran) == 4
 
 
 def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_nothing(tmp_path, tracking_uri):

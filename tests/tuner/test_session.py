@@ -33,7 +33,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert summary.best is not None
 
     assert summary.status == "promoted" and summary.exit_code == EXIT_OK
-    measured = [r for r in summary.records if r.measured]
+    measured = [r for r in summary.records if r.ran]
     assert len(measured) == 6
     limit = int(12 * MIB * 0.95)
     assert summary.budget_bytes == limit
@@ -125,7 +125,7 @@ def test_a_candidate_predicted_far_over_budget_is_skipped_and_logged(tmp_path, t
     (sess,) = runs(recipe, "session")
     assert "status searched" in sess.data.tags["recompute.session_notes"]
     assert "......"[:3] not in fakes.calls  # never run
-    assert sum(1 for r in summary.records if r.measured) == 3  # skips do not count as trials
+    assert sum(1 for r in summary.records if r.ran) == 3  # skips do not count as trials
     study = study_of(recipe, summary)
     assert study.study.trials[none.number].state == TrialState.PRUNED
     run = next(r for r in runs(recipe, "trial") if r.data.params["trial_number"] == str(none.number))
@@ -150,7 +150,7 @@ def test_first_ctrl_c_finishes_the_trial_then_stops_and_a_rerun_resumes(tmp_path
     resumed = session.tune(recipe, use_planner=False, search_only=True)
     assert resumed.status == "searched" and resumed.trials_this_session == 2
     records = resumed.records
-    assert sum(1 for r in records if r.measured) == 4
+    assert sum(1 for r in records if r.ran) == 4
     seeds = [r.seed for r in records if r.seed]
     assert len(seeds) == len(set(seeds)) == 4  # every baseline once: nothing re-seeded
     assert len(study_of(recipe, resumed).waiting()) == waiting - 2
@@ -180,7 +180,7 @@ def test_second_ctrl_c_kills_the_trial_and_its_seed_runs_on_resume(tmp_path, tra
     full = [r for r in resumed.records if r.seed == "baseline:full"]
     assert [r.outcome for r in full] == ["interrupted", "ok"]  # re-queued, then measured once
     assert resumed.baselines["full"].outcome == "ok"
-    assert sum(1 for r in resumed.records if r.measured) == 4
+    assert sum(1 for r in resumed.records if r.ran) == 4
 
 
 def test_failed_trials_are_recorded_and_the_session_goes_on(tmp_path, tracking_uri, monkeypatch):
@@ -215,7 +215,7 @@ def test_the_search_stops_when_the_space_is_exhausted(tmp_path, tracking_uri, fa
         source=tmp_path / "recipe.yaml",
     )
     summary = session.tune(recipe, use_planner=False, search_only=True)
-    measured = [r for r in summary.records if r.measured]
+    measured = [r for r in summary.records if r.ran]
     assert sorted(r.short for r in measured) == ["..", ".F", "F.", "FF"]
     assert len(fakes.calls) == 4  # duplicates are told, never run
     assert any("search space exhausted" in note for note in summary.notes)

@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -98,6 +98,23 @@ def _candidate_key(policy: RecomputePolicy, micro_batch: int | None) -> str:
     return f"{policy.fingerprint()}@{micro_batch if micro_batch is not None else '-'}"
 
 
+RecordOutcome = Literal[
+    "ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped", "duplicate", "interrupted", "abandoned"
+]
+"""What became of a trial of the study: a `tuner.trials.Outcome` (what a trial that ran, or was skipped on the
+planner's prediction, ended as), or ``duplicate`` (a re-proposal, never run again), ``interrupted`` (stopped by
+the user) or ``abandoned`` (its owner died mid-trial)."""
+
+RAN: tuple[RecordOutcome, ...] = ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")
+"""Outcomes of a trial that ran its policy to an end (`TrialRecord.ran`; what ``n_trials`` counts)."""
+
+MEASURED: tuple[RecordOutcome, ...] = ("ok", "over_budget")
+"""Outcomes of a trial that produced memory and speed figures (`TrialRecord.measured`)."""
+
+NOT_EVIDENCE: tuple[RecordOutcome, ...] = ("duplicate", "interrupted", "abandoned")
+"""Outcomes of trials that never measured their candidate: neither a duplicate's original nor a seed's."""
+
+
 @dataclass(frozen=True)
 class TrialRecord:
     """One finished trial of the study, as its user attributes describe it (any worker's)."""
@@ -105,9 +122,9 @@ class TrialRecord:
     number: int
     state: str
     """Optuna's state name: COMPLETE, FAIL, PRUNED (RUNNING/WAITING are not records)."""
-    outcome: str
+    outcome: RecordOutcome
     """ok / over_budget / oom / timeout / error / nonfinite / skipped, or duplicate / interrupted / abandoned (never
-    measured)."""
+    run)."""
     policy: RecomputePolicy | None
     fingerprint: str
     short: str
@@ -128,9 +145,16 @@ class TrialRecord:
     """Measured and within the budget limit."""
 
     @property
+    def ran(self) -> bool:
+        """Whether this trial ran the policy to an outcome: measured, or oom / timeout / error / nonfinite
+        (duplicates, skips, interruptions and abandoned trials did not). What ``n_trials`` counts."""
+        return self.outcome in RAN
+
+    @property
     def measured(self) -> bool:
-        """Whether this trial ran the policy (duplicates, skips and interruptions did not)."""
-        return self.outcome in ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")
+        """Whether this trial produced memory and speed figures (``ok`` or ``over_budget``), as
+        `tuner.trials.TrialResult.measured` means it; a trial can have `ran` without being measured."""
+        return self.outcome in MEASURED
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types for the trials table (``policy`` as the policy-file mapping)."""
@@ -481,7 +505,9 @@ class TuningStudy:
         trial.set_user_attr(TrialAttr.PEAK_OVER, None if peak_over is None else value)
         trial.set_constraint(CONSTRAINT, value)
 
-    def _set_common(self, proposal: Proposal, *, outcome: str, run_id: str | None, reason: str | None) -> None:
+    def _set_common(
+        self, proposal: Proposal, *, outcome: RecordOutcome, run_id: str | None, reason: str | None
+    ) -> None:
         t = proposal.trial
         t.set_user_attr(TrialAttr.OUTCOME, outcome)
         t.set_user_attr(TrialAttr.RUN_ID, run_id)
@@ -501,7 +527,8 @@ class TuningStudy:
             a = t.user_attrs
             policy = RecomputePolicy.from_dict(a[TrialAttr.POLICY]) if a.get(TrialAttr.POLICY) else None
             peak_over = a.get(TrialAttr.PEAK_OVER)
-            outcome = str(a.get(TrialAttr.OUTCOME, "error"))
+            # Written by `_set_common` (or `reap_dead`), so one of RecordOutcome's.
+            outcome = cast(RecordOutcome, str(a.get(TrialAttr.OUTCOME, "error")))
             out.append(
                 TrialRecord(
                     number=t.number,
@@ -531,9 +558,9 @@ class TuningStudy:
         """The measured, within-budget trial of highest throughput; ``None`` when there is none."""
         return best_of(self.records())
 
-    def measured_count(self) -> int:
-        """Trials that ran a policy (what ``n_trials`` counts), all workers together."""
-        return sum(1 for r in self.records() if r.measured)
+    def ran_count(self) -> int:
+        """Trials that ran a policy (`TrialRecord.ran`: what ``n_trials`` counts), all workers together."""
+        return sum(1 for r in self.records() if r.ran)
 
     def beat_trial(self, proposal: Proposal) -> None:
         """The heartbeat of a trial this process runs."""
@@ -563,7 +590,8 @@ class TuningStudy:
             if why is None:
                 continue
             try:
-                storage.set_trial_user_attr(t._trial_id, TrialAttr.OUTCOME, "abandoned")
+                abandoned: RecordOutcome = "abandoned"
+                storage.set_trial_user_attr(t._trial_id, TrialAttr.OUTCOME, abandoned)
                 storage.set_trial_user_attr(t._trial_id, TrialAttr.REASON, why)
                 won = storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             except optuna.exceptions.UpdateFinishedTrialError:
@@ -610,10 +638,6 @@ class TuningStudy:
     def waiting(self) -> list[FrozenTrial]:
         """Enqueued trials not yet handed out."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-
-
-NOT_EVIDENCE = ("duplicate", "interrupted", "abandoned")
-"""Outcomes of trials that never measured their candidate: neither a duplicate's original nor a seed's."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from tuner.tracking.client import DEFAULT_TRACKING_URI, ExperimentNotFound, TrackingError, artifact_location_for
 from tuner.tracking.registry import Decision, GoodPolicy
-from tuner.tracking.report import trial_row
 from tuner.tracking.tracker import Tracker
 
 __all__ = [
@@ -43,5 +42,4 @@ __all__ = [
     "Tracker",
     "TrackingError",
     "artifact_location_for",
-    "trial_row",
 ]

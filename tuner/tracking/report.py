@@ -1,4 +1,6 @@
-"""Tables and text made from tracked trials: trial rows, ``trials.csv`` and the session's markdown summary."""
+"""Tables and text made from tracked trials: ``trials.csv`` and the session's markdown summary.
+
+The rows themselves are `tuner.search.TrialRecord.to_dict`'s (the one trials-table schema)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.policy import RecomputePolicy
-from tuner.tracking.client import TrackingError, _finite
+from tuner.tracking.client import TrackingError
 
 if TYPE_CHECKING:
     from tuner.trials import TrialResult
@@ -33,43 +35,6 @@ def _modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[s
     if layer_names:
         return {name: policy.choice_for(name) for name in layer_names}
     return {pattern: mode.value for pattern, mode in policy.layers}
-
-
-def trial_row(
-    number: int | None,
-    policy: RecomputePolicy,
-    layer_names: Sequence[str] | None,
-    micro_batch: int | None,
-    result: TrialResult,
-    prediction: Mapping[str, Any] | None = None,
-    reason: str | None = None,
-    run_id: str | None = None,
-) -> dict[str, Any]:
-    """One row of the trials table (`Tracker.finish_session`, the Pareto plot, ``trials.csv``).
-
-    Keys: number, outcome, peak_bytes, throughput, throughput_unit, step_time_s, micro_batch,
-    policy (one glyph per layer when ``layer_names`` is given), fingerprint, predicted_* (each
-    numeric prediction), reason, error, run_id.
-    """
-    r = _result_dict(result)
-    row: dict[str, Any] = {
-        "number": number,
-        "outcome": r.get("outcome"),
-        "peak_bytes": r.get("peak_bytes"),
-        "throughput": r.get("throughput"),
-        "throughput_unit": r.get("throughput_unit"),
-        "step_time_s": r.get("step_time_s"),
-        "micro_batch": micro_batch,
-        "policy": policy.short(layer_names) if layer_names else json.dumps(_modes(policy, None)),
-        "fingerprint": policy.fingerprint(),
-    }
-    for key, value in (prediction or {}).items():
-        if _finite(value) is not None:
-            row[f"predicted_{key}"] = value
-    row["reason"] = reason
-    row["error"] = r.get("error")
-    row["run_id"] = run_id
-    return row
 
 
 def session_markdown(

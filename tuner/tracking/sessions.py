@@ -23,7 +23,6 @@ from tuner.tracking.client import (
     TrackingError,
     _clip,
     _finite,
-    _int_or_none,
     _now_ms,
     _param_key,
     _status,
@@ -318,39 +317,12 @@ class SessionLog(TrackingClient):
         )
         return run_id
 
-    def trials_table(self, session_run_id: str | None = None) -> list[dict[str, Any]]:
-        """The session's trials, read back from MLflow (so a resumed session sees earlier ones), by number."""
-        session = session_run_id or self._require_session()
-        runs = self._search(f"tags.`{PARENT}` = '{session}' and tags.`{KIND}` = 'trial'")
-        rows = []
-        for run in runs:
-            p, m, t = run.data.params, run.data.metrics, run.data.tags
-            mb = p.get(MICRO_BATCH_PARAM)
-            row: dict[str, Any] = {
-                "number": int(p[TRIAL_NUMBER_PARAM]) if p.get(TRIAL_NUMBER_PARAM, "").lstrip("-").isdigit() else None,
-                "outcome": t.get(OUTCOME),
-                "peak_bytes": _int_or_none(m.get("measured_peak_bytes")),
-                "throughput": m.get("measured_throughput"),
-                "throughput_unit": t.get(THROUGHPUT_UNIT),
-                "step_time_s": m.get("measured_step_time_s"),
-                "micro_batch": int(mb) if mb and mb.isdigit() else None,
-                "policy": t.get(POLICY_SHORT),
-                "fingerprint": p.get(POLICY_FINGERPRINT_PARAM),
-            }
-            row.update({k: v for k, v in sorted(m.items()) if k.startswith("predicted_")})
-            row["reason"] = t.get(REASON)
-            row["error"] = t.get(ERROR)
-            row["run_id"] = run.info.run_id
-            rows.append(row)
-        rows.sort(key=lambda r: (r["number"] is None, r["number"] if r["number"] is not None else 0))
-        return rows
-
     def finish_session(
         self,
         *,
         status: str,
         best: Mapping[str, Any] | None,
-        trials_table: Sequence[Mapping[str, Any]] | None,
+        trials_table: Sequence[Mapping[str, Any]],
         baselines: Mapping[str, Mapping[str, Any]],
         budget_bytes: int | None,
     ) -> None:
@@ -361,14 +333,15 @@ class SessionLog(TrackingClient):
             best: the best trial, or ``None`` when nothing was feasible: a mapping with ``policy``
                 (a `RecomputePolicy` or its dict) and any of ``run_id``, ``number``, ``throughput``,
                 ``peak_bytes``, ``micro_batch``. Logged as ``best_policy.yaml`` and ``best.json``.
-            trials_table: rows as `trial_row` builds them; ``None`` reads them back from MLflow
-                (`trials_table`), which includes trials logged before a resume.
+            trials_table: rows as `tuner.search.TrialRecord.to_dict` builds them (the study's records,
+                which cover trials logged before a resume and other workers' trials); logged as
+                ``trials.json`` and ``trials.csv`` and drawn on the Pareto plot.
             baselines: name -> row (``none``, ``full``...) drawn and labelled on the Pareto plot.
             budget_bytes: the memory limit (after the margin), drawn on the plot.
         """
         run_id = self._require_session()
         final = _status(status)
-        rows = [dict(r) for r in (self.trials_table(run_id) if trials_table is None else trials_table)]
+        rows = [dict(r) for r in trials_table]
         try:
             self._log_json(run_id, TRIALS_JSON, rows)
             self.client.log_text(run_id, _csv(rows), TRIALS_CSV)

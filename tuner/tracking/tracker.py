@@ -17,7 +17,8 @@ class Tracker(SessionLog, PolicyRegistry):
         with Tracker(recipe.tracking.uri, recipe.tracking.experiment) as tracker:
             tracker.start_session(recipe, study_name=study.study_name)
             tracker.log_trial(0, policy, names, None, result)
-            tracker.finish_session(status="FINISHED", best=..., trials_table=None, baselines={}, budget_bytes=limit)
+            rows = [r.to_dict() for r in study.records()]  # the trials table: `TrialRecord.to_dict` rows
+            tracker.finish_session(status="FINISHED", best=..., trials_table=rows, baselines={}, budget_bytes=limit)
 
     A decision (promote, reject, rollback) made while a session is open nests in its run.
 

@@ -233,7 +233,7 @@ def test_a_candidate_predicted_far_over_budget_is_skipped_not_run(tmp_path):
     assert frozen.state == TrialState.PRUNED
     assert frozen.user_attrs["outcome"] == "skipped" and frozen.user_attrs["reason"] == reason
     assert peak_constraint(frozen)[0] > 0
-    assert study.measured_count() == 0 and study.best() is None
+    assert study.ran_count() == 0 and study.best() is None
 
 
 def test_a_duplicate_policy_is_not_measured_twice(tmp_path):
@@ -251,7 +251,7 @@ def test_a_duplicate_policy_is_not_measured_twice(tmp_path):
     frozen = study.tell_duplicate(second)
     # The sampler sees the same value again (not a "bad" pruned trial); the table counts one measurement.
     assert frozen.state == TrialState.COMPLETE and frozen.value == 500.0
-    assert study.measured_count() == 1
+    assert study.ran_count() == 1
     assert [r.outcome for r in study.records()] == ["ok", "duplicate"]
     assert study.records()[1].throughput is None  # figures stay with the trial that measured them
 
@@ -302,5 +302,21 @@ def test_failed_trials_are_told_fail_with_their_outcome(tmp_path):
     frozen = study.tell_result(proposal, TrialResult(outcome="oom", error="CUDA out of memory", device="cpu"))
     assert frozen.state == TrialState.FAIL
     record = study.records()[0]
-    assert record.outcome == "oom" and record.reason == "CUDA out of memory" and record.measured
+    assert record.outcome == "oom" and record.reason == "CUDA out of memory"
+    assert record.ran and not record.measured  # it ran to an outcome, and produced no figures
     assert peak_constraint(frozen) == (math.inf,)
+
+
+def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
+    from typing import get_args
+
+    from tuner.search.study import MEASURED, NOT_EVIDENCE, RAN, RecordOutcome
+    from tuner.trials import Outcome
+
+    record_outcomes = set(get_args(RecordOutcome))
+    assert set(get_args(Outcome)) <= record_outcomes
+    assert set(RAN) | {"skipped"} | set(NOT_EVIDENCE) == record_outcomes
+    # "measured" means the same for a record as for the result it records: memory and speed figures.
+    for outcome in get_args(Outcome):
+        assert (outcome in MEASURED) == TrialResult(outcome=outcome).measured
+        assert (outcome in RAN) == (outcome != "skipped")

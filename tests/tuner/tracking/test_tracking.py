@@ -7,6 +7,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
@@ -15,7 +16,8 @@ from lightning_recompute.errors import PolicyError
 from lightning_recompute.policy import RecomputePolicy
 from tuner import recipe as recipe_mod
 from tuner.plots import pareto_front, pareto_plot
-from tuner.tracking import Tracker, TrackingError, artifact_location_for, trial_row
+from tuner.search import TrialRecord
+from tuner.tracking import Tracker, TrackingError, artifact_location_for
 from tuner.trials import TrialResult
 
 LAYERS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
@@ -63,6 +65,39 @@ def runs_of(client: MlflowClient, exp_id: str, kind: str) -> list:
     return client.search_runs([exp_id], filter_string=f"tags.`recompute.kind` = '{kind}'")
 
 
+def trial_numbers(uri: str, session_run_id: str) -> list[int]:
+    """The numbers of the trial runs nested in ``session_run_id``, in order."""
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(session_run_id)
+    runs = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{session_run_id}' and tags.`recompute.kind` = 'trial'",
+    )
+    return sorted(int(r.data.params["trial_number"]) for r in runs)
+
+
+def record(
+    number: int, policy: RecomputePolicy, micro_batch: int | None, result: TrialResult, **kw: Any
+) -> TrialRecord:
+    """The study's record of a trial that ran ``result`` (what the session's trials table is made of)."""
+    return TrialRecord(
+        number=number,
+        state="COMPLETE" if result.measured else "FAIL",
+        outcome=result.outcome,
+        policy=policy,
+        fingerprint=policy.fingerprint(),
+        short=policy.short(LAYERS),
+        micro_batch=micro_batch,
+        seed=None,
+        throughput=result.throughput,
+        throughput_unit=result.throughput_unit,
+        peak_bytes=result.peak_bytes,
+        step_time_s=result.step_time_s,
+        reason=result.error,
+        **kw,
+    )
+
+
 def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
     uri: str, recipe: recipe_mod.Recipe, tmp_path: Path
 ) -> None:
@@ -80,17 +115,25 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
             8,
             TrialResult(outcome="over_budget", peak_bytes=90 * 2**20, throughput=1500.0, throughput_unit="tokens/s"),
         )
-        t2 = tracker.log_trial(
-            2,
-            RecomputePolicy.uniform("none"),
-            LAYERS,
-            8,
-            TrialResult(outcome="oom", error="CUDA out of memory", stderr_tail="Traceback ...\nOOM"),
-        )
+        oom = TrialResult(outcome="oom", error="CUDA out of memory", stderr_tail="Traceback ...\nOOM")
+        t2 = tracker.log_trial(2, RecomputePolicy.uniform("none"), LAYERS, 8, oom)
+        rows = [
+            record(0, full, None, ok(10 * 2**20, 900.0), run_id=t0, predicted_peak_bytes=11 * 2**20, feasible=True),
+            record(
+                1,
+                mixed,
+                8,
+                TrialResult(
+                    outcome="over_budget", peak_bytes=90 * 2**20, throughput=1500.0, throughput_unit="tokens/s"
+                ),
+                run_id=t1,
+            ),
+            record(2, RecomputePolicy.uniform("none"), 8, oom, run_id=t2),
+        ]
         tracker.finish_session(
             status="FINISHED",
             best={"policy": full, "run_id": t0, "number": 0, "throughput": 900.0, "peak_bytes": 10 * 2**20},
-            trials_table=None,
+            trials_table=[r.to_dict() for r in rows],
             baselines={"full": {"peak_bytes": 10 * 2**20, "throughput": 900.0}, "none": {"outcome": "oom"}},
             budget_bytes=60 * 2**20,
         )
@@ -129,16 +172,18 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
     best = RecomputePolicy.load(client.download_artifacts(session, "best_policy.yaml", str(dl)))
     assert best == full
     table = json.loads(Path(client.download_artifacts(session, "trials.json", str(dl))).read_text())
+    assert table == [r.to_dict() for r in rows]  # the study's records, as they are
     assert [(r["number"], r["outcome"], r["run_id"]) for r in table] == [
         (0, "ok", t0),
         (1, "over_budget", t1),
         (2, "oom", t2),
     ]
     assert table[0]["predicted_peak_bytes"] == 11 * 2**20
-    rows = list(
+    csv_rows = list(
         csv.DictReader(io.StringIO(Path(client.download_artifacts(session, "trials.csv", str(dl))).read_text()))
     )
-    assert [r["policy"] for r in rows] == ["FFFF", "ss..", "...."]
+    assert [r["policy_short"] for r in csv_rows] == ["FFFF", "ss..", "...."]
+    assert RecomputePolicy.from_dict(json.loads(csv_rows[1]["policy"])) == mixed
     recipe_back = recipe_mod.from_dict(
         __import__("yaml").safe_load(Path(client.download_artifacts(session, "recipe.yaml", str(dl))).read_text())
     )
@@ -252,7 +297,7 @@ def test_resume_reuses_the_unfinished_session_of_the_same_study(uri: str, recipe
     run = client.get_run(first)
     assert run.info.status == "FINISHED"
     assert run.data.tags["recompute.resumes"] == "1"
-    assert [r["number"] for r in tracker.trials_table(first)] == [0, 1]
+    assert trial_numbers(uri, first) == [0, 1]
 
     # A finished session is history: the next one starts afresh; resume=False always does.
     with Tracker(uri, "tiny-exp").session(recipe, study_name="s") as fresh:
@@ -273,7 +318,7 @@ def test_concurrent_workers_on_one_study_get_their_own_session_runs(uri: str, re
     assert client.get_run(run_b).info.status == "RUNNING"
     b.log_trial(1, RecomputePolicy.uniform("none"), LAYERS, None, ok(9, 20.0))
     b.close("FINISHED")
-    assert [r["number"] for r in b.trials_table(run_b)] == [1]
+    assert trial_numbers(uri, run_b) == [1]
 
 
 def test_resume_with_an_extended_recipe_records_the_change_instead_of_failing(
@@ -318,16 +363,6 @@ def test_artifact_location_follows_the_sqlite_database(tmp_path: Path) -> None:
     assert artifact_location_for("sqlite:///:memory:", "e") is None
 
 
-def test_trial_row_matches_what_mlflow_reads_back(uri: str, recipe: recipe_mod.Recipe) -> None:
-    policy = RecomputePolicy.first_n(LAYERS, 1)
-    result = ok(3 * 2**20, 123.0)
-    with Tracker(uri, "tiny-exp") as tracker:
-        tracker.start_session(recipe, study_name="s")
-        run_id = tracker.log_trial(7, policy, LAYERS, 4, result, prediction={"peak_bytes": 2 * 2**20})
-        back = tracker.trials_table()
-    assert back == [trial_row(7, policy, LAYERS, 4, result, {"peak_bytes": 2 * 2**20}, run_id=run_id)]
-
-
 # ---------------------------------------------------------------------------------------------- plots
 
 
@@ -344,7 +379,7 @@ def test_pareto_plot_writes_a_png_with_baselines_and_budget(tmp_path: Path) -> N
         {"number": 0, "outcome": "ok", "peak_bytes": 2**30, "throughput": 100.0, "throughput_unit": "tokens/s"},
         {"number": 1, "outcome": "over_budget", "peak_bytes": 3 * 2**30, "throughput": 140.0},
         {"number": 2, "outcome": "oom"},
-        {"number": 3, "outcome": "ok", "measured_peak_bytes": 2**29, "measured_throughput": 70.0},
+        {"number": 3, "outcome": "ok", "peak_bytes": 2**29, "throughput": 70.0},
     ]
     out = pareto_plot(
         rows,
