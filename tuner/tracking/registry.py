@@ -19,7 +19,7 @@ from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from tuner.killpoints import kill_point
-from tuner.tracking.client import TrackingClient, TrackingError, _clip, _int_or_none
+from tuner.tracking.client import TrackingClient, TrackingError, clip_tag, int_or_none
 from tuner.tracking.names import (
     DECISION,
     DECISION_ENDED_BY,
@@ -142,7 +142,7 @@ class PolicyRegistry(TrackingClient):
             why = dead_reason(owner, None, grace=grace_s, since=run.info.start_time / 1000.0)
             if why is None:
                 continue
-            self.client.set_tag(run.info.run_id, DECISION_ENDED_BY, _clip(why))
+            self.client.set_tag(run.info.run_id, DECISION_ENDED_BY, clip_tag(why))
             self.client.set_terminated(run.info.run_id, "KILLED")
             ended.append(run.info.run_id)
         return ended
@@ -199,7 +199,7 @@ class PolicyRegistry(TrackingClient):
         )
         self.client.set_tag(decision_id, NEW_GOOD, previous or "")
         if source_run_id is not None:
-            self._set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: _clip(reason)})
+            self._set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: clip_tag(reason)})
         self.client.set_terminated(decision_id, "FINISHED")
         return decision_id
 
@@ -329,7 +329,7 @@ class PolicyRegistry(TrackingClient):
             policy=policy,
             fingerprint=policy.fingerprint(),
             throughput=m.get("measured_throughput"),
-            peak_bytes=_int_or_none(m.get("measured_peak_bytes")),
+            peak_bytes=int_or_none(m.get("measured_peak_bytes")),
             promoted_at=datetime.fromisoformat(at) if at else None,
             micro_batch=int(mb) if mb and mb.isdigit() else None,
         )
@@ -364,7 +364,7 @@ class PolicyRegistry(TrackingClient):
             KIND: "decision",
             DECISION: kind,
             DECISION_SEQ: str(seq),
-            REASON: _clip(reason),
+            REASON: clip_tag(reason),
             PREVIOUS_GOOD: previous or "",
             FINGERPRINT: policy.fingerprint(),
         }
@@ -474,7 +474,7 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
     try:
         held = RecomputePolicy.load(path)
     except (OSError, PolicyError) as err:
-        return f"was not a readable policy ({_clip(str(err), 200)})"
+        return f"was not a readable policy ({clip_tag(str(err), 200)})"
     if held.fingerprint() != fingerprint:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
     if held.tuned_for != good.tuned_for:
@@ -485,7 +485,7 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
             for key in sorted(set(mine) | set(theirs))
             if mine.get(key) != theirs.get(key)
         )
-        return f"held the good policy {fingerprint} with another tuned_for: {_clip(changed, 500)}"
+        return f"held the good policy {fingerprint} with another tuned_for: {clip_tag(changed, 500)}"
     return None
 
 

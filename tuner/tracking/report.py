@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.policy import RecomputePolicy
-from tuner.tracking.client import TrackingError, _finite
+from tuner.tracking.client import TrackingError, finite
 
 if TYPE_CHECKING:
     from tuner.trials import TrialResult
@@ -20,7 +20,7 @@ from tuner.jsonable import jsonable
 from tuner.units import format_bytes
 
 
-def _result_dict(result: TrialResult) -> dict[str, Any]:
+def result_dict(result: TrialResult) -> dict[str, Any]:
     """A TrialResult (or anything with its field names) as a mapping."""
     d = jsonable(result)
     if not isinstance(d, dict) or "outcome" not in d:
@@ -28,7 +28,7 @@ def _result_dict(result: TrialResult) -> dict[str, Any]:
     return d
 
 
-def _modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
+def layer_modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
     """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
     if layer_names:
         return {name: policy.choice_for(name) for name in layer_names}
@@ -51,7 +51,7 @@ def trial_row(
     policy (one glyph per layer when ``layer_names`` is given), fingerprint, predicted_* (each
     numeric prediction), reason, error, run_id.
     """
-    r = _result_dict(result)
+    r = result_dict(result)
     row: dict[str, Any] = {
         "number": number,
         "outcome": r.get("outcome"),
@@ -60,11 +60,11 @@ def trial_row(
         "throughput_unit": r.get("throughput_unit"),
         "step_time_s": r.get("step_time_s"),
         "micro_batch": micro_batch,
-        "policy": policy.short(layer_names) if layer_names else json.dumps(_modes(policy, None)),
+        "policy": policy.short(layer_names) if layer_names else json.dumps(layer_modes(policy, None)),
         "fingerprint": policy.fingerprint(),
     }
     for key, value in (prediction or {}).items():
-        if _finite(value) is not None:
+        if finite(value) is not None:
             row[f"predicted_{key}"] = value
     row["reason"] = reason
     row["error"] = r.get("error")
@@ -102,18 +102,8 @@ def session_markdown(
     return "\n".join(lines)
 
 
-def _flatten(data: Any, prefix: str) -> dict[str, str]:
-    if isinstance(data, Mapping) and data:
-        out: dict[str, str] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}.{k}"))
-        return out
-    if isinstance(data, (list, dict)):
-        return {prefix: json.dumps(data)}
-    return {prefix: "null" if data is None else str(data)}
-
-
-def _csv(rows: Sequence[Mapping[str, Any]]) -> str:
+def trials_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` (trial rows) as CSV: every key any row has is a column, nested values as JSON."""
     columns: list[str] = []
     for r in rows:
         columns += [k for k in r if k not in columns]

@@ -18,15 +18,13 @@ from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from tuner.jsonable import jsonable
 from tuner.tracking.client import (
-    _FAILED_OUTCOMES,
     TrackingClient,
     TrackingError,
-    _clip,
-    _finite,
-    _int_or_none,
-    _now_ms,
-    _param_key,
-    _status,
+    clip_tag,
+    finite,
+    int_or_none,
+    now_ms,
+    param_key,
 )
 from tuner.tracking.names import (
     BASELINES_JSON,
@@ -73,7 +71,7 @@ from tuner.tracking.names import (
     TRIALS_JSON,
     rank_peak_metric,
 )
-from tuner.tracking.report import _csv, _flatten, _modes, _result_dict, session_markdown
+from tuner.tracking.report import layer_modes, result_dict, session_markdown, trials_csv
 
 if TYPE_CHECKING:
     from tuner.race import RaceResult
@@ -82,6 +80,19 @@ if TYPE_CHECKING:
 
 
 _S = TypeVar("_S", bound="SessionLog")
+
+
+_STATUSES = {
+    "finished": "FINISHED",
+    "ok": "FINISHED",
+    "completed": "FINISHED",
+    "killed": "KILLED",
+    "interrupted": "KILLED",
+    "failed": "FAILED",
+    "error": "FAILED",
+}
+# Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
 
 
 class SessionLog(TrackingClient):
@@ -147,7 +158,7 @@ class SessionLog(TrackingClient):
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
         self._log_batch(run_id, params=new)
         if changed:
-            self.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, _clip(", ".join(changed)))
+            self.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
         from tuner.liveness import Owner
 
         # Who runs this session, and a first heartbeat: another process ends the run KILLED once
@@ -228,8 +239,8 @@ class SessionLog(TrackingClient):
         tags = {
             KIND: "trial",
             OUTCOME: "abandoned",
-            REASON: _clip(reason),
-            ERROR: _clip(reason),
+            REASON: clip_tag(reason),
+            ERROR: clip_tag(reason),
             FINGERPRINT: policy.fingerprint(),
             PARENT: parent,
         }
@@ -280,7 +291,7 @@ class SessionLog(TrackingClient):
             if why is None:
                 continue
             run_id = run.info.run_id
-            self.client.set_tag(run_id, SESSION_ENDED_BY, _clip(why))
+            self.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
             for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
                 self.client.set_terminated(child.info.run_id, "FAILED")
             self.client.set_terminated(run_id, "KILLED")
@@ -329,7 +340,7 @@ class SessionLog(TrackingClient):
             row: dict[str, Any] = {
                 "number": int(p[TRIAL_NUMBER_PARAM]) if p.get(TRIAL_NUMBER_PARAM, "").lstrip("-").isdigit() else None,
                 "outcome": t.get(OUTCOME),
-                "peak_bytes": _int_or_none(m.get("measured_peak_bytes")),
+                "peak_bytes": int_or_none(m.get("measured_peak_bytes")),
                 "throughput": m.get("measured_throughput"),
                 "throughput_unit": t.get(THROUGHPUT_UNIT),
                 "step_time_s": m.get("measured_step_time_s"),
@@ -371,7 +382,7 @@ class SessionLog(TrackingClient):
         rows = [dict(r) for r in (self.trials_table(run_id) if trials_table is None else trials_table)]
         try:
             self._log_json(run_id, TRIALS_JSON, rows)
-            self.client.log_text(run_id, _csv(rows), TRIALS_CSV)
+            self.client.log_text(run_id, trials_csv(rows), TRIALS_CSV)
             self._log_json(run_id, BASELINES_JSON, baselines)
             with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
                 from tuner.plots import pareto_plot
@@ -401,10 +412,10 @@ class SessionLog(TrackingClient):
                 if best.get("run_id"):
                     tags[BEST_RUN] = str(best["run_id"])
                 for key in ("throughput", "peak_bytes"):
-                    if _finite(best.get(key)) is not None:
+                    if finite(best.get(key)) is not None:
                         metrics[f"best_{key}"] = float(best[key])
             self._log_batch(run_id, metrics=metrics)
-            tags[NOTE] = _clip(session_markdown(self.experiment, final, best, rows, baselines, budget_bytes))
+            tags[NOTE] = clip_tag(session_markdown(self.experiment, final, best, rows, baselines, budget_bytes))
             self._set_tags(run_id, tags)
         finally:
             # Whatever failed above, the run must not stay RUNNING.
@@ -423,7 +434,7 @@ class SessionLog(TrackingClient):
                 f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
             )
             words += [line for line in (race.tie_line(), race.unresolved_line(), *race.headlines()) if line]
-        tags = {RACE_SUMMARY: _clip("; ".join(words))}
+        tags = {RACE_SUMMARY: clip_tag("; ".join(words))}
         metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
         if race.winner is not None:
             tags[RACE_WINNER] = race.winner
@@ -512,7 +523,7 @@ class SessionLog(TrackingClient):
         for key, value in _flatten(data, "recipe").items():
             if key.split(".")[1] in ("tracking", "study", "output"):
                 continue
-            params[_param_key(key)] = _clip(value, 500)
+            params[param_key(key)] = clip_tag(value, 500)
         return params
 
     def _log_measurement(
@@ -533,9 +544,9 @@ class SessionLog(TrackingClient):
     ) -> str:
         from mlflow.entities import Metric, Param
 
-        r = _result_dict(result)
+        r = result_dict(result)
         outcome = str(r["outcome"])
-        wall = _finite(r.get("wall_s")) or 0.0
+        wall = finite(r.get("wall_s")) or 0.0
         tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
         if parent is not None:
             tags[PARENT] = parent
@@ -547,19 +558,21 @@ class SessionLog(TrackingClient):
             if r.get(key):
                 tags[tag] = str(r[key])
         if reason or r.get("error"):
-            tags[REASON] = _clip(reason or r["error"])
+            tags[REASON] = clip_tag(reason or r["error"])
         if r.get("error"):
-            tags[ERROR] = _clip(r["error"])
+            tags[ERROR] = clip_tag(r["error"])
         tags.update(extra_tags or {})
         # The run's span in the UI is the trial's own wall time, not the time it took to log it.
-        end = _now_ms()
+        end = now_ms()
         run = self.client.create_run(
             self.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
         )
         run_id = run.info.run_id
         status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
         try:
-            params = [Param(_param_key(f"layer.{name}"), mode) for name, mode in _modes(policy, layer_names).items()]
+            params = [
+                Param(param_key(f"layer.{name}"), mode) for name, mode in layer_modes(policy, layer_names).items()
+            ]
             params += [
                 Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
                 Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
@@ -568,10 +581,10 @@ class SessionLog(TrackingClient):
             if policy.compile:
                 params.append(Param(COMPILE_PARAM, "true"))
             metrics: dict[str, float] = {}
-            if _finite(r.get("compile_s")) is not None:
+            if finite(r.get("compile_s")) is not None:
                 metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
             for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
-                v = _finite(r.get(key))
+                v = finite(r.get(key))
                 if v is not None:
                     metrics[f"measured_{key}"] = v
             for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
@@ -580,16 +593,16 @@ class SessionLog(TrackingClient):
             metrics.update(_machine_metrics(r.get("machine") or {}))
             if wall:
                 metrics["wall_s"] = wall
-            if _finite(r.get("device_total_bytes")) is not None:
+            if finite(r.get("device_total_bytes")) is not None:
                 metrics["device_total_bytes"] = float(r["device_total_bytes"])
             for key, value in (prediction or {}).items():
-                if _finite(value) is not None:
+                if finite(value) is not None:
                     metrics[f"predicted_{key}"] = float(value)
             self._log_batch(run_id, params=params, metrics=metrics)
             steps = [
                 Metric("step_time_s", float(s), end, i)
                 for i, s in enumerate(r.get("step_times_s") or [])
-                if _finite(s) is not None
+                if finite(s) is not None
             ]
             for i in range(0, len(steps), 1000):
                 self.client.log_batch(run_id, metrics=steps[i : i + 1000])
@@ -610,7 +623,7 @@ def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
     """`STEP_NOISE_METRICS` of a trial's measured step times (none with fewer than 2 steps)."""
     from tuner.race import spread
 
-    times = [float(t) for t in step_times if _finite(t) is not None]
+    times = [float(t) for t in step_times if finite(t) is not None]
     if len(times) < 2:
         return {}
     sp = spread(times)
@@ -622,7 +635,7 @@ def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
 
 def _machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
     """The numeric parts of a machine state as ``machine_*`` metrics (other GPU processes as a count)."""
-    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if _finite(v) is not None}
+    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if finite(v) is not None}
     if isinstance(machine.get("gpu_processes"), list):
         out[f"{MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
     return out
@@ -631,3 +644,27 @@ def _machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
 def _metric_key(label: str) -> str:
     """A label (``baseline full``) as an MLflow metric name part (``baseline_full``)."""
     return "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"
+
+
+def _status(status: str) -> str:
+    """A status word (FINISHED, ok, interrupted, error...) as the MLflow run status it means."""
+    s = str(status).strip()
+    if s.upper() in ("FINISHED", "KILLED", "FAILED"):
+        return s.upper()
+    try:
+        return _STATUSES[s.lower()]
+    except KeyError:
+        valid = ", ".join(["FINISHED", "KILLED", "FAILED", *sorted(_STATUSES)])
+        raise TrackingError(f"status: {status!r} is not a run status (valid: {valid})") from None
+
+
+def _flatten(data: Any, prefix: str) -> dict[str, str]:
+    """Nested mappings as ``prefix.key.subkey -> text`` (lists as JSON), for ``recipe.*`` params."""
+    if isinstance(data, Mapping) and data:
+        out: dict[str, str] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(data, (list, dict)):
+        return {prefix: json.dumps(data)}
+    return {prefix: "null" if data is None else str(data)}
