@@ -200,7 +200,8 @@ class TrackingClient:
             f"or tune the recipe first (`recompute-tune RECIPE` creates it)"
         )
 
-    def _search(self, filter_string: str) -> list[Any]:
+    def search(self, filter_string: str) -> list[Any]:
+        """Every active run of the experiment matching ``filter_string`` (all pages)."""
         from mlflow.entities import ViewType
 
         runs: list[Any] = []
@@ -218,7 +219,7 @@ class TrackingClient:
             if not token:
                 return runs
 
-    def _log_batch(
+    def log_batch(
         self,
         run_id: str,
         *,
@@ -227,6 +228,7 @@ class TrackingClient:
         tags: Mapping[str, str] | None = None,
         step: int = 0,
     ) -> None:
+        """Log params, metrics and tags to ``run_id`` in batches MLflow accepts (keys and tags clipped)."""
         from mlflow.entities import Metric, RunTag
 
         ts = now_ms()
@@ -241,12 +243,10 @@ class TrackingClient:
         for i in range(0, len(ms), 1000):
             self.client.log_batch(run_id, metrics=ms[i : i + 1000])
 
-    def _set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
-        self._log_batch(run_id, tags=tags)
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Set several tags of ``run_id`` at once (each clipped to MLflow's limit)."""
+        self.log_batch(run_id, tags=tags)
 
-    def _log_json(self, run_id: str, name: str, data: Any) -> None:
+    def log_json(self, run_id: str, name: str, data: Any) -> None:
+        """Log ``data`` as the JSON artifact ``name`` of ``run_id`` (strict JSON: no NaN)."""
         self.client.log_text(run_id, json.dumps(jsonable(data), indent=2, allow_nan=False), name)
-
-    def _parent_run_id(self) -> str | None:
-        """The run new decision runs nest in: the open session run, if any (`SessionLog` has one)."""
-        return None

@@ -95,22 +95,18 @@ _STATUSES = {
 _FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
 
 
-class SessionLog(TrackingClient):
-    """The session run of one study and the runs nested in it.
+class SessionLog:
+    """The session run of one study and the runs nested in it, recorded through ``store``.
 
     Use it as a context manager (or `session`) so the session run always ends: FINISHED on a
     normal exit, KILLED on Ctrl-C, FAILED on an exception, and never stays RUNNING.
+
+    Args:
+        store: the experiment's client (shared with the `PolicyRegistry` of the same `Tracker`).
     """
 
-    def __init__(
-        self,
-        tracking_uri: str | None,
-        experiment: str,
-        *,
-        artifact_location: str | None = None,
-        create: bool = True,
-    ) -> None:
-        super().__init__(tracking_uri, experiment, artifact_location=artifact_location, create=create)
+    def __init__(self, store: TrackingClient) -> None:
+        self.store = store
         self._session_run_id: str | None = None
         self._session_open = False
         self._study: str | None = None
@@ -136,18 +132,18 @@ class SessionLog(TrackingClient):
             raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
         run_id = self._resumable_session(study_name) if resume else None
         if run_id is not None:
-            run = self.client.get_run(run_id)
+            run = self.store.client.get_run(run_id)
             resumes = int(run.data.tags.get(RESUMES, "0")) + 1
-            self.client.update_run(run_id, status="RUNNING")
-            self.client.set_tag(run_id, RESUMES, str(resumes))
+            self.store.client.update_run(run_id, status="RUNNING")
+            self.store.client.set_tag(run_id, RESUMES, str(resumes))
         else:
-            run = self.client.create_run(
-                self.experiment_id,
+            run = self.store.client.create_run(
+                self.store.experiment_id,
                 run_name=f"session {study_name}",
                 tags={KIND: "session", STUDY: study_name},
             )
             run_id = run.info.run_id
-            run = self.client.get_run(run_id)
+            run = self.store.client.get_run(run_id)
         self._session_run_id, self._session_open, self._study = run_id, True, study_name
 
         params = self._recipe_params(recipe, study_name)
@@ -156,9 +152,9 @@ class SessionLog(TrackingClient):
         # (e.g. n_trials extended) in a tag instead of failing the resumed session.
         new = [Param(k, v) for k, v in params.items() if k not in logged]
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
-        self._log_batch(run_id, params=new)
+        self.store.log_batch(run_id, params=new)
         if changed:
-            self.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
+            self.store.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
         from tuner.liveness import Owner
 
         # Who runs this session, and a first heartbeat: another process ends the run KILLED once
@@ -171,10 +167,10 @@ class SessionLog(TrackingClient):
         fingerprint = getattr(recipe, "fingerprint", None)
         if callable(fingerprint):
             tags[RECIPE_FINGERPRINT] = str(fingerprint())
-        self._set_tags(run_id, tags)
+        self.store.set_tags(run_id, tags)
         to_dict = getattr(recipe, "to_dict", None)
         if callable(to_dict):
-            self.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
+            self.store.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
         return run_id
 
     def log_trial(
@@ -218,7 +214,7 @@ class SessionLog(TrackingClient):
     def beat(self) -> None:
         """The session run's heartbeat (the `tuner.liveness.Heartbeat` thread calls it)."""
         if self._session_open and self._session_run_id is not None:
-            self.client.set_tag(self._session_run_id, HEARTBEAT, repr(time.time()))
+            self.store.client.set_tag(self._session_run_id, HEARTBEAT, repr(time.time()))
 
     def log_abandoned_trial(
         self,
@@ -249,12 +245,12 @@ class SessionLog(TrackingClient):
         if layer_names:
             tags[POLICY_SHORT] = policy.short(layer_names)
         name = policy.short(layer_names) if layer_names else policy.fingerprint()
-        run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"trial {number} {name}")
+        run = self.store.client.create_run(self.store.experiment_id, tags=tags, run_name=f"trial {number} {name}")
         run_id = run.info.run_id
         try:
             from mlflow.entities import Param
 
-            self._log_batch(
+            self.store.log_batch(
                 run_id,
                 params=[
                     Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
@@ -263,7 +259,7 @@ class SessionLog(TrackingClient):
                 ],
             )
         finally:
-            self.client.set_terminated(run_id, "FAILED")
+            self.store.client.set_terminated(run_id, "FAILED")
         return run_id
 
     def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
@@ -276,7 +272,7 @@ class SessionLog(TrackingClient):
 
         quoted = study_name.replace("'", "\\'")
         ended = []
-        for run in self._search(
+        for run in self.store.search(
             f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}' and attributes.status = 'RUNNING'"
         ):
             if run.info.run_id == self._session_run_id:
@@ -291,10 +287,10 @@ class SessionLog(TrackingClient):
             if why is None:
                 continue
             run_id = run.info.run_id
-            self.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
-            for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.client.set_terminated(child.info.run_id, "FAILED")
-            self.client.set_terminated(run_id, "KILLED")
+            self.store.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
+            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.store.client.set_terminated(child.info.run_id, "FAILED")
+            self.store.client.set_terminated(run_id, "KILLED")
             ended.append(run_id)
         return ended
 
@@ -332,7 +328,7 @@ class SessionLog(TrackingClient):
     def trials_table(self, session_run_id: str | None = None) -> list[dict[str, Any]]:
         """The session's trials, read back from MLflow (so a resumed session sees earlier ones), by number."""
         session = session_run_id or self._require_session()
-        runs = self._search(f"tags.`{PARENT}` = '{session}' and tags.`{KIND}` = 'trial'")
+        runs = self.store.search(f"tags.`{PARENT}` = '{session}' and tags.`{KIND}` = 'trial'")
         rows = []
         for run in runs:
             p, m, t = run.data.params, run.data.metrics, run.data.tags
@@ -381,9 +377,9 @@ class SessionLog(TrackingClient):
         final = _status(status)
         rows = [dict(r) for r in (self.trials_table(run_id) if trials_table is None else trials_table)]
         try:
-            self._log_json(run_id, TRIALS_JSON, rows)
-            self.client.log_text(run_id, trials_csv(rows), TRIALS_CSV)
-            self._log_json(run_id, BASELINES_JSON, baselines)
+            self.store.log_json(run_id, TRIALS_JSON, rows)
+            self.store.client.log_text(run_id, trials_csv(rows), TRIALS_CSV)
+            self.store.log_json(run_id, BASELINES_JSON, baselines)
             with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
                 from tuner.plots import pareto_plot
 
@@ -392,9 +388,9 @@ class SessionLog(TrackingClient):
                     Path(tmp) / "pareto.png",
                     baselines=baselines,
                     budget_bytes=budget_bytes,
-                    title=f"{self.experiment}: peak memory vs throughput",
+                    title=f"{self.store.experiment}: peak memory vs throughput",
                 )
-                self.client.log_artifact(run_id, str(png))
+                self.store.client.log_artifact(run_id, str(png))
             metrics: dict[str, float] = {
                 "trials_total": len(rows),
                 "trials_ok": sum(1 for r in rows if r.get("outcome") == "ok"),
@@ -406,17 +402,17 @@ class SessionLog(TrackingClient):
                 policy = best.get("policy")
                 if policy is not None:
                     policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.from_dict(policy)
-                    self.client.log_text(run_id, policy.to_yaml(), BEST_POLICY_YAML)
+                    self.store.client.log_text(run_id, policy.to_yaml(), BEST_POLICY_YAML)
                     tags[BEST_FINGERPRINT] = policy.fingerprint()
-                self._log_json(run_id, BEST_JSON, best)
+                self.store.log_json(run_id, BEST_JSON, best)
                 if best.get("run_id"):
                     tags[BEST_RUN] = str(best["run_id"])
                 for key in ("throughput", "peak_bytes"):
                     if finite(best.get(key)) is not None:
                         metrics[f"best_{key}"] = float(best[key])
-            self._log_batch(run_id, metrics=metrics)
-            tags[NOTE] = clip_tag(session_markdown(self.experiment, final, best, rows, baselines, budget_bytes))
-            self._set_tags(run_id, tags)
+            self.store.log_batch(run_id, metrics=metrics)
+            tags[NOTE] = clip_tag(session_markdown(self.store.experiment, final, best, rows, baselines, budget_bytes))
+            self.store.set_tags(run_id, tags)
         finally:
             # Whatever failed above, the run must not stay RUNNING.
             self.close(final)
@@ -427,7 +423,7 @@ class SessionLog(TrackingClient):
         from tuner.race import format_gain
 
         run_id = self._require_session()
-        self._log_json(run_id, RACE_JSON, race.to_dict())
+        self.store.log_json(run_id, RACE_JSON, race.to_dict())
         words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
         if race.ok:
             words.append(
@@ -447,8 +443,8 @@ class SessionLog(TrackingClient):
             metrics.update({f"race_vs_{name}_gain": gain, f"race_vs_{name}_low": low, f"race_vs_{name}_high": high})
             tags[f"{RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
         metrics.update(_machine_metrics(race.machine_before))
-        self._log_batch(run_id, metrics=metrics)
-        self._set_tags(run_id, tags)
+        self.store.log_batch(run_id, metrics=metrics)
+        self.store.set_tags(run_id, tags)
 
     def close(self, status: str = "KILLED") -> None:
         """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
@@ -458,10 +454,10 @@ class SessionLog(TrackingClient):
         run_id = self._session_run_id
         self._session_open = False
         try:
-            for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.client.set_terminated(child.info.run_id, final)
+            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.store.client.set_terminated(child.info.run_id, final)
         finally:
-            self.client.set_terminated(run_id, final)
+            self.store.client.set_terminated(run_id, final)
 
     @contextmanager
     def session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> Iterator[str]:
@@ -492,9 +488,11 @@ class SessionLog(TrackingClient):
 
     def note_session(self, notes: Sequence[str]) -> None:
         """Record what the session decided without a trial (space, planner trouble, why it stopped)."""
-        self.client.set_tag(self._require_session(), SESSION_NOTES, "\n".join(notes)[:4900])
+        self.store.client.set_tag(self._require_session(), SESSION_NOTES, "\n".join(notes)[:4900])
 
-    def _parent_run_id(self) -> str | None:
+    @property
+    def open_run_id(self) -> str | None:
+        """The session run while it is open, else ``None``: the run a decision made now nests in."""
         return self._session_run_id if self._session_open else None
 
     def _require_session(self) -> str:
@@ -504,7 +502,7 @@ class SessionLog(TrackingClient):
 
     def _resumable_session(self, study_name: str) -> str | None:
         quoted = study_name.replace("'", "\\'")
-        runs = self._search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
+        runs = self.store.search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
         if not runs:
             return None
         latest = max(runs, key=lambda r: r.info.start_time)
@@ -564,8 +562,8 @@ class SessionLog(TrackingClient):
         tags.update(extra_tags or {})
         # The run's span in the UI is the trial's own wall time, not the time it took to log it.
         end = now_ms()
-        run = self.client.create_run(
-            self.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
+        run = self.store.client.create_run(
+            self.store.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
         )
         run_id = run.info.run_id
         status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
@@ -598,24 +596,24 @@ class SessionLog(TrackingClient):
             for key, value in (prediction or {}).items():
                 if finite(value) is not None:
                     metrics[f"predicted_{key}"] = float(value)
-            self._log_batch(run_id, params=params, metrics=metrics)
+            self.store.log_batch(run_id, params=params, metrics=metrics)
             steps = [
                 Metric("step_time_s", float(s), end, i)
                 for i, s in enumerate(r.get("step_times_s") or [])
                 if finite(s) is not None
             ]
             for i in range(0, len(steps), 1000):
-                self.client.log_batch(run_id, metrics=steps[i : i + 1000])
-            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+                self.store.client.log_batch(run_id, metrics=steps[i : i + 1000])
+            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
             if r.get("stderr_tail"):
-                self.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
+                self.store.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
             if evidence is not None:
-                self._log_json(run_id, EVIDENCE_JSON, evidence)
+                self.store.log_json(run_id, EVIDENCE_JSON, evidence)
         except BaseException:
             status = "FAILED"
             raise
         finally:
-            self.client.set_terminated(run_id, status)
+            self.store.client.set_terminated(run_id, status)
         return run_id
 
 
