@@ -31,7 +31,15 @@ from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 from lightning_recompute.sources import as_policy
 
-__all__ = ["COMPILED_ATOL", "COMPILED_RTOL", "AppliedPolicy", "applied_policy", "apply_policy", "remove_policy"]
+__all__ = [
+    "COMPILED_ATOL",
+    "COMPILED_RTOL",
+    "AppliedPolicy",
+    "CompiledCall",
+    "applied_policy",
+    "apply_policy",
+    "remove_policy",
+]
 
 _STATE_ATTR = "_lightning_recompute_applied"
 _COMPILED_ATTR = "_lightning_recompute_compiled"
@@ -243,11 +251,11 @@ def _compile_layers(found: list[tuple[str, nn.Module]]) -> None:
     """
     for _, module in found:
         if getattr(module, "_compiled_call_impl", None) is None:
-            module._compiled_call_impl = _CompiledCall(module)
+            module._compiled_call_impl = CompiledCall(module)
             module.__dict__[_COMPILED_ATTR] = True
 
 
-class _CompiledCall:
+class CompiledCall:
     """A layer's compiled call (what ``nn.Module.compile`` installs), run eagerly under a dispatch mode.
 
     Not ``nn.Module.compile`` itself: dynamo, called while a ``TorchDispatchMode`` is active (the

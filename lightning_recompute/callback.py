@@ -361,13 +361,13 @@ def _compiled(model: torch.nn.Module) -> bool:
         return True
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from lightning_recompute.apply import _CompiledCall
+    from lightning_recompute.apply import CompiledCall
 
     # Layers a policy with ``compile: true`` compiled run eagerly while the ledger is on
-    # (`_CompiledCall`): the ledger sees every allocation of those steps, the eager policy's peak.
+    # (`CompiledCall`): the ledger sees every allocation of those steps, the eager policy's peak.
     return any(
         isinstance(m, OptimizedModule)
-        or not isinstance(getattr(m, "_compiled_call_impl", None), (type(None), _CompiledCall))
+        or not isinstance(getattr(m, "_compiled_call_impl", None), (type(None), CompiledCall))
         for m in model.modules()
     )
 

@@ -218,13 +218,13 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
     """
     import dataclasses
 
-    from tuner.recipe.checks import _accepts
+    from tuner.recipe.checks import accepts
     from tuner.recipe.schema import Component
 
     changes: dict[str, Component] = {}
     for key in ("model", "data"):
         component: Component = getattr(recipe, key)
-        if _accepts(component.import_class(), seq_arg):
+        if accepts(component.import_class(), seq_arg):
             changes[key] = Component(component.class_path, {**component.init_args, seq_arg: length})
     if not changes:
         raise RecomputeError(
@@ -238,12 +238,12 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
 
 def _seq_len_of(recipe: Recipe, seq_arg: str) -> int | None:
     """The recipe's own sequence length: ``seq_arg`` in the data's, else the model's init args or defaults."""
-    from tuner.recipe.checks import _init_signature
+    from tuner.recipe.checks import init_signature
 
     for component in (recipe.data, recipe.model):
         value = component.init_args.get(seq_arg)
         if value is None:
-            param = _init_signature(component.import_class()).parameters.get(seq_arg)
+            param = init_signature(component.import_class()).parameters.get(seq_arg)
             value = None if param is None else param.default
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value

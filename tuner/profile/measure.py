@@ -19,7 +19,7 @@ from lightning_recompute.layers import LayerSpec
 from lightning_recompute.meter import StorageMeter, memory_meter
 from lightning_recompute.policy import Mode
 from tuner.profile.model import ALL_MODES, BASE_MODES, LayerProfile, Profile, ProfileError, SegmentCost
-from tuner.profile.recorder import _Event, _Recorder, _TrafficMode
+from tuner.profile.recorder import Event, Recorder, TrafficMode
 
 # --------------------------------------------------------------------------- the step
 
@@ -110,7 +110,7 @@ def _find_optimizer(out: Any) -> torch.optim.Optimizer | None:
 
 
 def _run_step(
-    model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, rec: _Recorder | None
+    model: nn.Module, batch: Any, loss_fn: LossFn, optimizer: torch.optim.Optimizer, rec: Recorder | None
 ) -> None:
     mark = rec.mark if rec is not None else (lambda label: None)
     mark("step")
@@ -135,9 +135,9 @@ def _run_step(
     mark("optimizer")
 
 
-def _segments(events: list[_Event], n_layers: int) -> list[tuple[str, list[_Event]]]:
+def _segments(events: list[Event], n_layers: int) -> list[tuple[str, list[Event]]]:
     """Cut the events into keyed segments (see the module docstring); each with its events, ends included."""
-    out: list[tuple[str, list[_Event]]] = []
+    out: list[tuple[str, list[Event]]] = []
     k = 0
     while k < len(events) - 1:
         kind, _, idx = events[k].label.partition(":")
@@ -169,7 +169,7 @@ def _segments(events: list[_Event], n_layers: int) -> list[tuple[str, list[_Even
     return out
 
 
-def _cost(events: list[_Event], scales: bool) -> SegmentCost:
+def _cost(events: list[Event], scales: bool) -> SegmentCost:
     a, b = events[0], events[-1]
     return SegmentCost(
         delta=b.level - a.level,
@@ -203,7 +203,8 @@ def _batch_size(batch: Any) -> int:
     raise ProfileError("batch: found no tensor with a batch dimension in the batch")
 
 
-def _check_modes(modes: Sequence[str] | None, device: torch.device) -> list[str]:
+def check_modes(modes: Sequence[str] | None, device: torch.device) -> list[str]:
+    """The mode names to profile: ``modes`` checked and normalised (``none`` first); the base modes for ``None``."""
     if modes is None:
         return list(BASE_MODES)
     out = []
@@ -224,7 +225,7 @@ def _group_of(name: str, module: nn.Module, input_shape: str) -> str:
     return f"{type(module).__qualname__}[{params}]<-{input_shape}"
 
 
-class _ProfilingRun:
+class ProfilingRun:
     """Shared machinery of `profile_model` and `profile_meta`: one model, one batch, uniform-mode runs."""
 
     def __init__(
@@ -252,7 +253,7 @@ class _ProfilingRun:
             warnings.filterwarnings("ignore", message=".*offload.*")
             apply_policy(self.model, RecomputePolicy.uniform(mode), self.layer_spec)
 
-    def memory_run(self, mode: str, emulate_offload: bool) -> _Recorder:
+    def memory_run(self, mode: str, emulate_offload: bool) -> Recorder:
         """Two steps with every layer in ``mode``: one under the memory meter and the traffic counter,
         one under `FlopCounterMode`; the returned events carry the memory of the first, the FLOPs of the second.
 
@@ -263,13 +264,13 @@ class _ProfilingRun:
         offload = frozenset(range(len(self.layers))) if emulate_offload else frozenset()
         meter = memory_meter(self.device)
         meter.track(self.model, self.optimizer, self.batch)
-        traffic = _TrafficMode(FlopCounterMode(display=False).flop_registry)
-        with _Recorder(self.model, self.layers, self.device, meter, None, traffic, offload) as rec, meter, traffic:
+        traffic = TrafficMode(FlopCounterMode(display=False).flop_registry)
+        with Recorder(self.model, self.layers, self.device, meter, None, traffic, offload) as rec, meter, traffic:
             _run_step(self.model, self.batch, self.loss_fn, self.optimizer, rec)
         if isinstance(meter, StorageMeter):
             meter.close()  # detach its finalizers from storages that outlive the step (parameters)
         counter = FlopCounterMode(display=False)
-        with _Recorder(self.model, self.layers, self.device, None, counter, None, offload) as frec, counter:
+        with Recorder(self.model, self.layers, self.device, None, counter, None, offload) as frec, counter:
             _run_step(self.model, self.batch, self.loss_fn, self.optimizer, frec)
         if [e.label for e in frec.events] != [e.label for e in rec.events]:
             raise ProfileError(
@@ -286,7 +287,7 @@ class _ProfilingRun:
 
     def build(
         self,
-        mem: dict[str, _Recorder],
+        mem: dict[str, Recorder],
         times: dict[str, list[dict[str, float]]] | None,
         time_source: str,
         hardware: str | None,
@@ -448,20 +449,20 @@ def profile_model(
             "model: its parameters are on the meta device; use profile_meta(model_factory, batch)"
             " to plan without memory"
         )
-    mode_list = _check_modes(modes, device)
+    mode_list = check_modes(modes, device)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     previous = applied_policy(model)
     snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if restore else None
     was_training = model.training
     model.train()
     try:
-        session = _ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
+        session = ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
         session.warm_up()
         # On CPU offload is none (see the module docstring): measure it once, as none.
         measured = [m for m in mode_list if not (m == Mode.OFFLOAD.value and device.type != "cuda")]
         if len(measured) < len(mode_list):
             session.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
-        mem: dict[str, _Recorder] = {}
+        mem: dict[str, Recorder] = {}
         for m in measured:
             mem[m] = session.memory_run(m, emulate_offload=False)
         for m in mode_list:
@@ -471,7 +472,7 @@ def profile_model(
             order = measured[r % len(measured) :] + measured[: r % len(measured)]
             for m in order:
                 session.apply(m)
-                with _Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
+                with Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
                     _run_step(model, batch, session.loss_fn, session.optimizer, rec)
                 if r > 0:
                     times[m].append(

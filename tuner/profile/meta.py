@@ -15,9 +15,9 @@ from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
 from tuner.profile.extrapolate import profile_stack, stack_of
 from tuner.profile.hardware import HARDWARE
-from tuner.profile.measure import LossFn, _check_modes, _ProfilingRun
+from tuner.profile.measure import LossFn, ProfilingRun, check_modes
 from tuner.profile.model import Profile, ProfileError, SegmentCost
-from tuner.profile.recorder import _Recorder
+from tuner.profile.recorder import Recorder
 
 
 def profile_meta(
@@ -78,7 +78,7 @@ def profile_meta(
         raise ProfileError(
             f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
         )
-    mode_list = _check_modes(modes, device)
+    mode_list = check_modes(modes, device)
     batch = tree_map(lambda t: torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t, batch)
     model.train()
     hw = HARDWARE[hardware]
@@ -98,10 +98,10 @@ def profile_meta(
     )
 
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
-        session = _ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
+        session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
         try:
             session.warm_up()
-            mem: dict[str, _Recorder] = {}
+            mem: dict[str, Recorder] = {}
             for m in run_modes:
                 mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
         finally:

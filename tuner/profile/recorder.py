@@ -20,7 +20,9 @@ from lightning_recompute.meter import MemoryMeter, synchronize
 
 
 @dataclass
-class _Event:
+class Event:
+    """One marked boundary of a profiled step: the memory level and counters at that point."""
+
     label: str
     level: int
     peak: int  # highest level since the previous event
@@ -31,7 +33,7 @@ class _Event:
     offload: int
 
 
-class _TrafficMode(TorchDispatchMode):
+class TrafficMode(TorchDispatchMode):
     """Bytes read and written by ops `FlopCounterMode` has no formula for: the memory-bound ones."""
 
     def __init__(self, registry: dict[Any, Any]) -> None:
@@ -57,7 +59,7 @@ class _Offloaded:
         self.size, self.dtype, self.device = t.size(), t.dtype, t.device
 
 
-class _Recorder:
+class Recorder:
     """Marks segment boundaries: layer hooks in forward, tensor hooks in backward."""
 
     def __init__(
@@ -67,7 +69,7 @@ class _Recorder:
         device: torch.device,
         meter: MemoryMeter | None,
         flops: FlopCounterMode | None,
-        traffic: _TrafficMode | None,
+        traffic: TrafficMode | None,
         emulate_offload: frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -80,14 +82,14 @@ class _Recorder:
         self.flops = flops
         self.traffic = traffic
         self.emulate_offload = emulate_offload
-        self.events: list[_Event] = []
+        self.events: list[Event] = []
         self.input_shapes: dict[int, str] = {}
         self.offloaded = 0
         self._hooked: dict[int, tuple[weakref.ref[torch.Tensor], list[str]]] = {}
         self._handles: list[Any] = []
         self._offload_ctx: dict[int, Any] = {}
 
-    def __enter__(self) -> _Recorder:
+    def __enter__(self) -> Recorder:
         for i, (_, module) in enumerate(self.layers):
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(i), with_kwargs=True))
@@ -122,7 +124,7 @@ class _Recorder:
                     seen.add(key)
                     grad += g.untyped_storage().nbytes()
         self.events.append(
-            _Event(
+            Event(
                 label,
                 level,
                 peak,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import clip
-from tuner.recipe.checks import _accepts, _init_signature
+from tuner.recipe.checks import accepts, init_signature
 from tuner.recipe.schema import Component, Recipe, RecipeError
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.Lightn
     """
     if micro_batch is None:
         return _instantiate(recipe, "data", recipe.data)
-    if not _accepts(recipe.data.import_class(), "batch_size"):
+    if not accepts(recipe.data.import_class(), "batch_size"):
         raise RecipeError(
             [
                 f"data.class_path: {recipe.data.class_path} takes no batch_size argument, "
@@ -70,7 +70,7 @@ def data_batch_size(recipe: Recipe) -> int | None:
     given = recipe.data.init_args.get("batch_size")
     if given is None:
         try:
-            param = _init_signature(recipe.data.import_class()).parameters.get("batch_size")
+            param = init_signature(recipe.data.import_class()).parameters.get("batch_size")
         except (TypeError, ValueError, RecipeError):
             return None
         given = None if param is None else param.default

@@ -13,21 +13,22 @@ from pathlib import Path
 from typing import Any, cast
 
 from lightning_recompute.errors import clip
-from tuner.recipe.schema import _SECTIONS, REFERENCE_DATA, Component, _import_class, _RecipeFile, _suggest
+from tuner.recipe.schema import REFERENCE_DATA, SECTIONS, Component, RecipeFile, resolve_class, suggest
 
 
-def _importable(*folders: Path) -> None:
+def importable(*folders: Path) -> None:
+    """Put the working directory and ``folders`` (the recipe's own) on ``sys.path``, so class paths import."""
     for folder in (Path.cwd(), *folders):
         entry = str(folder)
         if entry not in sys.path:
             sys.path.append(entry)
 
 
-def _check_component(key: str, section: Any, base_name: str, errors: list[str]) -> type | None:
+def check_component(key: str, section: Any, base_name: str, errors: list[str]) -> type | None:
     """Import ``section``'s class and check its init_args against the signature; the class or ``None``."""
     if not isinstance(section, Mapping) or not isinstance(section.get("class_path"), str):
         return None  # the schema already reported the shape
-    cls, problem = _import_class(section["class_path"])
+    cls, problem = resolve_class(section["class_path"])
     if cls is None:
         errors.append(f"{key}.class_path: {problem}")
         return None
@@ -42,7 +43,7 @@ def _check_component(key: str, section: Any, base_name: str, errors: list[str]) 
     return cls
 
 
-def _init_signature(cls: type) -> inspect.Signature:
+def init_signature(cls: type) -> inspect.Signature:
     """The signature of ``cls.__init__`` (``self`` included), as the recipe's ``init_args`` fill it."""
     # Read off the class object: mypy's "unsound __init__ access" is about instances, and
     # inspect.signature(cls) would fold in a metaclass __call__ or __new__ the recipe does not fill.
@@ -52,7 +53,7 @@ def _init_signature(cls: type) -> inspect.Signature:
 
 def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[str]:
     try:
-        sig = _init_signature(cls)
+        sig = init_signature(cls)
     except (TypeError, ValueError):
         return []  # no introspectable signature (a C extension): the trial will tell
     params = [p for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL,)]
@@ -64,7 +65,7 @@ def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[
             if arg not in named:
                 problems.append(
                     f"{key}.init_args.{arg}: {cls.__name__} takes no argument {arg!r}"
-                    f"{_suggest(str(arg), named)} (valid: {', '.join(named) or 'none'})"
+                    f"{suggest(str(arg), named)} (valid: {', '.join(named) or 'none'})"
                 )
     for p in params:
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in init_args:
@@ -72,15 +73,16 @@ def _check_init_args(key: str, cls: type, init_args: Mapping[str, Any]) -> list[
     return problems
 
 
-def _accepts(cls: type, name: str) -> bool:
+def accepts(cls: type, name: str) -> bool:
+    """Whether ``cls.__init__`` takes a keyword ``name`` (or ``**kwargs``); ``True`` when it cannot be read."""
     try:
-        params = _init_signature(cls).parameters.values()
+        params = init_signature(cls).parameters.values()
     except (TypeError, ValueError):
         return True
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _default_data(parsed: _RecipeFile, classes: Mapping[str, type | None]) -> Component:
+def default_data(parsed: RecipeFile, classes: Mapping[str, type | None]) -> Component:
     """The data component, with synthetic tokens matched to the reference model's vocabulary and context."""
     data = parsed.data or Component(REFERENCE_DATA)
     from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
@@ -102,10 +104,10 @@ def _is_sub(cls: type | None, base: type) -> bool:
 
 
 def _defaults(cls: type) -> dict[str, Any]:
-    return {n: p.default for n, p in _init_signature(cls).parameters.items() if p.default is not p.empty}
+    return {n: p.default for n, p in init_signature(cls).parameters.items() if p.default is not p.empty}
 
 
-def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]) -> None:
+def cross_check(parsed: RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]) -> None:
     """Problems that only show between sections."""
     accel = parsed.trainer.accelerator
     if parsed.budget.is_fraction and accel == "cpu":
@@ -133,7 +135,7 @@ def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, typ
             f"data.init_args.batch_size: {clip(repr(batch_size))} is not a batch size (valid: a positive integer)"
         )
     data_cls = classes.get("data") if parsed.data is not None else _reference_data_class()
-    if parsed.search.micro_batch_sizes and data_cls is not None and not _accepts(data_cls, "batch_size"):
+    if parsed.search.micro_batch_sizes and data_cls is not None and not accepts(data_cls, "batch_size"):
         errors.append(
             f"search.micro_batch_sizes: {data.class_path} takes no batch_size argument, so micro-batch sizes "
             f"cannot be tuned (valid: null, or a data module with a batch_size argument)"
@@ -150,7 +152,7 @@ def _cross_check(parsed: _RecipeFile, data: Component, classes: Mapping[str, typ
                 )
 
 
-def _check_strategy(parsed: _RecipeFile, classes: Mapping[str, type | None], errors: list[str]) -> None:
+def check_strategy(parsed: RecipeFile, classes: Mapping[str, type | None], errors: list[str]) -> None:
     """Strategy, accelerator and device combinations that cannot run, each with what would."""
     trainer = parsed.trainer
     accel = trainer.accelerator
@@ -177,14 +179,14 @@ def _reference_data_class() -> type:
     return SyntheticTokens
 
 
-def _describe(err: Mapping[str, Any]) -> str:
+def describe_error(err: Mapping[str, Any]) -> str:
     """One pydantic error as ``key.path: problem (valid: ...)``."""
     loc = tuple(err["loc"])
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
     kind = err["type"]
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         valid = _keys_at(loc[:-1])
-        return f"{path}: unknown key{_suggest(str(loc[-1]), valid)} (valid: {', '.join(valid)})"
+        return f"{path}: unknown key{suggest(str(loc[-1]), valid)} (valid: {', '.join(valid)})"
     if kind in ("missing", "missing_argument"):
         info = _field_info(loc)
         hint = f"; {info.description}" if info is not None and info.description else ""
@@ -193,7 +195,7 @@ def _describe(err: Mapping[str, Any]) -> str:
         expected = err.get("ctx", {}).get("expected", "")
         choices = re.findall(r"'([^']*)'|(\d+)", expected)
         names = [a or b for a, b in choices]
-        suggestion = _suggest(str(err["input"])[:200], names)
+        suggestion = suggest(str(err["input"])[:200], names)
         return f"{path}: {clip(repr(err['input']))} is not valid{suggestion} (valid: {', '.join(names)})"
     msg = str(err["msg"])
     if msg.startswith("Value error, "):
@@ -202,12 +204,12 @@ def _describe(err: Mapping[str, Any]) -> str:
 
 
 def _keys_at(loc: tuple[Any, ...]) -> list[str]:
-    cls: type = _RecipeFile
+    cls: type = RecipeFile
     if loc:
-        cls = _SECTIONS.get(str(loc[0]), _RecipeFile)
+        cls = SECTIONS.get(str(loc[0]), RecipeFile)
     return [f.name for f in dataclasses.fields(cls)]
 
 
 def _field_info(loc: tuple[Any, ...]) -> Any:
-    cls: type = _SECTIONS.get(str(loc[0]), _RecipeFile) if len(loc) > 1 else _RecipeFile
+    cls: type = SECTIONS.get(str(loc[0]), RecipeFile) if len(loc) > 1 else RecipeFile
     return getattr(cls, "__pydantic_fields__", {}).get(str(loc[-1]))

@@ -14,16 +14,16 @@ from pydantic import ValidationError
 
 from lightning_recompute.errors import DocumentError, clip
 from lightning_recompute.safe_yaml import parse_document, read_text
-from tuner.recipe.checks import _check_component, _check_strategy, _cross_check, _default_data, _describe, _importable
+from tuner.recipe.checks import check_component, check_strategy, cross_check, default_data, describe_error, importable
 from tuner.recipe.schema import (
-    _FILE_ADAPTER,
+    FILE_ADAPTER,
     REFERENCE_DATA,
     REFERENCE_MODEL,
     Recipe,
     RecipeError,
+    RecipeFile,
     StudySettings,
     TrackingSettings,
-    _RecipeFile,
 )
 
 
@@ -89,7 +89,7 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
     if not isinstance(data, Mapping):
         raise RecipeError([f"a recipe must be a mapping of keys to values, got {type(data).__name__}"], src)
     folder = src.parent if src is not None else Path.cwd()
-    _importable(folder)
+    importable(folder)
 
     raw = dict(data)
     # class_path may be left out, meaning the reference model / synthetic data.
@@ -99,27 +99,27 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
             raw[key] = {"class_path": default, **section}
 
     errors: list[str] = []
-    parsed: _RecipeFile | None = None
+    parsed: RecipeFile | None = None
     try:
-        parsed = _FILE_ADAPTER.validate_python(raw)
+        parsed = FILE_ADAPTER.validate_python(raw)
     except ValidationError as err:
-        errors.extend(_describe(e) for e in err.errors(include_url=False))
+        errors.extend(describe_error(e) for e in err.errors(include_url=False))
 
     classes: dict[str, type | None] = {}
     for key, base_name in (("model", "LightningModule"), ("data", "LightningDataModule")):
         section = raw.get(key, {"class_path": REFERENCE_MODEL} if key == "model" else None)
         if section is None:
             continue
-        classes[key] = _check_component(key, section, base_name, errors)
+        classes[key] = check_component(key, section, base_name, errors)
     trainer = raw.get("trainer")
     strategy = trainer.get("strategy") if isinstance(trainer, Mapping) else None
     if isinstance(strategy, Mapping):
-        classes["strategy"] = _check_component("trainer.strategy", strategy, "pytorch.strategies.Strategy", errors)
+        classes["strategy"] = check_component("trainer.strategy", strategy, "pytorch.strategies.Strategy", errors)
 
     if parsed is not None:
-        data_component = _default_data(parsed, classes)
-        _cross_check(parsed, data_component, classes, errors)
-        _check_strategy(parsed, classes, errors)
+        data_component = default_data(parsed, classes)
+        cross_check(parsed, data_component, classes, errors)
+        check_strategy(parsed, classes, errors)
     if errors or parsed is None:
         raise RecipeError(errors, src)
 
@@ -159,7 +159,7 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
 
 def json_schema() -> dict[str, Any]:
     """The recipe file's JSON Schema (draft 2020-12), for editors and ``recompute-tune schema``."""
-    schema = _FILE_ADAPTER.json_schema(mode="validation")
+    schema = FILE_ADAPTER.json_schema(mode="validation")
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "lightning-recompute tuning recipe"
     return schema

@@ -79,7 +79,7 @@ class Component:
         Raises:
             RecipeError: the module or the class cannot be imported.
         """
-        cls, problem = _import_class(self.class_path)
+        cls, problem = resolve_class(self.class_path)
         if cls is None:
             raise RecipeError([f"class_path: {problem}"])
         return cls
@@ -97,7 +97,7 @@ def _precision(value: Any) -> str:
     if text in _PRECISION_ALIASES:
         return _PRECISION_ALIASES[text]
     raise ValueError(
-        f"{clip(repr(value))} is not valid{_suggest(str(value), PRECISIONS)} "
+        f"{clip(repr(value))} is not valid{suggest(str(value), PRECISIONS)} "
         f"(valid: {', '.join(PRECISIONS)}; aliases {', '.join(_PRECISION_ALIASES)})"
     )
 
@@ -111,7 +111,7 @@ def _strategy(value: Any) -> Any:
     """A known strategy name, or a mapping left for `Component` to validate."""
     if isinstance(value, str) and value not in STRATEGIES:
         raise ValueError(
-            f"{clip(repr(value))} is not valid{_suggest(value, STRATEGIES)} "
+            f"{clip(repr(value))} is not valid{suggest(value, STRATEGIES)} "
             f"(valid: {', '.join(STRATEGIES)}, or {{class_path: ..., init_args: {{...}}}})"
         )
     if not isinstance(value, (str, Mapping, Component)):
@@ -446,7 +446,7 @@ def _layers_value(value: Any) -> Any:
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
-class _RecipeFile:
+class RecipeFile:
     """Recipe for `recompute-tune`: what to tune, on what hardware, within which memory budget."""
 
     budget: Annotated[Budget, BeforeValidator(_budget_shorthand)] = Field(
@@ -482,8 +482,9 @@ class _RecipeFile:
     )
 
 
-_FILE_ADAPTER = TypeAdapter(_RecipeFile)
-_SECTIONS: dict[str, type] = {
+FILE_ADAPTER = TypeAdapter(RecipeFile)
+"""Validates a whole recipe file (a mapping) into a `RecipeFile`."""
+SECTIONS: dict[str, type] = {
     "model": Component,
     "data": Component,
     "trainer": TrainerSettings,
@@ -494,6 +495,7 @@ _SECTIONS: dict[str, type] = {
     "tracking": TrackingSettings,
     "study": StudySettings,
 }
+"""The recipe's top-level keys and the class each section validates into."""
 
 
 # ---------------------------------------------------------------------------------------------- the recipe
@@ -573,7 +575,7 @@ class Recipe:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def _import_class(class_path: str) -> tuple[type | None, str]:
+def resolve_class(class_path: str) -> tuple[type | None, str]:
     """``(class, "")`` or ``(None, why not)``."""
     module_name, _, attr = class_path.rpartition(".")
     if not module_name or not attr:
@@ -587,12 +589,13 @@ def _import_class(class_path: str) -> tuple[type | None, str]:
     obj = getattr(module, attr, None)
     if obj is None:
         public = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
-        return None, f"module {module_name!r} has no attribute {attr!r}{_suggest(attr, public)}"
+        return None, f"module {module_name!r} has no attribute {attr!r}{suggest(attr, public)}"
     if not inspect.isclass(obj):
         return None, f"{class_path!r} is a {type(obj).__name__}, not a class"
     return obj, ""
 
 
-def _suggest(word: str, choices: Any) -> str:
+def suggest(word: str, choices: Any) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices`` to a misspelt ``word``, or ``""``."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""

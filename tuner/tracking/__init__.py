@@ -25,7 +25,8 @@ do not step on each other.
 Modules: `tuner.tracking.names` (every tag, param and artifact name), `tuner.tracking.client` (the
 shared MLflow client), `tuner.tracking.sessions` (session and trial runs), `tuner.tracking.registry`
 (the good policy: promote, reject, rollback, history), `tuner.tracking.report` (trial rows, CSV,
-markdown), `tuner.tracking.tracker` (`Tracker`, both together).
+markdown), `tuner.tracking.tracker` (`Tracker`: a `SessionLog` and a `PolicyRegistry` sharing one
+`TrackingClient`).
 """
 
 from __future__ import annotations

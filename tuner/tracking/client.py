@@ -1,5 +1,5 @@
 """The MLflow client the tracking modules share: the experiment, run search, batched logging,
-and the clipping and status rules MLflow's limits impose."""
+and the clipping rules MLflow's limits impose."""
 
 from __future__ import annotations
 
@@ -26,17 +26,6 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 """Where runs go unless the recipe says otherwise (MLflow 3 deprecates the file store)."""
 
 
-_STATUSES = {
-    "finished": "FINISHED",
-    "ok": "FINISHED",
-    "completed": "FINISHED",
-    "killed": "KILLED",
-    "interrupted": "KILLED",
-    "failed": "FAILED",
-    "error": "FAILED",
-}
-# Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
-_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
 _BAD_NAME_CHARS = re.compile(r"[^/\w.\- :]")
 _MAX_TAG = 5000  # below MLflow's 8000-character tag limit, with room for a multi-byte encoding
 
@@ -111,40 +100,34 @@ def _follow_a_moved_folder(tracking_uri: str, experiment: str, exp: Any) -> str 
     return stored_path
 
 
-def _param_key(name: str) -> str:
+def param_key(name: str) -> str:
+    """``name`` as an MLflow param or metric key: characters MLflow rejects become ``_``, cut to 250."""
     # MLflow rejects brackets, '*', '?' etc. in keys; layer paths rarely have them, patterns do.
     return _BAD_NAME_CHARS.sub("_", name)[:250]
 
 
-def _clip(text: Any, limit: int = _MAX_TAG) -> str:
+def clip_tag(text: Any, limit: int = _MAX_TAG) -> str:
+    """``str(text)`` cut to fit an MLflow tag (or ``limit`` characters), marked when cut."""
     s = str(text)
     return s if len(s) <= limit else s[: limit - 15] + " ...[truncated]"
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
+    """The time now in milliseconds since the epoch, as MLflow timestamps are."""
     return int(time.time() * 1000)
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
+    """A real number as a float, or ``None`` for anything else (a bool, a string, NaN, infinity)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     v = float(value)
     return v if math.isfinite(v) else None
 
 
-def _status(status: str) -> str:
-    s = str(status).strip()
-    if s.upper() in ("FINISHED", "KILLED", "FAILED"):
-        return s.upper()
-    try:
-        return _STATUSES[s.lower()]
-    except KeyError:
-        valid = ", ".join(["FINISHED", "KILLED", "FAILED", *sorted(_STATUSES)])
-        raise TrackingError(f"status: {status!r} is not a run status (valid: {valid})") from None
-
-
-def _int_or_none(value: Any) -> int | None:
-    v = _finite(value)
+def int_or_none(value: Any) -> int | None:
+    """A finite number as an int (truncated), else ``None``."""
+    v = finite(value)
     return None if v is None else int(v)
 
 
@@ -212,12 +195,13 @@ class TrackingClient:
         names = sorted(e.name for e in self.client.search_experiments() if e.name != "Default")
         valid = ", ".join(repr(n) for n in names) if names else "none yet"
         return (
-            f"tracking.experiment: {_clip(repr(self.experiment), 200)} is not an experiment in "
-            f"{_clip(hide_password(self.tracking_uri), 200)} (valid: {_clip(valid, 1000)}); check the spelling, "
+            f"tracking.experiment: {clip_tag(repr(self.experiment), 200)} is not an experiment in "
+            f"{clip_tag(hide_password(self.tracking_uri), 200)} (valid: {clip_tag(valid, 1000)}); check the spelling, "
             f"or tune the recipe first (`recompute-tune RECIPE` creates it)"
         )
 
-    def _search(self, filter_string: str) -> list[Any]:
+    def search(self, filter_string: str) -> list[Any]:
+        """Every active run of the experiment matching ``filter_string`` (all pages)."""
         from mlflow.entities import ViewType
 
         runs: list[Any] = []
@@ -235,7 +219,7 @@ class TrackingClient:
             if not token:
                 return runs
 
-    def _log_batch(
+    def log_batch(
         self,
         run_id: str,
         *,
@@ -244,11 +228,12 @@ class TrackingClient:
         tags: Mapping[str, str] | None = None,
         step: int = 0,
     ) -> None:
+        """Log params, metrics and tags to ``run_id`` in batches MLflow accepts (keys and tags clipped)."""
         from mlflow.entities import Metric, RunTag
 
-        ts = _now_ms()
-        ms = [Metric(_param_key(k), float(v), ts, step) for k, v in (metrics or {}).items()]
-        ts_list = [RunTag(k, _clip(v)) for k, v in (tags or {}).items()]
+        ts = now_ms()
+        ms = [Metric(param_key(k), float(v), ts, step) for k, v in (metrics or {}).items()]
+        ts_list = [RunTag(k, clip_tag(v)) for k, v in (tags or {}).items()]
         params = list(params)
         # MLflow caps a batch at 100 params/tags and 1000 metrics (a 126-layer model has more).
         for i in range(0, len(params), 100):
@@ -258,12 +243,10 @@ class TrackingClient:
         for i in range(0, len(ms), 1000):
             self.client.log_batch(run_id, metrics=ms[i : i + 1000])
 
-    def _set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
-        self._log_batch(run_id, tags=tags)
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Set several tags of ``run_id`` at once (each clipped to MLflow's limit)."""
+        self.log_batch(run_id, tags=tags)
 
-    def _log_json(self, run_id: str, name: str, data: Any) -> None:
+    def log_json(self, run_id: str, name: str, data: Any) -> None:
+        """Log ``data`` as the JSON artifact ``name`` of ``run_id`` (strict JSON: no NaN)."""
         self.client.log_text(run_id, json.dumps(jsonable(data), indent=2, allow_nan=False), name)
-
-    def _parent_run_id(self) -> str | None:
-        """The run new decision runs nest in: the open session run, if any (`SessionLog` has one)."""
-        return None

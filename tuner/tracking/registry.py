@@ -19,7 +19,7 @@ from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from tuner.killpoints import kill_point
-from tuner.tracking.client import TrackingClient, TrackingError, _clip, _int_or_none
+from tuner.tracking.client import TrackingClient, TrackingError, clip_tag, int_or_none
 from tuner.tracking.names import (
     DECISION,
     DECISION_ENDED_BY,
@@ -90,14 +90,21 @@ class Decision:
     made before the tuner recorded it)."""
 
 
-class PolicyRegistry(TrackingClient):
-    """The experiment's good policy and the decisions that moved it (promote, reject, rollback)."""
+class PolicyRegistry:
+    """The experiment's good policy and the decisions that moved it (promote, reject, rollback).
+
+    Args:
+        store: the experiment's client (shared with the `SessionLog` of the same `Tracker`).
+    """
+
+    def __init__(self, store: TrackingClient) -> None:
+        self.store = store
 
     # ------------------------------------------------------------------ the good policy
 
     def current_good(self) -> GoodPolicy | None:
         """The experiment's current good policy, or ``None`` before the first promotion."""
-        exp = self.client.get_experiment(self.experiment_id)
+        exp = self.store.client.get_experiment(self.store.experiment_id)
         run_id = exp.tags.get(GOOD_RUN_TAG)
         return self._good_policy(run_id) if run_id else None
 
@@ -133,7 +140,7 @@ class PolicyRegistry(TrackingClient):
         from tuner.liveness import Owner, dead_reason
 
         ended = []
-        for run in self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'RUNNING'"):
+        for run in self.store.search(f"tags.`{KIND}` = 'decision' and attributes.status = 'RUNNING'"):
             t = run.data.tags
             try:
                 owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
@@ -142,8 +149,8 @@ class PolicyRegistry(TrackingClient):
             why = dead_reason(owner, None, grace=grace_s, since=run.info.start_time / 1000.0)
             if why is None:
                 continue
-            self.client.set_tag(run.info.run_id, DECISION_ENDED_BY, _clip(why))
-            self.client.set_terminated(run.info.run_id, "KILLED")
+            self.store.client.set_tag(run.info.run_id, DECISION_ENDED_BY, clip_tag(why))
+            self.store.client.set_terminated(run.info.run_id, "KILLED")
             ended.append(run.info.run_id)
         return ended
 
@@ -168,12 +175,14 @@ class PolicyRegistry(TrackingClient):
         output_path: str | Path,
         reason: str,
         evidence: Mapping[str, Any],
+        parent_run_id: str | None = None,
     ) -> str:
         """Make ``policy`` the good policy: write ``output_path`` atomically and record it; the decision run id.
 
         The good run becomes ``source_run_id`` (the confirmation or trial run that measured the
         policy; it must hold the same policy), or the decision run itself when there is none. If
-        recording fails after the file was written, the file is put back as it was.
+        recording fails after the file was written, the file is put back as it was. The decision
+        run nests in ``parent_run_id`` (the open session run) when one is given.
 
         Raises:
             TrackingError: the source run holds a different policy.
@@ -183,31 +192,58 @@ class PolicyRegistry(TrackingClient):
         if source_run_id is not None:
             self._ensure_run_policy(source_run_id, policy)
         decision_id = self._start_decision(
-            "promote", policy, reason=reason, evidence=evidence, previous=previous, source_run_id=source_run_id
+            "promote",
+            policy,
+            reason=reason,
+            evidence=evidence,
+            previous=previous,
+            source_run_id=source_run_id,
+            parent_run_id=parent_run_id,
         )
         good_run = good_run or decision_id
         self._finish_decision(decision_id, policy, output_path, previous=previous, new=good_run, rolled_back=False)
         return decision_id
 
     def reject(
-        self, policy: RecomputePolicy, *, source_run_id: str | None, reason: str, evidence: Mapping[str, Any]
+        self,
+        policy: RecomputePolicy,
+        *,
+        source_run_id: str | None,
+        reason: str,
+        evidence: Mapping[str, Any],
+        parent_run_id: str | None = None,
     ) -> str:
-        """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id."""
+        """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id.
+
+        The decision run nests in ``parent_run_id`` (the open session run) when one is given.
+        """
         previous = self._good_run_id()
         decision_id = self._start_decision(
-            "reject", policy, reason=reason, evidence=evidence, previous=previous, source_run_id=source_run_id
+            "reject",
+            policy,
+            reason=reason,
+            evidence=evidence,
+            previous=previous,
+            source_run_id=source_run_id,
+            parent_run_id=parent_run_id,
         )
-        self.client.set_tag(decision_id, NEW_GOOD, previous or "")
+        self.store.client.set_tag(decision_id, NEW_GOOD, previous or "")
         if source_run_id is not None:
-            self._set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: _clip(reason)})
-        self.client.set_terminated(decision_id, "FINISHED")
+            self.store.set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: clip_tag(reason)})
+        self.store.client.set_terminated(decision_id, "FINISHED")
         return decision_id
 
     def can_roll_back(self) -> bool:
         """Whether an earlier good policy exists for `rollback` to restore."""
         return len(self._good_stack()) >= 2
 
-    def rollback(self, *, output_path: str | Path, vet: Callable[[GoodPolicy], None] | None = None) -> GoodPolicy:
+    def rollback(
+        self,
+        *,
+        output_path: str | Path,
+        vet: Callable[[GoodPolicy], None] | None = None,
+        parent_run_id: str | None = None,
+    ) -> GoodPolicy:
         """Restore the good policy before the current one (file and MLflow record); the restored one.
 
         Rollbacks stack: promote A, promote B, promote C, rollback, rollback leaves A.
@@ -216,6 +252,7 @@ class PolicyRegistry(TrackingClient):
             output_path: the policy file to write.
             vet: called with the policy to restore before anything changes; raising refuses the
                 rollback (``rollback`` checks it against the recipe's current budget).
+            parent_run_id: the run the decision run nests in (the open session run), if any.
 
         Raises:
             TrackingError: there is no earlier good policy, the experiment's good-run tag no
@@ -227,12 +264,12 @@ class PolicyRegistry(TrackingClient):
         if current is None or len(stack) < 2:
             have = "no good policy at all" if current is None else f"only the first good policy (run {current})"
             raise TrackingError(
-                f"experiment {self.experiment!r}: nothing to roll back to; it has {have}. "
+                f"experiment {self.store.experiment!r}: nothing to roll back to; it has {have}. "
                 f"`recompute-tune history` lists the decisions."
             )
         if stack[-1] != current:
             raise TrackingError(
-                f"experiment {self.experiment!r}: tag {GOOD_RUN_TAG} is {current}, but the decision history "
+                f"experiment {self.store.experiment!r}: tag {GOOD_RUN_TAG} is {current}, but the decision history "
                 f"ends at {stack[-1]}; the tag was changed outside the tuner. Set it back or promote again."
             )
         target = stack[-2]
@@ -246,6 +283,7 @@ class PolicyRegistry(TrackingClient):
             evidence={"rolled_back_run_id": current, "restored_run_id": target},
             previous=current,
             source_run_id=target,
+            parent_run_id=parent_run_id,
         )
         self._finish_decision(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
         return self._good_policy(target)
@@ -275,15 +313,15 @@ class PolicyRegistry(TrackingClient):
         return out
 
     def _good_run_id(self) -> str | None:
-        return self.client.get_experiment(self.experiment_id).tags.get(GOOD_RUN_TAG) or None
+        return self.store.client.get_experiment(self.store.experiment_id).tags.get(GOOD_RUN_TAG) or None
 
     def _run_policy(self, run_id: str) -> RecomputePolicy | None:
         """The ``policy.yaml`` of a run, or ``None`` when it has none."""
-        names = {f.path for f in self.client.list_artifacts(run_id)}
+        names = {f.path for f in self.store.client.list_artifacts(run_id)}
         if POLICY_ARTIFACT not in names:
             return None
         with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
-            local = self.client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
+            local = self.store.client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
             return RecomputePolicy.load(local)
 
     def _ensure_run_policy(self, run_id: str, policy: RecomputePolicy) -> None:
@@ -297,30 +335,33 @@ class PolicyRegistry(TrackingClient):
             # A run logged by other means (a hand-made run, an older tuner), or one whose file
             # lacks what the policy was tuned for: the good run's artifact is what "mlflow:"
             # training jobs read, so it must be the promoted file, tuned_for included.
-            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
 
     def _good_policy(self, run_id: str) -> GoodPolicy:
         from mlflow.exceptions import MlflowException
 
         try:
-            run = self.client.get_run(run_id)
+            run = self.store.client.get_run(run_id)
         except MlflowException as err:
             raise TrackingError(
-                f"experiment {self.experiment!r}: good run {run_id} does not exist ({err.error_code})"
+                f"experiment {self.store.experiment!r}: good run {run_id} does not exist ({err.error_code})"
             ) from None
         policy = self._run_policy(run_id)
         if policy is None:
-            raise TrackingError(f"experiment {self.experiment!r}: good run {run_id} has no {POLICY_ARTIFACT} artifact")
+            raise TrackingError(
+                f"experiment {self.store.experiment!r}: good run {run_id} has no {POLICY_ARTIFACT} artifact"
+            )
         m, p, t = run.data.metrics, run.data.params, run.data.tags
         recorded = t.get(FINGERPRINT)
         if recorded and policy.fingerprint() != recorded:
             # The check the plugin's "mlflow:" loader makes: restoring an edited artifact would put a
             # policy nobody measured into the file training jobs read.
             raise TrackingError(
-                f"experiment {self.experiment!r}: good run {run_id}: artifact {POLICY_ARTIFACT!r} has fingerprint "
-                f"{policy.fingerprint()}, but the run recorded {recorded} (tag {FINGERPRINT}); the artifact was "
-                f"changed after the run logged it, so it is not restored and the policy file is left as it is. "
-                f"Put the artifact back, or run `recompute-tune RECIPE` to measure and promote a policy again"
+                f"experiment {self.store.experiment!r}: good run {run_id}: artifact {POLICY_ARTIFACT!r} "
+                f"has fingerprint {policy.fingerprint()}, but the run recorded {recorded} (tag {FINGERPRINT}); "
+                f"the artifact was changed after the run logged it, so it is not restored and the policy file "
+                f"is left as it is. Put the artifact back, or run `recompute-tune RECIPE` to measure and promote "
+                f"a policy again"
             )
         at = t.get(PROMOTED_AT)
         mb = p.get("micro_batch")
@@ -329,13 +370,13 @@ class PolicyRegistry(TrackingClient):
             policy=policy,
             fingerprint=policy.fingerprint(),
             throughput=m.get("measured_throughput"),
-            peak_bytes=_int_or_none(m.get("measured_peak_bytes")),
+            peak_bytes=int_or_none(m.get("measured_peak_bytes")),
             promoted_at=datetime.fromisoformat(at) if at else None,
             micro_batch=int(mb) if mb and mb.isdigit() else None,
         )
 
     def _decision_runs(self) -> list[Any]:
-        runs = self._search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
+        runs = self.store.search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
         return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
 
     def _good_stack(self) -> list[str]:
@@ -358,13 +399,14 @@ class PolicyRegistry(TrackingClient):
         evidence: Mapping[str, Any],
         previous: str | None,
         source_run_id: str | None,
+        parent_run_id: str | None,
     ) -> str:
-        seq = 1 + max((_decision_seq(r.data.tags) for r in self._search(f"tags.`{KIND}` = 'decision'")), default=0)
+        seq = 1 + max((_decision_seq(r.data.tags) for r in self.store.search(f"tags.`{KIND}` = 'decision'")), default=0)
         tags = {
             KIND: "decision",
             DECISION: kind,
             DECISION_SEQ: str(seq),
-            REASON: _clip(reason),
+            REASON: clip_tag(reason),
             PREVIOUS_GOOD: previous or "",
             FINGERPRINT: policy.fingerprint(),
         }
@@ -375,16 +417,17 @@ class PolicyRegistry(TrackingClient):
         tags[OWNER] = json.dumps(Owner.me().to_dict())  # a later run ends it if this process dies mid-decision
         if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
             tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
-        parent = self._parent_run_id()
-        if parent:
-            tags[PARENT] = parent
-        run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"{kind} {policy.fingerprint()}")
+        if parent_run_id:
+            tags[PARENT] = parent_run_id
+        run = self.store.client.create_run(
+            self.store.experiment_id, tags=tags, run_name=f"{kind} {policy.fingerprint()}"
+        )
         run_id = run.info.run_id
         try:
-            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
-            self._log_json(run_id, EVIDENCE_JSON, evidence)
+            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            self.store.log_json(run_id, EVIDENCE_JSON, evidence)
         except BaseException:
-            self.client.set_terminated(run_id, "FAILED")
+            self.store.client.set_terminated(run_id, "FAILED")
             raise
         return run_id
 
@@ -402,18 +445,18 @@ class PolicyRegistry(TrackingClient):
         out = Path(output_path)
         old_bytes = out.read_bytes() if out.exists() else None
         try:
-            self.client.set_tag(decision_id, NEW_GOOD, new)
+            self.store.client.set_tag(decision_id, NEW_GOOD, new)
             kill_point("rollback" if rolled_back else "")  # a test hook; see tuner.killpoints
             policy.save(out)
             kill_point("after_write")  # a test hook; a no-op unless the fault-injection test sets it
             now = datetime.now(timezone.utc).isoformat()
-            self._set_tags(new, {GOOD: "true", PROMOTED_AT: now, PROMOTED: "true"})
+            self.store.set_tags(new, {GOOD: "true", PROMOTED_AT: now, PROMOTED: "true"})
             if previous and previous != new:
                 prev_tags = {GOOD: "false"}
                 if rolled_back:
                     prev_tags[ROLLED_BACK] = "true"
-                self._set_tags(previous, prev_tags)
-            self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, new)
+                self.store.set_tags(previous, prev_tags)
+            self.store.client.set_experiment_tag(self.store.experiment_id, GOOD_RUN_TAG, new)
         except BaseException:
             # A file that says B while MLflow says A is worse than either: put the file back, and
             # the record as far as the store still answers. Each undo is best effort (the store
@@ -426,17 +469,17 @@ class PolicyRegistry(TrackingClient):
             finally:
                 with suppress(Exception):
                     if previous:
-                        self.client.set_experiment_tag(self.experiment_id, GOOD_RUN_TAG, previous)
+                        self.store.client.set_experiment_tag(self.store.experiment_id, GOOD_RUN_TAG, previous)
                 with suppress(Exception):
                     if new != previous:
-                        self.client.set_tag(new, GOOD, "false")
+                        self.store.client.set_tag(new, GOOD, "false")
                 with suppress(Exception):
                     if previous and previous != new:
-                        self.client.set_tag(previous, GOOD, "true")
+                        self.store.client.set_tag(previous, GOOD, "true")
                 with suppress(Exception):
-                    self.client.set_terminated(decision_id, "FAILED")
+                    self.store.client.set_terminated(decision_id, "FAILED")
             raise
-        self.client.set_terminated(decision_id, "FINISHED")
+        self.store.client.set_terminated(decision_id, "FINISHED")
 
 
 def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Path]:
@@ -474,7 +517,7 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
     try:
         held = RecomputePolicy.load(path)
     except (OSError, PolicyError) as err:
-        return f"was not a readable policy ({_clip(str(err), 200)})"
+        return f"was not a readable policy ({clip_tag(str(err), 200)})"
     if held.fingerprint() != fingerprint:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
     if held.tuned_for != good.tuned_for:
@@ -485,7 +528,7 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
             for key in sorted(set(mine) | set(theirs))
             if mine.get(key) != theirs.get(key)
         )
-        return f"held the good policy {fingerprint} with another tuned_for: {_clip(changed, 500)}"
+        return f"held the good policy {fingerprint} with another tuned_for: {clip_tag(changed, 500)}"
     return None
 
 

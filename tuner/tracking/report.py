@@ -22,7 +22,7 @@ from tuner.jsonable import jsonable
 from tuner.units import format_bytes
 
 
-def _result_dict(result: TrialResult) -> dict[str, Any]:
+def result_dict(result: TrialResult) -> dict[str, Any]:
     """A TrialResult (or anything with its field names) as a mapping."""
     d = jsonable(result)
     if not isinstance(d, dict) or "outcome" not in d:
@@ -30,7 +30,7 @@ def _result_dict(result: TrialResult) -> dict[str, Any]:
     return d
 
 
-def _modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
+def layer_modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
     """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
     if layer_names:
         return {name: policy.choice_for(name) for name in layer_names}
@@ -67,18 +67,8 @@ def session_markdown(
     return "\n".join(lines)
 
 
-def _flatten(data: Any, prefix: str) -> dict[str, str]:
-    if isinstance(data, Mapping) and data:
-        out: dict[str, str] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}.{k}"))
-        return out
-    if isinstance(data, (list, dict)):
-        return {prefix: json.dumps(data)}
-    return {prefix: "null" if data is None else str(data)}
-
-
-def _csv(rows: Sequence[Mapping[str, Any]]) -> str:
+def trials_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` (trial rows) as CSV: every key any row has is a column, nested values as JSON."""
     columns: list[str] = []
     for r in rows:
         columns += [k for k in r if k not in columns]

@@ -18,14 +18,12 @@ from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from tuner.jsonable import jsonable
 from tuner.tracking.client import (
-    _FAILED_OUTCOMES,
     TrackingClient,
     TrackingError,
-    _clip,
-    _finite,
-    _now_ms,
-    _param_key,
-    _status,
+    clip_tag,
+    finite,
+    now_ms,
+    param_key,
 )
 from tuner.tracking.names import (
     BASELINES_JSON,
@@ -72,7 +70,7 @@ from tuner.tracking.names import (
     TRIALS_JSON,
     rank_peak_metric,
 )
-from tuner.tracking.report import _csv, _flatten, _modes, _result_dict, session_markdown
+from tuner.tracking.report import layer_modes, result_dict, session_markdown, trials_csv
 
 if TYPE_CHECKING:
     from tuner.race import RaceResult
@@ -83,22 +81,31 @@ if TYPE_CHECKING:
 _S = TypeVar("_S", bound="SessionLog")
 
 
-class SessionLog(TrackingClient):
-    """The session run of one study and the runs nested in it.
+_STATUSES = {
+    "finished": "FINISHED",
+    "ok": "FINISHED",
+    "completed": "FINISHED",
+    "killed": "KILLED",
+    "interrupted": "KILLED",
+    "failed": "FAILED",
+    "error": "FAILED",
+}
+# Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
+
+
+class SessionLog:
+    """The session run of one study and the runs nested in it, recorded through ``store``.
 
     Use it as a context manager (or `session`) so the session run always ends: FINISHED on a
     normal exit, KILLED on Ctrl-C, FAILED on an exception, and never stays RUNNING.
+
+    Args:
+        store: the experiment's client (shared with the `PolicyRegistry` of the same `Tracker`).
     """
 
-    def __init__(
-        self,
-        tracking_uri: str | None,
-        experiment: str,
-        *,
-        artifact_location: str | None = None,
-        create: bool = True,
-    ) -> None:
-        super().__init__(tracking_uri, experiment, artifact_location=artifact_location, create=create)
+    def __init__(self, store: TrackingClient) -> None:
+        self.store = store
         self._session_run_id: str | None = None
         self._session_open = False
         self._study: str | None = None
@@ -124,18 +131,18 @@ class SessionLog(TrackingClient):
             raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
         run_id = self._resumable_session(study_name) if resume else None
         if run_id is not None:
-            run = self.client.get_run(run_id)
+            run = self.store.client.get_run(run_id)
             resumes = int(run.data.tags.get(RESUMES, "0")) + 1
-            self.client.update_run(run_id, status="RUNNING")
-            self.client.set_tag(run_id, RESUMES, str(resumes))
+            self.store.client.update_run(run_id, status="RUNNING")
+            self.store.client.set_tag(run_id, RESUMES, str(resumes))
         else:
-            run = self.client.create_run(
-                self.experiment_id,
+            run = self.store.client.create_run(
+                self.store.experiment_id,
                 run_name=f"session {study_name}",
                 tags={KIND: "session", STUDY: study_name},
             )
             run_id = run.info.run_id
-            run = self.client.get_run(run_id)
+            run = self.store.client.get_run(run_id)
         self._session_run_id, self._session_open, self._study = run_id, True, study_name
 
         params = self._recipe_params(recipe, study_name)
@@ -144,9 +151,9 @@ class SessionLog(TrackingClient):
         # (e.g. n_trials extended) in a tag instead of failing the resumed session.
         new = [Param(k, v) for k, v in params.items() if k not in logged]
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
-        self._log_batch(run_id, params=new)
+        self.store.log_batch(run_id, params=new)
         if changed:
-            self.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, _clip(", ".join(changed)))
+            self.store.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
         from tuner.liveness import Owner
 
         # Who runs this session, and a first heartbeat: another process ends the run KILLED once
@@ -159,10 +166,10 @@ class SessionLog(TrackingClient):
         fingerprint = getattr(recipe, "fingerprint", None)
         if callable(fingerprint):
             tags[RECIPE_FINGERPRINT] = str(fingerprint())
-        self._set_tags(run_id, tags)
+        self.store.set_tags(run_id, tags)
         to_dict = getattr(recipe, "to_dict", None)
         if callable(to_dict):
-            self.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
+            self.store.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
         return run_id
 
     def log_trial(
@@ -206,7 +213,7 @@ class SessionLog(TrackingClient):
     def beat(self) -> None:
         """The session run's heartbeat (the `tuner.liveness.Heartbeat` thread calls it)."""
         if self._session_open and self._session_run_id is not None:
-            self.client.set_tag(self._session_run_id, HEARTBEAT, repr(time.time()))
+            self.store.client.set_tag(self._session_run_id, HEARTBEAT, repr(time.time()))
 
     def log_abandoned_trial(
         self,
@@ -227,8 +234,8 @@ class SessionLog(TrackingClient):
         tags = {
             KIND: "trial",
             OUTCOME: "abandoned",
-            REASON: _clip(reason),
-            ERROR: _clip(reason),
+            REASON: clip_tag(reason),
+            ERROR: clip_tag(reason),
             FINGERPRINT: policy.fingerprint(),
             PARENT: parent,
         }
@@ -237,12 +244,12 @@ class SessionLog(TrackingClient):
         if layer_names:
             tags[POLICY_SHORT] = policy.short(layer_names)
         name = policy.short(layer_names) if layer_names else policy.fingerprint()
-        run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"trial {number} {name}")
+        run = self.store.client.create_run(self.store.experiment_id, tags=tags, run_name=f"trial {number} {name}")
         run_id = run.info.run_id
         try:
             from mlflow.entities import Param
 
-            self._log_batch(
+            self.store.log_batch(
                 run_id,
                 params=[
                     Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
@@ -251,7 +258,7 @@ class SessionLog(TrackingClient):
                 ],
             )
         finally:
-            self.client.set_terminated(run_id, "FAILED")
+            self.store.client.set_terminated(run_id, "FAILED")
         return run_id
 
     def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
@@ -264,7 +271,7 @@ class SessionLog(TrackingClient):
 
         quoted = study_name.replace("'", "\\'")
         ended = []
-        for run in self._search(
+        for run in self.store.search(
             f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}' and attributes.status = 'RUNNING'"
         ):
             if run.info.run_id == self._session_run_id:
@@ -279,10 +286,10 @@ class SessionLog(TrackingClient):
             if why is None:
                 continue
             run_id = run.info.run_id
-            self.client.set_tag(run_id, SESSION_ENDED_BY, _clip(why))
-            for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.client.set_terminated(child.info.run_id, "FAILED")
-            self.client.set_terminated(run_id, "KILLED")
+            self.store.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
+            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.store.client.set_terminated(child.info.run_id, "FAILED")
+            self.store.client.set_terminated(run_id, "KILLED")
             ended.append(run_id)
         return ended
 
@@ -343,9 +350,9 @@ class SessionLog(TrackingClient):
         final = _status(status)
         rows = [dict(r) for r in trials_table]
         try:
-            self._log_json(run_id, TRIALS_JSON, rows)
-            self.client.log_text(run_id, _csv(rows), TRIALS_CSV)
-            self._log_json(run_id, BASELINES_JSON, baselines)
+            self.store.log_json(run_id, TRIALS_JSON, rows)
+            self.store.client.log_text(run_id, trials_csv(rows), TRIALS_CSV)
+            self.store.log_json(run_id, BASELINES_JSON, baselines)
             with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
                 from tuner.plots import pareto_plot
 
@@ -354,9 +361,9 @@ class SessionLog(TrackingClient):
                     Path(tmp) / "pareto.png",
                     baselines=baselines,
                     budget_bytes=budget_bytes,
-                    title=f"{self.experiment}: peak memory vs throughput",
+                    title=f"{self.store.experiment}: peak memory vs throughput",
                 )
-                self.client.log_artifact(run_id, str(png))
+                self.store.client.log_artifact(run_id, str(png))
             metrics: dict[str, float] = {
                 "trials_total": len(rows),
                 "trials_ok": sum(1 for r in rows if r.get("outcome") == "ok"),
@@ -368,17 +375,17 @@ class SessionLog(TrackingClient):
                 policy = best.get("policy")
                 if policy is not None:
                     policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.from_dict(policy)
-                    self.client.log_text(run_id, policy.to_yaml(), BEST_POLICY_YAML)
+                    self.store.client.log_text(run_id, policy.to_yaml(), BEST_POLICY_YAML)
                     tags[BEST_FINGERPRINT] = policy.fingerprint()
-                self._log_json(run_id, BEST_JSON, best)
+                self.store.log_json(run_id, BEST_JSON, best)
                 if best.get("run_id"):
                     tags[BEST_RUN] = str(best["run_id"])
                 for key in ("throughput", "peak_bytes"):
-                    if _finite(best.get(key)) is not None:
+                    if finite(best.get(key)) is not None:
                         metrics[f"best_{key}"] = float(best[key])
-            self._log_batch(run_id, metrics=metrics)
-            tags[NOTE] = _clip(session_markdown(self.experiment, final, best, rows, baselines, budget_bytes))
-            self._set_tags(run_id, tags)
+            self.store.log_batch(run_id, metrics=metrics)
+            tags[NOTE] = clip_tag(session_markdown(self.store.experiment, final, best, rows, baselines, budget_bytes))
+            self.store.set_tags(run_id, tags)
         finally:
             # Whatever failed above, the run must not stay RUNNING.
             self.close(final)
@@ -389,14 +396,14 @@ class SessionLog(TrackingClient):
         from tuner.race import format_gain
 
         run_id = self._require_session()
-        self._log_json(run_id, RACE_JSON, race.to_dict())
+        self.store.log_json(run_id, RACE_JSON, race.to_dict())
         words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
         if race.ok:
             words.append(
                 f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
             )
             words += [line for line in (race.tie_line(), race.unresolved_line(), *race.headlines()) if line]
-        tags = {RACE_SUMMARY: _clip("; ".join(words))}
+        tags = {RACE_SUMMARY: clip_tag("; ".join(words))}
         metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
         if race.winner is not None:
             tags[RACE_WINNER] = race.winner
@@ -409,8 +416,8 @@ class SessionLog(TrackingClient):
             metrics.update({f"race_vs_{name}_gain": gain, f"race_vs_{name}_low": low, f"race_vs_{name}_high": high})
             tags[f"{RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
         metrics.update(_machine_metrics(race.machine_before))
-        self._log_batch(run_id, metrics=metrics)
-        self._set_tags(run_id, tags)
+        self.store.log_batch(run_id, metrics=metrics)
+        self.store.set_tags(run_id, tags)
 
     def close(self, status: str = "KILLED") -> None:
         """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
@@ -420,10 +427,10 @@ class SessionLog(TrackingClient):
         run_id = self._session_run_id
         self._session_open = False
         try:
-            for child in self._search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.client.set_terminated(child.info.run_id, final)
+            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.store.client.set_terminated(child.info.run_id, final)
         finally:
-            self.client.set_terminated(run_id, final)
+            self.store.client.set_terminated(run_id, final)
 
     @contextmanager
     def session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> Iterator[str]:
@@ -454,9 +461,11 @@ class SessionLog(TrackingClient):
 
     def note_session(self, notes: Sequence[str]) -> None:
         """Record what the session decided without a trial (space, planner trouble, why it stopped)."""
-        self.client.set_tag(self._require_session(), SESSION_NOTES, "\n".join(notes)[:4900])
+        self.store.client.set_tag(self._require_session(), SESSION_NOTES, "\n".join(notes)[:4900])
 
-    def _parent_run_id(self) -> str | None:
+    @property
+    def open_run_id(self) -> str | None:
+        """The session run while it is open, else ``None``: the run a decision made now nests in."""
         return self._session_run_id if self._session_open else None
 
     def _require_session(self) -> str:
@@ -466,7 +475,7 @@ class SessionLog(TrackingClient):
 
     def _resumable_session(self, study_name: str) -> str | None:
         quoted = study_name.replace("'", "\\'")
-        runs = self._search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
+        runs = self.store.search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
         if not runs:
             return None
         latest = max(runs, key=lambda r: r.info.start_time)
@@ -485,7 +494,7 @@ class SessionLog(TrackingClient):
         for key, value in _flatten(data, "recipe").items():
             if key.split(".")[1] in ("tracking", "study", "output"):
                 continue
-            params[_param_key(key)] = _clip(value, 500)
+            params[param_key(key)] = clip_tag(value, 500)
         return params
 
     def _log_measurement(
@@ -506,9 +515,9 @@ class SessionLog(TrackingClient):
     ) -> str:
         from mlflow.entities import Metric, Param
 
-        r = _result_dict(result)
+        r = result_dict(result)
         outcome = str(r["outcome"])
-        wall = _finite(r.get("wall_s")) or 0.0
+        wall = finite(r.get("wall_s")) or 0.0
         tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
         if parent is not None:
             tags[PARENT] = parent
@@ -520,19 +529,21 @@ class SessionLog(TrackingClient):
             if r.get(key):
                 tags[tag] = str(r[key])
         if reason or r.get("error"):
-            tags[REASON] = _clip(reason or r["error"])
+            tags[REASON] = clip_tag(reason or r["error"])
         if r.get("error"):
-            tags[ERROR] = _clip(r["error"])
+            tags[ERROR] = clip_tag(r["error"])
         tags.update(extra_tags or {})
         # The run's span in the UI is the trial's own wall time, not the time it took to log it.
-        end = _now_ms()
-        run = self.client.create_run(
-            self.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
+        end = now_ms()
+        run = self.store.client.create_run(
+            self.store.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
         )
         run_id = run.info.run_id
         status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
         try:
-            params = [Param(_param_key(f"layer.{name}"), mode) for name, mode in _modes(policy, layer_names).items()]
+            params = [
+                Param(param_key(f"layer.{name}"), mode) for name, mode in layer_modes(policy, layer_names).items()
+            ]
             params += [
                 Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
                 Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
@@ -541,10 +552,10 @@ class SessionLog(TrackingClient):
             if policy.compile:
                 params.append(Param(COMPILE_PARAM, "true"))
             metrics: dict[str, float] = {}
-            if _finite(r.get("compile_s")) is not None:
+            if finite(r.get("compile_s")) is not None:
                 metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
             for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
-                v = _finite(r.get(key))
+                v = finite(r.get(key))
                 if v is not None:
                     metrics[f"measured_{key}"] = v
             for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
@@ -553,29 +564,29 @@ class SessionLog(TrackingClient):
             metrics.update(_machine_metrics(r.get("machine") or {}))
             if wall:
                 metrics["wall_s"] = wall
-            if _finite(r.get("device_total_bytes")) is not None:
+            if finite(r.get("device_total_bytes")) is not None:
                 metrics["device_total_bytes"] = float(r["device_total_bytes"])
             for key, value in (prediction or {}).items():
-                if _finite(value) is not None:
+                if finite(value) is not None:
                     metrics[f"predicted_{key}"] = float(value)
-            self._log_batch(run_id, params=params, metrics=metrics)
+            self.store.log_batch(run_id, params=params, metrics=metrics)
             steps = [
                 Metric("step_time_s", float(s), end, i)
                 for i, s in enumerate(r.get("step_times_s") or [])
-                if _finite(s) is not None
+                if finite(s) is not None
             ]
             for i in range(0, len(steps), 1000):
-                self.client.log_batch(run_id, metrics=steps[i : i + 1000])
-            self.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+                self.store.client.log_batch(run_id, metrics=steps[i : i + 1000])
+            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
             if r.get("stderr_tail"):
-                self.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
+                self.store.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
             if evidence is not None:
-                self._log_json(run_id, EVIDENCE_JSON, evidence)
+                self.store.log_json(run_id, EVIDENCE_JSON, evidence)
         except BaseException:
             status = "FAILED"
             raise
         finally:
-            self.client.set_terminated(run_id, status)
+            self.store.client.set_terminated(run_id, status)
         return run_id
 
 
@@ -583,7 +594,7 @@ def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
     """`STEP_NOISE_METRICS` of a trial's measured step times (none with fewer than 2 steps)."""
     from tuner.race import spread
 
-    times = [float(t) for t in step_times if _finite(t) is not None]
+    times = [float(t) for t in step_times if finite(t) is not None]
     if len(times) < 2:
         return {}
     sp = spread(times)
@@ -595,7 +606,7 @@ def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
 
 def _machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
     """The numeric parts of a machine state as ``machine_*`` metrics (other GPU processes as a count)."""
-    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if _finite(v) is not None}
+    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if finite(v) is not None}
     if isinstance(machine.get("gpu_processes"), list):
         out[f"{MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
     return out
@@ -604,3 +615,27 @@ def _machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
 def _metric_key(label: str) -> str:
     """A label (``baseline full``) as an MLflow metric name part (``baseline_full``)."""
     return "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"
+
+
+def _status(status: str) -> str:
+    """A status word (FINISHED, ok, interrupted, error...) as the MLflow run status it means."""
+    s = str(status).strip()
+    if s.upper() in ("FINISHED", "KILLED", "FAILED"):
+        return s.upper()
+    try:
+        return _STATUSES[s.lower()]
+    except KeyError:
+        valid = ", ".join(["FINISHED", "KILLED", "FAILED", *sorted(_STATUSES)])
+        raise TrackingError(f"status: {status!r} is not a run status (valid: {valid})") from None
+
+
+def _flatten(data: Any, prefix: str) -> dict[str, str]:
+    """Nested mappings as ``prefix.key.subkey -> text`` (lists as JSON), for ``recipe.*`` params."""
+    if isinstance(data, Mapping) and data:
+        out: dict[str, str] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(data, (list, dict)):
+        return {prefix: json.dumps(data)}
+    return {prefix: "null" if data is None else str(data)}

@@ -394,3 +394,18 @@ def test_pareto_plot_writes_a_png_with_baselines_and_budget(tmp_path: Path) -> N
     # Nothing measured at all still gives a (labelled) plot rather than an exception.
     empty = pareto_plot([{"outcome": "error"}], tmp_path / "empty.png", budget_bytes=None)
     assert empty.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_decision_nests_in_the_open_session_run_and_in_none_after_it(
+    uri: str, recipe: recipe_mod.Recipe, tmp_path: Path
+) -> None:
+    policy = RecomputePolicy.uniform("full")
+    tracker = Tracker(uri, "tiny-exp")
+    assert tracker.sessions.store is tracker.registry.store is tracker.store
+    assert tracker.client is tracker.store.client
+    with tracker.session(recipe, study_name="s") as session:
+        inside = tracker.reject(policy, source_run_id=None, reason="in the session", evidence={})
+    outside = tracker.promote(policy, source_run_id=None, output_path=tmp_path / "p.yaml", reason="after", evidence={})
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(inside).data.tags["mlflow.parentRunId"] == session
+    assert "mlflow.parentRunId" not in client.get_run(outside).data.tags
