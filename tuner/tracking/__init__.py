@@ -24,7 +24,7 @@ do not step on each other.
 
 Modules: `tuner.tracking.names` (every tag, param and artifact name), `tuner.tracking.client` (the
 shared MLflow client), `tuner.tracking.sessions` (session and trial runs), `tuner.tracking.registry`
-(the good policy: promote, reject, rollback, history), `tuner.tracking.report` (trial rows, CSV,
+(the good policy: promote, reject, rollback, history), `tuner.tracking.report` (CSV,
 markdown), `tuner.tracking.tracker` (`Tracker`: a `SessionLog` and a `PolicyRegistry` sharing one
 `TrackingClient`).
 """
