@@ -195,14 +195,12 @@ class _Gate:
         cfg: GateSettings,
         tell: Progress,
     ) -> None:
-        self.recipe, self.cand, self.good, self.budget_bytes, self.cfg, self.tell = (
-            recipe,
-            cand,
-            good,
-            budget_bytes,
-            cfg,
-            tell,
-        )
+        self.recipe = recipe
+        self.cand = cand
+        self.good = good
+        self.budget_bytes = budget_bytes
+        self.cfg = cfg
+        self.tell = tell
         self.warmup = int(recipe.trial.warmup_steps)
         self.steps = int(recipe.trial.measure_steps)
         self.timeout = float(recipe.trial.timeout_s)
@@ -445,7 +443,7 @@ def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: Ga
                 f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
                 f"over the budget limit {format_bytes(budget_bytes)}"
             )
-        return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if getattr(conf, "error", None) else "")
+        return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if conf.error else "")
     if budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
         if conf.peak_bytes is None:
             return "confirmation run reported no peak memory to check the budget"
