@@ -9,7 +9,8 @@ the winner's "vs" figures come from fresh rounds with their intervals.
 - `stats`: a sample's spread; the paired-ratio interval (why these statistics);
 - `rule`: standing, tie and tie-break over per-round times (pure);
 - `plan`: `RacePlan`, how long and how sure;
-- `engine`: the race in a Lightning fit (runs in a trial worker);
+- `schedule`: `RaceSchedule`, the turns and the decision, fed one step at a time;
+- `engine`: the schedule run in a Lightning fit (runs in a trial worker);
 - `result`: `RaceResult`, what the parent reads, with the figures' wording;
 - `machine`: the machine's state beside a measurement;
 - `neighbour`: a seeded noisy neighbour, for tests and benchmarks.

@@ -1,0 +1,336 @@
+"""The race's schedule: which entrant runs the next step, and what the rounds have decided.
+
+Pure bookkeeping over the step times and peaks it is given (no model, no Trainer), so the race in a
+trial worker (`tuner.race.engine`) and the race inside a user's training job (`tuner.auto`) run the
+same rounds, drop the same entrants and decide with the same statistic.
+
+A round runs each entrant once, in an order rotated by one place per round (an order that
+alternates runs the end entrants twice in a row, and that biased identical models by up to 5% on
+this project's 2-core machine; rotation spread them least). An entrant's turn is one settling step
+after the switch (not timed: the first step under a new policy pays for the allocator's
+reshuffle; on CPU it is the step the memory ledger meters, whose cost would distort the time)
+and then ``steps`` timed steps; its time in the round is their median.
+
+Two phases, because the fastest of several noisy medians is biased low: **selection** races every
+entrant until the leader is separated from the rest with confidence (`tuner.race.rule`), or the
+rounds or the time run out; the entrants left within noise of the leader are tied, and the tie is
+broken by headroom, then by less recomputation. **Estimation** then races the winner against the
+references (the baselines a "vs" figure is about) for fresh rounds, and only those rounds give the
+figures shown to a user.
+
+Several processes racing together (the ranks of one data-parallel job) must take every decision
+alike: `RaceSchedule.agree` is called at each round's end with what this process measured, and
+returns what every process takes (rank 0's times and clock, the largest peak of any rank). With
+it, an entrant over the limit is out at the round's end rather than at once, so no rank skips a
+turn the others run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_recompute import RecomputePolicy
+from tuner.race.plan import RacePlan
+from tuner.race.rule import Standing, stand, verdict
+
+__all__ = ["Agree", "RaceSchedule", "RoundReport", "Turn"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One training step of the race: whose, and whether it is timed and metered."""
+
+    key: str
+    """The entrant that runs the step."""
+    timed: bool
+    """Its time counts in the round (the settling step after a switch does not)."""
+    metered: bool
+    """Its peak memory is measured (every step on CUDA; on CPU the first visit, whose ledger is costly)."""
+    phase: str
+    """``warmup``, ``select`` or ``estimate``."""
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one process measured in a round, as `RaceSchedule.agree` sees it."""
+
+    times: dict[str, float]
+    """Entrant key -> its time in the round (the median of its timed steps)."""
+    peaks: dict[str, int | None]
+    """Entrant key -> its largest metered peak so far (``None``: never metered)."""
+    elapsed_s: float
+    """Seconds of selection so far, by this process's clock."""
+
+
+Agree = Callable[[RoundReport], RoundReport]
+"""What several processes racing together take from each one's `RoundReport` (see the module docstring)."""
+
+
+@dataclass
+class _Entrant:
+    key: str
+    policy: RecomputePolicy
+    short: str
+    peak_bytes: int | None = None
+    out: str | None = None
+    dropped: str | None = None
+    select: list[float | None] = field(default_factory=list)
+    estimate: list[float | None] = field(default_factory=list)
+
+
+class RaceSchedule:
+    """The turns of a race and its decision, fed one measured step at a time.
+
+    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy; ``record(turn, seconds,
+    peak)``; repeat until `next_turn` returns ``None``; then `winner` and `result`.
+
+    Args:
+        entrants: ``(key, policy, short)`` per candidate, at least one; the first runs the warm-up.
+        references: keys of the entrants the winner's "vs" figures are about (estimation phase).
+        plan: how long and how sure (`RacePlan`).
+        budget_bytes: an entrant whose metered peak exceeds it is out.
+        meter_every_step: meter every step (CUDA, where it is free), not only first visits.
+        clock: seconds, for the selection's time budget.
+        agree: what several processes racing together take from each one's round (``None``: one process).
+    """
+
+    def __init__(
+        self,
+        entrants: Sequence[tuple[str, RecomputePolicy, str]],
+        references: Sequence[str] = (),
+        plan: RacePlan | None = None,
+        budget_bytes: int | None = None,
+        *,
+        meter_every_step: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+        agree: Agree | None = None,
+    ) -> None:
+        if not entrants:
+            raise ValueError("a race needs at least one entrant")
+        keys = [k for k, _, _ in entrants]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"entrant keys must be unique: {keys}")
+        self.plan = plan or RacePlan()
+        self.entrants = {k: _Entrant(k, p, s) for k, p, s in entrants}
+        self.order = keys
+        self.references = [k for k in references if k in self.entrants]
+        self.budget = budget_bytes
+        self.meter_every_step = meter_every_step
+        self.clock = clock
+        self.agree = agree
+        self.phase = "warmup"
+        self.turns: deque[Turn] = deque(Turn(keys[0], False, False, "warmup") for _ in range(self.plan.warmup_steps))
+        self.round_times: dict[str, list[float]] = {}
+        self.select_rounds: list[dict[str, float]] = []
+        self.estimate_rounds: list[dict[str, float]] = []
+        self.visited: set[str] = set()
+        self.started: float | None = None
+        self.elapsed_s = 0.0
+        self.stop_reason = ""
+        self.standing: Standing | None = None
+        self.winner: str | None = None
+        self.tied: list[str] = []
+        self.tokens: int | None = None
+        self.samples: int | None = None
+        self.over = False
+
+    # -------------------------------------------------------------- feeding
+
+    def next_turn(self) -> Turn | None:
+        """The next step's turn, or ``None`` when the race is over (and stays over)."""
+        while not self.turns:
+            if self.over or not self._next_round():
+                self.over = True
+                return None
+        return self.turns.popleft()
+
+    def record(
+        self,
+        turn: Turn,
+        seconds: float,
+        peak_bytes: int | None,
+        *,
+        tokens: int | None = None,
+        samples: int | None = None,
+    ) -> None:
+        """File the measurement of the step ``turn`` ran (its peak only when it was metered)."""
+        if turn.phase == "warmup":
+            return
+        entrant = self.entrants[turn.key]
+        if peak_bytes is not None:
+            entrant.peak_bytes = max(entrant.peak_bytes or 0, peak_bytes)
+            if self.agree is None:
+                self._check_limit(entrant)
+        if turn.timed and entrant.out is None:
+            self.round_times.setdefault(turn.key, []).append(seconds)
+            self.tokens, self.samples = tokens, samples
+
+    def knock_out(self, key: str, reason: str) -> None:
+        """Put ``key`` out of the race now (it failed, e.g. out of memory): it never runs again."""
+        entrant = self.entrants[key]
+        if entrant.out is None:
+            entrant.out = reason
+        self.turns = deque(t for t in self.turns if t.key != key)
+        self.round_times.pop(key, None)
+
+    def _check_limit(self, entrant: _Entrant) -> None:
+        peak = entrant.peak_bytes
+        if self.budget is not None and peak is not None and peak > self.budget and entrant.out is None:
+            self.knock_out(entrant.key, f"peaked at {peak} bytes in the race, over the limit {self.budget}")
+
+    # -------------------------------------------------------------- what is left
+
+    def alive(self, keys: Sequence[str] | None = None) -> list[str]:
+        """Entrants not out of the race (over the limit, failed), in ``keys``' order (default: all)."""
+        return [k for k in (self.order if keys is None else keys) if self.entrants[k].out is None]
+
+    def _contenders(self) -> list[str]:
+        """Entrants the selection still races: alive and not yet beaten with confidence."""
+        return [k for k in self.alive() if self.entrants[k].dropped is None]
+
+    # -------------------------------------------------------------- rounds
+
+    def _close_round(self) -> None:
+        """Turn the round's step times into one time per entrant (its median) and file the round."""
+        if self.phase == "warmup":
+            return
+        times = {k: statistics.median(v) for k, v in self.round_times.items() if v and self.entrants[k].out is None}
+        self.round_times = {}
+        if self.started is not None and self.phase == "select":
+            self.elapsed_s = self.clock() - self.started
+        if self.agree is not None:
+            peaks = {k: e.peak_bytes for k, e in self.entrants.items()}
+            agreed = self.agree(RoundReport(times=times, peaks=peaks, elapsed_s=self.elapsed_s))
+            times = {k: v for k, v in agreed.times.items() if k in self.entrants}
+            self.elapsed_s = agreed.elapsed_s
+            for k, peak in agreed.peaks.items():
+                if k in self.entrants and peak is not None:
+                    self.entrants[k].peak_bytes = peak
+                    self._check_limit(self.entrants[k])
+            times = {k: v for k, v in times.items() if self.entrants[k].out is None}
+        rounds = self.select_rounds if self.phase == "select" else self.estimate_rounds
+        rounds.append(times)
+        for k, e in self.entrants.items():
+            (e.select if self.phase == "select" else e.estimate).append(times.get(k))
+
+    def _next_round(self) -> bool:
+        """Queue the next round's turns; ``False`` when the race is over."""
+        self._close_round()
+        if self.phase == "warmup":
+            self.phase = "select"
+            self.started = self.clock()
+        if self.phase == "select" and self._selection_over():
+            self._decide()
+            self.phase = "estimate"
+        if self.phase == "estimate":
+            field_ = self._estimate_field()
+            if len(field_) < 2 or len(self.estimate_rounds) >= self.plan.estimate_rounds:
+                return False
+            self._queue(field_, len(self.estimate_rounds), "estimate")
+            return True
+        self._queue(self._contenders(), len(self.select_rounds), "select")
+        return True
+
+    def _queue(self, keys: list[str], index: int, phase: str) -> None:
+        shift = index % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            first_visit = key not in self.visited
+            self.visited.add(key)
+            self.turns.append(Turn(key, False, first_visit or self.meter_every_step, phase))
+            self.turns.extend(Turn(key, True, self.meter_every_step, phase) for _ in range(self.plan.steps))
+
+    def _selection_over(self) -> bool:
+        alive = self._contenders()
+        rounds = len(self.select_rounds)
+        if len(alive) < 2:
+            self.stop_reason = "one entrant left" if alive else "no entrant left"
+            return True
+        if rounds >= self.plan.max_rounds:
+            self.stop_reason = f"{rounds} rounds (the most allowed)"
+            return True
+        if rounds >= 2 and self.elapsed_s >= self.plan.time_s:
+            self.stop_reason = f"time budget of {self.plan.time_s:g} s spent after {rounds} rounds"
+            return True
+        if rounds >= self.plan.min_rounds:
+            early = stand(self.select_rounds, alive, confidence=self.plan.stop_confidence)
+            level = f"{self.plan.stop_confidence:.0%}"
+            if len(early.beaten()) == len(alive) - 1:
+                self.stop_reason = f"leader separated from every other entrant at {level} after {rounds} rounds"
+                return True
+            # Racing (F-Race): an entrant beaten with confidence stops costing rounds; the rounds
+            # left go to the ones the race cannot tell apart yet.
+            for key in early.beaten():
+                leader = self.entrants[early.leader].short
+                self.entrants[key].dropped = f"beaten by {leader} at {level} after {rounds} rounds"
+        return False
+
+    def _decide(self) -> None:
+        alive = self.alive()
+        self.standing, self.tied, self.winner = verdict(
+            self.select_rounds,
+            alive,
+            {k: self.entrants[k].peak_bytes for k in alive},
+            {k: self.entrants[k].short for k in alive},
+            confidence=self.plan.confidence,
+            tie_margin=self.plan.tie_margin,
+        )
+
+    def _estimate_field(self) -> list[str]:
+        if self.winner is None or self.entrants[self.winner].out is not None:
+            return []
+        refs = [k for k in self.alive(self.references) if k != self.winner]
+        return [self.winner, *refs] if refs else []
+
+    # -------------------------------------------------------------- result
+
+    def vs(self) -> dict[str, dict[str, Any]]:
+        """The winner's estimation-round intervals against each reference (the reference's time over the winner's)."""
+        from tuner.race.stats import paired_ratio
+
+        out: dict[str, dict[str, Any]] = {}
+        if self.winner is None:
+            return out
+        for ref in self.alive(self.references):
+            if ref == self.winner:
+                continue
+            pairs = [(r[self.winner], r[ref]) for r in self.estimate_rounds if self.winner in r and ref in r]
+            if len(pairs) >= 2:
+                iv = paired_ratio([p[0] for p in pairs], [p[1] for p in pairs], confidence=self.plan.confidence)
+                out[ref] = iv.to_dict()
+        return out
+
+    def result(self) -> dict[str, Any]:
+        """The JSON-ready race record (`tuner.race.RaceResult.from_worker` reads it)."""
+        standing = self.standing
+        return {
+            "entrants": {
+                k: {
+                    "short": e.short,
+                    "fingerprint": e.policy.fingerprint(),
+                    "peak_bytes": e.peak_bytes,
+                    "out": e.out,
+                    "dropped": e.dropped,
+                    "select_s": e.select,
+                    "estimate_s": e.estimate,
+                }
+                for k, e in self.entrants.items()
+            },
+            "selection": {
+                "rounds": len(self.select_rounds),
+                "stop": self.stop_reason,
+                "leader": None if standing is None else standing.leader,
+                "behind": {} if standing is None else {k: iv.to_dict() for k, iv in standing.behind.items()},
+                "tied": list(self.tied),
+                "unresolved": [] if standing is None else standing.unresolved(),
+                "winner": self.winner,
+            },
+            "estimate": {"rounds": len(self.estimate_rounds), "vs": self.vs()},
+            "tokens_per_step": self.tokens,
+            "samples_per_step": self.samples,
+            "select_wall_s": None if self.started is None else self.elapsed_s,
+        }
