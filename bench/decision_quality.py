@@ -126,7 +126,11 @@ def truth(workload: str, rounds: int, log: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         recipe = from_dict(recipe_dict(workload, Path(tmp), race=True))
         policies, names = space_policies(recipe)
-        full = RecomputePolicy.uniform("full")
+        # The space's all-full policy (its fingerprint is the space's encoding, not `uniform("full")`'s).
+        every = "F" * len(names)
+        full = next((p for p in policies if p.short(names) == every), RecomputePolicy.uniform("full"))
+        if full not in policies:
+            policies.append(full)
         limit = recipe.budget.limit_bytes(None)
         log(f"  truth: {len(policies)} policies in the space, {rounds} interleaved rounds ...")
         began = time.perf_counter()
@@ -143,24 +147,19 @@ def truth(workload: str, rounds: int, log: Any) -> dict[str, Any]:
         if not race.ok:
             raise SystemExit(f"truth race failed: {race.reason}")
         fk = full.fingerprint()
+        # Keyed by glyphs: a session's promoted policy may be the same layer modes under another encoding.
         rel: dict[str, float] = {}
-        for key, e in race.entrants.items():
+        for e in race.entrants.values():
             if e.out is not None:
                 continue
             ratios = [t / f for t, f in zip(e.select_s, race.entrants[fk].select_s, strict=True) if t and f]
-            rel[key] = statistics.median(ratios)
+            rel[e.short] = statistics.median(ratios)
         best = min(rel, key=rel.__getitem__)
         log(
-            f"  truth: {len(rel)} fit; best {race.entrants[best].short} at {rel[best]:.3f}x full's time "
+            f"  truth: {len(rel)} fit; best {best} at {rel[best]:.3f}x full's time "
             f"({time.perf_counter() - began:.0f} s)"
         )
-        return {
-            "rel_time": rel,
-            "short": {k: e.short for k, e in race.entrants.items()},
-            "best": best,
-            "full": fk,
-            "rounds": rounds,
-        }
+        return {"rel_time": rel, "best": best, "full": every, "rounds": rounds}
 
 
 def session(workload: str, *, race: bool, noisy_seed: int | None) -> dict[str, Any]:
@@ -192,9 +191,9 @@ def session(workload: str, *, race: bool, noisy_seed: int | None) -> dict[str, A
 def score(s: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
     summary = s["summary"]
     best = summary.get("best") or {}
-    promoted = best.get("policy_fingerprint")
+    promoted = best.get("policy_short")
     rel = t["rel_time"]
-    out: dict[str, Any] = {"status": summary["status"], "promoted": t["short"].get(promoted, promoted)}
+    out: dict[str, Any] = {"status": summary["status"], "promoted": promoted}
     if promoted in rel:
         out["regret"] = rel[promoted] / rel[t["best"]]
     vs = (summary.get("vs") or {}).get("full")

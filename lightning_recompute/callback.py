@@ -187,7 +187,7 @@ class RecomputeCallback(L.Callback):
         self.grad_freeing = decide_grad_freeing(self.free_grads_at_batch_start, trainer, pl_module, self)
         rank_zero_info(self.grad_freeing.describe())
 
-    def switch_policy(self, pl_module: L.LightningModule, policy: PolicyLike) -> AppliedPolicy:
+    def switch_policy(self, pl_module: L.LightningModule, policy: PolicyLike, *, retry: bool = False) -> AppliedPolicy:
         """Put ``policy`` on the model in place of the current one, for the batches that follow.
 
         Recomputation never changes what a step computes, so a policy may change between any two
@@ -197,12 +197,15 @@ class RecomputeCallback(L.Callback):
         which policy each batch ran under.
 
         Call it between batches (from another callback's ``on_train_batch_end``, or outside ``fit``).
+        ``retry=True`` allows it while a batch runs, for a step that failed and is about to be run again
+        from its start under ``policy`` (an out-of-memory retry); the batch's record is then filed
+        under ``policy``.
 
         Raises:
-            RecomputeError: called while a batch runs.
+            RecomputeError: called while a batch runs (without ``retry``).
             PolicyError: the policy is invalid or matches no layer.
         """
-        if self._step is not None:
+        if self._step is not None and not retry:
             raise RecomputeError("RecomputeCallback.switch_policy: called while a batch runs; call it between batches")
         new = as_policy(policy)
         self.applied = apply_policy(pl_module, new, self.layers)

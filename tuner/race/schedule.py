@@ -183,6 +183,18 @@ class RaceSchedule:
         if self.budget is not None and peak is not None and peak > self.budget and entrant.out is None:
             self.knock_out(entrant.key, f"peaked at {peak} bytes in the race, over the limit {self.budget}")
 
+    def finish(self, reason: str) -> None:
+        """End the race now (the job ran out of steps): decide on the rounds there are, and run no more turns."""
+        if self.over:
+            return
+        if self.phase != "estimate":
+            self.stop_reason = reason
+            self._decide()
+            self.phase = "estimate"
+        self.turns.clear()
+        self.round_times = {}
+        self.over = True
+
     # -------------------------------------------------------------- what is left
 
     def alive(self, keys: Sequence[str] | None = None) -> list[str]:

@@ -27,6 +27,7 @@ __all__ = [
     "GOOD",
     "GOOD_RUN_TAG",
     "HEARTBEAT",
+    "IN_JOB",
     "KIND",
     "MACHINE_METRIC_PREFIX",
     "MICRO_BATCH_PARAM",
@@ -112,11 +113,14 @@ SESSION_NOTES = "recompute.session_notes"
 BEST_FINGERPRINT = "recompute.best_fingerprint"
 BEST_RUN = "recompute.best_run_id"
 TUNED_MICRO_BATCH = "recompute.tuned_micro_batch"
+"""Decision run tag: the micro-batch the decided policy was tuned for (its ``tuned_for.micro_batch``)."""
 RACE_WINNER = "recompute.race_winner"
 """On a session run: the fingerprint of the policy the race chose."""
 RACE_SUMMARY = "recompute.race"
 """On a session run: the race in words (winner, tie, stop reason, the "vs" figures with their intervals)."""
-"""Decision run tag: the micro-batch the decided policy was tuned for (its ``tuned_for.micro_batch``)."""
+IN_JOB = "recompute.in_job"
+"""On a session run: ``true`` when it tuned inside a training job (`tuner.auto.AutoRecompute`), not in
+``recompute-tune``."""
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
 """MLflow's own tag for a run's description (markdown)."""

@@ -38,6 +38,7 @@ from tuner.tracking.names import (
     EVIDENCE_JSON,
     FINGERPRINT,
     HEARTBEAT,
+    IN_JOB,
     KIND,
     MACHINE_METRIC_PREFIX,
     MICRO_BATCH_PARAM,
@@ -170,6 +171,30 @@ class SessionLog:
         to_dict = getattr(recipe, "to_dict", None)
         if callable(to_dict):
             self.store.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
+        return run_id
+
+    def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
+        """Open the session run of a tuning inside a training job (`tuner.auto.AutoRecompute`); its run id.
+
+        The layout is a tuning session's (trial runs nest in it, `log_race` and `finish_session` write
+        the same records), without a recipe or a study: ``name`` stands for the study, ``params`` say
+        what was tuned (budget, candidates, race plan), and the run nests under the job's own run
+        (``parent_run_id``, e.g. its ``MLFlowLogger``'s) when there is one. Never resumed: a job that
+        restarts from a checkpoint keeps its decision and does not tune again.
+        """
+        if self._session_open:
+            raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
+        from tuner.liveness import Owner
+
+        tags = {KIND: "session", STUDY: name, IN_JOB: "true", OWNER: json.dumps(Owner.me().to_dict())}
+        if parent_run_id is not None:
+            tags[PARENT] = parent_run_id
+        run = self.store.client.create_run(self.store.experiment_id, run_name=f"in-job {name}", tags=tags)
+        run_id = run.info.run_id
+        self._session_run_id, self._session_open, self._study = run_id, True, name
+        from mlflow.entities import Param
+
+        self.store.log_batch(run_id, params=[Param(param_key(k), clip_tag(v, 500)) for k, v in params.items()])
         return run_id
 
     def log_trial(

@@ -1,0 +1,501 @@
+"""`AutoRecompute`: tune the recompute policy inside the training job, on its first steps.
+
+Recomputation never changes what a step computes, so a step taken to measure a candidate policy is
+an ordinary training step: the job loses no progress to tuning. At the first batch the callback
+profiles the model in the job (`tuner.auto.candidates`), takes the planner's candidates that fit
+the limit, and races them (`tuner.race.schedule`, the same rounds and statistic as
+``recompute-tune``'s race): one candidate per optimizer step, in rotation, the safest first. Then it
+switches to the winner for the rest of training, says so in the log, writes the policy file and
+records the race in MLflow (`tuner.auto.record`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_recompute import RecomputeCallback, RecomputePolicy
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.layers import LayerSpec
+from lightning_recompute.modes import Mode
+from lightning_recompute.policy import PolicyLike
+from tuner.auto.candidates import (
+    Candidate,
+    baseline_candidates,
+    given_candidates,
+    planner_candidates,
+    profile_in_job,
+)
+from tuner.race import RacePlan, RaceResult
+from tuner.race.machine import machine_state
+from tuner.race.schedule import RaceSchedule, RoundReport, Turn
+from tuner.units import format_bytes, parse_bytes
+
+__all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute"]
+
+_log = logging.getLogger(__name__)
+
+AUTO_PLAN = RacePlan(steps=2, min_rounds=4, max_rounds=12, time_s=600.0, estimate_rounds=6, warmup_steps=1)
+"""The race a job runs by default: shorter than ``recompute-tune``'s (every step trains, but the
+slower candidates cost the job time while they race)."""
+
+_PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+"""Where the first batch is profiled in the job: one device, or rank 0 of data parallel (its
+replica is the whole model, and a forward outside DDP's wrapper runs no collective). A sharded
+model (FSDP2 through ModelParallelStrategy) gathers its parameters collectively on every forward,
+so rank 0 cannot profile it alone: those jobs race the uniform policies of ``modes`` (or the given
+candidates)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoDecision:
+    """What the job settled on, kept in the callback's checkpoint state."""
+
+    policy: RecomputePolicy
+    short: str
+    label: str
+    """Where the policy came from (`Candidate.label`)."""
+    summary: str
+    """The decision in words, as logged."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (the checkpoint's form)."""
+        return {"policy": self.policy.to_dict(), "short": self.short, "label": self.label, "summary": self.summary}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AutoDecision:
+        return cls(
+            RecomputePolicy.from_dict(data["policy"]), str(data["short"]), str(data["label"]), str(data["summary"])
+        )
+
+
+class AutoRecompute(RecomputeCallback):
+    """Find the fastest recompute policy that fits ``budget`` inside the training job, then train with it.
+
+    Every tuning step is a training step: weights after any number of steps are those of a plain
+    run (bitwise on CPU). At the first batch the model is profiled on it (restored exactly
+    afterwards) and the planner's candidates predicted to fit the limit (``budget`` less
+    ``margin``) race, one per optimizer step, the lowest predicted peak first. A candidate whose
+    measured peak exceeds the limit is out at once and never runs again. The race stops when the
+    leader is separated from the rest with confidence (or its rounds or time run out), breaks ties
+    within noise by headroom and then less recomputation, measures the winner against the safest
+    candidate for fresh rounds (the "vs" figure), and the winner trains the rest of the job.
+
+    Args:
+        budget: the device memory a step may use: bytes or a size (``"40GiB"``).
+        margin: the fraction of ``budget`` kept free (allocator fragmentation, the optimizer's
+            temporaries); the limit is ``budget * (1 - margin)``.
+        output: where to write the chosen policy (with ``tuned_for``), atomically; ``None``: nowhere.
+        tracking_uri: MLflow tracking URI of the record; ``None``: the job's ``MLFlowLogger``'s (the
+            session run nests under the job's run), or no record without one.
+        experiment: MLflow experiment of the record (default: the logger's, else ``auto-recompute``).
+        candidates: race these policies (safest first) instead of the planner's.
+        max_candidates: how many of the planner's candidates race (at least 2).
+        modes: the modes the planner combines per layer.
+        plan: the race (`RacePlan`; default `AUTO_PLAN`).
+        layers: which modules are layers, as for `RecomputeCallback`.
+        catch_oom: on an out-of-memory error in a candidate's optimizer step, drop the candidate and
+            run the same batch again, from the same random state, under the safest candidate left
+            (nothing lost, no step skipped). ``None``: on for one CUDA device. With gradient accumulation
+            only the last micro-batch of a step is covered. Never across several ranks: one rank
+            retrying while the others wait in a collective would hang the job.
+        profile_repeats: timed steps per mode in the profile.
+        name: the session's name in MLflow (default ``auto-<model class>``).
+        free_grads_at_batch_start: as for `RecomputeCallback`.
+
+    Raises:
+        RecomputeError: a bad argument (named, with what is valid).
+    """
+
+    def __init__(
+        self,
+        budget: int | str,
+        *,
+        margin: float = 0.05,
+        output: str | Path | None = None,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        candidates: Sequence[PolicyLike] | None = None,
+        max_candidates: int = 4,
+        modes: Sequence[str] = (Mode.NONE.value, Mode.SELECTIVE.value, Mode.FULL.value),
+        plan: RacePlan | None = None,
+        layers: LayerSpec = "auto",
+        catch_oom: bool | None = None,
+        profile_repeats: int = 3,
+        name: str | None = None,
+        free_grads_at_batch_start: bool | None = None,
+    ) -> None:
+        # Until the first batch, the policy that needs least memory without knowing the model.
+        super().__init__(
+            RecomputePolicy.uniform(Mode.FULL.value),
+            layers=layers,
+            memory_steps=frozenset(),
+            free_grads_at_batch_start=free_grads_at_batch_start,
+        )
+        try:
+            self.budget_bytes = parse_bytes(budget)
+        except (TypeError, ValueError) as err:
+            raise RecomputeError(f"AutoRecompute budget: {err}") from err
+        if not 0.0 <= margin < 1.0:
+            raise RecomputeError(f"AutoRecompute margin: must be in [0, 1), got {margin!r}")
+        if not isinstance(max_candidates, int) or max_candidates < 2:
+            raise RecomputeError(f"AutoRecompute max_candidates: must be an integer >= 2, got {max_candidates!r}")
+        if not isinstance(profile_repeats, int) or profile_repeats < 1:
+            raise RecomputeError(f"AutoRecompute profile_repeats: must be a positive integer, got {profile_repeats!r}")
+        self.limit_bytes = int(self.budget_bytes * (1.0 - margin))
+        """The most a candidate's measured peak may reach."""
+        self.output = None if output is None else Path(output)
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.given = list(candidates) if candidates is not None else None
+        self.max_candidates = max_candidates
+        self.modes = tuple(modes)
+        self.plan = plan or AUTO_PLAN
+        self.catch_oom = catch_oom
+        self.profile_repeats = profile_repeats
+        self.name = name
+        self.candidates: list[Candidate] = []
+        """What races (known from the first batch)."""
+        self.notes: list[str] = []
+        """What the tuning noticed (planner notes, a dropped candidate, an out-of-memory retry)."""
+        self.schedule: RaceSchedule | None = None
+        self.decision: AutoDecision | None = None
+        """The settled policy (``None`` while tuning, or before the first batch)."""
+        self.race_result: RaceResult | None = None
+        self.tuning_steps = 0
+        """Optimizer steps taken while tuning (every one a training step)."""
+        self.record_run_id: str | None = None
+        """The MLflow session run of the record, when one was written."""
+        self._turn: Turn | None = None
+        self._turn_step = -1
+        self._step_s = 0.0
+        self._step_peak: int | None = None
+        self._step_samples = 0
+        self._step_tokens: int | None = None
+        self._rng: dict[str, Any] | None = None
+        self._rng_step = -1
+        self._oom: str | None = None
+        self._guarded: Callable[..., Any] | None = None
+        self._began = 0.0
+        self._machine_before: dict[str, Any] = {}
+        self._world = 1
+        self._on_cuda = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._world = int(trainer.world_size)
+        self._on_cuda = pl_module.device.type == "cuda"
+        if self.catch_oom is None:
+            self.catch_oom = self._on_cuda and self._world == 1
+        elif self.catch_oom and self._world > 1:
+            raise RecomputeError(
+                "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
+                "collective would hang the job); leave it None or False"
+            )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.decision is not None:  # restored from a checkpoint: no tuning again
+            self.switch_policy(pl_module, self.decision.policy)
+            self._after_tuning()
+            rank_zero_info(f"AutoRecompute: resuming with the policy decided before: {self.decision.summary}")
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.decision is None:
+            if self.schedule is None:
+                self._start(trainer, pl_module, batch)
+            if self.catch_oom and self._turn is not None and trainer.global_step != self._rng_step:
+                # The random state at the start of the optimizer step: an out-of-memory retry starts from it.
+                self._rng, self._rng_step = _rng_state(pl_module.device), trainer.global_step
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.decision is not None or self.schedule is None or self._turn is None:
+            return
+        turn = self._turn
+        if self._oom is not None:
+            self._oom = None
+            self._reset_step(trainer)
+            self._advance(trainer, pl_module)
+            return
+        record = self.records[-1]
+        expected = self.schedule.entrants[turn.key].policy.fingerprint()
+        if record.policy != expected:
+            raise RuntimeError(f"AutoRecompute: step {record.step} ran policy {record.policy}, its turn was {expected}")
+        self._step_s += record.seconds
+        if record.peak_bytes is not None:
+            self._step_peak = max(self._step_peak or 0, record.peak_bytes)
+        self._step_samples += record.samples
+        if record.tokens is not None:
+            self._step_tokens = (self._step_tokens or 0) + record.tokens
+        if trainer.global_step == self._turn_step:
+            return  # gradient accumulation: the optimizer step is not over; switch only between steps
+        self.tuning_steps += 1
+        self.schedule.record(
+            turn, self._step_s, self._step_peak, tokens=self._step_tokens, samples=self._step_samples or None
+        )
+        self._advance(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.decision is None and self.schedule is not None:
+            rounds = len(self.schedule.select_rounds)
+            self.schedule.finish(f"the job ended after {rounds} selection rounds")
+            self._settle(trainer, pl_module)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._unguard(pl_module)
+        super().teardown(trainer, pl_module, stage)
+
+    # ------------------------------------------------------------------ the race
+
+    def _start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
+        """Find the candidates (rank 0's, shared) and start the race."""
+        self._began = time.perf_counter()
+        self._machine_before = machine_state(pl_module.device.type)
+        payload: dict[str, Any] | None = None
+        if trainer.is_global_zero:
+            found, notes = self._find_candidates(trainer, pl_module, batch)
+            payload = {"candidates": [_candidate_dict(c) for c in found], "notes": notes}
+        payload = trainer.strategy.broadcast(payload, src=0)
+        assert payload is not None
+        self.candidates = [_candidate_of(d) for d in payload["candidates"]]
+        self.notes.extend(payload["notes"])
+        for note in self.notes:
+            rank_zero_info(f"AutoRecompute: {note}")
+        lines = [
+            f"  {c.short}  {c.label}"
+            + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
+            for c in self.candidates
+        ]
+        rank_zero_info(
+            f"AutoRecompute: racing {len(self.candidates)} candidate(s) under the limit "
+            f"{format_bytes(self.limit_bytes)}, one per optimizer step, safest first:\n" + "\n".join(lines)
+        )
+        self.schedule = RaceSchedule(
+            [(c.key, c.policy, c.short) for c in self.candidates],
+            references=[self.candidates[0].key],
+            plan=self.plan,
+            budget_bytes=self.limit_bytes,
+            meter_every_step=self._on_cuda,
+            agree=self._agree if self._world > 1 else None,
+        )
+        if self.catch_oom:
+            self._guard(pl_module)
+        self._advance(trainer, pl_module)
+
+    def _find_candidates(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any
+    ) -> tuple[list[Candidate], list[str]]:
+        if self.given is not None:
+            return given_candidates(pl_module, self.layers, self.given), []
+        strategy = type(trainer.strategy).__name__
+        if strategy not in _PROFILED_STRATEGIES:
+            note = f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
+            return baseline_candidates(pl_module, self.layers, self.modes), [note]
+        grad_freeing = self.grad_freeing is not None and self.grad_freeing.enabled
+        try:
+            profile = profile_in_job(
+                trainer,
+                pl_module,
+                batch,
+                layers=self.layers,
+                modes=self.modes,
+                free_grads_at_batch_start=grad_freeing,
+                repeats=self.profile_repeats,
+            )
+            found, planner_note = planner_candidates(profile, self.limit_bytes, self.modes, self.max_candidates)
+        except RecomputeError as err:
+            failed = f"profiling the first batch failed ({err}); racing uniform policies"
+            return baseline_candidates(pl_module, self.layers, self.modes), [failed]
+        return found, [planner_note] if planner_note else []
+
+    def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert self.schedule is not None
+        turn = self.schedule.next_turn()
+        self._turn = turn
+        if turn is None:
+            self._settle(trainer, pl_module)
+            return
+        if turn.key != self.policy.fingerprint():
+            self.switch_policy(pl_module, self.schedule.entrants[turn.key].policy)
+        self.memory_steps = frozenset({trainer.global_step}) if turn.metered else frozenset()
+        self._reset_step(trainer)
+
+    def _reset_step(self, trainer: L.Trainer) -> None:
+        self._turn_step = trainer.global_step
+        self._step_s, self._step_peak, self._step_samples, self._step_tokens = 0.0, None, 0, None
+
+    def _agree(self, report: RoundReport) -> RoundReport:
+        """Rank 0's times and clock, and the largest peak of any rank (`RaceSchedule.agree`)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return report
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, dataclasses.asdict(report))
+        peaks: dict[str, int | None] = {}
+        for g in gathered:
+            for k, v in g["peaks"].items():
+                if v is not None:
+                    peaks[k] = max(peaks.get(k) or 0, int(v))
+                else:
+                    peaks.setdefault(k, None)
+        first = gathered[0]
+        return RoundReport(times=dict(first["times"]), peaks=peaks, elapsed_s=float(first["elapsed_s"]))
+
+    def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Switch to the race's winner for the rest of training, say so, and record it."""
+        from tuner.auto.record import record_decision
+
+        assert self.schedule is not None
+        schedule = self.schedule
+        by_key = {c.key: c for c in self.candidates}
+        winner = schedule.winner
+        if winner is None or schedule.entrants[winner].out is not None:
+            # Nothing raced to a decision (every candidate out): train on the least measured peak.
+            peaks = {k: e.peak_bytes for k, e in schedule.entrants.items() if e.peak_bytes is not None}
+            winner = min(peaks, key=peaks.__getitem__) if peaks else self.candidates[0].key
+            self.notes.append(f"no candidate stayed within the limit; training on the least peak measured ({winner})")
+        chosen = by_key[trainer.strategy.broadcast(winner, src=0)]
+        result = RaceResult.from_worker(
+            {
+                **schedule.result(),
+                "wall_s": time.perf_counter() - self._began,
+                "machine_before": self._machine_before,
+                "machine_after": machine_state(pl_module.device.type),
+            },
+            {c.key: (c.label,) for c in self.candidates},
+        )
+        self.race_result = result
+        words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]
+        if result.ok and result.stop:
+            words.append(f"{result.select_rounds} selection rounds: {result.stop}")
+        words += [line for line in (result.tie_line(), result.unresolved_line(), *result.headlines()) if line]
+        words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
+        summary = "; ".join(words)
+        self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, summary)
+        self.switch_policy(pl_module, chosen.policy)
+        self._after_tuning()
+        self._unguard(pl_module)
+        rank_zero_info(f"AutoRecompute: {summary}")
+        if trainer.is_global_zero:
+            self.record_run_id = record_decision(self, trainer, pl_module)
+
+    def _after_tuning(self) -> None:
+        self._turn = None
+        # CUDA's allocator statistics are free: keep logging every step's peak. The CPU ledger costs
+        # a Python call per op, so after tuning it stays off.
+        self.memory_steps = None if self._on_cuda else frozenset()
+
+    # ------------------------------------------------------------------ out of memory
+
+    def _guard(self, pl_module: L.LightningModule) -> None:
+        """Wrap the module's ``optimizer_step`` (where Lightning runs the step's closure) to catch an OOM."""
+        original = pl_module.optimizer_step
+        callback = self
+
+        def guarded(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            try:
+                return original(epoch, batch_idx, optimizer, optimizer_closure)
+            except torch.OutOfMemoryError as err:
+                retry = callback._after_oom(pl_module, optimizer, err)
+                if retry is None:
+                    raise
+                return original(epoch, batch_idx, optimizer, optimizer_closure)
+
+        self._guarded = original
+        pl_module.__dict__["optimizer_step"] = guarded
+
+    def _unguard(self, pl_module: L.LightningModule) -> None:
+        if self._guarded is not None:
+            pl_module.__dict__.pop("optimizer_step", None)
+            self._guarded = None
+
+    def _after_oom(self, pl_module: L.LightningModule, optimizer: Any, err: BaseException) -> str | None:
+        """Drop the candidate that ran out of memory and prepare the same step under the safest one left;
+        the key retried under, or ``None`` when there is nothing to retry with (the error stands)."""
+        schedule, turn = self.schedule, self._turn
+        if schedule is None or turn is None or self._rng is None or self.decision is not None:
+            return None
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        schedule.knock_out(turn.key, f"out of memory: {first_line[:200]}")
+        left = schedule.alive()
+        if not left:
+            return None
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        safest = left[0]
+        note = (
+            f"{schedule.entrants[turn.key].short} ran out of memory in a step; it is out, and the same batch ran "
+            f"again from the same random state under {schedule.entrants[safest].short}"
+        )
+        self.notes.append(note)
+        rank_zero_warn(f"AutoRecompute: {note}")
+        self.switch_policy(pl_module, schedule.entrants[safest].policy, retry=True)
+        _set_rng_state(self._rng)
+        self._oom = note
+        return safest
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["auto_decision"] = None if self.decision is None else self.decision.to_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        decided = state_dict.get("auto_decision")
+        if decided is not None:
+            self.decision = AutoDecision.from_dict(decided)
+        else:
+            rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
+
+
+def _candidate_dict(c: Candidate) -> dict[str, Any]:
+    return {
+        "policy": c.policy.to_dict(),
+        "short": c.short,
+        "label": c.label,
+        "predicted_peak_bytes": c.predicted_peak_bytes,
+        "predicted_step_time_s": c.predicted_step_time_s,
+    }
+
+
+def _candidate_of(d: dict[str, Any]) -> Candidate:
+    return Candidate(
+        RecomputePolicy.from_dict(d["policy"]),
+        str(d["short"]),
+        str(d["label"]),
+        predicted_peak_bytes=d.get("predicted_peak_bytes"),
+        predicted_step_time_s=d.get("predicted_step_time_s"),
+    )
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = (device, torch.cuda.get_rng_state(device))
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        device, cuda_state = state["cuda"]
+        torch.cuda.set_rng_state(cuda_state, device)

@@ -1,0 +1,173 @@
+"""Which policies a training job races: the planner's, from a profile of the job's own first batch.
+
+The profile runs inside the job, on its model and its first batch, before that batch's training
+step. It trains the model for a few steps, so everything it touches is put back exactly: the
+parameters and buffers (`profile_model` restores them), the gradients, the random number
+generators (so the job's dropout masks are the ones a plain run draws), and the job's optimizer,
+which the profile never sees (it steps a fresh one of the same class and settings: the optimizer's
+state is part of the memory it measures). ``self.log`` is silenced while it runs, so no profile
+step reaches the job's metrics.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_recompute import RecomputePolicy
+from lightning_recompute.layers import LayerSpec, layer_names
+from lightning_recompute.modes import MODES
+from lightning_recompute.policy import PolicyLike
+from lightning_recompute.sources import as_policy
+from tuner.planner import Planner
+from tuner.profile import Profile, profile_model
+
+__all__ = ["Candidate", "baseline_candidates", "given_candidates", "planner_candidates"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A policy the job races, with where it came from and what the planner predicted for it."""
+
+    policy: RecomputePolicy
+    short: str
+    """One glyph per layer (`RecomputePolicy.short`)."""
+    label: str
+    """Where it came from: ``planner:budget`` (the planner's pick), ``planner:front<i>``,
+    ``baseline:<mode>`` or ``given:<i>``."""
+    predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None
+
+    @property
+    def key(self) -> str:
+        """The race's key for it: its fingerprint."""
+        return self.policy.fingerprint()
+
+
+def planner_candidates(
+    profile: Profile, limit_bytes: int, modes: Sequence[str], most: int
+) -> tuple[list[Candidate], str | None]:
+    """Up to ``most`` points of the planner's front predicted to fit ``limit_bytes``, safest (lowest
+    predicted peak) first, always with the planner's pick and the safest point; and a note.
+
+    When nothing is predicted to fit, the one policy of least predicted peak, with a note saying so.
+    """
+    planner = Planner(profile)
+    front = planner.pareto_front(list(modes))  # by increasing peak
+    fitting = [p for p in front if p.peak_bytes <= limit_bytes]
+    note = None
+    if not fitting:
+        fitting = front[:1]
+        note = (
+            f"nothing the planner predicts fits the limit ({limit_bytes} bytes; least predicted peak "
+            f"{front[0].peak_bytes} bytes); racing only the least-memory policy"
+        )
+    pick = fitting[-1]  # the front is by increasing peak and decreasing time: the fastest that fits
+    n = len(fitting)
+    count = max(1, min(most, n))
+    # Evenly over the fitting front, both ends included: the safest and the pick.
+    chosen = [n - 1] if count == 1 else sorted({round(i * (n - 1) / (count - 1)) for i in range(count)})
+    out = []
+    for j, i in enumerate(chosen):
+        planned = fitting[i]
+        label = "planner:budget" if planned is pick else f"planner:front{j + 1}"
+        out.append(
+            Candidate(
+                planned.policy,
+                planned.short(),
+                label,
+                predicted_peak_bytes=planned.peak_bytes,
+                predicted_step_time_s=planned.step_time_s,
+            )
+        )
+    return out, note
+
+
+def baseline_candidates(model: nn.Module, layers: LayerSpec, modes: Sequence[str]) -> list[Candidate]:
+    """Every mode of ``modes`` on every layer, the one saving most memory first (no prediction)."""
+    names = layer_names(model, layers)
+    saving = {s.name: s.saving for s in MODES}
+    ordered = sorted(dict.fromkeys(modes), key=lambda m: -saving.get(m, 0))
+    out = []
+    for mode in ordered:
+        policy = RecomputePolicy.uniform(mode)
+        out.append(Candidate(policy, policy.short(names), f"baseline:{mode}"))
+    return out
+
+
+def given_candidates(model: nn.Module, layers: LayerSpec, policies: Iterable[PolicyLike]) -> list[Candidate]:
+    """The user's own candidates, in the order given (put the safest first)."""
+    names = layer_names(model, layers)
+    out: list[Candidate] = []
+    seen: set[str] = set()
+    for i, given in enumerate(policies):
+        policy = as_policy(given)
+        if policy.fingerprint() in seen:
+            continue
+        seen.add(policy.fingerprint())
+        out.append(Candidate(policy, policy.short(names), f"given:{i}"))
+    return out
+
+
+def profile_in_job(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    batch: Any,
+    *,
+    layers: LayerSpec,
+    modes: Sequence[str],
+    free_grads_at_batch_start: bool,
+    repeats: int,
+) -> Profile:
+    """`profile_model` of the job's model on ``batch``, leaving the job exactly as it was (see the module docstring)."""
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+
+    def fresh(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        if optimizer is None:
+            return torch.optim.AdamW(params)
+        # `defaults` can hold keys the class sets itself and its constructor refuses (AdamW's
+        # decoupled_weight_decay): pass only the ones the constructor takes.
+        accepted = inspect.signature(type(optimizer)).parameters
+        return type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+    with _job_untouched(pl_module):
+        return profile_model(
+            pl_module,
+            batch,
+            layers,
+            modes=list(modes),
+            optimizer=fresh,
+            repeats=repeats,
+            free_grads_at_batch_start=free_grads_at_batch_start,
+        )
+
+
+@contextmanager
+def _job_untouched(pl_module: L.LightningModule) -> Iterator[None]:
+    """Random number generators, gradients and logging as they were, whatever runs inside."""
+    params = list(pl_module.parameters())
+    grads = [p.grad for p in params]
+    devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+
+    def silent(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    # An instance attribute shadows the method: the profile's training steps must not log into the
+    # job's metrics (an epoch mean would average them in). Removed after, so the class's method is back.
+    pl_module.__dict__["log"] = silent
+    pl_module.__dict__["log_dict"] = silent
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        pl_module.__dict__.pop("log", None)
+        pl_module.__dict__.pop("log_dict", None)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
