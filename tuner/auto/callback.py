@@ -29,6 +29,7 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
+from lightning_recompute.sources import as_policy
 from tuner.auto.candidates import (
     Candidate,
     baseline_candidates,
@@ -157,7 +158,10 @@ class AutoRecompute(RecomputeCallback):
         self.output = None if output is None else Path(output)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
-        self.given = list(candidates) if candidates is not None else None
+        # Read now: a bad policy is an error at construction, not on rank 0 alone at the first batch.
+        self.given = [as_policy(c) for c in candidates] if candidates is not None else None
+        if self.given is not None and not self.given:
+            raise RecomputeError("AutoRecompute candidates: an empty list; give at least one policy, or None")
         self.max_candidates = max_candidates
         self.modes = tuple(modes)
         self.plan = plan or AUTO_PLAN
@@ -254,8 +258,7 @@ class AutoRecompute(RecomputeCallback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.decision is None and self.schedule is not None:
-            rounds = len(self.schedule.select_rounds)
-            self.schedule.finish(f"the job ended after {rounds} selection rounds")
+            self.schedule.finish("the job ended")
             self._settle(trainer, pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -270,10 +273,17 @@ class AutoRecompute(RecomputeCallback):
         self._machine_before = machine_state(pl_module.device.type)
         payload: dict[str, Any] | None = None
         if trainer.is_global_zero:
-            found, notes = self._find_candidates(trainer, pl_module, batch)
-            payload = {"candidates": [_candidate_dict(c) for c in found], "notes": notes}
+            try:
+                found, notes = self._find_candidates(trainer, pl_module, batch)
+                payload = {"candidates": [_candidate_dict(c) for c in found], "notes": notes}
+            except Exception as err:  # sent to every rank and raised there, so no rank waits forever
+                payload = {"error": f"{type(err).__name__}: {err}"}
+                if self._world == 1:
+                    raise
         payload = trainer.strategy.broadcast(payload, src=0)
         assert payload is not None
+        if "error" in payload:
+            raise RecomputeError(f"AutoRecompute: finding candidates on rank 0 failed: {payload['error']}")
         self.candidates = [_candidate_of(d) for d in payload["candidates"]]
         self.notes.extend(payload["notes"])
         for note in self.notes:

@@ -1,0 +1,93 @@
+"""`tuner.race.schedule.RaceSchedule`: the turns and the decision, fed measurements by hand (no model).
+
+The engine's tests race real models; these pin what several ranks and a job that ends early rely on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lightning_recompute import RecomputePolicy
+from tuner.race.plan import RacePlan
+from tuner.race.schedule import RaceSchedule, RoundReport
+
+NAMES = [f"blocks.{i}" for i in range(3)]
+FULL, NONE = RecomputePolicy.uniform("full"), RecomputePolicy.uniform("none")
+ONE = RecomputePolicy.first_n(NAMES, 1, "full")
+ENTRANTS = [(p.fingerprint(), p, p.short(NAMES)) for p in (FULL, ONE, NONE)]
+PLAN = RacePlan(steps=1, min_rounds=3, max_rounds=8, time_s=1e9, estimate_rounds=2, warmup_steps=1)
+BASE = {FULL.fingerprint(): 1.3, ONE.fingerprint(): 1.1, NONE.fingerprint(): 1.0}
+
+
+def _drive(schedule: RaceSchedule, times: dict[str, float], peaks: dict[str, int], limit_steps: int = 500) -> list[str]:
+    """Run the schedule to its end; the keys of the turns it asked for."""
+    ran = []
+    for _ in range(limit_steps):
+        turn = schedule.next_turn()
+        if turn is None:
+            return ran
+        ran.append(turn.key)
+        schedule.record(turn, times[turn.key], peaks[turn.key] if turn.metered else None)
+    raise AssertionError("the schedule never ended")
+
+
+def test_ranks_that_agree_take_the_same_turns_and_decision_whatever_their_own_clocks_say() -> None:
+    """Rank 1's times say the opposite of rank 0's; with `agree` taking rank 0's, both race alike."""
+    reports: list[RoundReport] = []
+
+    def rank0_agree(report: RoundReport) -> RoundReport:
+        reports.append(report)
+        return report
+
+    def rank1_agree(report: RoundReport) -> RoundReport:
+        return dataclasses.replace(reports[len(reports) - 1], peaks=report.peaks)
+
+    peaks = {k: 1 for k in BASE}
+    r0 = RaceSchedule(ENTRANTS, [FULL.fingerprint()], PLAN, agree=rank0_agree)
+    r1 = RaceSchedule(ENTRANTS, [FULL.fingerprint()], PLAN, agree=rank1_agree)
+    flipped = {k: 1.0 / v for k, v in BASE.items()}
+    turns0, turns1 = [], []
+    for _ in range(500):  # in lockstep, as the ranks of one job: rank 0 closes each round first
+        t0, t1 = r0.next_turn(), r1.next_turn()
+        assert (t0 is None) == (t1 is None)
+        if t0 is None or t1 is None:
+            break
+        turns0.append(t0.key)
+        turns1.append(t1.key)
+        r0.record(t0, BASE[t0.key], peaks[t0.key] if t0.metered else None)
+        r1.record(t1, flipped[t1.key], peaks[t1.key] if t1.metered else None)
+    assert turns0 == turns1
+    assert r0.winner == r1.winner == NONE.fingerprint()
+
+
+def test_a_peak_over_the_limit_on_any_rank_puts_the_entrant_out_on_every_rank_at_the_rounds_end() -> None:
+    def agree(report: RoundReport) -> RoundReport:
+        # The other rank measured NONE over the limit.
+        return dataclasses.replace(report, peaks={**report.peaks, NONE.fingerprint(): 500})
+
+    schedule = RaceSchedule(ENTRANTS, [], PLAN, budget_bytes=100, agree=agree)
+    ran = _drive(schedule, BASE, {k: 10 for k in BASE})
+    assert schedule.entrants[NONE.fingerprint()].out is not None
+    # One turn (its settling step) in the first round, then never again.
+    assert ran.count(NONE.fingerprint()) == 1 + PLAN.steps
+    assert schedule.winner == ONE.fingerprint()
+
+
+def test_one_process_puts_an_entrant_over_the_limit_out_at_once() -> None:
+    schedule = RaceSchedule(ENTRANTS, [], PLAN, budget_bytes=100)
+    ran = _drive(schedule, BASE, {FULL.fingerprint(): 10, ONE.fingerprint(): 10, NONE.fingerprint(): 500})
+    assert ran.count(NONE.fingerprint()) == 1  # its metered settling step only
+
+
+def test_knock_out_and_finish_end_the_race_on_what_it_has() -> None:
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], PLAN)
+    for _ in range(1 + 3 * 2 * 2):  # warm-up and two rounds
+        turn = schedule.next_turn()
+        assert turn is not None
+        schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    schedule.knock_out(NONE.fingerprint(), "out of memory: simulated")
+    schedule.finish("the job ended")
+    assert schedule.next_turn() is None
+    assert schedule.winner == ONE.fingerprint()
+    assert schedule.stop_reason == "the job ended after 2 selection rounds"
+    assert schedule.result()["entrants"][NONE.fingerprint()]["out"] == "out of memory: simulated"
