@@ -37,6 +37,7 @@ from tuner.auto.candidates import (
     planner_candidates,
     profile_in_job,
 )
+from tuner.auto.record import JobTuning, record_decision
 from tuner.race import RacePlan, RaceResult
 from tuner.race.machine import machine_state
 from tuner.race.schedule import RaceSchedule, RoundReport, Turn
@@ -369,8 +370,6 @@ class AutoRecompute(RecomputeCallback):
 
     def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Switch to the race's winner for the rest of training, say so, and record it."""
-        from tuner.auto.record import record_decision
-
         assert self.schedule is not None
         schedule = self.schedule
         by_key = {c.key: c for c in self.candidates}
@@ -403,7 +402,24 @@ class AutoRecompute(RecomputeCallback):
         self._unguard(pl_module)
         rank_zero_info(f"AutoRecompute: {summary}")
         if trainer.is_global_zero:
-            self.record_run_id = record_decision(self, trainer, pl_module)
+            tuning = JobTuning(
+                policy=chosen.policy,
+                summary=summary,
+                candidates=tuple(self.candidates),
+                race=result,
+                notes=tuple(self.notes),
+                budget_bytes=self.budget_bytes,
+                limit_bytes=self.limit_bytes,
+                modes=self.modes,
+                plan=self.plan,
+                layers=self.layers,
+                micro_batch=self.records[-1].samples if self.records else None,
+                name=self.name or f"auto-{type(pl_module).__name__}",
+                output=self.output,
+                tracking_uri=self.tracking_uri,
+                experiment=self.experiment,
+            )
+            self.record_run_id = record_decision(tuning, trainer, pl_module)
 
     def _after_tuning(self) -> None:
         self._turn = None

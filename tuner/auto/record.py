@@ -12,23 +12,24 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_recompute.layers import layer_names
+from lightning_recompute import RecomputePolicy
+from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.tuned_for import TunedFor
+from tuner.auto.candidates import Candidate
+from tuner.race import RacePlan, RaceResult
 from tuner.trials import TrialResult
 
-if TYPE_CHECKING:
-    from tuner.auto.callback import AutoRecompute
-    from tuner.auto.candidates import Candidate
-    from tuner.race import RaceResult
-
-__all__ = ["candidate_results", "record_decision", "tracking_target"]
+__all__ = ["JobTuning", "candidate_results", "record_decision", "tracking_target"]
 
 _log = logging.getLogger(__name__)
 
@@ -36,7 +37,31 @@ DEFAULT_EXPERIMENT = "auto-recompute"
 """The experiment of a record when the callback names a tracking URI but no experiment."""
 
 
-def tracking_target(auto: AutoRecompute, trainer: L.Trainer) -> tuple[str, str, str | None] | None:
+@dataclass(frozen=True)
+class JobTuning:
+    """What a job's tuning decided and measured: everything the record is made of."""
+
+    policy: RecomputePolicy
+    """The policy the job settled on."""
+    summary: str
+    """The decision in words, as logged."""
+    candidates: Sequence[Candidate]
+    race: RaceResult
+    notes: Sequence[str]
+    budget_bytes: int
+    limit_bytes: int
+    modes: Sequence[str]
+    plan: RacePlan
+    layers: LayerSpec
+    micro_batch: int | None
+    """Samples in the job's last tuning batch (the policy's ``tuned_for.micro_batch``)."""
+    name: str | None
+    output: Path | None
+    tracking_uri: str | None
+    experiment: str | None
+
+
+def tracking_target(auto: JobTuning, trainer: L.Trainer) -> tuple[str, str, str | None] | None:
     """Where the record goes: ``(tracking URI, experiment, parent run)``, or ``None`` for nowhere."""
     if auto.tracking_uri is not None:
         return auto.tracking_uri, auto.experiment or DEFAULT_EXPERIMENT, None
@@ -48,7 +73,7 @@ def tracking_target(auto: AutoRecompute, trainer: L.Trainer) -> tuple[str, str, 
     return None
 
 
-def candidate_results(auto: AutoRecompute, race: RaceResult, device: str) -> list[tuple[Candidate, TrialResult]]:
+def candidate_results(auto: JobTuning, race: RaceResult, device: str) -> list[tuple[Candidate, TrialResult]]:
     """Each candidate's race as a `TrialResult`: its round times (selection, then estimation) as the
     step times, their median as its step time, its largest metered peak, and how it ended."""
     per_step = race.tokens_per_step or race.samples_per_step
@@ -80,20 +105,20 @@ def candidate_results(auto: AutoRecompute, race: RaceResult, device: str) -> lis
     return out
 
 
-def record_decision(auto: AutoRecompute, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
+def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
     """Write the policy file (when asked) and the MLflow record (when there is a store); the session
     run's id, or ``None``. Failures are warnings (see the module docstring)."""
-    decision, race = auto.decision, auto.race_result
-    if decision is None or race is None:
-        return None
+    race = auto.race
     device = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu"
-    samples = auto.records[-1].samples if auto.records else None
-    peak = race.entrants[decision.policy.fingerprint()].peak_bytes
-    policy = decision.policy.with_tuned_for(
-        TunedFor(
-            micro_batch=samples, data_batch_size=samples, peak_bytes=peak, limit_bytes=auto.limit_bytes, device=device
-        )
+    peak = race.entrants[auto.policy.fingerprint()].peak_bytes
+    tuned = TunedFor(
+        micro_batch=auto.micro_batch,
+        data_batch_size=auto.micro_batch,
+        peak_bytes=peak,
+        limit_bytes=auto.limit_bytes,
+        device=device,
     )
+    policy = auto.policy.with_tuned_for(tuned)
     if auto.output is not None:
         try:
             policy.save(auto.output)
@@ -111,7 +136,7 @@ def record_decision(auto: AutoRecompute, trainer: L.Trainer, pl_module: L.Lightn
 
 
 def _record(
-    auto: AutoRecompute,
+    auto: JobTuning,
     trainer: L.Trainer,
     pl_module: L.LightningModule,
     race: RaceResult,
@@ -122,11 +147,9 @@ def _record(
     from tuner.stores import open_tracker
 
     uri, experiment, parent = target
-    decision = auto.decision
-    assert decision is not None
     names = layer_names(pl_module, auto.layers)
     sessions = open_tracker(uri, experiment).sessions
-    name = auto.name or f"auto-{type(pl_module).__name__}"
+    name = auto.name or f"auto-{type(pl_module).__name__}"  # the callback names it; a direct caller may not
     params = _params(auto, trainer)
     run_id = sessions.start_job_session(name, params, parent_run_id=parent)
     rows: list[dict[str, Any]] = []
@@ -157,9 +180,9 @@ def _record(
                 feasible=result.outcome == "ok",
             )
             rows.append(record.to_dict())
-            if cand.key == decision.policy.fingerprint():
+            if cand.key == auto.policy.fingerprint():
                 best = {
-                    "policy": decision.policy,
+                    "policy": auto.policy,
                     "run_id": trial_run,
                     "number": number,
                     "throughput": result.throughput,
@@ -167,7 +190,7 @@ def _record(
                     "label": cand.label,
                 }
         sessions.log_race(race)
-        sessions.note_session([decision.summary, *auto.notes])
+        sessions.note_session([auto.summary, *auto.notes])
     except BaseException:
         sessions.close("FAILED")
         raise
@@ -177,7 +200,7 @@ def _record(
     return run_id
 
 
-def _params(auto: AutoRecompute, trainer: L.Trainer) -> dict[str, str]:
+def _params(auto: JobTuning, trainer: L.Trainer) -> dict[str, str]:
     plan = auto.plan.to_dict()
     params = {
         "auto.budget_bytes": str(auto.budget_bytes),

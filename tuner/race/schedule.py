@@ -184,12 +184,13 @@ class RaceSchedule:
             self.knock_out(entrant.key, f"peaked at {peak} bytes in the race, over the limit {self.budget}")
 
     def finish(self, reason: str) -> None:
-        """End the race now (the job ran out of steps): decide on the rounds there are (the one in progress
-        included), and run no more turns. The stop reason is ``"<reason> after <n> selection rounds"``."""
+        """End the race now (the job ran out of steps): decide on the rounds there are, the one in
+        progress included when every contender has run in it (a comparison needs both sides of a
+        round), and run no more turns. The stop reason is ``"<reason> after <n> selection rounds"``."""
         if self.over:
             return
-        if self.phase == "select" and self.round_times:
-            self._close_round()  # the round in progress counts with the entrants it reached
+        if self.phase == "select" and all(self.round_times.get(k) for k in self._contenders()):
+            self._close_round()  # the round in progress counts when every contender ran in it
         if self.phase != "estimate":
             self.stop_reason = f"{reason} after {len(self.select_rounds)} selection rounds"
             self._decide()
