@@ -188,20 +188,82 @@ def session(workload: str, *, race: bool, noisy_seed: int | None) -> dict[str, A
         return {"summary": summary, "wall_s": wall}
 
 
-def score(s: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
+def extract(s: dict[str, Any]) -> dict[str, Any]:
+    """What a session printed: its status, promoted policy (glyphs) and "vs" intervals (gain, low, high)."""
     summary = s["summary"]
     best = summary.get("best") or {}
-    promoted = best.get("policy_short")
-    rel = t["rel_time"]
-    out: dict[str, Any] = {"status": summary["status"], "promoted": promoted}
+    vs = summary.get("vs") or {}
+    out: dict[str, Any] = {"status": summary["status"], "promoted": best.get("policy_short")}
+    if vs.get("full") is not None:
+        out["printed"] = vs["full"]["text"]
+        out["vs_full"] = {k: vs["full"][k] for k in ("low", "high")}
+    out["slower_than_raced_baseline"] = any(v["high"] < 0 for v in vs.values())
+    return out
+
+
+def grade(row: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
+    """Regret against the truth's ranking; whether the printed "vs full" interval contains the true ratio
+    (from the pair truth when there is one: measured like the race's estimation rounds, two entrants)."""
+    rel, promoted = t["rel_time"], row.get("promoted")
+    out: dict[str, Any] = {}
     if promoted in rel:
         out["regret"] = rel[promoted] / rel[t["best"]]
-    vs = (summary.get("vs") or {}).get("full")
-    if vs is not None and promoted in rel:
-        true_gain = 1.0 / rel[promoted] - 1.0  # full's time over the promoted's, less 1
-        out.update(printed=vs["text"], true_gain=true_gain, covered=vs["low"] <= true_gain <= vs["high"])
-    out["slower_than_raced_baseline"] = any(v["high"] < 0 for v in (summary.get("vs") or {}).values())
+    pair = (t.get("pair_rel_time") or {}).get(promoted)
+    true_rel = pair if pair is not None else rel.get(promoted)
+    if row.get("vs_full") is not None and true_rel is not None:
+        true_gain = 1.0 / true_rel - 1.0  # full's time over the promoted's, less 1
+        out.update(true_gain=true_gain, covered=row["vs_full"]["low"] <= true_gain <= row["vs_full"]["high"])
     return out
+
+
+def pair_truth(workload: str, shorts: list[str], rounds: int, log: Any) -> dict[str, float]:
+    """The promoted policies and full raced alone (few entrants: rounds seconds apart, as a session's
+    estimation rounds are), each one's time over full's."""
+    from tuner.race import RacePlan
+    from tuner.recipe import from_dict
+    from tuner.trials import run_race
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = from_dict(recipe_dict(workload, Path(tmp), race=True))
+        policies, names = space_policies(recipe)
+        by_short = {p.short(names): p for p in policies}
+        every = "F" * len(names)
+        field = [by_short[x] for x in dict.fromkeys([*shorts, every]) if x in by_short]
+        plan = RacePlan(steps=2, min_rounds=rounds, max_rounds=rounds, time_s=1e9, estimate_rounds=2)
+        race = run_race(
+            recipe, [(p, [p.short(names)]) for p in field], layer_names=names, references=[], plan=plan, timeout_s=7200
+        )
+        if not race.ok:
+            raise SystemExit(f"pair truth race failed: {race.reason}")
+        base = race.entrants[by_short[every].fingerprint()].select_s
+        out = {}
+        for e in race.entrants.values():
+            ratios = [x / f for x, f in zip(e.select_s, base, strict=True) if x and f]
+            if e.out is None and ratios:
+                out[e.short] = statistics.median(ratios)
+        log(
+            f"  pair truth ({len(field)} entrants, {rounds} rounds): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in out.items())
+        )
+        return out
+
+
+def rescore(path: Path, rounds: int, log: Any) -> dict[str, Any]:
+    """Measure the truth again (ranking and pairs) on this machine, now, and grade the stored sessions."""
+    results = json.loads(path.read_text(encoding="utf-8"))
+    for workload, w in results["workloads"].items():
+        log(f"rescoring {workload}")
+        t = truth(workload, rounds, log)
+        shorts = sorted({r["promoted"] for r in w["sessions"] if r.get("promoted")})
+        t["pair_rel_time"] = pair_truth(workload, shorts, rounds, log)
+        w["truth_before"] = w["truth"]
+        w["truth"] = t
+        for row in w["sessions"]:
+            if "error" not in row:
+                row.pop("covered", None)
+                row.pop("true_gain", None)
+                row.update(grade(row, t))
+    return results
 
 
 def main() -> int:
@@ -211,11 +273,26 @@ def main() -> int:
     parser.add_argument("--conditions", default="quiet,noisy")
     parser.add_argument("--truth-rounds", type=int, default=30)
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
+    parser.add_argument(
+        "--rescore",
+        type=Path,
+        help="a results file: measure the truth again on this (quiet) machine, with a pair truth per promoted "
+        "policy, grade its sessions again and write the report to --out",
+    )
     args = parser.parse_args()
     began = time.perf_counter()
 
     def log(line: str) -> None:
         print(f"[{time.perf_counter() - began:7.0f} s] {line}", file=sys.stderr, flush=True)
+
+    if args.rescore is not None:
+        rescored = rescore(args.rescore, args.truth_rounds, log)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rescored, indent=2, default=str), encoding="utf-8")
+        lines = report(rescored)
+        print("\n".join(lines))
+        args.out.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return 0
 
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
     for workload in args.workloads.split(","):
@@ -228,7 +305,11 @@ def main() -> int:
                 for raced in (True, False):  # interleaved: the wall-time ratio sees the same machine moments
                     s = session(workload, race=raced, noisy_seed=seed)
                     row = {"condition": condition, "session": i, "race": raced, "wall_s": s["wall_s"]}
-                    row.update(score(s, t) if "summary" in s else {"error": s["error"]})
+                    if "summary" in s:
+                        row.update(extract(s))
+                        row.update(grade(row, t))
+                    else:
+                        row["error"] = s["error"]
                     rows.append(row)
                     log(f"  {condition} #{i} race={'on ' if raced else 'off'} {json.dumps(row, default=str)}")
         results["workloads"][workload] = {"truth": t, "sessions": rows}
