@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -206,6 +207,11 @@ def grade(row: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
     (from the pair truth when there is one: measured like the race's estimation rounds, two entrants)."""
     rel, promoted = t["rel_time"], row.get("promoted")
     out: dict[str, Any] = {}
+    if row.get("vs_full") is None and row.get("printed"):
+        # A row from before rows kept the interval: read it from the printed figure.
+        m = re.search(r"CI ([+-][\d.]+)\.\.([+-][\d.]+)%", row["printed"])
+        if m:
+            row["vs_full"] = {"low": float(m.group(1)) / 100, "high": float(m.group(2)) / 100}
     if promoted in rel:
         out["regret"] = rel[promoted] / rel[t["best"]]
     pair = (t.get("pair_rel_time") or {}).get(promoted)
