@@ -199,6 +199,15 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
         out["printed"] = vs["full"]["text"]
         out["vs_full"] = {k: vs["full"][k] for k in ("low", "high")}
     out["slower_than_raced_baseline"] = any(v["high"] < 0 for v in vs.values())
+    race = summary.get("race") or {}
+    if race:
+        # Where a raced session's extra time goes.
+        out.update(
+            race_wall_s=race.get("wall_s"),
+            race_rounds=race.get("select_rounds"),
+            race_stop=race.get("stop"),
+            race_entrants=len(race.get("entrants") or {}),
+        )
     return out
 
 
