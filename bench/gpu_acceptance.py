@@ -38,6 +38,11 @@ The checks (tolerances are the issue's):
    the plugin's compiled tolerance). The CPU dry run compiles with ``aot_eager`` (Inductor costs about a
    minute per graph on CPU), and its peak is an eager step's: the CPU ledger runs compiled layers
    eagerly, as it cannot see compiled code.
+7. ``in_job``: `tuner.auto.AutoRecompute` races ``full`` and ``none`` in a training job. On CUDA a
+   per-process memory cap between their peaks makes ``none``'s first step run out of memory in the
+   allocator, for real: it must be out of the race, its step run again under ``full``, ``full``
+   chosen, and the weights after 30 steps equal to a plain run's (bitwise, or within 1e-4 where CUDA
+   kernels are not deterministic). The CPU dry run races without the cap (bitwise).
 
 Not checked here: several GPUs (DDP, FSDP, recipes/llama-8gpu-fsdp.yaml) and the 1B recipe's own
 session, which would not fit the ten minutes.
@@ -93,7 +98,7 @@ SESSION_FIGURE_KEYS = ("best", "gains", "vs")
 """Top-level keys of the tuner's JSON summary whose speed and uncertainty figures check 4 reports:
 the chosen trial and the race's "vs" figures with their intervals (``race`` itself, every entrant's
 per-round times, stays in the JSON file)."""
-CHECK_NAMES = ("meter", "numerics", "offload", "session", "planner", "compile")
+CHECK_NAMES = ("meter", "numerics", "offload", "session", "planner", "compile", "in_job")
 
 
 # ---------------------------------------------------------------------------------------------- sizes
@@ -912,6 +917,80 @@ def check_compile(ctx: Context) -> Verdict:
     )
 
 
+def _in_job_fit(ctx: Context, callbacks: list[L.Callback], steps: int) -> dict[str, torch.Tensor]:
+    """The session model trained ``steps`` steps from seed 0 with ``callbacks``; its weights on the host."""
+    cfg = ctx.sizes.session_model
+    model = _model(cfg)
+    trainer = L.Trainer(accelerator=ctx.accelerator, devices=1, max_steps=steps, callbacks=callbacks, **QUIET_TRAINER)
+    with _quiet():
+        trainer.fit(model, datamodule=_data(cfg, ctx.sizes.session_batch))
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def check_in_job(ctx: Context) -> Verdict:
+    """`AutoRecompute` races full and none in a training job; on CUDA a memory cap makes none run out of
+    memory for real, and the step must run again under full with training unchanged."""
+    from tuner.auto import AutoRecompute
+    from tuner.race import RacePlan
+
+    steps = 30
+    plan = RacePlan(steps=1, min_rounds=2, max_rounds=4, time_s=1e9, estimate_rounds=2, warmup_steps=1)
+    full, none = RecomputePolicy.uniform("full"), RecomputePolicy.uniform("none")
+    cfg = ctx.sizes.session_model
+    plain = _in_job_fit(ctx, [], steps)
+    _release(ctx.device)
+    peaks = {}
+    with _quiet():
+        for label, p in (("full", full), ("none", none)):
+            peaks[label] = step_peak(_model(cfg), _data(cfg, ctx.sizes.session_batch), p, accelerator=ctx.accelerator)
+            _release(ctx.device)
+    capped = None
+    if ctx.cuda:
+        # A cap between the two peaks: none's first step runs out of memory in the allocator, for real.
+        total = torch.cuda.get_device_properties(ctx.device).total_memory
+        capped = (peaks["full"] + peaks["none"]) // 2
+        torch.cuda.set_per_process_memory_fraction(capped / total, ctx.device)
+    auto = AutoRecompute(10 * peaks["none"], candidates=[full, none], plan=plan)
+    try:
+        tuned = _in_job_fit(ctx, [auto], steps)
+    finally:
+        if ctx.cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
+        _release(ctx.device)
+    assert auto.decision is not None and auto.race_result is not None
+    out_none = auto.race_result.entrants[none.fingerprint()].out
+    oom_ok = (out_none or "").startswith("out of memory") if ctx.cuda else out_none is None
+    chose = auto.decision.short
+    expected = "full" if ctx.cuda else "either"
+    chose_ok = auto.decision.policy.fingerprint() == full.fingerprint() if ctx.cuda else True
+    bitwise = all(torch.equal(plain[k], tuned[k]) for k in plain)
+    close = all(torch.allclose(plain[k], tuned[k], rtol=1e-4, atol=1e-5) for k in plain)
+    worst = max(float((plain[k] - tuned[k]).abs().max()) for k in plain)
+    ctx.say(
+        f"  peaks full {format_bytes(peaks['full'])}, none {format_bytes(peaks['none'])}"
+        + (f"; capped at {format_bytes(capped)}" if capped else "")
+        + f"; none: {out_none or 'raced'}; chose {chose}; weights vs plain: max abs diff {worst:.3g}, bitwise {bitwise}"
+    )
+    ctx.say(f"  {auto.decision.summary}")
+    return Verdict(
+        oom_ok and chose_ok and (bitwise or (ctx.cuda and close)),
+        f"{'none ran out of memory under the cap and its step ran again under full; ' if ctx.cuda else ''}"
+        f"chose {chose} (expected {expected}); weights after {steps} steps "
+        f"{'bitwise equal to' if bitwise else f'within max abs diff {worst:.3g} of'} a plain run",
+        {
+            "peak_full_bytes": peaks["full"],
+            "peak_none_bytes": peaks["none"],
+            "cap_bytes": capped,
+            "none_out": out_none,
+            "chosen": chose,
+            "tuning_steps": auto.tuning_steps,
+            "weights_bitwise_equal": bitwise,
+            "max_abs_diff": worst,
+            "summary": auto.decision.summary,
+        },
+    )
+
+
 CHECKS: dict[str, tuple[str, Check]] = {
     "meter": ("CUDA meter vs max_memory_allocated", check_meter),
     "numerics": ("numerics of every mode, SDPA", check_numerics),
@@ -919,6 +998,7 @@ CHECKS: dict[str, tuple[str, Check]] = {
     "session": ("tuning session promotes", check_session),
     "planner": ("planner peak vs measured", check_planner),
     "compile": ("compile: peak and weights", check_compile),
+    "in_job": ("tuning inside the job: OOM retry, weights", check_in_job),
 }
 
 

@@ -95,6 +95,10 @@ def test_dry_run_passes_every_cpu_check_and_a_raising_check_stops_nothing(
     assert compiled["graphs_none"] > 0 and compiled["graphs_full"] > 0  # it compiled, not only ran eagerly
     assert compiled["peak_full_bytes"] < compiled["peak_none_bytes"]
 
+    in_job = checks["in_job"]["figures"]
+    assert in_job["weights_bitwise_equal"] and in_job["cap_bytes"] is None and in_job["none_out"] is None
+    assert in_job["peak_full_bytes"] < in_job["peak_none_bytes"] and in_job["tuning_steps"] > 0
+
     # Versions first (a partial run is informative), one table last.
     assert printed.startswith("environment: device cpu, torch ")
     table = printed[printed.index("check ") :]
