@@ -27,7 +27,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_recompute.errors import RecomputeError
 from tuner.exits import (
@@ -58,7 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
         "3 a store failed, 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{tune,plan,rollback,history,schema}")
+    _add_tune(sub)
+    _add_plan(sub)
+    rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
+    rollback.add_argument("recipe", help="the recipe YAML file")
+    rollback.add_argument(
+        "--allow-over-budget",
+        action="store_true",
+        help="restore the earlier policy even when its measured peak is over the recipe's budget now",
+    )
+    hist = sub.add_parser("history", help="list every promotion, rejection and rollback")
+    hist.add_argument("recipe", help="the recipe YAML file")
+    hist.add_argument("--format", choices=("text", "json"), default="text")
+    sub.add_parser("schema", help="print the recipe's JSON Schema")
+    return parser
 
+
+def _add_tune(sub: Any) -> None:
     tune = sub.add_parser("tune", help="tune RECIPE (the default: `recompute-tune RECIPE`)")
     tune.add_argument("recipe", help="the recipe YAML file")
     tune.add_argument(
@@ -85,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="json: a machine-readable summary on stdout (progress goes to stderr)",
     )
 
+
+def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="show the planner's predicted front and its policy for a budget")
     plan.add_argument("recipe", help="the recipe YAML file")
     plan.add_argument(
@@ -130,21 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--seq-cap", type=int, default=2**20, metavar="N", help="with --max-seq-len: the longest length searched"
     )
-
-    rollback = sub.add_parser("rollback", help="restore the previous good policy (file and MLflow record)")
-    rollback.add_argument("recipe", help="the recipe YAML file")
-    rollback.add_argument(
-        "--allow-over-budget",
-        action="store_true",
-        help="restore the earlier policy even when its measured peak is over the recipe's budget now",
-    )
-
-    hist = sub.add_parser("history", help="list every promotion, rejection and rollback")
-    hist.add_argument("recipe", help="the recipe YAML file")
-    hist.add_argument("--format", choices=("text", "json"), default="text")
-
-    sub.add_parser("schema", help="print the recipe's JSON Schema")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
