@@ -105,66 +105,9 @@ def pareto_plot(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
 
-    for outcome, (color, marker, label) in _OUTCOME_STYLE.items():
-        pts = [p for row, p in measured if str(row.get("outcome", "ok")) == outcome]
-        if pts:
-            ax.scatter(
-                [x / scale for x, _ in pts],
-                [y for _, y in pts],
-                c=color,
-                marker=marker,
-                label=label,
-                alpha=0.75,
-                zorder=3,
-            )
-    other = [p for row, p in measured if str(row.get("outcome", "ok")) not in _OUTCOME_STYLE]
-    if other:
-        ax.scatter(
-            [x / scale for x, _ in other], [y for _, y in other], c="tab:gray", marker=".", label="other", zorder=3
-        )
-
-    # The front only over what a user could adopt: measured and within budget.
-    feasible = [
-        (row, p)
-        for row, p in measured
-        if str(row.get("outcome", "ok")) == "ok" and (budget_bytes is None or p[0] <= budget_bytes)
-    ]
-    if feasible:
-        idx = pareto_front([p for _, p in feasible])
-        xs = [feasible[i][1][0] / scale for i in idx]
-        ys = [feasible[i][1][1] for i in idx]
-        ax.plot(xs, ys, color="tab:green", drawstyle="steps-post", linewidth=1.5, label="Pareto front", zorder=2)
-        for i in idx:
-            number = feasible[i][0].get("number")
-            if number is not None:
-                ax.annotate(
-                    f"#{number}",
-                    (feasible[i][1][0] / scale, feasible[i][1][1]),
-                    textcoords="offset points",
-                    xytext=(4, 4),
-                    fontsize=7,
-                    color="tab:green",
-                )
-
-    missing = []
-    for name, p in base_pts.items():
-        if p is None:
-            baseline_outcome = baselines[name].get("outcome")
-            missing.append(f"{name}: {baseline_outcome or 'not measured'}")
-            continue
-        ax.scatter([p[0] / scale], [p[1]], marker="*", s=180, c="tab:red", edgecolors="black", zorder=4)
-        ax.annotate(
-            name,
-            (p[0] / scale, p[1]),
-            textcoords="offset points",
-            xytext=(6, -12),
-            fontsize=9,
-            fontweight="bold",
-            color="tab:red",
-        )
-    if base_pts:
-        label = "baselines" + (f" ({'; '.join(missing)})" if missing else "")
-        ax.scatter([], [], marker="*", s=120, c="tab:red", edgecolors="black", label=label)
+    _draw_trials(ax, measured, scale)
+    _draw_front(ax, measured, scale, budget_bytes)
+    _draw_baselines(ax, baselines, base_pts, scale)
 
     if budget_bytes:
         ax.axvline(
@@ -189,3 +132,80 @@ def pareto_plot(
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
+
+
+Point = tuple[float, float]
+
+
+def _draw_trials(ax: Any, measured: Sequence[tuple[Mapping[str, Any], Point]], scale: float) -> None:
+    """Every measured trial, its marker by outcome."""
+    for outcome, (color, marker, label) in _OUTCOME_STYLE.items():
+        pts = [p for row, p in measured if str(row.get("outcome", "ok")) == outcome]
+        if pts:
+            ax.scatter(
+                [x / scale for x, _ in pts],
+                [y for _, y in pts],
+                c=color,
+                marker=marker,
+                label=label,
+                alpha=0.75,
+                zorder=3,
+            )
+    other = [p for row, p in measured if str(row.get("outcome", "ok")) not in _OUTCOME_STYLE]
+    if other:
+        ax.scatter(
+            [x / scale for x, _ in other], [y for _, y in other], c="tab:gray", marker=".", label="other", zorder=3
+        )
+
+
+def _draw_front(
+    ax: Any, measured: Sequence[tuple[Mapping[str, Any], Point]], scale: float, budget_bytes: int | None
+) -> None:
+    """The Pareto front over what a user could adopt (measured and within budget), its points numbered."""
+    feasible = [
+        (row, p)
+        for row, p in measured
+        if str(row.get("outcome", "ok")) == "ok" and (budget_bytes is None or p[0] <= budget_bytes)
+    ]
+    if not feasible:
+        return
+    idx = pareto_front([p for _, p in feasible])
+    xs = [feasible[i][1][0] / scale for i in idx]
+    ys = [feasible[i][1][1] for i in idx]
+    ax.plot(xs, ys, color="tab:green", drawstyle="steps-post", linewidth=1.5, label="Pareto front", zorder=2)
+    for i in idx:
+        number = feasible[i][0].get("number")
+        if number is not None:
+            ax.annotate(
+                f"#{number}",
+                (feasible[i][1][0] / scale, feasible[i][1][1]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color="tab:green",
+            )
+
+
+def _draw_baselines(
+    ax: Any, baselines: Mapping[str, Mapping[str, Any]], base_pts: Mapping[str, Point | None], scale: float
+) -> None:
+    """Each baseline as a labelled star; one that measured nothing is named in the legend."""
+    missing = []
+    for name, p in base_pts.items():
+        if p is None:
+            baseline_outcome = baselines[name].get("outcome")
+            missing.append(f"{name}: {baseline_outcome or 'not measured'}")
+            continue
+        ax.scatter([p[0] / scale], [p[1]], marker="*", s=180, c="tab:red", edgecolors="black", zorder=4)
+        ax.annotate(
+            name,
+            (p[0] / scale, p[1]),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=9,
+            fontweight="bold",
+            color="tab:red",
+        )
+    if base_pts:
+        label = "baselines" + (f" ({'; '.join(missing)})" if missing else "")
+        ax.scatter([], [], marker="*", s=120, c="tab:red", edgecolors="black", label=label)
