@@ -550,13 +550,7 @@ class SessionLog:
                 tags[STUDY] = self._study
         if layer_names:
             tags[POLICY_SHORT] = policy.short(layer_names)
-        for key, tag in (("device", DEVICE), ("throughput_unit", THROUGHPUT_UNIT)):
-            if r.get(key):
-                tags[tag] = str(r[key])
-        if reason or r.get("error"):
-            tags[REASON] = clip_tag(reason or r["error"])
-        if r.get("error"):
-            tags[ERROR] = clip_tag(r["error"])
+        tags.update(_result_tags(r, reason))
         tags.update(extra_tags or {})
         # The run's span in the UI is the trial's own wall time, not the time it took to log it.
         end = now_ms()
@@ -576,25 +570,7 @@ class SessionLog:
             ]
             if policy.compile:
                 params.append(Param(COMPILE_PARAM, "true"))
-            metrics: dict[str, float] = {}
-            if finite(r.get("compile_s")) is not None:
-                metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
-            for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
-                v = finite(r.get(key))
-                if v is not None:
-                    metrics[f"measured_{key}"] = v
-            for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
-                metrics[rank_peak_metric(rank)] = float(peak)
-            metrics.update(_noise_metrics(r.get("step_times_s") or ()))
-            metrics.update(_machine_metrics(r.get("machine") or {}))
-            if wall:
-                metrics["wall_s"] = wall
-            if finite(r.get("device_total_bytes")) is not None:
-                metrics["device_total_bytes"] = float(r["device_total_bytes"])
-            for key, value in (prediction or {}).items():
-                if finite(value) is not None:
-                    metrics[f"predicted_{key}"] = float(value)
-            self.store.log_batch(run_id, params=params, metrics=metrics)
+            self.store.log_batch(run_id, params=params, metrics=_result_metrics(r, prediction))
             steps = [
                 Metric("step_time_s", float(s), end, i)
                 for i, s in enumerate(r.get("step_times_s") or [])
@@ -613,6 +589,43 @@ class SessionLog:
         finally:
             self.store.client.set_terminated(run_id, status)
         return run_id
+
+
+def _result_tags(r: Mapping[str, Any], reason: str | None) -> dict[str, str]:
+    """A measurement run's tags from its result: device, throughput unit, why it ended and its error."""
+    tags: dict[str, str] = {}
+    for key, tag in (("device", DEVICE), ("throughput_unit", THROUGHPUT_UNIT)):
+        if r.get(key):
+            tags[tag] = str(r[key])
+    if reason or r.get("error"):
+        tags[REASON] = clip_tag(reason or r["error"])
+    if r.get("error"):
+        tags[ERROR] = clip_tag(r["error"])
+    return tags
+
+
+def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
+    """A measurement run's metrics: what it measured, its noise and machine, and the planner's prediction."""
+    metrics: dict[str, float] = {}
+    if finite(r.get("compile_s")) is not None:
+        metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
+    for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
+        v = finite(r.get(key))
+        if v is not None:
+            metrics[f"measured_{key}"] = v
+    for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
+        metrics[rank_peak_metric(rank)] = float(peak)
+    metrics.update(_noise_metrics(r.get("step_times_s") or ()))
+    metrics.update(_machine_metrics(r.get("machine") or {}))
+    wall = finite(r.get("wall_s")) or 0.0
+    if wall:
+        metrics["wall_s"] = wall
+    if finite(r.get("device_total_bytes")) is not None:
+        metrics["device_total_bytes"] = float(r["device_total_bytes"])
+    for key, value in (prediction or {}).items():
+        if finite(value) is not None:
+            metrics[f"predicted_{key}"] = float(value)
+    return metrics
 
 
 def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
