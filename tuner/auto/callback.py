@@ -435,11 +435,19 @@ class AutoRecompute(RecomputeCallback):
         callback = self
 
         def guarded(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            ran: list[bool] = []
+
+            def closure() -> Any:
+                out = optimizer_closure()
+                ran.append(True)
+                return out
+
             try:
-                return original(epoch, batch_idx, optimizer, optimizer_closure)
+                return original(epoch, batch_idx, optimizer, closure if optimizer_closure is not None else None)
             except torch.OutOfMemoryError as err:
-                retry = callback._after_oom(pl_module, optimizer, err)
-                if retry is None:
+                # Only an OOM in the closure (forward and backward) is retried: one in the optimizer's
+                # update, after it, may have updated some parameters already.
+                if ran or callback._after_oom(pl_module, optimizer, err) is None:
                     raise
                 return original(epoch, batch_idx, optimizer, optimizer_closure)
 

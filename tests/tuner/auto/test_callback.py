@@ -144,6 +144,26 @@ def test_an_out_of_memory_step_runs_again_under_the_safest_candidate(
     assert any("ran out of memory" in n for n in auto.notes)
 
 
+def test_an_out_of_memory_error_in_the_optimizers_update_is_not_run_again(
+    quiet_trainer: Callable[..., L.Trainer],
+) -> None:
+    """After the closure (forward and backward) the update may be half applied: the error stands."""
+
+    class OomAfterTheClosureUnderNone(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+                applied = applied_policy(pl_module)
+                if applied is not None and applied.policy.fingerprint() == NONE.fingerprint():
+                    raise torch.OutOfMemoryError("CUDA out of memory in the update (simulated)")
+
+            trainer.optimizers[0].register_step_post_hook(after_step)
+
+    auto = AutoRecompute("1GiB", candidates=[FULL, NONE], plan=PLAN, catch_oom=True)
+    with pytest.raises(torch.OutOfMemoryError, match="in the update"):
+        _fit(quiet_trainer, [auto, OomAfterTheClosureUnderNone()])
+    assert auto.notes == []  # nothing was retried
+
+
 def test_resuming_keeps_the_decision_and_does_not_tune_again(
     quiet_trainer: Callable[..., L.Trainer], tmp_path: Path
 ) -> None:
