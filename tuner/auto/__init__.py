@@ -3,6 +3,7 @@ the job's first steps (every one a training step) and trains on with the winner.
 
 - `callback`: `AutoRecompute` (the Lightning hooks, the race in the job, out-of-memory retries, ranks agreeing);
 - `candidates`: what races (the planner's, from a profile of the job's first batch; uniform; given);
+- `retry`: `StepRetry`, a step run again after an out-of-memory error in it;
 - `record`: the policy file and the MLflow record, in a tuning session's layout.
 """
 

@@ -12,15 +12,12 @@ records the race in MLflow (`tuner.auto.record`).
 from __future__ import annotations
 
 import dataclasses
-import gc
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -38,14 +35,14 @@ from tuner.auto.candidates import (
     profile_in_job,
 )
 from tuner.auto.record import JobTuning, record_decision
+from tuner.auto.retry import StepRetry
 from tuner.race import RacePlan, RaceResult
 from tuner.race.machine import machine_state
 from tuner.race.schedule import RaceSchedule, RoundReport, Turn
 from tuner.units import format_bytes, parse_bytes
 
-__all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute"]
+__all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "agree_across_ranks"]
 
-_log = logging.getLogger(__name__)
 
 AUTO_PLAN = RacePlan(steps=2, min_rounds=4, max_rounds=12, time_s=600.0, estimate_rounds=6, warmup_steps=1)
 """The race a job runs by default: shorter than ``recompute-tune``'s (every step trains, but the
@@ -187,10 +184,9 @@ class AutoRecompute(RecomputeCallback):
         self._step_peak: int | None = None
         self._step_samples = 0
         self._step_tokens: int | None = None
-        self._rng: dict[str, Any] | None = None
-        self._rng_step = -1
+        self._retry: StepRetry | None = None
+        self._retry_step = -1
         self._oom: str | None = None
-        self._guarded: Callable[..., Any] | None = None
         self._began = 0.0
         self._machine_before: dict[str, Any] = {}
         self._world = 1
@@ -222,9 +218,10 @@ class AutoRecompute(RecomputeCallback):
         if self.decision is None:
             if self.schedule is None:
                 self._start(trainer, pl_module, batch)
-            if self.catch_oom and self._turn is not None and trainer.global_step != self._rng_step:
+            if self._retry is not None and self._turn is not None and trainer.global_step != self._retry_step:
                 # The random state at the start of the optimizer step: an out-of-memory retry starts from it.
-                self._rng, self._rng_step = _rng_state(pl_module.device), trainer.global_step
+                self._retry.mark(pl_module.device)
+                self._retry_step = trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_train_batch_end(
@@ -263,7 +260,7 @@ class AutoRecompute(RecomputeCallback):
             self._settle(trainer, pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._unguard(pl_module)
+        self._stop_retrying()
         super().teardown(trainer, pl_module, stage)
 
     # ------------------------------------------------------------------ the race
@@ -276,7 +273,7 @@ class AutoRecompute(RecomputeCallback):
         if trainer.is_global_zero:
             try:
                 found, notes = self._find_candidates(trainer, pl_module, batch)
-                payload = {"candidates": [_candidate_dict(c) for c in found], "notes": notes}
+                payload = {"candidates": [c.to_dict() for c in found], "notes": notes}
             except Exception as err:  # sent to every rank and raised there, so no rank waits forever
                 payload = {"error": f"{type(err).__name__}: {err}"}
                 if self._world == 1:
@@ -285,7 +282,7 @@ class AutoRecompute(RecomputeCallback):
         assert payload is not None
         if "error" in payload:
             raise RecomputeError(f"AutoRecompute: finding candidates on rank 0 failed: {payload['error']}")
-        self.candidates = [_candidate_of(d) for d in payload["candidates"]]
+        self.candidates = [Candidate.from_dict(d) for d in payload["candidates"]]
         self.notes.extend(payload["notes"])
         for note in self.notes:
             rank_zero_info(f"AutoRecompute: {note}")
@@ -304,10 +301,11 @@ class AutoRecompute(RecomputeCallback):
             plan=self.plan,
             budget_bytes=self.limit_bytes,
             meter_every_step=self._on_cuda,
-            agree=self._agree if self._world > 1 else None,
+            agree=agree_across_ranks if self._world > 1 else None,
         )
         if self.catch_oom:
-            self._guard(pl_module)
+            self._retry = StepRetry(lambda err: self._after_oom(pl_module, err))
+            self._retry.install(pl_module)
         self._advance(trainer, pl_module)
 
     def _find_candidates(
@@ -352,22 +350,6 @@ class AutoRecompute(RecomputeCallback):
         self._turn_step = trainer.global_step
         self._step_s, self._step_peak, self._step_samples, self._step_tokens = 0.0, None, 0, None
 
-    def _agree(self, report: RoundReport) -> RoundReport:
-        """Rank 0's times and clock, and the largest peak of any rank (`RaceSchedule.agree`)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return report
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, dataclasses.asdict(report))
-        peaks: dict[str, int | None] = {}
-        for g in gathered:
-            for k, v in g["peaks"].items():
-                if v is not None:
-                    peaks[k] = max(peaks.get(k) or 0, int(v))
-                else:
-                    peaks.setdefault(k, None)
-        first = gathered[0]
-        return RoundReport(times=dict(first["times"]), peaks=peaks, elapsed_s=float(first["elapsed_s"]))
-
     def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Switch to the race's winner for the rest of training, say so, and record it."""
         assert self.schedule is not None
@@ -399,7 +381,7 @@ class AutoRecompute(RecomputeCallback):
         self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, summary)
         self.switch_policy(pl_module, chosen.policy)
         self._after_tuning()
-        self._unguard(pl_module)
+        self._stop_retrying()
         rank_zero_info(f"AutoRecompute: {summary}")
         if trainer.is_global_zero:
             tuning = JobTuning(
@@ -421,6 +403,11 @@ class AutoRecompute(RecomputeCallback):
             )
             self.record_run_id = record_decision(tuning, trainer, pl_module)
 
+    def _stop_retrying(self) -> None:
+        if self._retry is not None:
+            self._retry.remove()
+            self._retry = None
+
     def _after_tuning(self) -> None:
         self._turn = None
         # CUDA's allocator statistics are free: keep logging every step's peak. The CPU ledger costs
@@ -429,51 +416,17 @@ class AutoRecompute(RecomputeCallback):
 
     # ------------------------------------------------------------------ out of memory
 
-    def _guard(self, pl_module: L.LightningModule) -> None:
-        """Wrap the module's ``optimizer_step`` (where Lightning runs the step's closure) to catch an OOM."""
-        original = pl_module.optimizer_step
-        callback = self
-
-        def guarded(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
-            ran: list[bool] = []
-
-            def closure() -> Any:
-                out = optimizer_closure()
-                ran.append(True)
-                return out
-
-            try:
-                return original(epoch, batch_idx, optimizer, closure if optimizer_closure is not None else None)
-            except torch.OutOfMemoryError as err:
-                # Only an OOM in the closure (forward and backward) is retried: one in the optimizer's
-                # update, after it, may have updated some parameters already.
-                if ran or callback._after_oom(pl_module, optimizer, err) is None:
-                    raise
-                return original(epoch, batch_idx, optimizer, optimizer_closure)
-
-        self._guarded = original
-        pl_module.__dict__["optimizer_step"] = guarded
-
-    def _unguard(self, pl_module: L.LightningModule) -> None:
-        if self._guarded is not None:
-            pl_module.__dict__.pop("optimizer_step", None)
-            self._guarded = None
-
-    def _after_oom(self, pl_module: L.LightningModule, optimizer: Any, err: BaseException) -> str | None:
-        """Drop the candidate that ran out of memory and prepare the same step under the safest one left;
-        the key retried under, or ``None`` when there is nothing to retry with (the error stands)."""
+    def _after_oom(self, pl_module: L.LightningModule, err: BaseException) -> bool:
+        """Drop the candidate that ran out of memory and put the safest one left on, for `StepRetry` to run
+        the step again; ``False`` when there is nothing to run it under (the error stands)."""
         schedule, turn = self.schedule, self._turn
-        if schedule is None or turn is None or self._rng is None or self.decision is not None:
-            return None
+        if schedule is None or turn is None or self.decision is not None:
+            return False
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         schedule.knock_out(turn.key, f"out of memory: {first_line[:200]}")
         left = schedule.alive()
         if not left:
-            return None
-        optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            return False
         safest = left[0]
         note = (
             f"{schedule.entrants[turn.key].short} ran out of memory in a step; it is out, and the same batch ran "
@@ -482,9 +435,8 @@ class AutoRecompute(RecomputeCallback):
         self.notes.append(note)
         rank_zero_warn(f"AutoRecompute: {note}")
         self.switch_policy(pl_module, schedule.entrants[safest].policy, retry=True)
-        _set_rng_state(self._rng)
         self._oom = note
-        return safest
+        return True
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -501,35 +453,19 @@ class AutoRecompute(RecomputeCallback):
             rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
 
 
-def _candidate_dict(c: Candidate) -> dict[str, Any]:
-    return {
-        "policy": c.policy.to_dict(),
-        "short": c.short,
-        "label": c.label,
-        "predicted_peak_bytes": c.predicted_peak_bytes,
-        "predicted_step_time_s": c.predicted_step_time_s,
-    }
-
-
-def _candidate_of(d: dict[str, Any]) -> Candidate:
-    return Candidate(
-        RecomputePolicy.from_dict(d["policy"]),
-        str(d["short"]),
-        str(d["label"]),
-        predicted_peak_bytes=d.get("predicted_peak_bytes"),
-        predicted_step_time_s=d.get("predicted_step_time_s"),
-    )
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = (device, torch.cuda.get_rng_state(device))
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        device, cuda_state = state["cuda"]
-        torch.cuda.set_rng_state(cuda_state, device)
+def agree_across_ranks(report: RoundReport) -> RoundReport:
+    """What every rank takes at a round's end (`RaceSchedule.agree`): rank 0's times and clock, and the
+    largest peak any rank measured. One ``all_gather_object``, so every rank must call it at the same round."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return report
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dataclasses.asdict(report))
+    peaks: dict[str, int | None] = {}
+    for g in gathered:
+        for k, v in g["peaks"].items():
+            if v is not None:
+                peaks[k] = max(peaks.get(k) or 0, int(v))
+            else:
+                peaks.setdefault(k, None)
+    first = gathered[0]
+    return RoundReport(times=dict(first["times"]), peaks=peaks, elapsed_s=float(first["elapsed_s"]))

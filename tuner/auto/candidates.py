@@ -50,6 +50,27 @@ class Candidate:
         """The race's key for it: its fingerprint."""
         return self.policy.fingerprint()
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (what rank 0 sends the other ranks)."""
+        return {
+            "policy": self.policy.to_dict(),
+            "short": self.short,
+            "label": self.label,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_step_time_s": self.predicted_step_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        """The inverse of `to_dict`."""
+        return cls(
+            RecomputePolicy.from_dict(data["policy"]),
+            str(data["short"]),
+            str(data["label"]),
+            predicted_peak_bytes=data.get("predicted_peak_bytes"),
+            predicted_step_time_s=data.get("predicted_step_time_s"),
+        )
+
 
 def planner_candidates(
     profile: Profile, limit_bytes: int, modes: Sequence[str], most: int
