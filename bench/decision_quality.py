@@ -301,12 +301,7 @@ def main() -> int:
         print(f"[{time.perf_counter() - began:7.0f} s] {line}", file=sys.stderr, flush=True)
 
     if args.rescore is not None:
-        rescored = rescore(args.rescore, args.truth_rounds, log)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rescored, indent=2, default=str), encoding="utf-8")
-        lines = report(rescored)
-        print("\n".join(lines))
-        args.out.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        _publish(rescore(args.rescore, args.truth_rounds, log), args.out)
         return 0
 
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "workloads": {}}
@@ -328,12 +323,22 @@ def main() -> int:
                     rows.append(row)
                     log(f"  {condition} #{i} race={'on ' if raced else 'off'} {json.dumps(row, default=str)}")
         results["workloads"][workload] = {"truth": t, "sessions": rows}
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+        _save(results, args.out)  # after each workload: a run cut short keeps what it measured
+    _publish(results, args.out)
+    return 0
+
+
+def _save(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+
+
+def _publish(results: dict[str, Any], out: Path) -> None:
+    """Save ``results``, print the report and write it beside them (``.txt``)."""
+    _save(results, out)
     lines = report(results)
     print("\n".join(lines))
-    args.out.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return 0
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def report(results: dict[str, Any]) -> list[str]:

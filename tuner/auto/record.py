@@ -55,7 +55,8 @@ class JobTuning:
     layers: LayerSpec
     micro_batch: int | None
     """Samples in the job's last tuning batch (the policy's ``tuned_for.micro_batch``)."""
-    name: str | None
+    name: str
+    """The session's name in MLflow (the study tag)."""
     output: Path | None
     tracking_uri: str | None
     experiment: str | None
@@ -149,7 +150,7 @@ def _record(
     uri, experiment, parent = target
     names = layer_names(pl_module, auto.layers)
     sessions = open_tracker(uri, experiment).sessions
-    name = auto.name or f"auto-{type(pl_module).__name__}"  # the callback names it; a direct caller may not
+    name = auto.name
     params = _params(auto, trainer)
     run_id = sessions.start_job_session(name, params, parent_run_id=parent)
     rows: list[dict[str, Any]] = []
