@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from lightning_recompute.errors import RecomputeError
 from tuner.decision import Stage, decide_best
@@ -176,6 +177,8 @@ class _TuningSession:
         self.predict: Predictor | None = None
         self.ran = 0
         self.grace = grace_s()
+        self.jitter = random.Random()
+        """The random pause after standing down (unseeded: two workers must not draw the same)."""
         self.data_noted = False
         """Whether the session said that the data module's batches vary (once, at the first trial that saw it)."""
 
@@ -344,34 +347,47 @@ class _TuningSession:
                 continue
             waiting_since = None
             ran = self._one_trial(study)
-            unmeasured = 0 if ran else unmeasured + 1
-            kill_point("between" if ran else "")  # a test hook; see tuner.killpoints
+            unmeasured = 0 if ran == "measured" else unmeasured + 1
+            kill_point("between" if ran == "measured" else "")  # a test hook; see tuner.killpoints
+            if ran == "stood down":
+                # Another worker asked at the same moment and may have stood down too: a random
+                # pause makes one of the two ask first next time.
+                self.interrupts.stop.wait(self.jitter.uniform(0.0, POLL_S))
 
-    def _one_trial(self, study: TuningStudy) -> bool:
-        """One proposal, run or not; whether it was measured."""
+    def _one_trial(self, study: TuningStudy) -> Literal["measured", "not measured", "stood down"]:
+        """One proposal: measured, not measured (a duplicate, or skipped on the planner's prediction), or
+        stood down for another worker's trial asked at the same moment."""
         from tuner.trials import TrialResult, run_trial
 
         proposal = study.ask(session_run_id=self.session_run_id)
         self.presence.in_flight = proposal
         device = self.where.device
-        if slot_taken(study, proposal, self.options.n_trials, self.grace):
+        stand_down: str | None = None
+        if slot_taken(study, self.options.n_trials, self.grace):
+            stand_down = "not run: other workers' trials make up n_trials"
+        elif proposal.duplicate_of is None and proposal.contended_by is not None:
+            stand_down = (
+                f"not run: trial {proposal.contended_by.number} of another worker, asked at the same moment, "
+                "has the same policy and micro-batch"
+            )
+        if stand_down is not None:
             # A seed goes back in the queue, as for an interrupted trial.
-            reason = "not run: other workers' trials make up n_trials"
-            self._log(proposal, TrialResult.skipped(reason, device=device), reason)
-            self._event(study.tell_interrupted(proposal, reason).number)
-            return False
+            self._log(proposal, TrialResult.skipped(stand_down, device=device), stand_down)
+            self._event(study.tell_interrupted(proposal, stand_down).number)
+            return "stood down"
         if proposal.duplicate_of is not None:
             reason = f"duplicate of trial {proposal.duplicate_of.number} (same policy and micro-batch)"
             run_id = self._log(proposal, TrialResult.skipped(reason, device=device), reason)
             self._event(study.tell_duplicate(proposal, run_id=run_id).number)
-            return False
+            return "not measured"
+        study.claim(proposal)
         if self.predict is not None:
             proposal.prediction = self.predict(proposal.policy, proposal.micro_batch)
         skip = far_over_budget(proposal.prediction, self.where.budget)
         if skip is not None:
             run_id = self._log(proposal, TrialResult.skipped(skip, device=device), skip)
             self._event(study.tell_skipped(proposal, skip, run_id=run_id).number)
-            return False
+            return "not measured"
         with self.interrupts.during("trial"):
             result = run_trial(
                 self.recipe, proposal.policy, micro_batch=proposal.micro_batch, budget_bytes=self.where.budget
@@ -381,7 +397,7 @@ class _TuningSession:
         frozen = study.tell_result(proposal, result, run_id=run_id)
         self.ran += 1
         self._event(frozen.number)
-        return True
+        return "measured"
 
     def _say_data(self, result: TrialResult) -> None:
         """Say once that the data module's batches vary, and which batch the trials measure."""

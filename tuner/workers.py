@@ -104,9 +104,19 @@ def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     return study.ran_count() + study.running_alive(grace_s) >= n_trials
 
 
-def slot_taken(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> bool:
-    """Whether another worker asked at the same moment and holds the last slot (the lower number wins)."""
-    return study.ran_count() + study.running_alive(grace_s, below=proposal.number) >= n_trials
+def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
+    """Whether the study's measured trials and every live trial in flight, this worker's asked one among
+    them, exceed ``n_trials``: then this worker stands down.
+
+    Every worker asks (its trial turns RUNNING) before it counts, so of two workers asking at once the
+    later counter sees the earlier one's trial; a worker that counts itself within ``n_trials`` can
+    measure whatever the others decide. Both may see each other and both stand down; each waits a
+    random moment before asking again (`tuner.session`), so one takes the slot next time. The rule
+    this replaces let the lower trial number keep the slot, and ran a surplus trial: numbers do not
+    follow the order of asking (an enqueued seed keeps the number it got when enqueued), so a seed
+    asked last could still win against a trial that had counted itself in already.
+    """
+    return study.ran_count() + study.running_alive(grace_s) > n_trials
 
 
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:

@@ -65,5 +65,7 @@ class TrialAttr:
     """The owner's last heartbeat while the trial runs (``time.time()``)."""
     SESSION_RUN = "session_run_id"
     """The MLflow session run of the owner: where the trial's run goes if the owner dies."""
+    CLAIMED = "claimed"
+    """Set when the trial's worker has decided to measure it (`TuningStudy.claim`)."""
     RETRY_OF = "retry_of"
     """The number of the trial whose owner died, for a candidate enqueued again."""

@@ -82,7 +82,10 @@ class Proposal:
     seed: str | None
     """The seed's name when the trial was enqueued, else ``None`` (sampled)."""
     duplicate_of: FrozenTrial | None = None
-    """A trial of the same policy and micro-batch already measured, measuring, or failed."""
+    """A trial of the same policy and micro-batch already measured, failed, or claimed for measuring."""
+    contended_by: FrozenTrial | None = None
+    """Another worker's trial of the same candidate, asked at the same moment and not yet claimed: neither
+    worker can know whether the other measures it, so this one stands down (`TuningStudy.ask`)."""
     prediction: Prediction | None = None
 
     @property
@@ -391,7 +394,11 @@ class TuningStudy:
 
         The candidate's key (policy fingerprint and micro-batch) is written to the trial before
         the other trials are read, so of two workers proposing the same candidate at once the
-        later one always sees the earlier; among trials still running, the lower number measures.
+        later reader always sees the earlier trial. A trial of the same candidate still running
+        is a duplicate's original once its worker has `claim`-ed it; before that it may be
+        standing down itself, so this proposal is `Proposal.contended_by` it and stands down too
+        (a seed goes back in the queue). Trial numbers cannot settle who measures: they do not
+        follow the order of asking (an enqueued seed keeps the number it got when enqueued).
         The trial records its owner (this process) and ``session_run_id``, so that if this process
         dies another one can fail the trial, record it in MLflow and retry its candidate
         (`reap_dead`).
@@ -410,11 +417,21 @@ class TuningStudy:
         trial.set_user_attr(TrialAttr.OWNER, Owner.me().to_dict())
         trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
         trial.set_user_attr(TrialAttr.SESSION_RUN, session_run_id)
-        proposal.duplicate_of = self._find_duplicate(key, trial.number)
+        proposal.duplicate_of, proposal.contended_by = self._find_duplicate(key, trial.number)
         return proposal
 
-    def _find_duplicate(self, key: str, number: int) -> FrozenTrial | None:
+    def claim(self, proposal: Proposal) -> None:
+        """Mark the proposal as measured by this worker: others asking its candidate now are its duplicates.
+
+        Called once the proposal has passed every check that could make it stand down (the session's
+        ``n_trials`` slot and `Proposal.contended_by`), and before it runs.
+        """
+        proposal.trial.set_user_attr(TrialAttr.CLAIMED, True)
+
+    def _find_duplicate(self, key: str, number: int) -> tuple[FrozenTrial | None, FrozenTrial | None]:
+        """``(duplicate_of, contended_by)`` for a proposal of ``key`` numbered ``number``."""
         finished: FrozenTrial | None = None
+        contender: FrozenTrial | None = None
         for t in self.study.get_trials(deepcopy=False):
             if t.number == number or t.user_attrs.get(TrialAttr.CANDIDATE_KEY) != key:
                 continue
@@ -422,15 +439,16 @@ class TuningStudy:
             if outcome in NOT_EVIDENCE:
                 continue  # never measured: not evidence about this candidate
             if t.state == TrialState.RUNNING:
-                if t.number < number:
-                    return t
+                if t.user_attrs.get(TrialAttr.CLAIMED):
+                    return t, None
+                contender = contender or t
                 continue
             # Prefer a measured trial to a skipped or failed one as the figures to reuse.
             if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and (
                 finished is None or (t.state == TrialState.COMPLETE and finished.state != TrialState.COMPLETE)
             ):
                 finished = t
-        return finished
+        return finished, (None if finished is not None else contender)
 
     # -------------------------------------------------------------- tell
 
@@ -618,12 +636,10 @@ class TuningStudy:
             _log.info("trial %d: %s; failed and its candidate enqueued again", t.number, why)
         return out
 
-    def running_alive(self, grace_s: float, *, below: int | None = None) -> int:
-        """RUNNING trials whose owner may be alive (numbered below ``below`` when given)."""
+    def running_alive(self, grace_s: float) -> int:
+        """RUNNING trials whose owner may be alive (this worker's own included)."""
         count = 0
         for t in self.running():
-            if below is not None and t.number >= below:
-                continue
             beat = t.user_attrs.get(TrialAttr.HEARTBEAT)
             since = t.datetime_start.timestamp() if t.datetime_start is not None else None
             owner = Owner.from_dict(t.user_attrs.get(TrialAttr.OWNER))

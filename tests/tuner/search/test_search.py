@@ -256,18 +256,41 @@ def test_a_duplicate_policy_is_not_measured_twice(tmp_path):
     assert study.records()[1].throughput is None  # figures stay with the trial that measured them
 
 
-def test_of_two_running_duplicates_the_lower_number_measures(tmp_path):
+def test_a_running_duplicate_is_the_original_once_claimed_and_contended_before(tmp_path):
     space = SearchSpace.for_layers(_alike(2), ("none", "full"))
     study = _open(tmp_path, space)
     params = space.encode({n: "none" for n in space.layer_names})
     assert params is not None
-    study.study.enqueue_trial(params)
-    study.study.enqueue_trial(params)
+    for _ in range(3):
+        study.study.enqueue_trial(params)
     a, b = study.ask(), study.ask()  # both running, as two workers would hold them
-    assert a.duplicate_of is None
-    assert b.duplicate_of is not None and b.duplicate_of.number == a.number
-    assert study._find_duplicate(a.key, a.number) is None  # a, re-checking, still measures
-    assert study.tell_duplicate(b).state == TrialState.FAIL  # a's figures are not known yet
+    assert a.duplicate_of is None and a.contended_by is None  # a saw nobody: it may measure
+    # a's worker has not decided yet (it may be standing down for b): b must not count on it.
+    assert b.duplicate_of is None and b.contended_by is not None and b.contended_by.number == a.number
+    study.tell_interrupted(b, "stood down")
+    study.claim(a)
+    c = study.ask()
+    assert c.duplicate_of is not None and c.duplicate_of.number == a.number and c.contended_by is None
+    assert study.tell_duplicate(c).state == TrialState.FAIL  # a's figures are not known yet
+
+
+def test_a_seed_asked_after_a_claimed_trial_of_its_candidate_is_a_duplicate_whatever_the_numbers(tmp_path, monkeypatch):
+    space = SearchSpace.for_layers(_alike(2), ("full",))  # one candidate: the sampler proposes it too
+    one = _open(tmp_path, space)
+    other = TuningStudy.open(name="s", storage=str(tmp_path / "optuna.log"), space=space, budget_bytes=10 * MIB)
+    params = space.encode({n: "full" for n in space.layer_names})
+    assert params is not None
+    one.study.enqueue_trial(params)  # trial 0, waiting
+    # The other worker read the queue before the seed landed: it asks a fresh trial, numbered after
+    # the seed, of the same candidate, and claims it.
+    monkeypatch.setattr(other.study, "_pop_waiting_trial_id", lambda: None)
+    fresh = other.ask()
+    assert fresh.duplicate_of is None and fresh.contended_by is None
+    other.claim(fresh)
+    seed = one.ask()
+    assert seed.number < fresh.number
+    # Numbers do not follow the order of asking: the seed asked last is the duplicate.
+    assert seed.duplicate_of is not None and seed.duplicate_of.number == fresh.number
 
 
 def test_an_interrupted_seed_goes_back_in_the_queue(tmp_path):
