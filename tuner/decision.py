@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_recompute.errors import RecomputeError
+from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
 from tuner.search import gate_lease
 
 if TYPE_CHECKING:
@@ -51,6 +52,13 @@ class Decided:
     """Fingerprint of the race's winner, or of the good policy that stood without a race; ``None``: no race chose."""
     waited: bool
     """This worker waited for another worker's gate of the same study."""
+
+    def status(self) -> tuple[str, int]:
+        """The session's status and exit code: ``current`` (the good policy stands), ``promoted`` (both
+        `EXIT_OK`) or ``rejected`` (the gate kept the good policy: `EXIT_INFEASIBLE`)."""
+        if self.decision.unchanged:
+            return "current", EXIT_OK
+        return ("promoted", EXIT_OK) if self.decision.promoted else ("rejected", EXIT_INFEASIBLE)
 
 
 @dataclass(frozen=True)

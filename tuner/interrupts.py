@@ -16,7 +16,11 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal, TypeVar, cast
+
+from tuner.killpoints import kill_point
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = ["STOP_SIGNALS", "Interrupts", "Phase"]
 
@@ -62,6 +66,17 @@ class Interrupts:
             yield
         finally:
             self.phase = "between"
+
+    def stoppable(self, fn: _F) -> _F:
+        """``fn`` run in the "gate" phase, so the first Ctrl-C stops it (the gate's measurements, not its
+        records)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.during("gate"):
+                kill_point("gate")  # a test hook; see tuner.killpoints
+                return fn(*args, **kwargs)
+
+        return cast("_F", call)
 
     def _say(self, text: str) -> None:
         # After SIGHUP the terminal may be gone: a write failing must not stop the orderly shutdown.

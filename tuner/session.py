@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
 from tuner.decision import Stage, decide_best
@@ -31,21 +31,22 @@ from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
 from tuner.killpoints import kill_point
 from tuner.liveness import Heartbeat, grace_s
-from tuner.planner.seeds import PlannerSeeds, plan_seeds
+from tuner.planner.seeds import PlannerSeeds
 from tuner.search import (
     Predictor,
     Proposal,
     SearchSpace,
     TuningStudy,
-    baseline_seeds,
     best_of,
     far_over_budget,
     inspect_layers,
     study_name,
 )
-from tuner.stores import open_tracker, storage_failure
+from tuner.session_run import close_session_run, open_session_run, reconcile_policy_file
+from tuner.setup import set_up_study
+from tuner.stores import storage_failure
 from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
-from tuner.workers import Presence, join_setup, others_fill, reap, slot_taken, wait_for_running
+from tuner.workers import Presence, others_fill, reap, stand_down_reason, wait_for_running
 
 if TYPE_CHECKING:
     from tuner.race import RaceResult
@@ -57,7 +58,6 @@ __all__ = ["tune"]
 
 _log = logging.getLogger(__name__)
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 MAX_UNMEASURED_IN_A_ROW = 25
 """Proposals in a row that are duplicates or skipped before the session decides the space is exhausted."""
@@ -217,10 +217,23 @@ class _TuningSession:
                 device=where.device,
             )
             heartbeat = Heartbeat(self.presence.beat).start()
-            self.seeding = self._setup_study()
+            self.seeding = set_up_study(
+                self.presence.study,
+                where.name,
+                recipe,
+                where.space,
+                where.budget,
+                use_planner=self.options.use_planner,
+                presence=self.presence,
+                grace_s=self.grace,
+                notify=self.notify,
+                note=self.note,
+            )
             self.predict = self.seeding.predictor()
             self.interrupts.phase = "between"
-            self._open_tracking()
+            self.presence.tracker, self.session_run_id = open_session_run(
+                recipe, where.name, self.grace, self.notify, self.note
+            )
             stop_reason = self._search()
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped after the current trial")
@@ -239,22 +252,6 @@ class _TuningSession:
             if heartbeat is not None:
                 heartbeat.stop()
 
-    def _open_tracking(self) -> None:
-        """Open the tracker, end what dead sessions left, and start (or resume) this session's run."""
-        from tuner.trials import clean_stale_trial_dirs
-
-        recipe = self.recipe
-        tracker = self.presence.tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-        # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
-        # session resumes it (one study, one session run) instead of opening another.
-        for run_id in tracker.end_dead_sessions(self.where.name, self.grace):
-            self.note(f"session run {run_id} of a dead worker ended KILLED")
-        for done in tracker.clean_leftovers(recipe.output, self.grace):
-            self.note(done)
-        self.session_run_id = tracker.start_session(recipe, study_name=self.where.name, resume=True)
-        for folder in clean_stale_trial_dirs():
-            self.notify(f"removed {folder}: its tuning process is gone")
-
     def _finish_failed(self, err: BaseException) -> None:
         """Leave nothing running after an unexpected error: the trial told FAIL, the session run FAILED."""
         why = f"session failed: {type(err).__name__}: {err}"
@@ -269,50 +266,6 @@ class _TuningSession:
         if self.tracker is not None:
             with contextlib.suppress(Exception):
                 self.tracker.close("FAILED")
-
-    def _setup_study(self) -> PlannerSeeds:
-        """Profile, plan and seed the study once; reuse the stored profile when resuming or joining.
-
-        The profile is kept in the study so a resumed session and every worker sharing the study
-        predict with the same figures (and skip the same candidates) without profiling again.
-        """
-        study, where = self.study, self.where
-        assert study is not None
-        if not join_setup(study, where.name, self.grace, self.notify, self.note):
-            stored = study.stored_profile()
-            seeding = (
-                plan_seeds(self.recipe, where.space, where.budget, stored=stored)
-                if stored
-                else PlannerSeeds(note=study.planner_note() or "the study holds no profile; no predictions")
-            )
-            seeding.seeds = []  # the study was seeded by the session that set it up
-            if seeding.note:
-                self.note(seeding.note)
-            self.notify(f"study {where.name} resumed: {study.ran_count()} trials run so far")
-            return seeding
-        self.presence.setting_up = True
-        try:
-            kill_point("profiling")  # a test hook; see tuner.killpoints
-            seeding = self._plan()
-            if seeding.profile is not None:
-                study.store_profile(seeding.profile.to_dict())
-            if seeding.note:
-                study.store_planner_note(seeding.note)
-                self.note(seeding.note)
-            enqueued = study.seed([*baseline_seeds(where.space), *seeding.seeds])
-        except BaseException:
-            study.abandon_setup()
-            raise
-        finally:
-            self.presence.setting_up = False
-        self.notify(f"study {where.name} created; seeded {', '.join(enqueued) or 'nothing'}")
-        return seeding
-
-    def _plan(self) -> PlannerSeeds:
-        if not self.options.use_planner:
-            return PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
-        self.notify("profiling the model and planning ...")
-        return plan_seeds(self.recipe, self.where.space, self.where.budget)
 
     def _search(self) -> str | None:
         """Ask, run and tell trials until the study has ``n_trials`` measured; why it stopped early."""
@@ -362,14 +315,7 @@ class _TuningSession:
         proposal = study.ask(session_run_id=self.session_run_id)
         self.presence.in_flight = proposal
         device = self.where.device
-        stand_down: str | None = None
-        if slot_taken(study, self.options.n_trials, self.grace):
-            stand_down = "not run: other workers' trials make up n_trials"
-        elif proposal.duplicate_of is None and proposal.contended_by is not None:
-            stand_down = (
-                f"not run: trial {proposal.contended_by.number} of another worker, asked at the same moment, "
-                "has the same policy and micro-batch"
-            )
+        stand_down = stand_down_reason(study, proposal, self.options.n_trials, self.grace)
         if stand_down is not None:
             # A seed goes back in the queue, as for an interrupted trial.
             self._log(proposal, TrialResult.skipped(stand_down, device=device), stand_down)
@@ -460,24 +406,8 @@ class _TuningSession:
         )
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
-        if self.tracker is None or self.session_run_id is None:
-            return
-        # What the session decided without a trial (space, planner trouble, why it stopped) is
-        # part of the record too: MLflow alone must explain the session.
-        notes = [
-            f"study {self.where.name} ({summary.storage})",
-            f"search space {summary.search_space}",
-            f"status {summary.status}",
-            *summary.notes,
-        ]
-        self.tracker.note_session(notes)
-        self.tracker.finish_session(
-            status=status,
-            best=None if summary.best is None else summary.best.to_dict(),
-            trials_table=[r.to_dict() for r in summary.records],
-            baselines={k: v.to_dict() for k, v in summary.baselines.items()},
-            budget_bytes=self.where.budget,
-        )
+        if self.tracker is not None and self.session_run_id is not None:
+            close_session_run(self.tracker, summary, status, study=self.where.name, budget_bytes=self.where.budget)
 
     def _finish_interrupted(self, how: str) -> SessionSummary:
         # Handlers stay installed: a further Ctrl-C during this bookkeeping only sets the flag.
@@ -493,12 +423,7 @@ class _TuningSession:
     def _finish(self, summary: SessionSummary) -> SessionSummary:
         """Make the output file hold the good policy (restored from MLflow when it does not, and said so)
         and close the session run."""
-        tracker = self._tracker()
-        restored = tracker.restore_file(self.recipe.output)
-        if restored is not None:
-            self.note(f"policy file: {restored}")  # summary.notes is this very list
-        if summary.policy_path is None and tracker.current_good() is not None:
-            summary.policy_path = self.recipe.output
+        reconcile_policy_file(self._tracker(), self.recipe.output, summary, self.note)  # notes: summary.notes
         self._finish_tracking("FINISHED", summary)
         return summary
 
@@ -528,15 +453,12 @@ class _TuningSession:
             session_run_id=self.session_run_id,
             notify=self.notify,
             note=self.note,
-            killable=self._killable,
+            killable=self.interrupts.stoppable,
             stop=self.interrupts.stop,
         )
         done = decide_best(stage, best, study, new_trials=self.ran > 0)
         decision = done.decision
-        status, code = ("current", EXIT_OK) if decision.unchanged else ("promoted", EXIT_OK)
-        if not decision.unchanged and not decision.promoted:
-            status, code = "rejected", EXIT_INFEASIBLE
-        summary = self._summary(status, code, race=done.race, chosen=done.chosen)
+        summary = self._summary(*done.status(), race=done.race, chosen=done.chosen)
         good = self._tracker().current_good()
         summary.policy_path = self.recipe.output if (decision.promoted or good) else None
         summary.tuned_for = good.policy.tuned_for if good is not None else None
@@ -544,13 +466,3 @@ class _TuningSession:
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id
         return self._finish(summary)
-
-    def _killable(self, fn: _F) -> _F:
-        """``fn`` with the first Ctrl-C stopping it (the gate's measurements; not its records)."""
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self.interrupts.during("gate"):
-                kill_point("gate")  # a test hook; see tuner.killpoints
-                return fn(*args, **kwargs)
-
-        return cast("_F", call)

@@ -9,8 +9,9 @@ module is where each is decided:
 - `join_setup`: whether this worker profiles and seeds the study, or waits for the one that does (and
   takes over when that one died);
 - `reap`: the trials of dead workers failed, recorded in MLflow and their candidates queued again;
-- `slot_taken` / `others_fill`: ``n_trials`` counts the study's trials, so a worker never runs a surplus
-  one while others' trials in flight make up the number;
+- `slot_taken` / `others_fill` / `stand_down_reason`: ``n_trials`` counts the study's trials, so a worker
+  never runs a surplus one while others' trials in flight make up the number, nor a candidate another
+  worker asked at the same moment;
 - `wait_for_running`: before the gate, every worker waits for the others' trials, so all gate the same
   final winner.
 """
@@ -27,7 +28,16 @@ if TYPE_CHECKING:
     from tuner.search import Proposal, TuningStudy
     from tuner.tracking import Tracker
 
-__all__ = ["SETUP_WAIT_S", "Presence", "join_setup", "others_fill", "reap", "slot_taken", "wait_for_running"]
+__all__ = [
+    "SETUP_WAIT_S",
+    "Presence",
+    "join_setup",
+    "others_fill",
+    "reap",
+    "slot_taken",
+    "stand_down_reason",
+    "wait_for_running",
+]
 
 SETUP_WAIT_S = 600.0
 """How long a worker joining a new study waits for the worker that created it to profile and seed it
@@ -117,6 +127,23 @@ def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     asked last could still win against a trial that had counted itself in already.
     """
     return study.ran_count() + study.running_alive(grace_s) > n_trials
+
+
+def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> str | None:
+    """Why this worker must not run ``proposal``, just asked, for another worker's trial; ``None``: run it.
+
+    Past ``n_trials`` (`slot_taken`), or another worker asked the same candidate at the same moment
+    and has not claimed it yet (`tuner.search.Proposal.contended_by`): neither can know the other
+    measures it, so both stand down. A duplicate of a claimed or finished trial is not standing down.
+    """
+    if slot_taken(study, n_trials, grace_s):
+        return "not run: other workers' trials make up n_trials"
+    if proposal.duplicate_of is None and proposal.contended_by is not None:
+        return (
+            f"not run: trial {proposal.contended_by.number} of another worker, asked at the same moment, "
+            "has the same policy and micro-batch"
+        )
+    return None
 
 
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:
