@@ -146,7 +146,7 @@ def race_leaders(
     run_race: Callable[..., RaceResult],
 ) -> RaceResult | None:
     """Race the leading candidates (`tuner.race.field`); ``None`` when the recipe turns the race off."""
-    from tuner.race import RaceResult
+    from tuner.race import RacePlan, RaceResult
     from tuner.race.field import choose_field, suspects
 
     recipe = stage.recipe
@@ -167,6 +167,14 @@ def race_leaders(
         return RaceResult(outcome="skipped", reason=entry.skipped)
     names = ", ".join(f"{p.short(stage.layer_names)} ({' = '.join(labels)})" for p, labels in entry.entrants)
     stage.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
+    # The search's cost sets the race's: a race of a fixed length would double a short search.
+    search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
+    plan = RacePlan.from_recipe(recipe, search_s=search_s)
+    if plan.total_s is not None:
+        stage.note(
+            f"race: at most {plan.total_s:.0f} s of rounds ({recipe.race.share:.0%} of the search's {search_s:.0f} s "
+            "of trials, race.share)"
+        )
     race = run_race(
         recipe,
         entry.entrants,
@@ -174,6 +182,7 @@ def race_leaders(
         references=entry.references,
         micro_batch=entry.micro_batch,
         budget_bytes=stage.budget,
+        plan=plan,
     )
     if race.ok and race.winner is not None:
         race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})

@@ -38,12 +38,18 @@ def fake_throughput(policy: RecomputePolicy | None) -> float:
     return 1000.0 - sum(COST[policy.mode_for(n).value] for n in SESSION_LAYERS)
 
 
+TRIAL_WALL_S = 2.0
+"""What every `ExactTrials` trial says it took (the race's budget is a share of the trials' sum)."""
+
+
 class ExactTrials:
     """`run_trial` / `check_numerics` stand-ins for a session: exact figures per mode, and a log of calls."""
 
     def __init__(self, on_call=None, batches=None):
         self.calls: list[str] = []
         self.races: list[list[str]] = []
+        self.plans: list[Any] = []
+        """The `RacePlan` each race was given (``None``: the recipe's)."""
         self.on_call = on_call
         self.batches = batches
         """The data scan every trial reports (`tuner.trials.batches.BatchScan.to_dict`), or ``None``."""
@@ -72,6 +78,7 @@ class ExactTrials:
             throughput=thr,
             throughput_unit="tokens/s",
             step_times_s=(1.0 / thr,) * steps,
+            wall_s=TRIAL_WALL_S,
             device="cpu",
             batches=self.batches,
         )
@@ -79,9 +86,10 @@ class ExactTrials:
     def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
         return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
 
-    def run_race(self, recipe, entrants, *, layer_names, references=(), micro_batch=None, budget_bytes=None):
+    def run_race(self, recipe, entrants, *, layer_names, references=(), micro_batch=None, budget_bytes=None, plan=None):
         """The race the real engine would run on exact figures: same rule, rounds without noise."""
         self.races.append([p.short(SESSION_LAYERS) for p, _ in entrants])
+        self.plans.append(plan)
         times = {p.fingerprint(): 1.0 / fake_throughput(p) for p, _ in entrants}
         return exact_race(entrants, times, {p.fingerprint(): fake_peak(p) for p, _ in entrants}, references)
 
@@ -160,6 +168,7 @@ class FixedTrials:
         references: Any = (),
         micro_batch: Any = None,
         budget_bytes: int | None = None,
+        plan: Any = None,
     ) -> RaceResult:
         """The race on the fixed figures (exact rounds, the real rule); a policy whose outcome is a
         failure fails the whole race, as a step raising in the engine's one fit does."""

@@ -15,7 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from lightning_recompute.policy import RecomputePolicy
-from tests.tuner.fakes import MIB, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
+from tests.tuner.fakes import MIB, TRIAL_WALL_S, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
 from tests.tuner.fakes import SESSION_LAYERS as LAYERS
 from tuner import session, setup
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
@@ -46,6 +46,10 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     # which does not fit and so never raced, whatever its single trial measured.
     assert summary.race is not None and summary.race.ok and len(fakes.races) == 1
     assert summary.race.winner == summary.best.fingerprint
+    # The race's rounds may take race.share of what the search's trials took, and the session says so.
+    (plan,) = fakes.plans
+    assert plan.total_s == pytest.approx(recipe.race.share * TRIAL_WALL_S * len(measured))
+    assert any(f"at most {plan.total_s:.0f} s of rounds" in n for n in summary.notes)
     assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
     assert summary.gains["none"] is None
     full = summary.vs_figures()["full"]

@@ -27,6 +27,10 @@ class RacePlan:
     """Selection rounds at most."""
     time_s: float = 120.0
     """Seconds of selection rounds at most (the round in progress finishes)."""
+    total_s: float | None = None
+    """Seconds of rounds at most, selection and estimation together (``None``: no such cap): the selection
+    stops when what it spent and what the estimation rounds will take, at the step times seen so far,
+    reach it. The estimation always runs its rounds (they give the "vs" figures)."""
     estimate_rounds: int = 16
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95
@@ -39,14 +43,19 @@ class RacePlan:
     """Steps before the first round (lazy initialisation, optimizer state), neither timed nor metered."""
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe) -> RacePlan:
-        """The plan of ``recipe.race``, warmed up as long as the recipe's trials (at least one step)."""
+    def from_recipe(cls, recipe: Recipe, *, search_s: float | None = None) -> RacePlan:
+        """The plan of ``recipe.race``, warmed up as long as the recipe's trials (at least one step).
+
+        ``search_s``: the wall time the search's trials took; the race's rounds then take at most
+        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did.
+        """
         r = recipe.race
         return cls(
             steps=r.steps,
             min_rounds=r.min_rounds,
             max_rounds=r.max_rounds,
             time_s=r.time_s,
+            total_s=r.share * search_s if search_s and r.share is not None else None,
             estimate_rounds=r.estimate_rounds,
             confidence=r.confidence,
             tie_margin=r.tie_margin,

@@ -272,6 +272,14 @@ class RaceSchedule:
         if rounds >= 2 and self.elapsed_s >= self.plan.time_s:
             self.stop_reason = f"time budget of {self.plan.time_s:g} s spent after {rounds} rounds"
             return True
+        total = self.plan.total_s
+        # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
+        pace = self.elapsed_s / rounds if rounds else 0.0
+        if rounds >= 2 and total is not None and self.elapsed_s + pace + self._estimation_s() > total:
+            self.stop_reason = (
+                f"race budget of {total:.0f} s reached after {rounds} rounds (the estimation's rounds left in it)"
+            )
+            return True
         if rounds >= self.plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=self.plan.stop_confidence)
             level = f"{self.plan.stop_confidence:.0%}"
@@ -284,6 +292,14 @@ class RaceSchedule:
                 leader = self.entrants[early.leader].short
                 self.entrants[key].dropped = f"beaten by {leader} at {level} after {rounds} rounds"
         return False
+
+    def _estimation_s(self) -> float:
+        """What the estimation rounds will take, at the median step time of the last selection round."""
+        last = self.select_rounds[-1] if self.select_rounds else {}
+        if not last:
+            return 0.0
+        entrants = 1 + max(1, len(self.references))
+        return self.plan.estimate_rounds * entrants * (self.plan.steps + 1) * statistics.median(last.values())
 
     def _decide(self) -> None:
         alive = self.alive()

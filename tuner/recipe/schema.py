@@ -369,6 +369,13 @@ class RaceSettings:
     )
     max_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(default=30, description="Selection rounds at most.")
     time_s: float = Field(default=120.0, gt=0, description="Seconds of selection rounds at most.")
+    share: float | None = Field(
+        default=0.25,
+        gt=0,
+        description="The race's rounds (selection and estimation) take at most this share of the time the "
+        "search's trials took (their wall time summed); the selection stops early enough to leave the estimation "
+        "its rounds. null: only time_s and max_rounds bound the race.",
+    )
     estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
         default=16, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
     )

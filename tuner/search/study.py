@@ -139,6 +139,8 @@ class TrialRecord:
     step_time_s: float | None = None
     noise_rel: float | None = None
     """The trial's noise: MAD of its step times over their median (``None``: too few steps, or an older study)."""
+    wall_s: float | None = None
+    """Seconds the trial took, its process's start to its end (``None``: it did not run)."""
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
     reason: str | None = None
@@ -175,6 +177,7 @@ class TrialRecord:
             "peak_bytes": self.peak_bytes,
             "step_time_s": self.step_time_s,
             "noise_rel": self.noise_rel,
+            "wall_s": self.wall_s,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_step_time_s": self.predicted_step_time_s,
             "reason": self.reason,
@@ -562,6 +565,7 @@ class TuningStudy:
                     peak_bytes=a.get(TrialAttr.PEAK_BYTES),
                     step_time_s=a.get(TrialAttr.STEP_TIME_S),
                     noise_rel=a.get(TrialAttr.NOISE_REL),
+                    wall_s=a.get(TrialAttr.WALL_S),
                     predicted_peak_bytes=a.get(TrialAttr.PREDICTED_PEAK_BYTES),
                     predicted_step_time_s=a.get(TrialAttr.PREDICTED_STEP_TIME_S),
                     reason=a.get(TrialAttr.REASON),

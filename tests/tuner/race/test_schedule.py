@@ -91,3 +91,27 @@ def test_knock_out_and_finish_end_the_race_on_what_it_has() -> None:
     assert schedule.winner == ONE.fingerprint()
     assert schedule.stop_reason == "the job ended after 2 selection rounds"
     assert schedule.result()["entrants"][NONE.fingerprint()]["out"] == "out of memory: simulated"
+
+
+def test_a_race_budget_stops_the_selection_early_enough_to_leave_the_estimation_its_rounds() -> None:
+    now = [0.0]
+    plan = dataclasses.replace(PLAN, total_s=30.0)
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
+    spent = {"select": 0.0, "estimate": 0.0}
+    for _ in range(500):
+        turn = schedule.next_turn()
+        if turn is None:
+            break
+        if turn.phase != "warmup":
+            now[0] += BASE[turn.key]  # the step takes its time on the race's clock
+            spent[turn.phase] += BASE[turn.key]
+        schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    # A round of three entrants at two steps each is ~7 s, the estimation's two rounds of two ~9 s: a
+    # fourth round would not leave the estimation its time.
+    assert len(schedule.select_rounds) == 3 and schedule.stop_reason.startswith("race budget of 30 s")
+    assert len(schedule.estimate_rounds) == plan.estimate_rounds
+    assert spent["select"] + spent["estimate"] <= plan.total_s
+    # Without the cap, the same race selects until min_rounds at least.
+    free = RaceSchedule(ENTRANTS, [FULL.fingerprint()], PLAN, clock=lambda: 0.0)
+    _drive(free, BASE, {k: 1 for k in BASE})
+    assert len(free.select_rounds) >= PLAN.min_rounds
