@@ -262,7 +262,7 @@ class _TuningSession:
                 presence.in_flight = None
         with contextlib.suppress(Exception):
             if self.study is not None and self.seeding is None and presence.setting_up:
-                self.study.abandon_setup()
+                self.study.setup.abandon()
         if self.tracker is not None:
             with contextlib.suppress(Exception):
                 self.tracker.close("FAILED")

@@ -54,11 +54,11 @@ def set_up_study(
         set up by another session (they are already in the study).
     """
     if not join_setup(study, name, grace_s, notify, note):
-        stored = study.stored_profile()
+        stored = study.setup.profile()
         seeding = (
             plan_seeds(recipe, space, budget_bytes, stored=stored)
             if stored
-            else PlannerSeeds(note=study.planner_note() or "the study holds no profile; no predictions")
+            else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
         )
         seeding.seeds = []  # the study was seeded by the session that set it up
         if seeding.note:
@@ -74,13 +74,13 @@ def set_up_study(
         else:
             seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
         if seeding.profile is not None:
-            study.store_profile(seeding.profile.to_dict())
+            study.setup.store_profile(seeding.profile.to_dict())
         if seeding.note:
-            study.store_planner_note(seeding.note)
+            study.setup.store_planner_note(seeding.note)
             note(seeding.note)
         enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
     except BaseException:
-        study.abandon_setup()
+        study.setup.abandon()
         raise
     finally:
         presence.setting_up = False

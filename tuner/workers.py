@@ -63,11 +63,11 @@ class Presence:
         if study is None:
             return
         if self.setting_up:
-            study.beat_setup()
+            study.setup.beat()
         proposal = self.in_flight
         if proposal is not None:
             with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
-                study.beat_trial(proposal)
+                study.in_flight.beat(proposal)
         if self.tracker is not None:
             self.tracker.beat()
 
@@ -79,13 +79,13 @@ def join_setup(study: TuningStudy, name: str, grace_s: float, notify: Say, note:
     """
     if study.created:
         return True
-    if not study.seeded:
+    if not study.setup.seeded:
         notify(f"study {name} is being set up by another worker; waiting ...")
-    if study.wait_seeded(SETUP_WAIT_S, grace_s=grace_s):
+    if study.setup.wait_seeded(SETUP_WAIT_S, grace_s=grace_s):
         return False
-    dead = study.setup_owner_dead(grace_s)
+    dead = study.setup.owner_dead(grace_s)
     note(f"taking over the study's setup: {dead or 'the worker setting it up gave up'}")
-    study.take_over_setup()
+    study.setup.own()
     return True
 
 
@@ -93,7 +93,7 @@ def reap(
     study: TuningStudy, tracker: Tracker, grace_s: float, layer_names: Sequence[str], study_name: str, note: Say
 ) -> None:
     """Fail the trials of dead workers (their candidates go back in the queue) and record them in MLflow."""
-    abandoned = study.reap_dead(grace_s)
+    abandoned = study.in_flight.reap_dead(grace_s)
     for dead in abandoned:
         tracker.log_abandoned_trial(
             dead.number,
@@ -111,7 +111,7 @@ def reap(
 
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     """Whether the study's measured trials and the live trials in flight already make up ``n_trials``."""
-    return study.ran_count() + study.running_alive(grace_s) >= n_trials
+    return study.ran_count() + study.in_flight.running_alive(grace_s) >= n_trials
 
 
 def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
@@ -126,7 +126,7 @@ def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     follow the order of asking (an enqueued seed keeps the number it got when enqueued), so a seed
     asked last could still win against a trial that had counted itself in already.
     """
-    return study.ran_count() + study.running_alive(grace_s) > n_trials
+    return study.ran_count() + study.in_flight.running_alive(grace_s) > n_trials
 
 
 def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> str | None:
@@ -156,7 +156,7 @@ def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event
     """
     deadline = time.monotonic() + timeout_s
     told = False
-    while (running := len(study.running())) and time.monotonic() < deadline:
+    while (running := len(study.in_flight.running())) and time.monotonic() < deadline:
         if not told:
             notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
             told = True

@@ -111,7 +111,7 @@ def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measure
 
     summary = session.tune(recipe, use_planner=False, search_only=True)
     study = study_of(recipe, summary)
-    assert not study.running()
+    assert not study.in_flight.running()
     dead = [r for r in summary.records if r.outcome == "abandoned"]
     assert len(dead) == 1 and dead[0].state == "FAIL" and "is gone" in (dead[0].reason or "")
     # The candidate came back and was measured once; every baseline was measured exactly once.
@@ -156,8 +156,8 @@ def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_n
     creator = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
     joiner = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
     assert creator.created and not joiner.created
-    assert joiner.setup_owner_dead(60.0) is None  # the creator (this process) lives
-    assert joiner.wait_seeded(0.2, poll_s=0.05) is False  # timed out, not taken over
+    assert joiner.setup.owner_dead(60.0) is None  # the creator (this process) lives
+    assert joiner.setup.wait_seeded(0.2, poll_s=0.05) is False  # timed out, not taken over
     attrs = joiner.study.user_attrs
     assert not attrs.get(StudyAttr.ABANDONED) and not attrs.get(StudyAttr.SEEDED)
 
@@ -172,10 +172,10 @@ def test_a_trial_of_a_silent_owner_on_another_host_is_reaped_after_the_grace_per
     trial = proposal.trial
     trial.set_user_attr(TrialAttr.OWNER, Owner("another-host.example", 4242, "1").to_dict())
     trial.set_user_attr(TrialAttr.HEARTBEAT, time.time() - 30)
-    assert study.reap_dead(60.0) == [] and study.running_alive(60.0) == 1
-    (dead,) = study.reap_dead(10.0)
+    assert study.in_flight.reap_dead(60.0) == [] and study.in_flight.running_alive(60.0) == 1
+    (dead,) = study.in_flight.reap_dead(10.0)
     assert dead.number == trial.number and "no heartbeat" in dead.reason
-    assert not study.running() and study.reap_dead(10.0) == []  # reaped once
+    assert not study.in_flight.running() and study.in_flight.reap_dead(10.0) == []  # reaped once
     (again,) = study.waiting()
     assert again.system_attrs["fixed_params"] == trial.params and again.user_attrs[TrialAttr.RETRY_OF] == trial.number
     retry = study.ask()

@@ -15,8 +15,10 @@ count of layers per mode plus a placement (first / last / spread) from which the
 is built deterministically. Where layers differ, each layer gets its own categorical choice.
 
 Modules: `tuner.search.space` (layers and the space), `tuner.search.seeds` (baselines),
-`tuner.search.study` (`TuningStudy`, its records and the skip rule), `tuner.search.attrs` (the
-study's user-attribute keys), `tuner.search.lease` (one evidence gate at a time per study).
+`tuner.search.study` (`TuningStudy`, its records and the skip rule), `tuner.search.setup_state`
+(`StudySetup`: the study's setup shared by its workers), `tuner.search.in_flight` (`InFlight`: running
+trials, alive or reaped), `tuner.search.attrs` (the study's user-attribute keys), `tuner.search.lease`
+(one evidence gate at a time per study).
 Storage is opened by `tuner.stores`.
 """
 

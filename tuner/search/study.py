@@ -9,7 +9,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -24,9 +24,11 @@ if TYPE_CHECKING:
     from tuner.planner.solver import Prediction
     from tuner.recipe import Recipe
     from tuner.trials import TrialResult
-from tuner.liveness import Owner, dead_reason
+from tuner.liveness import Owner
 from tuner.search.attrs import StudyAttr, TrialAttr
+from tuner.search.in_flight import InFlight
 from tuner.search.seeds import Seed
+from tuner.search.setup_state import StudySetup
 from tuner.search.space import SearchSpace
 from tuner.stores import open_storage
 
@@ -149,6 +151,36 @@ class TrialRecord:
     feasible: bool = False
     """Measured and within the budget limit."""
 
+    @classmethod
+    def from_trial(cls, t: FrozenTrial) -> TrialRecord:
+        """The record of a finished Optuna trial, read from its user attributes."""
+        a = t.user_attrs
+        peak_over = a.get(TrialAttr.PEAK_OVER)
+        # Written by `TuningStudy` (or `InFlight.reap_dead`), so one of RecordOutcome's.
+        outcome = cast(RecordOutcome, str(a.get(TrialAttr.OUTCOME, "error")))
+        return cls(
+            number=t.number,
+            state=t.state.name,
+            outcome=outcome,
+            policy=RecomputePolicy.from_dict(a[TrialAttr.POLICY]) if a.get(TrialAttr.POLICY) else None,
+            fingerprint=str(a.get(TrialAttr.FINGERPRINT, "")),
+            short=str(a.get(TrialAttr.SHORT, "")),
+            micro_batch=a.get(TrialAttr.MICRO_BATCH),
+            seed=a.get(TrialAttr.SEED),
+            throughput=a.get(TrialAttr.THROUGHPUT),
+            throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
+            peak_bytes=a.get(TrialAttr.PEAK_BYTES),
+            step_time_s=a.get(TrialAttr.STEP_TIME_S),
+            noise_rel=a.get(TrialAttr.NOISE_REL),
+            wall_s=a.get(TrialAttr.WALL_S),
+            predicted_peak_bytes=a.get(TrialAttr.PREDICTED_PEAK_BYTES),
+            predicted_step_time_s=a.get(TrialAttr.PREDICTED_STEP_TIME_S),
+            reason=a.get(TrialAttr.REASON),
+            run_id=a.get(TrialAttr.RUN_ID),
+            duplicate_of=a.get(TrialAttr.DUPLICATE_OF),
+            feasible=outcome == "ok" and peak_over is not None and float(peak_over) <= 0,
+        )
+
     @property
     def ran(self) -> bool:
         """Whether this trial ran the policy to an outcome: measured, or oom / timeout / error / nonfinite
@@ -221,6 +253,10 @@ class TuningStudy:
         self.budget_bytes = int(budget_bytes)
         self.created = created
         """Whether this process created the study (and so seeds it)."""
+        self.setup = StudySetup(study)
+        """Who sets the study up, whether it is seeded, the profile and planner note it stored."""
+        self.in_flight = InFlight(study, space)
+        """The study's running trials (any worker's): heartbeats, which are alive, the dead ones reaped."""
         self._distributions = space.distributions()
 
     # -------------------------------------------------------------- opening, seeding
@@ -256,8 +292,7 @@ class TuningStudy:
             study = optuna.create_study(storage=store, study_name=name, direction="maximize", sampler=sampler)
             created = True
             # Recorded first: a worker waiting for this setup takes it over once this owner is dead.
-            study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
-            study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
+            StudySetup(study).own()
             study.set_user_attr(StudyAttr.SEARCH_SPACE, space.signature())
             study.set_user_attr(StudyAttr.BUDGET_BYTES, int(budget_bytes))
             for key, value in (
@@ -291,73 +326,6 @@ class TuningStudy:
                 ) from None
         return cls(study, space, budget_bytes=budget_bytes, created=created, storage=store)
 
-    def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
-        """Wait for the process that created the study to finish setting it up; whether it did.
-
-        The creator profiles the model and seeds the study right after creating it; another worker
-        started at the same moment waits for that rather than doing it twice. It stops waiting
-        when the creator gave up (it was interrupted while setting up), when the creator is dead
-        (`setup_owner_dead`; at once on the same host, after ``grace_s`` without a heartbeat
-        elsewhere), or after ``timeout_s``.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            attrs = self.study.user_attrs
-            if attrs.get(StudyAttr.SEEDED):
-                return True
-            if attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
-                return False
-            if self.setup_owner_dead(grace_s) is not None:
-                return False
-            time.sleep(poll_s)
-
-    def setup_owner_dead(self, grace_s: float) -> str | None:
-        """Why the session setting the study up is dead, or ``None`` (alive, done, or not recorded)."""
-        attrs = self.study.user_attrs
-        if attrs.get(StudyAttr.SEEDED):
-            return None
-        owner = Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER))
-        if owner is None:
-            return None  # an older version's study, or the creator has not recorded itself yet
-        beat = attrs.get(StudyAttr.SETUP_HEARTBEAT)
-        return dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s)
-
-    def take_over_setup(self) -> None:
-        """Record this process as the one setting the study up (its creator died or gave up)."""
-        self.study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
-        self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
-
-    def beat_setup(self) -> None:
-        """The setting-up session's heartbeat."""
-        self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
-
-    @property
-    def seeded(self) -> bool:
-        """Whether the session that set the study up has seeded it."""
-        return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
-
-    def stored_profile(self) -> dict[str, Any] | None:
-        """The model's profile as the setting-up session stored it (`Profile.to_dict`), if any."""
-        return self.study.user_attrs.get(StudyAttr.PROFILE)
-
-    def store_profile(self, profile: Mapping[str, Any]) -> None:
-        """Keep the model's profile in the study, so every session of it predicts with the same figures."""
-        self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
-
-    def planner_note(self) -> str | None:
-        """Why the setting-up session had no planner, or what its planner could not do."""
-        note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
-        return None if note is None else str(note)
-
-    def store_planner_note(self, note: str) -> None:
-        """Record `planner_note` for the sessions that join or resume the study."""
-        self.study.set_user_attr(StudyAttr.PLANNER_NOTE, note)
-
-    def abandon_setup(self) -> None:
-        """Say that this process stopped setting up the study, so no other worker waits for it."""
-        if not self.study.user_attrs.get(StudyAttr.SEEDED):
-            self.study.set_user_attr(StudyAttr.ABANDONED, True)
-
     def seed(self, seeds: Sequence[Seed]) -> list[str]:
         """Enqueue those of ``seeds`` the study does not hold yet, mark it seeded; the names enqueued.
 
@@ -387,7 +355,7 @@ class TuningStudy:
             present.add(key)
             self.study.enqueue_trial(params, user_attrs={TrialAttr.SEED: s.name, TrialAttr.SEED_KEY: key})
             enqueued.append(s.name)
-        self.study.set_user_attr(StudyAttr.SEEDED, True)
+        self.setup.mark_seeded()
         return enqueued
 
     # -------------------------------------------------------------- ask
@@ -404,7 +372,7 @@ class TuningStudy:
         follow the order of asking (an enqueued seed keeps the number it got when enqueued).
         The trial records its owner (this process) and ``session_run_id``, so that if this process
         dies another one can fail the trial, record it in MLflow and retry its candidate
-        (`reap_dead`).
+        (`InFlight.reap_dead`).
         """
         trial = self.study.ask(fixed_distributions=self._distributions)
         policy, mb = self.space.decode(trial.params)
@@ -541,40 +509,8 @@ class TuningStudy:
 
     def records(self) -> list[TrialRecord]:
         """Every finished trial of the study (all workers, all sessions), in trial order."""
-        out = []
-        for t in self.study.get_trials(
-            deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-        ):
-            a = t.user_attrs
-            policy = RecomputePolicy.from_dict(a[TrialAttr.POLICY]) if a.get(TrialAttr.POLICY) else None
-            peak_over = a.get(TrialAttr.PEAK_OVER)
-            # Written by `_set_common` (or `reap_dead`), so one of RecordOutcome's.
-            outcome = cast(RecordOutcome, str(a.get(TrialAttr.OUTCOME, "error")))
-            out.append(
-                TrialRecord(
-                    number=t.number,
-                    state=t.state.name,
-                    outcome=outcome,
-                    policy=policy,
-                    fingerprint=str(a.get(TrialAttr.FINGERPRINT, "")),
-                    short=str(a.get(TrialAttr.SHORT, "")),
-                    micro_batch=a.get(TrialAttr.MICRO_BATCH),
-                    seed=a.get(TrialAttr.SEED),
-                    throughput=a.get(TrialAttr.THROUGHPUT),
-                    throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
-                    peak_bytes=a.get(TrialAttr.PEAK_BYTES),
-                    step_time_s=a.get(TrialAttr.STEP_TIME_S),
-                    noise_rel=a.get(TrialAttr.NOISE_REL),
-                    wall_s=a.get(TrialAttr.WALL_S),
-                    predicted_peak_bytes=a.get(TrialAttr.PREDICTED_PEAK_BYTES),
-                    predicted_step_time_s=a.get(TrialAttr.PREDICTED_STEP_TIME_S),
-                    reason=a.get(TrialAttr.REASON),
-                    run_id=a.get(TrialAttr.RUN_ID),
-                    duplicate_of=a.get(TrialAttr.DUPLICATE_OF),
-                    feasible=outcome == "ok" and peak_over is not None and float(peak_over) <= 0,
-                )
-            )
-        return out
+        finished = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+        return [TrialRecord.from_trial(t) for t in self.study.get_trials(deepcopy=False, states=finished)]
 
     def best(self) -> TrialRecord | None:
         """The measured, within-budget trial of highest throughput; ``None`` when there is none."""
@@ -584,92 +520,9 @@ class TuningStudy:
         """Trials that ran a policy (`TrialRecord.ran`: what ``n_trials`` counts), all workers together."""
         return sum(1 for r in self.records() if r.ran)
 
-    def beat_trial(self, proposal: Proposal) -> None:
-        """The heartbeat of a trial this process runs."""
-        proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
-
-    def reap_dead(self, grace_s: float) -> list[AbandonedTrial]:
-        """Fail every RUNNING trial whose owner is dead, enqueue its candidate again; those this call failed.
-
-        A trial is dead when `tuner.liveness.dead_reason` says so for its recorded owner and
-        heartbeat (a trial without an owner, from an older version, after ``grace_s`` from its
-        start). Its record says ``abandoned`` and why; it is FAIL in Optuna, and its candidate is
-        enqueued again (a seed keeps its name), so the next ask measures it. Of several processes
-        reaping at once, only the one whose state change wins reports (and re-enqueues) the trial.
-        """
-        storage = self.study._storage  # Optuna's public Study has no way to fail another process's trial
-        out: list[AbandonedTrial] = []
-        for t in self.running():
-            a = t.user_attrs
-            beat = a.get(TrialAttr.HEARTBEAT)
-            since = t.datetime_start.timestamp() if t.datetime_start is not None else None
-            why = dead_reason(
-                Owner.from_dict(a.get(TrialAttr.OWNER)),
-                float(beat) if beat is not None else None,
-                grace=grace_s,
-                since=since,
-            )
-            if why is None:
-                continue
-            try:
-                abandoned: RecordOutcome = "abandoned"
-                storage.set_trial_user_attr(t._trial_id, TrialAttr.OUTCOME, abandoned)
-                storage.set_trial_user_attr(t._trial_id, TrialAttr.REASON, why)
-                won = storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                continue  # another process reaped it (or its owner finished it) first
-            if not won:
-                continue
-            attrs: dict[str, Any] = {TrialAttr.RETRY_OF: t.number}
-            key = a.get(TrialAttr.CANDIDATE_KEY)
-            if key is not None:
-                attrs[TrialAttr.SEED_KEY] = key
-            if a.get(TrialAttr.SEED) is not None:
-                attrs[TrialAttr.SEED] = a[TrialAttr.SEED]
-            self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
-            policy, mb = self.space.decode(t.params)
-            out.append(
-                AbandonedTrial(
-                    number=t.number,
-                    policy=policy,
-                    micro_batch=mb,
-                    reason=why,
-                    session_run_id=a.get(TrialAttr.SESSION_RUN),
-                )
-            )
-            _log.info("trial %d: %s; failed and its candidate enqueued again", t.number, why)
-        return out
-
-    def running_alive(self, grace_s: float) -> int:
-        """RUNNING trials whose owner may be alive (this worker's own included)."""
-        count = 0
-        for t in self.running():
-            beat = t.user_attrs.get(TrialAttr.HEARTBEAT)
-            since = t.datetime_start.timestamp() if t.datetime_start is not None else None
-            owner = Owner.from_dict(t.user_attrs.get(TrialAttr.OWNER))
-            if dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s, since=since) is None:
-                count += 1
-        return count
-
-    def running(self) -> list[FrozenTrial]:
-        """Trials Optuna holds as running (this or another worker's)."""
-        return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-
     def waiting(self) -> list[FrozenTrial]:
         """Enqueued trials not yet handed out."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-
-
-@dataclass(frozen=True)
-class AbandonedTrial:
-    """A trial whose owner died, failed by `TuningStudy.reap_dead`: what its MLflow record needs."""
-
-    number: int
-    policy: RecomputePolicy
-    micro_batch: int | None
-    reason: str
-    session_run_id: str | None
-    """The dead owner's MLflow session run (``None``: it had none yet)."""
 
 
 Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]
