@@ -4,54 +4,29 @@ run per trial or confirmation, and the session's summary artifacts when it ends.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
-from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from tuner.jsonable import jsonable
 from tuner.tracking.client import (
     TrackingClient,
     TrackingError,
     clip_tag,
-    finite,
-    now_ms,
     param_key,
 )
+from tuner.tracking.measurement import log_abandoned_run, log_measurement_run
 from tuner.tracking.names import (
-    BASELINES_JSON,
-    BEST_FINGERPRINT,
-    BEST_JSON,
-    BEST_POLICY_YAML,
-    BEST_RUN,
-    COMPILE_PARAM,
-    COMPILE_SECONDS_METRIC,
-    DEVICE,
-    ERROR,
-    EVIDENCE_JSON,
-    FINGERPRINT,
     HEARTBEAT,
     IN_JOB,
     KIND,
-    MACHINE_METRIC_PREFIX,
-    MICRO_BATCH_PARAM,
-    NOTE,
-    OUTCOME,
     OWNER,
     PARENT,
-    POLICY_FINGERPRINT_PARAM,
-    POLICY_SHORT,
-    RACE_JSON,
-    RACE_SUMMARY,
-    RACE_WINNER,
-    REASON,
     RECIPE_CHANGED_ON_RESUME,
     RECIPE_FINGERPRINT,
     RECIPE_NAME,
@@ -59,19 +34,12 @@ from tuner.tracking.names import (
     RESUMES,
     SESSION_ENDED_BY,
     SESSION_NOTES,
-    SESSION_STATUS,
     SOURCE_RUN,
-    STDERR_TAIL_TXT,
-    STEP_NOISE_METRICS,
     STUDY,
     STUDY_NAME_PARAM,
-    THROUGHPUT_UNIT,
     TRIAL_NUMBER_PARAM,
-    TRIALS_CSV,
-    TRIALS_JSON,
-    rank_peak_metric,
 )
-from tuner.tracking.report import layer_modes, result_dict, session_markdown, trials_csv
+from tuner.tracking.session_record import write_race, write_session_record
 
 if TYPE_CHECKING:
     from tuner.race import RaceResult
@@ -92,7 +60,6 @@ _STATUSES = {
     "error": "FAILED",
 }
 # Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
-_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
 
 
 class SessionLog:
@@ -222,7 +189,9 @@ class SessionLog:
                 (a planner skip, an Optuna constraint).
         """
         session = self._require_session()
-        return self._log_measurement(
+        return log_measurement_run(
+            self.store,
+            study=self._study,
             kind="trial",
             run_name=f"trial {number} {policy.short(layer_names) if layer_names else policy.fingerprint()}",
             parent=session,
@@ -256,35 +225,9 @@ class SessionLog:
         else in this session's, so the dead session's record holds what it was doing.
         """
         parent = session_run_id or self._require_session()
-        tags = {
-            KIND: "trial",
-            OUTCOME: "abandoned",
-            REASON: clip_tag(reason),
-            ERROR: clip_tag(reason),
-            FINGERPRINT: policy.fingerprint(),
-            PARENT: parent,
-        }
-        if self._study:
-            tags[STUDY] = self._study
-        if layer_names:
-            tags[POLICY_SHORT] = policy.short(layer_names)
-        name = policy.short(layer_names) if layer_names else policy.fingerprint()
-        run = self.store.client.create_run(self.store.experiment_id, tags=tags, run_name=f"trial {number} {name}")
-        run_id = run.info.run_id
-        try:
-            from mlflow.entities import Param
-
-            self.store.log_batch(
-                run_id,
-                params=[
-                    Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
-                    Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
-                    Param(TRIAL_NUMBER_PARAM, str(number)),
-                ],
-            )
-        finally:
-            self.store.client.set_terminated(run_id, "FAILED")
-        return run_id
+        return log_abandoned_run(
+            self.store, number, policy, layer_names, micro_batch, reason=reason, parent=parent, study=self._study
+        )
 
     def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
         """End KILLED every RUNNING session run of ``study_name`` whose owner is dead; their ids.
@@ -333,7 +276,9 @@ class SessionLog:
         The run has the trial runs' shape (params, metrics, ``policy.yaml``) plus ``evidence.json``,
         so a promoted confirmation run is a self-contained good run.
         """
-        run_id = self._log_measurement(
+        run_id = log_measurement_run(
+            self.store,
+            study=self._study,
             kind="confirmation",
             run_name=f"confirm {policy.short(layer_names) if layer_names else policy.fingerprint()}",
             parent=self._session_run_id if self._session_open else None,
@@ -373,44 +318,8 @@ class SessionLog:
         """
         run_id = self._require_session()
         final = _status(status)
-        rows = [dict(r) for r in trials_table]
         try:
-            self.store.log_json(run_id, TRIALS_JSON, rows)
-            self.store.client.log_text(run_id, trials_csv(rows), TRIALS_CSV)
-            self.store.log_json(run_id, BASELINES_JSON, baselines)
-            with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
-                from tuner.plots import pareto_plot
-
-                png = pareto_plot(
-                    rows,
-                    Path(tmp) / "pareto.png",
-                    baselines=baselines,
-                    budget_bytes=budget_bytes,
-                    title=f"{self.store.experiment}: peak memory vs throughput",
-                )
-                self.store.client.log_artifact(run_id, str(png))
-            metrics: dict[str, float] = {
-                "trials_total": len(rows),
-                "trials_ok": sum(1 for r in rows if r.get("outcome") == "ok"),
-            }
-            if budget_bytes is not None:
-                metrics["budget_limit_bytes"] = budget_bytes
-            tags = {SESSION_STATUS: final}
-            if best is not None:
-                policy = best.get("policy")
-                if policy is not None:
-                    policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.from_dict(policy)
-                    self.store.client.log_text(run_id, policy.to_yaml(), BEST_POLICY_YAML)
-                    tags[BEST_FINGERPRINT] = policy.fingerprint()
-                self.store.log_json(run_id, BEST_JSON, best)
-                if best.get("run_id"):
-                    tags[BEST_RUN] = str(best["run_id"])
-                for key in ("throughput", "peak_bytes"):
-                    if finite(best.get(key)) is not None:
-                        metrics[f"best_{key}"] = float(best[key])
-            self.store.log_batch(run_id, metrics=metrics)
-            tags[NOTE] = clip_tag(session_markdown(self.store.experiment, final, best, rows, baselines, budget_bytes))
-            self.store.set_tags(run_id, tags)
+            write_session_record(self.store, run_id, final, best, trials_table, baselines, budget_bytes)
         finally:
             # Whatever failed above, the run must not stay RUNNING.
             self.close(final)
@@ -418,31 +327,7 @@ class SessionLog:
     def log_race(self, race: RaceResult) -> None:
         """Record the race on the session run: ``race.json`` (every entrant's per-round times, the
         standing, the intervals), its winner and words as tags, its figures as metrics."""
-        from tuner.race import format_gain
-
-        run_id = self._require_session()
-        self.store.log_json(run_id, RACE_JSON, race.to_dict())
-        words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
-        if race.ok:
-            words.append(
-                f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
-            )
-            words += [line for line in (race.tie_line(), race.unresolved_line(), *race.headlines()) if line]
-        tags = {RACE_SUMMARY: clip_tag("; ".join(words))}
-        metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
-        if race.winner is not None:
-            tags[RACE_WINNER] = race.winner
-            thr = race.throughput(race.winner)
-            if thr is not None:
-                metrics["race_winner_throughput"] = thr
-        for key, iv in race.vs.items():
-            name = _metric_key(race.entrants[key].labels[-1] if race.entrants[key].labels else key)
-            gain, low, high = iv.gain()
-            metrics.update({f"race_vs_{name}_gain": gain, f"race_vs_{name}_low": low, f"race_vs_{name}_high": high})
-            tags[f"{RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
-        metrics.update(_machine_metrics(race.machine_before))
-        self.store.log_batch(run_id, metrics=metrics)
-        self.store.set_tags(run_id, tags)
+        write_race(self.store, self._require_session(), race)
 
     def close(self, status: str = "KILLED") -> None:
         """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
@@ -521,138 +406,6 @@ class SessionLog:
                 continue
             params[param_key(key)] = clip_tag(value, 500)
         return params
-
-    def _log_measurement(
-        self,
-        *,
-        kind: str,
-        run_name: str,
-        parent: str | None,
-        policy: RecomputePolicy,
-        layer_names: Sequence[str] | None,
-        micro_batch: int | None,
-        result: TrialResult,
-        prediction: Mapping[str, Any] | None,
-        reason: str | None,
-        extra_params: Mapping[str, str],
-        extra_tags: Mapping[str, str] | None = None,
-        evidence: Mapping[str, Any] | None = None,
-    ) -> str:
-        from mlflow.entities import Metric, Param
-
-        r = result_dict(result)
-        outcome = str(r["outcome"])
-        wall = finite(r.get("wall_s")) or 0.0
-        tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
-        if parent is not None:
-            tags[PARENT] = parent
-            if self._study:
-                tags[STUDY] = self._study
-        if layer_names:
-            tags[POLICY_SHORT] = policy.short(layer_names)
-        tags.update(_result_tags(r, reason))
-        tags.update(extra_tags or {})
-        # The run's span in the UI is the trial's own wall time, not the time it took to log it.
-        end = now_ms()
-        run = self.store.client.create_run(
-            self.store.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name
-        )
-        run_id = run.info.run_id
-        status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
-        try:
-            params = [
-                Param(param_key(f"layer.{name}"), mode) for name, mode in layer_modes(policy, layer_names).items()
-            ]
-            params += [
-                Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
-                Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
-                *(Param(k, v) for k, v in extra_params.items()),
-            ]
-            if policy.compile:
-                params.append(Param(COMPILE_PARAM, "true"))
-            self.store.log_batch(run_id, params=params, metrics=_result_metrics(r, prediction))
-            steps = [
-                Metric("step_time_s", float(s), end, i)
-                for i, s in enumerate(r.get("step_times_s") or [])
-                if finite(s) is not None
-            ]
-            for i in range(0, len(steps), 1000):
-                self.store.client.log_batch(run_id, metrics=steps[i : i + 1000])
-            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
-            if r.get("stderr_tail"):
-                self.store.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
-            if evidence is not None:
-                self.store.log_json(run_id, EVIDENCE_JSON, evidence)
-        except BaseException:
-            status = "FAILED"
-            raise
-        finally:
-            self.store.client.set_terminated(run_id, status)
-        return run_id
-
-
-def _result_tags(r: Mapping[str, Any], reason: str | None) -> dict[str, str]:
-    """A measurement run's tags from its result: device, throughput unit, why it ended and its error."""
-    tags: dict[str, str] = {}
-    for key, tag in (("device", DEVICE), ("throughput_unit", THROUGHPUT_UNIT)):
-        if r.get(key):
-            tags[tag] = str(r[key])
-    if reason or r.get("error"):
-        tags[REASON] = clip_tag(reason or r["error"])
-    if r.get("error"):
-        tags[ERROR] = clip_tag(r["error"])
-    return tags
-
-
-def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
-    """A measurement run's metrics: what it measured, its noise and machine, and the planner's prediction."""
-    metrics: dict[str, float] = {}
-    if finite(r.get("compile_s")) is not None:
-        metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
-    for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
-        v = finite(r.get(key))
-        if v is not None:
-            metrics[f"measured_{key}"] = v
-    for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
-        metrics[rank_peak_metric(rank)] = float(peak)
-    metrics.update(_noise_metrics(r.get("step_times_s") or ()))
-    metrics.update(_machine_metrics(r.get("machine") or {}))
-    wall = finite(r.get("wall_s")) or 0.0
-    if wall:
-        metrics["wall_s"] = wall
-    if finite(r.get("device_total_bytes")) is not None:
-        metrics["device_total_bytes"] = float(r["device_total_bytes"])
-    for key, value in (prediction or {}).items():
-        if finite(value) is not None:
-            metrics[f"predicted_{key}"] = float(value)
-    return metrics
-
-
-def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
-    """`STEP_NOISE_METRICS` of a trial's measured step times (none with fewer than 2 steps)."""
-    from tuner.race import spread
-
-    times = [float(t) for t in step_times if finite(t) is not None]
-    if len(times) < 2:
-        return {}
-    sp = spread(times)
-    out = {STEP_NOISE_METRICS[0]: sp.mad_rel}
-    if sp.ci_rel != float("inf"):
-        out[STEP_NOISE_METRICS[1]] = sp.ci_rel
-    return out
-
-
-def _machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric parts of a machine state as ``machine_*`` metrics (other GPU processes as a count)."""
-    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if finite(v) is not None}
-    if isinstance(machine.get("gpu_processes"), list):
-        out[f"{MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
-    return out
-
-
-def _metric_key(label: str) -> str:
-    """A label (``baseline full``) as an MLflow metric name part (``baseline_full``)."""
-    return "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"
 
 
 def _status(status: str) -> str:
