@@ -9,35 +9,27 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
-from tuner.killpoints import kill_point
 from tuner.tracking.client import TrackingClient, TrackingError, clip_tag, int_or_none
+from tuner.tracking.decision_runs import decision_seq, finish_decision_run, start_decision_run, tag_int
 from tuner.tracking.names import (
     DECISION,
     DECISION_ENDED_BY,
-    DECISION_SEQ,
-    EVIDENCE_JSON,
     FINGERPRINT,
-    GOOD,
     KIND,
     NEW_GOOD,
     OWNER,
-    PARENT,
     PREVIOUS_GOOD,
-    PROMOTED,
     PROMOTED_AT,
     REASON,
     REJECT_REASON,
     REJECTED,
-    ROLLED_BACK,
     SOURCE_RUN,
     TUNED_MICRO_BATCH,
 )
@@ -191,7 +183,8 @@ class PolicyRegistry:
         good_run = source_run_id
         if source_run_id is not None:
             self._ensure_run_policy(source_run_id, policy)
-        decision_id = self._start_decision(
+        decision_id = start_decision_run(
+            self.store,
             "promote",
             policy,
             reason=reason,
@@ -201,7 +194,9 @@ class PolicyRegistry:
             parent_run_id=parent_run_id,
         )
         good_run = good_run or decision_id
-        self._finish_decision(decision_id, policy, output_path, previous=previous, new=good_run, rolled_back=False)
+        finish_decision_run(
+            self.store, decision_id, policy, output_path, previous=previous, new=good_run, rolled_back=False
+        )
         return decision_id
 
     def reject(
@@ -218,7 +213,8 @@ class PolicyRegistry:
         The decision run nests in ``parent_run_id`` (the open session run) when one is given.
         """
         previous = self._good_run_id()
-        decision_id = self._start_decision(
+        decision_id = start_decision_run(
+            self.store,
             "reject",
             policy,
             reason=reason,
@@ -276,7 +272,8 @@ class PolicyRegistry:
         restored = self._good_policy(target)
         if vet is not None:
             vet(restored)
-        decision_id = self._start_decision(
+        decision_id = start_decision_run(
+            self.store,
             "rollback",
             restored.policy,
             reason=f"rolled back from run {current} to run {target}",
@@ -285,7 +282,9 @@ class PolicyRegistry:
             source_run_id=target,
             parent_run_id=parent_run_id,
         )
-        self._finish_decision(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
+        finish_decision_run(
+            self.store, decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True
+        )
         return self._good_policy(target)
 
     def history(self) -> list[Decision]:
@@ -300,14 +299,14 @@ class PolicyRegistry:
                 Decision(
                     run_id=run.info.run_id,
                     kind=kind,
-                    seq=_decision_seq(t),
+                    seq=decision_seq(t),
                     at=datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc),
                     reason=t.get(REASON, ""),
                     fingerprint=t.get(FINGERPRINT),
                     previous_good_run_id=t.get(PREVIOUS_GOOD) or None,
                     new_good_run_id=t.get(NEW_GOOD) or None,
                     source_run_id=t.get(SOURCE_RUN) or None,
-                    micro_batch=_tag_int(t.get(TUNED_MICRO_BATCH)),
+                    micro_batch=tag_int(t.get(TUNED_MICRO_BATCH)),
                 )
             )
         return out
@@ -377,7 +376,7 @@ class PolicyRegistry:
 
     def _decision_runs(self) -> list[Any]:
         runs = self.store.search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
-        return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
+        return sorted(runs, key=lambda r: (decision_seq(r.data.tags), r.info.start_time))
 
     def _good_stack(self) -> list[str]:
         """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
@@ -389,97 +388,6 @@ class PolicyRegistry:
             elif t.get(DECISION) == "rollback" and stack:
                 stack.pop()
         return stack
-
-    def _start_decision(
-        self,
-        kind: str,
-        policy: RecomputePolicy,
-        *,
-        reason: str,
-        evidence: Mapping[str, Any],
-        previous: str | None,
-        source_run_id: str | None,
-        parent_run_id: str | None,
-    ) -> str:
-        seq = 1 + max((_decision_seq(r.data.tags) for r in self.store.search(f"tags.`{KIND}` = 'decision'")), default=0)
-        tags = {
-            KIND: "decision",
-            DECISION: kind,
-            DECISION_SEQ: str(seq),
-            REASON: clip_tag(reason),
-            PREVIOUS_GOOD: previous or "",
-            FINGERPRINT: policy.fingerprint(),
-        }
-        if source_run_id:
-            tags[SOURCE_RUN] = source_run_id
-        from tuner.liveness import Owner
-
-        tags[OWNER] = json.dumps(Owner.me().to_dict())  # a later run ends it if this process dies mid-decision
-        if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
-            tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
-        if parent_run_id:
-            tags[PARENT] = parent_run_id
-        run = self.store.client.create_run(
-            self.store.experiment_id, tags=tags, run_name=f"{kind} {policy.fingerprint()}"
-        )
-        run_id = run.info.run_id
-        try:
-            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
-            self.store.log_json(run_id, EVIDENCE_JSON, evidence)
-        except BaseException:
-            self.store.client.set_terminated(run_id, "FAILED")
-            raise
-        return run_id
-
-    def _finish_decision(
-        self,
-        decision_id: str,
-        policy: RecomputePolicy,
-        output_path: str | Path,
-        *,
-        previous: str | None,
-        new: str,
-        rolled_back: bool,
-    ) -> None:
-        """Write the file, then move the experiment's record; undo the file if the record fails."""
-        out = Path(output_path)
-        old_bytes = out.read_bytes() if out.exists() else None
-        try:
-            self.store.client.set_tag(decision_id, NEW_GOOD, new)
-            kill_point("rollback" if rolled_back else "")  # a test hook; see tuner.killpoints
-            policy.save(out)
-            kill_point("after_write")  # a test hook; a no-op unless the fault-injection test sets it
-            now = datetime.now(timezone.utc).isoformat()
-            self.store.set_tags(new, {GOOD: "true", PROMOTED_AT: now, PROMOTED: "true"})
-            if previous and previous != new:
-                prev_tags = {GOOD: "false"}
-                if rolled_back:
-                    prev_tags[ROLLED_BACK] = "true"
-                self.store.set_tags(previous, prev_tags)
-            self.store.client.set_experiment_tag(self.store.experiment_id, GOOD_RUN_TAG, new)
-        except BaseException:
-            # A file that says B while MLflow says A is worse than either: put the file back, and
-            # the record as far as the store still answers. Each undo is best effort (the store
-            # may be what failed); the original error is the one worth raising.
-            try:
-                if old_bytes is not None:
-                    atomic_write(out, old_bytes)
-                elif out.exists():
-                    out.unlink()
-            finally:
-                with suppress(Exception):
-                    if previous:
-                        self.store.client.set_experiment_tag(self.store.experiment_id, GOOD_RUN_TAG, previous)
-                with suppress(Exception):
-                    if new != previous:
-                        self.store.client.set_tag(new, GOOD, "false")
-                with suppress(Exception):
-                    if previous and previous != new:
-                        self.store.client.set_tag(previous, GOOD, "true")
-                with suppress(Exception):
-                    self.store.client.set_terminated(decision_id, "FAILED")
-            raise
-        self.store.client.set_terminated(decision_id, "FINISHED")
 
 
 def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Path]:
@@ -530,17 +438,3 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
         )
         return f"held the good policy {fingerprint} with another tuned_for: {clip_tag(changed, 500)}"
     return None
-
-
-def _decision_seq(tags: Mapping[str, str]) -> int:
-    """A decision run's position in the history; 0 (first, then by start time) when its tag is not a number.
-
-    The tag is editable in the MLflow UI; one hand-edited or foreign run must not make the whole
-    history unreadable (``history`` used to fail with ``ValueError``).
-    """
-    return _tag_int(tags.get(DECISION_SEQ)) or 0
-
-
-def _tag_int(value: str | None) -> int | None:
-    """A tag holding a whole number, or ``None`` (absent or not a number: a run logged by other means)."""
-    return int(value) if value and value.isdigit() else None
