@@ -21,19 +21,13 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy
+from lightning_recompute import RecomputeCallback, RecomputePolicy, StepRecord
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
-from tuner.auto.candidates import (
-    Candidate,
-    baseline_candidates,
-    given_candidates,
-    planner_candidates,
-    profile_in_job,
-)
+from tuner.auto.candidates import Candidate, find_candidates
 from tuner.auto.record import JobTuning, record_decision
 from tuner.auto.retry import StepRetry
 from tuner.race import RacePlan, RaceResult
@@ -48,13 +42,6 @@ AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimat
 """The race a job runs by default: at most 24 selection rounds (``recompute-tune``'s: 30) and 6
 estimation rounds (16); every step trains, but the slower candidates cost the job time while they race.
 With 12 rounds at most, one in four quickstart jobs called a 17% difference a tie (bench/auto_vs_tune.py)."""
-
-_PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-"""Where the first batch is profiled in the job: one device, or rank 0 of data parallel (its
-replica is the whole model, and a forward outside DDP's wrapper runs no collective). A sharded
-model (FSDP2 through ModelParallelStrategy) gathers its parameters collectively on every forward,
-so rank 0 cannot profile it alone: those jobs race the uniform policies of ``modes`` (or the given
-candidates)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +64,27 @@ class AutoDecision:
         return cls(
             RecomputePolicy.from_dict(data["policy"]), str(data["short"]), str(data["label"]), str(data["summary"])
         )
+
+
+@dataclasses.dataclass
+class _StepTotals:
+    """One optimizer step's measurements, summed over its micro-batches (gradient accumulation)."""
+
+    global_step: int = -1
+    """The trainer's step count when the step began (it moves on when the optimizer steps)."""
+    seconds: float = 0.0
+    peak_bytes: int | None = None
+    samples: int = 0
+    tokens: int | None = None
+
+    def add(self, record: StepRecord) -> None:
+        """Add one micro-batch's record."""
+        self.seconds += record.seconds
+        if record.peak_bytes is not None:
+            self.peak_bytes = max(self.peak_bytes or 0, record.peak_bytes)
+        self.samples += record.samples
+        if record.tokens is not None:
+            self.tokens = (self.tokens or 0) + record.tokens
 
 
 class AutoRecompute(RecomputeCallback):
@@ -180,11 +188,7 @@ class AutoRecompute(RecomputeCallback):
         self.record_run_id: str | None = None
         """The MLflow session run of the record, when one was written."""
         self._turn: Turn | None = None
-        self._turn_step = -1
-        self._step_s = 0.0
-        self._step_peak: int | None = None
-        self._step_samples = 0
-        self._step_tokens: int | None = None
+        self._totals = _StepTotals()
         self._retry: StepRetry | None = None
         self._retry_step = -1
         self._oom: str | None = None
@@ -234,25 +238,19 @@ class AutoRecompute(RecomputeCallback):
         turn = self._turn
         if self._oom is not None:
             self._oom = None
-            self._reset_step(trainer)
+            self._totals = _StepTotals(trainer.global_step)
             self._advance(trainer, pl_module)
             return
         record = self.records[-1]
         expected = self.schedule.entrants[turn.key].policy.fingerprint()
         if record.policy != expected:
             raise RuntimeError(f"AutoRecompute: step {record.step} ran policy {record.policy}, its turn was {expected}")
-        self._step_s += record.seconds
-        if record.peak_bytes is not None:
-            self._step_peak = max(self._step_peak or 0, record.peak_bytes)
-        self._step_samples += record.samples
-        if record.tokens is not None:
-            self._step_tokens = (self._step_tokens or 0) + record.tokens
-        if trainer.global_step == self._turn_step:
+        step = self._totals
+        step.add(record)
+        if trainer.global_step == step.global_step:
             return  # gradient accumulation: the optimizer step is not over; switch only between steps
         self.tuning_steps += 1
-        self.schedule.record(
-            turn, self._step_s, self._step_peak, tokens=self._step_tokens, samples=self._step_samples or None
-        )
+        self.schedule.record(turn, step.seconds, step.peak_bytes, tokens=step.tokens, samples=step.samples or None)
         self._advance(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -273,7 +271,18 @@ class AutoRecompute(RecomputeCallback):
         payload: dict[str, Any] | None = None
         if trainer.is_global_zero:
             try:
-                found, notes = self._find_candidates(trainer, pl_module, batch)
+                found, notes = find_candidates(
+                    trainer,
+                    pl_module,
+                    batch,
+                    given=self.given,
+                    layers=self.layers,
+                    modes=self.modes,
+                    limit_bytes=self.limit_bytes,
+                    max_candidates=self.max_candidates,
+                    free_grads_at_batch_start=self.grad_freeing is not None and self.grad_freeing.enabled,
+                    repeats=self.profile_repeats,
+                )
                 payload = {"candidates": [c.to_dict() for c in found], "notes": notes}
             except Exception as err:  # sent to every rank and raised there, so no rank waits forever
                 payload = {"error": f"{type(err).__name__}: {err}"}
@@ -309,32 +318,6 @@ class AutoRecompute(RecomputeCallback):
             self._retry.install(pl_module)
         self._advance(trainer, pl_module)
 
-    def _find_candidates(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any
-    ) -> tuple[list[Candidate], list[str]]:
-        if self.given is not None:
-            return given_candidates(pl_module, self.layers, self.given), []
-        strategy = type(trainer.strategy).__name__
-        if strategy not in _PROFILED_STRATEGIES:
-            note = f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
-            return baseline_candidates(pl_module, self.layers, self.modes), [note]
-        grad_freeing = self.grad_freeing is not None and self.grad_freeing.enabled
-        try:
-            profile = profile_in_job(
-                trainer,
-                pl_module,
-                batch,
-                layers=self.layers,
-                modes=self.modes,
-                free_grads_at_batch_start=grad_freeing,
-                repeats=self.profile_repeats,
-            )
-            found, planner_note = planner_candidates(profile, self.limit_bytes, self.modes, self.max_candidates)
-        except RecomputeError as err:
-            failed = f"profiling the first batch failed ({err}); racing uniform policies"
-            return baseline_candidates(pl_module, self.layers, self.modes), [failed]
-        return found, [planner_note] if planner_note else []
-
     def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self.schedule is not None
         turn = self.schedule.next_turn()
@@ -345,11 +328,7 @@ class AutoRecompute(RecomputeCallback):
         if turn.key != self.policy.fingerprint():
             self.switch_policy(pl_module, self.schedule.entrants[turn.key].policy)
         self.memory_steps = frozenset({trainer.global_step}) if turn.metered else frozenset()
-        self._reset_step(trainer)
-
-    def _reset_step(self, trainer: L.Trainer) -> None:
-        self._turn_step = trainer.global_step
-        self._step_s, self._step_peak, self._step_samples, self._step_tokens = 0.0, None, 0, None
+        self._totals = _StepTotals(trainer.global_step)
 
     def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Switch to the race's winner for the rest of training, say so, and record it."""

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_recompute import RecomputePolicy
+from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.modes import MODES
 from lightning_recompute.policy import PolicyLike
@@ -29,7 +30,22 @@ from lightning_recompute.sources import as_policy
 from tuner.planner import Planner
 from tuner.profile import Profile, profile_model
 
-__all__ = ["Candidate", "baseline_candidates", "given_candidates", "planner_candidates"]
+__all__ = [
+    "PROFILED_STRATEGIES",
+    "Candidate",
+    "baseline_candidates",
+    "find_candidates",
+    "given_candidates",
+    "planner_candidates",
+    "profile_in_job",
+]
+
+PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+"""Where the first batch is profiled in the job: one device, or rank 0 of data parallel (its
+replica is the whole model, and a forward outside DDP's wrapper runs no collective). A sharded
+model (FSDP2 through ModelParallelStrategy) gathers its parameters collectively on every forward,
+so rank 0 cannot profile it alone: those jobs race the uniform policies of ``modes`` (or the given
+candidates)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,45 @@ def profile_in_job(
             repeats=repeats,
             free_grads_at_batch_start=free_grads_at_batch_start,
         )
+
+
+def find_candidates(
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    batch: Any,
+    *,
+    given: Sequence[RecomputePolicy] | None,
+    layers: LayerSpec,
+    modes: Sequence[str],
+    limit_bytes: int,
+    max_candidates: int,
+    free_grads_at_batch_start: bool,
+    repeats: int,
+) -> tuple[list[Candidate], list[str]]:
+    """What the job races, safest first, and notes: the ``given`` policies; else the planner's front from a
+    profile of ``batch`` (`profile_in_job`); the uniform policies of ``modes`` where the model is sharded
+    or the profile fails (the note says why)."""
+    if given is not None:
+        return given_candidates(pl_module, layers, given), []
+    strategy = type(trainer.strategy).__name__
+    if strategy not in PROFILED_STRATEGIES:
+        note = f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
+        return baseline_candidates(pl_module, layers, modes), [note]
+    try:
+        profile = profile_in_job(
+            trainer,
+            pl_module,
+            batch,
+            layers=layers,
+            modes=modes,
+            free_grads_at_batch_start=free_grads_at_batch_start,
+            repeats=repeats,
+        )
+        found, planner_note = planner_candidates(profile, limit_bytes, modes, max_candidates)
+    except RecomputeError as err:
+        failed = f"profiling the first batch failed ({err}); racing uniform policies"
+        return baseline_candidates(pl_module, layers, modes), [failed]
+    return found, [planner_note] if planner_note else []
 
 
 @contextmanager

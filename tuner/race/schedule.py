@@ -38,7 +38,13 @@ from lightning_recompute import RecomputePolicy
 from tuner.race.plan import RacePlan
 from tuner.race.rule import Standing, stand, verdict
 
-__all__ = ["Agree", "RaceSchedule", "RoundReport", "Turn"]
+__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "Agree", "RaceSchedule", "RoundReport", "Turn"]
+
+ESTIMATE_SHARE = 0.4
+"""Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
+MIN_ESTIMATE_ROUNDS = 8
+"""Estimation rounds a race budget never cuts below: the fewest whose order-statistic interval of the
+median reaches 98% (two references at 95%, Bonferroni; 1 - 2 * 2**-8 = 0.992)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,8 @@ class RaceSchedule:
         self.round_times: dict[str, list[float]] = {}
         self.select_rounds: list[dict[str, float]] = []
         self.estimate_rounds: list[dict[str, float]] = []
+        self.estimate_target = self.plan.estimate_rounds
+        """Estimation rounds to run: the plan's, or fewer under a race budget (`RacePlan.total_s`)."""
         self.visited: set[str] = set()
         self.started: float | None = None
         self.elapsed_s = 0.0
@@ -243,9 +251,10 @@ class RaceSchedule:
         if self.phase == "select" and self._selection_over():
             self._decide()
             self.phase = "estimate"
+            self.estimate_target = self._estimate_target()
         if self.phase == "estimate":
             field_ = self._estimate_field()
-            if len(field_) < 2 or len(self.estimate_rounds) >= self.plan.estimate_rounds:
+            if len(field_) < 2 or len(self.estimate_rounds) >= self.estimate_target:
                 return False
             self._queue(field_, len(self.estimate_rounds), "estimate")
             return True
@@ -275,7 +284,8 @@ class RaceSchedule:
         total = self.plan.total_s
         # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
         pace = self.elapsed_s / rounds if rounds else 0.0
-        if rounds >= 2 and total is not None and self.elapsed_s + pace + self._estimation_s() > total:
+        estimation = self._estimate_target() * self._estimate_round_s()
+        if rounds >= 2 and total is not None and self.elapsed_s + pace + estimation > total:
             self.stop_reason = (
                 f"race budget of {total:.0f} s reached after {rounds} rounds (the estimation's rounds left in it)"
             )
@@ -293,13 +303,23 @@ class RaceSchedule:
                 self.entrants[key].dropped = f"beaten by {leader} at {level} after {rounds} rounds"
         return False
 
-    def _estimation_s(self) -> float:
-        """What the estimation rounds will take, at the median step time of the last selection round."""
+    def _estimate_round_s(self) -> float:
+        """What one estimation round will take, at the median step time of the last selection round."""
         last = self.select_rounds[-1] if self.select_rounds else {}
         if not last:
             return 0.0
         entrants = 1 + max(1, len(self.references))
-        return self.plan.estimate_rounds * entrants * (self.plan.steps + 1) * statistics.median(last.values())
+        return entrants * (self.plan.steps + 1) * statistics.median(last.values())
+
+    def _estimate_target(self) -> int:
+        """The estimation's rounds: the plan's; under a race budget, those that fit in `ESTIMATE_SHARE` of
+        it, but never fewer than `MIN_ESTIMATE_ROUNDS` (the figures' intervals need them). The
+        selection decides which policy trains; it gets the larger part of a tight budget."""
+        total, per_round = self.plan.total_s, self._estimate_round_s()
+        if total is None or per_round <= 0:
+            return self.plan.estimate_rounds
+        fit = int(ESTIMATE_SHARE * total / per_round)
+        return min(self.plan.estimate_rounds, max(MIN_ESTIMATE_ROUNDS, fit))
 
     def _decide(self) -> None:
         alive = self.alive()

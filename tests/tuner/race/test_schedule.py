@@ -9,7 +9,7 @@ import dataclasses
 
 from lightning_recompute import RecomputePolicy
 from tuner.race.plan import RacePlan
-from tuner.race.schedule import RaceSchedule, RoundReport
+from tuner.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport
 
 NAMES = [f"blocks.{i}" for i in range(3)]
 FULL, NONE = RecomputePolicy.uniform("full"), RecomputePolicy.uniform("none")
@@ -115,3 +115,23 @@ def test_a_race_budget_stops_the_selection_early_enough_to_leave_the_estimation_
     free = RaceSchedule(ENTRANTS, [FULL.fingerprint()], PLAN, clock=lambda: 0.0)
     _drive(free, BASE, {k: 1 for k in BASE})
     assert len(free.select_rounds) >= PLAN.min_rounds
+
+
+def test_under_a_race_budget_the_estimation_keeps_its_minimum_rounds_and_the_selection_the_rest() -> None:
+    now = [0.0]
+    plan = dataclasses.replace(PLAN, estimate_rounds=16, total_s=60.0)
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
+    spent = 0.0
+    for _ in range(500):
+        turn = schedule.next_turn()
+        if turn is None:
+            break
+        if turn.phase != "warmup":
+            now[0] += BASE[turn.key]
+            spent += BASE[turn.key]
+        schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    # 16 estimation rounds (~70 s) would not fit in 60 s: the estimation gets its minimum, not more than
+    # ESTIMATE_SHARE of the budget would pay for, and the selection the rounds that still fit.
+    assert len(schedule.estimate_rounds) == MIN_ESTIMATE_ROUNDS
+    assert len(schedule.select_rounds) == 3
+    assert spent <= plan.total_s
