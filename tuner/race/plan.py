@@ -30,7 +30,8 @@ class RacePlan:
     total_s: float | None = None
     """Seconds of rounds at most, selection and estimation together (``None``: no such cap): the selection
     stops when what it spent and what the estimation rounds will take, at the step times seen so far,
-    reach it. The estimation always runs its rounds (they give the "vs" figures)."""
+    reach it. The estimation then runs at most `tuner.race.schedule.ESTIMATE_SHARE` of it in rounds, never
+    fewer than `tuner.race.schedule.MIN_ESTIMATE_ROUNDS` (they give the "vs" figures)."""
     estimate_rounds: int = 16
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95

@@ -282,14 +282,14 @@ class RaceSchedule:
             self.stop_reason = f"time budget of {self.plan.time_s:g} s spent after {rounds} rounds"
             return True
         total = self.plan.total_s
-        # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
-        pace = self.elapsed_s / rounds if rounds else 0.0
-        estimation = self._estimate_target() * self._estimate_round_s()
-        if rounds >= 2 and total is not None and self.elapsed_s + pace + estimation > total:
-            self.stop_reason = (
-                f"race budget of {total:.0f} s reached after {rounds} rounds (the estimation's rounds left in it)"
-            )
-            return True
+        if rounds >= 2 and total is not None:
+            # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
+            pace = self.elapsed_s / rounds
+            if self.elapsed_s + pace + self._estimate_target() * self._estimate_round_s() > total:
+                self.stop_reason = (
+                    f"race budget of {total:.0f} s reached after {rounds} rounds (the estimation's rounds left in it)"
+                )
+                return True
         if rounds >= self.plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=self.plan.stop_confidence)
             level = f"{self.plan.stop_confidence:.0%}"
