@@ -93,7 +93,7 @@ def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, n
         raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
     recipe = stage.recipe
     settings = gate.GateSettings()
-    wait_s = float(recipe.trial.timeout_s) * (settings.confirm_factor + 3) + 3 * float(recipe.race.time_s) + 60.0
+    wait_s = settings.longest_s(recipe) + 60.0
     storage = study.storage if study is not None else None
     lease = (
         gate_lease(storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop)

@@ -232,6 +232,7 @@ def exact_race(
                 else None,
                 select_s=(times[p.fingerprint()],) * rounds if p.fingerprint() not in out else (None,),
                 estimate_s=(times[p.fingerprint()],) * rounds if p.fingerprint() in (winner, *refs) else (),
+                policy=p.to_dict(),
             )
             for p, labels in entrants
         },

@@ -578,9 +578,9 @@ def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process
 
     from tests.tuner.fakes import exact_race
 
-    # The race measured B at 200/s; its confirmation, in its own process, measures 100/s.
+    # The race measured B at 200/s; its confirmation, in its own process, measures 100/s (A, its reference, 150/s).
     race = exact_race([(B, ["trial 1"]), (A, ["trial 2"])], {B.fingerprint(): 1 / 200, A.fingerprint(): 1 / 150}, {})
-    trials = FixedTrials({B: 100.0})
+    trials = FixedTrials({B: 100.0, A: 150.0})
 
     def gate_b(r: Any) -> Any:
         return evaluate(B, None, recipe=recipe, budget_bytes=LIMIT, run_trial=trials, check_numerics=numerics(), race=r)
@@ -593,49 +593,94 @@ def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process
     assert race.calibrated({B.fingerprint(): 120.0, A.fingerprint(): 120.0}).trial_scale == pytest.approx(0.6)
 
 
-def test_a_confirmation_slowed_by_a_spell_of_load_is_measured_once_more_and_the_faster_run_counts(
-    recipe: recipe_mod.Recipe,
-) -> None:
+class _Spelled:
+    """`run_trial` whose calls measure the given (policy, throughput) in turn: the load of the moment."""
+
+    def __init__(self, runs: list[tuple[RecomputePolicy, float | str]]) -> None:
+        self.runs, self.calls = list(runs), []
+
+    def __call__(self, recipe: Any, policy: RecomputePolicy, **kw: Any) -> Any:
+        want, speed = self.runs[len(self.calls)]
+        assert policy == want, f"call {len(self.calls)}: ran {policy.to_dict()}, expected {want.to_dict()}"
+        self.calls.append((policy, speed))
+        if isinstance(speed, str):  # an outcome
+            return FixedTrials({policy: 1.0}, outcome={policy: speed})(recipe, policy, **kw)
+        return FixedTrials({policy: speed})(recipe, policy, **kw)
+
+
+def _race_b_over_a(reference_policy: bool = True) -> Any:
+    """The race measured B at 200/s and A at 150/s (B 1.33x A); A's policy on record unless told not."""
+    import dataclasses
+
     from tests.tuner.fakes import exact_race
 
     race = exact_race([(B, ["trial 1"]), (A, ["trial 2"])], {B.fingerprint(): 1 / 200, A.fingerprint(): 1 / 150}, {})
-    speeds = iter([100.0, 190.0])  # the first run lands in a spell of load; the second does not
-    runs: list[float] = []
+    if reference_policy:
+        return race
+    entrants = {k: dataclasses.replace(e, policy=None) for k, e in race.entrants.items()}
+    return dataclasses.replace(race, entrants=entrants)
 
-    def spelled(recipe: Any, policy: RecomputePolicy, **kw: Any) -> Any:
-        runs.append(next(speeds))
-        return FixedTrials({policy: runs[-1]})(recipe, policy, **kw)
 
-    lines: list[str] = []
-    d = evaluate(
+def _gate_b(recipe: recipe_mod.Recipe, runs: _Spelled, race: Any, lines: list[str] | None = None) -> Any:
+    return evaluate(
         B,
         None,
         recipe=recipe,
         budget_bytes=LIMIT,
-        run_trial=spelled,
+        run_trial=runs,
         check_numerics=numerics(),
         race=race,
-        progress=lines.append,
+        progress=(lines.append if lines is not None else None),
     )
-    assert runs == [100.0, 190.0] and d.promoted and d.confirmation is not None and d.confirmation.throughput == 190.0
+
+
+def test_a_confirmation_slowed_by_a_spell_of_load_is_measured_once_more_and_the_faster_run_counts(
+    recipe: recipe_mod.Recipe,
+) -> None:
+    # The first run lands in a spell of load; the reference (A, raced beside B) runs alone, then B again.
+    runs, lines = _Spelled([(B, 100.0), (A, 150.0), (B, 190.0)]), []
+    d = _gate_b(recipe, runs, _race_b_over_a(), lines)
+    assert len(runs.calls) == 3 and d.promoted, d.reasons
+    assert d.confirmation is not None and d.confirmation.throughput == 190.0
     assert d.evidence["confirmation_slow"]["throughput"] == 100.0
-    assert any("did not hold up; measuring once more" in line for line in lines)
+    assert d.evidence["confirmation_reference"]["key"] == A.fingerprint()
+    assert any("did not hold up; measuring FFF (trial 2) alone, then the candidate once more" in x for x in lines)
 
-    # Slow twice is a failed confirmation, on the faster of the two runs; no third run.
-    speeds, runs = iter([100.0, 110.0, 999.0]), []
-    d = evaluate(B, None, recipe=recipe, budget_bytes=LIMIT, run_trial=spelled, check_numerics=numerics(), race=race)
-    assert runs == [100.0, 110.0] and not d.promoted and "measured 110 tokens/s" in d.reasons[0]
+
+def test_a_confirmation_slow_because_the_machine_slowed_passes_on_its_standing_against_the_reference(
+    recipe: recipe_mod.Recipe,
+) -> None:
+    # Everything runs at about half the race's speed (a loaded node): B twice, and A between them.
+    runs = _Spelled([(B, 100.0), (A, 75.0), (B, 105.0)])
+    d = _gate_b(recipe, runs, _race_b_over_a())
+    assert d.promoted and d.checks["confirmation"] == "passed", d.reasons
+    held = next(r for r in d.reasons if "kept its standing" in r)
+    assert "the machine slowed, not the policy" in held
+    assert "1.37x the throughput of FFF (trial 2) run alone between its two runs (75)" in held
+    assert "against 1.33x in the race" in held
+
+
+def test_a_confirmation_slow_against_the_reference_too_fails_with_both_figures(recipe: recipe_mod.Recipe) -> None:
+    # B is slow twice while A, between its runs, measures what the race did: the race's B figure did not hold.
+    d = _gate_b(recipe, _Spelled([(B, 100.0), (A, 150.0), (B, 110.0)]), _race_b_over_a())
+    assert not d.promoted and d.checks["confirmation"] == "failed"
+    assert "measured 110 tokens/s" in d.reasons[0] and "did not hold up" in d.reasons[0]
+    assert "did not keep its standing either: 0.70x the throughput of FFF (trial 2)" in d.reasons[0]
+    # A reference that does not run leaves the figure against the race's, which fails, and says why.
+    d = _gate_b(recipe, _Spelled([(B, 100.0), (A, "oom"), (B, 110.0)]), _race_b_over_a())
+    assert not d.promoted and "could not be compared with FFF (trial 2)" in d.reasons[0] and "ended oom" in d.reasons[0]
+
+
+def test_without_a_reference_two_slow_confirmations_fail_and_a_failing_second_run_stands(
+    recipe: recipe_mod.Recipe,
+) -> None:
+    # No other entrant's policy on record: the candidate runs twice, and the faster run is held against the race.
+    runs = _Spelled([(B, 100.0), (B, 110.0)])
+    d = _gate_b(recipe, runs, _race_b_over_a(reference_policy=False))
+    assert len(runs.calls) == 2 and not d.promoted and "measured 110 tokens/s" in d.reasons[0]
+    assert "standing" not in d.reasons[0]
     # A second run that fails on its own terms (out of memory) is what the gate reports.
-    oom = iter([FixedTrials({B: 100.0}), FixedTrials({B: 200.0}, outcome={B: "oom"})])
-    d = evaluate(
-        B,
-        None,
-        recipe=recipe,
-        budget_bytes=LIMIT,
-        run_trial=lambda r, p, **kw: next(oom)(r, p, **kw),
-        check_numerics=numerics(),
-        race=race,
-    )
+    d = _gate_b(recipe, _Spelled([(B, 100.0), (A, 150.0), (B, "oom")]), _race_b_over_a())
     assert not d.promoted and "ended oom" in d.reasons[0]
 
 

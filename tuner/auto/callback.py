@@ -350,6 +350,7 @@ class AutoRecompute(RecomputeCallback):
                 "machine_after": machine_state(pl_module.device.type),
             },
             {c.key: (c.label,) for c in self.candidates},
+            {c.key: c.policy.to_dict() for c in self.candidates},
         )
         self.race_result = result
         words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]

@@ -35,6 +35,9 @@ class RaceEntrant:
     """Its time per selection round (median of its timed steps there; ``None``: not run that round)."""
     estimate_s: tuple[float | None, ...] = ()
     """Its time per estimation round."""
+    policy: dict[str, Any] | None = None
+    """Its policy (`RecomputePolicy.to_dict`), so a reader can run it again (the gate re-measures a
+    reference beside a slow confirmation); ``None`` in records written before it was kept."""
 
     def median_s(self) -> float | None:
         """Median of its round times over both phases, or ``None`` if it ran none."""
@@ -214,8 +217,14 @@ class RaceResult:
         return cls(**values)
 
     @classmethod
-    def from_worker(cls, res: Mapping[str, Any], labels: Mapping[str, Sequence[str]]) -> RaceResult:
-        """The result of `tuner.race.engine.race` (the worker's payload), with each entrant's labels."""
+    def from_worker(
+        cls,
+        res: Mapping[str, Any],
+        labels: Mapping[str, Sequence[str]],
+        policies: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> RaceResult:
+        """The result of `tuner.race.engine.race` (the worker's payload), with each entrant's labels and
+        its policy (fingerprint -> `RecomputePolicy.to_dict`)."""
         sel, est = res.get("selection", {}), res.get("estimate", {})
         entrants = {
             k: RaceEntrant(
@@ -227,6 +236,7 @@ class RaceResult:
                 dropped=e.get("dropped"),
                 select_s=tuple(e.get("select_s", ())),
                 estimate_s=tuple(e.get("estimate_s", ())),
+                policy=dict(policies[k]) if policies is not None and k in policies else None,
             )
             for k, e in res.get("entrants", {}).items()
         }

@@ -298,7 +298,7 @@ def run_race(
         outcome, error = _classify_failure(run)
         return RaceResult(outcome="failed", reason=f"the race ended {outcome}: {error}")
     try:
-        return RaceResult.from_worker(res, labels)
+        return RaceResult.from_worker(res, labels, {k: p.to_dict() for k, p in policies.items()})
     except (KeyError, TypeError, ValueError) as err:
         return RaceResult(outcome="failed", reason=f"malformed race result: {err!r}")
 
