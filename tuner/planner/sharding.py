@@ -262,16 +262,52 @@ def _adjust(c: SegmentCost, delta: int, peak: int, grad: int | None = None) -> S
 
 
 def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
+    """``profile`` as rank 0 of FSDP2 on ``sharding.world_size`` ranks sees it: sharded parameters,
+    gradients and optimizer state in the base, the layers' and fixed segments' collectives placed."""
     w = sharding.world_size
+    gathered = [g.gathered_bytes(w) for g in layout.layers]
+    root_gathered = layout.root.gathered_bytes(w)
+    shard_params = sum(g.shard_bytes(w) for g in (*layout.layers, layout.root))
+    shard_grads_all = sum(g.shard_bytes(w, trainable_only=True) for g in layout.layers)
+    shard_grads_all += layout.root.shard_bytes(w, trainable_only=True)
+    full_grads = profile.grad_bytes
+    ratio = shard_params / profile.param_bytes if profile.param_bytes else 0.0
+    shard_optimizer = round(profile.optimizer_bytes * ratio)
+    freed = -sum(min(0, c.grad) for c in profile.fixed.values())  # gradients alive when the step starts
+    base = (
+        profile.base_bytes
+        - profile.param_bytes
+        - profile.optimizer_bytes
+        - freed
+        + shard_params
+        + shard_optimizer
+        + round(freed * shard_grads_all / full_grads if full_grads else 0)
+    )
+    note = (
+        f"{sharding.describe()}: parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)}"
+        f" and optimizer state {format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered "
+        f"parameters up to {format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
+    )
+    return replace(
+        profile,
+        layers=_fsdp_layers(profile, layout, w),
+        fixed=_fsdp_fixed(profile, layout, w, shard_grads_all, ratio),
+        base_bytes=base,
+        param_bytes=shard_params,
+        grad_bytes=shard_grads_all,
+        optimizer_bytes=shard_optimizer,
+        device=f"{profile.device}, {sharding.describe()}",
+        notes=[*profile.notes, note],
+    )
+
+
+def _fsdp_layers(profile: Profile, layout: ParamLayout, w: int) -> list[LayerProfile]:
+    """Each layer's segments under FSDP2 on ``w`` ranks: its unit's all-gather buffer, the next unit's
+    prefetch and reduce-scatter input, and sharded gradients."""
     n = len(profile.layers)
     gathered = [g.gathered_bytes(w) for g in layout.layers]  # AG_i = U_i = RS_i
     shard_grads = [g.shard_bytes(w, trainable_only=True) for g in layout.layers]
     root_gathered = layout.root.gathered_bytes(w)
-    shard_params = sum(g.shard_bytes(w) for g in (*layout.layers, layout.root))
-    shard_grads_all = sum(shard_grads) + layout.root.shard_bytes(w, trainable_only=True)
-    full_grads = profile.grad_bytes
-    ratio = shard_params / profile.param_bytes if profile.param_bytes else 0.0
-    shard_optimizer = round(profile.optimizer_bytes * ratio)
 
     def ag(i: int) -> int:
         """The all-gather buffer freed at unit ``i + 1``'s forward copy-out (``-1``: the root's)."""
@@ -296,7 +332,19 @@ def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
             bwd[m] = _adjust(c, delta, peak, grad=shard_grads[i])
         net = fwd["none"].delta + bwd["none"].delta if "none" in fwd else lp.net
         layers.append(replace(lp, fwd=fwd, bwd=bwd, net=net, param_bytes=layout.layers[i].shard_bytes(w)))
+    return layers
 
+
+def _fsdp_fixed(
+    profile: Profile, layout: ParamLayout, w: int, shard_grads_all: int, ratio: float
+) -> dict[str, SegmentCost]:
+    """The fixed (non-layer) segments under FSDP2 on ``w`` ranks: the root's gathers, prefetch and
+    reduce-scatter placed in the segments around the layers, sharded gradients freed at zero_grad, and
+    the optimizer's temporaries shrunk with the shards (``ratio``: sharded over full parameter bytes)."""
+    n = len(profile.layers)
+    gathered = [g.gathered_bytes(w) for g in layout.layers]
+    root_gathered = layout.root.gathered_bytes(w)
+    full_grads = profile.grad_bytes
     fixed = dict(profile.fixed)
     order = profile.timeline
     first_fwd = order.index("fwd:0")
@@ -353,30 +401,4 @@ def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
     for key, c in fixed.items():
         if not c.scales:
             fixed[key] = _adjust(c, round(c.delta * ratio), round(c.peak * ratio), round(c.grad * ratio))
-
-    freed = -sum(min(0, c.grad) for c in profile.fixed.values())  # gradients alive when the step starts
-    base = (
-        profile.base_bytes
-        - profile.param_bytes
-        - profile.optimizer_bytes
-        - freed
-        + shard_params
-        + shard_optimizer
-        + round(freed * shard_grads_all / full_grads if full_grads else 0)
-    )
-    note = (
-        f"{sharding.describe()}: parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)}"
-        f" and optimizer state {format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered "
-        f"parameters up to {format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
-    )
-    return replace(
-        profile,
-        layers=layers,
-        fixed=fixed,
-        base_bytes=base,
-        param_bytes=shard_params,
-        grad_bytes=shard_grads_all,
-        optimizer_bytes=shard_optimizer,
-        device=f"{profile.device}, {sharding.describe()}",
-        notes=[*profile.notes, note],
-    )
+    return fixed

@@ -434,6 +434,27 @@ def profile_model(
         ProfileError: bad arguments, or a model whose layers do not run once each in order.
         LayerDiscoveryError: ``layers`` found nothing.
     """
+    device = _device_to_profile_on(model, repeats, clock)
+    mode_list = check_modes(modes, device)
+    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+    previous = applied_policy(model)
+    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if restore else None
+    was_training = model.training
+    model.train()
+    try:
+        session = ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
+        return _measure(session, mode_list, repeats, clock)
+    finally:
+        remove_policy(model)
+        if previous is not None:
+            apply_policy(model, previous.policy, layers)
+        if snapshot is not None:
+            model.load_state_dict(snapshot)
+        model.train(was_training)
+
+
+def _device_to_profile_on(model: nn.Module, repeats: int, clock: Callable[[], float]) -> torch.device:
+    """The device of ``model``'s parameters, after checking `profile_model`'s arguments."""
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
@@ -449,40 +470,29 @@ def profile_model(
             "model: its parameters are on the meta device; use profile_meta(model_factory, batch)"
             " to plan without memory"
         )
-    mode_list = check_modes(modes, device)
-    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
-    previous = applied_policy(model)
-    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if restore else None
-    was_training = model.training
-    model.train()
-    try:
-        session = ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
-        session.warm_up()
-        # On CPU offload is none (see the module docstring): measure it once, as none.
-        measured = [m for m in mode_list if not (m == Mode.OFFLOAD.value and device.type != "cuda")]
-        if len(measured) < len(mode_list):
-            session.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
-        mem: dict[str, Recorder] = {}
-        for m in measured:
-            mem[m] = session.memory_run(m, emulate_offload=False)
-        for m in mode_list:
-            mem.setdefault(m, mem[Mode.NONE.value])
-        times: dict[str, list[dict[str, float]]] = {m: [] for m in measured}
-        for r in range(repeats + 1):  # round 0 warms each mode's code paths up; it is not kept
-            order = measured[r % len(measured) :] + measured[: r % len(measured)]
-            for m in order:
-                session.apply(m)
-                with Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
-                    _run_step(model, batch, session.loss_fn, session.optimizer, rec)
-                if r > 0:
-                    times[m].append(
-                        {k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(session.layers))}
-                    )
-        return session.build(mem, times, "measured", None, None)
-    finally:
-        remove_policy(model)
-        if previous is not None:
-            apply_policy(model, previous.policy, layers)
-        if snapshot is not None:
-            model.load_state_dict(snapshot)
-        model.train(was_training)
+    return device
+
+
+def _measure(session: ProfilingRun, mode_list: list[str], repeats: int, clock: Callable[[], float]) -> Profile:
+    """One warm-up step, one metered step per mode, then ``repeats`` timed rounds in rotating order."""
+    model, batch, device = session.model, session.batch, session.device
+    session.warm_up()
+    # On CPU offload is none (see the module docstring): measure it once, as none.
+    measured = [m for m in mode_list if not (m == Mode.OFFLOAD.value and device.type != "cuda")]
+    if len(measured) < len(mode_list):
+        session.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
+    mem: dict[str, Recorder] = {}
+    for m in measured:
+        mem[m] = session.memory_run(m, emulate_offload=False)
+    for m in mode_list:
+        mem.setdefault(m, mem[Mode.NONE.value])
+    times: dict[str, list[dict[str, float]]] = {m: [] for m in measured}
+    for r in range(repeats + 1):  # round 0 warms each mode's code paths up; it is not kept
+        order = measured[r % len(measured) :] + measured[: r % len(measured)]
+        for m in order:
+            session.apply(m)
+            with Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
+                _run_step(model, batch, session.loss_fn, session.optimizer, rec)
+            if r > 0:
+                times[m].append({k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(session.layers))})
+    return session.build(mem, times, "measured", None, None)

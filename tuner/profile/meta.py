@@ -14,7 +14,7 @@ from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
 from tuner.profile.extrapolate import profile_stack, stack_of
-from tuner.profile.hardware import HARDWARE
+from tuner.profile.hardware import HARDWARE, Hardware
 from tuner.profile.measure import LossFn, ProfilingRun, check_modes
 from tuner.profile.model import Profile, ProfileError, SegmentCost
 from tuner.profile.recorder import Recorder
@@ -64,38 +64,12 @@ def profile_meta(
     for name, value in (("mfu", mfu), ("bandwidth_efficiency", bandwidth_efficiency)):
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ProfileError(f"{name}: must be in (0, 1], got {value!r}")
-    if not callable(model_factory):
-        raise ProfileError(
-            f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}"
-        )
     device = torch.device("meta")
-    with device:
-        model = model_factory()
-    if not isinstance(model, nn.Module):
-        raise ProfileError(f"model_factory: returned {type(model).__name__}, not an nn.Module")
-    elsewhere = sorted({p.device.type for p in model.parameters()} - {"meta"})
-    if elsewhere:
-        raise ProfileError(
-            f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
-        )
+    model = _meta_model(model_factory, device)
     mode_list = check_modes(modes, device)
     batch = tree_map(lambda t: torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t, batch)
     model.train()
-    hw = HARDWARE[hardware]
-    dtypes = [p.dtype for p in model.parameters()]
-    dtype = max(set(dtypes), key=dtypes.count)
-    peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
-
-    def estimate(c: SegmentCost) -> float:
-        return (
-            c.flops / (peak * mfu)
-            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
-            + c.offload / hw.host_bytes_per_s
-        )
-
-    source = (
-        f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
-    )
+    estimate, source = _time_model(model, HARDWARE[hardware], mfu, bandwidth_efficiency)
 
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
         session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
@@ -130,6 +104,46 @@ def profile_meta(
             "offload: emulated on meta (saved tensors leave device memory in forward, return in backward)"
         )
     return prof
+
+
+def _meta_model(model_factory: Callable[[], nn.Module], device: torch.device) -> nn.Module:
+    """``model_factory()`` built under the meta ``device``; a clear error when it is not a module on meta."""
+    if not callable(model_factory):
+        raise ProfileError(
+            f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}"
+        )
+    with device:
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model_factory: returned {type(model).__name__}, not an nn.Module")
+    elsewhere = sorted({p.device.type for p in model.parameters()} - {"meta"})
+    if elsewhere:
+        raise ProfileError(
+            f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
+        )
+    return model
+
+
+def _time_model(
+    model: nn.Module, hw: Hardware, mfu: float, bandwidth_efficiency: float
+) -> tuple[Callable[[SegmentCost], float], str]:
+    """A segment's estimated seconds on ``hw`` (at the peak FLOP/s of the model's most common parameter
+    dtype), and the line that says how it was estimated."""
+    dtypes = [p.dtype for p in model.parameters()]
+    dtype = max(set(dtypes), key=dtypes.count)
+    peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
+
+    def estimate(c: SegmentCost) -> float:
+        return (
+            c.flops / (peak * mfu)
+            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
+            + c.offload / hw.host_bytes_per_s
+        )
+
+    source = (
+        f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
+    )
+    return estimate, source
 
 
 def _costs(prof: Profile) -> Iterator[SegmentCost]:
