@@ -409,41 +409,52 @@ def _probe_sac_ilp() -> str:
     return "; ".join(dict.fromkeys(errors))
 
 
-def run_workload(
-    wl: Workload, args: argparse.Namespace, sac_ilp_error: str, workdir: Path, log: Callable[[str], None]
-) -> dict[str, Any]:
-    t_start = time.perf_counter()
-    names = layer_names(_model(wl))
-    n = len(names)
-    configs: dict[str, Config] = {}
+@dataclasses.dataclass
+class _Methods:
+    """One workload's configurations by method: the peers, and per budget the planner's and the tuner's."""
 
-    def add(cfg: Config) -> Config:
-        if cfg.key not in configs:
-            cfg.peak_bytes = measure_peak(wl, cfg)
-            configs[cfg.key] = cfg
-        return configs[cfg.key]
+    none: Config
+    full: Config
+    every: dict[int, Config]
+    selective: Config
+    op_sac: Config
+    sqrt_n: Config
+    compiled: dict[float, Config]
+    compile_note: str
+    planned: dict[float, Config | str]
+    tuned: dict[float, TunerRun]
+    tuned_cfg: dict[float, Config]
 
-    def policy_cfg(label: str, policy: RecomputePolicy, plugin: bool = False) -> Config:
+
+class _WorkloadRun:
+    """One workload's configurations, each measured for its peak when first added (by key)."""
+
+    def __init__(self, wl: Workload, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+        self.wl, self.args, self.log = wl, args, log
+        self.names = layer_names(_model(wl))
+        self.configs: dict[str, Config] = {}
+
+    def add(self, cfg: Config) -> Config:
+        if cfg.key not in self.configs:
+            cfg.peak_bytes = measure_peak(self.wl, cfg)
+            self.configs[cfg.key] = cfg
+        return self.configs[cfg.key]
+
+    def policy_cfg(self, label: str, policy: RecomputePolicy, plugin: bool = False) -> Config:
         # The plugin's own policies (planner, tuned) run as RecomputeCallback runs them by default,
         # gradients freed at batch start; the same policy as a peer (full, every-k) runs in Lightning's order.
         key = f"policy:{policy.fingerprint()}" + (":frees-grads" if plugin else "")
-        return add(_policy_config(key, label, policy, frees_grads=plugin))
+        return self.add(_policy_config(key, label, policy, frees_grads=plugin))
 
-    none = policy_cfg("none", RecomputePolicy.uniform("none"))
-    none_peak = int(none.peak_bytes or 0)
-    budgets = {f: int(f * none_peak) for f in args.budgets}
-    log(f"{wl.name}: {n} layers, {wl.tokens} tokens/step, no-recompute peak {none_peak / 2**20:.2f} MiB")
-    full = policy_cfg("full", RecomputePolicy.uniform("full"))
-    every = {k: policy_cfg(f"every-{k}", RecomputePolicy.every_kth(names, k, "full")) for k in range(2, n + 1)}
-    every[1] = full
-    selective = policy_cfg("selective-attn", RecomputePolicy.uniform("selective", selective_save=MEGATRON_SAVE))
-    op_sac = add(Config("op-sac", "op-sac", lambda m, _meter: peers.apply_op_sac(m)))
-    seg = peers.sqrt_segment_size(n)
-    sqrt_n = add(Config("sqrt-n", f"sqrt-n (segments of {seg})", lambda m, _meter: peers.apply_sqrt_segments(m)))
-
-    compiled: dict[float, Config] = {}
-    compile_note = ""
-    if wl.name in args.compile_workloads or "all" in args.compile_workloads:
+    def compiled(self) -> tuple[dict[float, Config], str]:
+        """Inductor at each budget's fraction, where the workload is chosen for it; else why not."""
+        wl, args = self.wl, self.args
+        if not (wl.name in args.compile_workloads or "all" in args.compile_workloads):
+            return {}, (
+                "not run for this workload: inductor compiles each budget's graph for ~70 s on this machine; "
+                "--compile-workloads all runs it everywhere"
+            )
+        compiled: dict[float, Config] = {}
         for f in args.budgets:
             cfg = Config(
                 f"compile:{f}",
@@ -452,117 +463,79 @@ def run_workload(
                 compile_metered=lambda m, meter_of, f=f: peers.apply_compile(m, f, metered=True, meter_of=meter_of),
             )
             try:
-                compiled[f] = add(cfg)
+                compiled[f] = self.add(cfg)
             except Exception as err:  # noqa: BLE001 - reported as the row's note
-                compile_note = f"could not run: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                break
-    else:
-        compile_note = (
-            "not run for this workload: inductor compiles each budget's graph for ~70 s on this machine; "
-            "--compile-workloads all runs it everywhere"
-        )
+                return compiled, f"could not run: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return compiled, ""
 
-    # The planner: one measured profile of this workload, then the exact solver per budget.
-    from tuner.planner import BudgetError, Planner
-    from tuner.profile import profile_model
+    def planned(self, budgets: dict[float, int], modes: list[str]) -> tuple[dict[float, Config | str], float]:
+        """The planner: one measured profile of this workload, then the exact solver per budget; and
+        the profile's seconds."""
+        from tuner.planner import BudgetError, Planner
+        from tuner.profile import profile_model
 
-    t = time.perf_counter()
+        t = time.perf_counter()
+        profile = profile_model(_model(self.wl), _batch(self.wl), modes=modes, repeats=self.args.profile_repeats)
+        profile_s = time.perf_counter() - t
+        planner = Planner(profile)
+        planned: dict[float, Config | str] = {}
+        for f, b in budgets.items():
+            try:
+                plan = planner.solve(b, modes=modes)
+                planned[f] = self.policy_cfg(f"planner {plan.short()}", plan.policy, plugin=True)
+            except BudgetError as err:
+                planned[f] = f"nothing predicted to fit: {err}"
+        return planned, profile_s
+
+    def tuned(
+        self, budgets: dict[float, int], modes: list[str], workdir: Path
+    ) -> tuple[dict[float, TunerRun], dict[float, Config]]:
+        """A tuning session per budget, and the configuration of each promoted policy."""
+        wl, args = self.wl, self.args
+        tuned: dict[float, TunerRun] = {}
+        tuned_cfg: dict[float, Config] = {}
+        for f, b in budgets.items():
+            self.log(f"  tuner at {f:.0%} ({b / 2**20:.2f} MiB), {args.trials} trials ...")
+            compile_search = wl.name in args.compile_search or "all" in args.compile_search
+            tr = run_tuner(wl, f, b, args.trials, workdir, modes, compile_search)
+            tuned[f] = tr
+            if tr.policy is not None:
+                label = f"tuned {tr.policy.short(self.names)}" + (" +compile" if tr.policy.compile else "")
+                tuned_cfg[f] = self.policy_cfg(label, tr.policy, plugin=True)
+            self.log(
+                f"    {tr.status}: {tr.trials} trials, {tr.wall_s:.0f} s; within 2% after {tr.trials_to_2pct} trials"
+            )
+        return tuned, tuned_cfg
+
+
+def run_workload(
+    wl: Workload, args: argparse.Namespace, sac_ilp_error: str, workdir: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Every method's configuration of ``wl`` measured (peaks, then interleaved step times), one row
+    per method and budget, and the record the report and plots read."""
+    t_start = time.perf_counter()
+    run = _WorkloadRun(wl, args, log)
+    names, n = run.names, len(run.names)
+    none = run.policy_cfg("none", RecomputePolicy.uniform("none"))
+    none_peak = int(none.peak_bytes or 0)
+    budgets = {f: int(f * none_peak) for f in args.budgets}
+    log(f"{wl.name}: {n} layers, {wl.tokens} tokens/step, no-recompute peak {none_peak / 2**20:.2f} MiB")
+    full = run.policy_cfg("full", RecomputePolicy.uniform("full"))
+    every = {k: run.policy_cfg(f"every-{k}", RecomputePolicy.every_kth(names, k, "full")) for k in range(2, n + 1)}
+    every[1] = full
+    selective = run.policy_cfg("selective-attn", RecomputePolicy.uniform("selective", selective_save=MEGATRON_SAVE))
+    op_sac = run.add(Config("op-sac", "op-sac", lambda m, _meter: peers.apply_op_sac(m)))
+    seg = peers.sqrt_segment_size(n)
+    sqrt_n = run.add(Config("sqrt-n", f"sqrt-n (segments of {seg})", lambda m, _meter: peers.apply_sqrt_segments(m)))
+    compiled, compile_note = run.compiled()
     modes = [*MODES, *(FAMILY_MODES if args.families else ())]
-    profile = profile_model(_model(wl), _batch(wl), modes=modes, repeats=args.profile_repeats)
-    profile_s = time.perf_counter() - t
-    planner = Planner(profile)
-    planned: dict[float, Config | str] = {}
-    for f, b in budgets.items():
-        try:
-            plan = planner.solve(b, modes=modes)
-            planned[f] = policy_cfg(f"planner {plan.short()}", plan.policy, plugin=True)
-        except BudgetError as err:
-            planned[f] = f"nothing predicted to fit: {err}"
+    planned, profile_s = run.planned(budgets, modes)
+    tuned, tuned_cfg = run.tuned(budgets, modes, workdir)
+    methods = _Methods(none, full, every, selective, op_sac, sqrt_n, compiled, compile_note, planned, tuned, tuned_cfg)
 
-    tuned: dict[float, TunerRun] = {}
-    tuned_cfg: dict[float, Config] = {}
-    for f, b in budgets.items():
-        log(f"  tuner at {f:.0%} ({b / 2**20:.2f} MiB), {args.trials} trials ...")
-        compile_search = wl.name in args.compile_search or "all" in args.compile_search
-        tr = run_tuner(wl, f, b, args.trials, workdir, modes, compile_search)
-        tuned[f] = tr
-        if tr.policy is not None:
-            label = f"tuned {tr.policy.short(names)}" + (" +compile" if tr.policy.compile else "")
-            tuned_cfg[f] = policy_cfg(label, tr.policy, plugin=True)
-        log(f"    {tr.status}: {tr.trials} trials, {tr.wall_s:.0f} s; within 2% after {tr.trials_to_2pct} trials")
-
-    log(f"  timing {len(configs)} configurations x {args.rounds} rounds x {args.steps} steps ...")
-    measure_times(wl, list(configs.values()), args.rounds, args.steps, log)
-
-    def tput(cfg: Config) -> float | None:
-        st = cfg.step_time()
-        return wl.tokens / st if st else None
-
-    rows: list[Row] = []
-    for f, b in budgets.items():
-        # budget/limit bound as defaults: the closure must see this iteration's values, not the loop's last.
-        def row(
-            method: str, cfg: Config | None, detail: str = "", note: str = "", *, budget: float = f, limit: int = b
-        ) -> None:
-            if cfg is None:
-                rows.append(Row(method, budget, None, detail, note=note))
-                return
-            rows.append(
-                Row(
-                    method,
-                    budget,
-                    cfg.key,
-                    detail or cfg.label,
-                    cfg.peak_bytes,
-                    tput(cfg),
-                    None if cfg.peak_bytes is None else cfg.peak_bytes <= limit,
-                    note=cfg.error or note,
-                )
-            )
-
-        row("none", none)
-        row("full", full)
-        fitting = [k for k, c in every.items() if c.peak_bytes is not None and c.peak_bytes <= b]
-        # Fewest recomputed layers first (ceil(n / k)); among equals, the smaller peak.
-        best_k = min(fitting, key=lambda k: (math.ceil(n / k), every[k].peak_bytes)) if fitting else None
-        if best_k is None:
-            row("every-k", None, "every-k", "no k fits (not even k=1, full on every layer)")
-        else:
-            row("every-k", every[best_k], f"every-{best_k} ({math.ceil(n / best_k)} of {n} layers full)")
-        row("selective-attn", selective)
-        row("op-sac", op_sac)
-        row("sqrt-n", sqrt_n)
-        if f in compiled:
-            row(
-                "compile",
-                compiled[f],
-                note="peak: same partition run op by op (inductor's own buffers bypass the ledger)",
-            )
-        else:
-            row("compile", None, "compile", compile_note)
-        row("torch-sac-ilp", None, "torch-sac-ilp", f"could not run: {sac_ilp_error}" if sac_ilp_error else "")
-        p = planned[f]
-        row(
-            "planner",
-            p if isinstance(p, Config) else None,
-            "" if isinstance(p, Config) else "planner",
-            "" if isinstance(p, Config) else p,
-        )
-        tr = tuned[f]
-        if f in tuned_cfg:
-            row(
-                "tuned",
-                tuned_cfg[f],
-                note=f"{tr.trials} trials; within 2% of its best after {tr.trials_to_2pct} "
-                f"trials / {_s(tr.seconds_to_2pct)}; session {tr.wall_s:.0f} s",
-            )
-        else:
-            row("tuned", None, "tuned", f"nothing promoted ({tr.status}): {'; '.join(tr.reasons)[:300]}")
-        mine = next(r for r in rows if r.budget == f and r.method == "tuned")
-        for r in rows:
-            if r.budget == f and r.tokens_per_s and mine.tokens_per_s:
-                r.ratio = r.tokens_per_s / mine.tokens_per_s
-
+    log(f"  timing {len(run.configs)} configurations x {args.rounds} rounds x {args.steps} steps ...")
+    measure_times(wl, list(run.configs.values()), args.rounds, args.steps, log)
+    rows = [r for f, b in budgets.items() for r in _budget_rows(wl, n, methods, f, b, sac_ilp_error)]
     return {
         "workload": dataclasses.asdict(wl),
         "layers": names,
@@ -576,10 +549,75 @@ def run_workload(
         },
         "configs": {
             k: {"label": c.label, "peak_bytes": c.peak_bytes, "step_times_s": c.step_times, "error": c.error}
-            for k, c in configs.items()
+            for k, c in run.configs.items()
         },
         "wall_s": time.perf_counter() - t_start,
     }
+
+
+def _budget_rows(wl: Workload, n: int, m: _Methods, f: float, b: int, sac_ilp_error: str) -> list[Row]:
+    """One row per method at the budget fraction ``f`` (limit ``b`` bytes), each with its ratio to the tuned row."""
+    rows: list[Row] = []
+
+    def row(method: str, cfg: Config | None, detail: str = "", note: str = "") -> None:
+        if cfg is None:
+            rows.append(Row(method, f, None, detail, note=note))
+            return
+        st = cfg.step_time()
+        rows.append(
+            Row(
+                method,
+                f,
+                cfg.key,
+                detail or cfg.label,
+                cfg.peak_bytes,
+                wl.tokens / st if st else None,
+                None if cfg.peak_bytes is None else cfg.peak_bytes <= b,
+                note=cfg.error or note,
+            )
+        )
+
+    row("none", m.none)
+    row("full", m.full)
+    fitting = [k for k, c in m.every.items() if c.peak_bytes is not None and c.peak_bytes <= b]
+    # Fewest recomputed layers first (ceil(n / k)); among equals, the smaller peak.
+    best_k = min(fitting, key=lambda k: (math.ceil(n / k), m.every[k].peak_bytes)) if fitting else None
+    if best_k is None:
+        row("every-k", None, "every-k", "no k fits (not even k=1, full on every layer)")
+    else:
+        row("every-k", m.every[best_k], f"every-{best_k} ({math.ceil(n / best_k)} of {n} layers full)")
+    row("selective-attn", m.selective)
+    row("op-sac", m.op_sac)
+    row("sqrt-n", m.sqrt_n)
+    if f in m.compiled:
+        row(
+            "compile",
+            m.compiled[f],
+            note="peak: same partition run op by op (inductor's own buffers bypass the ledger)",
+        )
+    else:
+        row("compile", None, "compile", m.compile_note)
+    row("torch-sac-ilp", None, "torch-sac-ilp", f"could not run: {sac_ilp_error}" if sac_ilp_error else "")
+    p = m.planned[f]
+    if isinstance(p, Config):
+        row("planner", p)
+    else:
+        row("planner", None, "planner", p)
+    tr = m.tuned[f]
+    if f in m.tuned_cfg:
+        row(
+            "tuned",
+            m.tuned_cfg[f],
+            note=f"{tr.trials} trials; within 2% of its best after {tr.trials_to_2pct} "
+            f"trials / {_s(tr.seconds_to_2pct)}; session {tr.wall_s:.0f} s",
+        )
+    else:
+        row("tuned", None, "tuned", f"nothing promoted ({tr.status}): {'; '.join(tr.reasons)[:300]}")
+    mine = rows[-1]
+    for r in rows:
+        if r.tokens_per_s and mine.tokens_per_s:
+            r.ratio = r.tokens_per_s / mine.tokens_per_s
+    return rows
 
 
 def functools_partial(fn: Callable[..., None], **kwargs: Any) -> Callable[[ReferenceGPT, Any], None]:
@@ -702,7 +740,8 @@ def _machine() -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _arguments(argv: Sequence[str] | None) -> tuple[argparse.Namespace, tuple[Workload, ...], str]:
+    """The command line with the size's defaults filled in, the workloads to run, and the results' tag."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="one small workload, fewer rounds and trials")
@@ -775,7 +814,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.compile_workloads = defaults["compile"] if args.compile_workloads is None else args.compile_workloads
     args.compile_search = defaults["compile_search"] if args.compile_search is None else args.compile_search
     args.families = defaults["families"] if args.families is None else args.families
+    return args, workloads, tag
 
+
+def _quiet() -> None:
+    """One torch thread, and only errors from the libraries that talk."""
     # One thread: on a shared 2-core machine two threads fight other jobs and step times triple;
     # the tuner's trials run with OMP_NUM_THREADS=1 too (see _recipe_dict).
     torch.set_num_threads(1)
@@ -791,6 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch._inductor",
     ):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, workloads, tag = _arguments(argv)
+    _quiet()
     started = time.perf_counter()
 
     def log(msg: str) -> None:
