@@ -99,6 +99,36 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
             raw[key] = {"class_path": default, **section}
 
     errors: list[str] = []
+    parsed, classes = _parse(raw, errors)
+    if parsed is not None:
+        data_component = default_data(parsed, classes)
+        cross_check(parsed, data_component, classes, errors)
+        check_strategy(parsed, classes, errors)
+    if errors or parsed is None:
+        raise RecipeError(errors, src)
+
+    name = parsed.name or (src.stem if src is not None else "recipe")
+    tracking, study, output = _places(parsed, name, folder, src)
+    return Recipe(
+        source=src,
+        name=name,
+        model=parsed.model,
+        data=data_component,
+        trainer=parsed.trainer,
+        layers=parsed.layers,
+        budget=parsed.budget,
+        search=parsed.search,
+        trial=parsed.trial,
+        race=parsed.race,
+        tracking=tracking,
+        study=study,
+        output=output,
+    )
+
+
+def _parse(raw: dict[str, Any], errors: list[str]) -> tuple[RecipeFile | None, dict[str, type | None]]:
+    """The file's schema validated (``None`` when it fails) and its components' classes imported and
+    checked; every problem is added to ``errors``."""
     parsed: RecipeFile | None = None
     try:
         parsed = FILE_ADAPTER.validate_python(raw)
@@ -116,14 +146,15 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
     if isinstance(strategy, Mapping):
         classes["strategy"] = check_component("trainer.strategy", strategy, "pytorch.strategies.Strategy", errors)
 
-    if parsed is not None:
-        data_component = default_data(parsed, classes)
-        cross_check(parsed, data_component, classes, errors)
-        check_strategy(parsed, classes, errors)
-    if errors or parsed is None:
-        raise RecipeError(errors, src)
+    return parsed, classes
 
-    name = parsed.name or (src.stem if src is not None else "recipe")
+
+def _places(
+    parsed: RecipeFile, name: str, folder: Path, src: Path | None
+) -> tuple[TrackingSettings, StudySettings, Path]:
+    """Where the recipe tracks, keeps its study and writes its policy: ``$VARS`` expanded, relative
+    paths against ``folder``, and no two of them the same file."""
+    errors: list[str] = []
     raw_paths = {
         "tracking.uri": parsed.tracking.uri,
         "study.storage": parsed.study.storage or f"sqlite:///{folder / 'optuna.db'}",
@@ -140,21 +171,7 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
     clash = _output_clash(output, {"tracking.uri": tracking.uri, "study.storage": str(study.storage)})
     if clash is not None:
         raise RecipeError([clash], src)
-    return Recipe(
-        source=src,
-        name=name,
-        model=parsed.model,
-        data=data_component,
-        trainer=parsed.trainer,
-        layers=parsed.layers,
-        budget=parsed.budget,
-        search=parsed.search,
-        trial=parsed.trial,
-        race=parsed.race,
-        tracking=tracking,
-        study=study,
-        output=output,
-    )
+    return tracking, study, output
 
 
 def json_schema() -> dict[str, Any]:
