@@ -126,6 +126,30 @@ def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
 # ---------------------------------------------------------------------------------------------- kinds
 
 
+def _steps(accelerator: str, compiled: bool, warmup: int, measure: int) -> tuple[int, int, range | None]:
+    """How many steps a trial runs, how many of them come before the timed ones, and which are metered
+    (``None``: the meter reads the allocator, every step)."""
+    steps = warmup + measure
+    memory_steps = None
+    if accelerator == "cpu":
+        # The CPU storage ledger costs a Python call per op, more for policies that run more ops
+        # (recomputation): timing metered steps would rank policies by the meter's cost. So the
+        # warm-up and every measured step are metered, as on an accelerator (a model that keeps
+        # more memory each step, or a batch that varies, shows on the step where it peaks; metering
+        # only the first step after warm-up promoted a leaking model), and as many steps again are
+        # timed after them with the meter off.
+        memory_steps = range(warmup + measure)
+        steps += measure
+    skipped = steps - measure  # steps before the timed ones
+    if compiled and memory_steps is not None:
+        # Dynamo runs a compiled layer eagerly while the CPU ledger's dispatch mode is on, so the
+        # metered steps above compile nothing: the first unmetered step would compile inside the
+        # timing. One more unmetered warm-up step compiles first.
+        steps += 1
+        skipped += 1
+    return steps, skipped, memory_steps
+
+
 def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
@@ -136,24 +160,7 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     recipe = from_dict(spec.recipe, source=spec.source)
     policy = RecomputePolicy.from_dict(spec.policy, source="trial policy")
     warmup, measure = spec.warmup_steps, spec.measure_steps
-    steps = warmup + measure
-    memory_steps = None
-    if recipe.trainer.accelerator == "cpu":
-        # The CPU storage ledger costs a Python call per op, more for policies that run more ops
-        # (recomputation): timing metered steps would rank policies by the meter's cost. So the
-        # warm-up and every measured step are metered, as on an accelerator (a model that keeps
-        # more memory each step, or a batch that varies, shows on the step where it peaks; metering
-        # only the first step after warm-up promoted a leaking model), and as many steps again are
-        # timed after them with the meter off.
-        memory_steps = range(warmup + measure)
-        steps += measure
-    skipped = steps - measure  # steps before the timed ones
-    if policy.compile and memory_steps is not None:
-        # Dynamo runs a compiled layer eagerly while the CPU ledger's dispatch mode is on, so the
-        # metered steps above compile nothing: the first unmetered step would compile inside the
-        # timing. One more unmetered warm-up step compiles first.
-        steps += 1
-        skipped += 1
+    steps, skipped, memory_steps = _steps(recipe.trainer.accelerator, policy.compile, warmup, measure)
     compile_before = _compile_seconds() if policy.compile else None
 
     L.seed_everything(recipe.search.seed, verbose=False)
@@ -186,13 +193,11 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     if nonfinite is not None:
         # Speed and memory measured on nan or inf are not evidence for a policy: its own outcome.
         step, value = nonfinite
-        return {
-            "outcome": "nonfinite",
-            "error": f"the training loss was {value} at step {step} of {steps}; a trial measured on a non-finite "
-            f"loss is not evidence (does the model train to a finite loss without recompute, on this data and "
-            f"precision?)",
-            **_device(recipe.trainer.accelerator),
-        }
+        why = (
+            f"the training loss was {value} at step {step} of {steps}; a trial measured on a non-finite loss is not "
+            "evidence (does the model train to a finite loss without recompute, on this data and precision?)"
+        )
+        return {"outcome": "nonfinite", "error": why, **_device(recipe.trainer.accelerator)}
     return {
         "outcome": "ok",
         "warmup_steps": skipped if policy.compile else warmup,
