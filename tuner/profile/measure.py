@@ -305,23 +305,7 @@ class ProfilingRun:
         by_mode = {m: {k: _cost(ev, scales=k != "fixed:backward->optimizer") for k, ev in s} for m, s in segs.items()}
         none = by_mode[Mode.NONE.value]
         rec0 = mem[Mode.NONE.value]
-        groups: dict[str, list[str]] = {}
-        layer_profiles: list[LayerProfile] = []
-        for i, (name, module) in enumerate(self.layers):
-            group = _group_of(name, module, rec0.input_shapes.get(i, "?"))
-            groups.setdefault(group, []).append(name)
-            fwd = {m: by_mode[m][f"fwd:{i}"] for m in self.modes}
-            bwd = {m: by_mode[m][f"bwd:{i}"] for m in self.modes}
-            nets = {m: fwd[m].delta + bwd[m].delta for m in self.modes}
-            net = nets[Mode.NONE.value]
-            spread = max(nets.values()) - min(nets.values())
-            if spread > max(1024, 0.01 * abs(fwd[Mode.NONE.value].delta)):
-                self.notes.append(
-                    f"{name}: forward+backward leaves {spread} bytes more in some mode than in another "
-                    f"({nets}); the planner uses mode none's {net}"
-                )
-            param_bytes = _storage_bytes(module.parameters(), self.device.type)
-            layer_profiles.append(LayerProfile(name, group, param_bytes, fwd, bwd, net))
+        layer_profiles, groups = self._layers(by_mode, rec0)
         fixed = {k[len("fixed:") :]: c for k, c in none.items() if k.startswith("fixed:")}
         if times is not None:
             self._assign_times(layer_profiles, fixed, times, groups)
@@ -360,6 +344,30 @@ class ProfilingRun:
             notes=self.notes,
             free_grads_at_batch_start=self.free_grads,
         )
+
+    def _layers(
+        self, by_mode: dict[str, dict[str, SegmentCost]], rec0: Recorder
+    ) -> tuple[list[LayerProfile], dict[str, list[str]]]:
+        """Each layer's costs per mode (a note where modes leave different bytes behind), and the
+        groups of layers alike enough to share time samples."""
+        groups: dict[str, list[str]] = {}
+        layer_profiles: list[LayerProfile] = []
+        for i, (name, module) in enumerate(self.layers):
+            group = _group_of(name, module, rec0.input_shapes.get(i, "?"))
+            groups.setdefault(group, []).append(name)
+            fwd = {m: by_mode[m][f"fwd:{i}"] for m in self.modes}
+            bwd = {m: by_mode[m][f"bwd:{i}"] for m in self.modes}
+            nets = {m: fwd[m].delta + bwd[m].delta for m in self.modes}
+            net = nets[Mode.NONE.value]
+            spread = max(nets.values()) - min(nets.values())
+            if spread > max(1024, 0.01 * abs(fwd[Mode.NONE.value].delta)):
+                self.notes.append(
+                    f"{name}: forward+backward leaves {spread} bytes more in some mode than in another "
+                    f"({nets}); the planner uses mode none's {net}"
+                )
+            param_bytes = _storage_bytes(module.parameters(), self.device.type)
+            layer_profiles.append(LayerProfile(name, group, param_bytes, fwd, bwd, net))
+        return layer_profiles, groups
 
     def _assign_times(
         self,
