@@ -88,14 +88,29 @@ def choose_field(
             out.add(r.policy, f"trial {r.number}")
             taken += 1
     same = [r for r in fitting if r.micro_batch == best.micro_batch and r.policy is not None and not r.policy.compile]
+    _add_references(out, same)
+    if good is not None:
+        _add_good(out, good, best, budget_bytes)
+    if left_compiled:
+        out.notes.append(f"{left_compiled} compiled trial(s) not raced (switching a compiled layer recompiles it)")
+    if left_batch:
+        out.notes.append(f"{left_batch} trial(s) at another micro-batch than the best not raced")
+    if len(out.entrants) < 2:
+        out.skipped = "only one candidate fits: nothing to race"
+    return out
+
+
+def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
+    """The planner's pick and the baselines beside the leaders: the fastest baseline and full, the
+    references the winner's figure is given against (``same``: fitting trials at the best's micro-batch,
+    fastest first)."""
     planner = [r for r in same if (r.seed or "").startswith("planner:budget")]
     if planner and planner[0].policy is not None:
         out.add(planner[0].policy, "planner")
     baselines = [r for r in same if (r.seed or "").startswith("baseline:")]
-    if baselines and baselines[0].policy is not None:
-        fastest = baselines[0]  # `same` is sorted fastest first
-        out.add(fastest.policy, f"baseline {_name(fastest)}")  # type: ignore[arg-type]
-        out.references.append(fastest.policy)  # type: ignore[arg-type]
+    if baselines and (fastest := baselines[0].policy) is not None:  # `same` is sorted fastest first
+        out.add(fastest, f"baseline {_name(baselines[0])}")
+        out.references.append(fastest)
     full = next((r for r in same if r.seed == "baseline:full"), None)
     if (
         full is not None
@@ -104,23 +119,20 @@ def choose_field(
     ):
         out.add(full.policy, "baseline full")
         out.references.append(full.policy)
-    if good is not None:
-        fits = budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes
-        if not fits:
-            out.notes.append("the current good policy is over the budget limit: not raced")
-        elif good.micro_batch != best.micro_batch:
-            out.notes.append("the current good policy was tuned at another micro-batch: not raced")
-        elif good.policy.compile:
-            out.notes.append("the current good policy compiles its layers: not raced")
-        else:
-            out.add(good.policy, "good")
-    if left_compiled:
-        out.notes.append(f"{left_compiled} compiled trial(s) not raced (switching a compiled layer recompiles it)")
-    if left_batch:
-        out.notes.append(f"{left_batch} trial(s) at another micro-batch than the best not raced")
-    if len(out.entrants) < 2:
-        out.skipped = "only one candidate fits: nothing to race"
-    return out
+
+
+def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int | None) -> None:
+    """The current good policy as an entrant, unless it cannot race (over the limit, another micro-batch,
+    compiled); a note says why not."""
+    fits = budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes
+    if not fits:
+        out.notes.append("the current good policy is over the budget limit: not raced")
+    elif good.micro_batch != best.micro_batch:
+        out.notes.append("the current good policy was tuned at another micro-batch: not raced")
+    elif good.policy.compile:
+        out.notes.append("the current good policy compiles its layers: not raced")
+    else:
+        out.add(good.policy, "good")
 
 
 def _name(record: TrialRecord) -> str:
