@@ -87,6 +87,21 @@ class _StepTotals:
             self.tokens = (self.tokens or 0) + record.tokens
 
 
+def _checked_budget(budget: int | str, margin: float, max_candidates: int, profile_repeats: int) -> int:
+    """The budget in bytes, after checking `AutoRecompute`'s numeric arguments (a clear error for each)."""
+    try:
+        budget_bytes = parse_bytes(budget)
+    except (TypeError, ValueError) as err:
+        raise RecomputeError(f"AutoRecompute budget: {err}") from err
+    if not 0.0 <= margin < 1.0:
+        raise RecomputeError(f"AutoRecompute margin: must be in [0, 1), got {margin!r}")
+    if not isinstance(max_candidates, int) or max_candidates < 2:
+        raise RecomputeError(f"AutoRecompute max_candidates: must be an integer >= 2, got {max_candidates!r}")
+    if not isinstance(profile_repeats, int) or profile_repeats < 1:
+        raise RecomputeError(f"AutoRecompute profile_repeats: must be a positive integer, got {profile_repeats!r}")
+    return budget_bytes
+
+
 class AutoRecompute(RecomputeCallback):
     """Find the fastest recompute policy that fits ``budget`` inside the training job, then train with it.
 
@@ -150,16 +165,7 @@ class AutoRecompute(RecomputeCallback):
             memory_steps=frozenset(),
             free_grads_at_batch_start=free_grads_at_batch_start,
         )
-        try:
-            self.budget_bytes = parse_bytes(budget)
-        except (TypeError, ValueError) as err:
-            raise RecomputeError(f"AutoRecompute budget: {err}") from err
-        if not 0.0 <= margin < 1.0:
-            raise RecomputeError(f"AutoRecompute margin: must be in [0, 1), got {margin!r}")
-        if not isinstance(max_candidates, int) or max_candidates < 2:
-            raise RecomputeError(f"AutoRecompute max_candidates: must be an integer >= 2, got {max_candidates!r}")
-        if not isinstance(profile_repeats, int) or profile_repeats < 1:
-            raise RecomputeError(f"AutoRecompute profile_repeats: must be a positive integer, got {profile_repeats!r}")
+        self.budget_bytes = _checked_budget(budget, margin, max_candidates, profile_repeats)
         self.limit_bytes = int(self.budget_bytes * (1.0 - margin))
         """The most a candidate's measured peak may reach."""
         self.output = None if output is None else Path(output)
