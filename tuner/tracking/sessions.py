@@ -20,6 +20,7 @@ from tuner.tracking.client import (
     clip_tag,
     param_key,
 )
+from tuner.tracking.dead_sessions import end_dead_sessions
 from tuner.tracking.measurement import log_abandoned_run, log_measurement_run
 from tuner.tracking.names import (
     HEARTBEAT,
@@ -32,7 +33,6 @@ from tuner.tracking.names import (
     RECIPE_NAME,
     RECIPE_YAML,
     RESUMES,
-    SESSION_ENDED_BY,
     SESSION_NOTES,
     SOURCE_RUN,
     STUDY,
@@ -235,31 +235,7 @@ class SessionLog:
         Its nested runs still RUNNING end FAILED. A session run without an owner tag (an older
         version's) is judged by its start time against ``grace_s``, like another host's.
         """
-        from tuner.liveness import Owner, dead_reason
-
-        quoted = study_name.replace("'", "\\'")
-        ended = []
-        for run in self.store.search(
-            f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}' and attributes.status = 'RUNNING'"
-        ):
-            if run.info.run_id == self._session_run_id:
-                continue
-            t = run.data.tags
-            try:
-                owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
-                beat = float(t[HEARTBEAT]) if HEARTBEAT in t else None
-            except (ValueError, TypeError):
-                owner, beat = None, None
-            why = dead_reason(owner, beat, grace=grace_s, since=run.info.start_time / 1000.0)
-            if why is None:
-                continue
-            run_id = run.info.run_id
-            self.store.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
-            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.store.client.set_terminated(child.info.run_id, "FAILED")
-            self.store.client.set_terminated(run_id, "KILLED")
-            ended.append(run_id)
-        return ended
+        return end_dead_sessions(self.store, study_name, grace_s, own_run_id=self._session_run_id)
 
     def log_confirmation(
         self,
