@@ -27,7 +27,7 @@ from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.modes import MODES
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
-from tuner.planner import Planner
+from tuner.planner import PlannedPolicy, Planner
 from tuner.profile import Profile, profile_model
 
 __all__ = [
@@ -92,7 +92,8 @@ def planner_candidates(
     profile: Profile, limit_bytes: int, modes: Sequence[str], most: int
 ) -> tuple[list[Candidate], str | None]:
     """Up to ``most`` points of the planner's front predicted to fit ``limit_bytes``, safest (lowest
-    predicted peak) first, always with the planner's pick and the safest point; and a note.
+    predicted peak) first, always with the planner's pick and the safest point; and a note. A front
+    with fewer points than ``most`` is filled up with the uniform policies of ``modes`` predicted to fit.
 
     When nothing is predicted to fit, the one policy of least predicted peak, with a note saying so.
     """
@@ -115,16 +116,34 @@ def planner_candidates(
     for j, i in enumerate(chosen):
         planned = fitting[i]
         label = "planner:budget" if planned is pick else f"planner:front{j + 1}"
-        out.append(
-            Candidate(
-                planned.policy,
-                planned.short(),
-                label,
-                predicted_peak_bytes=planned.peak_bytes,
-                predicted_step_time_s=planned.step_time_s,
-            )
-        )
+        out.append(_planned(planned, label))
+    if note is None and len(out) < most:
+        # The front is ordered by measured times, and a profile's few timed steps are noisy: one slow
+        # sample can make the least-memory policy look fastest too and collapse the front to one
+        # point, leaving nothing to race. The race measures speed properly; so every uniform policy
+        # predicted to fit races as well, up to ``most``: what fits is a prediction of memory, not of time.
+        names = [lp.name for lp in profile.layers]
+        taken = {c.key for c in out}
+        # Per layer, as the planner writes its policies: the same modes give the same fingerprint.
+        uniform = {m: RecomputePolicy.from_modes(dict.fromkeys(names, m)) for m in dict.fromkeys(modes)}
+        predicted = [(m, p, planner.predict(p)) for m, p in uniform.items() if p.fingerprint() not in taken]
+        for mode, policy, guess in sorted(predicted, key=lambda mpg: mpg[2].peak_bytes):
+            if len(out) < most and guess.peak_bytes <= limit_bytes:
+                out.append(
+                    Candidate(policy, policy.short(names), f"baseline:{mode}", guess.peak_bytes, guess.step_time_s)
+                )
+        out.sort(key=lambda c: c.predicted_peak_bytes or 0)  # safest first
     return out, note
+
+
+def _planned(planned: PlannedPolicy, label: str) -> Candidate:
+    return Candidate(
+        planned.policy,
+        planned.short(),
+        label,
+        predicted_peak_bytes=planned.peak_bytes,
+        predicted_step_time_s=planned.step_time_s,
+    )
 
 
 def baseline_candidates(model: nn.Module, layers: LayerSpec, modes: Sequence[str]) -> list[Candidate]:
