@@ -9,8 +9,9 @@ verdict first; the first failure ends the gate, and later checks are reported as
    steps as a search trial, which must end ``ok``, peak under the budget limit (the budget
    less its margin) and, when the candidate came out of a race, not be much slower than the race
    measured it (`GateSettings.confirm_slack`): a race figure that does not hold up is no evidence.
-   A slow confirmation runs again, with a raced reference alone between the two, so that a machine
-   slowed throughout (which slows the reference too) is told from a policy that is slow;
+   A slow confirmation runs again; slow twice, it races a reference from the session's race again,
+   interleaved, so that a machine slowed throughout (which slows the reference alike) is told from
+   a policy that is slow;
 2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute
    (`tuner.trials.check_numerics`: deterministic mode; at the largest micro-batch up to the
    candidate's where no recompute fits; bitwise, or on an accelerator within the spread of two
@@ -86,11 +87,11 @@ class GateSettings:
     allowed the difference between processes and moments; "much slower" is beyond that."""
 
     def longest_s(self, recipe: Recipe) -> float:
-        """The longest one `evaluate` can take under ``recipe``, every run at its deadline: three
-        confirmation runs (a slow one, its reference, the second), the numerics check, a race against the
-        good policy and the good policy alone (another worker waits this long for the gate's lease)."""
-        trial_s = float(recipe.trial.timeout_s)
-        return trial_s * (3 * self.confirm_factor + 3) + 3 * float(recipe.race.time_s)
+        """The longest one `evaluate` can take under ``recipe``, every run at its deadline: two
+        confirmation runs and a race against a reference, the numerics check, a race against the good
+        policy and the good policy alone (another worker waits this long for the gate's lease)."""
+        trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race.time_s)
+        return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
 
     def __post_init__(self) -> None:
         if not isinstance(self.confirm_factor, int) or self.confirm_factor < 3:
@@ -179,7 +180,7 @@ def evaluate(
         decision.reasons.append(f"the candidate is already the current good policy (run {current_good.run_id})")
         return decision
     for check in (
-        lambda: gate.confirm(run_trial, race),
+        lambda: gate.confirm(run_trial, run_race, race),
         lambda: gate.numerics(check_numerics),
         lambda: gate.regression(run_trial, run_race, race),
     ):
@@ -239,7 +240,7 @@ class _Gate:
             checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"},
         )
 
-    def confirm(self, run_trial: RunTrial, race: RaceResult | None) -> bool:
+    def confirm(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:
         """1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows."""
         cfg, cand, budget = self.cfg, self.cand, self.budget_bytes
         want = cfg.confirm_factor * self.steps
@@ -260,7 +261,7 @@ class _Gate:
         failure = _unconfirmed(conf, want, budget, cfg)
         slow = None if failure else _slower_than_raced(conf, cand.policy, race, cfg)
         if slow is not None:
-            conf, failure = self._slow_confirmation(run, conf, slow, race)
+            conf, failure = self._slow_confirmation(run, run_race, conf, slow, race)
         self.decision.confirmation = conf
         self.evidence["confirmation"] = _as_dict(conf)
         if failure:
@@ -279,6 +280,7 @@ class _Gate:
     def _slow_confirmation(
         self,
         run: Callable[[RecomputePolicy], TrialResult],
+        run_race: RunRace,
         conf: TrialResult,
         slow: str,
         race: RaceResult | None,
@@ -289,37 +291,41 @@ class _Gate:
         Load on a shared machine only ever slows a run, and one run in its own process can land in a
         spell of it, so the candidate runs once more and the faster of its two runs is the confirmation
         (benchmark tools take the best of repeats against one-sided noise). A spell can also outlast both
-        runs (a neighbour's job, a loaded CI node): so, when the race had another entrant, that reference
-        runs alone between the candidate's two, and a candidate that kept its standing against it (the
-        geometric mean of its two runs over the reference's, against the race's ratio, within
-        `GateSettings.confirm_slack`) passes: the machine slowed, not the policy. Without a reference, two
-        slow runs fail, as the one comparison left is against a figure from another moment.
+        runs (a neighbour's job, a loaded CI node), and no figure from another moment can tell that from
+        a slow policy; a reference measured at the same moment can. So, when the race had another entrant,
+        the candidate races it again, interleaved in one fresh process (load then falls on both alike,
+        round by round), and passes if it kept its standing: its throughput over the reference's within
+        `GateSettings.confirm_slack` of the first race's ratio. Without a reference, two slow runs fail.
         """
         cand, cfg = self.cand, self.cfg
         want = cfg.confirm_factor * self.steps
         self.evidence["confirmation_slow"] = _as_dict(conf)
-        ref = _reference_entrant(race, cand.policy.fingerprint())
-        ref_run: TrialResult | None = None
-        if ref is None:
-            self.tell(f"gate: {slow}; measuring once more ...")
-        else:
-            self.tell(
-                f"gate: {slow}; measuring {ref.short} ({ref.label}) alone, then the candidate once more, "
-                "to tell a slowed machine from a slow policy ..."
-            )
-            ref_run = run(RecomputePolicy.from_dict(ref.policy or {}))
-            self.evidence["confirmation_reference"] = {"key": ref.key, "label": ref.label, **_as_dict(ref_run)}
+        self.tell(f"gate: {slow}; measuring once more ...")
         again = run(cand.policy)
         failure = _unconfirmed(again, want, self.budget_bytes, cfg)  # a second run failing on its own terms stands
         if failure is not None:
             return again, failure
-        first = conf
         if (again.throughput or 0.0) > (conf.throughput or 0.0):
             conf = again
         failure = _slower_than_raced(conf, cand.policy, race, cfg)
-        if failure is None or ref is None or ref_run is None or race is None:
+        ref = _reference_entrant(race, cand.policy.fingerprint())
+        if failure is None or ref is None or ref.policy is None or race is None:
             return conf, failure
-        held = _held_against(first, again, ref_run, ref, cand.policy.fingerprint(), race, cfg)
+        self.tell(
+            f"gate: slow again; racing it against {ref.short} ({ref.label}) interleaved, to tell a slowed "
+            "machine from a slow policy ..."
+        )
+        ref_policy = RecomputePolicy.from_dict(ref.policy)
+        pair = run_race(
+            self.recipe,
+            [(cand.policy, ["candidate"]), (ref_policy, list(ref.labels))],
+            layer_names=cand.layer_names or (),
+            references=[ref_policy],
+            micro_batch=cand.micro_batch,
+            budget_bytes=self.budget_bytes,
+        )
+        self.evidence["confirmation_race"] = pair.to_dict()
+        held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
         if held.startswith("kept"):
             self.evidence["confirmation_held"] = f"slower than the race in its own process, but it {held}"
             return conf, None
@@ -554,30 +560,19 @@ def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant |
     return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)))
 
 
-def _held_against(
-    first: TrialResult,
-    again: TrialResult,
-    ref_run: TrialResult,
-    ref: RaceEntrant,
-    candidate: str,
-    race: RaceResult,
-    cfg: GateSettings,
-) -> str:
-    """Whether the candidate kept its race standing against ``ref`` run alone between its two runs:
-    ``kept ...`` or ``did not keep ...`` / ``could not be compared ...``, with the figures.
-
-    The geometric mean of the candidate's two runs cancels a load that rises or falls steadily across
-    the three runs; the ratio is held against the race's (interleaved, so its ratio is the truest there is).
-    """
-    raced_c, raced_r = race.throughput(candidate), race.throughput(ref.key)
-    c1, c2, r = first.throughput, again.throughput, ref_run.throughput
-    if not ref_run.measured or not (c1 and c2 and r and raced_c and raced_r):
-        why = ref_run.outcome + (f": {ref_run.error}" if ref_run.error else "")
-        return f"could not be compared with {ref.short} ({ref.label}) run alone beside it (that run ended {why})"
-    now, then = (c1 * c2) ** 0.5 / r, raced_c / raced_r
+def _held_against(pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings) -> str:
+    """Whether the candidate kept its standing against ``ref`` when raced again (``pair``):
+    ``kept ...``, ``did not keep ...`` or ``could not be compared ...``, with the figures."""
+    now_c, now_r = pair.throughput(candidate), pair.throughput(ref.key)
+    then_c, then_r = race.throughput(candidate), race.throughput(ref.key)
+    if not (pair.ok and now_c and now_r and then_c and then_r):
+        why = pair.reason or "no figure for one of the two"
+        return f"could not be compared with {ref.short} ({ref.label}) raced again ({pair.outcome}: {why})"
+    now, then = now_c / now_r, then_c / then_r
     figures = (
-        f"{now:.2f}x the throughput of {ref.short} ({ref.label}) run alone between its two runs "
-        f"({r:.4g}), against {then:.2f}x in the race (at most {cfg.confirm_slack:.0%} less allowed)"
+        f"{now:.2f}x the throughput of {ref.short} ({ref.label}) raced again interleaved "
+        f"({pair.select_rounds + pair.estimate_rounds} rounds), against {then:.2f}x in the session's race "
+        f"(at most {cfg.confirm_slack:.0%} less allowed)"
     )
     if now >= then * (1.0 - cfg.confirm_slack):
         return f"kept its standing: the machine slowed, not the policy: {figures}"
