@@ -49,7 +49,7 @@ def test_compare_smoke_has_every_method_and_computes_fits_and_ratios(tmp_path: P
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=800,  # a hang deadline: the smoke runs a whole tuning session and every method
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "compare-smoke.json").read_text())

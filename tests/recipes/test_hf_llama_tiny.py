@@ -24,6 +24,7 @@ def test_hf_llama_tiny_recipe_tunes_and_promotes(tmp_path: Path) -> None:
     recipe = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
     recipe["search"]["n_trials"] = 3
     recipe["trial"]["measure_steps"] = 2
+    recipe["trial"]["timeout_s"] = 400  # a hang deadline: transformers' import alone is slow on a loaded CI node
     recipe["race"] = SHORT_RACE
     path = tmp_path / "hf-llama-tiny.yaml"
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")

@@ -39,7 +39,7 @@ def command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tuner", *args]
 
 
-def run_cli(folder: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+def run_cli(folder: Path, *args: str, timeout: float = 800) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         command(*args), check=False, cwd=folder, env=child_env(), capture_output=True, text=True, timeout=timeout
     )

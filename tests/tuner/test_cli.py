@@ -215,7 +215,7 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
         )
         for _ in range(2)
     ]
-    outputs = [p.communicate(timeout=400) for p in procs]
+    outputs = [p.communicate(timeout=800) for p in procs]
     for p, (_out, err) in zip(procs, outputs, strict=False):
         assert p.returncode == 0, err[-3000:]
 

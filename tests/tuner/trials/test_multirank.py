@@ -139,7 +139,7 @@ def test_one_rank_out_of_memory_while_the_other_waits_is_oom_and_leaves_no_rank(
     assert _leftovers(recipe) == []
 
 
-def _await_marks(marks: Path, alive: Any = lambda: True, within_s: float = 180.0) -> None:
+def _await_marks(marks: Path, alive: Any = lambda: True, within_s: float = 300.0) -> None:
     deadline = time.monotonic() + within_s
     while len(list(marks.iterdir())) < 2 and alive() and time.monotonic() < deadline:
         time.sleep(0.2)
