@@ -204,7 +204,7 @@ class _TuningSession:
 
     def run(self) -> SessionSummary:
         recipe, where = self.recipe, self.where
-        heartbeat: Heartbeat | None = None
+        heartbeats: list[Heartbeat] = []
         try:
             self.presence.study = TuningStudy.open(
                 name=where.name,
@@ -216,7 +216,7 @@ class _TuningSession:
                 recipe_fingerprint=recipe.fingerprint(),
                 device=where.device,
             )
-            heartbeat = Heartbeat(self.presence.beat).start()
+            heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
             self.seeding = set_up_study(
                 self.presence.study,
                 where.name,
@@ -249,7 +249,7 @@ class _TuningSession:
                 raise failure from err
             raise
         finally:
-            if heartbeat is not None:
+            for heartbeat in heartbeats:
                 heartbeat.stop()
 
     def _finish_failed(self, err: BaseException) -> None:

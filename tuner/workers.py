@@ -47,7 +47,9 @@ Say = Callable[[str], None]
 
 
 class Presence:
-    """What this worker's heartbeat keeps alive; `beat` runs on the `tuner.liveness.Heartbeat` thread."""
+    """What this worker's heartbeats keep alive: `beat_study` and `beat_tracker` each run on their own
+    `tuner.liveness.Heartbeat` thread, so that a slow tracking server (an HTTP call may retry for
+    minutes) never stalls the study's beat, by which other workers judge this one alive."""
 
     def __init__(self) -> None:
         self.study: TuningStudy | None = None
@@ -57,8 +59,8 @@ class Presence:
         self.in_flight: Proposal | None = None
         """The trial this worker runs now (asked, not yet told)."""
 
-    def beat(self) -> None:
-        """One heartbeat: the setup, the trial in flight, the session run."""
+    def beat_study(self) -> None:
+        """One beat in the study: the setup this worker holds, the trial it runs."""
         study = self.study
         if study is None:
             return
@@ -68,6 +70,9 @@ class Presence:
         if proposal is not None:
             with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
                 study.in_flight.beat(proposal)
+
+    def beat_tracker(self) -> None:
+        """One beat on the session run (MLflow)."""
         if self.tracker is not None:
             self.tracker.beat()
 

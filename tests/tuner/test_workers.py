@@ -53,3 +53,41 @@ def test_a_slot_within_n_trials_is_free_with_others_running(tmp_path: Path) -> N
     b.ask()
     assert not slot_taken(b, n_trials=2, grace_s=GRACE_S)
     assert others_fill(b, n_trials=2, grace_s=GRACE_S)
+
+
+def test_a_tracking_server_that_hangs_does_not_stall_the_studys_heartbeat() -> None:
+    """Other workers judge this one alive by its beat in the study; the session run's beat is an HTTP
+    call to MLflow that may retry for minutes. Each beats on its own thread."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tuner.liveness import Heartbeat
+    from tuner.workers import Presence
+
+    study_beats: list[float] = []
+    released, tracker_entered = threading.Event(), threading.Event()
+
+    def hung_tracker_beat() -> None:
+        tracker_entered.set()
+        released.wait(60.0)
+
+    presence = Presence()
+    presence.study = SimpleNamespace(setup=SimpleNamespace(beat=lambda: study_beats.append(time.monotonic())))  # type: ignore[assignment]
+    presence.tracker = SimpleNamespace(beat=hung_tracker_beat)  # type: ignore[assignment]
+    presence.setting_up = True
+    beats = [
+        Heartbeat(presence.beat_study, interval=0.01).start(),
+        Heartbeat(presence.beat_tracker, interval=0.01).start(),
+    ]
+    try:
+        assert tracker_entered.wait(30.0), "the tracker's heartbeat never ran"
+        seen = len(study_beats)
+        deadline = time.monotonic() + 30.0
+        while len(study_beats) < seen + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(study_beats) >= seen + 5, "the study's heartbeat stalled behind the tracker's"
+    finally:
+        released.set()
+        for beat in beats:
+            beat.stop()
