@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,13 @@ def _storage_url(tmp_path: Path, kind: str) -> str:
     return str(tmp_path / "study.log") if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
 
 
+_OTHER_WAITS = threading.Event()
+"""Set when a worker finds the lease held (`gate_lease`'s ``on_wait``)."""
+
+
 def _slow_trial(recipe: Any, policy: RecomputePolicy, **kw: Any) -> TrialResult:
-    # Long enough that the second worker arrives while the first is gating.
-    time.sleep(0.5)
+    # The holder gates until the other worker waits for the lease: both arrive together, whatever the load.
+    assert _OTHER_WAITS.wait(60.0), "the second worker never waited for the lease"
     n = kw["measure_steps"]
     return TrialResult(
         outcome="ok",
@@ -62,6 +65,7 @@ def test_two_workers_finishing_together_promote_exactly_once(tmp_path: Path, uri
     url = _storage_url(tmp_path, kind)
     Tracker(uri, "lease")  # the experiment exists before the workers start, as after a search
     start = threading.Barrier(2)
+    _OTHER_WAITS.clear()
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
 
@@ -71,7 +75,7 @@ def test_two_workers_finishing_together_promote_exactly_once(tmp_path: Path, uri
             storage, tracker = open_storage(url), Tracker(uri, "lease")
             out = tmp_path / f"machine{i}" / "policy.yaml"
             start.wait(timeout=30)
-            with gate_lease(storage, "study", wait_s=60, poll_s=0.05) as waited:
+            with gate_lease(storage, "study", wait_s=60, poll_s=0.05, on_wait=lambda _: _OTHER_WAITS.set()) as waited:
                 d = decide(
                     tracker,
                     Candidate(A),
