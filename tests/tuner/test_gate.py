@@ -581,24 +581,11 @@ def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process
     # The race measured B at 200/s; its confirmation, in its own process, measures 100/s (A, its reference, 150/s).
     race = exact_race([(B, ["trial 1"]), (A, ["trial 2"])], {B.fingerprint(): 1 / 200, A.fingerprint(): 1 / 150}, {})
     trials = FixedTrials({B: 100.0, A: 150.0})
-
-    def gate_b(r: Any) -> Any:
-        return evaluate(
-            B,
-            None,
-            recipe=recipe,
-            budget_bytes=LIMIT,
-            run_trial=trials,
-            check_numerics=numerics(),
-            run_race=trials.run_race,
-            race=r,
-        )
-
-    failed = gate_b(dataclasses.replace(race, trial_scale=1.0))
+    failed = _gate_b(recipe, trials, dataclasses.replace(race, trial_scale=1.0))
     assert failed.checks["confirmation"] == "failed" and "the race's figure did not hold up" in failed.reasons[0]
     assert "50% below the 200 tokens/s expected" in failed.reasons[0]
     # Trials measured the raced policies at 0.6x their race figures: 100/s is what B's should be (120 +- 25%).
-    assert gate_b(dataclasses.replace(race, trial_scale=0.6)).promoted
+    assert _gate_b(recipe, trials, dataclasses.replace(race, trial_scale=0.6)).promoted
     assert race.calibrated({B.fingerprint(): 120.0, A.fingerprint(): 120.0}).trial_scale == pytest.approx(0.6)
 
 
@@ -639,7 +626,8 @@ def _race_b_over_a(reference_policy: bool = True) -> Any:
     return dataclasses.replace(race, entrants=entrants)
 
 
-def _gate_b(recipe: recipe_mod.Recipe, runs: _Spelled, race: Any, lines: list[str] | None = None) -> Any:
+def _gate_b(recipe: recipe_mod.Recipe, runs: FixedTrials | _Spelled, race: Any, lines: list[str] | None = None) -> Any:
+    """`evaluate` of B, alone (no good policy), with ``runs`` as its trial and race runner."""
     return evaluate(
         B,
         None,
