@@ -315,21 +315,24 @@ class _Gate:
             f"gate: slow again; racing it against {ref.short} ({ref.label}) interleaved, to tell a slowed "
             "machine from a slow policy ..."
         )
-        ref_policy = RecomputePolicy.from_dict(ref.policy)
-        pair = run_race(
-            self.recipe,
-            [(cand.policy, ["candidate"]), (ref_policy, list(ref.labels))],
-            layer_names=cand.layer_names or (),
-            references=[ref_policy],
-            micro_batch=cand.micro_batch,
-            budget_bytes=self.budget_bytes,
-        )
+        pair = self._race_against(run_race, RecomputePolicy.from_dict(ref.policy), list(ref.labels))
         self.evidence["confirmation_race"] = pair.to_dict()
-        held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
-        if held.startswith("kept"):
+        kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
+        if kept:
             self.evidence["confirmation_held"] = f"slower than the race in its own process, but it {held}"
             return conf, None
         return conf, f"{failure}; and it {held}"
+
+    def _race_against(self, run_race: RunRace, other: RecomputePolicy, labels: list[str]) -> RaceResult:
+        """The candidate and ``other`` raced interleaved, ``other`` the reference of the figures."""
+        return run_race(
+            self.recipe,
+            [(self.cand.policy, ["candidate"]), (other, labels)],
+            layer_names=self.cand.layer_names or (),
+            references=[other],
+            micro_batch=self.cand.micro_batch,
+            budget_bytes=self.budget_bytes,
+        )
 
     def numerics(self, check_numerics: CheckNumerics) -> bool:
         """2. Numerics: a recomputation that changes gradients is a bug, however fast."""
@@ -358,14 +361,7 @@ class _Gate:
         raced = race if _raced_both(race, cand.policy, good) else None
         if raced is None:
             self.tell("gate: racing the candidate against the current good policy, interleaved ...")
-            raced = run_race(
-                self.recipe,
-                [(cand.policy, ["candidate"]), (good.policy, ["good"])],
-                layer_names=cand.layer_names or (),
-                references=[good.policy],
-                micro_batch=cand.micro_batch,
-                budget_bytes=self.budget_bytes,
-            )
+            raced = self._race_against(run_race, good.policy, ["good"])
         if raced.outcome == "failed" and self._good_does_not_run(run_trial, raced):
             return True
         failure = _regression(decision, cand, good, raced)
@@ -560,14 +556,16 @@ def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant |
     return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)))
 
 
-def _held_against(pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings) -> str:
-    """Whether the candidate kept its standing against ``ref`` when raced again (``pair``):
-    ``kept ...``, ``did not keep ...`` or ``could not be compared ...``, with the figures."""
+def _held_against(
+    pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings
+) -> tuple[bool, str]:
+    """Whether the candidate kept its standing against ``ref`` when raced again (``pair``), and the
+    words: ``kept ...``, ``did not keep ...`` or ``could not be compared ...``, with the figures."""
     now_c, now_r = pair.throughput(candidate), pair.throughput(ref.key)
     then_c, then_r = race.throughput(candidate), race.throughput(ref.key)
     if not (pair.ok and now_c and now_r and then_c and then_r):
         why = pair.reason or "no figure for one of the two"
-        return f"could not be compared with {ref.short} ({ref.label}) raced again ({pair.outcome}: {why})"
+        return False, f"could not be compared with {ref.short} ({ref.label}) raced again ({pair.outcome}: {why})"
     now, then = now_c / now_r, then_c / then_r
     figures = (
         f"{now:.2f}x the throughput of {ref.short} ({ref.label}) raced again interleaved "
@@ -575,8 +573,8 @@ def _held_against(pair: RaceResult, ref: RaceEntrant, candidate: str, race: Race
         f"(at most {cfg.confirm_slack:.0%} less allowed)"
     )
     if now >= then * (1.0 - cfg.confirm_slack):
-        return f"kept its standing: the machine slowed, not the policy: {figures}"
-    return f"did not keep its standing either: {figures}"
+        return True, f"kept its standing: the machine slowed, not the policy: {figures}"
+    return False, f"did not keep its standing either: {figures}"
 
 
 def _raced_both(race: RaceResult | None, candidate: RecomputePolicy, good: GoodPolicy) -> bool:
