@@ -27,7 +27,7 @@ from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.modes import MODES
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
-from tuner.planner import PlannedPolicy, Planner
+from tuner.planner import Planner
 from tuner.profile import Profile, profile_model
 
 __all__ = [
@@ -116,7 +116,7 @@ def planner_candidates(
     for j, i in enumerate(chosen):
         planned = fitting[i]
         label = "planner:budget" if planned is pick else f"planner:front{j + 1}"
-        out.append(_planned(planned, label))
+        out.append(Candidate(planned.policy, planned.short(), label, planned.peak_bytes, planned.step_time_s))
     if note is None and len(out) < most:
         # The front is ordered by measured times, and a profile's few timed steps are noisy: one slow
         # sample can make the least-memory policy look fastest too and collapse the front to one
@@ -134,16 +134,6 @@ def planner_candidates(
                 )
         out.sort(key=lambda c: c.predicted_peak_bytes or 0)  # safest first
     return out, note
-
-
-def _planned(planned: PlannedPolicy, label: str) -> Candidate:
-    return Candidate(
-        planned.policy,
-        planned.short(),
-        label,
-        predicted_peak_bytes=planned.peak_bytes,
-        predicted_step_time_s=planned.step_time_s,
-    )
 
 
 def baseline_candidates(model: nn.Module, layers: LayerSpec, modes: Sequence[str]) -> list[Candidate]:
