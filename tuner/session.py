@@ -370,18 +370,7 @@ class _TuningSession:
         self.presence.in_flight = None
         if self.options.on_trial is None or self.study is None:
             return
-        records = self.study.records()
-        record = next(r for r in records if r.number == number)
-        self.options.on_trial(
-            TrialEvent(
-                record=record,
-                best=best_of(records),
-                ran=sum(1 for r in records if r.ran),
-                n_trials=self.options.n_trials,
-                budget_bytes=self.where.budget,
-                layer_names=self.where.space.layer_names,
-            )
-        )
+        self.options.on_trial(_trial_event(self.study, number, self.options.n_trials, self.where))
 
     # -------------------------------------------------------------- endings
 
@@ -466,3 +455,16 @@ class _TuningSession:
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id
         return self._finish(summary)
+
+
+def _trial_event(study: TuningStudy, number: int, n_trials: int, where: _Where) -> TrialEvent:
+    """What ``on_trial`` hears after trial ``number``: its record, the best so far and the count ran."""
+    records = study.records()
+    return TrialEvent(
+        record=next(r for r in records if r.number == number),
+        best=best_of(records),
+        ran=sum(1 for r in records if r.ran),
+        n_trials=n_trials,
+        budget_bytes=where.budget,
+        layer_names=where.space.layer_names,
+    )

@@ -27,7 +27,7 @@ from lightning_recompute.layers import LayerSpec
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
-from tuner.auto.candidates import Candidate, find_candidates
+from tuner.auto.candidates import Candidate, shared_candidates
 from tuner.auto.record import JobTuning, record_decision
 from tuner.auto.retry import StepRetry
 from tuner.race import RacePlan, RaceResult
@@ -274,43 +274,22 @@ class AutoRecompute(RecomputeCallback):
         """Find the candidates (rank 0's, shared) and start the race."""
         self._began = time.perf_counter()
         self._machine_before = machine_state(pl_module.device.type)
-        payload: dict[str, Any] | None = None
-        if trainer.is_global_zero:
-            try:
-                found, notes = find_candidates(
-                    trainer,
-                    pl_module,
-                    batch,
-                    given=self.given,
-                    layers=self.layers,
-                    modes=self.modes,
-                    limit_bytes=self.limit_bytes,
-                    max_candidates=self.max_candidates,
-                    free_grads_at_batch_start=self.grad_freeing is not None and self.grad_freeing.enabled,
-                    repeats=self.profile_repeats,
-                )
-                payload = {"candidates": [c.to_dict() for c in found], "notes": notes}
-            except Exception as err:  # sent to every rank and raised there, so no rank waits forever
-                payload = {"error": f"{type(err).__name__}: {err}"}
-                if self._world == 1:
-                    raise
-        payload = trainer.strategy.broadcast(payload, src=0)
-        assert payload is not None
-        if "error" in payload:
-            raise RecomputeError(f"AutoRecompute: finding candidates on rank 0 failed: {payload['error']}")
-        self.candidates = [Candidate.from_dict(d) for d in payload["candidates"]]
-        self.notes.extend(payload["notes"])
+        self.candidates, notes = shared_candidates(
+            trainer,
+            pl_module,
+            batch,
+            given=self.given,
+            layers=self.layers,
+            modes=self.modes,
+            limit_bytes=self.limit_bytes,
+            max_candidates=self.max_candidates,
+            free_grads_at_batch_start=self.grad_freeing is not None and self.grad_freeing.enabled,
+            repeats=self.profile_repeats,
+        )
+        self.notes.extend(notes)
         for note in self.notes:
             rank_zero_info(f"AutoRecompute: {note}")
-        lines = [
-            f"  {c.short}  {c.label}"
-            + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
-            for c in self.candidates
-        ]
-        rank_zero_info(
-            f"AutoRecompute: racing {len(self.candidates)} candidate(s) under the limit "
-            f"{format_bytes(self.limit_bytes)}, one per optimizer step, safest first:\n" + "\n".join(lines)
-        )
+        rank_zero_info(_racing_line(self.candidates, self.limit_bytes))
         self.schedule = RaceSchedule(
             [(c.key, c.policy, c.short) for c in self.candidates],
             references=[self.candidates[0].key],
@@ -359,35 +338,14 @@ class AutoRecompute(RecomputeCallback):
             {c.key: c.policy.to_dict() for c in self.candidates},
         )
         self.race_result = result
-        words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]
-        if result.ok and result.stop:
-            words.append(f"{result.select_rounds} selection rounds: {result.stop}")
-        words += [line for line in (result.tie_line(), result.unresolved_line(), *result.headlines()) if line]
-        words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
-        summary = "; ".join(words)
+        summary = _decision_summary(chosen, result, self.tuning_steps)
         self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, summary)
         self.switch_policy(pl_module, chosen.policy)
         self._after_tuning()
         self._stop_retrying()
         rank_zero_info(f"AutoRecompute: {summary}")
         if trainer.is_global_zero:
-            tuning = JobTuning(
-                policy=chosen.policy,
-                summary=summary,
-                candidates=tuple(self.candidates),
-                race=result,
-                notes=tuple(self.notes),
-                budget_bytes=self.budget_bytes,
-                limit_bytes=self.limit_bytes,
-                modes=self.modes,
-                plan=self.plan,
-                layers=self.layers,
-                micro_batch=self.records[-1].samples if self.records else None,
-                name=self.name or f"auto-{type(pl_module).__name__}",
-                output=self.output,
-                tracking_uri=self.tracking_uri,
-                experiment=self.experiment,
-            )
+            tuning = _job_tuning(self, chosen, summary, result, pl_module)
             self.record_run_id = record_decision(tuning, trainer, pl_module)
 
     def _stop_retrying(self) -> None:
@@ -438,6 +396,52 @@ class AutoRecompute(RecomputeCallback):
             self.decision = AutoDecision.from_dict(decided)
         else:
             rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
+
+
+def _racing_line(candidates: Sequence[Candidate], limit_bytes: int) -> str:
+    """What the log says when the race starts: the candidates in their order, with predicted peaks."""
+    lines = [
+        f"  {c.short}  {c.label}"
+        + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
+        for c in candidates
+    ]
+    return (
+        f"AutoRecompute: racing {len(candidates)} candidate(s) under the limit {format_bytes(limit_bytes)}, "
+        "one per optimizer step, safest first:\n" + "\n".join(lines)
+    )
+
+
+def _decision_summary(chosen: Candidate, result: RaceResult, tuning_steps: int) -> str:
+    """The decision in one line: the winner, why the race stopped, ties, headlines and who went out."""
+    words = [f"settled on {chosen.short} ({chosen.label}) after {tuning_steps} tuning steps"]
+    if result.ok and result.stop:
+        words.append(f"{result.select_rounds} selection rounds: {result.stop}")
+    words += [line for line in (result.tie_line(), result.unresolved_line(), *result.headlines()) if line]
+    words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
+    return "; ".join(words)
+
+
+def _job_tuning(
+    auto: AutoRecompute, chosen: Candidate, summary: str, result: RaceResult, pl_module: L.LightningModule
+) -> JobTuning:
+    """What `record_decision` writes: the decision with the callback's settings and what it noticed."""
+    return JobTuning(
+        policy=chosen.policy,
+        summary=summary,
+        candidates=tuple(auto.candidates),
+        race=result,
+        notes=tuple(auto.notes),
+        budget_bytes=auto.budget_bytes,
+        limit_bytes=auto.limit_bytes,
+        modes=auto.modes,
+        plan=auto.plan,
+        layers=auto.layers,
+        micro_batch=auto.records[-1].samples if auto.records else None,
+        name=auto.name or f"auto-{type(pl_module).__name__}",
+        output=auto.output,
+        tracking_uri=auto.tracking_uri,
+        experiment=auto.experiment,
+    )
 
 
 def agree_across_ranks(report: RoundReport) -> RoundReport:

@@ -38,6 +38,7 @@ __all__ = [
     "given_candidates",
     "planner_candidates",
     "profile_in_job",
+    "shared_candidates",
 ]
 
 PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -232,6 +233,28 @@ def find_candidates(
         failed = f"profiling the first batch failed ({err}); racing uniform policies"
         return baseline_candidates(pl_module, layers, modes), [failed]
     return found, [planner_note] if planner_note else []
+
+
+def shared_candidates(
+    trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, **find: Any
+) -> tuple[list[Candidate], list[str]]:
+    """`find_candidates` on rank 0 (``find`` its keywords), received by every rank. A failure on rank 0
+    reaches every rank as a `RecomputeError`, so no rank waits forever in the broadcast; on one rank the
+    original error is raised."""
+    payload: dict[str, Any] | None = None
+    if trainer.is_global_zero:
+        try:
+            found, notes = find_candidates(trainer, pl_module, batch, **find)
+            payload = {"candidates": [c.to_dict() for c in found], "notes": notes}
+        except Exception as err:  # sent to every rank and raised there
+            payload = {"error": f"{type(err).__name__}: {err}"}
+            if trainer.world_size == 1:
+                raise
+    payload = trainer.strategy.broadcast(payload, src=0)
+    assert payload is not None
+    if "error" in payload:
+        raise RecomputeError(f"AutoRecompute: finding candidates on rank 0 failed: {payload['error']}")
+    return [Candidate.from_dict(d) for d in payload["candidates"]], list(payload["notes"])
 
 
 @contextmanager

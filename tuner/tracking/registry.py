@@ -314,17 +314,8 @@ class PolicyRegistry:
     def _good_run_id(self) -> str | None:
         return self.store.client.get_experiment(self.store.experiment_id).tags.get(GOOD_RUN_TAG) or None
 
-    def _run_policy(self, run_id: str) -> RecomputePolicy | None:
-        """The ``policy.yaml`` of a run, or ``None`` when it has none."""
-        names = {f.path for f in self.store.client.list_artifacts(run_id)}
-        if POLICY_ARTIFACT not in names:
-            return None
-        with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
-            local = self.store.client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
-            return RecomputePolicy.load(local)
-
     def _ensure_run_policy(self, run_id: str, policy: RecomputePolicy) -> None:
-        held = self._run_policy(run_id)
+        held = _run_policy(self.store, run_id)
         if held is not None and held.fingerprint() != policy.fingerprint():
             raise TrackingError(
                 f"run {run_id} measured policy {held.fingerprint()}, not the promoted {policy.fingerprint()}; "
@@ -345,7 +336,7 @@ class PolicyRegistry:
             raise TrackingError(
                 f"experiment {self.store.experiment!r}: good run {run_id} does not exist ({err.error_code})"
             ) from None
-        policy = self._run_policy(run_id)
+        policy = _run_policy(self.store, run_id)
         if policy is None:
             raise TrackingError(
                 f"experiment {self.store.experiment!r}: good run {run_id} has no {POLICY_ARTIFACT} artifact"
@@ -388,6 +379,16 @@ class PolicyRegistry:
             elif t.get(DECISION) == "rollback" and stack:
                 stack.pop()
         return stack
+
+
+def _run_policy(store: TrackingClient, run_id: str) -> RecomputePolicy | None:
+    """The ``policy.yaml`` of a run, or ``None`` when it has none."""
+    names = {f.path for f in store.client.list_artifacts(run_id)}
+    if POLICY_ARTIFACT not in names:
+        return None
+    with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
+        local = store.client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
+        return RecomputePolicy.load(local)
 
 
 def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Path]:

@@ -97,7 +97,7 @@ class SessionLog:
 
         if self._session_open:
             raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
-        run_id = self._resumable_session(study_name) if resume else None
+        run_id = _resumable_session(self.store, study_name) if resume else None
         if run_id is not None:
             run = self.store.client.get_run(run_id)
             resumes = int(run.data.tags.get(RESUMES, "0")) + 1
@@ -113,7 +113,7 @@ class SessionLog:
             run = self.store.client.get_run(run_id)
         self._session_run_id, self._session_open, self._study = run_id, True, study_name
 
-        params = self._recipe_params(recipe, study_name)
+        params = _recipe_params(recipe, study_name)
         logged = run.data.params
         # Params are write-once in MLflow; on resume log only new ones and name what changed
         # (e.g. n_trials extended) in a tag instead of failing the resumed session.
@@ -359,29 +359,33 @@ class SessionLog:
             raise TrackingError("no open session: call start_session() (or use Tracker.session()) first")
         return self._session_run_id
 
-    def _resumable_session(self, study_name: str) -> str | None:
-        quoted = study_name.replace("'", "\\'")
-        runs = self.store.search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
-        if not runs:
-            return None
-        latest = max(runs, key=lambda r: r.info.start_time)
-        # Only an interrupted (KILLED) or crashed (FAILED) session is picked up again. A RUNNING
-        # one belongs to a worker that is still tuning the same study: sharing its run would let
-        # whichever worker finishes first close it under the other's trials, so this worker
-        # opens a session run of its own.
-        return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
 
-    def _recipe_params(self, recipe: Recipe, study_name: str) -> dict[str, str]:
-        params = {STUDY_NAME_PARAM: study_name}
-        to_dict = getattr(recipe, "to_dict", None)
-        data = jsonable(to_dict()) if callable(to_dict) else {}
-        # Locations (tracking, study storage, output) are tags-worthy at most: they move with a
-        # checkout and are not what a trial measured.
-        for key, value in _flatten(data, "recipe").items():
-            if key.split(".")[1] in ("tracking", "study", "output"):
-                continue
-            params[param_key(key)] = clip_tag(value, 500)
-        return params
+def _resumable_session(store: TrackingClient, study_name: str) -> str | None:
+    """The session run of ``study_name`` to resume: the latest, when it was interrupted or crashed."""
+    quoted = study_name.replace("'", "\\'")
+    runs = store.search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
+    if not runs:
+        return None
+    latest = max(runs, key=lambda r: r.info.start_time)
+    # Only an interrupted (KILLED) or crashed (FAILED) session is picked up again. A RUNNING
+    # one belongs to a worker that is still tuning the same study: sharing its run would let
+    # whichever worker finishes first close it under the other's trials, so this worker
+    # opens a session run of its own.
+    return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
+
+
+def _recipe_params(recipe: Recipe, study_name: str) -> dict[str, str]:
+    """The session run's params: the study name and the recipe's keys, flattened, without its locations."""
+    params = {STUDY_NAME_PARAM: study_name}
+    to_dict = getattr(recipe, "to_dict", None)
+    data = jsonable(to_dict()) if callable(to_dict) else {}
+    # Locations (tracking, study storage, output) are tags-worthy at most: they move with a
+    # checkout and are not what a trial measured.
+    for key, value in _flatten(data, "recipe").items():
+        if key.split(".")[1] in ("tracking", "study", "output"):
+            continue
+        params[param_key(key)] = clip_tag(value, 500)
+    return params
 
 
 def _status(status: str) -> str:
