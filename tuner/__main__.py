@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tuner.cli import main
+from tuner.cli import command
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())
