@@ -65,7 +65,7 @@ def run_worker(storage: str, study_name: str, tracking: str, experiment_id: str,
     """``trials`` fake trials against the stores; per trial the seconds of ask+tell and of MLflow logging."""
     import optuna
     from mlflow import MlflowClient
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import RunTag
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(
@@ -73,75 +73,14 @@ def run_worker(storage: str, study_name: str, tracking: str, experiment_id: str,
     )
     client = MlflowClient(tracking)
     session = client.create_run(experiment_id, run_name="session", tags={"recompute.kind": "session"}).info.run_id
-    distributions: dict[str, optuna.distributions.BaseDistribution] = {
-        f"layer.{name}": optuna.distributions.CategoricalDistribution(MODES) for name in LAYERS
-    }
-    budget = 48 * 2**20
     out = []
     for _ in range(trials):
         t0 = time.perf_counter()
-        # ask: the session's stop check, the ask, the candidate's attributes, the duplicate scan
-        sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("outcome") == "ok")
-        trial = study.ask(fixed_distributions=distributions)
-        params = {k: str(v) for k, v in trial.params.items()}
-        fingerprint = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(params, sort_keys=True)).hex[:16]
-        policy = "version: 1\nlayers:\n" + "".join(f"  {k.removeprefix('layer.')}: {v}\n" for k, v in params.items())
-        attrs: tuple[tuple[str, Any], ...] = (
-            ("candidate_key", f"{fingerprint}@default"),
-            ("policy", params),
-            ("policy_fingerprint", fingerprint),
-            ("policy_short", "".join(m[0].upper() for m in params.values())),
-            ("micro_batch", None),
-            ("worker", f"{platform.node()}:{os.getpid()}"),
-        )
-        for key, value in attrs:
-            trial.set_user_attr(key, value)
-        study.get_trials(deepcopy=False)
+        trial, params, fingerprint = _ask(study)
         figures = _fake_measurement(params)
-        # tell: the result's attributes, the constraint, the state
-        attrs = (
-            ("outcome", "ok"),
-            ("reason", None),
-            ("predicted_peak_bytes", None),
-            ("predicted_step_time_s", None),
-            ("throughput", figures["throughput"]),
-            ("throughput_unit", "samples/s"),
-            ("peak_bytes", figures["peak_bytes"]),
-            ("step_time_s", figures["step_time_s"]),
-            ("wall_s", 1.0),
-            ("peak_minus_budget", figures["peak_bytes"] - budget),
-        )
-        for key, value in attrs:
-            trial.set_user_attr(key, value)
-        trial.set_constraint("peak_minus_budget", figures["peak_bytes"] - budget)
+        _tell_attrs(trial, figures)
         t1 = time.perf_counter()
-        # mlflow: the nested trial run, as Tracker.log_trial writes it
-        now = int(time.time() * 1000)
-        tags = {
-            "recompute.kind": "trial",
-            "recompute.outcome": "ok",
-            "recompute.policy_fingerprint": fingerprint,
-            "mlflow.parentRunId": session,
-            "recompute.study": study_name,
-            "recompute.policy_short": "".join(m[0].upper() for m in params.values()),
-            "recompute.device": "cpu",
-            "recompute.throughput_unit": "samples/s",
-        }
-        run_id = client.create_run(
-            experiment_id, start_time=now - 1000, tags=tags, run_name=f"trial {trial.number}"
-        ).info.run_id
-        run_params = [Param(k, v) for k, v in params.items()]
-        run_params += [
-            Param("micro_batch", "default"),
-            Param("policy_fingerprint", fingerprint),
-            Param("trial_number", str(trial.number)),
-        ]
-        metrics = [Metric(f"measured_{k}", v, now, 0) for k, v in figures.items()] + [Metric("wall_s", 1.0, now, 0)]
-        client.log_batch(run_id, params=run_params)
-        client.log_batch(run_id, metrics=metrics)
-        client.log_batch(run_id, metrics=[Metric("step_time_s", figures["step_time_s"], now, i) for i in range(4)])
-        client.log_text(run_id, policy, "policy.yaml")
-        client.set_terminated(run_id, "FINISHED")
+        run_id = _log_trial_run(client, experiment_id, session, study_name, trial.number, params, fingerprint, figures)
         t2 = time.perf_counter()
         # The tuner tells after logging (the trial's run id goes into the study): same calls, same cost.
         trial.set_user_attr("mlflow_run_id", run_id)
@@ -151,6 +90,97 @@ def run_worker(storage: str, study_name: str, tracking: str, experiment_id: str,
     client.log_batch(session, tags=[RunTag("recompute.trials", str(trials))])
     client.set_terminated(session, "FINISHED")
     return out
+
+
+_BUDGET = 48 * 2**20
+
+
+def _ask(study: Any) -> tuple[Any, dict[str, str], str]:
+    """As a session asks: the stop check, the ask, the candidate's attributes, the duplicate scan."""
+    import optuna
+
+    distributions: dict[str, optuna.distributions.BaseDistribution] = {
+        f"layer.{name}": optuna.distributions.CategoricalDistribution(MODES) for name in LAYERS
+    }
+    sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("outcome") == "ok")
+    trial = study.ask(fixed_distributions=distributions)
+    params = {k: str(v) for k, v in trial.params.items()}
+    fingerprint = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(params, sort_keys=True)).hex[:16]
+    attrs: tuple[tuple[str, Any], ...] = (
+        ("candidate_key", f"{fingerprint}@default"),
+        ("policy", params),
+        ("policy_fingerprint", fingerprint),
+        ("policy_short", "".join(m[0].upper() for m in params.values())),
+        ("micro_batch", None),
+        ("worker", f"{platform.node()}:{os.getpid()}"),
+    )
+    for key, value in attrs:
+        trial.set_user_attr(key, value)
+    study.get_trials(deepcopy=False)
+    return trial, params, fingerprint
+
+
+def _tell_attrs(trial: Any, figures: dict[str, float]) -> None:
+    """As a session tells: the result's attributes and the constraint."""
+    attrs = (
+        ("outcome", "ok"),
+        ("reason", None),
+        ("predicted_peak_bytes", None),
+        ("predicted_step_time_s", None),
+        ("throughput", figures["throughput"]),
+        ("throughput_unit", "samples/s"),
+        ("peak_bytes", figures["peak_bytes"]),
+        ("step_time_s", figures["step_time_s"]),
+        ("wall_s", 1.0),
+        ("peak_minus_budget", figures["peak_bytes"] - _BUDGET),
+    )
+    for key, value in attrs:
+        trial.set_user_attr(key, value)
+    trial.set_constraint("peak_minus_budget", figures["peak_bytes"] - _BUDGET)
+
+
+def _log_trial_run(
+    client: Any,
+    experiment_id: str,
+    session: str,
+    study_name: str,
+    number: int,
+    params: dict[str, str],
+    fingerprint: str,
+    figures: dict[str, float],
+) -> str:
+    """The nested trial run, as the tuner's `SessionLog.log_trial` writes it; its run id."""
+    from mlflow.entities import Metric, Param
+
+    now = int(time.time() * 1000)
+    short = "".join(m[0].upper() for m in params.values())
+    tags = {
+        "recompute.kind": "trial",
+        "recompute.outcome": "ok",
+        "recompute.policy_fingerprint": fingerprint,
+        "mlflow.parentRunId": session,
+        "recompute.study": study_name,
+        "recompute.policy_short": short,
+        "recompute.device": "cpu",
+        "recompute.throughput_unit": "samples/s",
+    }
+    run_id: str = client.create_run(
+        experiment_id, start_time=now - 1000, tags=tags, run_name=f"trial {number}"
+    ).info.run_id
+    run_params = [Param(k, v) for k, v in params.items()]
+    run_params += [
+        Param("micro_batch", "default"),
+        Param("policy_fingerprint", fingerprint),
+        Param("trial_number", str(number)),
+    ]
+    metrics = [Metric(f"measured_{k}", v, now, 0) for k, v in figures.items()] + [Metric("wall_s", 1.0, now, 0)]
+    client.log_batch(run_id, params=run_params)
+    client.log_batch(run_id, metrics=metrics)
+    client.log_batch(run_id, metrics=[Metric("step_time_s", figures["step_time_s"], now, i) for i in range(4)])
+    policy = "version: 1\nlayers:\n" + "".join(f"  {k.removeprefix('layer.')}: {v}\n" for k, v in params.items())
+    client.log_text(run_id, policy, "policy.yaml")
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
 
 
 def _optuna_storage(url: str) -> Any:

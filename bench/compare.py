@@ -741,7 +741,9 @@ def _machine() -> str:
 
 
 def _arguments(argv: Sequence[str] | None) -> tuple[argparse.Namespace, tuple[Workload, ...], str]:
-    """The command line with the size's defaults filled in, the workloads to run, and the results' tag."""
+    """The command line with the size's defaults filled in, the workloads to run, and the results' tag.
+
+    Long because it is a list: one declaration per option, read top to bottom as ``--help`` prints them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="one small workload, fewer rounds and trials")

@@ -297,7 +297,7 @@ def rescore(path: Path, rounds: int, log: Any, processes: int = 1) -> dict[str, 
     return results
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sessions", type=int, default=5)
@@ -322,7 +322,11 @@ def main() -> int:
         type=Path,
         help="a results file whose ranking truth to reuse (same machine) instead of measuring it again",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = _arguments()
     began = time.perf_counter()
 
     def log(line: str) -> None:
@@ -342,20 +346,7 @@ def main() -> int:
             log(f"  truth: the ranking of {args.truth_from} (best {t['best']})")
         else:
             t = truth(workload, args.truth_rounds, log)
-        rows: list[dict[str, Any]] = []
-        for condition in args.conditions.split(","):
-            for i in range(args.sessions):
-                seed = i if condition == "noisy" else None
-                for raced in (True, False):  # interleaved: the wall-time ratio sees the same machine moments
-                    s = session(workload, race=raced, noisy_seed=seed)
-                    row = {"condition": condition, "session": i, "race": raced, "wall_s": s["wall_s"]}
-                    if "summary" in s:
-                        row.update(extract(s))
-                        row.update(grade(row, t))
-                    else:
-                        row["error"] = s["error"]
-                    rows.append(row)
-                    log(f"  {condition} #{i} race={'on ' if raced else 'off'} {json.dumps(row, default=str)}")
+        rows = _sessions(workload, args, t, log)
         if args.pair_processes > 0:
             # Grade the printed intervals against a truth measured as the sessions' estimates are (few
             # entrants), but over several processes' pooled rounds.
@@ -371,6 +362,25 @@ def main() -> int:
         _save(results, args.out)  # after each workload: a run cut short keeps what it measured
     _publish(results, args.out)
     return 0
+
+
+def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: Any) -> list[dict[str, Any]]:
+    """Every condition's sessions on ``workload``, with and without the race, each graded against ``t``."""
+    rows: list[dict[str, Any]] = []
+    for condition in args.conditions.split(","):
+        for i in range(args.sessions):
+            seed = i if condition == "noisy" else None
+            for raced in (True, False):  # interleaved: the wall-time ratio sees the same machine moments
+                s = session(workload, race=raced, noisy_seed=seed)
+                row = {"condition": condition, "session": i, "race": raced, "wall_s": s["wall_s"]}
+                if "summary" in s:
+                    row.update(extract(s))
+                    row.update(grade(row, t))
+                else:
+                    row["error"] = s["error"]
+                rows.append(row)
+                log(f"  {condition} #{i} race={'on ' if raced else 'off'} {json.dumps(row, default=str)}")
+    return rows
 
 
 def _save(results: dict[str, Any], out: Path) -> None:

@@ -643,6 +643,49 @@ def _figures(value: Any, prefix: str = "") -> dict[str, float]:
 
 
 def check_session(ctx: Context) -> Verdict:
+    folder, limit = _session_recipe(ctx)
+    path = os.pathsep.join(p for p in (str(REPO), ctx.child_env.get("PYTHONPATH")) if p)
+    env = {**ctx.child_env, "PYTHONPATH": path}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tuner", "recipe.yaml", "--format", "json"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ctx.sizes.session_timeout_s,
+        check=False,
+    )
+    wall = time.perf_counter() - started
+    try:
+        summary = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the session exited {proc.returncode} without a JSON summary:\n{tail}") from None
+    best = summary.get("best") or {}
+    promoted = summary.get("status") == "promoted" and proc.returncode == 0
+    written = None
+    if summary.get("policy_path") and Path(summary["policy_path"]).exists():
+        written = RecomputePolicy.load(summary["policy_path"]).fingerprint()
+    candidate = (summary.get("evidence") or {}).get("candidate", {}).get("fingerprint")
+    figures = _session_figures(ctx, summary, proc.returncode, wall, candidate, written)
+    passed = promoted and written is not None and written == candidate
+    peak, used = best.get("peak_bytes"), summary.get("budget_bytes")
+    verdict = (
+        f"{summary.get('status')} {best.get('policy_short')} ({candidate}), exit {proc.returncode}, "
+        f"peak {format_bytes(peak) if peak is not None else '?'} (limit {format_bytes(used or limit)}), "
+        f"{best.get('throughput') or 0:,.0f} {best.get('throughput_unit', '')}, session {wall:.0f} s"
+    )
+    if written is not None and written != candidate:
+        verdict += f"; the policy file holds {written}, not the promoted {candidate}"
+    return Verdict(passed, verdict, figures)
+
+
+def _session_recipe(ctx: Context) -> tuple[Path, int]:
+    """The session check's recipe, written to a fresh folder, with a budget between the predicted peaks of
+    full and none; the folder and the limit."""
+    import yaml
+
     from tuner.recipe import from_dict
 
     sz = ctx.sizes
@@ -663,39 +706,21 @@ def check_session(ctx: Context) -> Verdict:
     limit, full, none = _session_budget(from_dict(raw, source=folder / "recipe.yaml"))
     margin = 0.05
     raw["budget"] = {"value": f"{math.ceil(limit / (1 - margin))}B", "margin": margin}
-    import yaml
-
     (folder / "recipe.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
     ctx.say(
         f"  budget limit {format_bytes(limit)} (predicted full {format_bytes(full)}, none {format_bytes(none)}); "
         f"{sz.session_trials} trials in {folder}"
     )
-    path = os.pathsep.join(p for p in (str(REPO), ctx.child_env.get("PYTHONPATH")) if p)
-    env = {**ctx.child_env, "PYTHONPATH": path}
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "tuner", "recipe.yaml", "--format", "json"],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=sz.session_timeout_s,
-        check=False,
-    )
-    wall = time.perf_counter() - started
-    try:
-        summary = json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"the session exited {proc.returncode} without a JSON summary:\n{tail}") from None
+    return folder, limit
+
+
+def _session_figures(
+    ctx: Context, summary: dict[str, Any], exit_code: int, wall: float, candidate: str | None, written: str | None
+) -> dict[str, Any]:
+    """What the session check records from the session's JSON summary (and says as it goes)."""
     best = summary.get("best") or {}
-    promoted = summary.get("status") == "promoted" and proc.returncode == 0
-    written = None
-    if summary.get("policy_path") and Path(summary["policy_path"]).exists():
-        written = RecomputePolicy.load(summary["policy_path"]).fingerprint()
-    candidate = (summary.get("evidence") or {}).get("candidate", {}).get("fingerprint")
     figures: dict[str, Any] = {
-        "exit_code": proc.returncode,
+        "exit_code": exit_code,
         "status": summary.get("status"),
         "wall_s": wall,
         "device": summary.get("device"),
@@ -718,16 +743,7 @@ def check_session(ctx: Context) -> Verdict:
     ctx.say("  gate regression race: " + (", ".join(f"{k}={v:.4g}" for k, v in regression.items()) or "not run"))
     for reason in summary.get("reasons") or []:
         ctx.say(f"  gate: {reason}")
-    passed = promoted and written is not None and written == candidate
-    peak, used = best.get("peak_bytes"), summary.get("budget_bytes")
-    verdict = (
-        f"{summary.get('status')} {best.get('policy_short')} ({candidate}), exit {proc.returncode}, "
-        f"peak {format_bytes(peak) if peak is not None else '?'} (limit {format_bytes(used or limit)}), "
-        f"{best.get('throughput') or 0:,.0f} {best.get('throughput_unit', '')}, session {wall:.0f} s"
-    )
-    if written is not None and written != candidate:
-        verdict += f"; the policy file holds {written}, not the promoted {candidate}"
-    return Verdict(passed, verdict, figures)
+    return figures
 
 
 # ---------------------------------------------------------------------------------------------- 5. planner

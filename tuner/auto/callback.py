@@ -158,6 +158,7 @@ class AutoRecompute(RecomputeCallback):
         name: str | None = None,
         free_grads_at_batch_start: bool | None = None,
     ) -> None:
+        # Long because it is a list: one checked or stored argument per line, each documented above.
         # Until the first batch, the policy that needs least memory without knowing the model.
         super().__init__(
             RecomputePolicy.uniform(Mode.FULL.value),
