@@ -36,9 +36,7 @@ TINY_MODEL = {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout":
 TINY_DATA = {"batch_size": 4, "num_batches": 8}
 TINY_TRIAL = {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}}
 
-# One xdist worker takes the whole file (`--dist loadgroup`): its session fixtures (a PostgreSQL cluster,
-# an MLflow server) and the three workers' module fixture are then set up once, not once per worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cluster")]
+pytestmark = pytest.mark.slow
 
 
 def write_recipe(folder: Path, *, storage: str, tracking: str, n_trials: int, name: str) -> Path:

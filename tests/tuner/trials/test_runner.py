@@ -23,10 +23,6 @@ TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
 BATCH = 4
 
 
-# One xdist worker takes the whole file (`--dist loadgroup`): the module fixture below runs ten trials,
-# and a second worker given some of the file's tests would run all ten again.
-pytestmark = pytest.mark.xdist_group("trial-runs")
-
 
 def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, timeout_s: float = 300, **init_args: Any) -> R.Recipe:
     """A tiny reference-model recipe; ``timeout_s`` is a deadline for a hang, not a speed bound: four
