@@ -23,7 +23,6 @@ TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
 BATCH = 4
 
 
-
 def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, timeout_s: float = 300, **init_args: Any) -> R.Recipe:
     """A tiny reference-model recipe; ``timeout_s`` is a deadline for a hang, not a speed bound: four
     workers start at once here on two cores, and the gate's numerics check builds its model several times."""
