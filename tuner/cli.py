@@ -381,6 +381,10 @@ def _final_report(s: SessionSummary) -> str:
                 f"{'-' if r.micro_batch is None else r.micro_batch:>4}  {_num(r.throughput):>12}  {noise:>6}  "
                 f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {r.seed or ''}"
             )
+        if len(shown) < len(ranked):
+            # The top ten and the baselines: say what is left out and where it is, never drop rows silently.
+            left = len(ranked) - len(shown)
+            lines.append(f"  ... {left} more (every trial: `--format json`, or trials.csv in MLflow)")
         lines.append("")
     lines += _race_report(s, width)
     if s.best is not None:

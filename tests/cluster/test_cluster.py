@@ -131,7 +131,7 @@ def promotions(runs: list[Any]) -> list[Any]:
     ]
 
 
-# ---------------------------------------------------------------------------------------------- one worker
+# ---------------------------------------------------------------------------------------------- a training job
 
 
 TRAIN = """
@@ -151,72 +151,6 @@ print(json.dumps({"fingerprint": callback.policy.fingerprint(), "steps": trainer
 """
 
 
-def test_a_worker_on_postgres_and_the_tracking_server_promotes_and_a_training_job_elsewhere_loads_it(
-    tmp_path: Path, postgres_url: str, mlflow_server: str
-) -> None:
-    name = f"one-{uuid.uuid4().hex[:8]}"
-    worker = tmp_path / "worker"
-    recipe_path = write_recipe(worker, storage=postgres_url, tracking=mlflow_server, n_trials=3, name=name)
-    proc = tune(worker, "--format", "json")
-    out, err = finish(proc)
-    assert proc.returncode == 0, err[-3000:]
-    summary = summary_json(out)
-    assert summary["status"] == "promoted", summary["reasons"]
-
-    # Optuna (PostgreSQL) holds every trial; nothing is left running.
-    study = the_study(postgres_url)
-    asked = asked_trials(study)
-    assert sorted(t.number for t in asked) == sorted(t["number"] for t in summary["trials"])
-    assert len(measured(study)) == 3
-    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
-
-    # MLflow (the server) holds the session, one nested run per trial, and the promotion.
-    client, exp, runs = mlflow_runs(mlflow_server, name)
-    sessions = [r for r in runs if r.data.tags.get("recompute.kind") == "session"]
-    assert [s.info.status for s in sessions] == ["FINISHED"]
-    trials = [r for r in runs if r.data.tags.get("recompute.kind") == "trial"]
-    assert sorted(int(r.data.params["trial_number"]) for r in trials) == sorted(t.number for t in asked)
-    assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {sessions[0].info.run_id}
-    assert len(promotions(runs)) == 1
-    good = exp.tags["recompute.good_run_id"]
-    assert "policy.yaml" in [a.path for a in client.list_artifacts(good)]
-    assert not [r for r in runs if r.info.status == "RUNNING"]
-
-    # The worker's folder holds no store of its own: everything went to the servers.
-    assert not {"mlflow.db", "optuna.db", "mlruns", "mlartifacts"} & set(os.listdir(worker))
-    promoted = RecomputePolicy.load(worker / "policy.yaml")
-
-    # A training job in another folder applies the promoted policy straight from the tracking server.
-    job = tmp_path / "training-job"
-    job.mkdir()
-    recipe = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))
-    train = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            TRAIN,
-            json.dumps(recipe["model"]["init_args"]),
-            # The data must fit the model: SyntheticTokens defaults to 64 tokens, this model has 32 positions.
-            json.dumps(
-                {
-                    **recipe["data"]["init_args"],
-                    **{k: recipe["model"]["init_args"][k] for k in ("vocab_size", "seq_len")},
-                }
-            ),
-            f"mlflow:{name}@{mlflow_server}",
-        ],
-        check=False,
-        cwd=job,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-    )
-    assert train.returncode == 0, train.stderr[-3000:]
-    loaded = json.loads(train.stdout.strip().splitlines()[-1])
-    assert loaded == {"fingerprint": promoted.fingerprint(), "steps": 1}
-
-
 # ---------------------------------------------------------------------------------------------- three workers
 
 N_WORKERS = 3
@@ -229,8 +163,7 @@ def three_workers(tmp_path_factory: pytest.TempPathFactory, postgres: Any, mlflo
     storage = postgres.create_database(f"w_{uuid.uuid4().hex[:12]}")
     name = f"three-{uuid.uuid4().hex[:8]}"
     folders = [tmp_path_factory.mktemp(f"machine{i}") for i in range(N_WORKERS)]
-    for folder in folders:
-        write_recipe(folder, storage=storage, tracking=mlflow_server, n_trials=N_TRIALS, name=name)
+    recipes = [write_recipe(f, storage=storage, tracking=mlflow_server, n_trials=N_TRIALS, name=name) for f in folders]
     procs = [tune(folder, "--format", "json") for folder in folders]
     outputs = [finish(p) for p in procs]
     for p, (_, err) in zip(procs, outputs, strict=True):
@@ -238,7 +171,16 @@ def three_workers(tmp_path_factory: pytest.TempPathFactory, postgres: Any, mlflo
     summaries = [summary_json(out) for out, _ in outputs]
     study = the_study(storage)
     _, exp, runs = mlflow_runs(mlflow_server, name)
-    return {"folders": folders, "summaries": summaries, "study": study, "experiment": exp, "runs": runs}
+    return {
+        "folders": folders,
+        "recipe": recipes[0],
+        "name": name,
+        "tracking": mlflow_server,
+        "summaries": summaries,
+        "study": study,
+        "experiment": exp,
+        "runs": runs,
+    }
 
 
 def test_workers_share_the_study_without_measuring_a_policy_twice(three_workers: dict[str, Any]) -> None:
@@ -280,6 +222,37 @@ def test_exactly_one_worker_promotes_and_every_worker_agrees_on_the_good_policy(
     files = {RecomputePolicy.load(folder / "policy.yaml").fingerprint() for folder in three_workers["folders"]}
     assert files == {promoted[0].data.tags["recompute.policy_fingerprint"]}
     assert good
+
+
+def test_workers_keep_no_store_and_a_training_job_elsewhere_loads_the_good_policy_from_the_server(
+    three_workers: dict[str, Any], tmp_path: Path
+) -> None:
+    # Every worker's folder holds no store of its own: everything went to the servers.
+    for folder in three_workers["folders"]:
+        assert not {"mlflow.db", "optuna.db", "mlruns", "mlartifacts"} & set(os.listdir(folder)), folder
+    client = MlflowClient(three_workers["tracking"])
+    good = three_workers["experiment"].tags["recompute.good_run_id"]
+    assert "policy.yaml" in [a.path for a in client.list_artifacts(good)]
+    promoted = RecomputePolicy.load(three_workers["folders"][0] / "policy.yaml")
+
+    # A training job in another folder applies the promoted policy straight from the tracking server.
+    recipe = yaml.safe_load(three_workers["recipe"].read_text(encoding="utf-8"))
+    model_args = recipe["model"]["init_args"]
+    # The data must fit the model: SyntheticTokens defaults to 64 tokens, this model has 32 positions.
+    data_args = {**recipe["data"]["init_args"], **{k: model_args[k] for k in ("vocab_size", "seq_len")}}
+    source = f"mlflow:{three_workers['name']}@{three_workers['tracking']}"
+    train = subprocess.run(
+        [sys.executable, "-c", TRAIN, json.dumps(model_args), json.dumps(data_args), source],
+        check=False,
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    loaded = json.loads(train.stdout.strip().splitlines()[-1])
+    assert loaded == {"fingerprint": promoted.fingerprint(), "steps": 1}
 
 
 # ---------------------------------------------------------------------------------------------- the database going away

@@ -103,6 +103,21 @@ def test_search_only_reports_the_best_without_the_gate(tmp_path, tracking_uri, f
     assert not recipe.output.exists() and not runs(recipe, "decision")
 
 
+def test_the_text_report_shows_the_top_ten_and_the_baselines_and_counts_the_rest(tmp_path, tracking_uri, fakes):
+    from tuner import cli
+
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=14)
+    summary = session.tune(recipe, use_planner=False, search_only=True)
+    ranked = summary.ranked
+    assert len(ranked) == 14
+    report = cli._final_report(summary)
+    rows = [line for line in report.splitlines() if line[:4].strip().isdigit()]
+    baselines = {r.number for r in summary.baselines.values()}
+    shown = [r for i, r in enumerate(ranked) if i < 10 or r.number in baselines]
+    assert [int(line.split()[0]) for line in rows] == [ranked.index(r) + 1 for r in shown]
+    assert f"... {14 - len(shown)} more (every trial: `--format json`, or trials.csv in MLflow)" in report
+
+
 class FakePlanner:
     """Predicts twice the real peak: 'none' everywhere (14 MiB) lands far over the 11.4 MiB limit."""
 
