@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import child_env
 from tests.tuner.cli_run import TINY, run_cli, write_recipe
-from tuner import preflight
+from tuner import cli, preflight
 from tuner.preflight import output_problem, storage_problem, tracking_problem
 
 
@@ -141,8 +141,20 @@ def test_problems_are_reported_together(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
-@pytest.mark.slow
-def test_tune_refuses_bad_settings_before_profiling(tmp_path: Path) -> None:
+def run_here(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """``recompute-tune ARGS`` in this process, from ``folder``: exit code, stdout, stderr. A refusal before
+    anything is profiled starts no process (the fast tier's guard would fail the test if it did)."""
+    monkeypatch.chdir(folder)
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tune_refuses_bad_settings_before_profiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "afile").write_text("x")
     write_recipe(
         tmp_path,
@@ -150,12 +162,11 @@ def test_tune_refuses_bad_settings_before_profiling(tmp_path: Path) -> None:
         tracking={"uri": "garbage://x"},
         study={"storage": "garbage://x"},
     )
-    proc = run_cli(tmp_path, "tiny.yaml", timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    code, out, err = run_here(tmp_path, monkeypatch, capsys, "tiny.yaml")
+    assert code == 2, err[-3000:]
     for key in ("output:", "tracking.uri:", "study.storage:"):
-        assert key in proc.stderr, proc.stderr[-3000:]
-    assert "profiling" not in proc.stdout + proc.stderr
+        assert key in err, err[-3000:]
+    assert "profiling" not in out + err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "tiny.yaml"]  # no database, no policy
 
 
@@ -196,28 +207,30 @@ def preflight_env_names() -> list[str]:
     return list(TRACKING_REQUEST_DEFAULTS)
 
 
-@pytest.mark.slow
-def test_plan_refuses_an_unwritable_write_path_and_rejected_init_args(tmp_path: Path) -> None:
+def test_plan_refuses_an_unwritable_write_path_and_rejected_init_args(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "afile").write_text("x")
     write_recipe(tmp_path)
-    proc = run_cli(tmp_path, "plan", "tiny.yaml", "--write", "afile/plan.yaml", timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "--write:" in proc.stderr and "is a file" in proc.stderr, proc.stderr[-3000:]
+    code, _, err = run_here(tmp_path, monkeypatch, capsys, "plan", "tiny.yaml", "--write", "afile/plan.yaml")
+    assert code == 2, err[-3000:]
+    assert "--write:" in err and "is a file" in err, err[-3000:]
 
     model = {"init_args": {**TINY["model"]["init_args"], "n_embd": 30, "n_head": 4}}  # type: ignore[index]
     write_recipe(tmp_path, model=model)
-    proc = run_cli(tmp_path, "plan", "tiny.yaml", timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "model.init_args:" in proc.stderr and "n_head=4" in proc.stderr, proc.stderr[-3000:]
+    code, _, err = run_here(tmp_path, monkeypatch, capsys, "plan", "tiny.yaml")
+    assert code == 2, err[-3000:]
+    assert "model.init_args:" in err and "n_head=4" in err, err[-3000:]
 
 
-@pytest.mark.slow
-def test_read_only_commands_create_no_database(tmp_path: Path) -> None:
+def test_read_only_commands_create_no_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_recipe(tmp_path)
-    proc = run_cli(tmp_path, "history", "tiny.yaml", "--format", "json", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
-    assert out["decisions"] == [] and out["missing"] == str(tmp_path / "mlflow.db")
-    proc = run_cli(tmp_path, "rollback", "tiny.yaml", timeout=300)
-    assert proc.returncode == 1 and "no tracking database" in proc.stderr, proc.stderr[-3000:]
+    code, out, err = run_here(tmp_path, monkeypatch, capsys, "history", "tiny.yaml", "--format", "json")
+    assert code == 0, err[-3000:]
+    history = json.loads(out)
+    assert history["decisions"] == [] and history["missing"] == str(tmp_path / "mlflow.db")
+    code, _, err = run_here(tmp_path, monkeypatch, capsys, "rollback", "tiny.yaml")
+    assert code == 1 and "no tracking database" in err, err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.yaml"]
