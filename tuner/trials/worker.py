@@ -725,6 +725,10 @@ def _die_with_parent(parent: str | None) -> None:
     if not parent or not parent.isdigit():
         return  # started by hand, not by the tuner: nobody to follow
     expected = int(parent)
+    if expected == os.getpid():
+        # `main` called again in the process that set the variable (a test, the GPU check's in-process
+        # numerics): no process is its own parent, and the check below would end it.
+        return
     armed = False
     if sys.platform.startswith("linux"):
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -149,10 +150,26 @@ def test_a_worker_given_a_spec_it_cannot_read_writes_an_error_naming_it(
 ) -> None:
     from tuner.trials import worker
 
-    monkeypatch.delenv(worker._PARENT_PID_ENV, raising=False)  # main() sets it for its ranks: undone after
+    # main() sets it to this process's pid for its ranks. setenv, not delenv: deleting an unset variable
+    # records nothing to undo, and the pid left behind once ended this process in a later in-process main().
+    monkeypatch.setenv(worker._PARENT_PID_ENV, "")
     spec, result = tmp_path / "spec.json", tmp_path / "result.json"
     spec.write_text(json.dumps(data), encoding="utf-8")
     assert worker.main([str(spec), str(result)]) == 1
     written = json.loads(result.read_text(encoding="utf-8"))
     assert (written["outcome"], written["rank"]) == ("error", 0)
     assert written["error"].startswith(error), written["error"]
+
+
+def test_a_worker_run_in_the_process_that_started_workers_does_not_take_itself_for_its_dead_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tuner.trials import worker
+
+    # What main() leaves in os.environ for the ranks it may start: this process's own pid. A second
+    # main() in the same process must not read that as "my parent died" and exit.
+    monkeypatch.setenv(worker._PARENT_PID_ENV, str(os.getpid()))
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    worker._die_with_parent(str(os.getpid()))
+    assert exits == []
