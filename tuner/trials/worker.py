@@ -789,7 +789,7 @@ _HANDLERS: dict[type[Spec], Callable[[Any], dict[str, Any]]] = {
 if __name__ == "__main__":
     status = main()
     # The result is written. Interpreter shutdown would still walk every object torch and Lightning
-    # made (about 1.7 s a process on a 2-core machine: an eighth of a quickstart trial, paid by every
-    # trial, race and gate run); frozen, they are left to the process's exit like its memory.
+    # made (a median 1.2 s of a 12.3 s quickstart trial on a 2-core machine, paid by every trial, race
+    # and gate run); frozen, they are left to the process's exit like its memory.
     gc.freeze()
     sys.exit(status)
