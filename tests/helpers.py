@@ -8,9 +8,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 """The repository's root (the folder holding ``tests/``, ``tuner/`` and ``recipes/``)."""
 
-SHORT_RACE = {"min_rounds": 4, "max_rounds": 8, "estimate_rounds": 6, "time_s": 20.0}
+SHORT_RACE = {"min_rounds": 4, "max_rounds": 8, "estimate_rounds": 6, "time_s": 20.0, "processes": 1}
 """A recipe's ``race`` section for tests that run whole sessions: every path of the race, a fraction
-of its default length (the race's statistics are tested with exact figures in tests/tuner/race)."""
+of its default length (the race's statistics are tested with exact figures in tests/tuner/race). Its
+figures come from the race's process only: a second estimation process costs a session a worker start,
+and `tests/tuner/test_cli.py`'s end-to-end session runs one."""
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_recompute.errors import RecomputeError
@@ -184,6 +184,8 @@ def race_leaders(
         budget_bytes=stage.budget,
         plan=plan,
     )
+    if race.ok and race.vs and recipe.race.processes > 1:
+        race = estimate_again(stage, race, run_race, micro_batch=entry.micro_batch)
     if race.ok and race.winner is not None:
         race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
         won = race.entrants[race.winner].short if race.winner is not None else "?"
@@ -196,6 +198,49 @@ def race_leaders(
     if stage.session_run_id is not None:
         stage.tracker.log_race(race)
     return race
+
+
+def estimate_again(
+    stage: Stage, race: RaceResult, run_race: Callable[..., RaceResult], *, micro_batch: int | None
+) -> RaceResult:
+    """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing only
+    the winner against the references for as many rounds as the race's estimation ran; the figures then
+    span every process (`tuner.race.stats.across_processes` says why). A process that fails adds nothing
+    and is noted."""
+    from lightning_recompute import RecomputePolicy
+    from tuner.race import RacePlan
+
+    recipe, count = stage.recipe, stage.recipe.race.processes
+    assert race.winner is not None
+    entrants = [race.entrants[race.winner], *(race.entrants[k] for k in race.vs)]
+    if any(e.policy is None for e in entrants):
+        stage.note("race: the figures come from the race's process only (an entrant's policy was not kept)")
+        return race
+    policies = [RecomputePolicy.from_dict(e.policy or {}, source=f"race entrant {e.key}") for e in entrants]
+    plan = replace(RacePlan.from_recipe(recipe), total_s=None, estimate_rounds=race.estimate_rounds)
+    names = ", ".join(e.short for e in entrants[1:])
+    others = []
+    for index in range(2, count + 1):
+        stage.notify(
+            f"race: {entrants[0].short} against {names} again in a fresh process ({index} of {count}, "
+            f"{plan.estimate_rounds} rounds) ..."
+        )
+        again = run_race(
+            recipe,
+            [(p, list(e.labels)) for p, e in zip(policies, entrants, strict=True)],
+            layer_names=stage.layer_names,
+            references=policies[1:],
+            micro_batch=micro_batch,
+            budget_bytes=stage.budget,
+            plan=plan,
+            winner=policies[0],
+        )
+        if not again.ok or not again.vs:
+            out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
+            why = again.reason or "; ".join(out) or "no figure measured"
+            stage.note(f"race: estimation process {index} of {count} {again.outcome}: {why}; it adds no figure")
+        others.append(again)
+    return race.estimated_again(others)
 
 
 def candidate_of(

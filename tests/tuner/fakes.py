@@ -86,12 +86,24 @@ class ExactTrials:
     def check_numerics(self, recipe, policy, *, micro_batch=None, timeout_s=None):
         return NumericsResult(equal=True, max_abs_diff=0.0, detail="fake: bitwise equal")
 
-    def run_race(self, recipe, entrants, *, layer_names, references=(), micro_batch=None, budget_bytes=None, plan=None):
+    def run_race(
+        self,
+        recipe,
+        entrants,
+        *,
+        layer_names,
+        references=(),
+        micro_batch=None,
+        budget_bytes=None,
+        plan=None,
+        winner=None,
+    ):
         """The race the real engine would run on exact figures: same rule, rounds without noise."""
         self.races.append([p.short(SESSION_LAYERS) for p, _ in entrants])
         self.plans.append(plan)
         times = {p.fingerprint(): 1.0 / fake_throughput(p) for p, _ in entrants}
-        return exact_race(entrants, times, {p.fingerprint(): fake_peak(p) for p, _ in entrants}, references)
+        peaks = {p.fingerprint(): fake_peak(p) for p, _ in entrants}
+        return exact_race(entrants, times, peaks, references, winner=winner)
 
 
 def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
@@ -169,6 +181,7 @@ class FixedTrials:
         micro_batch: Any = None,
         budget_bytes: int | None = None,
         plan: Any = None,
+        winner: RecomputePolicy | None = None,
     ) -> RaceResult:
         """The race on the fixed figures (exact rounds, the real rule); a policy whose outcome is a
         failure fails the whole race, as a step raising in the engine's one fit does."""
@@ -183,6 +196,7 @@ class FixedTrials:
             references,
             layer_names=GATE_LAYERS,
             budget_bytes=budget_bytes,
+            winner=winner,
         )
 
     def who(self, names: dict[RecomputePolicy, str]) -> list[str]:
@@ -204,11 +218,12 @@ def numerics(equal: bool = True) -> Any:
 
 
 def exact_race(
-    entrants, times, peaks, references=(), *, rounds=6, layer_names=SESSION_LAYERS, budget_bytes=None
+    entrants, times, peaks, references=(), *, rounds=6, layer_names=SESSION_LAYERS, budget_bytes=None, winner=None
 ) -> RaceResult:
     """A `RaceResult` of ``entrants`` (``(policy, labels)``) whose every round measures ``times``
     (fingerprint -> seconds) exactly, decided by the real rule (`tuner.race.rule.verdict`); an entrant
-    peaking over ``budget_bytes`` is out, as in the engine."""
+    peaking over ``budget_bytes`` is out, as in the engine. Given ``winner`` (a policy), no selection:
+    only its estimation rounds, as `tuner.trials.run_race` runs them."""
     from tuner.race.rule import verdict
     from tuner.race.stats import paired_ratio
 
@@ -216,7 +231,10 @@ def exact_race(
     keys = [p.fingerprint() for p, _ in entrants if p.fingerprint() not in out]
     shorts = {p.fingerprint(): p.short(layer_names) for p, _ in entrants}
     select = [dict(times) for _ in range(rounds)]
-    standing, tied, winner = verdict(select, keys, peaks, shorts, confidence=0.95)
+    if winner is None:
+        standing, tied, winner = verdict(select, keys, peaks, shorts, confidence=0.95)
+    else:
+        standing, tied, winner, select = None, [winner.fingerprint()], winner.fingerprint(), []
     refs = [p.fingerprint() for p in references if p.fingerprint() in keys and p.fingerprint() != winner]
     vs = {r: paired_ratio([times[winner]] * rounds, [times[r]] * rounds) for r in refs} if winner else {}
     return RaceResult(
@@ -230,7 +248,7 @@ def exact_race(
                 out=f"peaked at {peaks[p.fingerprint()]} bytes in the race, over the limit {budget_bytes}"
                 if p.fingerprint() in out
                 else None,
-                select_s=(times[p.fingerprint()],) * rounds if p.fingerprint() not in out else (None,),
+                select_s=(times[p.fingerprint()],) * len(select) if p.fingerprint() not in out else (None,),
                 estimate_s=(times[p.fingerprint()],) * rounds if p.fingerprint() in (winner, *refs) else (),
                 policy=p.to_dict(),
             )
@@ -242,7 +260,7 @@ def exact_race(
         behind={} if standing is None else dict(standing.behind),
         vs=vs,
         stop="fake: exact figures",
-        select_rounds=rounds,
+        select_rounds=len(select),
         estimate_rounds=rounds if refs else 0,
         tokens_per_step=1,
     )

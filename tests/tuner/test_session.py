@@ -44,16 +44,23 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert summary.baselines["none"].outcome == "over_budget" and not summary.baselines["none"].feasible
     # "vs" figures come from the race only: against full (raced as a reference), not against "none",
     # which does not fit and so never raced, whatever its single trial measured.
-    assert summary.race is not None and summary.race.ok and len(fakes.races) == 1
+    assert summary.race is not None and summary.race.ok
     assert summary.race.winner == summary.best.fingerprint
+    # The race, then (race.processes: 2) the winner against the references alone in a fresh process,
+    # for as many estimation rounds as the race ran, with no race budget and no selection.
+    assert summary.best.policy is not None and len(fakes.races) == 2
+    assert fakes.races[1] == [summary.best.policy.short(LAYERS), "FFF"]
+    (full_key,) = summary.race.vs
+    plan, again = fakes.plans
+    assert again.total_s is None and again.estimate_rounds == summary.race.vs_processes[0][full_key].rounds
     # The race's rounds may take race.share of what the search's trials took, and the session says so.
-    (plan,) = fakes.plans
     assert plan.total_s == pytest.approx(recipe.race.share * TRIAL_WALL_S * len(measured))
     assert any(f"at most {plan.total_s:.0f} s of rounds" in n for n in summary.notes)
     assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
     assert summary.gains["none"] is None
     full = summary.vs_figures()["full"]
-    assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 6 rounds" in full["text"]
+    assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 12 rounds in 2 processes" in full["text"]
+    assert len(summary.race.vs_processes) == 2
     # One live event per trial told, in order, with the best so far.
     assert [e.record.number for e in events] == [r.number for r in summary.records]
     assert events[-1].best is not None and events[-1].best.number == summary.best.number
@@ -74,6 +81,26 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     decisions = [r.data.tags["recompute.decision"] for r in runs(recipe, "decision")]
     assert decisions == ["promote"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
+
+
+def test_an_estimation_process_that_fails_leaves_the_race_processs_figures_and_says_so(
+    tmp_path, tracking_uri, fakes, monkeypatch
+):
+    from tuner.race import RaceResult
+
+    raced = fakes.run_race
+
+    def race_then_fail(recipe, entrants, **kw):
+        if kw.get("winner") is not None:
+            return RaceResult(outcome="failed", reason="the race ended killed: injected")
+        return raced(recipe, entrants, **kw)
+
+    monkeypatch.setattr("tuner.trials.run_race", race_then_fail)
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.status == "promoted" and summary.race is not None and summary.race.vs_processes == ()
+    assert "interleaved, 6 rounds)" in summary.vs_figures()["full"]["text"]
+    assert any("estimation process 2 of 2 failed: the race ended killed: injected" in n for n in summary.notes)
 
 
 def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path, tracking_uri, fakes):

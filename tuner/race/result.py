@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tuner.race.stats import Interval
+from tuner.race.stats import Interval, across_processes
 
 __all__ = ["RaceEntrant", "RaceResult", "format_gain"]
 
@@ -51,11 +51,13 @@ class RaceEntrant:
 
 
 def format_gain(interval: Interval) -> str:
-    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``."""
+    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``;
+    ``..., 28 rounds in 2 processes)`` when measured in several (`tuner.race.stats.across_processes`)."""
     gain, low, high = interval.gain()
+    where = f" in {interval.processes} processes" if interval.processes > 1 else ""
     return (
         f"{gain * 100:+.1f}% ({interval.confidence:.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
-        f"interleaved, {interval.rounds} rounds)"
+        f"interleaved, {interval.rounds} rounds{where})"
     )
 
 
@@ -80,7 +82,10 @@ class RaceResult:
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
     vs: dict[str, Interval] = field(default_factory=dict)
-    """Estimation: each reference's time over the winner's (above 1: the winner is faster)."""
+    """Estimation: each reference's time over the winner's (above 1: the winner is faster); across every
+    process the estimation ran in (`estimated_again`)."""
+    vs_processes: tuple[dict[str, Interval], ...] = ()
+    """Each estimation process's own `vs`, the race's process first (empty: only the race's process)."""
     stop: str = ""
     """Why the selection stopped."""
     select_rounds: int = 0
@@ -176,6 +181,18 @@ class RaceResult:
             lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
         return lines
 
+    def estimated_again(self, others: Sequence[RaceResult]) -> RaceResult:
+        """This result with its `vs` figures measured in more processes: ``others`` are races of the same
+        winner against the same references with no selection (`tuner.trials.run_race` given ``winner``).
+        A reference gets the hull of every process's interval (`tuner.race.stats.across_processes`);
+        one an estimation process could not measure keeps the processes that did. Failed ``others`` add
+        nothing."""
+        per_process = [dict(self.vs), *(dict(o.vs) for o in others if o.ok and o.winner == self.winner)]
+        if len(per_process) < 2:
+            return self
+        vs = {key: across_processes([p[key] for p in per_process if key in p]) for key in self.vs}
+        return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process))
+
     # ---------------------------------------------------------------- conversion
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +200,7 @@ class RaceResult:
         d = dataclasses.asdict(self)
         d["behind"] = {k: v.to_dict() for k, v in self.behind.items()}
         d["vs"] = {k: v.to_dict() for k, v in self.vs.items()}
+        d["vs_processes"] = [{k: v.to_dict() for k, v in p.items()} for p in self.vs_processes]
         d["entrants"] = {
             k: {
                 **dataclasses.asdict(e),
@@ -212,6 +230,7 @@ class RaceResult:
         }
         values["behind"] = {k: Interval(**v) for k, v in data.get("behind", {}).items()}
         values["vs"] = {k: Interval(**v) for k, v in data.get("vs", {}).items()}
+        values["vs_processes"] = tuple({k: Interval(**v) for k, v in p.items()} for p in data.get("vs_processes", ()))
         values["tied"] = tuple(data.get("tied", ()))
         values["unresolved"] = tuple(data.get("unresolved", ()))
         return cls(**values)

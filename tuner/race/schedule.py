@@ -16,7 +16,8 @@ entrant until the leader is separated from the rest with confidence (`tuner.race
 rounds or the time run out; the entrants left within noise of the leader are tied, and the tie is
 broken by headroom, then by less recomputation. **Estimation** then races the winner against the
 references (the baselines a "vs" figure is about) for fresh rounds, and only those rounds give the
-figures shown to a user.
+figures shown to a user. A schedule given its ``winner`` runs the estimation alone: the winner of an
+earlier race, measured again in a fresh process (`tuner.race.stats.across_processes` says why).
 
 Several processes racing together (the ranks of one data-parallel job) must take every decision
 alike: `RaceSchedule.agree` is called at each round's end with what this process measured, and
@@ -103,6 +104,8 @@ class RaceSchedule:
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
         agree: what several processes racing together take from each one's round (``None``: one process).
+        winner: the key of an earlier race's winner: no selection, only the estimation rounds (``None``:
+            select one).
     """
 
     def __init__(
@@ -115,12 +118,15 @@ class RaceSchedule:
         meter_every_step: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         agree: Agree | None = None,
+        winner: str | None = None,
     ) -> None:
         if not entrants:
             raise ValueError("a race needs at least one entrant")
         keys = [k for k, _, _ in entrants]
         if len(set(keys)) != len(keys):
             raise ValueError(f"entrant keys must be unique: {keys}")
+        if winner is not None and winner not in keys:
+            raise ValueError(f"the winner {winner!r} is not an entrant: {keys}")
         self.plan = plan or RacePlan()
         self.entrants = {k: _Entrant(k, p, s) for k, p, s in entrants}
         self.order = keys
@@ -141,8 +147,10 @@ class RaceSchedule:
         self.elapsed_s = 0.0
         self.stop_reason = ""
         self.standing: Standing | None = None
-        self.winner: str | None = None
-        self.tied: list[str] = []
+        self.winner: str | None = winner
+        self.estimate_only = winner is not None
+        """The winner came from an earlier race: this one runs only the estimation rounds."""
+        self.tied: list[str] = [winner] if winner is not None else []
         self.tokens: int | None = None
         self.samples: int | None = None
         self.over = False
@@ -248,6 +256,9 @@ class RaceSchedule:
         if self.phase == "warmup":
             self.phase = "select"
             self.started = self.clock()
+            if self.estimate_only:
+                self.phase = "estimate"
+                self.stop_reason = "no selection: the winner of an earlier race, estimated again"
         if self.phase == "select" and self._selection_over():
             self._decide()
             self.phase = "estimate"

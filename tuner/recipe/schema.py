@@ -379,6 +379,12 @@ class RaceSettings:
     estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
         default=16, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
     )
+    processes: Annotated[int, Strict(), Field(ge=1)] = Field(
+        default=2,
+        description="Processes the 'vs' figures are measured in: the race's, then fresh ones that race only the "
+        "winner against the baselines for estimate_rounds rounds; a figure's interval spans every process's (the "
+        "same two policies measure a few percent apart from one process to the next). 1: the race's only.",
+    )
     confidence: float = Field(
         default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
     )

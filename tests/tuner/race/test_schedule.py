@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from lightning_recompute import RecomputePolicy
 from tuner.race.plan import RacePlan
 from tuner.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport
@@ -135,3 +137,27 @@ def test_under_a_race_budget_the_estimation_keeps_its_minimum_rounds_and_the_sel
     assert len(schedule.estimate_rounds) == MIN_ESTIMATE_ROUNDS
     assert len(schedule.select_rounds) == 3
     assert spent <= plan.total_s
+
+
+def test_given_the_winner_of_an_earlier_race_only_the_estimation_rounds_run() -> None:
+    """An estimation process (`tuner.decision.estimate_again`): the winner is taken, not selected, even
+    when a reference measures faster here; every turn is an estimation turn, for the plan's rounds."""
+    plan = dataclasses.replace(PLAN, estimate_rounds=5)
+    entrants = [e for e in ENTRANTS if e[0] != NONE.fingerprint()]
+    schedule = RaceSchedule(entrants, [FULL.fingerprint()], plan, winner=ONE.fingerprint())
+    turns = []
+    while (turn := schedule.next_turn()) is not None:
+        turns.append(turn)
+        schedule.record(turn, {FULL.fingerprint(): 1.0, ONE.fingerprint(): 1.2}[turn.key], None)
+    assert {t.phase for t in turns[plan.warmup_steps :]} == {"estimate"}
+    assert len(turns) == plan.warmup_steps + 5 * 2 * (plan.steps + 1)
+    result = schedule.result()
+    assert result["selection"]["winner"] == ONE.fingerprint() and result["selection"]["rounds"] == 0
+    assert "no selection" in result["selection"]["stop"]
+    vs = result["estimate"]["vs"][FULL.fingerprint()]
+    assert vs["rounds"] == 5 and vs["ratio"] == 1.0 / 1.2  # full's time over the winner's: the winner is slower here
+
+
+def test_a_winner_that_is_not_an_entrant_is_refused() -> None:
+    with pytest.raises(ValueError, match="is not an entrant"):
+        RaceSchedule(ENTRANTS, [], PLAN, winner="nope")

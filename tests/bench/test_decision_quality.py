@@ -1,0 +1,30 @@
+"""`bench/decision_quality.py`'s grading: what a session printed against the truth, per process too."""
+
+from __future__ import annotations
+
+from bench import decision_quality as dq
+
+FULL, WIN = "f" * 16, "w" * 16
+
+
+def _summary() -> dict:
+    one = {"ratio": 1.12, "low": 1.04, "high": 1.20, "rounds": 8, "confidence": 0.99, "processes": 1}
+    two = {"ratio": 1.30, "low": 1.22, "high": 1.36, "rounds": 8, "confidence": 0.99, "processes": 1}
+    return {
+        "status": "promoted",
+        "best": {"policy_short": "FF.."},
+        "vs": {"full": {"gain": 0.207, "low": 0.04, "high": 0.36, "text": "+20.7% (...)"}},
+        "race": {
+            "entrants": {FULL: {"labels": ["baseline full"]}, WIN: {"labels": ["trial 3"]}},
+            "vs_processes": [{FULL: one}, {FULL: two}],
+        },
+    }
+
+
+def test_a_session_is_graded_on_its_printed_interval_and_on_its_first_process_alone() -> None:
+    row = dq.extract({"summary": _summary()})
+    assert row["promoted"] == "FF.." and row["vs_full"] == {"low": 0.04, "high": 0.36}
+    assert [round(p["low"], 2) for p in row["vs_full_processes"]] == [0.04, 0.22]
+    truth = {"rel_time": {"FF..": 0.8, "FFFF": 1.0}, "best": "FF..", "pair_rel_time": {"FF..": 0.8}}
+    graded = dq.grade(row, truth)  # true gain: 1 / 0.8 - 1 = +25%
+    assert graded["regret"] == 1.0 and graded["covered"] is True and graded["covered_one_process"] is False
