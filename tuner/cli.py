@@ -426,9 +426,11 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
         return []
     if not race.ok:
         return [f"race: {race.outcome}: {race.reason}", ""]
+    processes = len(race.vs_processes)
+    where = f" in the race's process and a fresh one each ({processes} processes)" if processes > 1 else ""
     lines = [
         f"race: {len(race.entrants)} candidates interleaved in one process, {race.select_rounds} rounds "
-        f"({race.stop}), then {race.estimate_rounds} fresh rounds for the figures ({race.unit}):",
+        f"({race.stop}), then {race.estimate_rounds} fresh rounds{where} for the figures ({race.unit}):",
     ]
     header = f"  {'policy':<{width}}  {'throughput':>12}  {'vs leader':>26}  {'peak':>11}  entered as"
     lines += [header, "  " + "-" * (len(header) - 2)]

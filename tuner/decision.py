@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -225,6 +226,7 @@ def estimate_again(
             f"race: {entrants[0].short} against {names} again in a fresh process ({index} of {count}, "
             f"{plan.estimate_rounds} rounds) ..."
         )
+        began = time.perf_counter()
         again = run_race(
             recipe,
             [(p, list(e.labels)) for p, e in zip(policies, entrants, strict=True)],
@@ -239,6 +241,9 @@ def estimate_again(
             out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
             why = again.reason or "; ".join(out) or "no figure measured"
             stage.note(f"race: estimation process {index} of {count} {again.outcome}: {why}; it adds no figure")
+        else:
+            took, rounds = time.perf_counter() - began, again.estimate_rounds
+            stage.note(f"race: estimation process {index} of {count}: {rounds} rounds in {took:.0f} s (start included)")
         others.append(again)
     return race.estimated_again(others)
 

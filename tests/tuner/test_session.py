@@ -61,6 +61,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     full = summary.vs_figures()["full"]
     assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 12 rounds in 2 processes" in full["text"]
     assert len(summary.race.vs_processes) == 2
+    assert any(n.startswith("race: estimation process 2 of 2: 6 rounds in ") for n in summary.notes)
     # One live event per trial told, in order, with the best so far.
     assert [e.record.number for e in events] == [r.number for r in summary.records]
     assert events[-1].best is not None and events[-1].best.number == summary.best.number
