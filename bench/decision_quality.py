@@ -310,12 +310,22 @@ def rescore(path: Path, rounds: int, log: Any, processes: int = 1) -> dict[str, 
     return results
 
 
+_RACE_MODES = {"on": True, "off": False}
+
+
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sessions", type=int, default=5)
     parser.add_argument("--conditions", default="quiet,noisy")
     parser.add_argument("--truth-rounds", type=int, default=30)
+    parser.add_argument(
+        "--race",
+        default="on,off",
+        help="'on,off' (default): each session with the race and back to back without it, for the wall-time "
+        "ratio; 'on': with the race only, twice the sessions for the same time when only coverage and regret "
+        "are wanted",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
     parser.add_argument(
         "--rescore",
@@ -335,7 +345,12 @@ def _arguments() -> argparse.Namespace:
         type=Path,
         help="a results file whose ranking truth to reuse (same machine) instead of measuring it again",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    unknown = [m for m in args.race.split(",") if m not in _RACE_MODES]
+    if unknown:
+        modes = ", ".join(map(repr, unknown))
+        parser.error(f"--race {args.race!r}: {modes} is not a mode; valid: 'on', 'off', 'on,off'")
+    return args
 
 
 def main() -> int:
@@ -380,10 +395,11 @@ def main() -> int:
 def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: Any) -> list[dict[str, Any]]:
     """Every condition's sessions on ``workload``, with and without the race, each graded against ``t``."""
     rows: list[dict[str, Any]] = []
+    races = [_RACE_MODES[m] for m in args.race.split(",")]
     for condition in args.conditions.split(","):
         for i in range(args.sessions):
             seed = i if condition == "noisy" else None
-            for raced in (True, False):  # interleaved: the wall-time ratio sees the same machine moments
+            for raced in races:  # interleaved: the wall-time ratio sees the same machine moments
                 s = session(workload, race=raced, noisy_seed=seed)
                 row = {"condition": condition, "session": i, "race": raced, "wall_s": s["wall_s"]}
                 if "summary" in s:
