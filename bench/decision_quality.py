@@ -218,6 +218,10 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
             race_stop=race.get("stop"),
             race_entrants=len(race.get("entrants") or {}),
         )
+        # Whether the promoted policy led the race or won a tie-break (a regret's cause).
+        short = {k: e.get("short") for k, e in entrants.items()}
+        out["race_leader"] = short.get(race.get("leader"))
+        out["race_tied"] = [short.get(k) for k in race.get("tied") or ()]
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench import decision_quality as dq
 
-FULL, WIN = "f" * 16, "w" * 16
+FULL, WIN, TIED = "f" * 16, "w" * 16, "t" * 16
 
 
 def _summary() -> dict:
@@ -15,7 +15,13 @@ def _summary() -> dict:
         "best": {"policy_short": "FF.."},
         "vs": {"full": {"gain": 0.207, "low": 0.04, "high": 0.36, "text": "+20.7% (...)"}},
         "race": {
-            "entrants": {FULL: {"labels": ["baseline full"]}, WIN: {"labels": ["trial 3"]}},
+            "entrants": {
+                FULL: {"labels": ["baseline full"], "short": "FFFF"},
+                WIN: {"labels": ["trial 3"], "short": "FF.."},
+                TIED: {"labels": ["trial 5"], "short": "ss.."},
+            },
+            "leader": TIED,
+            "tied": [TIED, WIN],
             "vs_processes": [{FULL: one}, {FULL: two}],
         },
     }
@@ -28,3 +34,8 @@ def test_a_session_is_graded_on_its_printed_interval_and_on_its_first_process_al
     truth = {"rel_time": {"FF..": 0.8, "FFFF": 1.0}, "best": "FF..", "pair_rel_time": {"FF..": 0.8}}
     graded = dq.grade(row, truth)  # true gain: 1 / 0.8 - 1 = +25%
     assert graded["regret"] == 1.0 and graded["covered"] is True and graded["covered_one_process"] is False
+
+
+def test_a_session_says_whether_its_promoted_policy_led_the_race_or_won_a_tie_break() -> None:
+    row = dq.extract({"summary": _summary()})
+    assert row["race_leader"] == "ss.." and row["race_tied"] == ["ss..", "FF.."]
