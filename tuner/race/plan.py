@@ -22,7 +22,8 @@ class RacePlan:
     steps: int = 2
     """Timed steps per entrant per round (after one settling step)."""
     min_rounds: int = 6
-    """Selection rounds before the race may stop early."""
+    """Selection rounds before the race may stop early: on a separated leader, or on the race budget
+    (`total_s`)."""
     max_rounds: int = 30
     """Selection rounds at most."""
     time_s: float = 120.0
@@ -30,8 +31,9 @@ class RacePlan:
     total_s: float | None = None
     """Seconds of rounds at most, selection and estimation together (``None``: no such cap): the selection
     stops when what it spent and what the estimation rounds will take, at the step times seen so far,
-    reach it. The estimation then runs at most `tuner.race.schedule.ESTIMATE_SHARE` of it in rounds, never
-    fewer than `tuner.race.schedule.MIN_ESTIMATE_ROUNDS` (they give the "vs" figures)."""
+    reach it, but not before `min_rounds`. The estimation then runs at most
+    `tuner.race.schedule.ESTIMATE_SHARE` of it in rounds, never fewer than
+    `tuner.race.schedule.MIN_ESTIMATE_ROUNDS` (they give the "vs" figures)."""
     estimate_rounds: int = 16
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95

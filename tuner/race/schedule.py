@@ -293,12 +293,18 @@ class RaceSchedule:
             self.stop_reason = f"time budget of {self.plan.time_s:g} s spent after {rounds} rounds"
             return True
         total = self.plan.total_s
-        if rounds >= 2 and total is not None:
+        # The budget never cuts the selection below min_rounds: with fewer rounds no paired interval reaches
+        # the race's confidence, nobody can be beaten, and a short search's race (the quickstart's budget
+        # paid for 2 rounds) would hand the choice to noise and the tie-break. A budget that tight is
+        # overspent, and the stop reason says so.
+        if rounds >= max(2, self.plan.min_rounds) and total is not None:
             # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
             pace = self.elapsed_s / rounds
             if self.elapsed_s + pace + self._estimate_target() * self._estimate_round_s() > total:
-                self.stop_reason = (
-                    f"race budget of {total:.0f} s reached after {rounds} rounds (the estimation's rounds left in it)"
+                self.stop_reason = f"race budget of {total:.0f} s reached after {rounds} rounds" + (
+                    " (the estimation's rounds left in it)"
+                    if self.elapsed_s + self._estimate_target() * self._estimate_round_s() <= total
+                    else " (the fewest the selection runs, race.min_rounds; the budget is overspent)"
                 )
                 return True
         if rounds >= self.plan.min_rounds:

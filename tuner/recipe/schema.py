@@ -365,7 +365,9 @@ class RaceSettings:
     )
     steps: _PositiveInt = Field(default=2, description="Timed steps per candidate per round (after one settling step).")
     min_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
-        default=6, description="Rounds before the race may stop early on a separated leader."
+        default=6,
+        description="Selection rounds before the race may stop early: on a separated leader, or on the race "
+        "budget (share), which never cuts the selection below them.",
     )
     max_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(default=30, description="Selection rounds at most.")
     time_s: float = Field(default=120.0, gt=0, description="Seconds of selection rounds at most.")

@@ -119,6 +119,24 @@ def test_a_race_budget_stops_the_selection_early_enough_to_leave_the_estimation_
     assert len(free.select_rounds) >= PLAN.min_rounds
 
 
+def test_a_race_budget_too_small_for_min_rounds_is_overspent_not_cut_below_them() -> None:
+    """A short search's budget would pay for one round: the selection still runs `min_rounds` (fewer
+    cannot beat anyone at the race's confidence) and the stop reason says the budget was overspent."""
+    now = [0.0]
+    plan = dataclasses.replace(PLAN, min_rounds=4, total_s=12.0)
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
+    while (turn := schedule.next_turn()) is not None:
+        if turn.phase != "warmup":
+            now[0] += BASE[turn.key]
+        schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    assert len(schedule.select_rounds) == 4
+    assert schedule.stop_reason == (
+        "race budget of 12 s reached after 4 rounds (the fewest the selection runs, race.min_rounds; "
+        "the budget is overspent)"
+    )
+    assert len(schedule.estimate_rounds) == plan.estimate_rounds
+
+
 def test_under_a_race_budget_the_estimation_keeps_its_minimum_rounds_and_the_selection_the_rest() -> None:
     now = [0.0]
     plan = dataclasses.replace(PLAN, estimate_rounds=16, total_s=60.0)
