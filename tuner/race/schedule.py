@@ -300,10 +300,11 @@ class RaceSchedule:
         if rounds >= max(2, self.plan.min_rounds) and total is not None:
             # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
             pace = self.elapsed_s / rounds
-            if self.elapsed_s + pace + self._estimate_target() * self._estimate_round_s() > total:
+            estimate_s = self._estimate_target() * self._estimate_round_s()
+            if self.elapsed_s + pace + estimate_s > total:
                 self.stop_reason = f"race budget of {total:.0f} s reached after {rounds} rounds" + (
                     " (the estimation's rounds left in it)"
-                    if self.elapsed_s + self._estimate_target() * self._estimate_round_s() <= total
+                    if self.elapsed_s + estimate_s <= total
                     else " (the fewest the selection runs, race.min_rounds; the budget is overspent)"
                 )
                 return True
