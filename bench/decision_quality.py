@@ -58,7 +58,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "data": {"init_args": {"batch_size": 8, "num_batches": 16}},
         "budget": {"value": "40MiB", "margin": 0.05},
     },
-    # Wider and shorter: a different balance of GEMM time and attention memory.
+    # Wider and shorter: a different balance of GEMM time and attention memory (here selective keeps more
+    # than full and the planner predicts it slower, so it is dominated on paper; the trials must find out).
+    # At 40 MiB everything fits (no recomputation, 36 MiB predicted, wins without a decision); at 30 MiB the
+    # planner's front has two layers without recomputation at most (FF.., 24.7 MiB predicted).
     "wide4": {
         "model": {
             "init_args": {
@@ -72,7 +75,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
             }
         },
         "data": {"init_args": {"batch_size": 8, "num_batches": 16}},
-        "budget": {"value": "40MiB", "margin": 0.05},
+        "budget": {"value": "30MiB", "margin": 0.05},
     },
 }
 
