@@ -302,10 +302,11 @@ class RaceSchedule:
             pace = self.elapsed_s / rounds
             estimate_s = self._estimate_target() * self._estimate_round_s()
             if self.elapsed_s + pace + estimate_s > total:
-                self.stop_reason = f"race budget of {total:.0f} s reached after {rounds} rounds" + (
-                    " (the estimation's rounds left in it)"
+                # No parentheses: readers print the stop reason inside their own.
+                self.stop_reason = (
+                    f"race budget of {total:.0f} s reached after {rounds} rounds, the estimation's rounds left in it"
                     if self.elapsed_s + estimate_s <= total
-                    else " (the fewest the selection runs, race.min_rounds; the budget is overspent)"
+                    else f"race budget of {total:.0f} s overspent to run race.min_rounds, {rounds} rounds"
                 )
                 return True
         if rounds >= self.plan.min_rounds:

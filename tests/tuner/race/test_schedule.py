@@ -130,10 +130,7 @@ def test_a_race_budget_too_small_for_min_rounds_is_overspent_not_cut_below_them(
             now[0] += BASE[turn.key]
         schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
     assert len(schedule.select_rounds) == 4
-    assert schedule.stop_reason == (
-        "race budget of 12 s reached after 4 rounds (the fewest the selection runs, race.min_rounds; "
-        "the budget is overspent)"
-    )
+    assert schedule.stop_reason == "race budget of 12 s overspent to run race.min_rounds, 4 rounds"
     assert len(schedule.estimate_rounds) == plan.estimate_rounds
 
 
