@@ -303,11 +303,13 @@ class RaceSchedule:
             estimate_s = self._estimate_target() * self._estimate_round_s()
             if self.elapsed_s + pace + estimate_s > total:
                 # No parentheses: readers print the stop reason inside their own.
-                self.stop_reason = (
-                    f"race budget of {total:.0f} s reached after {rounds} rounds, the estimation's rounds left in it"
-                    if self.elapsed_s + estimate_s <= total
-                    else f"race budget of {total:.0f} s overspent to run race.min_rounds, {rounds} rounds"
-                )
+                if self.elapsed_s + estimate_s <= total:
+                    why = f"reached after {rounds} rounds, the estimation's rounds left in it"
+                elif rounds <= self.plan.min_rounds:
+                    why = f"overspent to run race.min_rounds, {rounds} rounds"
+                else:  # past the floor: the last round took longer than the pace the check before it expected
+                    why = f"overspent by the last of {rounds} rounds, slower than the ones before"
+                self.stop_reason = f"race budget of {total:.0f} s {why}"
                 return True
         if rounds >= self.plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=self.plan.stop_confidence)

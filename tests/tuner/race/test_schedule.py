@@ -134,6 +134,30 @@ def test_a_race_budget_too_small_for_min_rounds_is_overspent_not_cut_below_them(
     assert len(schedule.estimate_rounds) == plan.estimate_rounds
 
 
+def test_a_round_past_the_floor_that_runs_slow_overspends_the_budget_and_the_stop_reason_says_which() -> None:
+    """Past `min_rounds` a round starts only when it fits at the pace so far; one that then runs slow (the
+    machine slowed) overspends the budget, and the stop reason blames that round, not the floor."""
+    now = [0.0]
+    plan = dataclasses.replace(PLAN, min_rounds=2, total_s=30.0)
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
+    while (turn := schedule.next_turn()) is not None:
+        slow = 2.0 if len(schedule.select_rounds) == 2 else 1.0  # the third selection round runs at half speed
+        if turn.phase != "warmup":
+            now[0] += BASE[turn.key] * slow
+        schedule.record(turn, BASE[turn.key] * slow, 1 if turn.metered else None)
+    assert len(schedule.select_rounds) == 3
+    assert schedule.stop_reason == "race budget of 30 s overspent by the last of 3 rounds, slower than the ones before"
+    # The same race at an even pace stops after the same round with the estimation's time left.
+    now[0] = 0.0
+    even = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
+    while (turn := even.next_turn()) is not None:
+        if turn.phase != "warmup":
+            now[0] += BASE[turn.key]
+        even.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    assert len(even.select_rounds) == 3
+    assert even.stop_reason == "race budget of 30 s reached after 3 rounds, the estimation's rounds left in it"
+
+
 def test_under_a_race_budget_the_estimation_keeps_its_minimum_rounds_and_the_selection_the_rest() -> None:
     now = [0.0]
     plan = dataclasses.replace(PLAN, estimate_rounds=16, total_s=60.0)
