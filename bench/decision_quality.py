@@ -12,6 +12,10 @@ For each workload (a model small enough that every fitting policy of the search 
 3. **Scores** per session: regret (the promoted policy's true time over the true best's), whether the
    printed "vs full" interval contains the true ratio, and whether the promoted policy is slower,
    beyond its interval, than a baseline it was raced against.
+4. **Steady truth** (``--steady RESULTS``, afterwards, quiet): the promoted policies, the ranking's
+   fastest and full each trained alone in its own processes, as a training job runs them; the regret
+   against it (``regret_steady``) is what a user's job would lose. The ranking truth swaps policies
+   every few steps, and how fast a policy runs there depends a little on its neighbours in the round.
 
 Targets (the issue's): with the neighbour, median regret <= 1.02 and worst <= 1.05; quiet, median <= 1.01;
 the interval contains the true ratio in >= 9 of 10 sessions; no promotion slower than a raced baseline
@@ -317,6 +321,69 @@ def rescore(path: Path, rounds: int, log: Any, processes: int = 1) -> dict[str, 
     return results
 
 
+def steady_truth(workload: str, shorts: list[str], processes: int, steps: int, log: Any) -> dict[str, Any]:
+    """Each policy of ``shorts`` (and full) trained alone, as a training job runs it: one trial process of
+    ``steps`` measured steps per policy, the policies' processes in turn, ``processes`` turns (each turn in
+    another order, so no policy always follows the same one).
+
+    The race and the other truths swap policies every few steps on one model; this one never swaps, so it
+    is the time a user's job would see. Each turn's ratio is over full's process in the same turn (minutes
+    apart at most); a policy's steady time is the median of its turns' ratios.
+    """
+    from tuner.recipe import from_dict
+    from tuner.trials import run_trial
+
+    per_turn: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = from_dict(recipe_dict(workload, Path(tmp), race=True))
+        policies, names = space_policies(recipe)
+        by_short = {p.short(names): p for p in policies}
+        every = "F" * len(names)
+        field = [x for x in dict.fromkeys([*shorts, every]) if x in by_short]
+        for k in range(processes):
+            order = field[k % len(field) :] + field[: k % len(field)]
+            times: dict[str, float] = {}
+            for short in order:
+                trial = run_trial(recipe, by_short[short], warmup_steps=2, measure_steps=steps, timeout_s=600)
+                if trial.outcome in ("ok", "over_budget") and trial.step_time_s:
+                    times[short] = trial.step_time_s
+            if every in times:
+                for short, t in times.items():
+                    per_turn.setdefault(short, []).append(t / times[every])
+            log(
+                f"  steady truth turn {k + 1}/{processes} ({steps} steps a process): "
+                + ", ".join(f"{x} {v[-1]:.3f}" for x, v in per_turn.items() if len(v) == k + 1)
+            )
+    rel = {x: statistics.median(v) for x, v in per_turn.items()}
+    log("  steady truth: " + ", ".join(f"{x} {v:.3f}" for x, v in sorted(rel.items(), key=lambda i: i[1])))
+    return {"rel": rel, "per_turn": per_turn, "processes": processes, "steps": steps}
+
+
+def grade_steady(row: dict[str, Any], steady: dict[str, Any]) -> dict[str, Any]:
+    """Regret against the steady truth: the promoted policy's time over the fastest policy it measured."""
+    rel, promoted = steady["rel"], row.get("promoted")
+    if promoted not in rel:
+        return {}
+    return {"regret_steady": rel[promoted] / min(rel.values())}
+
+
+def steady_rescore(path: Path, processes: int, steps: int, top: int, log: Any) -> dict[str, Any]:
+    """Grade a results file's sessions against a steady truth measured now: its promoted policies, the ranking
+    truth's ``top`` fastest and full, each alone in its own processes."""
+    results = json.loads(path.read_text(encoding="utf-8"))
+    for workload, w in results["workloads"].items():
+        log(f"steady truth for {workload}")
+        ranked = sorted(w["truth"]["rel_time"], key=w["truth"]["rel_time"].__getitem__)[:top]
+        promoted = sorted({r["promoted"] for r in w["sessions"] if r.get("promoted")})
+        steady = steady_truth(workload, list(dict.fromkeys([*ranked, *promoted])), processes, steps, log)
+        w["steady"] = steady
+        for row in w["sessions"]:
+            if "error" not in row:
+                row.pop("regret_steady", None)
+                row.update(grade_steady(row, steady))
+    return results
+
+
 _RACE_MODES = {"on": True, "off": False}
 
 
@@ -348,6 +415,17 @@ def _arguments() -> argparse.Namespace:
         "pooled: the figure a printed 'vs full' interval is graded against",
     )
     parser.add_argument(
+        "--steady",
+        type=Path,
+        help="a results file: grade its sessions against a steady truth measured now on this (quiet) machine "
+        "(each policy alone in its own trial processes, as a training job runs it) and write the report to --out",
+    )
+    parser.add_argument("--steady-processes", type=int, default=6, help="turns of the steady truth")
+    parser.add_argument("--steady-steps", type=int, default=30, help="measured steps of each steady-truth process")
+    parser.add_argument(
+        "--steady-top", type=int, default=4, help="the ranking truth's fastest policies the steady truth includes"
+    )
+    parser.add_argument(
         "--truth-from",
         type=Path,
         help="a results file whose ranking truth to reuse (same machine) instead of measuring it again",
@@ -367,6 +445,10 @@ def main() -> int:
     def log(line: str) -> None:
         print(f"[{time.perf_counter() - began:7.0f} s] {line}", file=sys.stderr, flush=True)
 
+    if args.steady is not None:
+        steady = steady_rescore(args.steady, args.steady_processes, args.steady_steps, args.steady_top, log)
+        _publish(steady, args.out)
+        return 0
     if args.rescore is not None:
         _publish(rescore(args.rescore, args.truth_rounds, log, args.pair_processes), args.out)
         return 0
@@ -445,6 +527,7 @@ def report(results: dict[str, Any]) -> list[str]:
         ):
             g = [r for r in group if "error" not in r]
             regrets = [r["regret"] for r in g if "regret" in r]
+            steady = [r["regret_steady"] for r in g if "regret_steady" in r]
             cov = [r["covered"] for r in g if "covered" in r]
             one = [r["covered_one_process"] for r in g if "covered_one_process" in r]
             lines.append(
@@ -455,6 +538,7 @@ def report(results: dict[str, Any]) -> list[str]:
                 f"{(str(sum(one)) + '/' + str(len(one))) if one else '-':>6} "
                 f"{sum(1 for r in g if r.get('slower_than_raced_baseline')):>6} "
                 f"{statistics.median(r['wall_s'] for r in g) if g else float('nan'):>10.0f}"
+                + (f"  steady regret med {statistics.median(steady):.3f} worst {max(steady):.3f}" if steady else "")
             )
         # The session wall time with the race over the one without, pair by pair (each pair ran back to back).
         for cond in sorted({r["condition"] for r in w["sessions"]}):
@@ -469,6 +553,12 @@ def report(results: dict[str, Any]) -> list[str]:
                     f"(range {ratios[0]:.2f}..{ratios[-1]:.2f} over {len(ratios)} pairs); race itself median "
                     f"{statistics.median(races) if races else float('nan'):.0f} s"
                 )
+        if w.get("steady"):
+            st = w["steady"]
+            lines.append(
+                f"{workload} steady truth ({st['processes']} turns of one process per policy, {st['steps']} steps): "
+                + ", ".join(f"{x} {v:.3f}" for x, v in sorted(st["rel"].items(), key=lambda i: i[1]))
+            )
     return lines
 
 

@@ -39,3 +39,16 @@ def test_a_session_is_graded_on_its_printed_interval_and_on_its_first_process_al
 def test_a_session_says_whether_its_promoted_policy_led_the_race_or_won_a_tie_break() -> None:
     row = dq.extract({"summary": _summary()})
     assert row["race_leader"] == "ss.." and row["race_tied"] == ["ss..", "FF.."]
+
+
+def test_the_steady_regret_is_over_the_fastest_policy_the_steady_truth_measured_and_is_reported() -> None:
+    steady = {"rel": {"FF..": 0.82, "F.F.": 0.836, "FFFF": 1.0}, "processes": 6, "steps": 30}
+    assert dq.grade_steady({"promoted": "F.F."}, steady)["regret_steady"] == 0.836 / 0.82
+    assert dq.grade_steady({"promoted": "ss.."}, steady) == {}  # not measured alone: no steady grade
+    rows = [
+        {"condition": "quiet", "session": i, "race": True, "wall_s": 100.0, "regret": 1.0, "regret_steady": r}
+        for i, r in enumerate((1.0, 1.02, 1.0))
+    ]
+    lines = dq.report({"workloads": {"wide4": {"sessions": rows, "steady": steady}}})
+    assert "steady regret med 1.000 worst 1.020" in lines[2]
+    assert lines[-1].startswith("wide4 steady truth (6 turns") and "FF.. 0.820, F.F. 0.836, FFFF 1.000" in lines[-1]
