@@ -528,6 +528,10 @@ def report(results: dict[str, Any]) -> list[str]:
             g = [r for r in group if "error" not in r]
             regrets = [r["regret"] for r in g if "regret" in r]
             steady = [r["regret_steady"] for r in g if "regret_steady" in r]
+            # The same promotions graded against the pair truth (few entrants per round, as the sessions' races
+            # run, several processes pooled): the ranking truth races every fitting policy in one round.
+            pair = w["truth"].get("pair_rel_time") or {} if "truth" in w else {}
+            paired = [pair[r["promoted"]] / min(pair.values()) for r in g if r.get("promoted") in pair]
             cov = [r["covered"] for r in g if "covered" in r]
             one = [r["covered_one_process"] for r in g if "covered_one_process" in r]
             lines.append(
@@ -538,6 +542,7 @@ def report(results: dict[str, Any]) -> list[str]:
                 f"{(str(sum(one)) + '/' + str(len(one))) if one else '-':>6} "
                 f"{sum(1 for r in g if r.get('slower_than_raced_baseline')):>6} "
                 f"{statistics.median(r['wall_s'] for r in g) if g else float('nan'):>10.0f}"
+                + (f"  pair regret med {statistics.median(paired):.3f} worst {max(paired):.3f}" if paired else "")
                 + (f"  steady regret med {statistics.median(steady):.3f} worst {max(steady):.3f}" if steady else "")
             )
         # The session wall time with the race over the one without, pair by pair (each pair ran back to back).
@@ -556,8 +561,12 @@ def report(results: dict[str, Any]) -> list[str]:
         if w.get("steady"):
             st = w["steady"]
             lines.append(
-                f"{workload} steady truth ({st['processes']} turns of one process per policy, {st['steps']} steps): "
-                + ", ".join(f"{x} {v:.3f}" for x, v in sorted(st["rel"].items(), key=lambda i: i[1]))
+                f"{workload} steady truth ({st['processes']} turns of one process per policy, {st['steps']} steps; "
+                "median (range over turns)): "
+                + ", ".join(
+                    f"{x} {v:.3f} ({min(st['per_turn'][x]):.3f}..{max(st['per_turn'][x]):.3f})"
+                    for x, v in sorted(st["rel"].items(), key=lambda i: i[1])
+                )
             )
     return lines
 

@@ -42,13 +42,19 @@ def test_a_session_says_whether_its_promoted_policy_led_the_race_or_won_a_tie_br
 
 
 def test_the_steady_regret_is_over_the_fastest_policy_the_steady_truth_measured_and_is_reported() -> None:
-    steady = {"rel": {"FF..": 0.82, "F.F.": 0.836, "FFFF": 1.0}, "processes": 6, "steps": 30}
+    per_turn = {"FF..": [0.6, 0.82, 1.04], "F.F.": [0.8, 0.836, 0.9], "FFFF": [1.0, 1.0, 1.0]}
+    steady = {"rel": {"FF..": 0.82, "F.F.": 0.836, "FFFF": 1.0}, "per_turn": per_turn, "processes": 3, "steps": 30}
     assert dq.grade_steady({"promoted": "F.F."}, steady)["regret_steady"] == 0.836 / 0.82
     assert dq.grade_steady({"promoted": "ss.."}, steady) == {}  # not measured alone: no steady grade
     rows = [
         {"condition": "quiet", "session": i, "race": True, "wall_s": 100.0, "regret": 1.0, "regret_steady": r}
         for i, r in enumerate((1.0, 1.02, 1.0))
     ]
-    lines = dq.report({"workloads": {"wide4": {"sessions": rows, "steady": steady}}})
+    rows[1]["promoted"] = "F.F."
+    truth = {"pair_rel_time": {"FF..": 0.80, "F.F.": 0.82, "FFFF": 1.0}}
+    lines = dq.report({"workloads": {"wide4": {"sessions": rows, "steady": steady, "truth": truth}}})
+    # One of the three sessions promoted F.F., 0.82 / 0.80 of the pair truth's best.
+    assert "pair regret med 1.025 worst 1.025" in lines[2]  # only graded rows count: the one promoted F.F.
     assert "steady regret med 1.000 worst 1.020" in lines[2]
-    assert lines[-1].startswith("wide4 steady truth (6 turns") and "FF.. 0.820, F.F. 0.836, FFFF 1.000" in lines[-1]
+    assert lines[-1].startswith("wide4 steady truth (3 turns")
+    assert "FF.. 0.820 (0.600..1.040), F.F. 0.836 (0.800..0.900), FFFF 1.000 (1.000..1.000)" in lines[-1]
