@@ -13,9 +13,11 @@ For each workload (a model small enough that every fitting policy of the search 
    printed "vs full" interval contains the true ratio, and whether the promoted policy is slower,
    beyond its interval, than a baseline it was raced against.
 4. **Steady truth** (``--steady RESULTS``, afterwards, quiet): the promoted policies, the ranking's
-   fastest and full each trained alone in its own processes, as a training job runs them; the regret
-   against it (``regret_steady``) is what a user's job would lose. The ranking truth swaps policies
-   every few steps, and how fast a policy runs there depends a little on its neighbours in the round.
+   fastest and full each trained alone in its own processes, as a training job runs them, graded as
+   ``regret_steady``. The ranking truth swaps policies every few steps, and how fast a policy runs there
+   depends a little on its neighbours in the round; this one never swaps, but each process sees the
+   machine at another moment, so it needs many turns where the machine drifts (on the 2-core CPU here,
+   6 turns could not rank policies 2-6% apart: docs/BENCHMARKS.md, wide4).
 
 Targets (the issue's): with the neighbour, median regret <= 1.02 and worst <= 1.05; quiet, median <= 1.01;
 the interval contains the true ratio in >= 9 of 10 sessions; no promotion slower than a raced baseline
@@ -326,9 +328,10 @@ def steady_truth(workload: str, shorts: list[str], processes: int, steps: int, l
     ``steps`` measured steps per policy, the policies' processes in turn, ``processes`` turns (each turn in
     another order, so no policy always follows the same one).
 
-    The race and the other truths swap policies every few steps on one model; this one never swaps, so it
-    is the time a user's job would see. Each turn's ratio is over full's process in the same turn (minutes
-    apart at most); a policy's steady time is the median of its turns' ratios.
+    The race and the other truths swap policies every few steps on one model; this one never swaps, as a
+    user's job does not. Each turn's ratio is over full's process in the same turn (a minute or two apart);
+    a policy's steady time is the median of its turns' ratios, and ``per_turn`` keeps every ratio, because
+    the spread between processes is the first thing to look at.
     """
     from tuner.recipe import from_dict
     from tuner.trials import run_trial
