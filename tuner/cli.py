@@ -402,6 +402,14 @@ def _final_report(s: SessionSummary) -> str:
                 lines.append(f"  vs {name:<15} {rec.short}: not measured ({why})")
             elif not rec.feasible:
                 lines.append(f"  vs {name:<15} {rec.short}: over the budget, not raced")
+            else:
+                # Fits and ran, but the race did not take it (slower trials than the raced baseline, or no race):
+                # say so rather than drop the line, and give no figure from its single run.
+                ranked = s.ranked
+                place = f"ranked {ranked.index(rec) + 1} of {len(ranked)}" if rec in ranked else "measured"
+                lines.append(
+                    f"  vs {name:<15} {rec.short}: not raced (its single trial {place}; no 'vs' figure from one run)"
+                )
     lines.append("")
     tuned = s.tuned_for
     lines.append(

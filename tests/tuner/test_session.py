@@ -430,3 +430,25 @@ def test_sighup_stops_the_session_like_sigterm(tmp_path, tracking_uri, fakes):
     assert not study_of(recipe, summary).in_flight.running()
     assert [r.info.status for r in runs(recipe, "session")] == ["KILLED"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
+
+
+def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_figure(tmp_path, tracking_uri, fakes):
+    """Each baseline gets a "vs" line: the race's figure, why it was not measured, or that it was not raced;
+    a baseline that fits but was not raced gets no figure from its single trial."""
+    from tuner import cli
+
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.status == "promoted" and summary.race is not None and summary.race.ok
+    report = cli._final_report(summary).splitlines()
+    figures = summary.vs_figures()
+    unraced = [n for n, r in summary.baselines.items() if r.ran and r.feasible and n not in figures]
+    assert unraced, "the fake session races only some baselines"
+    for name, rec in summary.baselines.items():
+        (line,) = [x for x in report if x.startswith(f"  vs {name} ")]
+        if name in unraced:
+            rank = summary.ranked.index(rec) + 1
+            assert line.endswith(
+                f"not raced (its single trial ranked {rank} of {len(summary.ranked)}; no 'vs' figure from one run)"
+            )
+            assert "%" not in line
