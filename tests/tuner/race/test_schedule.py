@@ -6,6 +6,7 @@ The engine's tests race real models; these pin what several ranks and a job that
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -119,16 +120,24 @@ def test_a_race_budget_stops_the_selection_early_enough_to_leave_the_estimation_
     assert len(free.select_rounds) >= PLAN.min_rounds
 
 
+def _run_on_clock(plan: RacePlan, speed: Callable[[int], float] = lambda rounds: 1.0) -> RaceSchedule:
+    """A race on ``plan`` driven to its end on a fake clock: each step takes its entrant's `BASE` time over
+    ``speed(selection rounds done so far)``."""
+    now = [0.0]
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
+    while (turn := schedule.next_turn()) is not None:
+        took = BASE[turn.key] / speed(len(schedule.select_rounds))
+        if turn.phase != "warmup":
+            now[0] += took
+        schedule.record(turn, took, 1 if turn.metered else None)
+    return schedule
+
+
 def test_a_race_budget_too_small_for_min_rounds_is_overspent_not_cut_below_them() -> None:
     """A short search's budget would pay for one round: the selection still runs `min_rounds` (fewer
     cannot beat anyone at the race's confidence) and the stop reason says the budget was overspent."""
-    now = [0.0]
     plan = dataclasses.replace(PLAN, min_rounds=4, total_s=12.0)
-    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
-    while (turn := schedule.next_turn()) is not None:
-        if turn.phase != "warmup":
-            now[0] += BASE[turn.key]
-        schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    schedule = _run_on_clock(plan)
     assert len(schedule.select_rounds) == 4
     assert schedule.stop_reason == "race budget of 12 s overspent to run race.min_rounds, 4 rounds"
     assert len(schedule.estimate_rounds) == plan.estimate_rounds
@@ -137,23 +146,12 @@ def test_a_race_budget_too_small_for_min_rounds_is_overspent_not_cut_below_them(
 def test_a_round_past_the_floor_that_runs_slow_overspends_the_budget_and_the_stop_reason_says_which() -> None:
     """Past `min_rounds` a round starts only when it fits at the pace so far; one that then runs slow (the
     machine slowed) overspends the budget, and the stop reason blames that round, not the floor."""
-    now = [0.0]
     plan = dataclasses.replace(PLAN, min_rounds=2, total_s=30.0)
-    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
-    while (turn := schedule.next_turn()) is not None:
-        slow = 2.0 if len(schedule.select_rounds) == 2 else 1.0  # the third selection round runs at half speed
-        if turn.phase != "warmup":
-            now[0] += BASE[turn.key] * slow
-        schedule.record(turn, BASE[turn.key] * slow, 1 if turn.metered else None)
+    schedule = _run_on_clock(plan, lambda rounds: 0.5 if rounds == 2 else 1.0)  # the third round at half speed
     assert len(schedule.select_rounds) == 3
     assert schedule.stop_reason == "race budget of 30 s overspent by the last of 3 rounds, slower than the ones before"
     # The same race at an even pace stops after the same round with the estimation's time left.
-    now[0] = 0.0
-    even = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, clock=lambda: now[0])
-    while (turn := even.next_turn()) is not None:
-        if turn.phase != "warmup":
-            now[0] += BASE[turn.key]
-        even.record(turn, BASE[turn.key], 1 if turn.metered else None)
+    even = _run_on_clock(plan)
     assert len(even.select_rounds) == 3
     assert even.stop_reason == "race budget of 30 s reached after 3 rounds, the estimation's rounds left in it"
 
