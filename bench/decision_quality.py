@@ -524,6 +524,9 @@ def report(results: dict[str, Any]) -> list[str]:
         f"{'covered':>8} {'1 proc':>6} {'slower':>6} {'wall med s':>10}"
     )
     for workload, w in results["workloads"].items():
+        # The promotions are graded against the pair truth too (few entrants per round, as the sessions' races
+        # run, several processes pooled): the ranking truth races every fitting policy in one round.
+        pair = w["truth"].get("pair_rel_time") or {} if "truth" in w else {}
         for (cond, raced), group in itertools.groupby(
             sorted(w["sessions"], key=lambda r: (r["condition"], not r["race"])),
             key=lambda r: (r["condition"], r["race"]),
@@ -531,9 +534,6 @@ def report(results: dict[str, Any]) -> list[str]:
             g = [r for r in group if "error" not in r]
             regrets = [r["regret"] for r in g if "regret" in r]
             steady = [r["regret_steady"] for r in g if "regret_steady" in r]
-            # The same promotions graded against the pair truth (few entrants per round, as the sessions' races
-            # run, several processes pooled): the ranking truth races every fitting policy in one round.
-            pair = w["truth"].get("pair_rel_time") or {} if "truth" in w else {}
             paired = [pair[r["promoted"]] / min(pair.values()) for r in g if r.get("promoted") in pair]
             cov = [r["covered"] for r in g if "covered" in r]
             one = [r["covered_one_process"] for r in g if "covered_one_process" in r]
