@@ -31,6 +31,7 @@ from tuner.liveness import Owner, dead_reason
 from tuner.search import TuningStudy
 from tuner.search.attrs import StudyAttr, TrialAttr
 from tuner.search.lease import lease_name
+from tuner.trials.forkserver import SERVER_PARENT_ENV
 from tuner.trials.runner import TRIAL_DIR_ENV, clean_stale_trial_dirs
 
 DEADLINE_S = 300
@@ -198,16 +199,29 @@ def test_trial_folders_of_dead_owners_are_removed_with_their_processes_and_live_
     live = folder("live", Owner.me())
     unowned = folder("unowned", None)
     elsewhere = folder("elsewhere", Owner("another-host.example", dead_pid(), None))
-    leftover = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(600)"], env=child_env(**{TRIAL_DIR_ENV: str(dead)})
-    )
+    forked_dead = folder("forked-dead", Owner(socket.gethostname(), dead_pid(), None))
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    leftover = subprocess.Popen(sleep, env=child_env(**{TRIAL_DIR_ENV: str(dead)}))
+    # A forked worker's /proc environment is the fork server's, without the folder: it is found by
+    # the session the folder records and its server's parent, the folder's owner.
+    owner = json.loads((forked_dead / "owner.json").read_text(encoding="utf-8"))["pid"]
+    forked = subprocess.Popen(sleep, env=child_env(**{SERVER_PARENT_ENV: str(owner)}), start_new_session=True)
+    (forked_dead / "worker.pid").write_text(str(forked.pid), encoding="utf-8")
+    # The session a folder records, but another owner's server: a reused pid, not this folder's worker.
+    reused = folder("reused", Owner(socket.gethostname(), dead_pid(), None))
+    stranger = subprocess.Popen(sleep, env=child_env(**{SERVER_PARENT_ENV: "1"}), start_new_session=True)
+    (reused / "worker.pid").write_text(str(stranger.pid), encoding="utf-8")
     try:
-        assert clean_stale_trial_dirs(tmp_path) == [dead]
+        assert sorted(clean_stale_trial_dirs(tmp_path)) == sorted([dead, forked_dead, reused])
         assert leftover.wait(timeout=60) == -signal.SIGKILL
+        assert forked.wait(timeout=60) == -signal.SIGKILL
+        assert stranger.poll() is None
     finally:
-        leftover.kill()
-        leftover.wait(timeout=60)
-    assert not dead.exists() and live.exists() and unowned.exists() and elsewhere.exists()
+        for proc in (leftover, forked, stranger):
+            proc.kill()
+            proc.wait(timeout=60)
+    assert not dead.exists() and not forked_dead.exists()
+    assert live.exists() and unowned.exists() and elsewhere.exists()
 
 
 @pytest.mark.slow
@@ -217,8 +231,8 @@ def test_a_trial_worker_dies_with_its_parent(tmp_path):
     parent = f"""
 import os, subprocess, sys, time
 w = subprocess.Popen([sys.executable, "-c",
-    "import os, sys; from tuner.trials.worker import _die_with_parent; "
-    "_die_with_parent(os.environ['RECOMPUTE_TUNE_PARENT_PID']); "
+    "import os, sys; from tuner.trials.worker import die_with_parent; "
+    "die_with_parent(os.environ['RECOMPUTE_TUNE_PARENT_PID']); "
     "open(sys.argv[1], 'w').write(str(os.getpid())); import time; time.sleep(600)", {str(tmp_path / "pid")!r}],
     env={{**os.environ, "RECOMPUTE_TUNE_PARENT_PID": str(os.getpid())}}, start_new_session=True)
 deadline = time.monotonic() + 120
@@ -260,9 +274,16 @@ def tune_cli(folder: Path, tmpdir: Path, kill_at: str | None) -> subprocess.Comp
 
 
 def trial_processes(tmpdir: Path) -> list[int]:
-    from tuner.trials.runner import _pids_with_env
+    """Workers (fresh or forked) of the trial folders in ``tmpdir``, and their owners' fork servers, still running."""
+    from tuner.trials.forkserver import SERVER_PARENT_ENV
+    from tuner.trials.runner import _pids_with_env, trial_processes
 
-    return [p for f in tmpdir.glob("recompute-trial-*") for p in _pids_with_env(TRIAL_DIR_ENV, str(f))]
+    found = set()
+    for folder in tmpdir.glob("recompute-trial-*"):
+        found.update(trial_processes(folder))
+        owner = json.loads((folder / "owner.json").read_text(encoding="utf-8"))["pid"]
+        found.update(_pids_with_env(SERVER_PARENT_ENV, str(owner)))
+    return sorted(found)
 
 
 # The points in the order one session reaches them: with n_trials=2, each rerun of the study gets
@@ -303,7 +324,9 @@ def test_kill_9_at_each_point_in_turn_then_rerun_leaves_nothing_running_and_lose
         elif point == "trial":
             # This run took the dead run's setup over at once, then died mid-trial.
             assert "taking over the study's setup: owner died" in killed.stderr, killed.stderr[-3000:]
-            # The worker followed its parent: no trial process outlives the kill.
+            # The worker was forked (one rank on the CPU) and, like its fork server, followed its
+            # parent: no trial process outlives the kill.
+            assert all((f / "worker.pid").exists() for f in tmpdir.glob("recompute-trial-*"))
             deadline = time.monotonic() + 60
             while trial_processes(tmpdir) and time.monotonic() < deadline:
                 time.sleep(0.2)

@@ -6,6 +6,10 @@ Every measurement (`run_trial`, `check_numerics`, the CUDA part of `device_info`
 segfault, an ``abort()`` or a hang in the user's model ends that process only: the tuning session
 kills the whole process group at the deadline and carries on. Trial failures are results
 (``oom``, ``timeout``, ``error``), never exceptions; the search treats them as data.
+
+On the CPU, a one-rank worker is forked from a warm fork server (`tuner.trials.forkserver`)
+instead of started as a fresh interpreter: the same process, session, environment and log,
+without importing torch and Lightning again for every trial.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner.killpoints import kill_point
 from tuner.liveness import Owner
 from tuner.recipe import Recipe
+from tuner.trials.forkserver import SERVER_PARENT_ENV, Forked, ForkServer, ForkServerError, shared_server
 from tuner.trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
 from tuner.trials.protocol import (
     RANKED_KINDS,
@@ -64,6 +69,7 @@ __all__ = [
     "run_race",
     "run_trial",
     "summarize_steps",
+    "trial_processes",
 ]
 
 Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped"]
@@ -76,11 +82,13 @@ _log = logging.getLogger(__name__)
 _TAIL_CHARS = 4000
 _DIR_PREFIX = "recompute-trial-"
 _OWNER_FILE = "owner.json"
+_WORKER_PID_FILE = "worker.pid"
 TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
 """Set in a worker's environment to its trial folder: every process the worker starts inherits it,
-which is how `clean_stale_trial_dirs` finds a dead owner's leftover processes."""
+which is how `clean_stale_trial_dirs` finds a dead owner's leftover processes (`trial_processes`)."""
 PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"
-"""The tuning process's pid, in the worker's environment: the worker ends itself when that parent dies."""
+"""The pid of the worker's parent (the tuning process, or the fork server that forked it), in the
+worker's environment: the worker ends itself when that parent dies."""
 _NUMERICS_TIMEOUT_S = 600.0
 _DEVICE_TIMEOUT_S = 120.0
 
@@ -465,32 +473,26 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         # Whose folder this is: if this process is SIGKILLed, the next run on this host removes
         # the folder (and anything the worker left running) once this owner is dead.
         (folder / _OWNER_FILE).write_text(json.dumps(Owner.me().to_dict()), encoding="utf-8")
+        base_env = _worker_env(env or {})
+        # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
+        server = shared_server(base_env, os.getcwd()) if _forkable(spec) else None
         start = time.monotonic()
         spec = dataclasses.replace(spec, deadline=time.time() + timeout_s)
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         kills_before = oom_kill_count()
-        with open(log_path, "wb") as log:
-            # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tuner.trials.worker", str(spec_path), str(result_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: one killpg ends it and its children
-                env={**_worker_env(env or {}), TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())},
-            )
-            timed_out = False
-            try:
-                kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner.killpoints
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            except BaseException:
-                _kill_group(proc)
-                raise
-            finally:
-                # Also reaps anything the worker left behind (data-loader workers, compile helpers).
-                _kill_group(proc)
+        proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, server)
+        timed_out = False
+        try:
+            kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner.killpoints
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            # Also reaps anything the worker left behind (data-loader workers, compile helpers).
+            _kill_group(proc)
         wall = time.monotonic() - start
         ranks = spec.ranks
         if ranks == 1:
@@ -506,6 +508,46 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
             timed_out=timed_out,
             oom=oom_evidence(proc.pid, kills_before) if killed else None,
         )
+
+
+def _start_worker(
+    argv: Sequence[str], log_path: Path, base_env: Mapping[str, str], folder: Path, server: ForkServer | None
+) -> subprocess.Popen[bytes] | Forked:
+    """Start the worker on ``argv``: forked from ``server`` if there is one, else a fresh interpreter.
+
+    Its pid (its process group and session too) is written to the trial folder, so that
+    `clean_stale_trial_dirs` finds what it leaves running after this process is SIGKILLed: a forked
+    worker's ``/proc`` environment is the server's, without the trial folder's variable.
+    """
+    env = {**base_env, TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())}
+    proc: subprocess.Popen[bytes] | Forked | None = None
+    if server is not None:
+        try:
+            # None while the server runs another thread's worker: this one starts fresh.
+            proc = server.spawn(argv, {**env, PARENT_PID_ENV: str(server.pid)}, str(log_path))
+        except ForkServerError as err:
+            _log.warning("%s; this worker starts as a fresh interpreter", err)
+    if proc is None:
+        with open(log_path, "wb") as log:
+            # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tuner.trials.worker", *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: one killpg ends it and its children
+                env=env,
+            )
+    (folder / _WORKER_PID_FILE).write_text(str(proc.pid), encoding="utf-8")
+    return proc
+
+
+def _forkable(spec: Spec) -> bool:
+    """Whether a forked worker is exactly a fresh one for ``spec``: one rank, on the CPU, on Linux.
+
+    Why each: `tuner.trials.forkserver`.
+    """
+    return sys.platform.startswith("linux") and spec.runs_on == "cpu" and spec.ranks == 1
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
@@ -575,7 +617,8 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
     (nor one without an owner record: it may be being created). Processes still running with
     the folder in their environment (``RECOMPUTE_TUNE_TRIAL_DIR``: the worker's own children,
     data-loader workers say) are killed first; this is read from ``/proc`` (Linux), elsewhere the
-    folder is removed only.
+    folder is removed only. A forked worker's processes are found by their session instead
+    (`trial_processes`).
     """
     root = Path(tmp_root) if tmp_root is not None else Path(tempfile.gettempdir())
     removed = []
@@ -586,7 +629,7 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
             continue
         if owner is None or not owner.here or owner.gone_here() is None:
             continue
-        for pid in _pids_with_env(TRIAL_DIR_ENV, str(folder)):
+        for pid in trial_processes(folder):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(folder, ignore_errors=True)
@@ -594,6 +637,41 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
             removed.append(folder)
             _log.info("removed %s: its owner %s is gone", folder, owner.describe())
     return removed
+
+
+def trial_processes(folder: Path) -> list[int]:
+    """The processes still running for the trial folder ``folder`` (Linux; elsewhere none are found).
+
+    A fresh worker, and everything it started, has the folder in its environment. A forked worker's
+    ``/proc`` environment is the fork server's instead: it and everything it started are in the
+    session whose id is the pid the folder records, with the folder owner's pid as the server's
+    parent in their environment (both, so that a reused pid alone names nobody).
+    """
+    found = set(_pids_with_env(TRIAL_DIR_ENV, str(folder)))
+    try:
+        leader = int((folder / _WORKER_PID_FILE).read_text(encoding="utf-8"))
+        owner = Owner.from_dict(json.loads((folder / _OWNER_FILE).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return sorted(found)
+    if owner is not None:
+        forked = set(_pids_with_env(SERVER_PARENT_ENV, str(owner.pid)))
+        found.update(pid for pid in _pids_in_session(leader) if pid in forked)
+    return sorted(found)
+
+
+def _pids_in_session(session: int) -> list[int]:
+    """Processes whose session id is ``session`` (read from ``/proc``; empty where it is unreadable)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
+            # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
+            fields = stat[stat.rindex(")") + 2 :].split()
+        except (OSError, ValueError):
+            continue
+        if len(fields) > 3 and fields[3] == str(session):
+            pids.append(int(entry.name))
+    return pids
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
@@ -620,9 +698,12 @@ def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may already be gone
-        os.killpg(proc.pid, signal.SIGKILL)
+def _kill_group(proc: subprocess.Popen[bytes] | Forked) -> None:
+    if isinstance(proc, Forked):
+        proc.kill_group()
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may already be gone
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 

@@ -55,7 +55,7 @@ from tuner.trials.protocol import (
 if TYPE_CHECKING:
     from lightning.fabric.connector import _PRECISION_INPUT
 
-__all__ = ["main"]
+__all__ = ["die_with_parent", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m tuner.trials.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
-    _die_with_parent(os.environ.get(_PARENT_PID_ENV))
+    die_with_parent(os.environ.get(_PARENT_PID_ENV))
     # Ranks 1..N-1 of a multi-rank trial are this same command, started by Lightning from this
     # process with a copy of its environment: they follow this process, not the tuner.
     os.environ[_PARENT_PID_ENV] = str(os.getpid())
@@ -716,8 +716,11 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCHDOG_POLL_S = 1.0
 
 
-def _die_with_parent(parent: str | None) -> None:
-    """End this process when the tuning process that started it dies (it would otherwise run on, orphaned).
+def die_with_parent(parent: str | None) -> None:
+    """End this process when ``parent``, the process that started it, dies (it would otherwise run on, orphaned).
+
+    ``parent`` is the tuning process for a worker, the fork server for a forked one (the server
+    follows the tuning process the same way), and the tuning process for the fork server.
 
     On Linux the kernel does it: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``. The parent may have died
     before that call, so the parent pid is checked once more after it. Elsewhere (or if prctl is

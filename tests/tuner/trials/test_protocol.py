@@ -172,5 +172,5 @@ def test_a_worker_run_in_the_process_that_started_workers_does_not_take_itself_f
     monkeypatch.setenv(worker._PARENT_PID_ENV, str(os.getpid()))
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
-    worker._die_with_parent(str(os.getpid()))
+    worker.die_with_parent(str(os.getpid()))
     assert exits == []

@@ -1,0 +1,184 @@
+"""Workers forked from the warm fork server: exactly what a fresh interpreter measures, and no process left behind.
+
+The slow tests run real trials on a tiny reference model (2 layers, width 32, 32 tokens) with the
+server on and off; `test_runner.py`'s failure cases (OOM, crash, abort, hang) run through it too,
+since every one-rank CPU trial is forked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_recompute import RecomputePolicy
+from tests.helpers import REPO
+from tuner import recipe as R
+from tuner.trials import check_numerics, run_trial, runner
+from tuner.trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, shared_server
+
+TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
+DEADLINE_S = 240.0  # for a process to appear or go on a loaded machine; not a speed bound
+
+
+def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, **trial: Any) -> R.Recipe:
+    return R.from_dict(
+        {
+            "budget": "1GiB",
+            "model": {"class_path": model, "init_args": {**TINY, **trial.pop("init_args", {})}},
+            "data": {"init_args": {"batch_size": 4, "num_batches": 4}},
+            "trial": {"warmup_steps": 1, "measure_steps": 3, "timeout_s": 300, **trial},
+        },
+        source=tmp_path / "recipe.yaml",
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(*pids: int) -> bool:
+    deadline = time.monotonic() + 60  # SIGKILL was sent: the margin is for a loaded machine to reap
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+class _Spawns:
+    """Records the workers the fork server forks (the server itself is real)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.forked: list[Forked] = []
+        self.servers: list[int] = []
+        spawn = ForkServer.spawn
+
+        def recording(server: ForkServer, *args: Any, **kwargs: Any) -> Forked | None:
+            forked = spawn(server, *args, **kwargs)
+            if forked is not None:
+                self.forked.append(forked)
+                self.servers.append(server.pid)
+            return forked
+
+        monkeypatch.setattr(ForkServer, "spawn", recording)
+
+
+@pytest.fixture
+def spawns(monkeypatch: pytest.MonkeyPatch) -> _Spawns:
+    monkeypatch.chdir(REPO)  # the worker imports `tests.tuner.faulty` class paths from its working directory
+    monkeypatch.delenv(FORK_SERVER_ENV, raising=False)
+    return _Spawns(monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.slow
+def test_a_forked_trial_measures_what_a_fresh_interpreter_measures_and_keeps_recomputation_exact(
+    tmp_path: Path, spawns: _Spawns, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = _recipe(tmp_path, init_args={"dropout": 0.2})
+    policy = RecomputePolicy.from_modes({"blocks.0": "selective", "blocks.1": "full"})
+    forked = run_trial(recipe, policy)
+    numerics = check_numerics(recipe, policy)
+    assert len(spawns.forked) == 2, "both ran forked"
+    monkeypatch.setenv(FORK_SERVER_ENV, "0")
+    fresh = run_trial(recipe, policy)
+    assert len(spawns.forked) == 2, "RECOMPUTE_TUNE_FORK_SERVER=0: a fresh interpreter"
+    assert forked.outcome == fresh.outcome == "ok", (forked, fresh)
+    # The exact CPU storage ledger: the same peak to the byte, over the same steps.
+    assert forked.peak_bytes == fresh.peak_bytes
+    assert len(forked.step_times_s) == len(fresh.step_times_s) == 3
+    # Bitwise gradients under recomputation, dropout included, in a forked worker.
+    assert numerics.equal, numerics
+
+
+@pytest.mark.slow
+def test_the_server_serves_the_next_worker_and_another_environment_gets_its_own(
+    tmp_path: Path, spawns: _Spawns
+) -> None:
+    one = _recipe(tmp_path, env={"OMP_NUM_THREADS": 1})
+    assert run_trial(one, RecomputePolicy.uniform("full")).outcome == "ok"
+    assert run_trial(one, RecomputePolicy.uniform("none")).outcome == "ok"
+    first = spawns.servers[0]
+    assert spawns.servers == [first, first], "one server, kept between workers"
+    # OMP_NUM_THREADS is read when the OpenMP runtime loads, in the server: another value needs
+    # another server, and the old one is ended.
+    two = _recipe(tmp_path, env={"OMP_NUM_THREADS": 2})
+    assert run_trial(two, RecomputePolicy.uniform("full")).outcome == "ok"
+    assert len(spawns.servers) == 3 and spawns.servers[2] != first
+    assert _wait_gone(first)
+
+
+# ---------------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.slow
+def test_a_worker_outlives_neither_its_deadline_nor_its_server_and_the_next_trial_gets_a_new_server(
+    tmp_path: Path, spawns: _Spawns
+) -> None:
+    pid_file = tmp_path / "pids"
+    hangs = _recipe(tmp_path, "tests.tuner.faulty.Hangs", init_args={"pid_file": str(pid_file)})
+
+    def kill_the_server_when_training() -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(spawns.servers[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_server_when_training, daemon=True)
+    killer.start()
+    result = run_trial(hangs, RecomputePolicy.uniform("full"))
+    killer.join(DEADLINE_S)
+    # The worker followed its server (PR_SET_PDEATHSIG) long before its 300 s deadline; its own
+    # child is killed with its process group.
+    assert result.outcome == "error" and (result.error or "").startswith("the worker was killed by signal 9"), result
+    worker, child = (int(p) for p in pid_file.read_text().split())
+    assert worker == spawns.forked[0].pid
+    assert _wait_gone(worker, child)
+    after = run_trial(_recipe(tmp_path), RecomputePolicy.uniform("full"))
+    assert after.outcome == "ok" and len(spawns.servers) == 2 and spawns.servers[1] != spawns.servers[0]
+
+
+@pytest.mark.slow
+def test_threads_measuring_at_once_share_one_server_and_the_rest_start_fresh(tmp_path: Path, spawns: _Spawns) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    recipe = _recipe(tmp_path)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda mode: run_trial(recipe, RecomputePolicy.uniform(mode)), ["full", "none"]))
+    assert [r.outcome for r in results] == ["ok", "ok"]
+    assert 1 <= len(spawns.forked) <= 2  # one at a time is forked; a second at the same moment starts fresh
+
+
+# ---------------------------------------------------------------------------------------------- no process
+
+
+def test_only_one_rank_on_the_cpu_is_forked(tmp_path: Path) -> None:
+    policy = RecomputePolicy.uniform("full")
+    cpu = R.from_dict({"budget": "1GiB"}, source=tmp_path / "r.yaml")
+    two_ranks = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2}}, source=tmp_path / "r.yaml")
+    cuda = R.from_dict({"budget": "1GiB", "trainer": {"accelerator": "cuda"}}, source=tmp_path / "r.yaml")
+    assert runner._forkable(runner._numerics_spec(cpu, policy, None))
+    assert not runner._forkable(runner._numerics_spec(two_ranks, policy, None))
+    assert not runner._forkable(runner._numerics_spec(cuda, policy, None))
+    assert not runner._forkable(runner.DeviceSpec(accelerator="cuda"))
+
+
+@pytest.mark.parametrize("off", ["0", "off", "False", "no "])
+def test_the_fork_server_can_be_turned_off_and_then_starts_nothing(off: str) -> None:
+    # The fast tier refuses any process start: a server started here would fail the test.
+    assert shared_server({**os.environ, FORK_SERVER_ENV: off}, os.getcwd()) is None
+
+
+def test_a_session_s_members_are_found_by_its_id() -> None:
+    assert os.getpid() in runner._pids_in_session(os.getsid(0))
+    assert os.getpid() not in runner._pids_in_session(os.getpid() if os.getsid(0) != os.getpid() else 1)

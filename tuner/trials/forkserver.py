@@ -1,0 +1,346 @@
+"""A warm process that forks trial workers: torch and Lightning imported once per tuning process, not once per trial.
+
+``python -m tuner.trials.worker`` pays for an interpreter and for importing torch and Lightning
+(3-5 s on a 2-core CPU, more on a loaded one) before its first step, against trials of 5-10 s:
+a session with a race spends a third of its wall in imports. `ForkServer` starts one process that
+imports them and then forks each worker from it. The forked child becomes what a fresh worker
+would be: its own session and process group, the trial's environment, the log as its stdout and
+stderr, standard input from ``/dev/null``; then it runs `tuner.trials.worker.main` on the same
+``SPEC.json RESULT.json`` and exits with its status. The worker protocol is unchanged: spec and
+result files, a log, a deadline, one ``killpg`` for the whole group.
+
+Why not ``multiprocessing``'s forkserver: its children re-import the parent's ``__main__`` (a
+user's script without a main guard would run again in every trial), their output goes to the
+parent's terminal rather than the trial's log, and a trial's process group and exit status would
+sit behind its pickling layer. What is needed here is a fork and a wait.
+
+`runner` forks only where the child is exactly what ``python -m tuner.trials.worker`` would be:
+
+- **CPU only.** A process that loaded the CUDA driver must not fork (the child's CUDA state is
+  undefined), and the server cannot know whether an import did. GPU trials also run long enough
+  that an import is a small share of them.
+- **One rank.** Lightning starts ranks 1..N-1 by running the worker's command line again; a forked
+  child has none to run.
+- **The server's environment and working directory.** Libraries read some variables once, at
+  import or library load (``OMP_NUM_THREADS``, ``LD_PRELOAD``, ``MALLOC_CONF``...), so a trial
+  whose environment differs (other than the per-trial variables) gets a server started with it.
+
+``RECOMPUTE_TUNE_FORK_SERVER=0`` turns forking off: every worker is a fresh interpreter again.
+
+The server's request and reply protocol: one JSON object per line. The client writes
+``{"argv": [...], "env": {...}, "log": PATH}`` to the server's stdin; the server replies
+``{"pid": PID}`` once the child is forked and ``{"pid": PID, "returncode": R}`` once it has exited
+(``R`` as ``subprocess`` reports it: negative for a signal). One worker at a time. The server
+dies with the process that started it (``PR_SET_PDEATHSIG``), and its children die with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["FORK_SERVER_ENV", "SERVER_PARENT_ENV", "ForkServer", "ForkServerError", "Forked", "serve", "shared_server"]
+
+FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
+"""``0`` (or ``off``, ``false``, ``no``): start every worker as a fresh interpreter, never fork."""
+
+PRELOAD = ("torch", "lightning", "lightning_recompute", "tuner.trials.worker", "tuner.race.engine", "tuner.recipe")
+"""What the server imports before forking: what every worker imports before its first step."""
+
+_START_TIMEOUT_S = 300.0  # imports on a loaded machine; a server that takes longer is not worth waiting for
+_REPLY_TIMEOUT_S = 60.0  # a fork takes milliseconds; anything else is a server in trouble
+_TAIL_CHARS = 2000
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start or stopped answering; workers start as fresh interpreters instead."""
+
+
+class Forked:
+    """One worker forked by a `ForkServer`: the part of ``subprocess.Popen`` the runner uses."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        """The worker's pid, which is also its process group and session id."""
+        self.returncode: int | None = None
+        """Its exit status once it has exited: negative for the signal that ended it, as ``Popen``'s."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status; ``subprocess.TimeoutExpired`` if it runs past ``timeout`` seconds."""
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self.pid, timeout)
+        return self.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL the worker's process group, and the worker itself in case it has not made its group yet."""
+        for kill, target in ((os.killpg, self.pid), (os.kill, self.pid)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(target, signal.SIGKILL)
+
+
+class ForkServer:
+    """A server process started with ``env`` in ``cwd``, forking workers on request.
+
+    Raises `ForkServerError` when the server does not come up (its output's tail says why).
+    One worker runs at a time; `spawn` says when another one is running.
+    """
+
+    def __init__(self, env: Mapping[str, str], cwd: str, preload: Sequence[str] = PRELOAD) -> None:
+        self.env = dict(env)
+        self.cwd = cwd
+        self._busy = threading.Lock()
+        self._buffer = b""
+        # Its output (import warnings, a traceback if it fails): a file, as a pipe could fill and
+        # block it, and an unlinked one, so that nothing is left behind whatever ends this process.
+        self._log, path = tempfile.mkstemp(prefix="recompute-forkserver-", suffix=".log")
+        os.unlink(path)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tuner.trials.forkserver", *preload],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                cwd=cwd,
+                env={**self.env, SERVER_PARENT_ENV: str(os.getpid())},
+                start_new_session=True,  # a Ctrl-C in the terminal is the tuner's to handle, not the server's
+            )
+        except OSError as err:
+            os.close(self._log)
+            raise ForkServerError(f"fork server did not start: {err}") from err
+        try:
+            ready = self._reply(time.monotonic() + _START_TIMEOUT_S)
+        except (ForkServerError, subprocess.TimeoutExpired) as err:
+            output = self._tail()
+            self.close()
+            raise ForkServerError(f"fork server did not come up: {err}; its output: {output}") from err
+        self.pid = int(ready["ready"])
+
+    @property
+    def busy(self) -> bool:
+        """Whether a worker of this server is running."""
+        return self._busy.locked()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server is still running and answering."""
+        return self._proc.poll() is None
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> Forked | None:
+        """Fork a worker running ``tuner.trials.worker.main(argv)`` with ``env``, its output to ``log_path``.
+
+        ``None`` while another worker of this server runs (a second thread measuring at the same
+        time): the server runs one at a time. `ForkServerError` if the server has stopped answering.
+        """
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            request = json.dumps({"argv": list(argv), "env": dict(env), "log": log_path}) + "\n"
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(request.encode())
+                self._proc.stdin.flush()
+            except OSError as err:
+                raise ForkServerError(f"fork server gone: {err}; its output: {self._tail()}") from err
+            try:
+                reply = self._reply(time.monotonic() + _REPLY_TIMEOUT_S)
+            except subprocess.TimeoutExpired as err:
+                raise ForkServerError(f"fork server did not fork within {_REPLY_TIMEOUT_S:.0f} s") from err
+        except BaseException:
+            self._busy.release()
+            raise
+        return Forked(self, int(reply["pid"]))
+
+    def exit_status(self, pid: int, timeout: float | None) -> int:
+        """Wait for worker ``pid`` to exit (``subprocess.TimeoutExpired`` past ``timeout``) and release the server."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                reply = self._reply(deadline)
+            except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
+            except ForkServerError:
+                # The server died, and with it the worker (it follows the server, PR_SET_PDEATHSIG).
+                self._busy.release()
+                return -signal.SIGKILL
+            if reply.get("pid") == pid and "returncode" in reply:
+                self._busy.release()
+                return int(reply["returncode"])
+
+    def close(self) -> None:
+        """End the server: closing its stdin ends its loop; it is killed if it does not end at once."""
+        with contextlib.suppress(OSError):
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        with contextlib.suppress(OSError):
+            os.close(self._log)
+
+    def _reply(self, deadline: float | None) -> dict[str, Any]:
+        """The server's next line; ``subprocess.TimeoutExpired`` past ``deadline``, `ForkServerError` at its end."""
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([fd], [], [], left)
+            if not readable:
+                raise subprocess.TimeoutExpired("fork server", left or 0.0)
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ForkServerError(f"fork server exited ({self._proc.wait()})")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise ForkServerError(f"fork server said {line!r}, not a reply")
+        return reply
+
+    def _tail(self) -> str:
+        try:
+            size = os.fstat(self._log).st_size
+            text = os.pread(self._log, _TAIL_CHARS * 4, max(0, size - _TAIL_CHARS * 4)).decode(errors="replace")
+        except OSError:
+            return "(unreadable)"
+        return text[-_TAIL_CHARS:].strip() or "(none)"
+
+
+SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
+"""In the server's environment, the pid of the process that started it (and that it follows). A forked
+worker's ``/proc`` environment is the server's, so this is how a worker is known as a forked one."""
+_OFF = frozenset({"0", "off", "false", "no"})
+_log = logging.getLogger(__name__)
+_shared_lock = threading.Lock()
+_shared: ForkServer | None = None
+_refused: list[tuple[dict[str, str], str]] = []  # environments a server would not start with: not tried again
+
+
+def shared_server(env: Mapping[str, str], cwd: str) -> ForkServer | None:
+    """This process's fork server for workers started with ``env`` in ``cwd``; ``None`` to start a fresh interpreter.
+
+    The server is started on first use and kept for the next worker; one started with another
+    environment or folder is replaced. ``None`` where ``RECOMPUTE_TUNE_FORK_SERVER`` is off, where a
+    server for this environment would not start (logged once), or while a server for another
+    environment still runs a worker. A server running a worker of this environment is returned:
+    its `ForkServer.spawn` says it is busy.
+    """
+    global _shared
+    if env.get(FORK_SERVER_ENV, "").strip().lower() in _OFF:
+        return None
+    with _shared_lock:
+        if (dict(env), cwd) in _refused:
+            return None
+        if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
+            if _shared.busy and _shared.alive:
+                return None  # its worker runs on (closing it would kill the worker): this one starts fresh
+            _shared.close()
+            _shared = None
+        if _shared is None:
+            try:
+                _shared = ForkServer(env, cwd)
+            except ForkServerError as err:
+                _refused.append((dict(env), cwd))
+                _log.warning("%s; trial workers start as fresh interpreters", err)
+                return None
+        return _shared
+
+
+@atexit.register
+def _close_shared() -> None:
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared.close()
+            _shared = None
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+def serve(preload: Sequence[str]) -> int:
+    """The server's loop: import ``preload``, then fork one worker per request line until stdin ends."""
+    # Replies go to a copy of stdout; stdout itself becomes stderr, so nothing an import prints can
+    # be taken for a reply.
+    replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    from tuner.trials import worker
+
+    worker.die_with_parent(os.environ.get(SERVER_PARENT_ENV))
+    for name in preload:
+        __import__(name)
+    replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request, replies)  # never returns
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        # Wait without reaping, kill what the worker left in its group (data-loader workers, compile
+        # helpers), then reap: until then the pid cannot be reused, so the group killed is its own.
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    return 0
+
+
+def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
+    """In the forked child: become a fresh worker's equivalent, run it, exit with its status."""
+    code = 1
+    try:
+        os.setsid()  # its own session and process group, as `start_new_session=True` gives a fresh worker
+        replies.close()
+        log = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        argv = [str(a) for a in request["argv"]]
+        sys.argv = ["-m", *argv]
+        from tuner.trials import worker
+
+        code = worker.main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the server's loop
+        traceback.print_exc()
+        code = 1
+    finally:
+        # What an interpreter does on its way out (atexit handlers, flushed streams), then leave
+        # without unwinding into the server's frames.
+        with contextlib.suppress(BaseException):
+            import atexit
+
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))
