@@ -205,19 +205,22 @@ def test_trial_folders_of_dead_owners_are_removed_with_their_processes_and_live_
     # A forked worker's /proc environment is the fork server's, without the folder: it is found by
     # the session the folder records and its server's parent, the folder's owner.
     owner = json.loads((forked_dead / "owner.json").read_text(encoding="utf-8"))["pid"]
-    forked = subprocess.Popen(sleep, env=child_env(**{SERVER_PARENT_ENV: str(owner)}), start_new_session=True)
-    (forked_dead / "worker.pid").write_text(str(forked.pid), encoding="utf-8")
+    by_owner = child_env(**{SERVER_PARENT_ENV: str(owner)})
+    forked = subprocess.Popen(sleep, env=by_owner, start_new_session=True)
+    (forked_dead / "worker.json").write_text(json.dumps({"pid": forked.pid, "forked": True}), encoding="utf-8")
+    # The owner's server's environment, but outside the session the folder records: another worker's.
+    outsider = subprocess.Popen(sleep, env=by_owner, start_new_session=True)
     # The session a folder records, but another owner's server: a reused pid, not this folder's worker.
     reused = folder("reused", Owner(socket.gethostname(), dead_pid(), None))
     stranger = subprocess.Popen(sleep, env=child_env(**{SERVER_PARENT_ENV: "1"}), start_new_session=True)
-    (reused / "worker.pid").write_text(str(stranger.pid), encoding="utf-8")
+    (reused / "worker.json").write_text(json.dumps({"pid": stranger.pid, "forked": True}), encoding="utf-8")
     try:
         assert sorted(clean_stale_trial_dirs(tmp_path)) == sorted([dead, forked_dead, reused])
         assert leftover.wait(timeout=60) == -signal.SIGKILL
         assert forked.wait(timeout=60) == -signal.SIGKILL
-        assert stranger.poll() is None
+        assert stranger.poll() is None and outsider.poll() is None
     finally:
-        for proc in (leftover, forked, stranger):
+        for proc in (leftover, forked, outsider, stranger):
             proc.kill()
             proc.wait(timeout=60)
     assert not dead.exists() and not forked_dead.exists()
@@ -326,7 +329,8 @@ def test_kill_9_at_each_point_in_turn_then_rerun_leaves_nothing_running_and_lose
             assert "taking over the study's setup: owner died" in killed.stderr, killed.stderr[-3000:]
             # The worker was forked (one rank on the CPU) and, like its fork server, followed its
             # parent: no trial process outlives the kill.
-            assert all((f / "worker.pid").exists() for f in tmpdir.glob("recompute-trial-*"))
+            folders = list(tmpdir.glob("recompute-trial-*"))
+            assert [json.loads((f / "worker.json").read_text())["forked"] for f in folders] == [True]
             deadline = time.monotonic() + 60
             while trial_processes(tmpdir) and time.monotonic() < deadline:
                 time.sleep(0.2)

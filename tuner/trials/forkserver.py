@@ -31,13 +31,18 @@ The server's request and reply protocol: one JSON object per line. The client wr
 ``{"argv": [...], "env": {...}, "log": PATH}`` to the server's stdin; the server replies
 ``{"pid": PID}`` once the child is forked and ``{"pid": PID, "returncode": R}`` once it has exited
 (``R`` as ``subprocess`` reports it: negative for a signal). One worker at a time. The server
-dies with the process that started it (``PR_SET_PDEATHSIG``), and its children die with it.
+ends, killing a worker still running, when the process that started it is gone (`serve` says how it
+knows); a worker follows its server (``PR_SET_PDEATHSIG``, as a fresh worker follows the tuner).
+
+One difference from a fresh interpreter remains, and it changes no measurement: forked workers share
+the server's string hash seed (``PYTHONHASHSEED``), where fresh ones draw their own.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -52,7 +57,17 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-__all__ = ["FORK_SERVER_ENV", "SERVER_PARENT_ENV", "ForkServer", "ForkServerError", "Forked", "serve", "shared_server"]
+__all__ = [
+    "FORK_SERVER_ENV",
+    "SERVER_PARENT_ENV",
+    "ForkServer",
+    "ForkServerError",
+    "Forked",
+    "fork",
+    "forking",
+    "serve",
+    "warm",
+]
 
 FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
 """``0`` (or ``off``, ``false``, ``no``): start every worker as a fresh interpreter, never fork."""
@@ -86,10 +101,17 @@ class Forked:
         return self.returncode
 
     def kill_group(self) -> None:
-        """SIGKILL the worker's process group, and the worker itself in case it has not made its group yet."""
-        for kill, target in ((os.killpg, self.pid), (os.kill, self.pid)):
+        """SIGKILL the worker's process group, and the worker itself while it may not have made its group yet.
+
+        Once the worker has exited (and the server has reaped it), its pid may belong to another
+        process: then only its group is signalled, which exists only while something the worker
+        started still runs in it.
+        """
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if self.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(target, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
 
 
 class ForkServer:
@@ -104,6 +126,7 @@ class ForkServer:
         self.cwd = cwd
         self._busy = threading.Lock()
         self._buffer = b""
+        self._broken = False
         # Its output (import warnings, a traceback if it fails): a file, as a pipe could fill and
         # block it, and an unlinked one, so that nothing is left behind whatever ends this process.
         self._log, path = tempfile.mkstemp(prefix="recompute-forkserver-", suffix=".log")
@@ -122,12 +145,11 @@ class ForkServer:
             os.close(self._log)
             raise ForkServerError(f"fork server did not start: {err}") from err
         try:
-            ready = self._reply(time.monotonic() + _START_TIMEOUT_S)
-        except (ForkServerError, subprocess.TimeoutExpired) as err:
+            self.pid = int(self._reply(time.monotonic() + _START_TIMEOUT_S)["ready"])
+        except (ForkServerError, subprocess.TimeoutExpired, KeyError, TypeError, ValueError) as err:
             output = self._tail()
-            self.close()
+            self._abandon()
             raise ForkServerError(f"fork server did not come up: {err}; its output: {output}") from err
-        self.pid = int(ready["ready"])
 
     @property
     def busy(self) -> bool:
@@ -136,33 +158,33 @@ class ForkServer:
 
     @property
     def alive(self) -> bool:
-        """Whether the server is still running and answering."""
-        return self._proc.poll() is None
+        """Whether the server is still running and its replies can be trusted."""
+        return not self._broken and self._proc.poll() is None
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> Forked | None:
         """Fork a worker running ``tuner.trials.worker.main(argv)`` with ``env``, its output to ``log_path``.
 
         ``None`` while another worker of this server runs (a second thread measuring at the same
-        time): the server runs one at a time. `ForkServerError` if the server has stopped answering.
+        time): the server runs one at a time. `ForkServerError` if the server does not answer; it
+        is then ended (with any worker it forked), so no reply of it is ever read out of turn.
         """
         if not self._busy.acquire(blocking=False):
             return None
         try:
+            if not self.alive:
+                raise ForkServerError(f"fork server gone; its output: {self._tail()}")
             request = json.dumps({"argv": list(argv), "env": dict(env), "log": log_path}) + "\n"
             assert self._proc.stdin is not None
-            try:
-                self._proc.stdin.write(request.encode())
-                self._proc.stdin.flush()
-            except OSError as err:
-                raise ForkServerError(f"fork server gone: {err}; its output: {self._tail()}") from err
-            try:
-                reply = self._reply(time.monotonic() + _REPLY_TIMEOUT_S)
-            except subprocess.TimeoutExpired as err:
-                raise ForkServerError(f"fork server did not fork within {_REPLY_TIMEOUT_S:.0f} s") from err
-        except BaseException:
+            self._proc.stdin.write(request.encode())
+            self._proc.stdin.flush()
+            pid = int(self._reply(time.monotonic() + _REPLY_TIMEOUT_S)["pid"])
+        except BaseException as err:
+            self._abandon()
             self._busy.release()
+            if isinstance(err, (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)):
+                raise ForkServerError(f"fork server did not fork: {err!r}") from err
             raise
-        return Forked(self, int(reply["pid"]))
+        return Forked(self, pid)
 
     def exit_status(self, pid: int, timeout: float | None) -> int:
         """Wait for worker ``pid`` to exit (``subprocess.TimeoutExpired`` past ``timeout``) and release the server."""
@@ -172,8 +194,10 @@ class ForkServer:
                 reply = self._reply(deadline)
             except subprocess.TimeoutExpired:
                 raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
-            except ForkServerError:
-                # The server died, and with it the worker (it follows the server, PR_SET_PDEATHSIG).
+            except (ForkServerError, ValueError):
+                # The server died or garbled its reply: the worker is ended with it (it follows the
+                # server), and the status it had is unknown. Read as killed; its result file decides.
+                self._abandon()
                 self._busy.release()
                 return -signal.SIGKILL
             if reply.get("pid") == pid and "returncode" in reply:
@@ -181,18 +205,28 @@ class ForkServer:
                 return int(reply["returncode"])
 
     def close(self) -> None:
-        """End the server: closing its stdin ends its loop; it is killed if it does not end at once."""
-        with contextlib.suppress(OSError):
+        """End the server: closing its stdin ends its loop (and a worker still running); killed if it lingers."""
+        with contextlib.suppress(OSError, ValueError):
             if self._proc.stdin is not None:
                 self._proc.stdin.close()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
+            self._abandon()
+        self._release_files()
+
+    def _abandon(self) -> None:
+        """Kill the server now (a worker of it follows) and never use it again."""
+        self._broken = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+
+    def _release_files(self) -> None:
+        for stream in (self._proc.stdin, self._proc.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if stream is not None:
+                    stream.close()
         with contextlib.suppress(OSError):
             os.close(self._log)
 
@@ -234,34 +268,61 @@ _shared: ForkServer | None = None
 _refused: list[tuple[dict[str, str], str]] = []  # environments a server would not start with: not tried again
 
 
-def shared_server(env: Mapping[str, str], cwd: str) -> ForkServer | None:
-    """This process's fork server for workers started with ``env`` in ``cwd``; ``None`` to start a fresh interpreter.
+def forking(env: Mapping[str, str]) -> bool:
+    """Whether ``RECOMPUTE_TUNE_FORK_SERVER`` in ``env`` leaves forking on (it is on unless set off)."""
+    return env.get(FORK_SERVER_ENV, "").strip().lower() not in _OFF
 
-    The server is started on first use and kept for the next worker; one started with another
-    environment or folder is replaced. ``None`` where ``RECOMPUTE_TUNE_FORK_SERVER`` is off, where a
-    server for this environment would not start (logged once), or while a server for another
-    environment still runs a worker. A server running a worker of this environment is returned:
-    its `ForkServer.spawn` says it is busy.
+
+def warm(env: Mapping[str, str], cwd: str) -> None:
+    """Start this process's fork server for ``env`` and ``cwd`` now if it is not running: its imports are no trial's."""
+    if forking(env):
+        with _shared_lock:
+            _server_for(env, cwd)
+
+
+def fork(
+    env: Mapping[str, str], cwd: str, argv: Sequence[str], child_env: Mapping[str, str], log_path: str, parent_env: str
+) -> Forked | None:
+    """Fork a worker from this process's fork server for ``env`` and ``cwd``; ``None``: start a fresh interpreter.
+
+    ``child_env`` is the worker's environment, with ``parent_env`` set to the server's pid (the
+    parent the worker follows). The server is started on first use, kept for the next worker, and
+    replaced for another environment or folder, never while a worker of it runs. ``None`` where
+    ``RECOMPUTE_TUNE_FORK_SERVER`` is off, where a server for this environment would not start
+    (logged once), while a worker of the server runs (another thread measuring), and where the
+    server does not answer (logged).
     """
-    global _shared
-    if env.get(FORK_SERVER_ENV, "").strip().lower() in _OFF:
+    if not forking(env):
         return None
     with _shared_lock:
-        if (dict(env), cwd) in _refused:
+        server = _server_for(env, cwd)
+        if server is None:
             return None
-        if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
-            if _shared.busy and _shared.alive:
-                return None  # its worker runs on (closing it would kill the worker): this one starts fresh
-            _shared.close()
-            _shared = None
-        if _shared is None:
-            try:
-                _shared = ForkServer(env, cwd)
-            except ForkServerError as err:
-                _refused.append((dict(env), cwd))
-                _log.warning("%s; trial workers start as fresh interpreters", err)
-                return None
-        return _shared
+        try:
+            return server.spawn(argv, {**child_env, parent_env: str(server.pid)}, log_path)
+        except ForkServerError as err:
+            _log.warning("%s; this worker starts as a fresh interpreter", err)
+            return None
+
+
+def _server_for(env: Mapping[str, str], cwd: str) -> ForkServer | None:
+    """The shared server for ``env`` and ``cwd``, started or replaced as needed (the caller holds `_shared_lock`)."""
+    global _shared
+    if (dict(env), cwd) in _refused:
+        return None
+    if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
+        if _shared.busy:
+            return None  # a worker of it runs on (closing the server would end it): this one starts fresh
+        _shared.close()
+        _shared = None
+    if _shared is None:
+        try:
+            _shared = ForkServer(env, cwd)
+        except ForkServerError as err:
+            _refused.append((dict(env), cwd))
+            _log.warning("%s; trial workers start as fresh interpreters", err)
+            return None
+    return _shared
 
 
 @atexit.register
@@ -275,33 +336,100 @@ def _close_shared() -> None:
 
 # ---------------------------------------------------------------------------------------------- the server
 
+_PARENT_POLL_S = 1.0
+
 
 def serve(preload: Sequence[str]) -> int:
-    """The server's loop: import ``preload``, then fork one worker per request line until stdin ends."""
+    """The server's loop: import ``preload``, then fork one worker per request line until its parent is gone.
+
+    Its parent is gone when its stdin ends (only the parent holds the other end) or its parent pid
+    changes. Not ``PR_SET_PDEATHSIG``: that follows the *thread* that started the server, and a
+    tuning process may start it from a thread that ends long before the session does. A worker
+    still running then is killed with its group.
+    """
     # Replies go to a copy of stdout; stdout itself becomes stderr, so nothing an import prints can
     # be taken for a reply.
     replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
-    from tuner.trials import worker
-
-    worker.die_with_parent(os.environ.get(SERVER_PARENT_ENV))
+    parent = os.getppid()
     for name in preload:
         __import__(name)
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
-    for line in sys.stdin.buffer:
+    requests = _Requests(parent)
+    while (line := requests.next_line()) is not None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
             _child(request, replies)  # never returns
         replies.write(json.dumps({"pid": pid}) + "\n")
-        # Wait without reaping, kill what the worker left in its group (data-loader workers, compile
-        # helpers), then reap: until then the pid cannot be reused, so the group killed is its own.
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        parent_gone = not requests.wait_for_exit(pid)
+        # The worker has exited (or is being killed): kill what it left in its group (data-loader
+        # workers, compile helpers), then reap it. Until it is reaped its pid cannot be reused,
+        # so the group killed is its own.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+        if parent_gone:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)  # in case it has not made its group yet
         _, status = os.waitpid(pid, 0)
+        if parent_gone:
+            return 0
         replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
     return 0
+
+
+class _Requests:
+    """The server's stdin, read without blocking past its parent's death."""
+
+    def __init__(self, parent: int) -> None:
+        self._parent = parent
+        self._buffer = b""
+        self._ended = False
+
+    def next_line(self) -> bytes | None:
+        """The next request; ``None`` once the parent is gone."""
+        while b"\n" not in self._buffer:
+            came = not self._ended and self._read(_PARENT_POLL_S)
+            if not came and (self._ended or os.getppid() != self._parent):
+                return None
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def wait_for_exit(self, pid: int) -> bool:
+        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``)."""
+        try:
+            exited = os.pidfd_open(pid)  # readable once the process has exited (Linux 5.3)
+        except (AttributeError, OSError):
+            exited = None
+        try:
+            while True:
+                if exited is not None:
+                    readable, _, _ = select.select([exited, 0], [], [], _PARENT_POLL_S)
+                    if exited in readable:
+                        return True
+                    if 0 in readable:
+                        self._read(0.0)
+                else:
+                    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                        return True
+                    self._read(0.05)
+                if self._ended or os.getppid() != self._parent:
+                    return False
+        finally:
+            if exited is not None:
+                os.close(exited)
+
+    def _read(self, timeout: float) -> bool:
+        """Read what stdin holds within ``timeout`` seconds; whether anything came (end of input sets `_ended`)."""
+        readable, _, _ = select.select([0], [], [], timeout)
+        if not readable:
+            return False
+        chunk = os.read(0, 65536)
+        if not chunk:
+            self._ended = True
+            return False
+        self._buffer += chunk
+        return True
 
 
 def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
@@ -319,10 +447,10 @@ def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(request["env"])
-        argv = [str(a) for a in request["argv"]]
-        sys.argv = ["-m", *argv]
         from tuner.trials import worker
 
+        argv = [str(a) for a in request["argv"]]
+        sys.argv = [str(worker.__file__), *argv]
         code = worker.main(argv)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -330,15 +458,15 @@ def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        # What an interpreter does on its way out (atexit handlers, flushed streams), then leave
-        # without unwinding into the server's frames.
+        # What an interpreter does on its way out (atexit handlers, Python's and C's streams
+        # flushed), then leave without unwinding into the server's frames.
         with contextlib.suppress(BaseException):
-            import atexit
-
             atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(BaseException):
                 stream.flush()
+        with contextlib.suppress(BaseException):
+            ctypes.CDLL(None).fflush(None)
         os._exit(code)
 
 

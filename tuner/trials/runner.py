@@ -37,7 +37,8 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner.killpoints import kill_point
 from tuner.liveness import Owner
 from tuner.recipe import Recipe
-from tuner.trials.forkserver import SERVER_PARENT_ENV, Forked, ForkServer, ForkServerError, shared_server
+from tuner.trials import forkserver
+from tuner.trials.forkserver import SERVER_PARENT_ENV, Forked
 from tuner.trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
 from tuner.trials.protocol import (
     RANKED_KINDS,
@@ -82,7 +83,7 @@ _log = logging.getLogger(__name__)
 _TAIL_CHARS = 4000
 _DIR_PREFIX = "recompute-trial-"
 _OWNER_FILE = "owner.json"
-_WORKER_PID_FILE = "worker.pid"
+_WORKER_FILE = "worker.json"
 TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
 """Set in a worker's environment to its trial folder: every process the worker starts inherits it,
 which is how `clean_stale_trial_dirs` finds a dead owner's leftover processes (`trial_processes`)."""
@@ -474,13 +475,14 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         # the folder (and anything the worker left running) once this owner is dead.
         (folder / _OWNER_FILE).write_text(json.dumps(Owner.me().to_dict()), encoding="utf-8")
         base_env = _worker_env(env or {})
-        # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
-        server = shared_server(base_env, os.getcwd()) if _forkable(spec) else None
+        if _forkable(spec):
+            # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
+            forkserver.warm(base_env, os.getcwd())
         start = time.monotonic()
         spec = dataclasses.replace(spec, deadline=time.time() + timeout_s)
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         kills_before = oom_kill_count()
-        proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, server)
+        proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, fork=_forkable(spec))
         timed_out = False
         try:
             kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner.killpoints
@@ -511,22 +513,18 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
 
 
 def _start_worker(
-    argv: Sequence[str], log_path: Path, base_env: Mapping[str, str], folder: Path, server: ForkServer | None
+    argv: Sequence[str], log_path: Path, base_env: Mapping[str, str], folder: Path, *, fork: bool
 ) -> subprocess.Popen[bytes] | Forked:
-    """Start the worker on ``argv``: forked from ``server`` if there is one, else a fresh interpreter.
+    """Start the worker on ``argv``: forked from the fork server if ``fork`` and it can, else a fresh interpreter.
 
-    Its pid (its process group and session too) is written to the trial folder, so that
-    `clean_stale_trial_dirs` finds what it leaves running after this process is SIGKILLed: a forked
+    Its pid (its process group and session too) and how it started are written to the trial folder,
+    so that `trial_processes` finds what it leaves running after this process is SIGKILLed: a forked
     worker's ``/proc`` environment is the server's, without the trial folder's variable.
     """
     env = {**base_env, TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())}
     proc: subprocess.Popen[bytes] | Forked | None = None
-    if server is not None:
-        try:
-            # None while the server runs another thread's worker: this one starts fresh.
-            proc = server.spawn(argv, {**env, PARENT_PID_ENV: str(server.pid)}, str(log_path))
-        except ForkServerError as err:
-            _log.warning("%s; this worker starts as a fresh interpreter", err)
+    if fork:
+        proc = forkserver.fork(base_env, os.getcwd(), argv, env, str(log_path), parent_env=PARENT_PID_ENV)
     if proc is None:
         with open(log_path, "wb") as log:
             # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
@@ -538,7 +536,12 @@ def _start_worker(
                 start_new_session=True,  # its own process group: one killpg ends it and its children
                 env=env,
             )
-    (folder / _WORKER_PID_FILE).write_text(str(proc.pid), encoding="utf-8")
+    try:
+        record = {"pid": proc.pid, "forked": isinstance(proc, Forked)}
+        (folder / _WORKER_FILE).write_text(json.dumps(record), encoding="utf-8")
+    except BaseException:
+        _kill_group(proc)
+        raise
     return proc
 
 
@@ -649,13 +652,14 @@ def trial_processes(folder: Path) -> list[int]:
     """
     found = set(_pids_with_env(TRIAL_DIR_ENV, str(folder)))
     try:
-        leader = int((folder / _WORKER_PID_FILE).read_text(encoding="utf-8"))
+        worker = json.loads((folder / _WORKER_FILE).read_text(encoding="utf-8"))
+        leader, forked = int(worker["pid"]), worker.get("forked") is True
         owner = Owner.from_dict(json.loads((folder / _OWNER_FILE).read_text(encoding="utf-8")))
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError):
         return sorted(found)
-    if owner is not None:
-        forked = set(_pids_with_env(SERVER_PARENT_ENV, str(owner.pid)))
-        found.update(pid for pid in _pids_in_session(leader) if pid in forked)
+    if forked and owner is not None:
+        by_server = set(_pids_with_env(SERVER_PARENT_ENV, str(owner.pid)))
+        found.update(pid for pid in _pids_in_session(leader) if pid in by_server)
     return sorted(found)
 
 

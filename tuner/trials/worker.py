@@ -719,8 +719,8 @@ _WATCHDOG_POLL_S = 1.0
 def die_with_parent(parent: str | None) -> None:
     """End this process when ``parent``, the process that started it, dies (it would otherwise run on, orphaned).
 
-    ``parent`` is the tuning process for a worker, the fork server for a forked one (the server
-    follows the tuning process the same way), and the tuning process for the fork server.
+    ``parent`` is the tuning process for a fresh worker and the fork server for a forked one (the
+    server itself follows the tuning process otherwise: `tuner.trials.forkserver.serve`).
 
     On Linux the kernel does it: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``. The parent may have died
     before that call, so the parent pid is checked once more after it. Elsewhere (or if prctl is

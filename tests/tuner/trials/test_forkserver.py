@@ -20,7 +20,7 @@ from lightning_recompute import RecomputePolicy
 from tests.helpers import REPO
 from tuner import recipe as R
 from tuner.trials import check_numerics, run_trial, runner
-from tuner.trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, shared_server
+from tuner.trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, forking
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
 DEADLINE_S = 240.0  # for a process to appear or go on a loaded machine; not a speed bound
@@ -122,8 +122,8 @@ def test_the_server_serves_the_next_worker_and_another_environment_gets_its_own(
 
 
 @pytest.mark.slow
-def test_a_worker_outlives_neither_its_deadline_nor_its_server_and_the_next_trial_gets_a_new_server(
-    tmp_path: Path, spawns: _Spawns
+def test_a_worker_dies_with_its_server_and_the_next_trial_gets_a_new_server(
+    tmp_path: Path, spawns: _Spawns, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pid_file = tmp_path / "pids"
     hangs = _recipe(tmp_path, "tests.tuner.faulty.Hangs", init_args={"pid_file": str(pid_file)})
@@ -134,29 +134,47 @@ def test_a_worker_outlives_neither_its_deadline_nor_its_server_and_the_next_tria
             time.sleep(0.1)
         os.kill(spawns.servers[0], signal.SIGKILL)
 
+    # The runner kills the worker's group itself once it hears of the server's death; whether the
+    # worker had already died on its own (it follows its server, PR_SET_PDEATHSIG) is noted first.
+    died_on_its_own: list[bool] = []
+    kill_group = Forked.kill_group
+
+    def noting(forked: Forked) -> None:
+        if not died_on_its_own:
+            died_on_its_own.append(_wait_gone(forked.pid))
+        kill_group(forked)
+
+    monkeypatch.setattr(Forked, "kill_group", noting)
     killer = threading.Thread(target=kill_the_server_when_training, daemon=True)
     killer.start()
     result = run_trial(hangs, RecomputePolicy.uniform("full"))
     killer.join(DEADLINE_S)
-    # The worker followed its server (PR_SET_PDEATHSIG) long before its 300 s deadline; its own
-    # child is killed with its process group.
+    # Long before its 300 s deadline; its own child is killed with its process group.
     assert result.outcome == "error" and (result.error or "").startswith("the worker was killed by signal 9"), result
     worker, child = (int(p) for p in pid_file.read_text().split())
-    assert worker == spawns.forked[0].pid
+    assert worker == spawns.forked[0].pid and died_on_its_own == [True]
     assert _wait_gone(worker, child)
     after = run_trial(_recipe(tmp_path), RecomputePolicy.uniform("full"))
     assert after.outcome == "ok" and len(spawns.servers) == 2 and spawns.servers[1] != spawns.servers[0]
 
 
 @pytest.mark.slow
-def test_threads_measuring_at_once_share_one_server_and_the_rest_start_fresh(tmp_path: Path, spawns: _Spawns) -> None:
+def test_the_server_outlives_the_thread_that_started_it_and_threads_at_once_take_turns(
+    tmp_path: Path, spawns: _Spawns
+) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     recipe = _recipe(tmp_path)
+    # The pool's threads start the server and end: PR_SET_PDEATHSIG would follow the starting
+    # thread and kill the server with it; the server follows the tuning process instead.
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda mode: run_trial(recipe, RecomputePolicy.uniform(mode)), ["full", "none"]))
     assert [r.outcome for r in results] == ["ok", "ok"]
-    assert 1 <= len(spawns.forked) <= 2  # one at a time is forked; a second at the same moment starts fresh
+    # One server runs one worker at a time: a second thread's trial at the same moment starts fresh.
+    assert 1 <= len(spawns.forked) <= 2
+    server = spawns.servers[0]
+    assert run_trial(recipe, RecomputePolicy.uniform("selective")).outcome == "ok"
+    assert spawns.servers[-1] == server, "the same server, after the threads that started it ended"
 
 
 # ---------------------------------------------------------------------------------------------- no process
@@ -173,10 +191,17 @@ def test_only_one_rank_on_the_cpu_is_forked(tmp_path: Path) -> None:
     assert not runner._forkable(runner.DeviceSpec(accelerator="cuda"))
 
 
-@pytest.mark.parametrize("off", ["0", "off", "False", "no "])
-def test_the_fork_server_can_be_turned_off_and_then_starts_nothing(off: str) -> None:
-    # The fast tier refuses any process start: a server started here would fail the test.
-    assert shared_server({**os.environ, FORK_SERVER_ENV: off}, os.getcwd()) is None
+@pytest.mark.parametrize(("value", "on"), [("", True), ("1", True), ("0", False), ("off", False), ("False", False)])
+def test_the_fork_server_is_on_unless_turned_off(value: str, on: bool) -> None:
+    assert forking({FORK_SERVER_ENV: value}) is on
+    assert forking({}) is True
+
+
+def test_a_server_running_a_worker_forks_no_second_one() -> None:
+    server = ForkServer.__new__(ForkServer)  # its state only: the fast tier starts no process
+    server._busy = threading.Lock()
+    server._busy.acquire()
+    assert server.busy and server.spawn(["spec.json", "result.json"], {}, "output.log") is None
 
 
 def test_a_session_s_members_are_found_by_its_id() -> None:
