@@ -34,8 +34,13 @@ The server's request and reply protocol: one JSON object per line. The client wr
 ends, killing a worker still running, when the process that started it is gone (`serve` says how it
 knows); a worker follows its server (``PR_SET_PDEATHSIG``, as a fresh worker follows the tuner).
 
-One difference from a fresh interpreter remains, and it changes no measurement: forked workers share
-the server's string hash seed (``PYTHONHASHSEED``), where fresh ones draw their own.
+What still differs from a fresh interpreter, none of it part of a measurement: forked workers share
+the server's string hash seed and numpy's global random state (fresh ones draw their own; Python's
+``random`` is reseeded at fork, and a trial seeds what it trains with); ``__main__`` is this module;
+and on the way out a forked worker runs its atexit handlers and flushes its streams but does not
+wait for its non-daemon threads (the server kills its group next anyway). Forking is safe because
+importing torch and Lightning runs no parallel region: the OpenMP thread pool a parallel region
+creates would not survive a fork, so nothing added to `PRELOAD` may run one at import.
 """
 
 from __future__ import annotations
@@ -101,17 +106,19 @@ class Forked:
         return self.returncode
 
     def kill_group(self) -> None:
-        """SIGKILL the worker's process group, and the worker itself while it may not have made its group yet.
+        """SIGKILL the worker and its process group.
 
-        Once the worker has exited (and the server has reaped it), its pid may belong to another
-        process: then only its group is signalled, which exists only while something the worker
-        started still runs in it.
+        While it may run, the server does it: only the server knows whether it has reaped the
+        worker yet, so only it can kill that pid without risking another process that reuses it.
+        Once the worker has exited, the server has already killed what was left in its group. With
+        the server gone, the worker went with it, and what it started is killed by its group.
         """
+        if self._server.alive:
+            if self.returncode is None:
+                self._server.kill(self.pid)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.pid, signal.SIGKILL)
 
 
 class ForkServer:
@@ -149,6 +156,7 @@ class ForkServer:
         except (ForkServerError, subprocess.TimeoutExpired, KeyError, TypeError, ValueError) as err:
             output = self._tail()
             self._abandon()
+            self._release_files()
             raise ForkServerError(f"fork server did not come up: {err}; its output: {output}") from err
 
     @property
@@ -173,18 +181,24 @@ class ForkServer:
         try:
             if not self.alive:
                 raise ForkServerError(f"fork server gone; its output: {self._tail()}")
-            request = json.dumps({"argv": list(argv), "env": dict(env), "log": log_path}) + "\n"
-            assert self._proc.stdin is not None
-            self._proc.stdin.write(request.encode())
-            self._proc.stdin.flush()
+            self._send({"argv": list(argv), "env": dict(env), "log": log_path})
             pid = int(self._reply(time.monotonic() + _REPLY_TIMEOUT_S)["pid"])
         except BaseException as err:
-            self._abandon()
-            self._busy.release()
+            try:
+                self._abandon()
+            finally:
+                self._busy.release()
             if isinstance(err, (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)):
                 raise ForkServerError(f"fork server did not fork: {err!r}") from err
             raise
         return Forked(self, pid)
+
+    def kill(self, pid: int) -> None:
+        """Have the server SIGKILL its running worker ``pid`` and the worker's group (nothing if it has exited)."""
+        try:
+            self._send({"kill": pid})
+        except (OSError, ValueError):
+            self._abandon()  # a server that cannot be told is ended, and its worker with it
 
     def exit_status(self, pid: int, timeout: float | None) -> int:
         """Wait for worker ``pid`` to exit (``subprocess.TimeoutExpired`` past ``timeout``) and release the server."""
@@ -194,18 +208,24 @@ class ForkServer:
                 reply = self._reply(deadline)
             except subprocess.TimeoutExpired:
                 raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
-            except (ForkServerError, ValueError):
+            except (ForkServerError, OSError, ValueError):
                 # The server died or garbled its reply: the worker is ended with it (it follows the
                 # server), and the status it had is unknown. Read as killed; its result file decides.
-                self._abandon()
-                self._busy.release()
+                try:
+                    self._abandon()
+                finally:
+                    self._busy.release()
                 return -signal.SIGKILL
             if reply.get("pid") == pid and "returncode" in reply:
                 self._busy.release()
                 return int(reply["returncode"])
 
     def close(self) -> None:
-        """End the server: closing its stdin ends its loop (and a worker still running); killed if it lingers."""
+        """End the server: closing its stdin ends its loop (and a worker still running); killed if it lingers.
+
+        Its reply pipe is kept open while another thread still waits on a worker of it (this
+        process exiting with a trial in a daemon thread): that thread reads the end of the pipe.
+        """
         with contextlib.suppress(OSError, ValueError):
             if self._proc.stdin is not None:
                 self._proc.stdin.close()
@@ -213,13 +233,20 @@ class ForkServer:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._abandon()
-        self._release_files()
+        if not self.busy:
+            self._release_files()
+
+    def _send(self, message: Mapping[str, Any]) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write((json.dumps(message) + "\n").encode())
+        self._proc.stdin.flush()
 
     def _abandon(self) -> None:
         """Kill the server now (a worker of it follows) and never use it again."""
         self._broken = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
+        if self._proc.poll() is None:  # not yet reaped: its pid is still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
         self._proc.wait()
 
     def _release_files(self) -> None:
@@ -234,10 +261,11 @@ class ForkServer:
         """The server's next line; ``subprocess.TimeoutExpired`` past ``deadline``, `ForkServerError` at its end."""
         assert self._proc.stdout is not None
         fd = self._proc.stdout.fileno()
+        poller = select.poll()  # not select.select: it cannot watch a descriptor numbered 1024 or more
+        poller.register(fd, select.POLLIN)
         while b"\n" not in self._buffer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([fd], [], [], left)
-            if not readable:
+            if not poller.poll(None if left is None else left * 1000):
                 raise subprocess.TimeoutExpired("fork server", left or 0.0)
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -340,24 +368,25 @@ _PARENT_POLL_S = 1.0
 
 
 def serve(preload: Sequence[str]) -> int:
-    """The server's loop: import ``preload``, then fork one worker per request line until its parent is gone.
+    """The server's loop: import ``preload``, then fork one worker per request until its parent is gone.
 
-    Its parent is gone when its stdin ends (only the parent holds the other end) or its parent pid
-    changes. Not ``PR_SET_PDEATHSIG``: that follows the *thread* that started the server, and a
-    tuning process may start it from a thread that ends long before the session does. A worker
-    still running then is killed with its group.
+    Its parent (the pid in ``RECOMPUTE_TUNE_FORK_SERVER_PARENT``) is gone when the server's stdin
+    ends or its parent pid is no longer that one, checked every second (every 50 ms while a worker
+    runs where ``pidfd_open`` is missing). Both, because a fork of the parent (a data-loader
+    worker, say) may hold the stdin pipe open after the parent died. Not ``PR_SET_PDEATHSIG``: that
+    follows the *thread* that started the server, and a tuning process may start it from a thread
+    that ends long before the session does. A worker still running then is killed with its group.
     """
     # Replies go to a copy of stdout; stdout itself becomes stderr, so nothing an import prints can
     # be taken for a reply.
     replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
-    parent = os.getppid()
+    parent = os.environ.get(SERVER_PARENT_ENV, "")
+    requests = _Requests(int(parent) if parent.isdigit() else os.getppid())
     for name in preload:
         __import__(name)
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
-    requests = _Requests(parent)
-    while (line := requests.next_line()) is not None:
-        request = json.loads(line)
+    while (request := requests.next_spawn()) is not None:
         pid = os.fork()
         if pid == 0:
             _child(request, replies)  # never returns
@@ -366,11 +395,10 @@ def serve(preload: Sequence[str]) -> int:
         # The worker has exited (or is being killed): kill what it left in its group (data-loader
         # workers, compile helpers), then reap it. Until it is reaped its pid cannot be reused,
         # so the group killed is its own.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
         if parent_gone:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)  # in case it has not made its group yet
+            _kill_unreaped(pid)
+        else:
+            _kill_group(pid)
         _, status = os.waitpid(pid, 0)
         if parent_gone:
             return 0
@@ -378,25 +406,43 @@ def serve(preload: Sequence[str]) -> int:
     return 0
 
 
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _kill_unreaped(pid: int) -> None:
+    """The worker's group, and the worker itself in case it has not made its group yet (it is not reaped: its pid)."""
+    _kill_group(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
 class _Requests:
-    """The server's stdin, read without blocking past its parent's death."""
+    """The server's stdin: spawn and kill requests, read without blocking past its parent's death."""
 
     def __init__(self, parent: int) -> None:
         self._parent = parent
         self._buffer = b""
         self._ended = False
 
-    def next_line(self) -> bytes | None:
-        """The next request; ``None`` once the parent is gone."""
-        while b"\n" not in self._buffer:
+    def next_spawn(self) -> dict[str, Any] | None:
+        """The next request to fork a worker; ``None`` once the parent is gone."""
+        while True:
+            message = self._message()
+            if message is not None and "argv" in message:
+                return message
+            if message is not None:
+                continue  # a kill for a worker that has already exited and been reported
             came = not self._ended and self._read(_PARENT_POLL_S)
-            if not came and (self._ended or os.getppid() != self._parent):
+            if not came and self._parent_gone():
                 return None
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
 
     def wait_for_exit(self, pid: int) -> bool:
-        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``)."""
+        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``).
+
+        A kill request for it meanwhile kills it (and its group) at once.
+        """
         try:
             exited = os.pidfd_open(pid)  # readable once the process has exited (Linux 5.3)
         except (AttributeError, OSError):
@@ -413,11 +459,33 @@ class _Requests:
                     if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
                         return True
                     self._read(0.05)
-                if self._ended or os.getppid() != self._parent:
+                self._serve_kills(pid)
+                if self._parent_gone():
                     return False
         finally:
             if exited is not None:
                 os.close(exited)
+
+    def _serve_kills(self, pid: int) -> None:
+        """Act on the kill requests read so far; any other request stays for `next_spawn`."""
+        kept = []
+        while (message := self._message()) is not None:
+            if "kill" in message:
+                if message["kill"] == pid:
+                    _kill_unreaped(pid)
+            else:
+                kept.append(message)
+        self._buffer = b"".join(json.dumps(m).encode() + b"\n" for m in kept) + self._buffer
+
+    def _message(self) -> dict[str, Any] | None:
+        if b"\n" not in self._buffer:
+            return None
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        message = json.loads(line)
+        return message if isinstance(message, dict) else {}
+
+    def _parent_gone(self) -> bool:
+        return self._ended or os.getppid() != self._parent
 
     def _read(self, timeout: float) -> bool:
         """Read what stdin holds within ``timeout`` seconds; whether anything came (end of input sets `_ended`)."""

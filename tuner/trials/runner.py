@@ -336,7 +336,10 @@ def check_numerics(
     """
     limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
     # cuBLAS reads this when its handle is created: it must be in the environment the process starts with.
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **recipe.trial.env}
+    # Only on CUDA: on the CPU it would mean nothing, and an environment unlike the trials' would
+    # cost the fork server a restart (it forks only into the environment it started with).
+    cublas = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if recipe.trainer.accelerator != "cpu" else {}
+    env = {**cublas, **recipe.trial.env}
     if recipe.trainer.devices > 1:
         run, skipped = _numerics_on_ranks(recipe, policy, micro_batch, limit, env)
     else:

@@ -90,6 +90,7 @@ def test_a_forked_trial_measures_what_a_fresh_interpreter_measures_and_keeps_rec
     forked = run_trial(recipe, policy)
     numerics = check_numerics(recipe, policy)
     assert len(spawns.forked) == 2, "both ran forked"
+    assert spawns.servers[0] == spawns.servers[1], "the numerics check's environment is the trials': one server"
     monkeypatch.setenv(FORK_SERVER_ENV, "0")
     fresh = run_trial(recipe, policy)
     assert len(spawns.forked) == 2, "RECOMPUTE_TUNE_FORK_SERVER=0: a fresh interpreter"
@@ -156,6 +157,22 @@ def test_a_worker_dies_with_its_server_and_the_next_trial_gets_a_new_server(
     assert _wait_gone(worker, child)
     after = run_trial(_recipe(tmp_path), RecomputePolicy.uniform("full"))
     assert after.outcome == "ok" and len(spawns.servers) == 2 and spawns.servers[1] != spawns.servers[0]
+
+
+@pytest.mark.slow
+def test_a_forked_worker_past_its_deadline_is_killed_with_its_children_and_the_server_serves_on(
+    tmp_path: Path, spawns: _Spawns
+) -> None:
+    pid_file = tmp_path / "pids"
+    # A deadline, not a speed bound: a forked worker reaches its first step in a second or two.
+    hangs = _recipe(tmp_path, "tests.tuner.faulty.Hangs", timeout_s=30, init_args={"pid_file": str(pid_file)})
+    result = run_trial(hangs, RecomputePolicy.uniform("full"))
+    assert result.outcome == "timeout", result
+    worker, child = (int(p) for p in pid_file.read_text().split())
+    assert worker == spawns.forked[0].pid
+    assert _wait_gone(worker, child)
+    assert run_trial(_recipe(tmp_path), RecomputePolicy.uniform("full")).outcome == "ok"
+    assert spawns.servers == [spawns.servers[0]] * 2, "the server killed its worker on request and serves on"
 
 
 @pytest.mark.slow
