@@ -254,8 +254,13 @@ os.kill(os.getpid(), 9)
 
 # ---------------------------------------------------------------------------------------------- fault injection
 
-# test_cli's tiny recipe (three blocks of width 32, sequence 32), with two trials.
-TINY = {**CLI_TINY, "search": {"n_trials": 2, "seed": 0}}
+# test_cli's tiny recipe (three blocks of width 32, sequence 32), with two trials and no race. Without
+# a race the gate holds no speed figure against its confirmation, so whether the last run promotes
+# is a matter of states (fits, numerics), not of how fast 1 ms steps come out on a loaded machine:
+# with the race, one pinned run of the chain (in a loop of 20) ended with the gate rejecting FFF on a
+# confirmation 40% below the race's figure (the flake loop of docs/TESTING.md). Kills and resumes
+# are what these tests are about; the race's own decisions are tested in tests/tuner/race.
+TINY = {**CLI_TINY, "search": {"n_trials": 2, "seed": 0}, "race": {"enabled": False}}
 SEEDS = {f"baseline:{b}" for b in ("none", "full", "selective", "every_2nd_full")}
 
 
