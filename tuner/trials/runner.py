@@ -7,9 +7,10 @@ segfault, an ``abort()`` or a hang in the user's model ends that process only: t
 kills the whole process group at the deadline and carries on. Trial failures are results
 (``oom``, ``timeout``, ``error``), never exceptions; the search treats them as data.
 
-On the CPU, a one-rank worker is forked from a warm fork server (`tuner.trials.forkserver`)
-instead of started as a fresh interpreter: the same process, session, environment and log,
-without importing torch and Lightning again for every trial.
+With ``RECOMPUTE_TUNE_FORK_SERVER=1``, a one-rank CPU worker is forked from a warm fork server
+(`tuner.trials.forkserver`) instead of started as a fresh interpreter: the same session,
+environment and log, without importing torch and Lightning again for every trial. Off by default:
+forked workers measured small models slower than fresh ones (the module says how much).
 """
 
 from __future__ import annotations
