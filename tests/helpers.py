@@ -24,3 +24,12 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (Linux ``/proc``): a zombie has already died, it only awaits its reaping."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lightning_recompute import RecomputePolicy
-from tests.helpers import REPO
+from tests.helpers import REPO, process_alive
 from tuner import recipe as R
 from tuner.trials import check_numerics, run_trial, runner
 from tuner.trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, forking
@@ -38,19 +38,11 @@ def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, **trial: Any) -> R.R
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _wait_gone(*pids: int) -> bool:
     deadline = time.monotonic() + 60  # SIGKILL was sent: the margin is for a loaded machine to reap
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not any(_alive(p) for p in pids)
+    return not any(process_alive(p) for p in pids)
 
 
 class _Spawns:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from lightning_recompute import RecomputePolicy
-from tests.helpers import REPO
+from tests.helpers import REPO, process_alive
 from tuner import recipe as R
 from tuner.trials import NumericsResult, TrialResult, check_numerics, device_info, run_trial, summarize_steps
 
@@ -35,14 +35,6 @@ def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, timeout_s: float = 3
         },
         source=tmp_path / "recipe.yaml",
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has already died
 
 
 # ---------------------------------------------------------------------------------------------- the runs
@@ -230,9 +222,9 @@ def test_hang_is_killed_with_its_children_at_the_timeout(runs: dict[str, _Timed]
     assert result.stderr_tail and "in training_step" in result.stderr_tail
     worker_pid, child_pid = (int(p) for p in runs["pid_file"].result.read_text().split())
     deadline = time.monotonic() + 60  # SIGKILL was sent; the margin is for a loaded machine to reap them
-    while (_alive(worker_pid) or _alive(child_pid)) and time.monotonic() < deadline:
+    while (process_alive(worker_pid) or process_alive(child_pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(worker_pid) and not _alive(child_pid)
+    assert not process_alive(worker_pid) and not process_alive(child_pid)
 
 
 # ---------------------------------------------------------------------------------------------- numerics
