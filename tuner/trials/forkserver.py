@@ -25,14 +25,16 @@ sit behind its pickling layer. What is needed here is a fork and a wait.
   import or library load (``OMP_NUM_THREADS``, ``LD_PRELOAD``, ``MALLOC_CONF``...), so a trial
   whose environment differs (other than the per-trial variables) gets a server started with it.
 
-**Off unless asked for** (``RECOMPUTE_TUNE_FORK_SERVER=1``). Measured on this project's 2-core CPU,
-a step of a small, dispatch-bound model ran slower in a worker forked from a process that had only
-imported torch and Lightning than in a fresh interpreter: a median of 129 us against 84.5 us over
-12 forked and 6 fresh processes taking turns, and bimodal (some forks at the fresh speed, most
-50-80% slower, each steady over 900 steps). Why is not known yet. A tuner exists to measure what a
-job will see, so a shortcut that moves the measurement is not the default; it saves a session the
-imports (the quickstart with the race: 0.96x the wall of the tuner before the race, against 1.60x
-with fresh workers) where a user accepts that.
+**On by default; ``RECOMPUTE_TUNE_FORK_SERVER=0`` turns it off.** A tuner exists to measure what
+the job will see, so a forked worker must step as fast as a fresh one. Measured on this project's
+2-core CPU (`bench/fork_warm_up.py`: a small, dispatch-bound model, where a per-operator cost shows
+most; 24 processes of each kind, taking turns): fresh interpreters ran a median of 171.7 us a step,
+children of the server 171.4 us (0.99x; per round 0.77..1.62x), and both were bimodal to the same
+degree (6 of 24 processes over 1.25x the fresh median, for each kind): the machine's slow spells,
+not the fork. An earlier, smaller probe (6 fresh, 12 forked) had seen forks slower and kept this off;
+the larger run did not reproduce it. Forking saves a session the imports: the quickstart with the
+race takes 0.96x the wall of the tuner before the race, against 1.60x with fresh workers
+(`bench/session_wall.py`).
 
 The server's request and reply protocol: one JSON object per line. The client writes
 ``{"argv": [...], "env": {...}, "log": PATH}`` to the server's stdin; the server replies
@@ -82,8 +84,8 @@ __all__ = [
 ]
 
 FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
-"""``1`` (or ``on``, ``true``, ``yes``): fork one-rank CPU workers from the fork server. Anything else, or
-unset (the default): every worker is a fresh interpreter."""
+"""``0`` (or ``off``, ``false``, ``no``): every worker is a fresh interpreter. Anything else, or unset
+(the default): one-rank CPU workers are forked from the fork server."""
 
 PRELOAD = ("torch", "lightning", "lightning_recompute", "tuner.trials.worker", "tuner.race.engine", "tuner.recipe")
 """What the server imports before forking: what every worker imports before its first step."""
@@ -297,7 +299,7 @@ class ForkServer:
 SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
 """In the server's environment, the pid of the process that started it (and that it follows). A forked
 worker's ``/proc`` environment is the server's, so this is how a worker is known as a forked one."""
-_ON = frozenset({"1", "on", "true", "yes"})
+_OFF = frozenset({"0", "off", "false", "no"})
 _log = logging.getLogger(__name__)
 _shared_lock = threading.Lock()
 _shared: ForkServer | None = None
@@ -305,8 +307,8 @@ _refused: list[tuple[dict[str, str], str]] = []  # environments a server would n
 
 
 def forking(env: Mapping[str, str]) -> bool:
-    """Whether ``RECOMPUTE_TUNE_FORK_SERVER`` in ``env`` turns forking on (it is off unless set on)."""
-    return env.get(FORK_SERVER_ENV, "").strip().lower() in _ON
+    """Whether forking is on for ``env``: unless ``RECOMPUTE_TUNE_FORK_SERVER`` turns it off."""
+    return env.get(FORK_SERVER_ENV, "").strip().lower() not in _OFF
 
 
 def warm(env: Mapping[str, str], cwd: str) -> None:

@@ -7,10 +7,9 @@ segfault, an ``abort()`` or a hang in the user's model ends that process only: t
 kills the whole process group at the deadline and carries on. Trial failures are results
 (``oom``, ``timeout``, ``error``), never exceptions; the search treats them as data.
 
-With ``RECOMPUTE_TUNE_FORK_SERVER=1``, a one-rank CPU worker is forked from a warm fork server
-(`tuner.trials.forkserver`) instead of started as a fresh interpreter: the same session,
-environment and log, without importing torch and Lightning again for every trial. Off by default:
-forked workers measured small models slower than fresh ones (the module says how much).
+A one-rank CPU worker is forked from a warm fork server (`tuner.trials.forkserver`) instead of
+started as a fresh interpreter: the same session, environment and log, without importing torch and
+Lightning again for every trial (``RECOMPUTE_TUNE_FORK_SERVER=0`` turns it off).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class _Spawns:
 @pytest.fixture
 def spawns(monkeypatch: pytest.MonkeyPatch) -> _Spawns:
     monkeypatch.chdir(REPO)  # the worker imports `tests.tuner.faulty` class paths from its working directory
-    monkeypatch.setenv(FORK_SERVER_ENV, "1")  # off by default
+    monkeypatch.delenv(FORK_SERVER_ENV, raising=False)  # the default: on
     return _Spawns(monkeypatch)
 
 
@@ -200,10 +200,12 @@ def test_only_one_rank_on_the_cpu_is_forked(tmp_path: Path) -> None:
     assert not runner._forkable(runner.DeviceSpec(accelerator="cuda"))
 
 
-@pytest.mark.parametrize(("value", "on"), [("", False), ("0", False), ("off", False), ("1", True), (" True", True)])
-def test_the_fork_server_is_off_unless_turned_on(value: str, on: bool) -> None:
+@pytest.mark.parametrize(
+    ("value", "on"), [("", True), ("1", True), ("0", False), ("off", False), (" False", False), ("no", False)]
+)
+def test_the_fork_server_is_on_unless_turned_off(value: str, on: bool) -> None:
     assert forking({FORK_SERVER_ENV: value}) is on
-    assert forking({}) is False
+    assert forking({}) is True
 
 
 def test_a_server_running_a_worker_forks_no_second_one() -> None:
