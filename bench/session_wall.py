@@ -9,6 +9,8 @@ ratios. The target it checks (issue "decisions that survive a noisy machine"): a
 race at most 30% over the tuner before it.
 
     python bench/session_wall.py --rounds 3 --out bench/results/session_wall.json
+    python bench/session_wall.py --workload wide4 --configs race-off/fresh,race-on/forked \
+        --out bench/results/session_wall-wide4.json     # a workload of bench/decision_quality.py
 
 Configurations: ``race-off/fresh`` (the baseline), ``race-on/fresh``, ``race-on/forked``,
 ``race-off/forked``. ``fresh`` sets ``RECOMPUTE_TUNE_FORK_SERVER=0``.
@@ -99,6 +101,11 @@ def report(rows: list[dict[str, Any]], names: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "quickstart.yaml")
+    parser.add_argument(
+        "--workload",
+        help="instead of --recipe: a workload of bench/decision_quality.py (gpt4, wide4), its recipe as that "
+        "benchmark's sessions run it",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated; the first is the baseline")
     parser.add_argument("--out", type=Path, default=RESULTS / "session_wall.json")
@@ -109,7 +116,20 @@ def main() -> None:
         parser.error(f"--configs: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(CONFIGS)}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
-    recipe = yaml.safe_load(args.recipe.read_text(encoding="utf-8"))
+    if args.workload:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from decision_quality import WORKLOADS, recipe_dict
+
+        if args.workload not in WORKLOADS:
+            parser.error(f"--workload {args.workload!r}; valid: {', '.join(WORKLOADS)}")
+        # The benchmark's recipe, its stores and output in the session's own folder (relative paths).
+        recipe = recipe_dict(args.workload, Path("."), race=False)
+        recipe.update(tracking={"uri": "sqlite:///mlflow.db", "experiment": f"wall-{args.workload}"})
+        recipe.update(study={"storage": "optuna.log"}, output="policy.yaml")
+        source = f"decision_quality workload {args.workload}"
+    else:
+        recipe = yaml.safe_load(args.recipe.read_text(encoding="utf-8"))
+        source = str(args.recipe)
     rows: list[dict[str, Any]] = []
     for i in range(args.rounds):
         order = names[i % len(names) :] + names[: i % len(names)]  # rotated: no configuration always goes first
@@ -121,7 +141,7 @@ def main() -> None:
     table = report(rows, names)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"recipe": str(args.recipe), "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    args.out.write_text(json.dumps({"recipe": source, "rows": rows}, indent=1) + "\n", encoding="utf-8")
     args.out.with_suffix(".txt").write_text(table + "\n", encoding="utf-8")
 
 
