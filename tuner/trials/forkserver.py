@@ -28,11 +28,12 @@ sit behind its pickling layer. What is needed here is a fork and a wait.
 **On by default; ``RECOMPUTE_TUNE_FORK_SERVER=0`` turns it off.** A tuner exists to measure what
 the job will see, so a forked worker must step as fast as a fresh one. Measured on this project's
 2-core CPU (`bench/fork_warm_up.py`: a small, dispatch-bound model, where a per-operator cost shows
-most; 24 processes of each kind, taking turns): fresh interpreters ran a median of 171.7 us a step,
-children of the server 171.4 us (0.99x; per round 0.77..1.62x), and both were bimodal to the same
-degree (6 of 24 processes over 1.25x the fresh median, for each kind): the machine's slow spells,
-not the fork. An earlier, smaller probe (6 fresh, 12 forked) had seen forks slower and kept this off;
-the larger run did not reproduce it. Forking saves a session the imports: the quickstart with the
+most; 24 processes of each kind, taking turns, `bench/results/fork_warm_up.txt`): fresh interpreters
+ran a median of 164.3 us a step, children of the server 166.7 us (0.99x paired by round, 0.59..1.61),
+and both were bimodal to the same degree (6 fresh and 4 forked processes over 1.25x the fresh
+median, in spells that spanned kinds): the machine's slow moments, not the fork. An earlier,
+smaller probe (6 fresh, 12 forked) had seen forks slower and kept this off; the larger run did not
+reproduce it. Forking saves a session the imports: the quickstart with the
 race takes 0.96x the wall of the tuner before the race, against 1.60x with fresh workers
 (`bench/session_wall.py`).
 
