@@ -405,7 +405,8 @@ def test_a_worker_killed_mid_trial_is_failed_after_the_grace_period_and_its_cand
         text=True,
     )
     try:
-        # Wait until the doomed worker runs a trial, then kill it and its trial's process group.
+        # Wait until the doomed worker runs a trial, then kill it and its children's process groups:
+        # a fresh trial worker's, or the fork server's (its forked trial worker follows it).
         deadline = time.monotonic() + DEADLINE_S
         victim = None
         while victim is None and time.monotonic() < deadline and doomed.poll() is None:

@@ -301,6 +301,8 @@ SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
 """In the server's environment, the pid of the process that started it (and that it follows). A forked
 worker's ``/proc`` environment is the server's, so this is how a worker is known as a forked one."""
 _OFF = frozenset({"0", "off", "false", "no"})
+_ON = frozenset({"", "1", "on", "true", "yes"})
+_warned: set[str] = set()  # values of the variable already warned about, once each
 _log = logging.getLogger(__name__)
 _shared_lock = threading.Lock()
 _shared: ForkServer | None = None
@@ -308,8 +310,21 @@ _refused: list[tuple[dict[str, str], str]] = []  # environments a server would n
 
 
 def forking(env: Mapping[str, str]) -> bool:
-    """Whether forking is on for ``env``: unless ``RECOMPUTE_TUNE_FORK_SERVER`` turns it off."""
-    return env.get(FORK_SERVER_ENV, "").strip().lower() not in _OFF
+    """Whether forking is on for ``env``: unless ``RECOMPUTE_TUNE_FORK_SERVER`` turns it off.
+
+    A value that is neither on nor off keeps the default (on), with a warning naming it once.
+    """
+    value = env.get(FORK_SERVER_ENV, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value not in _ON and value not in _warned:
+        _warned.add(value)
+        _log.warning(
+            "%s=%r is neither on (1, on, true, yes) nor off (0, off, false, no); forking stays on",
+            FORK_SERVER_ENV,
+            env[FORK_SERVER_ENV],
+        )
+    return True
 
 
 def warm(env: Mapping[str, str], cwd: str) -> None:

@@ -208,6 +208,14 @@ def test_the_fork_server_is_on_unless_turned_off(value: str, on: bool) -> None:
     assert forking({}) is True
 
 
+def test_a_value_neither_on_nor_off_keeps_forking_on_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="tuner.trials.forkserver"):
+        assert forking({FORK_SERVER_ENV: "disable"}) is True
+        assert forking({FORK_SERVER_ENV: "disable"}) is True
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "RECOMPUTE_TUNE_FORK_SERVER='disable'" in warned[0] and "0, off" in warned[0]
+
+
 def test_a_server_running_a_worker_forks_no_second_one() -> None:
     server = ForkServer.__new__(ForkServer)  # its state only: the fast tier starts no process
     server._busy = threading.Lock()
