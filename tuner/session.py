@@ -396,6 +396,11 @@ class _TuningSession:
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
         if self.tracker is not None and self.session_run_id is not None:
+            # A worker that died mid-trial had its trial reaped once its trial's heartbeat was past the
+            # grace period, but its session run's heartbeat may still have been within it then: end it
+            # now, so that no session run is left RUNNING that no process runs.
+            for run_id in self.tracker.end_dead_sessions(self.where.name, self.grace):
+                self.note(f"session run {run_id} of a dead worker ended KILLED")
             close_session_run(self.tracker, summary, status, study=self.where.name, budget_bytes=self.where.budget)
 
     def _finish_interrupted(self, how: str) -> SessionSummary:
