@@ -46,7 +46,14 @@ from tuner.session_run import close_session_run, open_session_run, reconcile_pol
 from tuner.setup import set_up_study
 from tuner.stores import storage_failure
 from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
-from tuner.workers import Presence, others_fill, reap, stand_down_reason, wait_for_running
+from tuner.workers import (
+    Presence,
+    end_dead_session_runs,
+    others_fill,
+    reap,
+    stand_down_reason,
+    wait_for_running,
+)
 
 if TYPE_CHECKING:
     from tuner.race import RaceResult
@@ -399,8 +406,7 @@ class _TuningSession:
             # A worker that died mid-trial had its trial reaped once its trial's heartbeat was past the
             # grace period, but its session run's heartbeat may still have been within it then: end it
             # now, so that no session run is left RUNNING that no process runs.
-            for run_id in self.tracker.end_dead_sessions(self.where.name, self.grace):
-                self.note(f"session run {run_id} of a dead worker ended KILLED")
+            end_dead_session_runs(self.tracker, self.where.name, self.grace, self.note)
             close_session_run(self.tracker, summary, status, study=self.where.name, budget_bytes=self.where.budget)
 
     def _finish_interrupted(self, how: str) -> SessionSummary:

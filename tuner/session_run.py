@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tuner.stores import open_tracker
+from tuner.workers import end_dead_session_runs
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -34,8 +35,7 @@ def open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, no
     tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
     # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
     # session resumes it (one study, one session run) instead of opening another.
-    for run_id in tracker.end_dead_sessions(study, grace_s):
-        note(f"session run {run_id} of a dead worker ended KILLED")
+    end_dead_session_runs(tracker, study, grace_s, note)
     for done in tracker.clean_leftovers(recipe.output, grace_s):
         note(done)
     run_id = tracker.start_session(recipe, study_name=study, resume=True)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SETUP_WAIT_S",
     "Presence",
+    "end_dead_session_runs",
     "join_setup",
     "others_fill",
     "reap",
@@ -110,8 +111,13 @@ def reap(
         )
         note(f"trial {dead.number} failed: {dead.reason}; its candidate is queued again")
     if abandoned:
-        for run_id in tracker.end_dead_sessions(study_name, grace_s):
-            note(f"session run {run_id} of a dead worker ended KILLED")
+        end_dead_session_runs(tracker, study_name, grace_s, note)
+
+
+def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, note: Say) -> None:
+    """End KILLED the RUNNING session runs of ``study_name`` whose worker died, each noted."""
+    for run_id in tracker.end_dead_sessions(study_name, grace_s):
+        note(f"session run {run_id} of a dead worker ended KILLED")
 
 
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:

@@ -33,9 +33,8 @@ ran a median of 164.3 us a step, children of the server 166.7 us (0.99x paired b
 and both were bimodal to the same degree (6 fresh and 4 forked processes over 1.25x the fresh
 median, in spells that spanned kinds): the machine's slow moments, not the fork. An earlier,
 smaller probe (6 fresh, 12 forked) had seen forks slower and kept this off; the larger run did not
-reproduce it. Forking saves a session the imports: the quickstart with the
-race takes 0.96x the wall of the tuner before the race, against 1.60x with fresh workers
-(`bench/session_wall.py`).
+reproduce it. Forking saves a session the imports: the quickstart with the race takes 0.96x the
+wall of the tuner before the race, against 1.60x with fresh workers (`bench/session_wall.py`).
 
 The server's request and reply protocol: one JSON object per line. The client writes
 ``{"argv": [...], "env": {...}, "log": PATH}`` to the server's stdin; the server replies
