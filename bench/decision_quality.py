@@ -86,8 +86,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def recipe_dict(workload: str, folder: Path, *, race: bool) -> dict[str, Any]:
+def recipe_dict(workload: str, folder: Path, *, race: bool, share: float | None = None) -> dict[str, Any]:
+    """The workload's recipe, its stores in ``folder``; ``share``: ``race.share`` (None: the recipe default)."""
     base = WORKLOADS[workload]
+    race_section: dict[str, Any] = {"enabled": race} if share is None else {"enabled": race, "share": share}
     return {
         "name": f"dq-{workload}",
         "model": {"class_path": "lightning_recompute.reference.ReferenceGPT", **base["model"]},
@@ -95,7 +97,7 @@ def recipe_dict(workload: str, folder: Path, *, race: bool) -> dict[str, Any]:
         "budget": base["budget"],
         "search": {"modes": ["none", "selective", "full"], "n_trials": 12, "seed": 0},
         "trial": {"warmup_steps": 1, "measure_steps": 3, "timeout_s": 300, "env": {"OMP_NUM_THREADS": "1"}},
-        "race": {"enabled": race},
+        "race": race_section,
         "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}", "experiment": f"dq-{workload}"},
         "study": {"storage": str(folder / "optuna.log")},
         "output": str(folder / "policy.yaml"),
@@ -172,15 +174,24 @@ def truth(workload: str, rounds: int, log: Any) -> dict[str, Any]:
         return {"rel_time": rel, "best": best, "full": every, "rounds": rounds}
 
 
-def session(workload: str, *, race: bool, noisy_seed: int | None) -> dict[str, Any]:
-    """One ``recompute-tune`` session in a fresh folder; its JSON summary and wall time."""
+def session(
+    workload: str, *, race: bool, noisy_seed: int | None, fresh: bool = False, share: float | None = None
+) -> dict[str, Any]:
+    """One ``recompute-tune`` session in a fresh folder; its JSON summary and wall time.
+
+    ``fresh``: every trial worker a fresh interpreter (the fork server off), as the tuner before the race
+    ran them; otherwise as the caller's environment says (forked by default).
+    """
     from tuner.race.neighbour import noisy_neighbour
+    from tuner.trials.forkserver import FORK_SERVER_ENV
 
     with tempfile.TemporaryDirectory(prefix="dq-") as tmp:
         folder = Path(tmp)
         path = folder / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe_dict(workload, folder, race=race)), encoding="utf-8")
+        path.write_text(yaml.safe_dump(recipe_dict(workload, folder, race=race, share=share)), encoding="utf-8")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if fresh:
+            env[FORK_SERVER_ENV] = "0"
         cmd = [sys.executable, "-m", "tuner", str(path), "--format", "json"]
         began = time.perf_counter()
         if noisy_seed is None:
@@ -387,7 +398,9 @@ def steady_rescore(path: Path, processes: int, steps: int, top: int, log: Any) -
     return results
 
 
-_RACE_MODES = {"on": True, "off": False}
+# Whether each --race mode races; "off/fresh" is the tuner before the race and the fork server, the baseline of
+# the wall-time target (its workers fresh interpreters whatever the caller's environment says).
+_RACE_MODES = {"on": True, "off": False, "off/fresh": False}
 
 
 def _arguments() -> argparse.Namespace:
@@ -401,7 +414,14 @@ def _arguments() -> argparse.Namespace:
         default="on,off",
         help="'on,off' (default): each session with the race and back to back without it, for the wall-time "
         "ratio; 'on': with the race only, twice the sessions for the same time when only coverage and regret "
-        "are wanted",
+        "are wanted; 'on,off/fresh': the baseline without the race has fresh workers (the fork server off), as "
+        "the tuner before the race and the fork server ran",
+    )
+    parser.add_argument(
+        "--share",
+        type=float,
+        help="race.share of the raced sessions (the race's rounds over the search's trial time; default: the "
+        "recipe default)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
     parser.add_argument(
@@ -437,7 +457,9 @@ def _arguments() -> argparse.Namespace:
     unknown = [m for m in args.race.split(",") if m not in _RACE_MODES]
     if unknown:
         modes = ", ".join(map(repr, unknown))
-        parser.error(f"--race {args.race!r}: {modes} is not a mode; valid: 'on', 'off', 'on,off'")
+        parser.error(f"--race {args.race!r}: {modes} is not a mode; valid: 'on', 'off', 'off/fresh', 'on,off'")
+    if args.share is not None and args.share <= 0:
+        parser.error(f"--share must be above 0 (a share of the search's trial time), not {args.share}")
     return args
 
 
@@ -486,14 +508,20 @@ def main() -> int:
 
 def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: Any) -> list[dict[str, Any]]:
     """Every condition's sessions on ``workload``, with and without the race, each graded against ``t``."""
+    from tuner.trials.forkserver import forking
+
     rows: list[dict[str, Any]] = []
-    races = [_RACE_MODES[m] for m in args.race.split(",")]
+    modes = args.race.split(",")
     for condition in args.conditions.split(","):
         for i in range(args.sessions):
             seed = i if condition == "noisy" else None
-            for raced in races:  # interleaved: the wall-time ratio sees the same machine moments
-                s = session(workload, race=raced, noisy_seed=seed)
-                row = {"condition": condition, "session": i, "race": raced, "wall_s": s["wall_s"]}
+            for mode in modes:  # interleaved: the wall-time ratio sees the same machine moments
+                raced = _RACE_MODES[mode]
+                fresh = mode == "off/fresh"
+
+                s = session(workload, race=raced, noisy_seed=seed, fresh=fresh, share=args.share if raced else None)
+                workers = "fresh" if fresh or not forking(os.environ) else "forked"
+                row = {"condition": condition, "session": i, "race": raced, "workers": workers, "wall_s": s["wall_s"]}
                 if "summary" in s:
                     row.update(extract(s))
                     row.update(grade(row, t))
@@ -520,16 +548,17 @@ def _publish(results: dict[str, Any], out: Path) -> None:
 def report(results: dict[str, Any]) -> list[str]:
     lines = ["decision quality (regret = promoted's true time / true best's; interval = printed 'vs full')"]
     lines.append(
-        f"{'workload':<8} {'cond':<6} {'race':<4} {'n':>2} {'regret med':>10} {'worst':>6} "
+        f"{'workload':<8} {'cond':<6} {'race':<4} {'workers':<7} {'n':>2} {'regret med':>10} {'worst':>6} "
         f"{'covered':>8} {'1 proc':>6} {'slower':>6} {'wall med s':>10}"
     )
     for workload, w in results["workloads"].items():
         # The promotions are graded against the pair truth too (few entrants per round, as the sessions' races
         # run, several processes pooled): the ranking truth races every fitting policy in one round.
         pair = w["truth"].get("pair_rel_time") or {} if "truth" in w else {}
-        for (cond, raced), group in itertools.groupby(
-            sorted(w["sessions"], key=lambda r: (r["condition"], not r["race"])),
-            key=lambda r: (r["condition"], r["race"]),
+        # Rows from before "workers" was recorded had the caller's default then: fresh interpreters.
+        for (cond, raced, workers), group in itertools.groupby(
+            sorted(w["sessions"], key=lambda r: (r["condition"], not r["race"], r.get("workers", "fresh"))),
+            key=lambda r: (r["condition"], r["race"], r.get("workers", "fresh")),
         ):
             g = [r for r in group if "error" not in r]
             regrets = [r["regret"] for r in g if "regret" in r]
@@ -538,7 +567,7 @@ def report(results: dict[str, Any]) -> list[str]:
             cov = [r["covered"] for r in g if "covered" in r]
             one = [r["covered_one_process"] for r in g if "covered_one_process" in r]
             lines.append(
-                f"{workload:<8} {cond:<6} {'on' if raced else 'off':<4} {len(g):>2} "
+                f"{workload:<8} {cond:<6} {'on' if raced else 'off':<4} {workers:<7} {len(g):>2} "
                 f"{statistics.median(regrets) if regrets else float('nan'):>10.3f} "
                 f"{max(regrets) if regrets else float('nan'):>6.3f} "
                 f"{(str(sum(cov)) + '/' + str(len(cov))) if cov else '-':>8} "
@@ -556,8 +585,12 @@ def report(results: dict[str, Any]) -> list[str]:
             )
             if ratios:
                 races = [r["race_wall_s"] for r in by.values() if r.get("race_wall_s")]
+                pairs = " / ".join(
+                    sorted({f"{r.get('workers', 'fresh')} workers" for (_, raced), r in by.items() if not raced})
+                )
                 lines.append(
-                    f"{workload} {cond}: session wall with the race / without: median {statistics.median(ratios):.2f} "
+                    f"{workload} {cond}: session wall with the race / without ({pairs}): median "
+                    f"{statistics.median(ratios):.2f} "
                     f"(range {ratios[0]:.2f}..{ratios[-1]:.2f} over {len(ratios)} pairs); race itself median "
                     f"{statistics.median(races) if races else float('nan'):.0f} s"
                 )

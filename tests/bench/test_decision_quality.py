@@ -58,3 +58,21 @@ def test_the_steady_regret_is_over_the_fastest_policy_the_steady_truth_measured_
     assert "steady regret med 1.000 worst 1.020" in lines[2]
     assert lines[-1].startswith("wide4 steady truth (3 turns")
     assert "FF.. 0.820 (0.600..1.040), F.F. 0.836 (0.800..0.900), FFFF 1.000 (1.000..1.000)" in lines[-1]
+
+
+def test_the_wall_ratio_pairs_each_raced_session_with_its_baseline_and_names_the_baselines_workers() -> None:
+    # The wall target's baseline is the tuner before the race and the fork server: fresh workers.
+    rows = [
+        {"condition": "quiet", "session": 0, "race": True, "workers": "forked", "wall_s": 90.0, "race_wall_s": 20.0},
+        {"condition": "quiet", "session": 0, "race": False, "workers": "fresh", "wall_s": 120.0},
+        {"condition": "quiet", "session": 1, "race": True, "workers": "forked", "wall_s": 130.0, "race_wall_s": 24.0},
+        {"condition": "quiet", "session": 1, "race": False, "workers": "fresh", "wall_s": 100.0},
+    ]
+    lines = dq.report({"workloads": {"wide4": {"sessions": rows, "truth": {}}}})
+    assert lines[2].split()[:5] == ["wide4", "quiet", "on", "forked", "2"]
+    assert lines[3].split()[:5] == ["wide4", "quiet", "off", "fresh", "2"]
+    # 90/120 and 130/100, each against its own session's baseline.
+    assert lines[-1] == (
+        "wide4 quiet: session wall with the race / without (fresh workers): median 1.02 (range 0.75..1.30 over "
+        "2 pairs); race itself median 22 s"
+    )
