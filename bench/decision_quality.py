@@ -242,6 +242,8 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
         short = {k: e.get("short") for k, e in entrants.items()}
         out["race_leader"] = short.get(race.get("leader"))
         out["race_tied"] = [short.get(k) for k in race.get("tied") or ()]
+        # Who raced: a promotion short of the truth's best is a measuring miss only if the best was raced.
+        out["race_field"] = sorted(x for x in short.values() if x)
     return out
 
 

@@ -39,6 +39,7 @@ def test_a_session_is_graded_on_its_printed_interval_and_on_its_first_process_al
 def test_a_session_says_whether_its_promoted_policy_led_the_race_or_won_a_tie_break() -> None:
     row = dq.extract({"summary": _summary()})
     assert row["race_leader"] == "ss.." and row["race_tied"] == ["ss..", "FF.."]
+    assert row["race_field"] == ["FF..", "FFFF", "ss.."]
 
 
 def test_the_steady_regret_is_over_the_fastest_policy_the_steady_truth_measured_and_is_reported() -> None:
