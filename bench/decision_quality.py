@@ -86,10 +86,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def recipe_dict(workload: str, folder: Path, *, race: bool, share: float | None = None) -> dict[str, Any]:
-    """The workload's recipe, its stores in ``folder``; ``share``: ``race.share`` (None: the recipe default)."""
+def recipe_dict(workload: str, folder: Path, *, race: bool, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The workload's recipe, its stores in ``folder``; ``settings``: keys of its ``race`` section besides
+    ``enabled`` (e.g. ``share``, ``min_rounds``; the recipe defaults where absent)."""
     base = WORKLOADS[workload]
-    race_section: dict[str, Any] = {"enabled": race} if share is None else {"enabled": race, "share": share}
+    race_section: dict[str, Any] = {**(settings or {}), "enabled": race}
     return {
         "name": f"dq-{workload}",
         "model": {"class_path": "lightning_recompute.reference.ReferenceGPT", **base["model"]},
@@ -175,7 +176,12 @@ def truth(workload: str, rounds: int, log: Any) -> dict[str, Any]:
 
 
 def session(
-    workload: str, *, race: bool, noisy_seed: int | None, fresh: bool = False, share: float | None = None
+    workload: str,
+    *,
+    race: bool,
+    noisy_seed: int | None,
+    fresh: bool = False,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``recompute-tune`` session in a fresh folder; its JSON summary and wall time.
 
@@ -188,7 +194,7 @@ def session(
     with tempfile.TemporaryDirectory(prefix="dq-") as tmp:
         folder = Path(tmp)
         path = folder / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe_dict(workload, folder, race=race, share=share)), encoding="utf-8")
+        path.write_text(yaml.safe_dump(recipe_dict(workload, folder, race=race, settings=settings)), encoding="utf-8")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if fresh:
             env[FORK_SERVER_ENV] = "0"
@@ -425,6 +431,12 @@ def _arguments() -> argparse.Namespace:
         help="race.share of the raced sessions (the race's rounds over the search's trial time; default: the "
         "recipe default)",
     )
+    parser.add_argument(
+        "--min-rounds",
+        type=int,
+        help="race.min_rounds of the raced sessions (the selection's floor under the budget; default: the recipe "
+        "default)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
     parser.add_argument(
         "--rescore",
@@ -462,6 +474,8 @@ def _arguments() -> argparse.Namespace:
         parser.error(f"--race {args.race!r}: {modes} is not a mode; valid: 'on', 'off', 'off/fresh', 'on,off'")
     if args.share is not None and args.share <= 0:
         parser.error(f"--share must be above 0 (a share of the search's trial time), not {args.share}")
+    if args.min_rounds is not None and args.min_rounds < 2:
+        parser.error(f"--min-rounds must be at least 2 (race.min_rounds), not {args.min_rounds}")
     return args
 
 
@@ -514,6 +528,9 @@ def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: A
 
     rows: list[dict[str, Any]] = []
     modes = args.race.split(",")
+    race_settings = {
+        key: value for key, value in (("share", args.share), ("min_rounds", args.min_rounds)) if value is not None
+    }
     for condition in args.conditions.split(","):
         for i in range(args.sessions):
             seed = i if condition == "noisy" else None
@@ -521,9 +538,12 @@ def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: A
                 raced = _RACE_MODES[mode]
                 fresh = mode == "off/fresh"
 
-                s = session(workload, race=raced, noisy_seed=seed, fresh=fresh, share=args.share if raced else None)
+                settings = race_settings if raced else {}
+                s = session(workload, race=raced, noisy_seed=seed, fresh=fresh, settings=settings)
                 workers = "fresh" if fresh or not forking(os.environ) else "forked"
                 row = {"condition": condition, "session": i, "race": raced, "workers": workers, "wall_s": s["wall_s"]}
+                if settings:
+                    row["race_settings"] = settings
                 if "summary" in s:
                     row.update(extract(s))
                     row.update(grade(row, t))
