@@ -406,9 +406,9 @@ def steady_rescore(path: Path, processes: int, steps: int, top: int, log: Any) -
     return results
 
 
-# Whether each --race mode races; "off/fresh" is the tuner before the race and the fork server, the baseline of
-# the wall-time target (its workers fresh interpreters whatever the caller's environment says).
-_RACE_MODES = {"on": True, "off": False, "off/fresh": False}
+# Each --race mode: (whether the session races, whether its workers are fresh interpreters whatever the caller's
+# environment says). "off/fresh" is the tuner before the race and the fork server, the wall-time target's baseline.
+_RACE_MODES = {"on": (True, False), "off": (False, False), "off/fresh": (False, True)}
 
 
 def _arguments() -> argparse.Namespace:
@@ -531,16 +531,15 @@ def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: A
     race_settings = {
         key: value for key, value in (("share", args.share), ("min_rounds", args.min_rounds)) if value is not None
     }
+    forked_by_default = forking(os.environ)
     for condition in args.conditions.split(","):
         for i in range(args.sessions):
             seed = i if condition == "noisy" else None
             for mode in modes:  # interleaved: the wall-time ratio sees the same machine moments
-                raced = _RACE_MODES[mode]
-                fresh = mode == "off/fresh"
-
+                raced, fresh = _RACE_MODES[mode]
                 settings = race_settings if raced else {}
                 s = session(workload, race=raced, noisy_seed=seed, fresh=fresh, settings=settings)
-                workers = "fresh" if fresh or not forking(os.environ) else "forked"
+                workers = "forked" if forked_by_default and not fresh else "fresh"
                 row = {"condition": condition, "session": i, "race": raced, "workers": workers, "wall_s": s["wall_s"]}
                 if settings:
                     row["race_settings"] = settings
@@ -567,6 +566,12 @@ def _publish(results: dict[str, Any], out: Path) -> None:
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _workers(row: dict[str, Any]) -> str:
+    """A session row's trial workers, "fresh" or "forked" (rows from before it was recorded ran the default
+    of their time: fresh interpreters)."""
+    return str(row.get("workers", "fresh"))
+
+
 def report(results: dict[str, Any]) -> list[str]:
     lines = ["decision quality (regret = promoted's true time / true best's; interval = printed 'vs full')"]
     lines.append(
@@ -577,10 +582,9 @@ def report(results: dict[str, Any]) -> list[str]:
         # The promotions are graded against the pair truth too (few entrants per round, as the sessions' races
         # run, several processes pooled): the ranking truth races every fitting policy in one round.
         pair = w["truth"].get("pair_rel_time") or {} if "truth" in w else {}
-        # Rows from before "workers" was recorded had the caller's default then: fresh interpreters.
         for (cond, raced, workers), group in itertools.groupby(
-            sorted(w["sessions"], key=lambda r: (r["condition"], not r["race"], r.get("workers", "fresh"))),
-            key=lambda r: (r["condition"], r["race"], r.get("workers", "fresh")),
+            sorted(w["sessions"], key=lambda r: (r["condition"], not r["race"], _workers(r))),
+            key=lambda r: (r["condition"], r["race"], _workers(r)),
         ):
             g = [r for r in group if "error" not in r]
             regrets = [r["regret"] for r in g if "regret" in r]
@@ -607,9 +611,7 @@ def report(results: dict[str, Any]) -> list[str]:
             )
             if ratios:
                 races = [r["race_wall_s"] for r in by.values() if r.get("race_wall_s")]
-                pairs = " / ".join(
-                    sorted({f"{r.get('workers', 'fresh')} workers" for (_, raced), r in by.items() if not raced})
-                )
+                pairs = " / ".join(sorted({f"{_workers(r)} workers" for (_, raced), r in by.items() if not raced}))
                 lines.append(
                     f"{workload} {cond}: session wall with the race / without ({pairs}): median "
                     f"{statistics.median(ratios):.2f} "
