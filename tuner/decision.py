@@ -172,10 +172,13 @@ def race_leaders(
     search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
     plan = RacePlan.from_recipe(recipe, search_s=search_s)
     if plan.total_s is not None:
-        stage.note(
-            f"race: at most {plan.total_s:.0f} s of rounds ({recipe.race.share:.0%} of the search's {search_s:.0f} s "
-            "of trials, race.share)"
+        share = recipe.race.share or 0.0
+        why = (
+            f"{share:.0%} of the search's {search_s:.0f} s of trials, race.share"
+            if plan.total_s > recipe.race.min_s
+            else f"race.min_s; {share:.0%} of the search's {search_s:.0f} s of trials, race.share, is less"
         )
+        stage.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
     race = run_race(
         recipe,
         entry.entrants,

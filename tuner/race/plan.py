@@ -50,7 +50,9 @@ class RacePlan:
         """The plan of ``recipe.race``, warmed up as long as the recipe's trials (at least one step).
 
         ``search_s``: the wall time the search's trials took; the race's rounds then take at most
-        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did.
+        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did, but
+        never less than ``race.min_s`` (a search of cheap forked trials would leave a race too short
+        to measure anything).
         """
         r = recipe.race
         return cls(
@@ -58,7 +60,7 @@ class RacePlan:
             min_rounds=r.min_rounds,
             max_rounds=r.max_rounds,
             time_s=r.time_s,
-            total_s=r.share * search_s if search_s and r.share is not None else None,
+            total_s=max(r.min_s, r.share * search_s) if search_s and r.share is not None else None,
             estimate_rounds=r.estimate_rounds,
             confidence=r.confidence,
             tie_margin=r.tie_margin,

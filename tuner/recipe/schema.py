@@ -378,6 +378,13 @@ class RaceSettings:
         "search's trials took (their wall time summed); the selection stops early enough to leave the estimation "
         "its rounds. null: only time_s and max_rounds bound the race.",
     )
+    min_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds of rounds the race may always take, however short the search was: with forked "
+        "trials a search of a dozen trials takes seconds, and its share would leave the race on its floors "
+        "(race.min_rounds, 8 estimation rounds) with wide 'vs' intervals. 0: the share alone.",
+    )
     estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
         default=16, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
     )
