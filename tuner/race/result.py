@@ -166,7 +166,7 @@ class RaceResult:
                     f"({(1 / iv.high - 1) * 100:+.1f}..{(1 / iv.low - 1) * 100:+.1f}%)"
                 )
         return (
-            f"not separated from {lead} with confidence, but further behind than a tie: {', '.join(parts)}; "
+            f"not separated from {lead} with confidence, nor seen within the tie margin of it: {', '.join(parts)}; "
             f"{lead} leads on its median"
         )
 

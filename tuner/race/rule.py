@@ -31,21 +31,27 @@ class Standing:
     confidence: float = 0.95
     """The confidence asked for: an interval whose coverage is below it (too few rounds) beats nobody."""
     tie_margin: float = TIE_MARGIN
-    """How far behind the leader (median ratio over 1) an entrant the race could not separate may be and
-    still be tied with it."""
+    """How far behind the leader an entrant the race could not separate may be and still be tied with it:
+    the upper end of its interval (not only its median) must be within it."""
 
     def beaten(self) -> list[str]:
         """Entrants slower than the leader with at least the confidence asked for."""
         return [k for k, iv in self.behind.items() if iv.low > 1.0 and iv.confidence >= self.confidence]
 
     def tied(self) -> list[str]:
-        """Entrants the race cannot tell from the leader and whose median is within `tie_margin` of it
-        (tie within noise)."""
+        """Entrants the race cannot tell from the leader and has seen close to it: their whole interval
+        is within `tie_margin` of the leader (tie within noise).
+
+        The interval, not the median: a race cut short on a loaded machine has wide intervals, and a
+        median within the margin then says little (one such race tied a policy 9% behind the leader,
+        and the tie-break, which favours headroom, promoted it). A tie is a claim that the two train
+        equally fast; it needs the race to have measured that, not only to have failed to separate them.
+        """
         beaten = set(self.beaten())
-        return [k for k, iv in self.behind.items() if k not in beaten and iv.ratio <= 1.0 + self.tie_margin]
+        return [k for k, iv in self.behind.items() if k not in beaten and iv.high <= 1.0 + self.tie_margin]
 
     def unresolved(self) -> list[str]:
-        """Entrants behind the leader by more than `tie_margin` that the race could not separate from it.
+        """Entrants the race could neither separate from the leader nor see within `tie_margin` of it.
 
         Not a tie: a race that runs out of rounds on a noisy machine leaves wide intervals, and a tie
         would hand the choice to the tie-break (most headroom), which favours the slowest policy. The

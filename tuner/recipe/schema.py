@@ -402,8 +402,8 @@ class RaceSettings:
         ge=0.0,
         lt=1.0,
         description="A candidate the race could not tell from the leader ties with it (and the tie goes to the most "
-        "memory headroom) only when its median time is within this fraction of the leader's; further behind, the "
-        "leader wins.",
+        "memory headroom) only when the race saw it within this fraction of the leader's time (the upper end of "
+        "its interval, not only its median); otherwise the leader wins.",
     )
 
 

@@ -30,9 +30,25 @@ def test_the_fastest_leads_and_a_slower_one_is_beaten() -> None:
     assert s.behind["b"].low > 1.0 and s.behind["c"].ratio == pytest.approx(1.3, rel=0.03)
 
 
-def test_entrants_within_noise_are_tied() -> None:
-    s = stand(_rounds({"a": 1.0, "b": 1.0, "c": 1.25}, noise=0.05), ["a", "b", "c"], confidence=0.95)
+def test_entrants_seen_within_the_tie_margin_are_tied() -> None:
+    s = stand(_rounds({"a": 1.0, "b": 1.0, "c": 1.25}, noise=0.01), ["a", "b", "c"], confidence=0.95)
     assert {s.leader, *s.tied()} == {"a", "b"} and s.beaten() == ["c"]
+    assert s.behind[s.tied()[0]].high <= 1.0 + s.tie_margin
+
+
+def test_equal_medians_in_wide_intervals_are_no_tie_the_leader_wins() -> None:
+    """A race cut short under heavy noise: b's median is within the margin, but its interval reaches far
+    behind the leader, so the race has not seen the two train equally fast; the tie-break (which would
+    take b, the most headroom) does not decide, the leader's median does."""
+    rounds = _rounds({"a": 1.0, "b": 1.01}, n=8, noise=0.08, seed=3)
+    leader = stand(rounds, ["a", "b"], confidence=0.95).leader
+    other = next(k for k in ("a", "b") if k != leader)
+    peaks, shorts = {leader: 20, other: 10}, {leader: "F..", other: "FF."}  # the tie-break would take `other`
+    standing, tied, winner = verdict(rounds, ["a", "b"], peaks, shorts, confidence=0.95)
+    assert standing is not None and standing.beaten() == []
+    iv = standing.behind[other]
+    assert iv.ratio <= 1.0 + standing.tie_margin < iv.high  # close on the median, not in the interval
+    assert standing.unresolved() == [other] and tied == [leader] and winner == leader
 
 
 def test_an_entrant_far_behind_that_the_race_could_not_separate_loses_to_the_leader_not_the_tie_break() -> None:
@@ -177,7 +193,7 @@ def test_the_unresolved_line_names_who_the_leader_beat_on_its_median_alone() -> 
         outcome="ok", entrants=entrants, winner="L", leader="L", tied=("L",), behind=behind, unresolved=("F",)
     )
     assert r.unresolved_line() == (
-        "not separated from ... with confidence, but further behind than a tie: FFF -37.5% (-50.0..+11.1%); "
+        "not separated from ... with confidence, nor seen within the tie margin of it: FFF -37.5% (-50.0..+11.1%); "
         "... leads on its median"
     )
     assert RaceResult.from_dict(r.to_dict()) == r and r.tie_line() is None
