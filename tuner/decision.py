@@ -154,7 +154,9 @@ def race_leaders(
     if not recipe.race.enabled:
         stage.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
         return None
-    entry = choose_field(records, best, good, leaders=recipe.race.leaders, budget_bytes=stage.budget)
+    entry = choose_field(
+        records, best, good, leaders=recipe.race.leaders, predicted=recipe.race.predicted, budget_bytes=stage.budget
+    )
     for record, why in suspects(records):
         stage.note(why)
         if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:

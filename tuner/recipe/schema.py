@@ -363,6 +363,11 @@ class RaceSettings:
     leaders: _PositiveInt = Field(
         default=4, description="How many of the fastest fitting trials race (besides the planner's pick and baselines)."
     )
+    predicted: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2,
+        description="How many more fitting trials race because the planner predicts them fastest (ties within 2% "
+        "go to the faster trial): a single trial under load can rank the fastest policy below the leaders.",
+    )
     steps: _PositiveInt = Field(default=2, description="Timed steps per candidate per round (after one settling step).")
     min_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
         default=6,

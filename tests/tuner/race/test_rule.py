@@ -146,6 +146,45 @@ def test_the_field_is_the_leaders_the_planners_pick_the_baselines_and_the_good_p
     assert f.skipped is None and any("1 compiled trial(s) not raced" in n for n in f.notes)
 
 
+def _modes(short: str) -> RecomputePolicy:
+    glyph = {"F": "full", "s": "selective", ".": "none"}
+    return RecomputePolicy.from_modes({n: glyph[g] for n, g in zip(NAMES, short, strict=True)})
+
+
+def test_the_planners_top_predictions_race_even_when_their_single_trials_ranked_low() -> None:
+    """``FF.``'s one trial came in slow (load), behind two leaders; the planner predicts it (and ``F.F``,
+    the same cost) fastest, so it races; among predictions within 2% the faster trial goes first."""
+    records = [
+        _record(0, _modes("FFF"), 100.0, seed="baseline:full", predicted=0.30),
+        _record(1, _modes("sss"), 160.0, predicted=0.26),
+        _record(2, _modes("ss."), 150.0, predicted=0.25),
+        _record(3, _modes("F.F"), 110.0, predicted=0.2005),  # same cost as FF., its trial even slower
+        _record(4, _modes("FF."), 120.0, predicted=0.2),
+        _record(5, _modes("F.s"), 115.0, predicted=0.21),  # 5% behind the fastest prediction: the next band
+        _record(6, _modes("..."), 200.0, predicted=0.1, feasible=False),  # does not fit: never races
+        _record(7, _modes("..F"), 130.0, predicted=0.15, mb=4),  # another micro-batch: never races
+    ]
+    f = choose_field(records, records[1], None, leaders=2, predicted=2, budget_bytes=None)
+    got = {p.short(NAMES): labels for p, labels in f.entrants}
+    assert got == {
+        "sss": ["trial 1"],
+        "ss.": ["trial 2"],
+        "FF.": ["planner prediction"],
+        "F.F": ["planner prediction"],
+        "FFF": ["baseline full"],
+    }
+    one = choose_field(records, records[1], None, leaders=2, predicted=1, budget_bytes=None)
+    assert [labels for _, labels in one.entrants].count(["planner prediction"]) == 1
+    raced = {p.short(NAMES) for p, _ in one.entrants}
+    assert "FF." in raced and "F.F" not in raced
+    # A prediction already in the field as a leader takes no second place; the next one does.
+    lead = choose_field(records, records[1], None, leaders=5, predicted=1, budget_bytes=None)
+    assert {p.short(NAMES) for p, labels in lead.entrants if "planner prediction" in labels} == {"FFF"}
+    assert choose_field(records, records[1], None, leaders=2, predicted=0, budget_bytes=None).entrants == [
+        e for e in f.entrants if e[1] != ["planner prediction"]
+    ]
+
+
 def test_no_race_for_a_compiled_best_or_a_lone_candidate() -> None:
     compiled = _record(5, COMPILED, 170.0)
     assert "compiles its layers" in (
