@@ -395,7 +395,11 @@ def _final_report(s: SessionSummary) -> str:
         )
         figures = s.vs_figures()
         for name, rec in s.baselines.items():
-            if name in figures:
+            if rec.ran and rec.fingerprint == s.best.fingerprint:
+                # The baseline won (the quickstart often promotes every_2nd_full): no figure against itself.
+                itself = "the chosen policy" if s.chosen else "the best single trial"
+                lines.append(f"  vs {name:<15} {rec.short}: this is {itself}, no figure against itself")
+            elif name in figures:
                 lines.append(f"  vs {name:<15} {rec.short}: {figures[name]['text']}")
             elif not rec.ran:
                 why = f"{rec.outcome}: {rec.reason}" if rec.reason else rec.outcome
