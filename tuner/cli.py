@@ -395,7 +395,7 @@ def _final_report(s: SessionSummary) -> str:
         )
         figures = s.vs_figures()
         for name, rec in s.baselines.items():
-            if rec.ran and rec.fingerprint == s.best.fingerprint:
+            if rec.ran and (rec.fingerprint, rec.micro_batch) == (s.best.fingerprint, s.best.micro_batch):
                 # The baseline won (the quickstart often promotes every_2nd_full): no figure against itself.
                 itself = "the chosen policy" if s.chosen else "the best single trial"
                 lines.append(f"  vs {name:<15} {rec.short}: this is {itself}, no figure against itself")

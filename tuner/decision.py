@@ -173,13 +173,12 @@ def race_leaders(
     # The search's cost sets the race's: a race of a fixed length would double a short search.
     search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
     plan = RacePlan.from_recipe(recipe, search_s=search_s)
-    if plan.total_s is not None:
-        share = recipe.race.share or 0.0
-        why = (
-            f"{share:.0%} of the search's {search_s:.0f} s of trials, race.share"
-            if plan.total_s > recipe.race.min_s
-            else f"race.min_s; {share:.0%} of the search's {search_s:.0f} s of trials, race.share, is less"
-        )
+    if plan.total_s is not None and recipe.race.share is not None:
+        share = f"{recipe.race.share:.0%} of the search's {search_s:.0f} s of trials"
+        if recipe.race.share * search_s >= recipe.race.min_s:
+            why = f"{share}, race.share"
+        else:
+            why = f"race.min_s; race.share's {share} would be {recipe.race.share * search_s:.0f} s"
         stage.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
     race = run_race(
         recipe,

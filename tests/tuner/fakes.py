@@ -106,7 +106,7 @@ class ExactTrials:
         return exact_race(entrants, times, peaks, references, winner=winner)
 
 
-def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
+def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB", race=None):
     data = {
         "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2}},
         "budget": {"value": budget, "margin": 0.05},
@@ -114,6 +114,7 @@ def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB"):
         "trial": {"warmup_steps": 1, "measure_steps": 2},
         "tracking": {"uri": tracking_uri, "experiment": f"exp-{tmp_path.name}"},
         "study": {"storage": "optuna.log"},
+        "race": race or {},
     }
     return from_dict(data, source=tmp_path / "recipe.yaml")
 

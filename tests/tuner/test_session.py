@@ -57,7 +57,8 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     # race.min_s (these trials took 12 s; a quarter of it would be 3 s), and the session says which.
     assert recipe.race.share * TRIAL_WALL_S * len(measured) < recipe.race.min_s
     assert plan.total_s == recipe.race.min_s
-    assert any(f"at most {plan.total_s:.0f} s of rounds (race.min_s;" in n for n in summary.notes)
+    said = "race: at most 30 s of rounds (race.min_s; race.share's 25% of the search's 12 s of trials would be 3 s)"
+    assert said in summary.notes
     assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
     assert summary.gains["none"] is None
     full = summary.vs_figures()["full"]
@@ -432,6 +433,16 @@ def test_sighup_stops_the_session_like_sigterm(tmp_path, tracking_uri, fakes):
     assert not study_of(recipe, summary).in_flight.running()
     assert [r.info.status for r in runs(recipe, "session")] == ["KILLED"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
+
+
+def test_a_race_budget_above_race_min_s_is_race_share_of_the_search(tmp_path, tracking_uri, fakes):
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6, race={"min_s": 1})
+    summary = session.tune(recipe, use_planner=False)
+    measured = [r for r in summary.records if r.ran]
+    plan = fakes.plans[0]
+    assert plan.total_s == pytest.approx(recipe.race.share * TRIAL_WALL_S * len(measured))
+    assert plan.total_s > recipe.race.min_s
+    assert "race: at most 3 s of rounds (25% of the search's 12 s of trials, race.share)" in summary.notes
 
 
 def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_figure(tmp_path, tracking_uri, fakes):

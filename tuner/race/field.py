@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tuner.search import TrialRecord
     from tuner.tracking import GoodPolicy
 
-__all__ = ["PREDICTION_TIE", "Field", "choose_field", "suspects"]
+__all__ = ["PREDICTION_SPAN", "Field", "choose_field", "suspects"]
 
 
 @dataclass
@@ -40,6 +40,10 @@ class Field:
     """Why no race is run (``None``: race)."""
     notes: list[str] = field(default_factory=list)
     """Candidates left out, and why."""
+
+    def has(self, fingerprint: str) -> bool:
+        """Whether a policy of this fingerprint is already an entrant."""
+        return any(p.fingerprint() == fingerprint for p, _ in self.entrants)
 
     def add(self, policy: RecomputePolicy, label: str) -> None:
         for existing, labels in self.entrants:
@@ -61,8 +65,8 @@ def choose_field(
 ) -> Field:
     """The race's field after a search whose best feasible trial is ``best``.
 
-    ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more of the
-    fitting trials the planner predicts fastest (`PREDICTION_TIE` says how its ties are broken).
+    ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more race from
+    those the planner predicts fastest (`PREDICTION_SPAN`), fastest trial first.
 
     Entrants run at ``best``'s micro-batch (one model, one data stream); trials at another one are
     left out and say so. Compiled policies are left out: switching a compiled layer's policy
@@ -91,14 +95,14 @@ def choose_field(
         if r.micro_batch != best.micro_batch:
             left_batch += 1
             continue
-        if taken < leaders and all(p.fingerprint() != r.fingerprint for p, _ in out.entrants):
+        if taken < leaders and not out.has(r.fingerprint):
             out.add(r.policy, f"trial {r.number}")
             taken += 1
     same = [r for r in fitting if r.micro_batch == best.micro_batch and r.policy is not None and not r.policy.compile]
-    _add_predicted(out, same, predicted)
     _add_references(out, same)
     if good is not None:
         _add_good(out, good, best, budget_bytes)
+    _add_predicted(out, same, predicted)  # last: the planner's pick, a baseline or the good policy is no extra
     if left_compiled:
         out.notes.append(f"{left_compiled} compiled trial(s) not raced (switching a compiled layer recompiles it)")
     if left_batch:
@@ -108,37 +112,33 @@ def choose_field(
     return out
 
 
-PREDICTION_TIE = 0.02
-"""Predicted step times this close (relative) are one prediction: the planner's cost model is not that
-precise, and policies of the same cost (``FF..`` and ``F.F.``) predict alike. Among such ties the
-faster trial goes first."""
+PREDICTION_SPAN = 0.05
+"""Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
+cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
+alike. `_add_predicted` takes the faster trials among them."""
 
 
 def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:
-    """Up to ``count`` trials of ``same`` (fitting, at the best's micro-batch) not yet in the field, by the
-    planner's predicted step time, fastest first.
+    """Up to ``count`` trials of ``same`` (fitting, at the best's micro-batch) not yet in the field, from
+    those the planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first.
 
     Why: in `bench/decision_quality.py`'s ``wide4`` most promotions short of the best came from races
     the best policy was not in; its single trial had ranked it below the leaders, while the planner
-    predicted it among the fastest.
+    predicted it among the fastest. Policies predicted slower than that span do not enter this way.
     """
-    rated = [r for r in same if r.predicted_step_time_s and r.policy is not None]
+
+    def predicted(r: TrialRecord) -> float | None:
+        p = r.predicted_step_time_s
+        return p if p is not None and math.isfinite(p) and p > 0 else None
+
+    rated = [r for r in same if r.policy is not None and predicted(r) is not None]
     if count <= 0 or not rated:
         return
-    fastest = min(r.predicted_step_time_s or 0.0 for r in rated)
-
-    def key(r: TrialRecord) -> tuple[int, float, int]:
-        # Bands of PREDICTION_TIE above the fastest prediction; within a band, the faster trial first.
-        band = int(math.log((r.predicted_step_time_s or fastest) / fastest) / math.log1p(PREDICTION_TIE))
-        return band, -(r.throughput or 0.0), r.number
-
-    taken = 0
-    for r in sorted(rated, key=key):
-        if taken >= count:
-            break
-        if r.policy is not None and all(p.fingerprint() != r.fingerprint for p, _ in out.entrants):
-            out.add(r.policy, "planner prediction")
-            taken += 1
+    top = min(predicted(r) or math.inf for r in rated) * (1.0 + PREDICTION_SPAN)
+    near = [r for r in rated if (predicted(r) or math.inf) <= top and not out.has(r.fingerprint)]
+    for r in sorted(near, key=lambda r: (-(r.throughput or 0.0), r.number))[:count]:
+        assert r.policy is not None
+        out.add(r.policy, "planner prediction")
 
 
 def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:

@@ -75,9 +75,9 @@ class RaceResult:
     leader: str | None = None
     """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
     tied: tuple[str, ...] = ()
-    """The leader and every entrant within noise of it."""
+    """The leader and every entrant within noise of it (`tuner.race.rule.Standing.tied`)."""
     unresolved: tuple[str, ...] = ()
-    """Entrants further behind the leader than the tie margin that the selection could not separate from it
+    """Entrants the selection could neither separate from the leader nor see within the tie margin of it
     (`tuner.race.rule.Standing.unresolved`): the leader won over them on its better median."""
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
@@ -153,7 +153,8 @@ class RaceResult:
         return f"tie within noise between {names}; chose {win.short} ({why})"
 
     def unresolved_line(self) -> str | None:
-        """``not separated: ...`` when entrants far behind the leader were not beaten with confidence."""
+        """``not separated ...`` when entrants were neither beaten with confidence nor seen within the tie
+        margin of the leader."""
         if not self.unresolved or self.leader is None:
             return None
         lead = self.entrants[self.leader].short

@@ -39,16 +39,22 @@ class Standing:
         return [k for k, iv in self.behind.items() if iv.low > 1.0 and iv.confidence >= self.confidence]
 
     def tied(self) -> list[str]:
-        """Entrants the race cannot tell from the leader and has seen close to it: their whole interval
-        is within `tie_margin` of the leader (tie within noise).
+        """Entrants the race cannot tell from the leader and has seen close to it: the upper end of their
+        interval, at the confidence asked for, is within `tie_margin` of the leader (tie within noise).
 
         The interval, not the median: a race cut short on a loaded machine has wide intervals, and a
         median within the margin then says little (one such race tied a policy 9% behind the leader,
         and the tie-break, which favours headroom, promoted it). A tie is a claim that the two train
-        equally fast; it needs the race to have measured that, not only to have failed to separate them.
+        equally fast; it needs the race to have measured that, not only to have failed to separate them,
+        and with the same confidence as a separation (two rounds within 3% of each other are no such
+        measurement).
         """
         beaten = set(self.beaten())
-        return [k for k, iv in self.behind.items() if k not in beaten and iv.high <= 1.0 + self.tie_margin]
+        return [
+            k
+            for k, iv in self.behind.items()
+            if k not in beaten and iv.high <= 1.0 + self.tie_margin and iv.confidence >= self.confidence
+        ]
 
     def unresolved(self) -> list[str]:
         """Entrants the race could neither separate from the leader nor see within `tie_margin` of it.

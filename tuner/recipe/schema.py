@@ -20,6 +20,7 @@ from pydantic.dataclasses import dataclass as schema_dataclass
 from lightning_recompute.errors import RecomputeError, clip
 from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
 from tuner.jsonable import jsonable
+from tuner.race.field import PREDICTION_SPAN
 from tuner.race.rule import TIE_MARGIN
 from tuner.units import format_bytes as _format_bytes
 from tuner.units import parse_bytes
@@ -365,8 +366,9 @@ class RaceSettings:
     )
     predicted: Annotated[int, Strict(), Field(ge=0)] = Field(
         default=2,
-        description="How many more fitting trials race because the planner predicts them fastest (ties within 2% "
-        "go to the faster trial): a single trial under load can rank the fastest policy below the leaders.",
+        description="How many more fitting trials race because the planner predicts them fastest (within "
+        f"{PREDICTION_SPAN:.0%} of its fastest prediction; the faster trials of those first): a single trial under "
+        "load can rank the fastest policy below the leaders.",
     )
     steps: _PositiveInt = Field(default=2, description="Timed steps per candidate per round (after one settling step).")
     min_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
@@ -386,7 +388,8 @@ class RaceSettings:
     min_s: float = Field(
         default=30.0,
         ge=0,
-        description="Seconds of rounds the race may always take, however short the search was: with forked "
+        description="Seconds of rounds the share never cuts the race below, however short the search was "
+        "(time_s and max_rounds still bound it): with forked "
         "trials a search of a dozen trials takes seconds, and its share would leave the race on its floors "
         "(race.min_rounds, 8 estimation rounds) with wide 'vs' intervals. 0: the share alone.",
     )
