@@ -406,6 +406,13 @@ def _final_report(s: SessionSummary) -> str:
                 lines.append(f"  vs {name:<15} {rec.short}: not measured ({why})")
             elif not rec.feasible:
                 lines.append(f"  vs {name:<15} {rec.short}: over the budget, not raced")
+            elif s.race is not None and rec.fingerprint in s.race.entrants:
+                # Raced as a leader but not a reference of the estimation: its selection figure is in the race
+                # table ("vs leader"); the selection chose the winner, so it is no unbiased "vs" figure.
+                lines.append(
+                    f"  vs {name:<15} {rec.short}: raced in the selection only ('vs leader' above); "
+                    "no estimation rounds, no 'vs' figure"
+                )
             else:
                 # Fits and ran, but the race did not take it (slower trials than the raced baseline, or no race):
                 # say so rather than drop the line, and give no figure from its single run.

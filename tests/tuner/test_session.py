@@ -7,6 +7,7 @@ stores). `test_cli.py` runs the same flow with real trial subprocesses.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from typing import cast
@@ -457,16 +458,38 @@ def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_f
     figures = summary.vs_figures()
     assert summary.best is not None
     (chosen,) = [n for n, r in summary.baselines.items() if r.fingerprint == summary.best.fingerprint]
-    unraced = [n for n, r in summary.baselines.items() if r.ran and r.feasible and n not in figures and n != chosen]
-    assert unraced, "the fake session races only some baselines"
+    entered = summary.race.entrants
+    fitting = [n for n, r in summary.baselines.items() if r.ran and r.feasible and n not in figures and n != chosen]
+    unraced = [n for n in fitting if summary.baselines[n].fingerprint not in entered]
+    selection_only = [n for n in fitting if summary.baselines[n].fingerprint in entered]
+    assert selection_only, "the fake session races a baseline as a leader, not as a reference"
     for name, rec in summary.baselines.items():
         (line,) = [x for x in report if x.startswith(f"  vs {name} ")]
         if name == chosen:
             # The winner is a baseline here (as the quickstart's every_2nd_full often is): it says so.
             assert line.endswith("this is the chosen policy, no figure against itself") and "not raced" not in line
+        elif name in selection_only:
+            # Raced as a leader, not a reference of the estimation (the quickstart's ssssss): where its
+            # figure is, and no "vs" figure from the selection that chose the winner.
+            assert line.endswith(
+                "raced in the selection only ('vs leader' above); no estimation rounds, no 'vs' figure"
+            )
+            assert "%" not in line
         elif name in unraced:
             rank = summary.ranked.index(rec) + 1
             assert line.endswith(
                 f"not raced (its single trial ranked {rank} of {len(summary.ranked)}; no 'vs' figure from one run)"
             )
             assert "%" not in line
+
+    # The same baseline left out of the race's field: not raced, and no figure from its single trial.
+    name = selection_only[0]
+    rec = summary.baselines[name]
+    without = {k: e for k, e in entered.items() if k != rec.fingerprint}
+    left_out = dataclasses.replace(summary, race=dataclasses.replace(summary.race, entrants=without))
+    (line,) = [x for x in cli._final_report(left_out).splitlines() if x.startswith(f"  vs {name} ")]
+    rank = summary.ranked.index(rec) + 1
+    assert line.endswith(
+        f"not raced (its single trial ranked {rank} of {len(summary.ranked)}; no 'vs' figure from one run)"
+    )
+    assert "%" not in line
