@@ -174,11 +174,13 @@ def race_leaders(
     search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
     plan = RacePlan.from_recipe(recipe, search_s=search_s)
     if plan.total_s is not None and recipe.race.share is not None:
+        by_share = recipe.race.share * search_s
         share = f"{recipe.race.share:.0%} of the search's {search_s:.0f} s of trials"
-        if recipe.race.share * search_s >= recipe.race.min_s:
-            why = f"{share}, race.share"
+        # The plan took the larger of the share and race.min_s; say which.
+        if plan.total_s > by_share:
+            why = f"race.min_s; race.share's {share} would be {by_share:.0f} s"
         else:
-            why = f"race.min_s; race.share's {share} would be {recipe.race.share * search_s:.0f} s"
+            why = f"{share}, race.share"
         stage.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
     race = run_race(
         recipe,

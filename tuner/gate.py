@@ -20,8 +20,8 @@ verdict first; the first failure ends the gate, and later checks are reported as
    process, paired per round, until one is ahead with confidence or the race's time is spent);
    the candidate must win that race. Seen within the tie margin of each other, the two are tied,
    and the tie goes to the one with more memory headroom, then less recomputation, as in the
-   session's race. A session whose
-   race already had both hands its `RaceResult` in and nothing is re-measured. A current good
+   session's race. A session whose race already had both hands its `RaceResult` in and nothing
+   is re-measured. A current good
    policy that does not fit the budget limit (its recorded peak, or its peak in the race, is over
    it: the budget was tightened) is no contender: the candidate replaces it.
 

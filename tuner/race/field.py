@@ -127,15 +127,15 @@ def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:
     predicted it among the fastest. Policies predicted slower than that span do not enter this way.
     """
 
-    def predicted(r: TrialRecord) -> float | None:
-        p = r.predicted_step_time_s
-        return p if p is not None and math.isfinite(p) and p > 0 else None
-
-    rated = [r for r in same if r.policy is not None and predicted(r) is not None]
+    rated = [
+        (r, p)
+        for r in same
+        if r.policy is not None and (p := r.predicted_step_time_s) is not None and math.isfinite(p) and p > 0
+    ]
     if count <= 0 or not rated:
         return
-    top = min(predicted(r) or math.inf for r in rated) * (1.0 + PREDICTION_SPAN)
-    near = [r for r in rated if (predicted(r) or math.inf) <= top and not out.has(r.fingerprint)]
+    top = min(p for _, p in rated) * (1.0 + PREDICTION_SPAN)
+    near = [r for r, p in rated if p <= top and not out.has(r.fingerprint)]
     for r in sorted(near, key=lambda r: (-(r.throughput or 0.0), r.number))[:count]:
         assert r.policy is not None
         out.add(r.policy, "planner prediction")
