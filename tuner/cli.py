@@ -446,7 +446,10 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
     if not race.ok:
         return [f"race: {race.outcome}: {race.reason}", ""]
     processes = len(race.vs_processes)
-    where = f" in the race's process and a fresh one each ({processes} processes)" if processes > 1 else ""
+    if race.selected is not None:  # a rival won across processes: its figures come from fresh ones only
+        where = f" in {processes} fresh process{'es' if processes > 1 else ''}"
+    else:
+        where = f" in the race's process and a fresh one each ({processes} processes)" if processes > 1 else ""
     lines = [
         f"race: {len(race.entrants)} candidates interleaved in one process, {race.select_rounds} rounds "
         f"({race.stop}), then {race.estimate_rounds} fresh rounds{where} for the figures ({race.unit}):",
@@ -467,7 +470,7 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
             f"{mark} {e.short:<{width}}  {_num(race.throughput(key)):>12}  {vs:>26}  {_bytes(e.peak_bytes):>11}"
             f"  {e.label}{status}"
         )
-    for line in (race.tie_line(), race.unresolved_line()):
+    for line in race.decision_lines():
         if line:
             lines.append(f"  {line}")
     lines.append("")

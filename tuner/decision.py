@@ -25,7 +25,7 @@ from tuner.search import gate_lease
 
 if TYPE_CHECKING:
     from tuner.gate import Candidate, GateDecision
-    from tuner.race import RaceResult
+    from tuner.race import RacePlan, RaceResult
     from tuner.recipe import Recipe
     from tuner.search import TrialRecord, TuningStudy
     from tuner.tracking import GoodPolicy, Tracker
@@ -196,8 +196,12 @@ def race_leaders(
     if race.ok and race.winner is not None:
         race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
         won = race.entrants[race.winner].short if race.winner is not None else "?"
-        stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
-        for said in (race.tie_line(), race.unresolved_line(), *race.headlines()):
+        if race.selected is not None:
+            led = race.entrants[race.selected].short
+            stage.notify(f"race: {won} won across processes; {led} won the selection's {race.select_rounds} rounds")
+        else:
+            stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
+        for said in (*race.decision_lines(), *race.headlines()):
             if said:
                 stage.notify(f"race: {said}")
     else:
@@ -210,48 +214,87 @@ def race_leaders(
 def estimate_again(
     stage: Stage, race: RaceResult, run_race: Callable[..., RaceResult], *, micro_batch: int | None
 ) -> RaceResult:
-    """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing only
-    the winner against the references for as many rounds as the race's estimation ran; the figures then
-    span every process (`tuner.race.stats.across_processes` says why). A process that fails adds nothing
-    and is noted."""
-    from lightning_recompute import RecomputePolicy
+    """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing the
+    winner against the references, and beside the rivals the selection left unresolved
+    (`RaceResult.rivals`, at most ``race.rivals``), for as many rounds as the race's estimation ran.
+
+    The winner is then the fastest across processes (`RaceResult.estimated_again`); the figures span
+    every process (`tuner.race.stats.across_processes` says why). A rival that wins had its figures
+    measured in the fresh processes only, so one more process measures it against the references, and
+    its figures span as many processes as the selection's winner's would have. A process that fails adds
+    nothing and is noted."""
     from tuner.race import RacePlan
 
     recipe, count = stage.recipe, stage.recipe.race.processes
     assert race.winner is not None
-    entrants = [race.entrants[race.winner], *(race.entrants[k] for k in race.vs)]
-    if any(e.policy is None for e in entrants):
+    refs = list(race.vs)
+    rivals = [k for k in race.rivals(recipe.race.rivals) if k not in refs]
+    keys = [race.winner, *rivals, *refs]
+    if any(race.entrants[k].policy is None for k in keys):
         stage.note("race: the figures come from the race's process only (an entrant's policy was not kept)")
         return race
-    policies = [RecomputePolicy.from_dict(e.policy or {}, source=f"race entrant {e.key}") for e in entrants]
+    if rivals:
+        names = ", ".join(race.entrants[k].short for k in rivals)
+        stage.note(
+            f"race: {names} not separated from {race.entrants[race.winner].short}: raced again beside it in the "
+            f"fresh process{'es' if count > 2 else ''}, and the winner is the fastest across processes"
+        )
     plan = replace(RacePlan.from_recipe(recipe), total_s=None, estimate_rounds=race.estimate_rounds)
+    others = [
+        _estimation_process(stage, race, keys, len(refs), run_race, plan, micro_batch, index=index)
+        for index in range(2, count + 1)
+    ]
+    result = race.estimated_again(others, confidence=recipe.race.confidence)
+    if result.selected is not None and result.winner is not None and refs:
+        won = [result.winner, *(k for k in refs if k != result.winner)]
+        if len(won) > 1:
+            again = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, index=count + 1)
+            result = result.refigured([again], references=refs, confidence=recipe.race.confidence)
+    return result
+
+
+def _estimation_process(
+    stage: Stage,
+    race: RaceResult,
+    keys: Sequence[str],
+    refs: int,
+    run_race: Callable[..., RaceResult],
+    plan: RacePlan,
+    micro_batch: int | None,
+    *,
+    index: int,
+) -> RaceResult:
+    """One fresh process racing ``keys`` (the winner first, its last ``refs`` the references) with no
+    selection; noted, and when it fails, noted as adding nothing."""
+    from lightning_recompute import RecomputePolicy
+
+    entrants = [race.entrants[k] for k in keys]
+    policies = [RecomputePolicy.from_dict(e.policy or {}, source=f"race entrant {e.key}") for e in entrants]
     names = ", ".join(e.short for e in entrants[1:])
-    others = []
-    for index in range(2, count + 1):
-        stage.notify(
-            f"race: {entrants[0].short} against {names} again in a fresh process ({index} of {count}, "
-            f"{plan.estimate_rounds} rounds) ..."
-        )
-        began = time.perf_counter()
-        again = run_race(
-            recipe,
-            [(p, list(e.labels)) for p, e in zip(policies, entrants, strict=True)],
-            layer_names=stage.layer_names,
-            references=policies[1:],
-            micro_batch=micro_batch,
-            budget_bytes=stage.budget,
-            plan=plan,
-            winner=policies[0],
-        )
-        if not again.ok or not again.vs:
-            out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
-            why = again.reason or "; ".join(out) or "no figure measured"
-            stage.note(f"race: estimation process {index} of {count} {again.outcome}: {why}; it adds no figure")
-        else:
-            took, rounds = time.perf_counter() - began, again.estimate_rounds
-            stage.note(f"race: estimation process {index} of {count}: {rounds} rounds in {took:.0f} s (start included)")
-        others.append(again)
-    return race.estimated_again(others)
+    count = stage.recipe.race.processes
+    of = f"{index} of {count}" if index <= count else f"{index}, for the figures of the winner across processes"
+    stage.notify(
+        f"race: {entrants[0].short} against {names} again in a fresh process ({of}, {plan.estimate_rounds} rounds) ..."
+    )
+    began = time.perf_counter()
+    again = run_race(
+        stage.recipe,
+        [(p, list(e.labels)) for p, e in zip(policies, entrants, strict=True)],
+        layer_names=stage.layer_names,
+        references=policies[len(policies) - refs :] if refs else [],
+        micro_batch=micro_batch,
+        budget_bytes=stage.budget,
+        plan=plan,
+        winner=policies[0],
+    )
+    if not again.ok or not (again.vs or len(keys) > 1 + refs):
+        out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
+        why = again.reason or "; ".join(out) or "no figure measured"
+        stage.note(f"race: estimation process {of} {again.outcome}: {why}; it adds no figure")
+    else:
+        took, rounds = time.perf_counter() - began, again.estimate_rounds
+        stage.note(f"race: estimation process {of}: {rounds} rounds in {took:.0f} s (start included)")
+    return again
 
 
 def candidate_of(

@@ -224,7 +224,7 @@ def exact_race(
     """A `RaceResult` of ``entrants`` (``(policy, labels)``) whose every round measures ``times``
     (fingerprint -> seconds) exactly, decided by the real rule (`tuner.race.rule.verdict`); an entrant
     peaking over ``budget_bytes`` is out, as in the engine. Given ``winner`` (a policy), no selection:
-    only its estimation rounds, as `tuner.trials.run_race` runs them."""
+    only the estimation rounds, of every entrant, as `tuner.trials.run_race` runs them."""
     from tuner.race.rule import verdict
     from tuner.race.stats import paired_ratio
 
@@ -234,8 +234,10 @@ def exact_race(
     select = [dict(times) for _ in range(rounds)]
     if winner is None:
         standing, tied, winner = verdict(select, keys, peaks, shorts, confidence=0.95)
-    else:
+        estimated = [winner]
+    else:  # every entrant given runs the estimation rounds (the references and the rivals raced again)
         standing, tied, winner, select = None, [winner.fingerprint()], winner.fingerprint(), []
+        estimated = keys
     refs = [p.fingerprint() for p in references if p.fingerprint() in keys and p.fingerprint() != winner]
     vs = {r: paired_ratio([times[winner]] * rounds, [times[r]] * rounds) for r in refs} if winner else {}
     return RaceResult(
@@ -250,7 +252,7 @@ def exact_race(
                 if p.fingerprint() in out
                 else None,
                 select_s=(times[p.fingerprint()],) * len(select) if p.fingerprint() not in out else (None,),
-                estimate_s=(times[p.fingerprint()],) * rounds if p.fingerprint() in (winner, *refs) else (),
+                estimate_s=(times[p.fingerprint()],) * rounds if p.fingerprint() in (*estimated, *refs) else (),
                 policy=p.to_dict(),
             )
             for p, labels in entrants

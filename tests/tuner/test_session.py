@@ -108,6 +108,62 @@ def test_an_estimation_process_that_fails_leaves_the_race_processs_figures_and_s
     assert any("estimation process 2 of 2 failed: the race ended killed: injected" in n for n in summary.notes)
 
 
+def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_across_processes(
+    tmp_path, tracking_uri, fakes, monkeypatch
+):
+    """The race's process put the winner 2% ahead of a rival it could not separate; the fresh process
+    measures the rival 10% ahead of it. Across the two the rival is faster: it wins, and one more fresh
+    process measures it against the references, so its figures span two processes its selection did not
+    run in."""
+    from tests.tuner.fakes import exact_race
+    from tuner.race import RaceResult
+
+    raced = fakes.run_race
+    seen: dict[str, str] = {}
+    calls: list[tuple[str | None, list[str]]] = []
+
+    def scripted(recipe, entrants, **kw):
+        winner = kw.get("winner")
+        calls.append((None if winner is None else winner.fingerprint(), [p.fingerprint() for p, _ in entrants]))
+        times = {p.fingerprint(): 1.0 / fake_throughput(p) for p, _ in entrants}
+        if winner is None:
+            res: RaceResult = raced(recipe, entrants, **kw)
+            rival = min(
+                (k for k, e in res.entrants.items() if k != res.winner and e.out is None and k not in res.vs),
+                key=lambda k: times[k],
+            )
+            seen.update(winner=str(res.winner), rival=rival)
+            # In the race's own rounds: 2% behind, not separated with confidence.
+            entrants_ = dict(res.entrants)
+            entrants_[rival] = dataclasses.replace(entrants_[rival], select_s=(times[res.winner] * 1.02,) * 6)
+            return dataclasses.replace(res, entrants=entrants_, tied=(res.winner,), unresolved=(rival,))
+        if seen["rival"] in times and seen["winner"] in times:
+            times[seen["rival"]] = times[seen["winner"]] / 1.10  # 10% ahead in the fresh process
+        peaks = {p.fingerprint(): fake_peak(p) for p, _ in entrants}
+        return exact_race(entrants, times, peaks, kw.get("references", ()), winner=winner)
+
+    monkeypatch.setattr("tuner.trials.run_race", scripted)
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    summary = session.tune(recipe, use_planner=False)
+    race = summary.race
+    assert race is not None and summary.status == "promoted"
+    winner, rival = seen["winner"], seen["rival"]
+    assert race.selected == winner and race.winner == rival
+    assert summary.best is not None and summary.best.fingerprint == rival
+    assert RecomputePolicy.load(recipe.output).fingerprint() == rival
+    (full_key,) = race.vs
+    # The race; then the winner beside the rival and full; then the new winner against full alone.
+    assert calls[1:] == [(winner, [winner, rival, full_key]), (rival, [rival, full_key])]
+    assert race.rechecked[rival] == pytest.approx((1.02, 1 / 1.10))
+    assert race.vs[full_key].processes == 2 and len(race.vs_processes) == 2
+    assert "interleaved, 12 rounds in 2 processes" in summary.vs_figures()["full"]["text"]
+    short = {k: e.short for k, e in race.entrants.items()}
+    assert any(f"{short[rival]} not separated from {short[winner]}: raced again" in n for n in summary.notes)
+    assert any(n.startswith("race: estimation process 3, for the figures") for n in summary.notes)
+    line = race.recheck_line()
+    assert line is not None and line.endswith(f"{short[rival]} is faster across them and wins over {short[winner]}")
+
+
 def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path, tracking_uri, fakes):
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
     first = session.tune(recipe, use_planner=False)

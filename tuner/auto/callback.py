@@ -417,7 +417,7 @@ def _decision_summary(chosen: Candidate, result: RaceResult, tuning_steps: int) 
     words = [f"settled on {chosen.short} ({chosen.label}) after {tuning_steps} tuning steps"]
     if result.ok and result.stop:
         words.append(f"{result.select_rounds} selection rounds: {result.stop}")
-    words += [line for line in (result.tie_line(), result.unresolved_line(), *result.headlines()) if line]
+    words += [*result.decision_lines(), *result.headlines()]
     words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
     return "; ".join(words)
 

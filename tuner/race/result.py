@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tuner.race.stats import Interval, across_processes
+from tuner.race.stats import Interval, across_processes, paired_ratio
 
 __all__ = ["RaceEntrant", "RaceResult", "format_gain"]
 
@@ -86,6 +87,13 @@ class RaceResult:
     process the estimation ran in (`estimated_again`)."""
     vs_processes: tuple[dict[str, Interval], ...] = ()
     """Each estimation process's own `vs`, the race's process first (empty: only the race's process)."""
+    rechecked: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Rivals raced again beside the selection's winner in the fresh estimation processes
+    (`estimated_again`): each one's time over that winner's, per process, the race's process first
+    (empty: none raced again)."""
+    selected: str | None = None
+    """The selection's winner in the race's own process, when the rivals' race across processes chose
+    another (`winner`); ``None``: the selection's winner stands."""
     stop: str = ""
     """Why the selection stopped."""
     select_rounds: int = 0
@@ -171,6 +179,43 @@ class RaceResult:
             f"{lead} leads on its median"
         )
 
+    def rivals(self, limit: int) -> list[str]:
+        """Up to ``limit`` entrants to race again beside the winner in a fresh process: those the
+        selection left unresolved (`unresolved`), closest to the leader first.
+
+        One process's rounds share its memory layout and where the scheduler put it, and on this
+        project's machine two policies 3% apart swapped order from one process to the next; an
+        unresolved entrant lost on one process's median, which such an effect can decide.
+        """
+        if self.winner is None:
+            return []
+        alive = [k for k in self.unresolved if k in self.entrants and self.entrants[k].out is None and k != self.winner]
+        alive.sort(key=lambda k: self.behind[k].ratio if k in self.behind else float("inf"))
+        return alive[: max(0, limit)]
+
+    def recheck_line(self) -> str | None:
+        """``across 2 processes: Fs.. -1.2% vs FF.. (+0.8%, -3.1%); FF.. stays`` after the rivals raced
+        again (`estimated_again`); ``None`` when none did."""
+        if not self.rechecked or self.winner is None:
+            return None
+        first = self.selected or self.winner
+        base = self.entrants[first].short
+        parts = []
+        for key, ratios in self.rechecked.items():
+            each = ", ".join(f"{(1 / r - 1) * 100:+.1f}%" for r in ratios)
+            parts.append(f"{self.entrants[key].short} {(1 / _geomean(ratios) - 1) * 100:+.1f}% ({each})")
+        processes = max(len(r) for r in self.rechecked.values())
+        end = (
+            f"{self.entrants[self.winner].short} is faster across them and wins over {base}"
+            if self.selected is not None
+            else f"{base} stays the winner"
+        )
+        return f"raced again across {processes} processes, vs {base} (each process's figure): {', '.join(parts)}; {end}"
+
+    def decision_lines(self) -> list[str]:
+        """What decided the winner, in words: the tie, the unresolved entrants, the rivals raced again."""
+        return [line for line in (self.tie_line(), self.unresolved_line(), self.recheck_line()) if line]
+
     def headlines(self) -> list[str]:
         """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ..., interleaved, 14 rounds)``."""
         if self.winner is None:
@@ -182,16 +227,62 @@ class RaceResult:
             lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
         return lines
 
-    def estimated_again(self, others: Sequence[RaceResult]) -> RaceResult:
-        """This result with its `vs` figures measured in more processes: ``others`` are races of the same
-        winner against the same references with no selection (`tuner.trials.run_race` given ``winner``).
-        A reference gets the hull of every process's interval (`tuner.race.stats.across_processes`);
-        one an estimation process could not measure keeps the processes that did. Failed ``others`` add
-        nothing."""
-        per_process = [dict(self.vs), *(dict(o.vs) for o in others if o.ok and o.winner == self.winner)]
-        if len(per_process) < 2:
+    def estimated_again(self, others: Sequence[RaceResult], *, confidence: float = 0.95) -> RaceResult:
+        """This result with its `vs` figures measured in more processes, and its rivals raced again.
+
+        ``others`` are races of the same winner with no selection (`tuner.trials.run_race` given
+        ``winner``), against the same references and beside any `rivals`; failed ones, and races of
+        another winner, add nothing.
+
+        - **The rivals** (`unresolved` entrants the others raced): each one's time over the winner's per
+          process (in the race's process from the selection rounds both ran, in the others from their
+          rounds) is combined by the geometric mean over processes, so a process's own effect weighs on
+          one term of several rather than on the whole decision. A rival faster on that mean, measured in
+          at least two processes, becomes the `winner` (the fastest such), and `selected` keeps the
+          selection's.
+        - **The figures.** For the selection's winner a reference gets the hull of every process's
+          interval (`tuner.race.stats.across_processes`); one a process could not measure keeps the
+          processes that did. For a rival that won, the race's own rounds were a selection, so its figures
+          come from the others' rounds only (`refigured` adds the processes measured after).
+        """
+        same = [o for o in others if o.ok and o.winner == self.winner]
+        if not same or self.winner is None:
             return self
+        rechecked: dict[str, tuple[float, ...]] = {}
+        for key in self.unresolved:
+            if not any(key in o.entrants and o.entrants[key].estimate_s for o in same):
+                continue  # not raced again
+            measured = [_ratio(self, key, "select_s"), *(_ratio(o, key, "estimate_s") for o in same)]
+            ratios = tuple(r for r in measured if r is not None)
+            if len(ratios) >= 2:
+                rechecked[key] = ratios
+        faster = {k: _geomean(r) for k, r in rechecked.items() if _geomean(r) < 1.0}
+        if faster:
+            new = min(faster, key=lambda k: faster[k])
+            won = dataclasses.replace(
+                self, winner=new, selected=self.winner, rechecked=rechecked, vs={}, vs_processes=()
+            )
+            return won.refigured(same, references=list(self.vs), confidence=confidence)
+        per_process = [dict(self.vs), *(dict(o.vs) for o in same)]
         vs = {key: across_processes([p[key] for p in per_process if key in p]) for key in self.vs}
+        return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process), rechecked=rechecked)
+
+    def refigured(self, others: Sequence[RaceResult], *, references: Sequence[str], confidence: float) -> RaceResult:
+        """This result with the winner's figures against ``references`` from the rounds ``others`` ran
+        (estimation processes that raced the winner beside them) added to its own `vs_processes`. A process
+        where a reference ran beside the winner in fewer than 2 rounds adds no figure for it."""
+        assert self.winner is not None
+        per_process = list(self.vs_processes)
+        for o in others:
+            measured = {}
+            for ref in references:
+                iv = _paired(o, self.winner, ref, confidence) if o.ok and ref != self.winner else None
+                if iv is not None:
+                    measured[ref] = iv
+            if measured:
+                per_process.append(measured)
+        keys = dict.fromkeys(k for p in per_process for k in p)
+        vs = {k: across_processes([p[k] for p in per_process if k in p]) for k in keys}
         return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process))
 
     # ---------------------------------------------------------------- conversion
@@ -213,6 +304,7 @@ class RaceResult:
         }
         d["tied"] = list(self.tied)
         d["unresolved"] = list(self.unresolved)
+        d["rechecked"] = {k: list(v) for k, v in self.rechecked.items()}
         return d
 
     @classmethod
@@ -234,6 +326,7 @@ class RaceResult:
         values["vs_processes"] = tuple({k: Interval(**v) for k, v in p.items()} for p in data.get("vs_processes", ()))
         values["tied"] = tuple(data.get("tied", ()))
         values["unresolved"] = tuple(data.get("unresolved", ()))
+        values["rechecked"] = {k: tuple(v) for k, v in data.get("rechecked", {}).items()}
         return cls(**values)
 
     @classmethod
@@ -278,3 +371,31 @@ class RaceResult:
             machine_before=dict(res.get("machine_before", {})),
             machine_after=dict(res.get("machine_after", {})),
         )
+
+
+def _geomean(ratios: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(r) for r in ratios))
+
+
+def _pairs(race: RaceResult, a: str, b: str, phase: str) -> tuple[list[float], list[float]]:
+    """``a``'s and ``b``'s times in the rounds of ``phase`` (``select_s``/``estimate_s``) both ran."""
+    ea, eb = race.entrants.get(a), race.entrants.get(b)
+    if ea is None or eb is None:
+        return [], []
+    both = [(x, y) for x, y in zip(getattr(ea, phase), getattr(eb, phase), strict=False) if x and y]
+    return [x for x, _ in both], [y for _, y in both]
+
+
+def _ratio(race: RaceResult, key: str, phase: str) -> float | None:
+    """``key``'s time over ``race``'s winner's: the median over the rounds of ``phase`` both ran (``None``:
+    fewer than 2)."""
+    if race.winner is None:
+        return None
+    mine, its = _pairs(race, race.winner, key, phase)
+    return paired_ratio(mine, its).ratio if len(mine) >= 2 else None
+
+
+def _paired(race: RaceResult, winner: str, ref: str, confidence: float) -> Interval | None:
+    """``ref``'s time over ``winner``'s in ``race``'s estimation rounds, with its interval (``None``: fewer than 2)."""
+    mine, its = _pairs(race, winner, ref, "estimate_s")
+    return paired_ratio(mine, its, confidence=confidence) if len(mine) >= 2 else None

@@ -16,8 +16,10 @@ entrant until the leader is separated from the rest with confidence (`tuner.race
 rounds or the time run out; the entrants left within noise of the leader are tied, and the tie is
 broken by headroom, then by less recomputation. **Estimation** then races the winner against the
 references (the baselines a "vs" figure is about) for fresh rounds, and only those rounds give the
-figures shown to a user. A schedule given its ``winner`` runs the estimation alone: the winner of an
-earlier race, measured again in a fresh process (`tuner.race.stats.across_processes` says why).
+figures shown to a user. A schedule given its ``winner`` runs the estimation alone, with every entrant
+it is given in each round: the winner of an earlier race, measured again in a fresh process beside the
+references (`tuner.race.stats.across_processes` says why) and the rivals that race left unresolved
+(`tuner.race.result.RaceResult.estimated_again` decides between them across processes).
 
 Several processes racing together (the ranks of one data-parallel job) must take every decision
 alike: `RaceSchedule.agree` is called at each round's end with what this process measured, and
@@ -104,8 +106,8 @@ class RaceSchedule:
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
         agree: what several processes racing together take from each one's round (``None``: one process).
-        winner: the key of an earlier race's winner: no selection, only the estimation rounds (``None``:
-            select one).
+        winner: the key of an earlier race's winner: no selection, only the estimation rounds, of every
+            entrant (``None``: select one).
     """
 
     def __init__(
@@ -356,8 +358,11 @@ class RaceSchedule:
     def _estimate_field(self) -> list[str]:
         if self.winner is None or self.entrants[self.winner].out is not None:
             return []
-        refs = [k for k in self.alive(self.references) if k != self.winner]
-        return [self.winner, *refs] if refs else []
+        if self.estimate_only:  # every entrant given: the references and the earlier race's rivals
+            others = [k for k in self.alive() if k != self.winner]
+        else:
+            others = [k for k in self.alive(self.references) if k != self.winner]
+        return [self.winner, *others] if others else []
 
     # -------------------------------------------------------------- result
 

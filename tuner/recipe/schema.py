@@ -402,6 +402,14 @@ class RaceSettings:
         "winner against the baselines for estimate_rounds rounds; a figure's interval spans every process's (the "
         "same two policies measure a few percent apart from one process to the next). 1: the race's only.",
     )
+    rivals: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2,
+        description="How many candidates the race could not separate from its winner (nor see within tie_margin "
+        "of it), closest first, race again beside the winner in the fresh processes (processes > 1); the winner is "
+        "then the fastest across processes (geometric mean of each process's ratio), since the same two policies "
+        "can swap order from one process to the next. A rival that wins gets its figures from fresh processes "
+        "only. 0: the race's own process decides alone.",
+    )
     confidence: float = Field(
         default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
     )

@@ -97,7 +97,7 @@ def write_race(store: TrackingClient, run_id: str, race: RaceResult) -> None:
     words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
     if race.ok:
         words.append(f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds")
-        words += [line for line in (race.tie_line(), race.unresolved_line(), *race.headlines()) if line]
+        words += [*race.decision_lines(), *race.headlines()]
     tags = {RACE_SUMMARY: clip_tag("; ".join(words))}
     metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
     if race.winner is not None:

@@ -195,6 +195,22 @@ def test_given_the_winner_of_an_earlier_race_only_the_estimation_rounds_run() ->
     assert vs["rounds"] == 5 and vs["ratio"] == 1.0 / 1.2  # full's time over the winner's: the winner is slower here
 
 
+def test_an_estimation_process_races_the_earlier_races_rivals_beside_the_winner_in_every_round() -> None:
+    """`tuner.decision.estimate_again` hands the rivals the race left unresolved in as entrants that are
+    not references: each round runs all three, rotated, and the figures stay the winner's against full."""
+    plan = dataclasses.replace(PLAN, estimate_rounds=4)
+    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, winner=ONE.fingerprint())
+    keys = []
+    while (turn := schedule.next_turn()) is not None:
+        if turn.timed:
+            keys.append(turn.key)
+        schedule.record(turn, BASE[turn.key], None)
+    assert len(keys) == 4 * 3 * plan.steps and {keys.count(k) for k in set(keys)} == {4 * plan.steps}
+    result = schedule.result()
+    assert result["entrants"][NONE.fingerprint()]["estimate_s"] == [1.0] * 4
+    assert list(result["estimate"]["vs"]) == [FULL.fingerprint()]
+
+
 def test_a_winner_that_is_not_an_entrant_is_refused() -> None:
     with pytest.raises(ValueError, match="is not an entrant"):
         RaceSchedule(ENTRANTS, [], PLAN, winner="nope")
