@@ -250,6 +250,11 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
         out["race_tied"] = [short.get(k) for k in race.get("tied") or ()]
         # Who raced: a promotion short of the truth's best is a measuring miss only if the best was raced.
         out["race_field"] = sorted(x for x in short.values() if x)
+        # The rivals raced again across processes (race.rivals): each one's time over the selection's
+        # winner per process, and the selection's winner when a rival won over it.
+        out["race_unresolved"] = [short.get(k) for k in race.get("unresolved") or ()]
+        out["race_rechecked"] = {short.get(k): v for k, v in (race.get("rechecked") or {}).items()}
+        out["race_selected"] = short.get(race.get("selected"))
     return out
 
 
@@ -437,6 +442,12 @@ def _arguments() -> argparse.Namespace:
         help="race.min_rounds of the raced sessions (the selection's floor under the budget; default: the recipe "
         "default)",
     )
+    parser.add_argument(
+        "--rivals",
+        type=int,
+        help="race.rivals of the raced sessions (unresolved entrants raced again in the fresh process; default: "
+        "the recipe default)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
     parser.add_argument(
         "--rescore",
@@ -474,6 +485,8 @@ def _arguments() -> argparse.Namespace:
         parser.error(f"--race {args.race!r}: {modes} is not a mode; valid: 'on', 'off', 'off/fresh', 'on,off'")
     if args.share is not None and args.share <= 0:
         parser.error(f"--share must be above 0 (a share of the search's trial time), not {args.share}")
+    if args.rivals is not None and args.rivals < 0:
+        parser.error(f"--rivals must be 0 or more (race.rivals), not {args.rivals}")
     if args.min_rounds is not None and args.min_rounds < 2:
         parser.error(f"--min-rounds must be at least 2 (race.min_rounds), not {args.min_rounds}")
     return args
@@ -529,7 +542,9 @@ def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: A
     rows: list[dict[str, Any]] = []
     modes = args.race.split(",")
     race_settings = {
-        key: value for key, value in (("share", args.share), ("min_rounds", args.min_rounds)) if value is not None
+        key: value
+        for key, value in (("share", args.share), ("min_rounds", args.min_rounds), ("rivals", args.rivals))
+        if value is not None
     }
     forked_by_default = forking(os.environ)
     for condition in args.conditions.split(","):
