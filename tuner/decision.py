@@ -218,8 +218,10 @@ def estimate_again(
     winner against the references, and beside the rivals the selection left unresolved
     (`RaceResult.rivals`, at most ``race.rivals``), for as many rounds as the race's estimation ran.
 
-    The winner is then the fastest across processes (`RaceResult.estimated_again`); the figures span
-    every process (`tuner.race.stats.across_processes` says why). A rival that wins had its figures
+    The winner is then the fastest across processes (`RaceResult.estimated_again`); while the processes
+    disagree on which of a rival and the winner is faster (`RaceResult.disputed`), up to ``race.disputes``
+    more race just those. The figures span every process that measured them
+    (`tuner.race.stats.across_processes` says why). A rival that wins had its figures
     measured in the fresh processes only, so one more process measures it against the references, and
     its figures span as many processes as the selection's winner's would have. A process that fails adds
     nothing and is noted."""
@@ -241,14 +243,33 @@ def estimate_again(
         )
     plan = replace(RacePlan.from_recipe(recipe), total_s=None, estimate_rounds=race.estimate_rounds)
     others = [
-        _estimation_process(stage, race, keys, len(refs), run_race, plan, micro_batch, index=index)
+        _estimation_process(stage, race, keys, len(refs), run_race, plan, micro_batch, label=f"{index} of {count}")
         for index in range(2, count + 1)
     ]
     result = race.estimated_again(others, confidence=recipe.race.confidence)
+    index = count
+    # Processes that disagree on which is faster decide nothing between them: more processes do, without
+    # the references (their figures are the winner's, measured above).
+    for _ in range(recipe.race.disputes):
+        disputed = result.disputed()
+        if not disputed:
+            break
+        index += 1
+        names = ", ".join(race.entrants[k].short for k in disputed)
+        stage.note(
+            f"race: the processes disagree whether {names} or {race.entrants[race.winner].short} is faster: "
+            "one more process races them"
+        )
+        label = f"{index}, for the dispute"
+        others.append(
+            _estimation_process(stage, race, [race.winner, *disputed], 0, run_race, plan, micro_batch, label=label)
+        )
+        result = race.estimated_again(others, confidence=recipe.race.confidence)
     if result.selected is not None and result.winner is not None and refs:
         won = [result.winner, *(k for k in refs if k != result.winner)]
         if len(won) > 1:
-            again = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, index=count + 1)
+            label = f"{index + 1}, for the figures of the winner across processes"
+            again = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, label=label)
             result = result.refigured([again], references=refs, confidence=recipe.race.confidence)
     return result
 
@@ -262,17 +283,16 @@ def _estimation_process(
     plan: RacePlan,
     micro_batch: int | None,
     *,
-    index: int,
+    label: str,
 ) -> RaceResult:
     """One fresh process racing ``keys`` (the winner first, its last ``refs`` the references) with no
-    selection; noted, and when it fails, noted as adding nothing."""
+    selection; noted (``label``: which process, and what for), and when it fails, noted as adding nothing."""
     from lightning_recompute import RecomputePolicy
 
     entrants = [race.entrants[k] for k in keys]
     policies = [RecomputePolicy.from_dict(e.policy or {}, source=f"race entrant {e.key}") for e in entrants]
     names = ", ".join(e.short for e in entrants[1:])
-    count = stage.recipe.race.processes
-    of = f"{index} of {count}" if index <= count else f"{index}, for the figures of the winner across processes"
+    of = label
     stage.notify(
         f"race: {entrants[0].short} against {names} again in a fresh process ({of}, {plan.estimate_rounds} rounds) ..."
     )

@@ -193,6 +193,11 @@ class RaceResult:
         alive.sort(key=lambda k: self.behind[k].ratio if k in self.behind else float("inf"))
         return alive[: max(0, limit)]
 
+    def disputed(self) -> list[str]:
+        """Rivals raced again (`rechecked`) whose processes disagree on which of them and the selection's
+        winner is faster: one process measured the rival faster, another slower."""
+        return [k for k, ratios in self.rechecked.items() if min(ratios) < 1.0 < max(ratios)]
+
     def recheck_line(self) -> str | None:
         """``across 2 processes: Fs.. -1.2% vs FF.. (+0.8%, -3.1%); FF.. stays`` after the rivals raced
         again (`estimated_again`); ``None`` when none did."""
@@ -263,7 +268,7 @@ class RaceResult:
                 self, winner=new, selected=self.winner, rechecked=rechecked, vs={}, vs_processes=()
             )
             return won.refigured(same, references=list(self.vs), confidence=confidence)
-        per_process = [dict(self.vs), *(dict(o.vs) for o in same)]
+        per_process = [dict(self.vs), *(dict(o.vs) for o in same if o.vs)]  # a dispute's process has no figure
         vs = {key: across_processes([p[key] for p in per_process if key in p]) for key in self.vs}
         return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process), rechecked=rechecked)
 

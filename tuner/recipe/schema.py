@@ -410,6 +410,12 @@ class RaceSettings:
         "can swap order from one process to the next. A rival that wins gets its figures from fresh processes "
         "only. 0: the race's own process decides alone.",
     )
+    disputes: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2,
+        description="More fresh processes, at most, that race the winner and the rivals raced again (race.rivals) "
+        "while the processes so far disagree on which is faster (one measured the rival faster, another slower); "
+        "the winner is then the fastest across all of them. 0: decide on the processes of race.processes.",
+    )
     confidence: float = Field(
         default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
     )
