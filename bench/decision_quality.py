@@ -225,6 +225,13 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
         out["printed"] = vs["full"]["text"]
         out["vs_full"] = {k: vs["full"][k] for k in ("low", "high")}
     out["slower_than_raced_baseline"] = any(v["high"] < 0 for v in vs.values())
+    # The search's fitting trials, fastest first: whether the true best was measured at all, and where its
+    # single trial and the planner's prediction ranked it (a race can only pick from its field).
+    fitting = [t for t in summary.get("trials") or () if t.get("feasible") and t.get("throughput")]
+    out["trials"] = [
+        [t["policy_short"], round(t["throughput"], 1), t.get("predicted_step_time_s"), t.get("seed")]
+        for t in sorted(fitting, key=lambda t: -t["throughput"])
+    ]
     race = summary.get("race") or {}
     entrants = race.get("entrants") or {}
     full_key = next((k for k, e in entrants.items() if "baseline full" in e.get("labels", ())), None)

@@ -112,9 +112,9 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
     tmp_path, tracking_uri, fakes, monkeypatch
 ):
     """The race's process put the winner 2% ahead of a rival it could not separate; the fresh process
-    measures the rival 10% ahead of it. Across the two the rival is faster: it wins, and one more fresh
-    process measures it against the references, so its figures span two processes its selection did not
-    run in."""
+    measures the rival 10% ahead of it. The two disagree, so race.disputes (2) more processes race the
+    two alone; across all four the rival is faster: it wins, and one more fresh process measures it
+    against the references, so its figures span two processes its selection did not run in."""
     from tests.tuner.fakes import exact_race
     from tuner.race import RaceResult
 
@@ -152,16 +152,49 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
     assert summary.best is not None and summary.best.fingerprint == rival
     assert RecomputePolicy.load(recipe.output).fingerprint() == rival
     (full_key,) = race.vs
-    # The race; then the winner beside the rival and full; then the new winner against full alone.
-    assert calls[1:] == [(winner, [winner, rival, full_key]), (rival, [rival, full_key])]
-    assert race.rechecked[rival] == pytest.approx((1.02, 1 / 1.10))
+    # The race; then the winner beside the rival and full; two disputes; the new winner against full alone.
+    dispute = (winner, [winner, rival])
+    assert calls[1:] == [(winner, [winner, rival, full_key]), dispute, dispute, (rival, [rival, full_key])]
+    assert race.rechecked[rival] == pytest.approx((1.02, 1 / 1.10, 1 / 1.10, 1 / 1.10))
+    assert race.disputed() == [rival]  # still: the race's own process never agreed
     assert race.vs[full_key].processes == 2 and len(race.vs_processes) == 2
     assert "interleaved, 12 rounds in 2 processes" in summary.vs_figures()["full"]["text"]
     short = {k: e.short for k, e in race.entrants.items()}
     assert any(f"{short[rival]} not separated from {short[winner]}: raced again" in n for n in summary.notes)
-    assert any(n.startswith("race: estimation process 3, for the figures") for n in summary.notes)
+    assert any(n.startswith("race: estimation process 5, for the figures") for n in summary.notes)
+    disagree = f"race: the processes disagree whether {short[rival]} or {short[winner]} is faster"
+    assert sum(n.startswith(disagree) for n in summary.notes) == 2
     line = race.recheck_line()
     assert line is not None and line.endswith(f"{short[rival]} is faster across them and wins over {short[winner]}")
+
+
+def test_processes_that_agree_on_a_rival_need_no_dispute(tmp_path, tracking_uri, fakes, monkeypatch):
+    """A rival unresolved in the race's process and measured slower in the fresh one too: no more
+    processes, the selection's winner stands, and its figures span both processes."""
+    from tuner.race import RaceResult
+
+    raced = fakes.run_race
+    calls: list[int] = []
+
+    def unresolved_runner_up(recipe, entrants, **kw):
+        calls.append(len(entrants))
+        res: RaceResult = raced(recipe, entrants, **kw)
+        if kw.get("winner") is not None:
+            return res
+        rest = [k for k, e in res.entrants.items() if k != res.winner and e.out is None and k not in res.vs]
+        runner = min(rest, key=lambda k: res.entrants[k].median_s() or 0.0)
+        return dataclasses.replace(res, unresolved=(runner,))
+
+    monkeypatch.setattr("tuner.trials.run_race", unresolved_runner_up)
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    summary = session.tune(recipe, use_planner=False)
+    race = summary.race
+    assert race is not None and race.selected is None and race.disputed() == []
+    assert len(calls) == 2 and calls[1] == 3  # the winner, the rival, full: once
+    (ratios,) = race.rechecked.values()
+    assert len(ratios) == 2 and min(ratios) > 1.0
+    assert race.recheck_line() is not None and race.recheck_line().endswith("stays the winner")
+    assert "interleaved, 12 rounds in 2 processes" in summary.vs_figures()["full"]["text"]
 
 
 def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path, tracking_uri, fakes):

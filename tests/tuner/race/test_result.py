@@ -120,6 +120,25 @@ def test_a_rival_faster_across_processes_wins_and_its_figures_come_from_fresh_pr
     assert RaceResult.from_dict(done.to_dict()) == done
 
 
+def test_a_rival_is_disputed_while_its_processes_disagree_and_a_dispute_adds_no_figure() -> None:
+    first = _first_race((1.02,) * 6)
+    both = first.estimated_again([_again(rival_s=0.95)])
+    assert both.disputed() == [RIVAL]
+    assert first.estimated_again([_again(rival_s=1.01)]).disputed() == []
+    # A dispute's process races the two alone: no figure, so the figures keep their two processes.
+    alone = RaceResult(
+        outcome="ok",
+        entrants={
+            k: RaceEntrant(key=k, short=k, labels=(), estimate_s=(t,) * 8) for k, t in ((WIN, 1.0), (RIVAL, 1.1))
+        },
+        winner=WIN,
+        estimate_rounds=8,
+    )
+    three = first.estimated_again([_again(rival_s=0.99), alone])
+    assert three.winner == WIN and three.rechecked[RIVAL] == (1.02, 0.99, 1.1)
+    assert len(three.vs_processes) == 2 and three.vs[FULL].processes == 2
+
+
 def test_a_rival_measured_in_one_process_only_decides_nothing() -> None:
     """Fewer than 2 rounds beside the winner in the race's own process: one process's figure, and the
     selection's winner stands (one process is what the recheck is there to outvote)."""
