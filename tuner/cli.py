@@ -447,7 +447,9 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
         return [f"race: {race.outcome}: {race.reason}", ""]
     processes = len(race.vs_processes)
     if race.selected is not None:  # a rival won across processes: its figures come from fresh ones only
-        where = f" in {processes} fresh process{'es' if processes > 1 else ''}"
+        where = (
+            f" in {processes} fresh process{'es' if processes > 1 else ''}" if processes else " (none of the winner's)"
+        )
     else:
         where = f" in the race's process and a fresh one each ({processes} processes)" if processes > 1 else ""
     lines = [

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_recompute.errors import RecomputeError
@@ -192,7 +193,8 @@ def race_leaders(
         plan=plan,
     )
     if race.ok and race.vs and recipe.race.processes > 1:
-        race = estimate_again(stage, race, run_race, micro_batch=entry.micro_batch)
+        references = [p.fingerprint() for p in entry.references]
+        race = estimate_again(stage, race, run_race, micro_batch=entry.micro_batch, references=references)
     if race.ok and race.winner is not None:
         race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
         won = race.entrants[race.winner].short if race.winner is not None else "?"
@@ -212,11 +214,17 @@ def race_leaders(
 
 
 def estimate_again(
-    stage: Stage, race: RaceResult, run_race: Callable[..., RaceResult], *, micro_batch: int | None
+    stage: Stage,
+    race: RaceResult,
+    run_race: Callable[..., RaceResult],
+    *,
+    micro_batch: int | None,
+    references: Sequence[str],
 ) -> RaceResult:
     """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing the
     winner against the references, and beside the rivals the selection left unresolved
-    (`RaceResult.rivals`, at most ``race.rivals``), for as many rounds as the race's estimation ran.
+    (`RaceResult.rivals`, at most ``race.rivals``; a reference can be one), for as many rounds as the
+    race's estimation ran. ``references``: the keys of the field's references (`tuner.race.field.Field`).
 
     The winner is then the fastest across processes (`RaceResult.estimated_again`); while the processes
     disagree on which of a rival and the winner is faster (`RaceResult.disputed`), up to ``race.disputes``
@@ -229,9 +237,10 @@ def estimate_again(
 
     recipe, count = stage.recipe, stage.recipe.race.processes
     assert race.winner is not None
-    refs = list(race.vs)
-    rivals = [k for k in race.rivals(recipe.race.rivals) if k not in refs]
-    keys = [race.winner, *rivals, *refs]
+    refs = [k for k in references if k in race.entrants and race.entrants[k].out is None]
+    rivals = race.rivals(recipe.race.rivals)
+    against = [k for k in refs if k != race.winner]
+    keys = [race.winner, *(k for k in rivals if k not in against), *against]
     if any(race.entrants[k].policy is None for k in keys):
         stage.note("race: the figures come from the race's process only (an entrant's policy was not kept)")
         return race
@@ -243,10 +252,11 @@ def estimate_again(
         )
     plan = replace(RacePlan.from_recipe(recipe), total_s=None, estimate_rounds=race.estimate_rounds)
     others = [
-        _estimation_process(stage, race, keys, len(refs), run_race, plan, micro_batch, label=f"{index} of {count}")
+        _estimation_process(stage, race, keys, len(against), run_race, plan, micro_batch, label=f"{index} of {count}")
         for index in range(2, count + 1)
     ]
-    result = race.estimated_again(others, confidence=recipe.race.confidence)
+    again = partial(race.estimated_again, rivals=rivals, references=refs, confidence=recipe.race.confidence)
+    result = again(others)
     index = count
     # Processes that disagree on which is faster decide nothing between them: more processes do, without
     # the references (their figures are the winner's, measured above).
@@ -264,13 +274,13 @@ def estimate_again(
         others.append(
             _estimation_process(stage, race, [race.winner, *disputed], 0, run_race, plan, micro_batch, label=label)
         )
-        result = race.estimated_again(others, confidence=recipe.race.confidence)
-    if result.selected is not None and result.winner is not None and refs:
+        result = again(others)
+    if result.selected is not None and result.winner is not None:
         won = [result.winner, *(k for k in refs if k != result.winner)]
         if len(won) > 1:
             label = f"{index + 1}, for the figures of the winner across processes"
-            again = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, label=label)
-            result = result.refigured([again], references=refs, confidence=recipe.race.confidence)
+            last = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, label=label)
+            result = result.refigured([last], references=won[1:], confidence=recipe.race.confidence)
     return result
 
 
@@ -307,7 +317,7 @@ def _estimation_process(
         plan=plan,
         winner=policies[0],
     )
-    if not again.ok or not (again.vs or len(keys) > 1 + refs):
+    if not again.ok or not again.estimate_rounds:
         out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
         why = again.reason or "; ".join(out) or "no figure measured"
         stage.note(f"race: estimation process {of} {again.outcome}: {why}; it adds no figure")

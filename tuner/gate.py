@@ -612,9 +612,10 @@ def _regression(
     figures = f": {format_gain(interval)}" if interval is not None else ""
     # The rivals raced again across processes decided the winner: the selection's standing alone would
     # show the other side of that decision.
-    across = race.recheck_line() if race.selected is not None else None
+    decided = race.selected is not None and (g == race.selected or g in race.rechecked)
+    across = race.recheck_line() if decided else None
     figures = f" ({across})" if across and interval is None else figures
-    tie = race.tie_line()
+    tie = None if decided else race.tie_line()  # the tie was the selection's; the processes decided since
     if race.winner == c:
         decision.checks["regression"] = "passed"
         decision.reasons.append(

@@ -72,25 +72,27 @@ class RaceResult:
     entrants: dict[str, RaceEntrant] = field(default_factory=dict)
     winner: str | None = None
     """Key of the entrant chosen: the leader, or of those tied with it the one with the most headroom,
-    then the least recomputation."""
+    then the least recomputation; or a rival faster across processes (`selected` is then the selection's)."""
     leader: str | None = None
     """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
     tied: tuple[str, ...] = ()
     """The leader and every entrant within noise of it (`tuner.race.rule.Standing.tied`)."""
     unresolved: tuple[str, ...] = ()
     """Entrants the selection could neither separate from the leader nor see within the tie margin of it
-    (`tuner.race.rule.Standing.unresolved`): the leader won over them on its better median."""
+    (`tuner.race.rule.Standing.unresolved`): the leader won the selection over them on its better median
+    (they may race again: `rivals`)."""
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
     vs: dict[str, Interval] = field(default_factory=dict)
     """Estimation: each reference's time over the winner's (above 1: the winner is faster); across every
     process the estimation ran in (`estimated_again`)."""
     vs_processes: tuple[dict[str, Interval], ...] = ()
-    """Each estimation process's own `vs`, the race's process first (empty: only the race's process)."""
+    """Each estimation process's own `vs`, the race's process first, or after a rival won only the fresh
+    processes that measured it (empty: only the race's process)."""
     rechecked: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """Rivals raced again beside the selection's winner in the fresh estimation processes
-    (`estimated_again`): each one's time over that winner's, per process, the race's process first
-    (empty: none raced again)."""
+    (`estimated_again`): each one's time over that winner's, one figure per process that measured the pair
+    in at least 2 rounds, in the order measured, the race's process first (empty: none raced again)."""
     selected: str | None = None
     """The selection's winner in the race's own process, when the rivals' race across processes chose
     another (`winner`); ``None``: the selection's winner stands."""
@@ -146,13 +148,14 @@ class RaceResult:
             return None
         from tuner.race.rule import recompute_strength
 
+        chose = self.selected or self.winner  # the tie was the selection's; a rival may have won since
         names = ", ".join(self.entrants[k].short for k in self.tied)
-        win = self.entrants[self.winner]
-        others = [self.entrants[k] for k in self.tied if k != self.winner]
+        win = self.entrants[chose]
+        others = [self.entrants[k] for k in self.tied if k != chose]
         peaks = [e.peak_bytes for e in others if e.peak_bytes is not None]
         if win.peak_bytes is not None and peaks and win.peak_bytes < min(peaks):
             why = "the most memory headroom"
-        elif self.winner == self.leader:
+        elif chose == self.leader:
             why = "the leader"
         else:
             same = [e for e in others if e.peak_bytes == win.peak_bytes]
@@ -194,13 +197,24 @@ class RaceResult:
         return alive[: max(0, limit)]
 
     def disputed(self) -> list[str]:
-        """Rivals raced again (`rechecked`) whose processes disagree on which of them and the selection's
-        winner is faster: one process measured the rival faster, another slower."""
-        return [k for k, ratios in self.rechecked.items() if min(ratios) < 1.0 < max(ratios)]
+        """Rivals raced again (`rechecked`) that the processes so far cannot call: one process measured
+        the rival faster than the selection's winner and another slower, and their geometric mean is within
+        one standard error of parity (the log ratios' standard deviation over the root of their count).
+
+        Two processes that disagree are always disputed; a third that sides clearly with one of them
+        settles it, one near parity does not."""
+        found = []
+        for key, ratios in self.rechecked.items():
+            logs = [math.log(r) for r in ratios]
+            if min(logs) < 0.0 < max(logs):
+                error = statistics.stdev(logs) / math.sqrt(len(logs))
+                if abs(statistics.fmean(logs)) < error:
+                    found.append(key)
+        return found
 
     def recheck_line(self) -> str | None:
-        """``across 2 processes: Fs.. -1.2% vs FF.. (+0.8%, -3.1%); FF.. stays`` after the rivals raced
-        again (`estimated_again`); ``None`` when none did."""
+        """``raced again in fresh processes, vs FF.. (...): Fs.. -1.2% in 2 processes (+0.8%, -3.1%); FF..
+        stays the winner`` after the rivals raced again (`estimated_again`); ``None`` when none did."""
         if not self.rechecked or self.winner is None:
             return None
         first = self.selected or self.winner
@@ -208,14 +222,17 @@ class RaceResult:
         parts = []
         for key, ratios in self.rechecked.items():
             each = ", ".join(f"{(1 / r - 1) * 100:+.1f}%" for r in ratios)
-            parts.append(f"{self.entrants[key].short} {(1 / _geomean(ratios) - 1) * 100:+.1f}% ({each})")
-        processes = max(len(r) for r in self.rechecked.values())
+            n = len(ratios)
+            parts.append(
+                f"{self.entrants[key].short} {(1 / _geomean(ratios) - 1) * 100:+.1f}% in {n} processes ({each})"
+            )
         end = (
             f"{self.entrants[self.winner].short} is faster across them and wins over {base}"
             if self.selected is not None
             else f"{base} stays the winner"
         )
-        return f"raced again across {processes} processes, vs {base} (each process's figure): {', '.join(parts)}; {end}"
+        figures = ", ".join(parts)
+        return f"raced again in fresh processes, vs {base} (each process's figure): {figures}; {end}"
 
     def decision_lines(self) -> list[str]:
         """What decided the winner, in words: the tie, the unresolved entrants, the rivals raced again."""
@@ -232,30 +249,38 @@ class RaceResult:
             lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
         return lines
 
-    def estimated_again(self, others: Sequence[RaceResult], *, confidence: float = 0.95) -> RaceResult:
-        """This result with its `vs` figures measured in more processes, and its rivals raced again.
+    def estimated_again(
+        self,
+        others: Sequence[RaceResult],
+        *,
+        rivals: Sequence[str] = (),
+        references: Sequence[str] = (),
+        confidence: float = 0.95,
+    ) -> RaceResult:
+        """This result with its `vs` figures measured in more processes, and its ``rivals`` raced again.
 
         ``others`` are races of the same winner with no selection (`tuner.trials.run_race` given
-        ``winner``), against the same references and beside any `rivals`; failed ones, and races of
-        another winner, add nothing.
+        ``winner``), against the same references and beside the ``rivals`` (`rivals`); failed ones, and
+        races of another winner, add nothing. ``references``: the keys the figures are about (the race's
+        field's references; default: those `vs` has).
 
-        - **The rivals** (`unresolved` entrants the others raced): each one's time over the winner's per
-          process (in the race's process from the selection rounds both ran, in the others from their
-          rounds) is combined by the geometric mean over processes, so a process's own effect weighs on
-          one term of several rather than on the whole decision. A rival faster on that mean, measured in
-          at least two processes, becomes the `winner` (the fastest such), and `selected` keeps the
-          selection's.
+        - **The rivals**: each one's time over the winner's per process (in the race's process from the
+          selection rounds both ran, in the others from their rounds) is combined by the geometric mean
+          over processes, so a process's own effect weighs on one term of several rather than on the
+          whole decision. A rival faster on that mean, measured in at least two processes, becomes the
+          `winner` (the fastest such), and `selected` keeps the selection's.
         - **The figures.** For the selection's winner a reference gets the hull of every process's
           interval (`tuner.race.stats.across_processes`); one a process could not measure keeps the
           processes that did. For a rival that won, the race's own rounds were a selection, so its figures
-          come from the others' rounds only (`refigured` adds the processes measured after).
+          come from the others' rounds only (`refigured`; the selection's winner among the references
+          when it is one).
         """
         same = [o for o in others if o.ok and o.winner == self.winner]
         if not same or self.winner is None:
             return self
         rechecked: dict[str, tuple[float, ...]] = {}
-        for key in self.unresolved:
-            if not any(key in o.entrants and o.entrants[key].estimate_s for o in same):
+        for key in rivals:
+            if key == self.winner or not any(key in o.entrants and o.entrants[key].estimate_s for o in same):
                 continue  # not raced again
             measured = [_ratio(self, key, "select_s"), *(_ratio(o, key, "estimate_s") for o in same)]
             ratios = tuple(r for r in measured if r is not None)
@@ -267,7 +292,7 @@ class RaceResult:
             won = dataclasses.replace(
                 self, winner=new, selected=self.winner, rechecked=rechecked, vs={}, vs_processes=()
             )
-            return won.refigured(same, references=list(self.vs), confidence=confidence)
+            return won.refigured(same, references=list(references or self.vs), confidence=confidence)
         per_process = [dict(self.vs), *(dict(o.vs) for o in same if o.vs)]  # a dispute's process has no figure
         vs = {key: across_processes([p[key] for p in per_process if key in p]) for key in self.vs}
         return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process), rechecked=rechecked)

@@ -281,7 +281,8 @@ def run_race(
         plan: how long and how sure (default: from ``recipe.race``).
         timeout_s: the worker's deadline (default: a trial's timeout plus twice the race's time).
         winner: an earlier race's winner, one of ``entrants``: no selection, only the plan's estimation
-            rounds against ``references`` (the figures measured again in a fresh process).
+            rounds, every entrant in each (the figures against ``references`` measured again in a fresh
+            process, and the earlier race's rivals beside them).
     """
     from tuner.race import RacePlan, RaceResult
 
