@@ -112,9 +112,10 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
     tmp_path, tracking_uri, fakes, monkeypatch
 ):
     """The race's process put the winner 2% ahead of a rival it could not separate; the fresh process
-    measures the rival 10% ahead of it. The two disagree, so race.disputes (2) more processes race the
-    two alone; across all four the rival is faster: it wins, and one more fresh process measures it
-    against the references, so its figures span two processes its selection did not run in."""
+    measures the rival 10% ahead of it. The two disagree, so one more process races the two alone; it
+    sides with the fresh one, which settles it: across the three the rival is faster, it wins, and one
+    more fresh process measures it against the references, so its figures span two processes its
+    selection did not run in."""
     from tests.tuner.fakes import exact_race
     from tuner.race import RaceResult
 
@@ -151,19 +152,22 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
     assert race.selected == winner and race.winner == rival
     assert summary.best is not None and summary.best.fingerprint == rival
     assert RecomputePolicy.load(recipe.output).fingerprint() == rival
-    (full_key,) = race.vs
-    # The race; then the winner beside the rival and full; two disputes; the new winner against full alone.
+    full_key = next(k for k, e in race.entrants.items() if "baseline full" in e.labels)
+    # The race; then the winner beside the rival and full; the dispute; the new winner against the
+    # references alone, the selection's winner among them (it is the fastest baseline here).
+    assert "baseline selective" in race.entrants[winner].labels
     dispute = (winner, [winner, rival])
-    assert calls[1:] == [(winner, [winner, rival, full_key]), dispute, dispute, (rival, [rival, full_key])]
-    assert race.rechecked[rival] == pytest.approx((1.02, 1 / 1.10, 1 / 1.10, 1 / 1.10))
-    assert race.disputed() == [rival]  # still: the race's own process never agreed
+    assert calls[1:] == [(winner, [winner, rival, full_key]), dispute, (rival, [rival, winner, full_key])]
+    assert set(race.vs) == {winner, full_key} and race.vs[winner].processes == 2
+    assert race.rechecked[rival] == pytest.approx((1.02, 1 / 1.10, 1 / 1.10))
+    assert race.disputed() == []
     assert race.vs[full_key].processes == 2 and len(race.vs_processes) == 2
     assert "interleaved, 12 rounds in 2 processes" in summary.vs_figures()["full"]["text"]
     short = {k: e.short for k, e in race.entrants.items()}
     assert any(f"{short[rival]} not separated from {short[winner]}: raced again" in n for n in summary.notes)
-    assert any(n.startswith("race: estimation process 5, for the figures") for n in summary.notes)
+    assert any(n.startswith("race: estimation process 4, for the figures") for n in summary.notes)
     disagree = f"race: the processes disagree whether {short[rival]} or {short[winner]} is faster"
-    assert sum(n.startswith(disagree) for n in summary.notes) == 2
+    assert sum(n.startswith(disagree) for n in summary.notes) == 1
     line = race.recheck_line()
     assert line is not None and line.endswith(f"{short[rival]} is faster across them and wins over {short[winner]}")
 

@@ -91,13 +91,17 @@ def _again(rival_s: float, full_s: float = 1.3, winner: str = WIN, rounds: int =
 
 def test_a_rival_slower_across_processes_leaves_the_winner_and_its_figures_span_every_process() -> None:
     first = _first_race((1.02,) * 6)
-    both = first.estimated_again([_again(rival_s=0.99)])  # 1% faster here, 2% slower in the race: slower overall
+    both = first.estimated_again(
+        [_again(rival_s=0.99)], rivals=[RIVAL]
+    )  # 1% faster here, 2% slower in the race: slower overall
     assert both.winner == WIN and both.selected is None
     assert both.rechecked == {RIVAL: (1.02, 0.99)}
     assert both.vs[FULL].processes == 2 and len(both.vs_processes) == 2
     line = both.recheck_line()
-    assert line is not None and line.startswith("raced again across 2 processes, vs FF..")
-    assert "F.F. -0.5% (-2.0%, +1.0%)" in line and line.endswith("FF.. stays the winner")
+    assert line is not None and line.startswith("raced again in fresh processes, vs FF..")
+    assert "F.F. -0.5% in 2 processes (-2.0%, +1.0%)" in line and line.endswith("FF.. stays the winner")
+    # Not a rival (race.rivals: 0): the processes race it for nothing.
+    assert first.estimated_again([_again(rival_s=0.5)]).rechecked == {}
     assert RaceResult.from_dict(both.to_dict()) == both
 
 
@@ -105,7 +109,7 @@ def test_a_rival_faster_across_processes_wins_and_its_figures_come_from_fresh_pr
     """The race's own rounds chose the selection's winner; a rival that wins over it across processes
     gets no figure from them (they were a selection), only from the processes after."""
     first = _first_race((1.02,) * 6)
-    both = first.estimated_again([_again(rival_s=0.95)])
+    both = first.estimated_again([_again(rival_s=0.95)], rivals=[RIVAL])
     assert both.winner == RIVAL and both.selected == WIN
     assert both.rechecked[RIVAL] == (1.02, 0.95)
     # Its figure against full is from the fresh process's rounds only: 1.3 / 0.95 there.
@@ -122,9 +126,9 @@ def test_a_rival_faster_across_processes_wins_and_its_figures_come_from_fresh_pr
 
 def test_a_rival_is_disputed_while_its_processes_disagree_and_a_dispute_adds_no_figure() -> None:
     first = _first_race((1.02,) * 6)
-    both = first.estimated_again([_again(rival_s=0.95)])
+    both = first.estimated_again([_again(rival_s=0.95)], rivals=[RIVAL])
     assert both.disputed() == [RIVAL]
-    assert first.estimated_again([_again(rival_s=1.01)]).disputed() == []
+    assert first.estimated_again([_again(rival_s=1.01)], rivals=[RIVAL]).disputed() == []
     # A dispute's process races the two alone: no figure, so the figures keep their two processes.
     alone = RaceResult(
         outcome="ok",
@@ -134,16 +138,22 @@ def test_a_rival_is_disputed_while_its_processes_disagree_and_a_dispute_adds_no_
         winner=WIN,
         estimate_rounds=8,
     )
-    three = first.estimated_again([_again(rival_s=0.99), alone])
+    three = first.estimated_again([_again(rival_s=0.99), alone], rivals=[RIVAL])
     assert three.winner == WIN and three.rechecked[RIVAL] == (1.02, 0.99, 1.1)
     assert len(three.vs_processes) == 2 and three.vs[FULL].processes == 2
+    # That third process sided clearly with the race's: settled. One near parity settles nothing.
+    assert three.disputed() == []
+    level = dataclasses.replace(
+        alone, entrants={**alone.entrants, RIVAL: dataclasses.replace(alone.entrants[RIVAL], estimate_s=(1.0,) * 8)}
+    )
+    assert first.estimated_again([_again(rival_s=0.95), level], rivals=[RIVAL]).disputed() == [RIVAL]
 
 
 def test_a_rival_measured_in_one_process_only_decides_nothing() -> None:
     """Fewer than 2 rounds beside the winner in the race's own process: one process's figure, and the
     selection's winner stands (one process is what the recheck is there to outvote)."""
     first = _first_race((1.02, None, None, None, None, None))
-    both = first.estimated_again([_again(rival_s=0.5)])
+    both = first.estimated_again([_again(rival_s=0.5)], rivals=[RIVAL])
     assert both.winner == WIN and both.selected is None and both.rechecked == {}
     assert both.recheck_line() is None
 
