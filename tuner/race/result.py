@@ -293,8 +293,8 @@ class RaceResult:
                 self, winner=new, selected=self.winner, rechecked=rechecked, vs={}, vs_processes=()
             )
             # Only the processes that raced the references: a dispute's process chose, it measured no figure.
-            measured = [o for o in same if o.vs]
-            return won.refigured(measured, references=list(references or self.vs), confidence=confidence)
+            with_figures = [o for o in same if o.vs]
+            return won.refigured(with_figures, references=list(references or self.vs), confidence=confidence)
         per_process = [dict(self.vs), *(dict(o.vs) for o in same if o.vs)]  # a dispute's process has no figure
         vs = {key: across_processes([p[key] for p in per_process if key in p]) for key in self.vs}
         return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process), rechecked=rechecked)
