@@ -406,6 +406,13 @@ def _final_report(s: SessionSummary) -> str:
                 lines.append(f"  vs {name:<15} {rec.short}: not measured ({why})")
             elif not rec.feasible:
                 lines.append(f"  vs {name:<15} {rec.short}: over the budget, not raced")
+            elif s.race is not None and rec.fingerprint in s.race.rechecked:
+                # Raced again as a rival beside the winner in fresh processes: the decision's line has its
+                # figures; they chose the winner, so they are no unbiased "vs" figure either.
+                lines.append(
+                    f"  vs {name:<15} {rec.short}: raced as a rival across processes ('raced again' above); "
+                    "no 'vs' figure"
+                )
             elif s.race is not None and rec.fingerprint in s.race.entrants:
                 # Raced as a leader but not a reference of the estimation: its selection figure is in the race
                 # table ("vs leader"); the selection chose the winner, so it is no unbiased "vs" figure.

@@ -575,9 +575,17 @@ def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_f
             )
             assert "%" not in line
 
-    # The same baseline left out of the race's field: not raced, and no figure from its single trial.
+    # The same baseline raced again as a rival across processes (the quickstart's every_2nd_full): where
+    # its figures are, and no "vs" figure from processes that chose the winner.
     name = selection_only[0]
     rec = summary.baselines[name]
+    rival = dataclasses.replace(
+        summary, race=dataclasses.replace(summary.race, rechecked={rec.fingerprint: (1.02, 1.01)})
+    )
+    (line,) = [x for x in cli._final_report(rival).splitlines() if x.startswith(f"  vs {name} ")]
+    assert line.endswith("raced as a rival across processes ('raced again' above); no 'vs' figure")
+
+    # The same baseline left out of the race's field: not raced, and no figure from its single trial.
     without = {k: e for k, e in entered.items() if k != rec.fingerprint}
     left_out = dataclasses.replace(summary, race=dataclasses.replace(summary.race, entrants=without))
     (line,) = [x for x in cli._final_report(left_out).splitlines() if x.startswith(f"  vs {name} ")]
