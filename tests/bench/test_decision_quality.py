@@ -77,3 +77,23 @@ def test_the_wall_ratio_pairs_each_raced_session_with_its_baseline_and_names_the
         "wide4 quiet: session wall with the race / without (fresh workers): median 1.02 (range 0.75..1.30 over "
         "2 pairs); race itself median 22 s"
     )
+
+
+def test_a_promotions_regret_is_taken_within_each_process_of_the_pair_truth_with_a_t_interval() -> None:
+    # Process effects move every policy together (process 2 is slow for all): within a process the ratio
+    # of F.F. over FF.. is 1.01, 1.00, 1.02; the interval is over those three, not over the raw figures.
+    per_process = {"FF..": [0.80, 0.90, 0.85], "F.F.": [0.808, 0.90, 0.867], "FFFF": [1.0, 1.0, 1.0]}
+    judged = dq.process_regret(per_process, "F.F.")
+    assert judged is not None and judged["best"] == "FF.." and judged["processes"] == 3
+    assert [round(r, 3) for r in judged["per_process"]] == [1.01, 1.0, 1.02]
+    assert round(judged["regret"], 3) == 1.01
+    assert judged["low"] < 1.0 < judged["high"] < 1.05  # t(2) = 4.303: three processes cannot rule out a tie
+    itself = dq.process_regret(per_process, "FF..")
+    assert itself is not None and itself["regret"] == 1.0
+    assert dq.process_regret(per_process, "ss..") is None  # not raced in the pair truth
+    assert dq.process_regret({"FF..": [0.8], "FFFF": [1.0]}, "FF..") is None  # one process: no interval
+    rows = [{"condition": "quiet", "session": 0, "race": True, "wall_s": 9.0, "promoted": "F.F.", "regret": 1.0}]
+    truth = {"pair_rel_time": {"FF..": 0.85, "F.F.": 0.858, "FFFF": 1.0}, "pair_per_process": per_process}
+    lines = dq.report({"workloads": {"wide4": {"sessions": rows, "truth": truth}}})
+    assert lines[-1].startswith("wide4 promoted over the pair truth's best (FF..), across 3 processes")
+    assert "F.F. 1.010 (" in lines[-1] and "1.010 1.000 1.020)" in lines[-1]
