@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
-from tuner.planner.solver import BudgetError, Planner, Prediction
+from tuner.planner.solver import BudgetError, PlannedPolicy, Planner, Prediction
 from tuner.search import Predictor, SearchSpace, Seed
 
 if TYPE_CHECKING:
@@ -22,9 +22,11 @@ if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
 __all__ = [
+    "KIND_SPAN",
     "PLANNER_FRONT_SEEDS",
     "PROFILE_REPEATS",
     "PlannerSeeds",
+    "kind_picks",
     "plan_seeds",
     "planner_seeds",
     "seeds_off_reason",
@@ -37,6 +39,15 @@ PROFILE_REPEATS = 2
 
 PLANNER_FRONT_SEEDS = 3
 """How many points of the planner's predicted Pareto front (besides its pick at the budget) are seeded."""
+
+KIND_SPAN = 0.10
+"""A kind of recomputation's own pick is seeded when predicted within this fraction of the pick's step time.
+
+The planner ranks kinds (``full`` against ``selective``) by :data:`PROFILE_REPEATS` timed steps each,
+and on a small model those move with the machine: on ``bench/decision_quality.py``'s ``gpt4``, four
+profiles of a quiet machine put ``ss..`` 3% to 8% behind ``FF..``, while in 3 of 10 tuning sessions the
+profile put it ahead, the pick was ``ss..`` and no trial measured ``FF..``, the fastest policy (1% to 3%
+ahead of what those sessions promoted). Kinds predicted further behind than this are not worth a trial."""
 
 
 @dataclass
@@ -67,7 +78,8 @@ class PlannerSeeds:
 def planner_seeds(
     planner: Planner, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
 ) -> tuple[list[Seed], list[str]]:
-    """The planner's pick at the budget (per micro-batch size), and a few points of its front under it."""
+    """The planner's pick at the budget (per micro-batch size), each kind of recomputation's own pick
+    predicted within `KIND_SPAN` of it (`kind_picks`), and a few points of its front under the budget."""
     seeds: list[Seed] = []
     notes: list[str] = []
     sizes: list[int | None] = list(space.micro_batches) if space.micro_batches else [None]
@@ -83,15 +95,42 @@ def planner_seeds(
             # The planner predicts eager steps only (compiling every mode's blocks to profile them
             # would cost a compilation each); compile is measured by trials, starting here.
             seeds.append(Seed(f"planner:budget{at}+compile", dict(pick.modes), mb, compile=True))
-        # Fitting points of the front other than the pick, evenly over it: alternatives the
+        taken = [dict(pick.modes)]
+        for kind, only in kind_picks(planner, budget_bytes, modes, mb):
+            if only.step_time_s <= pick.step_time_s * (1.0 + KIND_SPAN) and dict(only.modes) not in taken:
+                seeds.append(Seed(f"planner:{kind}-only{at}", dict(only.modes), mb))
+                taken.append(dict(only.modes))
+        # Fitting points of the front other than the picks, evenly over it: alternatives the
         # prediction error could reorder.
         front = [p for p in planner.pareto_front(list(modes), micro_batch=mb) if p.peak_bytes <= budget_bytes]
-        front = [p for p in front if dict(p.modes) != dict(pick.modes)]
+        front = [p for p in front if dict(p.modes) not in taken]
         if front:
             count = min(PLANNER_FRONT_SEEDS, len(front))
             idx = sorted({round(i * (len(front) - 1) / max(1, count - 1)) for i in range(count)})
             seeds += [Seed(f"planner:front{j + 1}{at}", dict(front[i].modes), mb) for j, i in enumerate(idx)]
     return seeds, notes
+
+
+def kind_picks(
+    planner: Planner, budget_bytes: int, modes: Sequence[str], micro_batch: int | None
+) -> list[tuple[str, PlannedPolicy]]:
+    """For each kind of recomputation in ``modes``, the planner's pick at the budget using that kind alone
+    (with ``none`` on the other layers): ``[(kind, pick)]``, kinds with no fitting policy left out.
+
+    Empty when ``none`` is not searched: a kind alone is then a uniform policy, which the baselines
+    already measure.
+    """
+    if "none" not in modes:
+        return []
+    out = []
+    for kind in modes:
+        if kind == "none":
+            continue
+        try:
+            out.append((kind, planner.solve(budget_bytes, modes=["none", kind], micro_batch=micro_batch)))
+        except BudgetError:
+            continue  # this kind alone does not fit the budget at this micro-batch
+    return out
 
 
 def plan_seeds(
