@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tuner.planner import Planner
-from tuner.planner.seeds import KIND_SPAN, kind_picks, planner_seeds
+from tuner.planner.seeds import kind_picks, planner_seeds
 from tuner.profile import LayerProfile, Profile, SegmentCost
 from tuner.search import LayerInfo, SearchSpace
 
@@ -67,14 +67,14 @@ def test_when_the_profile_puts_full_first_the_selective_only_pick_is_seeded_inst
     assert "planner:full-only" not in named
 
 
-def test_a_kind_predicted_far_behind_the_pick_gets_no_seed() -> None:
-    # Selective's recompute as dear as running the block again twice: ss.. is predicted over KIND_SPAN behind.
+def test_a_kind_predicted_far_behind_the_pick_is_seeded_all_the_same() -> None:
+    """A busy machine can put a kind 45% behind in the profile and still be the fastest: no threshold."""
     planner = Planner(_profile(full_backward_ms=2.25, selective_backward_ms=5.0))
     pick = planner.solve(280)
     (only,) = [p for k, p in kind_picks(planner, 280, MODES, None) if k == "selective"]
-    assert only.step_time_s > pick.step_time_s * (1 + KIND_SPAN)
-    names = [s.name for s in planner_seeds(planner, _space(), 280, MODES)[0]]
-    assert "planner:selective-only" not in names and names[0] == "planner:budget"
+    assert only.step_time_s > pick.step_time_s * 1.4
+    named = {s.name: _short(dict(s.modes)) for s in planner_seeds(planner, _space(), 280, MODES)[0]}
+    assert (named["planner:budget"], named["planner:selective-only"]) == ("FF..", only.short())
 
 
 @pytest.mark.parametrize(
