@@ -110,10 +110,11 @@ def kind_picks(
     Why each is seeded, not only the fastest prediction: the planner ranks kinds (``full`` against
     ``selective``) by `PROFILE_REPEATS` timed steps each, and those move with the machine. On
     ``bench/decision_quality.py``'s ``gpt4`` the profile put ``ss..`` ahead of ``FF..`` (the fastest
-    policy) in 8 of 30 profiles (`bench/seed_coverage.py`), and then no seed and, in 3 of 10 sessions,
-    no trial measured ``FF..``. Within one kind the ranking is steadier (which layers, not how each is
-    recomputed). No threshold on the predicted gap can tell which kinds are worth a trial: beside a
-    busy neighbour a profile put ``FF..`` up to 45% behind ``ss..``. Each kind costs at most one trial.
+    policy) in 4 and 8 of 30 profiles in two runs of `bench/seed_coverage.py`; then no seed measured
+    ``FF..``, and in 3 of 10 tuning sessions no trial did. Within one kind the ranking is steadier
+    (which layers, not how each is recomputed). No threshold on the predicted gap can tell which kinds
+    are worth a trial: beside a busy neighbour a profile put ``FF..`` 45% behind ``ss..``. Each kind
+    costs at most one trial.
 
     Empty when ``none`` is not searched: a kind alone is then a uniform policy, which the baselines
     already measure.
