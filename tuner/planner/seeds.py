@@ -69,7 +69,11 @@ def planner_seeds(
     planner: Planner, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
 ) -> tuple[list[Seed], list[str]]:
     """The planner's pick at the budget (per micro-batch size), each kind of recomputation's own pick
-    (`kind_picks`), and a few points of its front under the budget."""
+    (`kind_picks`), and a few points of its front under the budget, each policy once.
+
+    Only the pick gets a compiled twin (where compile is searched): the planner predicts eager steps,
+    so the other seeds would double the trials on guesses of the same quality.
+    """
     seeds: list[Seed] = []
     notes: list[str] = []
     sizes: list[int | None] = list(space.micro_batches) if space.micro_batches else [None]
@@ -107,14 +111,18 @@ def kind_picks(
     """For each kind of recomputation in ``modes``, the planner's pick at the budget using that kind alone
     (with ``none`` on the other layers): ``[(kind, pick)]``, kinds with no fitting policy left out.
 
+    A kind is each mode of ``modes`` but ``none``: ``offload`` and each ``selective:<family>`` too, so a
+    recipe searching them all gets up to one seed per mode and micro-batch size, labelled
+    ``planner:<mode>-only`` (``planner:selective:attn-only@mb8``).
+
     Why each is seeded, not only the fastest prediction: the planner ranks kinds (``full`` against
     ``selective``) by `PROFILE_REPEATS` timed steps each, and those move with the machine. On
-    ``bench/decision_quality.py``'s ``gpt4`` the profile put ``ss..`` ahead of ``FF..`` (the fastest
-    policy) in 4 and 8 of 30 profiles in two runs of `bench/seed_coverage.py`; then no seed measured
-    ``FF..``, and in 3 of 10 tuning sessions no trial did. Within one kind the ranking is steadier
-    (which layers, not how each is recomputed). No threshold on the predicted gap can tell which kinds
-    are worth a trial: beside a busy neighbour a profile put ``FF..`` 45% behind ``ss..``. Each kind
-    costs at most one trial.
+    ``bench/decision_quality.py``'s ``gpt4`` the profile's pick was a selective policy (``ss..``, once
+    ``ssss``) rather than ``FF..`` (the fastest) in 8 and 5 of 30 profiles in two runs of
+    `bench/seed_coverage.py`; then no seed measured ``FF..``, and in 3 of 10 tuning sessions no trial did.
+    Within one kind the ranking is steadier (which layers, not how each is recomputed). No threshold on the
+    predicted gap can tell which kinds are worth a trial: beside a busy neighbour a profile put ``FF..`` 45%
+    behind ``ss..`` (the first run, committed in 7f4f3b1). Each kind costs at most one trial.
 
     Empty when ``none`` is not searched: a kind alone is then a uniform policy, which the baselines
     already measure.

@@ -77,6 +77,17 @@ def test_a_kind_predicted_far_behind_the_pick_is_seeded_all_the_same() -> None:
     assert (named["planner:budget"], named["planner:selective-only"]) == ("FF..", only.short())
 
 
+def test_a_kind_pick_on_the_front_is_seeded_once_and_the_front_gives_its_other_points() -> None:
+    # At 100 bytes the fitting front is FFFF, FFFs, FFss: the pick is FFss and full alone picks FFFF,
+    # a front point; seeding it again as a front point would spend a front seed on a duplicate.
+    seeds, _ = planner_seeds(Planner(_profile(full_backward_ms=2.6)), _space(), 100, MODES)
+    assert [(s.name, _short(dict(s.modes))) for s in seeds] == [
+        ("planner:budget", "FFss"),
+        ("planner:full-only", "FFFF"),
+        ("planner:front1", "FFFs"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("modes", "budget", "expected"),
     [

@@ -52,7 +52,6 @@ def test_the_planner_seeds_a_compiled_twin_of_its_pick() -> None:
         def __init__(self) -> None:
             self.modes = {"blocks.0": "full", "blocks.1": "none", "blocks.2": "none"}
             self.peak_bytes = 1
-            self.step_time_s = 1.0
 
     class _Planner:
         def solve(self, budget: int, modes: list[str], micro_batch: int | None) -> Any:
