@@ -40,18 +40,13 @@ def short(modes: dict[str, str]) -> str:
     return "".join(glyph(m) for m in modes.values())
 
 
-def seeds_before_kind_picks(planner: Any, budget: int, modes: Sequence[str], front_seeds: int) -> list[str]:
-    """The planner's seeds as they were before the kind picks: its pick at the budget and ``front_seeds``
-    points of its front under the budget, evenly over it (as `tuner.planner.seeds.planner_seeds` took them)."""
+def seeds_before_kind_picks(planner: Any, budget: int, modes: Sequence[str]) -> list[str]:
+    """The planner's seeds as they were before the kind picks: its pick at the budget and the front's
+    points other than the pick (`tuner.planner.seeds.front_points`)."""
+    from tuner.planner.seeds import front_points
+
     pick = planner.solve(budget, modes=list(modes))
-    front = [p for p in planner.pareto_front(list(modes)) if p.peak_bytes <= budget]
-    front = [p for p in front if dict(p.modes) != dict(pick.modes)]
-    out = [pick.short()]
-    if front:
-        count = min(front_seeds, len(front))
-        idx = sorted({round(i * (len(front) - 1) / max(1, count - 1)) for i in range(count)})
-        out += [front[i].short() for i in idx]
-    return out
+    return [pick.short()] + [p.short() for p in front_points(planner, budget, modes, None, [dict(pick.modes)])]
 
 
 def coverage(rows: Sequence[dict[str, Any]], best: str) -> dict[str, Any]:
@@ -68,7 +63,7 @@ def coverage(rows: Sequence[dict[str, Any]], best: str) -> dict[str, Any]:
 def one_profile(workload: str, noisy_seed: int | None) -> dict[str, Any]:
     """One timed profile of ``workload`` (as a session takes it), and the planner's seeds from it."""
     from tuner.planner import Planner
-    from tuner.planner.seeds import PLANNER_FRONT_SEEDS, PROFILE_REPEATS, kind_picks, planner_seeds
+    from tuner.planner.seeds import PROFILE_REPEATS, kind_picks, planner_seeds
     from tuner.race.neighbour import noisy_neighbour
     from tuner.recipe import from_dict
     from tuner.search import SearchSpace, inspect_layers
@@ -93,7 +88,7 @@ def one_profile(workload: str, noisy_seed: int | None) -> dict[str, Any]:
             k: [p.short(), p.step_time_s / pick.step_time_s]
             for k, p in kind_picks(planner, budget, recipe.search.modes, None)
         },
-        "before": seeds_before_kind_picks(planner, budget, recipe.search.modes, PLANNER_FRONT_SEEDS),
+        "before": seeds_before_kind_picks(planner, budget, recipe.search.modes),
     }
 
 

@@ -21,5 +21,5 @@ def test_coverage_counts_the_profiles_whose_seeds_hold_the_best_now_and_before()
 
 def test_the_seeds_before_the_kind_picks_are_the_pick_and_the_fronts_points() -> None:
     # The profile that ranks selective first: the pick is ss.., FF.. is on no front, so it was not seeded.
-    before = sc.seeds_before_kind_picks(Planner(_profile(full_backward_ms=2.6)), 280, MODES, 3)
+    before = sc.seeds_before_kind_picks(Planner(_profile(full_backward_ms=2.6)), 280, MODES)
     assert before[0] == "ss.." and "FF.." not in before and len(before) == 4

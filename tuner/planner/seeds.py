@@ -8,7 +8,7 @@ session without it still measures every trial, so a planner that cannot be built
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "PLANNER_FRONT_SEEDS",
     "PROFILE_REPEATS",
     "PlannerSeeds",
+    "front_points",
     "kind_picks",
     "plan_seeds",
     "planner_seeds",
@@ -94,15 +95,26 @@ def planner_seeds(
             if dict(only.modes) not in taken:
                 seeds.append(Seed(f"planner:{kind}-only{at}", dict(only.modes), mb))
                 taken.append(dict(only.modes))
-        # Fitting points of the front other than the picks, evenly over it: alternatives the
-        # prediction error could reorder.
-        front = [p for p in planner.pareto_front(list(modes), micro_batch=mb) if p.peak_bytes <= budget_bytes]
-        front = [p for p in front if dict(p.modes) not in taken]
-        if front:
-            count = min(PLANNER_FRONT_SEEDS, len(front))
-            idx = sorted({round(i * (len(front) - 1) / max(1, count - 1)) for i in range(count)})
-            seeds += [Seed(f"planner:front{j + 1}{at}", dict(front[i].modes), mb) for j, i in enumerate(idx)]
+        points = front_points(planner, budget_bytes, modes, mb, taken)
+        seeds += [Seed(f"planner:front{j + 1}{at}", dict(p.modes), mb) for j, p in enumerate(points)]
     return seeds, notes
+
+
+def front_points(
+    planner: Planner,
+    budget_bytes: int,
+    modes: Sequence[str],
+    micro_batch: int | None,
+    taken: Sequence[Mapping[str, str]],
+) -> list[PlannedPolicy]:
+    """Up to `PLANNER_FRONT_SEEDS` fitting points of the planner's front, evenly over it, none of ``taken``
+    (per-layer modes already seeded): alternatives the prediction error could reorder."""
+    front = [p for p in planner.pareto_front(list(modes), micro_batch=micro_batch) if p.peak_bytes <= budget_bytes]
+    front = [p for p in front if dict(p.modes) not in taken]
+    if not front:
+        return []
+    count = min(PLANNER_FRONT_SEEDS, len(front))
+    return [front[i] for i in sorted({round(i * (len(front) - 1) / max(1, count - 1)) for i in range(count)})]
 
 
 def kind_picks(

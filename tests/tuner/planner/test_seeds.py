@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_recompute.policy import glyph
 from tuner.planner import Planner
 from tuner.planner.seeds import kind_picks, planner_seeds
 from tuner.profile import LayerProfile, Profile, SegmentCost
@@ -42,7 +43,7 @@ def _space() -> SearchSpace:
 
 
 def _short(modes: dict[str, str]) -> str:
-    return "".join({"none": ".", "selective": "s", "full": "F"}[m] for m in modes.values())
+    return "".join(glyph(m) for m in modes.values())
 
 
 def test_when_the_profile_puts_selective_first_the_full_only_pick_is_seeded_too() -> None:
