@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_recompute.errors import IncompatibleModelError
-from lightning_recompute.kvcache import CacheArguments, replay_with_cache_state
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
+from lightning_recompute.replay import CacheArguments, replay_with_state
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 from lightning_recompute.sources import as_policy
 
@@ -97,8 +97,11 @@ class _RecomputedForward:
         context_fn: Callable[[], Any] | None,
         offload_notice: _OffloadNotice | None,
         cache_args: CacheArguments | None = None,
+        name: str = "",
     ) -> None:
         self.module = module
+        self.name = name  # the layer's module path, for warnings
+        self.warned: set[str] = set()  # whether the replay's side-effect warning was given (once per layer)
         self.mode = mode
         self.previous = previous  # an instance forward someone else installed before us, kept to restore
         self.context_fn = context_fn
@@ -123,10 +126,13 @@ class _RecomputedForward:
                 return self._inner(*args, **kwargs)
         extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
         fn = self._inner
-        caches = self.cache_args.caches(args, kwargs) if self.cache_args is not None else []
-        if caches:
-            # The replay must neither see nor leave a second write to a KV cache (lightning_recompute.kvcache).
-            fn = replay_with_cache_state(fn, caches)
+        if not torch.compiler.is_compiling():
+            # The replay must see the buffers and KV caches as the forward saw them, and leave them as the
+            # forward left them (lightning_recompute.replay). A compiled graph's recomputation writes nothing.
+            caches = self.cache_args.caches(args, kwargs) if self.cache_args is not None else []
+            fn = replay_with_state(
+                fn, self.module, caches, selective=self.context_fn is not None, where=self.name, warned=self.warned
+            )
         # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
         # dropout masks are identical and gradients match no recomputation bit for bit.
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
@@ -217,6 +223,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
             context_fn=selective_fns[policy.family_for(name)] if mode is Mode.SELECTIVE else None,
             offload_notice=notice,
             cache_args=CacheArguments.of(previous or type(module).forward, bound=previous is not None),
+            name=name,
         )
     if policy.compile:
         _compile_layers(found)
