@@ -336,7 +336,7 @@ class _Gate:
         )
 
     def numerics(self, check_numerics: CheckNumerics) -> bool:
-        """2. Numerics: a recomputation that changes gradients is a bug, however fast."""
+        """2. Numerics: a recomputation that changes gradients or module state is a bug, however fast."""
         self.tell("gate: checking numerics against no recompute ...")
         cand = self.cand
         num = check_numerics(self.recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=self.timeout)
@@ -346,7 +346,7 @@ class _Gate:
             _fail(self.decision, "numerics", why)
             return False
         self.decision.checks["numerics"] = "passed"
-        self.decision.reasons.append(f"numerics: loss and gradients equal to no recompute ({num.detail})")
+        self.decision.reasons.append(f"numerics: training unchanged from no recompute ({num.detail})")
         return True
 
     def regression(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:

@@ -109,3 +109,14 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
 def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """The keys whose tensors are not bitwise equal (a key missing on one side counts)."""
     return [k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k])]
+
+
+class Images(L.LightningDataModule):
+    """`images` as a data module (what a recipe names)."""
+
+    def __init__(self, batch_size: int = 4, num_batches: int = 6, size: int = 8) -> None:
+        super().__init__()
+        self.batch_size, self.num_batches, self.size = batch_size, num_batches, size
+
+    def train_dataloader(self) -> DataLoader:
+        return images(n=self.batch_size * self.num_batches, batch_size=self.batch_size, size=self.size)

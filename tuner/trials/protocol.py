@@ -6,8 +6,8 @@ reads it back with `parse_spec`. The kinds, all listed in `SPEC_TYPES`:
 
 - ``trial`` (`TrialSpec`): a real Lightning ``Trainer`` with `RecomputeCallback` runs warm-up plus
   measured steps; the result holds every step's time, peak memory, samples and tokens.
-- ``numerics`` (`NumericsSpec`): loss and parameter gradients of one training step with and without
-  the policy, in deterministic mode, against the spread of two runs without it (`NumericsPayload`).
+- ``numerics`` (`NumericsSpec`): loss, gradients, every parameter and buffer and the eval-mode loss of
+  one training step with and without the policy, in deterministic mode, against the spread of two runs without it (`NumericsPayload`).
 - ``device`` (`DeviceSpec`): the name and total memory of the device an accelerator selects.
 - ``profile`` (`ProfileSpec`): the recipe's per-layer cost profile (`tuner.profile.recipe_profile`).
 - ``race`` (`RaceSpec`): several policies measured in turn on one model in one fit (`tuner.race.engine`).
@@ -205,7 +205,7 @@ class TrialSpec(_RecipeSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class NumericsSpec(_RecipeSpec):
-    """One training step's loss and gradients under a policy against two runs without it."""
+    """One training step's loss, gradients and state under a policy against two runs without it."""
 
     kind: ClassVar[str] = "numerics"
     ranked: ClassVar[bool] = True

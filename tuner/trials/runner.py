@@ -179,7 +179,7 @@ class TrialResult:
 
 @dataclass(frozen=True)
 class NumericsResult:
-    """Whether a policy changes one training step's loss or gradients."""
+    """Whether a policy changes one training step's loss, gradients or module state."""
 
     equal: bool
     """Loss and every parameter gradient equal to training without recomputation: bitwise, or, on an
@@ -322,13 +322,14 @@ def run_race(
 def check_numerics(
     recipe: Recipe, policy: RecomputePolicy, *, micro_batch: int | None = None, timeout_s: float | None = None
 ) -> NumericsResult:
-    """Whether ``policy`` leaves one training step's loss and gradients unchanged.
+    """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged.
 
     In a subprocess, with ``torch.use_deterministic_algorithms`` on (and cuBLAS's deterministic
     workspace on CUDA): the model is built three times from the same seed (no recompute, with
     ``policy``, no recompute again); each runs one forward and backward in train mode (dropout
-    active) on the same fixed batch, with the same RNG seed before each. Loss and every parameter
-    gradient must be bitwise equal to the first run; on an accelerator where the two runs without
+    active) on the same fixed batch, with the same RNG seed before each. Loss, every parameter
+    gradient, every ``state_dict`` entry after the step (parameters and buffers: BatchNorm's statistics)
+    and the loss of the batch in eval mode afterwards must be bitwise equal to the first run; on an accelerator where the two runs without
     recompute already differ (kernels with no deterministic implementation), the policy may differ
     by no more than they do. On CPU bitwise is the rule. When no recompute runs out of memory at
     ``micro_batch``, the check runs on the first half of the batch, then a quarter, down to one

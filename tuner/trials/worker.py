@@ -301,7 +301,19 @@ def _compile_seconds() -> float:
 
 
 _Step = tuple[Any, dict[str, Any]]
-"""One training step's ``(loss, {parameter name: gradient or None})``, on the host."""
+"""One training step's ``(loss, {what: tensor or None})`` on the host: every parameter's gradient
+(``gradient of <name>``), every parameter and buffer of the ``state_dict`` after the step (``<name>``)
+and, in one process, the loss of the same batch in eval mode afterwards (`EVAL_LOSS`)."""
+
+EVAL_LOSS = "eval-mode loss"
+"""The key of a step's loss recomputed in eval mode after the step: what BatchNorm's statistics change."""
+
+
+def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any]) -> dict[str, Any]:
+    """A step's compared tensors: the gradients, then every ``state_dict`` entry (parameters, buffers)."""
+    out = {f"gradient of {n}": g for n, g in grads.items()}
+    out.update({name: local(t) for name, t in model.state_dict().items() if hasattr(t, "detach")})
+    return out
 
 
 @dataclass(frozen=True)
@@ -376,6 +388,7 @@ def _compare(
     spread, _ = _max_diff(base, again)
     diff, differing = _max_diff(base, pol)
     n = len(base[1])
+    what = _what_is_compared(base[1], gradients)
     base_bad = _nonfinite(base)
     equal = True
     if base_bad:
@@ -386,7 +399,7 @@ def _compare(
             f"produces nan/inf, whatever the policy, so numerics cannot be compared; fix training first"
         )
     elif not differing:
-        detail = f"loss and all {n} {gradients} gradients bitwise equal {where}"
+        detail = f"{what} bitwise equal {where}"
     elif compiled and _all_close(base, pol):
         from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 
@@ -412,10 +425,21 @@ def _compare(
             else "two runs without recompute are bitwise equal"
         )
         detail = (
-            f"{len(differing)} of {n + 1} values (loss and {n} gradients) differ {where}, "
+            f"{len(differing)} of {n + 1} tensors ({what}) differ {where}, first {differing[0][1]}, "
             f"most at {worst[1]} ({worst[0]:.3g}); {rule}"
         )
     return NumericsPayload(equal=equal, max_abs_diff=diff, baseline_spread=spread, detail=detail)
+
+
+def _what_is_compared(compared: Mapping[str, Any], gradients: str) -> str:
+    """The tensors of a step in words: ``loss, 12 parameter gradients, 12 parameters, 6 buffers and the eval-mode loss``."""
+    grads = sum(k.startswith("gradient of ") for k in compared)
+    params = len([k for k in compared if not k.startswith("gradient of ") and f"gradient of {k}" in compared])
+    buffers = len(compared) - grads - params - (EVAL_LOSS in compared)
+    parts = [f"loss, {grads} {gradients} gradients", f"{params} parameters", f"{buffers} buffers"]
+    if EVAL_LOSS in compared:
+        parts.append("the eval-mode loss")
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
@@ -452,7 +476,14 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _Num
             fabric.backward(loss)
             # Gradients move to host memory so only one model occupies the device at a time.
             grads = {n: (None if p.grad is None else p.grad.detach().cpu()) for n, p in model.named_parameters()}
-            return loss.detach().float().cpu(), grads
+            compared = _state_after(model, grads, lambda t: t.detach().cpu().clone())
+            # The model as it evaluates now: a policy that changed a buffer (BatchNorm's statistics) shows here.
+            wrapped.eval()
+            with torch.no_grad():
+                fabric.seed_everything(seed + 1, verbose=False)
+                out = wrapped.training_step(fabric.to_device(batch), 0)
+            compared[EVAL_LOSS] = (out["loss"] if isinstance(out, Mapping) else out).detach().float().cpu()
+            return loss.detach().float().cpu(), compared
         finally:
             del model
             if torch.cuda.is_available():
@@ -541,7 +572,7 @@ def _capture_step(seed: int) -> Any:
 
         def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
             grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
-            self.step = (self.loss, grads)
+            self.step = (self.loss, _state_after(pl_module, grads, _local))
 
     return CaptureStep()
 
@@ -622,7 +653,7 @@ def _nonfinite(step: _Step) -> str | None:
     import torch
 
     loss, grads = step
-    bad = [name for name, g in grads.items() if g is not None and not bool(torch.isfinite(g).all())]
+    bad = [name for name, g in grads.items() if g is not None and not bool(torch.isfinite(g.float()).all())]
     if bool(torch.isfinite(loss).all()) and not bad:
         return None
     parts = [] if bool(torch.isfinite(loss).all()) else [f"loss {loss.flatten()[0].item()}"]

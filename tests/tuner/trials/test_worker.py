@@ -134,7 +134,7 @@ def test_a_scan_shorter_than_the_epoch_says_a_larger_batch_may_come_later() -> N
 def _step(loss: float, *grads: float) -> tuple[object, dict[str, object]]:
     import torch
 
-    return torch.tensor(loss), {f"w{i}": torch.full((2,), g) for i, g in enumerate(grads)}
+    return torch.tensor(loss), {f"gradient of w{i}": torch.full((2,), g) for i, g in enumerate(grads)}
 
 
 def _verdict(pol: tuple[object, dict[str, object]], **kw: object) -> object:
@@ -149,14 +149,17 @@ def test_one_comparison_serves_one_process_and_every_rank() -> None:
     # within the compiled-layer tolerance, and each told CPU from accelerator its own way.
     same = _verdict(_step(1.0, 0.5, 0.25), gradients="local", where="on rank 1 (ddp) at micro-batch 2")
     assert (same.equal, same.max_abs_diff, same.baseline_spread) == (True, 0.0, 0.0)
-    assert same.detail == "loss and all 2 local gradients bitwise equal on rank 1 (ddp) at micro-batch 2"
+    assert same.detail == "loss, 2 local gradients, 0 parameters and 0 buffers bitwise equal on rank 1 (ddp) at micro-batch 2"
 
     close = _step(1.0, 0.5 + 2**-20, 0.25)  # within rtol 1e-4 / atol 1e-5, not bitwise
     assert _verdict(close, compiled=True).equal
     assert "within the compiled-layer tolerance (rtol 0.0001, atol 1e-05)" in _verdict(close, compiled=True).detail
     eager = _verdict(close)
     assert not eager.equal and eager.detail.endswith("bitwise equality is the rule on CPU"), eager.detail
-    assert eager.detail.startswith("1 of 3 values (loss and 2 gradients) differ at micro-batch 4, most at w0")
+    assert eager.detail.startswith(
+        "1 of 3 tensors (loss, 2 parameter gradients, 0 parameters and 0 buffers) differ at micro-batch 4, "
+        "first gradient of w0, most at gradient of w0"
+    ), eager.detail
 
     # Off CPU the policy may differ by what two runs without it differ by; on CPU it may not.
     noisy = _step(1.0, 0.5 + 2**-10, 0.25)
@@ -176,4 +179,34 @@ def test_the_numerics_result_is_the_protocols_payload() -> None:
     res = worker._numerics({"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("full").to_dict()})
     got = NumericsPayload.from_dict(res)
     assert (got.equal, got.max_abs_diff, got.micro_batch, got.device) == (True, 0.0, 4, "cpu")
-    assert got.detail == "loss and all 41 parameter gradients bitwise equal at micro-batch 4", got.detail
+    assert got.detail == (
+        "loss, 41 parameter gradients, 41 parameters, 0 buffers and the eval-mode loss bitwise equal at micro-batch 4"
+    ), got.detail
+
+
+BATCHNORM_RECIPE = {
+    "model": {"class_path": "tests.plugin.stateful_models.StatefulNet", "init_args": {"kind": "batchnorm"}},
+    "data": {"class_path": "tests.plugin.stateful_models.Images", "init_args": {"batch_size": 4}},
+    "budget": "64MiB",
+    "search": {"seed": 0},
+}
+
+
+def test_the_numerics_check_looks_at_every_buffer_and_names_the_first_that_differs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_recompute import apply
+
+    recipe = from_dict(BATCHNORM_RECIPE)
+    spec = {"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("full").to_dict()}
+    res = worker._numerics(spec)
+    assert res["equal"] and res["detail"] == (
+        "loss, 22 parameter gradients, 22 parameters, 18 buffers and the eval-mode loss bitwise equal at micro-batch 4"
+    ), res["detail"]
+    # The replay without its buffers restored (as before it was): the loss and every gradient are still
+    # equal, the running statistics are not, and the check says which.
+    monkeypatch.setattr(apply, "replay_with_state", lambda fn, *a, **k: fn)
+    res = worker._numerics(spec)
+    assert not res["equal"]
+    assert "first blocks.0.bn1.running_mean," in res["detail"], res["detail"]
+    assert "gradient of" not in res["detail"].split("most at")[1], res["detail"]
