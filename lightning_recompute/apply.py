@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_recompute.errors import IncompatibleModelError
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
-from lightning_recompute.replay import CacheArguments, replay_with_state
+from lightning_recompute.replay import CacheArguments, Replay
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 from lightning_recompute.sources import as_policy
 
@@ -125,14 +125,17 @@ class _RecomputedForward:
             with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
                 return self._inner(*args, **kwargs)
         extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        fn = self._inner
-        if not torch.compiler.is_compiling():
-            # The replay must see the buffers and KV caches as the forward saw them, and leave them as the
-            # forward left them (lightning_recompute.replay). A compiled graph's recomputation writes nothing.
-            caches = self.cache_args.caches(args, kwargs) if self.cache_args is not None else []
-            fn = replay_with_state(
-                fn, self.module, caches, selective=self.context_fn is not None, where=self.name, warned=self.warned
-            )
+        # The replay must see the buffers and KV caches as the forward saw them, and leave them as the forward
+        # left them (lightning_recompute.replay).
+        fn = Replay(
+            self._inner,
+            self.module,
+            self.cache_args.caches(args, kwargs) if self.cache_args is not None else [],
+            selective=self.context_fn is not None,
+            where=self.name,
+            warned=self.warned,
+            record_now=not torch.compiler.is_compiling(),
+        )
         # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
         # dropout masks are identical and gradients match no recomputation bit for bit.
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)

@@ -41,9 +41,8 @@ Limits: the cache is found by argument name (`CACHE_ARGUMENTS`), and its state m
 attributes, lists and dicts, as in transformers' dynamic and encoder-decoder caches (the defaults).
 A cache that writes into preallocated tensors in place (``StaticCache``) is a generation-time
 structure; training through one is not supported. Without grad (validation, ``generate``,
-inference) nothing is recomputed and nothing here runs. Inside ``torch.compile`` the compiled
-graph's recomputation is functional (buffer writes are applied once, after the graph), so nothing
-here runs there either.
+inference) nothing is recomputed and nothing here runs. Inside a compiled graph the recomputation is
+functional (buffer writes are applied once), so nothing here runs there either (`Replay`).
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ __all__ = [
     "BufferState",
     "CacheArguments",
     "CacheState",
+    "Replay",
     "SideEffectWarning",
-    "replay_with_state",
 ]
 
 CACHE_ARGUMENTS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -209,45 +208,71 @@ class _Attributes:
         return None
 
 
-def replay_with_state(
-    fn: Callable[..., Any], module: nn.Module, caches: list[Any], *, selective: bool, where: str, warned: set[str]
-) -> Callable[..., Any]:
-    """``fn`` for `torch.utils.checkpoint.checkpoint`: its first call is the forward, any later call a replay
-    that runs on the buffers' and caches' state from before the forward and leaves them as it found them.
+class Replay:
+    """The function `torch.utils.checkpoint.checkpoint` runs for one call of a recomputed layer.
 
-    ``selective``: the checkpoint runs PyTorch's selective recomputation (see `BufferState.swapped_in`).
-    ``where`` names the layer in a `SideEffectWarning`; ``warned`` holds the layers already warned about.
+    Its first call is the forward, any later call a replay that runs on the buffers' and caches' state
+    from before the forward and leaves them as it found them. ``selective``: the checkpoint runs
+    PyTorch's selective recomputation (see `BufferState.swapped_in`). ``where`` names the layer in a
+    `SideEffectWarning`; ``warned`` holds the layers already warned about.
+
+    Under ``torch.compile`` the state is recorded only if the checkpoint ends up running eagerly:
+    Dynamo traces this object as the checkpoint's body, where `torch.compiler.is_compiling` is true
+    and the compiled graph's recomputation writes nothing; when the body has side effects Dynamo
+    cannot trace (a buffer reassigned), it runs the checkpoint eagerly instead, and this object then
+    records the state at its first call (``record_now`` false), inside the checkpoint.
     """
-    buffers = BufferState(module)
-    before = CacheState(caches)
-    calls = 0
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return fn(*args, **kwargs)
-        now = CacheState(caches)
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        module: nn.Module,
+        caches: list[Any],
+        *,
+        selective: bool,
+        where: str,
+        warned: set[str],
+        record_now: bool = True,
+    ) -> None:
+        self.fn, self.module, self.caches = fn, module, caches
+        self.selective, self.where, self.warned = selective, where, warned
+        self.calls = 0
+        self.state = self._record() if record_now else None
+
+    def _record(self) -> tuple[BufferState, CacheState]:
+        return BufferState(self.module), CacheState(self.caches)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.fn(*args, **kwargs)
+        self.calls += 1
+        if self.state is None:
+            self.state = self._record()
+        if self.calls == 1:
+            return self.fn(*args, **kwargs)
+        buffers, before = self.state
+        now = CacheState(self.caches)
         before.restore()
-        live = buffers.swapped_in(copy=not selective)
-        attributes = _Attributes(module) if where not in warned else None
+        live = buffers.swapped_in(copy=not self.selective)
+        attributes = _Attributes(self.module) if self.where not in self.warned else None
         try:
-            return fn(*args, **kwargs)
+            return self.fn(*args, **kwargs)
         finally:
             # Also when checkpoint's early stop interrupts the replay once it has what backward needs.
             BufferState.swap_back(live)
             now.restore()
             changed = attributes.reassigned() if attributes is not None else None
             if changed is not None:
-                warned.add(where)
-                warnings.warn(
-                    f"lightning_recompute: layer {where!r} is recomputed, and its forward reassigned "
-                    f"{changed!r} again when replayed in backward: Python-level state a forward changes "
-                    f"changes twice under recomputation. Keep such state in a buffer (register_buffer, "
-                    f"updated in place or reassigned), which recomputation restores; see docs/PLUGIN.md, "
-                    f"'Side effects'.",
-                    SideEffectWarning,
-                    stacklevel=2,
-                )
+                self._warn(changed)
 
-    return run
+    def _warn(self, changed: str) -> None:
+        self.warned.add(self.where)
+        warnings.warn(
+            f"lightning_recompute: layer {self.where!r} is recomputed, and its forward reassigned "
+            f"{changed!r} again when replayed in backward: Python-level state a forward changes "
+            f"changes twice under recomputation. Keep such state in a buffer (register_buffer, "
+            f"updated in place or reassigned), which recomputation restores; see docs/PLUGIN.md, "
+            f"'Side effects'.",
+            SideEffectWarning,
+            stacklevel=3,
+        )

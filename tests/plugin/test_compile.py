@@ -83,3 +83,24 @@ def test_whole_model_compiled_with_inductor_bitwise() -> None:
     reference, weights = train(None), train(MIXED)
     for key in weights:
         assert torch.equal(weights[key], reference[key]), key
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "spectral", "counter"])
+def test_per_block_compile_updates_buffers_once(quiet_trainer: Callable[..., L.Trainer], kind: str) -> None:
+    """Layers whose forward updates buffers, compiled per block: Dynamo either traces the checkpoint
+    (whose compiled recomputation writes nothing) or runs it eagerly (where the replay restores them)."""
+    from tests.plugin.stateful_models import StatefulNet, differing, images, state
+
+    def fit(policy: RecomputePolicy | None) -> dict[str, torch.Tensor]:
+        torch._dynamo.reset()
+        L.seed_everything(0, verbose=False)
+        model = StatefulNet(kind)
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+        callbacks = [] if policy is None else [RecomputeCallback(policy)]
+        quiet_trainer(max_steps=3, callbacks=callbacks, limit_val_batches=0).fit(model, images())
+        return state(model)
+
+    plain = fit(None)
+    trained = fit(RecomputePolicy.from_modes({"blocks.0": "full", "blocks.1": "selective", "blocks.2": "none"}))
+    assert not differing(plain, trained)
