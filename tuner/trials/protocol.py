@@ -7,7 +7,8 @@ reads it back with `parse_spec`. The kinds, all listed in `SPEC_TYPES`:
 - ``trial`` (`TrialSpec`): a real Lightning ``Trainer`` with `RecomputeCallback` runs warm-up plus
   measured steps; the result holds every step's time, peak memory, samples and tokens.
 - ``numerics`` (`NumericsSpec`): loss, gradients, every parameter and buffer and the eval-mode loss of
-  one training step with and without the policy, in deterministic mode, against the spread of two runs without it (`NumericsPayload`).
+  one training step with and without the policy, in deterministic mode, against the spread of two runs
+  without it (`NumericsPayload`).
 - ``device`` (`DeviceSpec`): the name and total memory of the device an accelerator selects.
 - ``profile`` (`ProfileSpec`): the recipe's per-layer cost profile (`tuner.profile.recipe_profile`).
 - ``race`` (`RaceSpec`): several policies measured in turn on one model in one fit (`tuner.race.engine`).

@@ -432,7 +432,8 @@ def _compare(
 
 
 def _what_is_compared(compared: Mapping[str, Any], gradients: str) -> str:
-    """The tensors of a step in words: ``loss, 12 parameter gradients, 12 parameters, 6 buffers and the eval-mode loss``."""
+    """The tensors of a step in words: ``loss, 12 parameter gradients, 12 parameters, 6 buffers and the eval-mode
+    loss``."""
     grads = sum(k.startswith("gradient of ") for k in compared)
     params = len([k for k in compared if not k.startswith("gradient of ") and f"gradient of {k}" in compared])
     buffers = len(compared) - grads - params - (EVAL_LOSS in compared)

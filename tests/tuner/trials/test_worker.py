@@ -149,7 +149,9 @@ def test_one_comparison_serves_one_process_and_every_rank() -> None:
     # within the compiled-layer tolerance, and each told CPU from accelerator its own way.
     same = _verdict(_step(1.0, 0.5, 0.25), gradients="local", where="on rank 1 (ddp) at micro-batch 2")
     assert (same.equal, same.max_abs_diff, same.baseline_spread) == (True, 0.0, 0.0)
-    assert same.detail == "loss, 2 local gradients, 0 parameters and 0 buffers bitwise equal on rank 1 (ddp) at micro-batch 2"
+    assert same.detail == (
+        "loss, 2 local gradients, 0 parameters and 0 buffers bitwise equal on rank 1 (ddp) at micro-batch 2"
+    )
 
     close = _step(1.0, 0.5 + 2**-20, 0.25)  # within rtol 1e-4 / atol 1e-5, not bitwise
     assert _verdict(close, compiled=True).equal
