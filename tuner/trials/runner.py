@@ -333,8 +333,8 @@ def check_numerics(
     run; on an accelerator where the two runs without recompute already differ (kernels with no
     deterministic implementation), the policy may differ by no more than they do. On CPU bitwise is
     the rule. When no recompute runs out of memory at ``micro_batch``, the check runs on the first
-    half of the batch, then a quarter, down to one sample, and says which it compared. A failure to run the check is reported as not equal,
-    with the reason.
+    half of the batch, then a quarter, down to one sample, and says which it compared. A failure to
+    run the check is reported as not equal, with the reason.
     """
     limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
     # cuBLAS reads this when its handle is created: it must be in the environment the process starts with.
