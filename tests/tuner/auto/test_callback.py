@@ -238,3 +238,23 @@ def test_the_record_is_a_tuning_session_nested_in_the_jobs_run_and_the_policy_fi
         assert t.data.metrics["measured_peak_bytes"] > 0
     artifacts = {a.path for a in client.list_artifacts(auto.record_run_id)}
     assert {RACE_JSON, "trials.csv", "best_policy.yaml"} <= artifacts
+
+
+def test_a_batchnorm_model_tuned_in_the_job_ends_with_the_state_of_a_plain_run(
+    quiet_trainer: Callable[..., L.Trainer],
+) -> None:
+    """The first-batch profile, the race's switches between policies and the winner's steps all update
+    BatchNorm's statistics exactly as a run without recomputation does."""
+    from tests.plugin.stateful_models import StatefulNet, differing, images, state
+
+    def fit(callbacks: list[Any]) -> StatefulNet:
+        L.seed_everything(0, verbose=False)
+        model = StatefulNet("batchnorm")
+        quiet_trainer(max_steps=16, callbacks=callbacks, limit_val_batches=0).fit(model, images(n=96))
+        return model
+
+    plain = state(fit([]))
+    auto = AutoRecompute("1GiB", plan=PLAN, profile_repeats=1)
+    tuned = state(fit([auto]))
+    assert len({r.policy for r in auto.records}) >= 2  # the race switched policies between steps
+    assert not differing(plain, tuned)
