@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test models (tests.plugin.stateful_models)
 
-import lightning_recompute.apply as apply  # noqa: E402
-from lightning_recompute import RecomputePolicy, apply_policy, remove_policy  # noqa: E402
-from lightning_recompute.replay import BufferState  # noqa: E402
-from tests.plugin.stateful_models import StatefulNet  # noqa: E402
-from tuner.race.stats import paired_ratio  # noqa: E402
+import lightning_recompute.apply as apply
+from lightning_recompute import RecomputePolicy, apply_policy, remove_policy
+from lightning_recompute.replay import BufferState
+from tests.plugin.stateful_models import StatefulNet
+from tuner.race.stats import paired_ratio
 
 CONFIGS = ("restore", "no-restore", "none")
 
