@@ -97,7 +97,7 @@ def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: 
     assert decision.data.tags["recompute.decision"] == "promote"
     assert decision.data.tags["recompute.new_good_run_id"] == d.confirmation_run_id
     assert decision.data.tags["recompute.previous_good_run_id"] == ""
-    assert "numerics: loss and gradients equal" in decision.data.tags["recompute.reason"]
+    assert "numerics: training unchanged from no recompute" in decision.data.tags["recompute.reason"]
     assert {f.path for f in client.list_artifacts(d.decision_run_id)} == {"policy.yaml", "evidence.json"}
 
     current = tracker.current_good()
