@@ -84,10 +84,10 @@ from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL  # noqa: E402
 from lightning_recompute.meter import StorageMeter  # noqa: E402
 from lightning_recompute.probe import step_peak  # noqa: E402
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens  # noqa: E402
+from lightning_recompute.units import format_bytes  # noqa: E402
 from tuner.planner import Planner  # noqa: E402
 from tuner.profile import ALL_MODES, profile_meta  # noqa: E402
 from tuner.trials.oom import is_oom_error  # noqa: E402
-from tuner.units import format_bytes  # noqa: E402
 
 METER_TOLERANCE = 0.005
 OFFLOAD_TOLERANCE = 0.05

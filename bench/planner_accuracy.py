@@ -42,9 +42,9 @@ import torch
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy, remove_policy
 from lightning_recompute.reference import ReferenceGPT
+from lightning_recompute.units import format_bytes
 from tuner.planner import Planner
 from tuner.profile import Profile, profile_model
-from tuner.units import format_bytes
 
 MODES = ("none", "selective", "full")
 SIZES = {

@@ -42,11 +42,11 @@ import torch.multiprocessing as mp
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy
 from lightning_recompute.policy import glyph
+from lightning_recompute.units import format_bytes
 from tuner.models import LlamaConfig, LlamaLike, token_batch
 from tuner.planner import Planner
 from tuner.planner.sharding import ParamLayout, Sharding, shard_profile
 from tuner.profile import profile_model
-from tuner.units import format_bytes
 
 WORLD = 2
 MODES = ("none", "selective", "full")

@@ -13,10 +13,18 @@ and optimizer state are `DTensor` wrappers, which own no storage themselves (the
 their inner tensors), and it frees and re-allocates unsharded parameters by resizing their
 storages in place (``UntypedStorage.resize_``), which dispatches no op (the meter watches that
 method while it is started).
+
+A CPU never runs out of memory the way a GPU does, so the situation recomputation exists for (the
+model does not fit without it) would never run here. ``RECOMPUTE_CPU_MEMORY_LIMIT`` (bytes, or a
+size such as ``48MiB``) caps the CPU device for testing and demonstration: while a `StorageMeter`
+on the CPU is started, an allocation that takes the ledger's live bytes over the limit raises
+``torch.OutOfMemoryError``, as the CUDA allocator does. Every step the plugin or the tuner meters
+is capped; unmetered steps are not. Unset, it costs nothing.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -29,7 +37,36 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CudaMemoryMeter", "MemoryMeter", "StepTimer", "StorageMeter", "memory_meter", "synchronize"]
+__all__ = [
+    "CPU_MEMORY_LIMIT",
+    "CudaMemoryMeter",
+    "MemoryMeter",
+    "StepTimer",
+    "StorageMeter",
+    "cpu_memory_limit",
+    "memory_meter",
+    "synchronize",
+]
+
+CPU_MEMORY_LIMIT = "RECOMPUTE_CPU_MEMORY_LIMIT"
+"""The environment variable that caps the CPU device's metered steps (see the module docstring)."""
+
+
+def cpu_memory_limit() -> int | None:
+    """The CPU device's cap in bytes from `CPU_MEMORY_LIMIT`, or ``None`` when it is unset or empty.
+
+    Raises:
+        ValueError: the variable is set to something that is not a size (named, with what is valid).
+    """
+    from lightning_recompute.units import parse_bytes
+
+    raw = os.environ.get(CPU_MEMORY_LIMIT, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_bytes(raw)
+    except ValueError as err:
+        raise ValueError(f"{CPU_MEMORY_LIMIT}: {err}") from None
 
 
 class MemoryMeter(ABC):
@@ -106,21 +143,23 @@ class CudaMemoryMeter(MemoryMeter):
 class _Ledger:
     """Live storages by identity, with running current and peak totals."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, limit: int | None = None) -> None:
         self.device_type = device_type
+        self.limit = limit
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
         self._finalizers: dict[int, weakref.finalize] = {}
 
-    def add(self, tensor: torch.Tensor) -> None:
+    def add(self, tensor: torch.Tensor, *, allocated: bool = True) -> None:
+        """Put ``tensor``'s storage on the ledger; ``allocated``: it was just allocated (the limit applies)."""
         if is_traceable_wrapper_subclass(tensor):
             # A wrapper (DTensor) allocates nothing of its own; its inner tensors hold the memory.
             attrs, _ = tensor.__tensor_flatten__()
             for attr in attrs:
                 inner = getattr(tensor, attr)
                 if isinstance(inner, torch.Tensor):
-                    self.add(inner)
+                    self.add(inner, allocated=allocated)
             return
         if tensor.device.type != self.device_type or tensor.is_sparse or tensor.layout != torch.strided:
             return
@@ -137,6 +176,16 @@ class _Ledger:
         if self.current > self.peak:
             self.peak = self.current
         self._finalizers[key] = weakref.finalize(storage, self._free, key)
+        if allocated:
+            self._check(nbytes)
+
+    def _check(self, nbytes: int) -> None:
+        if self.limit is not None and self.current > self.limit:
+            # The storage stays on the ledger: dropping the output that raised frees it, through its finalizer.
+            raise torch.OutOfMemoryError(
+                f"{self.device_type.upper()} out of memory: tried to allocate {nbytes} bytes with "
+                f"{self.current - nbytes} live, over the limit of {self.limit} bytes ({CPU_MEMORY_LIMIT})"
+            )
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """``storage`` was resized in place: a known one changes size, an unknown one grown from 0 is new."""
@@ -151,6 +200,7 @@ class _Ledger:
             self.current += nbytes
             self._finalizers[key] = weakref.finalize(storage, self._free, key)
         self.peak = max(self.peak, self.current)
+        self._check(nbytes)
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, None)
@@ -229,9 +279,13 @@ class StorageMeter(MemoryMeter):
     a long run.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, limit: int | None = None) -> None:
+        """``limit``: bytes of live storage an allocation may not exceed (``torch.OutOfMemoryError``); on the CPU,
+        `cpu_memory_limit` when not given. Tracked tensors count, but only an allocation raises."""
         self.device = torch.device(device)
-        self._ledger = _Ledger(self.device.type)
+        if limit is None and self.device.type == "cpu":
+            limit = cpu_memory_limit()
+        self._ledger = _Ledger(self.device.type, limit)
         self._mode: _LedgerMode | None = None
 
     def start(self) -> None:
@@ -258,7 +312,7 @@ class StorageMeter(MemoryMeter):
     def track(self, *objs: Any) -> None:
         for obj in objs:
             for t in _tensors_of(obj):
-                self._ledger.add(t)
+                self._ledger.add(t, allocated=False)
 
     @property
     def current_bytes(self) -> int:

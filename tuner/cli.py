@@ -525,8 +525,8 @@ def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
+    from lightning_recompute.units import format_seconds
     from tuner import commands
-    from tuner.units import format_seconds
 
     if args.write is not None:
         print("error: --write: --max-seq-len chooses no single policy to write", file=sys.stderr)
@@ -631,6 +631,6 @@ def _num(value: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    from tuner.units import format_bytes
+    from lightning_recompute.units import format_bytes
 
     return "-" if n is None else format_bytes(n)

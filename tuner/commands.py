@@ -141,9 +141,9 @@ def plan(
 
 def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None) -> tuple[str, int]:
     """The device planned for (in words) and the budget limit in bytes (``--budget``, else the recipe's)."""
+    from lightning_recompute.units import parse_bytes
     from tuner.profile import HARDWARE
     from tuner.trials import device_info
-    from tuner.units import parse_bytes
 
     total: int | None
     if meta is not None:
@@ -463,7 +463,7 @@ def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSumm
 
 def _against_budget(recipe: Recipe, good: GoodPolicy) -> tuple[str, bool]:
     """How ``good``'s measured peak compares with ``recipe``'s budget limit now, in words, and whether it is over."""
-    from tuner.units import format_bytes
+    from lightning_recompute.units import format_bytes
 
     tuned = good.policy.tuned_for
     peak = good.peak_bytes if good.peak_bytes is not None else (tuned.peak_bytes if tuned is not None else None)

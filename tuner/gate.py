@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.tuned_for import TunedFor
+from lightning_recompute.units import format_bytes
 from tuner.jsonable import jsonable
-from tuner.units import format_bytes
 
 if TYPE_CHECKING:
     from tuner.race import RaceEntrant, RaceResult

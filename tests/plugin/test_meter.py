@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -120,3 +122,53 @@ def test_step_timer_measures_with_patched_clock(monkeypatch: pytest.MonkeyPatch)
     assert timer.stop() is None
     timer.start()
     assert timer.stop() == 0.25
+
+
+# ---------------------------------------------------------------------------------------------- the capped CPU
+
+
+def test_the_cap_raises_the_out_of_memory_error_a_gpu_raises_and_frees_what_it_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, "1KiB")
+    big = torch.ones(1024)  # 4 KiB, tracked: what existed before the meter counts, and never raises
+    with StorageMeter() as meter:
+        meter.track(big)
+        with pytest.raises(torch.OutOfMemoryError, match=r"CPU out of memory: tried to allocate 16 bytes .*1024 bytes"):
+            torch.zeros(4)
+        assert meter.current_bytes == 4096  # the refused allocation is off the ledger again
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, "lots")
+    with pytest.raises(ValueError, match=r"RECOMPUTE_CPU_MEMORY_LIMIT: 'lots' is not a size \(valid: .*MiB"):
+        StorageMeter()
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, "")
+    with StorageMeter() as meter:
+        torch.zeros(1 << 20)  # unset: no limit
+
+
+def test_a_model_that_does_not_fit_without_recomputation_runs_out_of_memory_and_fits_with_it(
+    monkeypatch: pytest.MonkeyPatch, quiet_trainer: Any
+) -> None:
+    import lightning as L
+
+    from lightning_recompute import RecomputeCallback
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+    from lightning_recompute.reference import SyntheticTokens
+
+    def fit(mode: str) -> RecomputeCallback:
+        L.seed_everything(0, verbose=False)
+        model = ReferenceGPT(vocab_size=64, seq_len=64, n_layer=4, n_embd=32, n_head=4, dropout=0.1)
+        cb = RecomputeCallback(RecomputePolicy.uniform(mode))
+        data = SyntheticTokens(vocab_size=64, seq_len=64, batch_size=4, num_batches=4)
+        quiet_trainer(max_steps=2, callbacks=[cb], limit_val_batches=0).fit(model, data)
+        return cb
+
+    none_peak = max(r.peak_bytes or 0 for r in fit("none").records)
+    full_peak = max(r.peak_bytes or 0 for r in fit("full").records)
+    cap = (none_peak + full_peak) // 2
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, str(cap))
+    with pytest.raises(torch.OutOfMemoryError, match="over the limit"):
+        fit("none")
+    capped = fit("full")  # trains under the cap, measuring what it measured uncapped
+    assert len(capped.records) == 2 and max(r.peak_bytes or 0 for r in capped.records) == full_peak < cap

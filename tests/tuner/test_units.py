@@ -1,4 +1,4 @@
-"""tuner.units: the one parser and the one printer of sizes, and the seconds printer."""
+"""lightning_recompute.units: the one parser and the one printer of sizes, and the seconds printer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tuner.units import format_bytes, format_seconds, parse_bytes
+from lightning_recompute.units import format_bytes, format_seconds, parse_bytes
 
 
 def test_parse_bytes_reads_binary_and_decimal_units_case_insensitively() -> None:

@@ -27,13 +27,13 @@ from lightning_recompute.layers import LayerSpec
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
+from lightning_recompute.units import format_bytes, parse_bytes
 from tuner.auto.candidates import Candidate, shared_candidates
 from tuner.auto.record import JobTuning, record_decision
 from tuner.auto.retry import StepRetry
 from tuner.race import RacePlan, RaceResult
 from tuner.race.machine import machine_state
 from tuner.race.schedule import RaceSchedule, RoundReport, Turn
-from tuner.units import format_bytes, parse_bytes
 
 __all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "agree_across_ranks"]
 

@@ -57,9 +57,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_recompute.units import format_bytes
 from tuner.planner.solver import PlannerError
 from tuner.profile.model import LayerProfile, Profile, SegmentCost
-from tuner.units import format_bytes
 
 __all__ = ["STRATEGIES", "ParamGroup", "ParamLayout", "Sharding", "shard_profile", "sharding_for"]
 

@@ -11,10 +11,10 @@ import numpy as np
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, glyph
 from lightning_recompute.sources import as_policy
+from lightning_recompute.units import format_bytes, format_seconds, parse_bytes
 from tuner.planner.dp import Tables, fastest_within, least_peak, pareto_picks
 from tuner.profile import ALL_MODES, Profile, SegmentCost
 from tuner.profile.model import ZERO_GRAD_SEGMENT
-from tuner.units import format_bytes, format_seconds, parse_bytes
 
 
 class PlannerError(RecomputeError, ValueError):
@@ -41,7 +41,7 @@ def _budget_bytes(value: int | str) -> int:
 
     A whole number is taken as it is: a budget below every policy's peak (zero included) is a
     `BudgetError` with the least achievable peak, which says more than "not a size". Anything
-    else is read by `tuner.units.parse_bytes`.
+    else is read by `lightning_recompute.units.parse_bytes`.
     """
     if isinstance(value, int) and not isinstance(value, bool):
         return value

@@ -11,7 +11,7 @@ import torch
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.modes import MODES, Mode
-from tuner.units import format_bytes
+from lightning_recompute.units import format_bytes
 
 BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)
 """The plugin's modes; what a profile measures when not told which modes."""

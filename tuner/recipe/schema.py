@@ -19,11 +19,11 @@ from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError, clip
 from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
+from lightning_recompute.units import format_bytes as _format_bytes
+from lightning_recompute.units import parse_bytes
 from tuner.jsonable import jsonable
 from tuner.race.field import PREDICTION_SPAN
 from tuner.race.rule import TIE_MARGIN
-from tuner.units import format_bytes as _format_bytes
-from tuner.units import parse_bytes
 
 REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
 """The model a recipe trains when it names none."""

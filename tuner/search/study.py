@@ -18,7 +18,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
-from tuner.units import format_bytes
+from lightning_recompute.units import format_bytes
 
 if TYPE_CHECKING:
     from tuner.planner.solver import Prediction

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
     pass
 
+from lightning_recompute.units import format_bytes
 from tuner.jsonable import jsonable
-from tuner.units import format_bytes
 
 
 def result_dict(result: TrialResult) -> dict[str, Any]:

@@ -3,8 +3,8 @@ layer name or mode header running into the next column."""
 
 from __future__ import annotations
 
+from lightning_recompute.units import format_bytes
 from tuner.profile import LayerProfile, Profile, SegmentCost
-from tuner.units import format_bytes
 
 MODES = ["none", "selective", "full", "selective:attn+narrow"]
 

@@ -1,4 +1,4 @@
-"""Units the tuner reads and prints, one way for the whole tuner: byte sizes and seconds."""
+"""Units the plugin and the tuner read and print, one way for both: byte sizes and seconds."""
 
 from __future__ import annotations
 
