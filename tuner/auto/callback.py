@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_recompute import RecomputeCallback, RecomputePolicy, StepRecord
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
+from lightning_recompute.meter import cpu_memory_limit
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
@@ -129,7 +130,8 @@ class AutoRecompute(RecomputeCallback):
         layers: which modules are layers, as for `RecomputeCallback`.
         catch_oom: on an out-of-memory error in a candidate's optimizer step, drop the candidate and
             run the same batch again, from the same random state, under the safest candidate left
-            (nothing lost, no step skipped). ``None``: on for one CUDA device. With gradient accumulation
+            (nothing lost, no step skipped). ``None``: on for one CUDA device or the capped CPU
+            (``RECOMPUTE_CPU_MEMORY_LIMIT``). With gradient accumulation
             only the last micro-batch of a step is covered. Never across several ranks: one rank
             retrying while the others wait in a collective would hang the job.
         profile_repeats: timed steps per mode in the profile.
@@ -211,7 +213,7 @@ class AutoRecompute(RecomputeCallback):
         self._world = int(trainer.world_size)
         self._on_cuda = pl_module.device.type == "cuda"
         if self.catch_oom is None:
-            self.catch_oom = self._on_cuda and self._world == 1
+            self.catch_oom = (self._on_cuda or cpu_memory_limit() is not None) and self._world == 1
         elif self.catch_oom and self._world > 1:
             raise RecomputeError(
                 "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
@@ -232,7 +234,7 @@ class AutoRecompute(RecomputeCallback):
                 self._start(trainer, pl_module, batch)
             if self._retry is not None and self._turn is not None and trainer.global_step != self._retry_step:
                 # The random state at the start of the optimizer step: an out-of-memory retry starts from it.
-                self._retry.mark(pl_module.device)
+                self._retry.mark(pl_module)
                 self._retry_step = trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
@@ -296,7 +298,8 @@ class AutoRecompute(RecomputeCallback):
             references=[self.candidates[0].key],
             plan=self.plan,
             budget_bytes=self.limit_bytes,
-            meter_every_step=self._on_cuda,
+            # A capped CPU runs out of memory only in metered steps (lightning_recompute.meter).
+            meter_every_step=self._on_cuda or cpu_memory_limit() is not None,
             agree=agree_across_ranks if self._world > 1 else None,
         )
         if self.catch_oom:

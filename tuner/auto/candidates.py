@@ -229,10 +229,17 @@ def find_candidates(
             repeats=repeats,
         )
         found, planner_note = planner_candidates(profile, limit_bytes, modes, max_candidates)
-    except RecomputeError as err:
-        failed = f"profiling the first batch failed ({err}); racing uniform policies"
+    except (RecomputeError, torch.OutOfMemoryError) as err:
+        # Out of memory here: the model does not fit even with every layer recomputed; the race's own
+        # out-of-memory handling decides what runs.
+        failed = f"profiling the first batch failed ({type(err).__name__}: {err}); racing uniform policies"
         return baseline_candidates(pl_module, layers, modes), [failed]
-    return found, [planner_note] if planner_note else []
+    notes = [
+        f"the first batch does not fit with every layer in {m}: that mode was profiled in {k} steps, each with a "
+        f"group of layers in it and the rest full"
+        for m, k in profile.split.items()
+    ]
+    return found, [*notes, planner_note] if planner_note else notes
 
 
 def shared_candidates(

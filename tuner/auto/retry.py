@@ -4,7 +4,8 @@ Lightning runs a step's forward and backward inside the closure it hands to the 
 ``optimizer_step``. `StepRetry` wraps that method: when the closure raises ``torch.OutOfMemoryError``,
 it asks its owner what to run instead (`AutoRecompute` drops the candidate and puts the safest one
 left on), drops the half-made gradients, frees the cached blocks, sets the random number generators
-back to where they were when the step began, and calls the same closure again: the same batch, the
+and the module's buffers (BatchNorm's statistics, which the failed forward may have updated) back to
+where they were when the step began, and calls the same closure again: the same batch, the
 same dropout masks, the step a plain run takes. An out-of-memory error in the optimizer's update,
 after the closure, is not run again: some parameters may be updated already.
 
@@ -21,22 +22,28 @@ from typing import Any
 import lightning as L
 import torch
 
-__all__ = ["RngState", "StepRetry"]
+__all__ = ["StepRetry", "StepStart"]
 
 
-class RngState:
-    """The CPU generator's state, and the module's CUDA device's when it has one, at one moment."""
+class StepStart:
+    """What a step changes besides parameters, at its start: the CPU generator's state, the module's CUDA
+    device's when it has one, and a copy of the module's buffers (none for most transformers)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
+        device = module.device if isinstance(module, L.LightningModule) else torch.device("cpu")
         self.cpu = torch.get_rng_state()
         self.device = device if device.type == "cuda" else None
         self.cuda = torch.cuda.get_rng_state(device) if self.device is not None else None
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
 
     def restore(self) -> None:
-        """Put the generators back to this state."""
+        """Put the generators and the buffers back to this state."""
         torch.set_rng_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
+        with torch.no_grad():
+            for live, before in self.buffers:
+                live.copy_(before)
 
 
 class StepRetry:
@@ -49,15 +56,15 @@ class StepRetry:
 
     def __init__(self, on_oom: Callable[[BaseException], bool]) -> None:
         self.on_oom = on_oom
-        self.start: RngState | None = None
-        """The random state at the start of the current optimizer step (`mark`)."""
+        self.start: StepStart | None = None
+        """The random state and buffers at the start of the current optimizer step (`mark`)."""
         self.retried = 0
         """Steps run again so far."""
         self._module: L.LightningModule | None = None
 
-    def mark(self, device: torch.device) -> None:
-        """Remember the random state: call it at the start of each optimizer step (its first micro-batch)."""
-        self.start = RngState(device)
+    def mark(self, module: torch.nn.Module) -> None:
+        """Remember the random state and buffers at the start of each optimizer step (its first micro-batch)."""
+        self.start = StepStart(module)
 
     def install(self, pl_module: L.LightningModule) -> None:
         """Wrap the module's ``optimizer_step`` (an instance attribute shadowing the method; `remove` undoes it)."""

@@ -225,6 +225,49 @@ def _group_of(name: str, module: nn.Module, input_shape: str) -> str:
     return f"{type(module).__qualname__}[{params}]<-{input_shape}"
 
 
+def least_kept(modes: Sequence[str]) -> str:
+    """The mode of ``modes`` that keeps the least between forward and backward (``full`` when profiled)."""
+    return Mode.FULL.value if Mode.FULL.value in modes else Mode.NONE.value
+
+
+class Split:
+    """A mode that does not fit with every layer in it, profiled from steps that do: in each, one group of
+    layers in the mode and every other layer in a mode that keeps less.
+
+    Why groups of layers with the rest recomputed, rather than a cut of the stack or a smaller
+    micro-batch: each layer is measured at the job's own micro-batch and in its own place in the
+    model, so its costs are the ones the planner composes with no scaling, and the steps are real
+    steps whose peaks the planner's prediction can be checked against (`runs`, `policies`).
+    """
+
+    def __init__(self, n_layers: int, groups: list[list[int]], runs: list[Recorder], policies: list[Any]) -> None:
+        self.n_layers, self.groups, self.runs, self.policies = n_layers, groups, runs, policies
+        self._owner = {i: g for g, members in enumerate(groups) for i in members}
+
+    def segments(self) -> list[tuple[str, list[Event]]]:
+        """The step's segments: each layer's from the run where it was in the mode, the rest from the first run."""
+        per_run = [_segments(rec.events, self.n_layers) for rec in self.runs]
+        return [(key, dict(per_run[self._source(key)])[key]) for key, _ in per_run[0]]
+
+    def times(self, timed: list[dict[str, float]]) -> dict[str, float]:
+        """One timed round's segment seconds from the runs' (one dict per group, in order), composed alike."""
+        return {key: timed[self._source(key)][key] for key in timed[0]}
+
+    def _source(self, key: str) -> int:
+        kind, _, idx = key.partition(":")
+        return self._owner[int(idx)] if kind in ("fwd", "bwd") else 0
+
+    def peaks(self) -> list[int]:
+        """Each run's measured peak: the highest level any event saw."""
+        return [max((e.peak for e in rec.events), default=0) for rec in self.runs]
+
+
+def _groups(n: int, k: int) -> list[list[int]]:
+    """``range(n)`` in ``k`` contiguous groups, as even as can be."""
+    size = -(-n // k)
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
 class ProfilingRun:
     """Shared machinery of `profile_model` and `profile_meta`: one model, one batch, uniform-mode runs."""
 
@@ -247,15 +290,23 @@ class ProfilingRun:
         self.loss_fn = loss_fn or _default_loss_fn(model)
         self.optimizer = _make_optimizer(model, optimizer, self.notes)
 
-    def apply(self, mode: str) -> None:
+    def apply(self, mode: str | RecomputePolicy) -> None:
+        """Every layer in ``mode``, or the policy given."""
+        policy = mode if isinstance(mode, RecomputePolicy) else RecomputePolicy.uniform(mode)
         with warnings.catch_warnings():
             # The plugin warns that offload does nothing off CUDA; the profile already says so.
             warnings.filterwarnings("ignore", message=".*offload.*")
-            apply_policy(self.model, RecomputePolicy.uniform(mode), self.layer_spec)
+            apply_policy(self.model, policy, self.layer_spec)
 
-    def memory_run(self, mode: str, emulate_offload: bool) -> Recorder:
-        """Two steps with every layer in ``mode``: one under the memory meter and the traffic counter,
-        one under `FlopCounterMode`; the returned events carry the memory of the first, the FLOPs of the second.
+    def group_policy(self, mode: str, group: Sequence[int], rest: str) -> RecomputePolicy:
+        """The layers of ``group`` (indices) in ``mode``, every other layer in ``rest``."""
+        members = set(group)
+        return RecomputePolicy.from_modes({n: mode if i in members else rest for i, n in enumerate(self.names)})
+
+    def memory_run(self, mode: str | RecomputePolicy, emulate_offload: bool) -> Recorder:
+        """Two steps with every layer in ``mode`` (or under a policy): one under the memory meter and the
+        traffic counter, one under `FlopCounterMode`; the returned events carry the memory of the first,
+        the FLOPs of the second.
 
         Apart because FlopCounterMode's module tracker keeps tensors recomputed in backward alive
         past their use (hundreds of KiB per layer on the reference model), which the meter would see.
@@ -281,20 +332,21 @@ class ProfilingRun:
         return rec
 
     def warm_up(self) -> None:
-        """One plain step: creates the optimizer state, so the measured steps see it in the base."""
-        self.apply(Mode.NONE.value)
+        """One step that creates the optimizer state, so the measured steps see it in the base: in the mode
+        that keeps the least (`least_kept`), so a model that fits only with recomputation warms up too."""
+        self.apply(least_kept(self.modes))
         _run_step(self.model, self.batch, self.loss_fn, self.optimizer, None)
 
     def build(
         self,
-        mem: dict[str, Recorder],
+        mem: dict[str, Recorder | Split],
         times: dict[str, list[dict[str, float]]] | None,
         time_source: str,
         hardware: str | None,
         estimate: Callable[[SegmentCost], float] | None,
     ) -> Profile:
         n = len(self.layers)
-        segs = {m: _segments(rec.events, n) for m, rec in mem.items()}
+        segs = {m: rec.segments() if isinstance(rec, Split) else _segments(rec.events, n) for m, rec in mem.items()}
         keys = [k for k, _ in segs[Mode.NONE.value]]
         for m, s in segs.items():
             if [k for k, _ in s] != keys:
@@ -304,7 +356,8 @@ class ProfilingRun:
                 )
         by_mode = {m: {k: _cost(ev, scales=k != "fixed:backward->optimizer") for k, ev in s} for m, s in segs.items()}
         none = by_mode[Mode.NONE.value]
-        rec0 = mem[Mode.NONE.value]
+        first = mem[Mode.NONE.value]
+        rec0 = first.runs[0] if isinstance(first, Split) else first
         layer_profiles, groups = self._layers(by_mode, rec0)
         fixed = {k[len("fixed:") :]: c for k, c in none.items() if k.startswith("fixed:")}
         if times is not None:
@@ -343,6 +396,7 @@ class ProfilingRun:
             groups=groups,
             notes=self.notes,
             free_grads_at_batch_start=self.free_grads,
+            split={m: len(rec.groups) for m, rec in mem.items() if isinstance(rec, Split) and m in self.modes},
         )
 
     def _layers(
@@ -482,25 +536,80 @@ def _device_to_profile_on(model: nn.Module, repeats: int, clock: Callable[[], fl
 
 
 def _measure(session: ProfilingRun, mode_list: list[str], repeats: int, clock: Callable[[], float]) -> Profile:
-    """One warm-up step, one metered step per mode, then ``repeats`` timed rounds in rotating order."""
+    """One warm-up step, one metered step per mode, then ``repeats`` timed rounds in rotating order.
+
+    A mode that runs out of memory with every layer in it is profiled in groups of layers (`Split`).
+    """
     model, batch, device = session.model, session.batch, session.device
     session.warm_up()
     # On CPU offload is none (see the module docstring): measure it once, as none.
     measured = [m for m in mode_list if not (m == Mode.OFFLOAD.value and device.type != "cuda")]
     if len(measured) < len(mode_list):
         session.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
-    mem: dict[str, Recorder] = {}
-    for m in measured:
-        mem[m] = session.memory_run(m, emulate_offload=False)
+    mem: dict[str, Recorder | Split] = {}
+    too_big = []
+    for m in sorted(measured, key=lambda m: m != least_kept(measured)):  # the fallback first
+        try:
+            mem[m] = session.memory_run(m, emulate_offload=False)
+        except torch.OutOfMemoryError:
+            _release(device)
+            too_big.append(m)
+    rest = least_kept(measured)
+    if rest not in mem:
+        raise torch.OutOfMemoryError(
+            f"the model does not fit on {device} even with every layer in {rest} (out of memory at micro-batch "
+            f"{_batch_size(batch)}); a smaller micro-batch, or more devices, is needed"
+        )
+    for m in too_big:
+        mem[m] = _split_run(session, m, rest)
     for m in mode_list:
         mem.setdefault(m, mem[Mode.NONE.value])
     times: dict[str, list[dict[str, float]]] = {m: [] for m in measured}
+    n = len(session.layers)
     for r in range(repeats + 1):  # round 0 warms each mode's code paths up; it is not kept
         order = measured[r % len(measured) :] + measured[: r % len(measured)]
         for m in order:
-            session.apply(m)
-            with Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
-                _run_step(model, batch, session.loss_fn, session.optimizer, rec)
+            split = mem[m]
+            runs = split.policies if isinstance(split, Split) else [m]
+            timed = []
+            for policy in runs:
+                session.apply(policy)
+                with Recorder(model, session.layers, device, None, None, None, clock=clock) as rec:
+                    _run_step(model, batch, session.loss_fn, session.optimizer, rec)
+                timed.append({k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, n)})
             if r > 0:
-                times[m].append({k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(session.layers))})
+                times[m].append(split.times(timed) if isinstance(split, Split) else timed[0])
     return session.build(mem, times, "measured", None, None)
+
+
+def _split_run(session: ProfilingRun, mode: str, rest: str) -> Split:
+    """``mode`` profiled in 2, 4, ... groups of layers (the others in ``rest``) until every group's step fits."""
+    n = len(session.layers)
+    k = 2
+    while True:
+        groups = _groups(n, min(k, n))
+        policies = [session.group_policy(mode, g, rest) for g in groups]
+        try:
+            runs = [session.memory_run(p, emulate_offload=False) for p in policies]
+        except torch.OutOfMemoryError:
+            _release(session.device)
+            if k >= n:
+                raise torch.OutOfMemoryError(
+                    f"mode {mode}: one layer in it, the others in {rest}, does not fit on {session.device}"
+                ) from None
+            k *= 2
+            continue
+        session.notes.append(
+            f"{mode}: does not fit with every layer in it (out of memory); profiled in {len(groups)} steps, "
+            f"each with {len(groups[0])} layer(s) in {mode} and the rest {rest}"
+        )
+        return Split(n, groups, runs, policies)
+
+
+def _release(device: torch.device) -> None:
+    """What an out-of-memory step left behind, freed before the next step."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

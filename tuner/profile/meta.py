@@ -15,7 +15,7 @@ from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
 from tuner.profile.extrapolate import profile_stack, stack_of
 from tuner.profile.hardware import HARDWARE, Hardware
-from tuner.profile.measure import LossFn, ProfilingRun, check_modes
+from tuner.profile.measure import LossFn, ProfilingRun, Split, check_modes
 from tuner.profile.model import Profile, ProfileError, SegmentCost
 from tuner.profile.recorder import Recorder
 
@@ -75,7 +75,7 @@ def profile_meta(
         session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
         try:
             session.warm_up()
-            mem: dict[str, Recorder] = {}
+            mem: dict[str, Recorder | Split] = {}
             for m in run_modes:
                 mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
         finally:

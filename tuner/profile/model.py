@@ -137,6 +137,9 @@ class Profile:
     """Whether the training job frees the previous step's gradients at batch start (what
     `lightning_recompute.RecomputeCallback` does where safe), so they are not alive in the forward.
     The profile is measured in Lightning's order either way; the planner predicts the job's."""
+    split: dict[str, int] = field(default_factory=dict)
+    """The modes that did not fit with every layer in them, each with the number of steps it was profiled
+    in instead (groups of layers in the mode, the rest in ``full``; `tuner.profile.measure.Split`)."""
     torch_version: str = torch.__version__
     version: int = PROFILE_VERSION
 
@@ -182,6 +185,7 @@ class Profile:
             "groups": {k: list(v) for k, v in self.groups.items()},
             "notes": list(self.notes),
             "free_grads_at_batch_start": self.free_grads_at_batch_start,
+            "split": dict(self.split),
         }
 
     @classmethod
@@ -205,6 +209,7 @@ class Profile:
             groups={k: list(v) for k, v in d.get("groups", {}).items()},
             notes=list(d.get("notes", [])),
             free_grads_at_batch_start=bool(d.get("free_grads_at_batch_start", False)),
+            split={k: int(v) for k, v in d.get("split", {}).items()},
             torch_version=d.get("torch_version", ""),
             version=d["version"],
         )

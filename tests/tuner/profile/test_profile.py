@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from lightning_recompute import RecomputePolicy
 from lightning_recompute.reference import ReferenceGPT
 from tests.helpers import REPO
 from tuner.models import LlamaConfig, LlamaLike, token_batch
@@ -193,3 +194,61 @@ def test_bad_arguments_are_named() -> None:
         profile_meta(_gpt, _batch(), hardware="B200")
     with pytest.raises(ProfileError, match="mfu: must be in"):
         profile_meta(_gpt, _batch(), mfu=2.0)
+
+
+def test_a_mode_that_does_not_fit_is_profiled_in_groups_of_layers_with_the_same_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a device where keeping every activation runs out of memory, the profile measures ``none`` one
+    group of layers at a time (the rest full), and every cost equals the profile of a device that fits it;
+    the planner's prediction of each group's step equals that step's measured peak."""
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+    from tuner.planner import Planner
+
+    torch.manual_seed(0)
+    model = ReferenceGPT(vocab_size=64, seq_len=64, n_layer=4, n_embd=32, n_head=4, dropout=0.1)
+    batch = next(iter(SyntheticTokens(vocab_size=64, seq_len=64, batch_size=4, num_batches=1).train_dataloader()))
+    modes = ["none", "selective", "full"]
+    # The previous step's gradients alive in the forward, as in the profile's own steps (Lightning's order).
+    whole = profile_model(model, batch, modes=modes, repeats=1, free_grads_at_batch_start=False)
+    planner = Planner(whole)
+    none_peak = planner.predict(RecomputePolicy.uniform("none")).peak_bytes
+    full_peak = planner.predict(RecomputePolicy.uniform("full")).peak_bytes
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, str((none_peak + full_peak) // 2))
+
+    from tuner.profile import measure
+
+    runs: list[measure.Split] = []
+    real = measure._split_run
+    monkeypatch.setattr(measure, "_split_run", lambda *a: runs.append(real(*a)) or runs[-1])
+    capped = profile_model(model, batch, modes=modes, repeats=1, free_grads_at_batch_start=False)
+
+    assert whole.split == {} and capped.split == {"none": 4}  # halves do not fit either: one layer at a time
+    assert any("none: does not fit with every layer in it" in n for n in capped.notes)
+    for a, b in zip(whole.layers, capped.layers, strict=True):
+        for phase in ("fwd", "bwd"):
+            for m in modes:
+                x, y = getattr(a, phase)[m], getattr(b, phase)[m]
+                assert (x.delta, x.peak, x.grad, x.flops) == (y.delta, y.peak, y.grad, y.flops), (a.name, phase, m)
+    assert {k: (c.delta, c.peak) for k, c in whole.fixed.items()} == {
+        k: (c.delta, c.peak) for k, c in capped.fixed.items()
+    }
+    assert Planner(capped).predict(RecomputePolicy.uniform("none")).peak_bytes == none_peak
+    (split,) = runs
+    for policy, measured in zip(split.policies, split.peaks(), strict=True):
+        assert Planner(capped).predict(policy).peak_bytes == measured
+    assert Profile.from_dict(capped.to_dict()).split == {"none": 4}
+
+
+def test_a_model_that_does_not_fit_even_fully_recomputed_is_an_out_of_memory_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+
+    model = ReferenceGPT(vocab_size=64, seq_len=64, n_layer=2, n_embd=32, n_head=4)
+    batch = next(iter(SyntheticTokens(vocab_size=64, seq_len=64, batch_size=4, num_batches=1).train_dataloader()))
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, "1MiB")
+    with pytest.raises(torch.OutOfMemoryError, match="does not fit on cpu even with every layer in full"):
+        profile_model(model, batch, modes=["none", "full"], repeats=1)
