@@ -84,13 +84,16 @@ class StepRetry:
             except torch.OutOfMemoryError as err:
                 if ran or retry.start is None or not retry.on_oom(err):
                     raise
-                optimizer.zero_grad(set_to_none=True)
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                retry.start.restore()
-                retry.retried += 1
-                return original(epoch, batch_idx, optimizer, optimizer_closure)
+            # Out of the except block: the error's traceback holds the failed step's frames, and with them
+            # its activations, until the block ends; the step runs again only once they are freed.
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            assert retry.start is not None
+            retry.start.restore()
+            retry.retried += 1
+            return original(epoch, batch_idx, optimizer, optimizer_closure)
 
         pl_module.__dict__["optimizer_step"] = guarded
         self._module = pl_module

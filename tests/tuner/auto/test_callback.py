@@ -258,3 +258,64 @@ def test_a_batchnorm_model_tuned_in_the_job_ends_with_the_state_of_a_plain_run(
     tuned = state(fit([auto]))
     assert len({r.policy for r in auto.records}) >= 2  # the race switched policies between steps
     assert not differing(plain, tuned)
+
+
+# ---------------------------------------------------------------------------------------------- the capped CPU
+
+
+def _small_gpt_fit(make: Callable[..., L.Trainer], steps: int) -> Callable[[list[Any]], ReferenceGPT]:
+    def fit(callbacks: list[Any]) -> ReferenceGPT:
+        L.seed_everything(0, verbose=False)
+        model = ReferenceGPT(vocab_size=64, seq_len=64, n_layer=4, n_embd=32, n_head=4, dropout=0.1)
+        data = SyntheticTokens(vocab_size=64, seq_len=64, batch_size=4, num_batches=64)
+        make(max_steps=steps, callbacks=callbacks, limit_val_batches=0).fit(model, data)
+        return model
+
+    return fit
+
+
+def test_on_a_device_where_none_does_not_fit_the_job_profiles_decides_and_trains_as_a_plain_run(
+    quiet_trainer: Callable[..., L.Trainer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+    from tests.capped import cap_between
+
+    fit = _small_gpt_fit(quiet_trainer, steps=20)
+    plain = fit([])  # uncapped
+    cap = cap_between(_small_gpt_fit(quiet_trainer, steps=2))
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, str(cap))
+    auto = AutoRecompute(cap, plan=PLAN, profile_repeats=1)
+    tuned = fit([auto])
+    assert any("does not fit with every layer in none" in n for n in auto.notes), auto.notes
+    assert auto.decision is not None and any(c.label == "planner:budget" for c in auto.candidates)
+    assert all(r.peak_bytes is None or r.peak_bytes <= cap for r in auto.records)
+    _assert_bitwise(plain, tuned)
+
+
+def test_a_candidate_that_runs_out_of_memory_on_the_capped_device_is_out_and_its_step_runs_again(
+    quiet_trainer: Callable[..., L.Trainer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Explicit candidates, the one that keeps everything first: its first step runs out of memory for
+    real, the same batch runs again under full, and BatchNorm's statistics and the weights equal a plain
+    run's (the failed forward's updates to the statistics undone)."""
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+    from tests.capped import cap_between
+    from tests.plugin.stateful_models import StatefulNet, differing, images, state
+
+    def fit(steps: int) -> Callable[[list[Any]], StatefulNet]:
+        def run(callbacks: list[Any]) -> StatefulNet:
+            L.seed_everything(0, verbose=False)
+            model = StatefulNet("batchnorm", channels=16)
+            quiet_trainer(max_steps=steps, callbacks=callbacks, limit_val_batches=0).fit(model, images(n=96, size=16))
+            return model
+
+        return run
+
+    plain = state(fit(12)([]))
+    cap = cap_between(fit(2))
+    monkeypatch.setenv(CPU_MEMORY_LIMIT, str(cap))
+    auto = AutoRecompute(cap, candidates=[NONE, FULL], plan=PLAN)
+    tuned = state(fit(12)([auto]))
+    assert any("ran out of memory in a step; it is out" in n for n in auto.notes), auto.notes
+    assert auto.decision is not None and auto.decision.policy == FULL
+    assert not differing(plain, tuned)
