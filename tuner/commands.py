@@ -16,7 +16,6 @@ from tuner.jsonable import jsonable
 if TYPE_CHECKING:
     from tuner.planner import PlannedPolicy
     from tuner.planner.seqlen import SeqLenFit
-    from tuner.planner.sharding import ParamLayout
     from tuner.profile import Profile
     from tuner.recipe import Recipe
     from tuner.tracking import Decision, GoodPolicy, Tracker
@@ -99,7 +98,7 @@ def plan(
             cannot be planned, or the model cannot be profiled.
     """
     from tuner.planner import BudgetError, Planner
-    from tuner.planner.sharding import shard_profile, sharding_for
+    from tuner.planner.sharding import recipe_layout, shard_profile, sharding_for
     from tuner.preflight import output_problem
     from tuner.profile.recipe_profile import profile_recipe_meta
     from tuner.trials import profile_recipe
@@ -113,7 +112,7 @@ def plan(
             raise RecomputeError(problem)
     profile = profile_recipe_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
     if sharding is not None:
-        profile = shard_profile(profile, _param_layout(recipe, profile.layer_names), sharding)
+        profile = shard_profile(profile, recipe_layout(recipe, profile.layer_names), sharding)
     planner = Planner(profile)
     modes = list(recipe.search.modes)
     summary = PlanSummary(
@@ -312,28 +311,6 @@ def max_seq_len(
         profiles=len(batches),
         exit_code=EXIT_OK if any(f.seq_len is not None for f in fits) else EXIT_INFEASIBLE,
     )
-
-
-def _param_layout(recipe: Recipe, layer_names: list[str]) -> ParamLayout:
-    """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
-    import torch
-
-    from tuner.planner.sharding import ParamLayout
-    from tuner.profile.recipe_profile import PRECISION_DTYPES
-    from tuner.recipe import build_model
-
-    try:
-        with torch.device("meta"):
-            model = build_model(recipe)
-    except Exception as err:  # the user's model: whatever its constructor raises on meta
-        raise RecomputeError(
-            f"model: {recipe.model.class_path} cannot be built on the meta device to read its parameter "
-            f"shapes for sharded planning: {type(err).__name__}: {err}"
-        ) from err
-    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
-    return ParamLayout.of_model(model, layer_names)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from tuner.planner.solver import BudgetError, PlannedPolicy, Planner, Prediction
 from tuner.search import Predictor, SearchSpace, Seed
 
 if TYPE_CHECKING:
+    from tuner.planner.sharding import Sharding
     from tuner.profile import Profile
     from tuner.recipe import Recipe
 
@@ -28,8 +29,8 @@ __all__ = [
     "front_points",
     "kind_picks",
     "plan_seeds",
+    "planned_from",
     "planner_seeds",
-    "seeds_off_reason",
 ]
 
 _log = logging.getLogger(__name__)
@@ -157,20 +158,28 @@ def plan_seeds(
 ) -> PlannerSeeds:
     """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds.
 
+    The profile is one device's, measured whole: a mode that does not fit with every layer in it is
+    profiled a group of layers at a time (`tuner.profile.Profile.split`). For a multi-rank recipe the
+    planner plans one rank of it (`tuner.planner.sharding`); the study stores the measured profile.
+    The note says which profile the planner planned from.
+
     Never raises for the planner's own failure (only for Ctrl-C): the note says why there are no
     predictions, and the session seeds from the baselines only.
     """
+    from tuner.planner.sharding import recipe_layout, shard_profile, sharding_for
     from tuner.profile import Profile
     from tuner.trials import profile_recipe
 
-    off = seeds_off_reason(recipe)
-    if off is not None:
-        _log.info(off)
-        return PlannerSeeds(note=off)
     try:
         mb = space.micro_batches[0] if space.micro_batches else None
-        profile = (
+        measured = (
             Profile.from_dict(stored) if stored is not None else profile_recipe(recipe, mb, repeats=PROFILE_REPEATS)
+        )
+        sharding = sharding_for(recipe)
+        profile = (
+            measured
+            if sharding is None
+            else shard_profile(measured, recipe_layout(recipe, measured.layer_names), sharding)
         )
         planner = Planner(profile)
         seeds, notes = planner_seeds(planner, space, budget_bytes, recipe.search.modes)
@@ -179,28 +188,19 @@ def plan_seeds(
     except Exception as err:  # noqa: BLE001 - the search works without predictions; say why there are none
         _log.debug("planning failed", exc_info=True)
         return PlannerSeeds(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")
+    notes.insert(0, planned_from(measured, sharding))
     if recipe.trainer.precision.endswith("-mixed"):
         notes.append(
             f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions"
         )
-    return PlannerSeeds(planner=planner, profile=profile, seeds=seeds, note="; ".join(notes) or None)
+    return PlannerSeeds(planner=planner, profile=measured, seeds=seeds, note="; ".join(notes))
 
 
-def seeds_off_reason(recipe: Recipe) -> str | None:
-    """Why the planner does not seed a session of ``recipe``, or ``None`` when it does.
-
-    A session's planner profiles the recipe's model measured on one device, whole. A recipe
-    training on several ranks shards or replicates it (DDP, FSDP, ModelParallel): the one-device
-    prediction taken as a per-rank one would seed and skip candidates on the wrong figures, and a
-    model that needs sharding may not fit one device to be profiled at all. `tuner.planner.sharding`
-    turns a profile into a rank's (``recompute-tune plan --world-size``), but the session has no
-    measured profile of a sharded model to give it (profiling on meta estimates times only), so
-    such sessions seed from the baselines. This is the one place that decides it.
-    """
-    world = recipe.trainer.devices * recipe.trainer.num_nodes
-    if world <= 1:
-        return None
-    return (
-        f"planner: seeds off for multi-rank recipes ({world} ranks, strategy {recipe.trainer.strategy_name}): "
-        f"its predictions are for one device; seeding from baselines only"
-    )
+def planned_from(profile: Profile, sharding: Sharding | None) -> str:
+    """Which profile the planner planned from, in words."""
+    words = f"planner: planned from a profile of one {profile.device} device at micro-batch {profile.micro_batch}"
+    for mode, steps in profile.split.items():
+        words += f" ({mode} did not fit with every layer in it: profiled in {steps} steps, a group of layers each)"
+    if sharding is not None:
+        words += f", for one rank of {sharding.world_size} ({sharding.strategy})"
+    return words

@@ -472,9 +472,11 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _Num
             wrapped = fabric.setup_module(model)
             wrapped.train()  # dropout active: recomputation must replay the same masks
             fabric.seed_everything(seed + 1, verbose=False)
-            out = wrapped.training_step(fabric.to_device(batch), 0)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            fabric.backward(loss)
+            on_device = fabric.to_device(batch)
+            with _capped(fabric.device, model, on_device):
+                out = wrapped.training_step(on_device, 0)
+                loss = out["loss"] if isinstance(out, Mapping) else out
+                fabric.backward(loss)
             # Gradients move to host memory so only one model occupies the device at a time.
             grads = {n: (None if p.grad is None else p.grad.detach().cpu()) for n, p in model.named_parameters()}
             compared = _state_after(model, grads, lambda t: t.detach().cpu().clone())
@@ -498,6 +500,20 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _Num
     return _NumericsRuns(
         one_step, full_batch, _batch_size(full_batch), True, where, "parameter", lambda: fabric.device.type
     )
+
+
+def _capped(device: Any, *tracked: Any) -> Any:
+    """The step under the capped CPU's ledger (`lightning_recompute.meter.CPU_MEMORY_LIMIT`), so that the runs
+    without recompute run out of memory there as on a GPU; a no-op on other devices or without a cap."""
+    from contextlib import nullcontext
+
+    from lightning_recompute.meter import StorageMeter, cpu_memory_limit
+
+    if device.type != "cpu" or cpu_memory_limit() is None:
+        return nullcontext()
+    meter = StorageMeter(device)
+    meter.track(*tracked)
+    return meter
 
 
 def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:

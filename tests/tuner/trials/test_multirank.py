@@ -29,7 +29,6 @@ from mlflow import MlflowClient
 from lightning_recompute.policy import RecomputePolicy
 from tests.helpers import REPO
 from tuner import session
-from tuner.planner.seeds import seeds_off_reason
 from tuner.recipe import Recipe, from_dict, load
 from tuner.tracking.names import KIND, rank_peak_metric
 from tuner.trials import TrialResult, merge_ranks, run_trial
@@ -95,9 +94,10 @@ def test_a_two_rank_session_promotes_and_logs_every_ranks_peak(tuned: tuple[Reci
     recipe, (summary, notes) = tuned
     assert summary.status == "promoted", (summary.reasons, notes)
     assert recipe.output.exists()
-    # The planner predicts one device: its seeds are off for this recipe, and the session says so.
-    assert seeds_off_reason(recipe) is not None
-    assert any("seeds off for multi-rank recipes (2 ranks" in n for n in notes), notes
+    # The planner plans one rank from a profile of one device, and the session says so.
+    assert any("planner: planned from a profile of one cpu device" in n and "for one rank of 2" in n for n in notes), (
+        notes
+    )
     # The gate's numerics check ran on both ranks under the same strategy, bitwise.
     numerics = summary.evidence["numerics"]
     assert numerics["equal"] is True, numerics
@@ -256,14 +256,26 @@ def test_trial_results_keep_per_rank_peaks_through_their_dict_form() -> None:
     assert TrialResult.from_dict(old).rank_peak_bytes == ()
 
 
-def test_the_planner_seeds_single_device_recipes_only(tmp_path: Path) -> None:
-    single = from_dict({"budget": "1GiB"})
-    assert seeds_off_reason(single) is None
-    two = from_dict({"budget": "1GiB", "trainer": {"devices": 2, "strategy": "ddp"}})
-    assert seeds_off_reason(two) == (
-        "planner: seeds off for multi-rank recipes (2 ranks, strategy ddp): its predictions are for one device; "
-        "seeding from baselines only"
+def test_the_planner_plans_one_rank_of_a_multi_rank_recipe() -> None:
+    from tuner.planner.seeds import plan_seeds
+    from tuner.profile.recipe_profile import profile_recipe_here
+    from tuner.search import SearchSpace, inspect_layers
+
+    one = from_dict({"budget": "1GiB", "data": {"init_args": {"batch_size": 2}}})
+    two = from_dict(
+        {"budget": "1GiB", "data": {"init_args": {"batch_size": 2}}, "trainer": {"devices": 2, "strategy": "ddp"}}
     )
+    stored = profile_recipe_here(one, None, 1).to_dict()
+    space = SearchSpace.for_layers(inspect_layers(one), one.search.modes)
+    alone, ranked = (plan_seeds(r, space, 1 << 30, stored=stored) for r in (one, two))
+    assert alone.planner is not None and ranked.planner is not None and ranked.seeds
+    assert ranked.note is not None and ranked.note.startswith(
+        "planner: planned from a profile of one cpu device at micro-batch 2, for one rank of 2 (ddp)"
+    ), ranked.note
+    # One DDP rank holds what one device does and its gradient buckets besides.
+    policy = RecomputePolicy.uniform("full")
+    assert ranked.planner.predict(policy).peak_bytes > alone.planner.predict(policy).peak_bytes
+    assert ranked.profile is not None and ranked.profile.to_dict() == stored  # the study keeps the measured one
 
 
 def test_a_session_refuses_trials_over_several_nodes() -> None:
