@@ -38,11 +38,12 @@ The checks (tolerances are the issue's):
    the plugin's compiled tolerance). The CPU dry run compiles with ``aot_eager`` (Inductor costs about a
    minute per graph on CPU), and its peak is an eager step's: the CPU ledger runs compiled layers
    eagerly, as it cannot see compiled code.
-7. ``in_job``: `tuner.auto.AutoRecompute` races ``full`` and ``none`` in a training job. On CUDA a
-   per-process memory cap between their peaks makes ``none``'s first step run out of memory in the
-   allocator, for real: it must be out of the race, its step run again under ``full``, ``full``
-   chosen, and the weights after 30 steps equal to a plain run's (bitwise, or within 1e-4 where CUDA
-   kernels are not deterministic). The CPU dry run races without the cap (bitwise).
+7. ``in_job``: `tuner.auto.AutoRecompute` in a training job on a device capped between ``full``'s
+   and ``none``'s peaks (on CUDA a per-process memory fraction, on the CPU ``RECOMPUTE_CPU_MEMORY_LIMIT``),
+   so ``none`` runs out of memory for real. Racing ``full`` and ``none``: ``none`` must be out of the
+   race, its step run again under ``full``, ``full`` chosen. With no candidates given: the first-batch
+   profile must profile ``none`` from what fits and the planner's choice train on. Both runs' weights
+   after 30 steps equal a plain run's (bitwise, or within 1e-4 where CUDA kernels are not deterministic).
 
 Not checked here: several GPUs (DDP, FSDP, recipes/llama-8gpu-fsdp.yaml) and the 1B recipe's own
 session, which would not fit the ten minutes.
@@ -943,9 +944,31 @@ def _in_job_fit(ctx: Context, callbacks: list[L.Callback], steps: int) -> dict[s
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+@contextlib.contextmanager
+def _capped(ctx: Context, limit: int) -> Iterator[None]:
+    """The device capped at ``limit`` bytes: the CUDA allocator's per-process fraction, or on the CPU the
+    plugin's `RECOMPUTE_CPU_MEMORY_LIMIT` (the steps it meters run out of memory as a GPU's would)."""
+    from lightning_recompute.meter import CPU_MEMORY_LIMIT
+
+    if ctx.cuda:
+        total = torch.cuda.get_device_properties(ctx.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(limit / total, ctx.device)
+    else:
+        os.environ[CPU_MEMORY_LIMIT] = str(limit)
+    try:
+        yield
+    finally:
+        if ctx.cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
+        else:
+            os.environ.pop(CPU_MEMORY_LIMIT, None)
+        _release(ctx.device)
+
+
 def check_in_job(ctx: Context) -> Verdict:
-    """`AutoRecompute` races full and none in a training job; on CUDA a memory cap makes none run out of
-    memory for real, and the step must run again under full with training unchanged."""
+    """`AutoRecompute` on a device capped between full's and none's peaks, so that none runs out of memory
+    for real: racing full and none, none's step must run again under full; with no candidates given, the
+    first-batch profile must work from what fits and the planner's choice must train as a plain run."""
     from tuner.auto import AutoRecompute
     from tuner.race import RacePlan
 
@@ -960,45 +983,46 @@ def check_in_job(ctx: Context) -> Verdict:
         for label, p in (("full", full), ("none", none)):
             peaks[label] = step_peak(_model(cfg), _data(cfg, ctx.sizes.session_batch), p, accelerator=ctx.accelerator)
             _release(ctx.device)
-    capped = None
-    if ctx.cuda:
-        # A cap between the two peaks: none's first step runs out of memory in the allocator, for real.
-        total = torch.cuda.get_device_properties(ctx.device).total_memory
-        capped = (peaks["full"] + peaks["none"]) // 2
-        torch.cuda.set_per_process_memory_fraction(capped / total, ctx.device)
+    capped = (peaks["full"] + peaks["none"]) // 2
     auto = AutoRecompute(10 * peaks["none"], candidates=[full, none], plan=plan)
-    try:
+    planned = AutoRecompute(capped, plan=plan, profile_repeats=1)
+    with _capped(ctx, capped):
         tuned = _in_job_fit(ctx, [auto], steps)
-    finally:
-        if ctx.cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
-        _release(ctx.device)
-    assert auto.decision is not None and auto.race_result is not None
+    with _capped(ctx, capped):
+        tuned_planned = _in_job_fit(ctx, [planned], steps)
+    assert auto.decision is not None and auto.race_result is not None and planned.decision is not None
     out_none = auto.race_result.entrants[none.fingerprint()].out
-    oom_ok = (out_none or "").startswith("out of memory") if ctx.cuda else out_none is None
+    oom_ok = (out_none or "").startswith("out of memory")
+    split_ok = any("does not fit with every layer in none" in n for n in planned.notes)
     chose = auto.decision.short
-    expected = "full" if ctx.cuda else "either"
-    chose_ok = auto.decision.policy.fingerprint() == full.fingerprint() if ctx.cuda else True
-    bitwise = all(torch.equal(plain[k], tuned[k]) for k in plain)
-    close = all(torch.allclose(plain[k], tuned[k], rtol=1e-4, atol=1e-5) for k in plain)
-    worst = max(float((plain[k] - tuned[k]).abs().max()) for k in plain)
+    chose_ok = auto.decision.policy.fingerprint() == full.fingerprint()
+    results = {"given": tuned, "planned": tuned_planned}
+    bitwise = {k: all(torch.equal(plain[n], w[n]) for n in plain) for k, w in results.items()}
+    close = {k: all(torch.allclose(plain[n], w[n], rtol=1e-4, atol=1e-5) for n in plain) for k, w in results.items()}
+    worst = {k: max(float((plain[n] - w[n]).abs().max()) for n in plain) for k, w in results.items()}
     ctx.say(
-        f"  peaks full {format_bytes(peaks['full'])}, none {format_bytes(peaks['none'])}"
-        + (f"; capped at {format_bytes(capped)}" if capped else "")
-        + f"; none: {out_none or 'raced'}; chose {chose}; weights vs plain: max abs diff {worst:.3g}, bitwise {bitwise}"
+        f"  peaks full {format_bytes(peaks['full'])}, none {format_bytes(peaks['none'])}; capped at "
+        f"{format_bytes(capped)}; none: {out_none or 'raced'}; chose {chose}; the planner's run chose "
+        f"{planned.decision.short}; weights vs plain: max abs diff {worst}, bitwise {bitwise}"
     )
     ctx.say(f"  {auto.decision.summary}")
+    ctx.say(f"  {planned.decision.summary}; notes: {planned.notes}")
+    trains = all(bitwise[k] or (ctx.cuda and close[k]) for k in results)
     return Verdict(
-        oom_ok and chose_ok and (bitwise or (ctx.cuda and close)),
-        f"{'none ran out of memory under the cap and its step ran again under full; ' if ctx.cuda else ''}"
-        f"chose {chose} (expected {expected}); weights after {steps} steps "
-        f"{'bitwise equal to' if bitwise else f'within max abs diff {worst:.3g} of'} a plain run",
+        oom_ok and chose_ok and split_ok and trains,
+        f"capped at {format_bytes(capped)}: none ran out of memory and its step ran again under full (chose {chose}); "
+        f"without candidates the profile {'split none' if split_ok else 'did NOT split none'} and the planner chose "
+        f"{planned.decision.short}; weights after {steps} steps "
+        + ("bitwise equal to" if all(bitwise.values()) else f"within max abs diff {max(worst.values()):.3g} of")
+        + " a plain run",
         {
             "peak_full_bytes": peaks["full"],
             "peak_none_bytes": peaks["none"],
             "cap_bytes": capped,
             "none_out": out_none,
             "chosen": chose,
+            "planned_chosen": planned.decision.short,
+            "planned_notes": planned.notes,
             "tuning_steps": auto.tuning_steps,
             "weights_bitwise_equal": bitwise,
             "max_abs_diff": worst,
