@@ -405,9 +405,22 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
     from tuner.profile import Profile
 
     if recipe.trainer.accelerator == "cpu":
+        from lightning_recompute.meter import CPU_MEMORY_LIMIT
         from tuner.profile.recipe_profile import profile_recipe_here
 
-        return profile_recipe_here(recipe, micro_batch, repeats)
+        # Here rather than in a worker, but on the device a worker would see: the recipe's cap on the CPU.
+        cap = recipe.trial.env.get(CPU_MEMORY_LIMIT)
+        before = os.environ.get(CPU_MEMORY_LIMIT)
+        if cap is not None:
+            os.environ[CPU_MEMORY_LIMIT] = cap
+        try:
+            return profile_recipe_here(recipe, micro_batch, repeats)
+        finally:
+            if cap is not None:
+                if before is None:
+                    os.environ.pop(CPU_MEMORY_LIMIT, None)
+                else:
+                    os.environ[CPU_MEMORY_LIMIT] = before
     limit = recipe.trial.timeout_s * 2
     run = _run_worker(ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats), limit, recipe.trial.env)
     res = run.result
