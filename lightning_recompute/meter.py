@@ -192,6 +192,7 @@ class _Ledger:
         if storage.device.type != self.device_type:
             return
         key, nbytes = storage._cdata, int(storage.nbytes())
+        grown = nbytes - self.live.get(key, 0)
         if key in self.live:
             self.current += nbytes - self.live[key]
             self.live[key] = nbytes
@@ -200,7 +201,8 @@ class _Ledger:
             self.current += nbytes
             self._finalizers[key] = weakref.finalize(storage, self._free, key)
         self.peak = max(self.peak, self.current)
-        self._check(nbytes)
+        if grown > 0:  # a shrink (FSDP2 freeing an unsharded parameter) never runs out of memory
+            self._check(grown)
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, None)

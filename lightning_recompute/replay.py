@@ -179,10 +179,11 @@ class BufferState:
         too. Selective recomputation runs no op its forward did not (its replay would fail to match
         the forward's ops), and it allows one backward only: it swaps the earlier values in directly.
         """
-        live = []
-        for owner, name, before in self._before:
-            live.append((owner, name, owner._buffers.get(name)))
-            owner._buffers[name] = before.clone() if copy else before
+        # Every copy first: an out-of-memory error while copying must leave no buffer swapped.
+        values = [before.clone() if copy else before for _, _, before in self._before]
+        live = [(owner, name, owner._buffers.get(name)) for owner, name, _ in self._before]
+        for (owner, name, _), value in zip(self._before, values, strict=True):
+            owner._buffers[name] = value
         return live
 
     @staticmethod
@@ -200,10 +201,14 @@ class _Attributes:
         ]
 
     def reassigned(self) -> str | None:
-        """The first attribute reassigned or added since the record (``"attn.calls"``), or ``None``."""
+        """The first attribute reassigned or added since the record (``"attn.calls"``), or ``None``.
+
+        Tensors are left out: a tensor attribute a forward sets is derived from parameters and buffers
+        (``nn.utils.spectral_norm`` and ``weight_norm`` reassign ``weight`` on every call), which the
+        replay sees as the forward did."""
         for path, owner, ids in self._ids:
             for key, value in owner.__dict__.items():
-                if ids.get(key) != id(value):
+                if ids.get(key) != id(value) and not isinstance(value, torch.Tensor):
                     return f"{path}.{key}" if path else key
         return None
 
@@ -252,10 +257,11 @@ class Replay:
             return self.fn(*args, **kwargs)
         buffers, before = self.state
         now = CacheState(self.caches)
-        before.restore()
-        live = buffers.swapped_in(copy=not self.selective)
+        live: list[tuple[nn.Module, str, torch.Tensor | None]] = []
         attributes = _Attributes(self.module) if self.where not in self.warned else None
         try:
+            before.restore()
+            live = buffers.swapped_in(copy=not self.selective)
             return self.fn(*args, **kwargs)
         finally:
             # Also when checkpoint's early stop interrupts the replay once it has what backward needs.

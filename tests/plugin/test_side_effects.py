@@ -150,3 +150,15 @@ def test_layers_that_change_no_python_state_warn_nothing(quiet_trainer: Callable
         warnings.simplefilter("error", SideEffectWarning)
         for kind in KINDS:
             _fit(quiet_trainer, kind, POLICIES["mixed"])
+
+
+def test_a_replay_that_runs_out_of_memory_leaves_the_live_buffers_in_place() -> None:
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    apply_policy(model, RecomputePolicy.uniform("full"), layers="*")
+    out = model(torch.randn(8, 4, requires_grad=True))
+    live = [(bn.running_mean, bn.running_mean.clone()) for bn in model]
+    with StorageMeter(limit=1) as meter, pytest.raises(torch.OutOfMemoryError):
+        meter.track(model)
+        out.sum().backward()  # the replay's first copy of a buffer is over the cap
+    for bn, (tensor, value) in zip(model, live, strict=True):
+        assert bn.running_mean is tensor and torch.equal(tensor, value)

@@ -131,9 +131,10 @@ class AutoRecompute(RecomputeCallback):
         catch_oom: on an out-of-memory error in a candidate's optimizer step, drop the candidate and
             run the same batch again, from the same random state, under the safest candidate left
             (nothing lost, no step skipped). ``None``: on for one CUDA device or the capped CPU
-            (``RECOMPUTE_CPU_MEMORY_LIMIT``). With gradient accumulation
-            only the last micro-batch of a step is covered. Never across several ranks: one rank
-            retrying while the others wait in a collective would hang the job.
+            (``RECOMPUTE_CPU_MEMORY_LIMIT``) without gradient accumulation. Never with gradient
+            accumulation (the step's earlier micro-batches cannot be told apart from the failed one)
+            nor across several ranks (one rank retrying while the others wait in a collective would
+            hang the job).
         profile_repeats: timed steps per mode in the profile.
         name: the session's name in MLflow (default ``auto-<model class>``).
         free_grads_at_batch_start: as for `RecomputeCallback`.
@@ -212,12 +213,21 @@ class AutoRecompute(RecomputeCallback):
         super().on_fit_start(trainer, pl_module)
         self._world = int(trainer.world_size)
         self._on_cuda = pl_module.device.type == "cuda"
+        accumulating = int(trainer.accumulate_grad_batches) > 1
         if self.catch_oom is None:
-            self.catch_oom = (self._on_cuda or cpu_memory_limit() is not None) and self._world == 1
+            self.catch_oom = (self._on_cuda or cpu_memory_limit() is not None) and self._world == 1 and not accumulating
         elif self.catch_oom and self._world > 1:
             raise RecomputeError(
                 "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
                 "collective would hang the job); leave it None or False"
+            )
+        elif self.catch_oom and accumulating:
+            # The retry runs the last micro-batch again, but the earlier ones' gradients, buffers and random
+            # draws cannot be told apart from the failed one's without a copy of every gradient.
+            raise RecomputeError(
+                f"AutoRecompute catch_oom=True: not with gradient accumulation (accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): a step cannot be run again from its last micro-batch alone; "
+                f"leave it None or False"
             )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

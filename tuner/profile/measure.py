@@ -316,10 +316,12 @@ class ProfilingRun:
         meter = memory_meter(self.device)
         meter.track(self.model, self.optimizer, self.batch)
         traffic = TrafficMode(FlopCounterMode(display=False).flop_registry)
-        with Recorder(self.model, self.layers, self.device, meter, None, traffic, offload) as rec, meter, traffic:
-            _run_step(self.model, self.batch, self.loss_fn, self.optimizer, rec)
-        if isinstance(meter, StorageMeter):
-            meter.close()  # detach its finalizers from storages that outlive the step (parameters)
+        try:
+            with Recorder(self.model, self.layers, self.device, meter, None, traffic, offload) as rec, meter, traffic:
+                _run_step(self.model, self.batch, self.loss_fn, self.optimizer, rec)
+        finally:
+            if isinstance(meter, StorageMeter):
+                meter.close()  # detach its finalizers from storages that outlive the step (parameters)
         counter = FlopCounterMode(display=False)
         with Recorder(self.model, self.layers, self.device, None, counter, None, offload) as frec, counter:
             _run_step(self.model, self.batch, self.loss_fn, self.optimizer, frec)
@@ -552,8 +554,10 @@ def _measure(session: ProfilingRun, mode_list: list[str], repeats: int, clock: C
         try:
             mem[m] = session.memory_run(m, emulate_offload=False)
         except torch.OutOfMemoryError:
-            _release(device)
             too_big.append(m)
+        else:
+            continue
+        _recover(session)
     rest = least_kept(measured)
     if rest not in mem:
         raise torch.OutOfMemoryError(
@@ -592,7 +596,9 @@ def _split_run(session: ProfilingRun, mode: str, rest: str) -> Split:
         try:
             runs = [session.memory_run(p, emulate_offload=False) for p in policies]
         except torch.OutOfMemoryError:
-            _release(session.device)
+            runs = []
+        if not runs:
+            _recover(session)
             if k >= n:
                 raise torch.OutOfMemoryError(
                     f"mode {mode}: one layer in it, the others in {rest}, does not fit on {session.device}"
@@ -606,10 +612,13 @@ def _split_run(session: ProfilingRun, mode: str, rest: str) -> Split:
         return Split(n, groups, runs, policies)
 
 
-def _release(device: torch.device) -> None:
-    """What an out-of-memory step left behind, freed before the next step."""
+def _recover(session: ProfilingRun) -> None:
+    """After a step that ran out of memory (called outside the ``except`` block, whose traceback holds the
+    step's activations): free what it left, and run one step in the mode that keeps least, so the next
+    measured step starts with every gradient a step leaves (the failed one may have set only some)."""
     import gc
 
     gc.collect()
-    if device.type == "cuda":
+    if session.device.type == "cuda":
         torch.cuda.empty_cache()
+    session.warm_up()

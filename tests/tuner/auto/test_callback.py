@@ -319,3 +319,13 @@ def test_a_candidate_that_runs_out_of_memory_on_the_capped_device_is_out_and_its
     assert any("ran out of memory in a step; it is out" in n for n in auto.notes), auto.notes
     assert auto.decision is not None and auto.decision.policy == FULL
     assert not differing(plain, tuned)
+
+
+def test_catching_out_of_memory_is_refused_with_gradient_accumulation(quiet_trainer: Callable[..., L.Trainer]) -> None:
+    from lightning_recompute.errors import RecomputeError
+
+    auto = AutoRecompute("1GiB", candidates=[FULL, NONE], plan=PLAN, catch_oom=True)
+    with pytest.raises(
+        RecomputeError, match=r"catch_oom=True: not with gradient accumulation \(accumulate_grad_batches=2\)"
+    ):
+        _fit(quiet_trainer, [auto], accumulate_grad_batches=2)

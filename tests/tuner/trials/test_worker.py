@@ -212,3 +212,12 @@ def test_the_numerics_check_looks_at_every_buffer_and_names_the_first_that_diffe
     assert not res["equal"]
     assert "first blocks.0.bn1.running_mean," in res["detail"], res["detail"]
     assert "gradient of" not in res["detail"].split("most at")[1], res["detail"]
+
+
+def test_a_buffer_that_holds_inf_by_design_is_no_non_finite_run() -> None:
+    import torch
+
+    loss, grads = _step(1.0, 0.5)
+    step = (loss, {**grads, "mask": torch.tensor([0.0, float("-inf")])})
+    verdict = worker._compare((step, step, step), compiled=False, on_cpu=True, where="here", gradients="parameter")
+    assert verdict.equal, verdict.detail
