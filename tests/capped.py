@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_recompute import RecomputeCallback, RecomputePolicy
+from tuner.recipe import Recipe
 
 
 def measured_peak(fit: Callable[[list[Any]], Any], mode: str) -> int:
@@ -20,3 +21,19 @@ def cap_between(fit: Callable[[list[Any]], Any], above: str = "full", below: str
     high, low = measured_peak(fit, below), measured_peak(fit, above)
     assert high > low, f"{below} peaks at {high} bytes, {above} at {low}: no cap separates them"
     return (high + low) // 2
+
+
+def planned_cap(recipe: Recipe) -> int:
+    """Midway between the planner's predicted peaks of full and none for one rank of ``recipe``, from a profile
+    of its model on this (uncapped) CPU, sharded for the recipe's ranks."""
+    from tuner.planner import Planner
+    from tuner.planner.sharding import recipe_layout, shard_profile, sharding_for
+    from tuner.profile.recipe_profile import profile_recipe_here
+
+    profile = profile_recipe_here(recipe, None, 1)
+    sharding = sharding_for(recipe)
+    if sharding is not None:
+        profile = shard_profile(profile, recipe_layout(recipe, profile.layer_names), sharding)
+    planner = Planner(profile)
+    none, full = (planner.predict(RecomputePolicy.uniform(m)).peak_bytes for m in ("none", "full"))
+    return (none + full) // 2

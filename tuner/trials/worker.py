@@ -538,9 +538,8 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRu
         L.seed_everything(seed, verbose=False)  # every run starts from the same weights
         model = build_model(recipe)
         capture = _capture_step(seed)
-        callbacks: list[L.Callback] = [capture]
-        if with_policy:
-            callbacks.append(RecomputeCallback(policy, layers=recipe.layers))
+        callbacks: list[L.Callback] = [RecomputeCallback(policy, layers=recipe.layers)] if with_policy else []
+        callbacks.append(capture)
         trainer = L.Trainer(
             accelerator=recipe.trainer.accelerator,
             devices=recipe.trainer.devices,
@@ -567,7 +566,8 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRu
 
 
 def _capture_step(seed: int) -> Any:
-    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss and gradients.
+    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients and
+    state after the step.
 
     Defined in a function: the worker imports Lightning only when a check needs it.
     """
@@ -587,7 +587,11 @@ def _capture_step(seed: int) -> Any:
         def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
             self.loss = loss.detach().float().cpu()
 
-        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
+        ) -> None:
+            # After the step, and after `RecomputeCallback` stopped metering it (it comes first in the callbacks):
+            # the host copies are no part of the step, and on a capped CPU they would run it out of memory.
             grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
             self.step = (self.loss, _state_after(pl_module, grads, _local))
 

@@ -26,7 +26,9 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from lightning_recompute.meter import CPU_MEMORY_LIMIT
 from lightning_recompute.policy import RecomputePolicy
+from tests.capped import planned_cap
 from tests.helpers import REPO
 from tuner import session
 from tuner.recipe import Recipe, from_dict, load
@@ -83,7 +85,14 @@ SESSIONS = {
 def tuned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Recipe, Any]:
     strategy = request.param
     tmp = tmp_path_factory.mktemp(strategy)
-    recipe = from_dict(_recipe_dict(tmp, strategy, SESSIONS[strategy]))
+    data = _recipe_dict(tmp, strategy, SESSIONS[strategy])
+    if strategy == "ddp":
+        # On the CPU capped midway between one rank's predicted peaks of full and none: none does not fit.
+        cap = planned_cap(from_dict(data))
+        data["budget"] = {"value": cap, "margin": 0.0}
+        data["trial"]["env"][CPU_MEMORY_LIMIT] = str(cap)
+        data["search"]["n_trials"] = 3
+    recipe = from_dict(data)
     notes: list[str] = []
     summary = session.tune(recipe, handle_signals=False, on_note=notes.append)
     return recipe, (summary, notes)
@@ -95,9 +104,17 @@ def test_a_two_rank_session_promotes_and_logs_every_ranks_peak(tuned: tuple[Reci
     assert summary.status == "promoted", (summary.reasons, notes)
     assert recipe.output.exists()
     # The planner plans one rank from a profile of one device, and the session says so.
-    assert any("planner: planned from a profile of one cpu device" in n and "for one rank of 2" in n for n in notes), (
-        notes
-    )
+    planned = next(n for n in notes if n.startswith("planner: planned from a profile of one cpu device"))
+    assert "for one rank of 2" in planned, planned
+    if recipe.trainer.strategy_name == "ddp":  # capped: none does not fit a rank, the planner's pick promoted under it
+        # (One device's profile may still hold none: a rank holds DDP's gradient buckets besides.)
+        cap = recipe.budget.limit_bytes(None)
+        none = next(r for r in summary.records if r.seed == "baseline:none")
+        assert none.outcome in ("skipped", "oom"), (none.outcome, none.reason)
+        # Two layers, two modes: the planner's picks are the baselines; every trial carries its prediction.
+        ran = [r for r in summary.records if r.outcome == "ok"]
+        assert ran and all(r.predicted_peak_bytes is not None for r in ran), ran
+        assert summary.best is not None and summary.best.peak_bytes is not None and summary.best.peak_bytes <= cap
     # The gate's numerics check ran on both ranks under the same strategy, bitwise.
     numerics = summary.evidence["numerics"]
     assert numerics["equal"] is True, numerics
