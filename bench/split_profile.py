@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test models (tests.plugin.stateful_models)
 
-from planner_accuracy import build, measure_peak, random_policies
+from planner_accuracy import build, loss_fn, measure_peak, random_policies
 
-from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy
+from lightning_recompute import RecomputePolicy
 from lightning_recompute.meter import CPU_MEMORY_LIMIT
 from lightning_recompute.units import format_bytes
 from tests.plugin.stateful_models import StatefulNet
@@ -55,43 +55,16 @@ MODELS = {
 }
 
 
-def _loss(model: Any, batch: Any) -> torch.Tensor:
-    return model.training_step(batch, 0) if isinstance(model, StatefulNet) else model.loss(batch)
-
-
 def _profile(model: Any, batch: Any) -> Profile:
     return profile_model(
         model,
         batch,
         modes=MODES,
-        loss_fn=_loss,
+        loss_fn=loss_fn,
         repeats=1,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
         free_grads_at_batch_start=False,  # Lightning's order, as the measured steps below
     )
-
-
-def _measure(model: Any, batch: Any, policy: RecomputePolicy) -> int:
-    if not isinstance(model, StatefulNet):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        return measure_peak(model, batch, opt, policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    apply_policy(model, policy)
-
-    def step() -> None:
-        loss = _loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    step()
-    meter = StorageMeter()
-    meter.track(model, opt, batch)
-    with meter:
-        step()
-    peak = meter.peak_bytes
-    meter.close()
-    return peak
 
 
 def main() -> None:
@@ -124,7 +97,7 @@ def main() -> None:
         )
         lines.append(f"  {'policy':<10} {'measured':>12} {'whole profile':>14} {'capped profile':>15}")
         for policy in policies:
-            measured = _measure(model, batch, policy)
+            measured = measure_peak(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4), policy)
             errors = []
             for p in (planner, capped):
                 predicted = p.predict(policy).peak_bytes
