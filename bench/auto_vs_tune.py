@@ -58,7 +58,7 @@ def _child(kind: str, recipe_path: Path, steps: int, policy_path: Path | None) -
     import torch
 
     from lightning_recompute import QUIET_TRAINER, RecomputeCallback
-    from tuner.auto import AutoRecompute
+    from lightning_recompute.auto import AutoRecompute
     from tuner.recipe import build_datamodule, build_model, load
 
     torch.set_num_threads(1)
@@ -154,7 +154,7 @@ def auto(recipe_path: Path, steps: int) -> dict[str, Any]:
 def truth(recipe_path: Path, policies: list[dict[str, Any]], rounds: int) -> dict[str, float]:
     """True time over full's (median over interleaved rounds) of each policy, keyed by its glyphs."""
     from lightning_recompute import RecomputePolicy
-    from tuner.race import RacePlan
+    from lightning_recompute.race import RacePlan
     from tuner.recipe import load
     from tuner.search import inspect_layers
     from tuner.trials import run_race

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test models 
 
 import lightning_recompute.apply as apply
 from lightning_recompute import RecomputePolicy, apply_policy, remove_policy
+from lightning_recompute.race.stats import paired_ratio
 from lightning_recompute.replay import BufferState
 from tests.plugin.stateful_models import StatefulNet
-from tuner.race.stats import paired_ratio
 
 CONFIGS = ("restore", "no-restore", "none")
 

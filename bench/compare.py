@@ -15,7 +15,7 @@ no-recompute peak), the methods are:
   sqrt-n          one checkpoint per segment of sqrt(N) layers (Chen et al. 2016)
   compile         torch.compile(inductor) with activation_memory_budget = the budget's fraction
   torch-sac-ilp   torch.distributed._tools SAC estimator + MILP (probed; reported if it cannot run)
-  planner         tuner.planner's exact solver on a measured profile, no trials
+  planner         lightning_recompute.planner's exact solver on a measured profile, no trials
   tuned           the policy `recompute-tune` promotes (tuner.session.tune on a generated recipe)
 
 The planner and the tuner choose per layer among none, selective, full and the save-list families
@@ -471,8 +471,8 @@ class _WorkloadRun:
     def planned(self, budgets: dict[float, int], modes: list[str]) -> tuple[dict[float, Config | str], float]:
         """The planner: one measured profile of this workload, then the exact solver per budget; and
         the profile's seconds."""
-        from tuner.planner import BudgetError, Planner
-        from tuner.profile import profile_model
+        from lightning_recompute.planner import BudgetError, Planner
+        from lightning_recompute.profile import profile_model
 
         t = time.perf_counter()
         profile = profile_model(_model(self.wl), _batch(self.wl), modes=modes, repeats=self.args.profile_repeats)

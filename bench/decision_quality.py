@@ -4,7 +4,7 @@
 For each workload (a model small enough that every fitting policy of the search space can be timed):
 
 1. **Truth.** Every fitting policy of the search space is raced in one process, interleaved, for
-   ``--truth-rounds`` rounds without early stopping (`tuner.race.engine`): each policy's true time is
+   ``--truth-rounds`` rounds without early stopping (`lightning_recompute.race.engine`): each policy's true time is
    the median over rounds of its time over ``full``'s in the same round.
 2. **Sessions.** ``recompute-tune`` runs ``--sessions`` times per condition (quiet / noisy), each in
    a fresh folder (fresh study and MLflow store), alternating with sessions whose race is off (the
@@ -133,7 +133,7 @@ def space_policies(recipe: Any) -> tuple[list[Any], tuple[str, ...]]:
 def truth(workload: str, rounds: int, log: Any) -> dict[str, Any]:
     """Every fitting policy raced for ``rounds`` rounds: true time over full's, per policy."""
     from lightning_recompute import RecomputePolicy
-    from tuner.race import RacePlan
+    from lightning_recompute.race import RacePlan
     from tuner.recipe import from_dict
     from tuner.trials import run_race
 
@@ -189,7 +189,7 @@ def session(
     ``fresh``: every trial worker a fresh interpreter (the fork server off), as the tuner before the race
     ran them; otherwise as the caller's environment says (forked by default).
     """
-    from tuner.race.neighbour import noisy_neighbour
+    from lightning_recompute.race.neighbour import noisy_neighbour
     from tuner.trials.forkserver import FORK_SERVER_ENV
 
     with tempfile.TemporaryDirectory(prefix="dq-") as tmp:
@@ -297,7 +297,7 @@ def pair_truth(workload: str, shorts: list[str], rounds: int, log: Any, processe
     pooled) and, per policy, each process's own median (``per_process``): a single process's truth is
     as noisy as a session's estimate, so grading against it misjudges coverage; pooled rounds are not.
     """
-    from tuner.race import RacePlan
+    from lightning_recompute.race import RacePlan
     from tuner.recipe import from_dict
     from tuner.trials import run_race
 

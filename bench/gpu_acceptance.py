@@ -38,7 +38,7 @@ The checks (tolerances are the issue's):
    the plugin's compiled tolerance). The CPU dry run compiles with ``aot_eager`` (Inductor costs about a
    minute per graph on CPU), and its peak is an eager step's: the CPU ledger runs compiled layers
    eagerly, as it cannot see compiled code.
-7. ``in_job``: `tuner.auto.AutoRecompute` in a training job on a device capped between ``full``'s
+7. ``in_job``: `lightning_recompute.auto.AutoRecompute` in a training job on a device capped between ``full``'s
    and ``none``'s peaks (on CUDA a per-process memory fraction, on the CPU ``RECOMPUTE_CPU_MEMORY_LIMIT``),
    so ``none`` runs out of memory for real. Racing ``full`` and ``none``: ``none`` must be out of the
    race, its step run again under ``full``, ``full`` chosen. With no candidates given: the first-batch
@@ -83,11 +83,11 @@ from torch import nn  # noqa: E402
 from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy, apply_policy  # noqa: E402
 from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL  # noqa: E402
 from lightning_recompute.meter import StorageMeter  # noqa: E402
+from lightning_recompute.planner import Planner  # noqa: E402
 from lightning_recompute.probe import step_peak  # noqa: E402
+from lightning_recompute.profile import ALL_MODES, profile_meta  # noqa: E402
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens  # noqa: E402
 from lightning_recompute.units import format_bytes  # noqa: E402
-from tuner.planner import Planner  # noqa: E402
-from tuner.profile import ALL_MODES, profile_meta  # noqa: E402
 from tuner.trials.oom import is_oom_error  # noqa: E402
 
 METER_TOLERANCE = 0.005
@@ -618,7 +618,7 @@ def check_offload(ctx: Context) -> Verdict:
 
 def _session_budget(recipe: Any) -> tuple[int, int, int]:
     """A budget limit between full's and none's predicted peaks (60% of the way up): ``(limit, full, none)``."""
-    from tuner.profile.recipe_profile import profile_recipe_meta
+    from tuner.recipe.profile import profile_recipe_meta
 
     planner = Planner(profile_recipe_meta(recipe, None, "H100"))
     full = planner.predict(RecomputePolicy.uniform("full")).peak_bytes
@@ -969,8 +969,8 @@ def check_in_job(ctx: Context) -> Verdict:
     """`AutoRecompute` on a device capped between full's and none's peaks, so that none runs out of memory
     for real: racing full and none, none's step must run again under full; with no candidates given, the
     first-batch profile must work from what fits and the planner's choice must train as a plain run."""
-    from tuner.auto import AutoRecompute
-    from tuner.race import RacePlan
+    from lightning_recompute.auto import AutoRecompute
+    from lightning_recompute.race import RacePlan
 
     steps = 30
     plan = RacePlan(steps=1, min_rounds=2, max_rounds=4, time_s=1e9, estimate_rounds=2, warmup_steps=1)

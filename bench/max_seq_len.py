@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from lightning_recompute import step_peak
+from lightning_recompute.planner import Planner
+from lightning_recompute.planner.seqlen import BEST_MIXED
 from lightning_recompute.units import format_bytes, format_seconds, parse_bytes
 from tuner import commands
-from tuner.planner import Planner
-from tuner.planner.seqlen import BEST_MIXED
-from tuner.profile.recipe_profile import profile_recipe_meta
 from tuner.recipe import Recipe, build_datamodule, build_model, from_dict
+from tuner.recipe.profile import profile_recipe_meta
 from tuner.trials import profile_recipe
 
 RESULTS = Path(__file__).parent / "results" / "max_seq_len.txt"

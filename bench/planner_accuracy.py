@@ -1,7 +1,7 @@
 """How well the planner predicts, and how good its chosen policy is, on the CPU reference model.
 
 Part 1 (accuracy): for the reference GPT with eager and sdpa attention at two sizes, profile once
-(`tuner.profile.profile_model`), then for N random mixed policies compare
+(`lightning_recompute.profile.profile_model`), then for N random mixed policies compare
   predicted vs measured peak memory  (measured: the exact CPU storage meter over a real step;
                                       target: median and worst error <= 5%)
   predicted vs measured step time    (measured: median wall time of interleaved real steps;
@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy, remove_policy
+from lightning_recompute.planner import Planner
+from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.reference import ReferenceGPT
 from lightning_recompute.units import format_bytes
-from tuner.planner import Planner
-from tuner.profile import Profile, profile_model
 
 MODES = ("none", "selective", "full")
 SIZES = {

@@ -1,8 +1,8 @@
 """How well the sharded planner predicts each rank's peak memory of a real 2-rank FSDP2 step.
 
 The planner side: one single-device profile of a small `tuner.models.LlamaLike` on CPU
-(`tuner.profile.profile_model`), turned into one rank's profile at world size 2 by
-`tuner.planner.sharding.shard_profile` (strategy ``model_parallel``: FSDP2, every block its own
+(`lightning_recompute.profile.profile_model`), turned into one rank's profile at world size 2 by
+`lightning_recompute.planner.sharding.shard_profile` (strategy ``model_parallel``: FSDP2, every block its own
 ``fully_shard`` unit, the model the root unit), then `Planner.predict` for each policy.
 
 The measured side: two gloo ranks on CPU (``torch.multiprocessing`` spawn, one process group
@@ -41,12 +41,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy
+from lightning_recompute.planner import Planner
+from lightning_recompute.planner.sharding import ParamLayout, Sharding, shard_profile
 from lightning_recompute.policy import glyph
+from lightning_recompute.profile import profile_model
 from lightning_recompute.units import format_bytes
 from tuner.models import LlamaConfig, LlamaLike, token_batch
-from tuner.planner import Planner
-from tuner.planner.sharding import ParamLayout, Sharding, shard_profile
-from tuner.profile import profile_model
 
 WORLD = 2
 MODES = ("none", "selective", "full")

@@ -29,10 +29,10 @@ from planner_accuracy import build, loss_fn, measure_peak, random_policies
 
 from lightning_recompute import RecomputePolicy
 from lightning_recompute.meter import CPU_MEMORY_LIMIT
+from lightning_recompute.planner import Planner
+from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.units import format_bytes
 from tests.plugin.stateful_models import StatefulNet
-from tuner.planner import Planner
-from tuner.profile import Profile, profile_model
 
 MODES = ("none", "selective", "full")
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
+    from lightning_recompute.auto import AutoRecompute
     from lightning_recompute.callback import RecomputeCallback, StepRecord
     from lightning_recompute.errors import (
         BatchSizeError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "AutoRecompute": "auto",
     "AppliedPolicy": "apply",
     "applied_policy": "apply",
     "apply_policy": "apply",
@@ -74,6 +76,7 @@ __all__ = [
     "DEFAULT_SAVE_OPS",
     "QUIET_TRAINER",
     "AppliedPolicy",
+    "AutoRecompute",
     "BatchSizeError",
     "BatchSizeWarning",
     "CudaMemoryMeter",

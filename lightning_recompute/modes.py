@@ -104,7 +104,7 @@ class ModeSpec:
     weakest mode searched fills the layers no count claims, the strongest is placed first."""
     recompute: int
     """How much the mode recomputes (0 nothing; full recomputes most): the race's tie-break prefers
-    the least (`tuner.race.rule.recompute_strength`)."""
+    the least (`lightning_recompute.race.rule.recompute_strength`)."""
     label: str
     """The mode's column name in the planner's table of plans (``sel`` for selective)."""
     save: tuple[str, ...] | None = None

@@ -1,13 +1,18 @@
-"""Units the plugin and the tuner read and print, one way for both: byte sizes and seconds."""
+"""Values the plugin and the tuner read and print, one way for both: byte sizes, seconds, and the JSON-ready
+form of results, policies and dataclasses (`jsonable`)."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
+from datetime import datetime
+from typing import Any
 
 from lightning_recompute.errors import clip
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["format_bytes", "jsonable", "parse_bytes"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {
@@ -83,3 +88,22 @@ def format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON-ready copy of results, policies, paths, dataclasses and mappings (non-finite floats become null)."""
+    if hasattr(value, "to_dict") and callable(value.to_dict):
+        return jsonable(value.to_dict())
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)

@@ -26,9 +26,9 @@ def cap_between(fit: Callable[[list[Any]], Any], above: str = "full", below: str
 def planned_cap(recipe: Recipe) -> int:
     """Midway between the planner's predicted peaks of full and none for one rank of ``recipe``, from a profile
     of its model on this (uncapped) CPU, sharded for the recipe's ranks."""
-    from tuner.planner import Planner
-    from tuner.planner.sharding import recipe_layout, shard_profile, sharding_for
-    from tuner.profile.recipe_profile import profile_recipe_here
+    from lightning_recompute.planner import Planner
+    from lightning_recompute.planner.sharding import shard_profile, sharding_for
+    from tuner.recipe.profile import profile_recipe_here, recipe_layout
 
     profile = profile_recipe_here(recipe, None, 1)
     sharding = sharding_for(recipe)

@@ -490,8 +490,8 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
 
 
 def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
+    from lightning_recompute.planner import format_front
     from tuner import commands
-    from tuner.planner import format_front
 
     if args.max_seq_len:
         return _max_seq_len(recipe, args, out)

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.units import jsonable
 from tuner.exits import EXIT_INFEASIBLE, EXIT_OK, Declined
-from tuner.jsonable import jsonable
 
 if TYPE_CHECKING:
-    from tuner.planner import PlannedPolicy
-    from tuner.planner.seqlen import SeqLenFit
-    from tuner.profile import Profile
+    from lightning_recompute.planner import PlannedPolicy
+    from lightning_recompute.planner.seqlen import SeqLenFit
+    from lightning_recompute.profile import Profile
     from tuner.recipe import Recipe
     from tuner.tracking import Decision, GoodPolicy, Tracker
 
@@ -86,21 +86,21 @@ def plan(
         budget: bytes or a size (``"20GiB"``); default: the recipe's budget limit (after its margin).
         write: write the chosen policy here (YAML, or JSON for ``.json``), atomically.
         meta: plan without the hardware and without allocating: profile the model on the meta
-            device and estimate time for this accelerator (a key of `tuner.profile.HARDWARE`), so a
+            device and estimate time for this accelerator (a key of `lightning_recompute.profile.HARDWARE`), so a
             7B model can be planned for an 80 GiB GPU on a laptop.
         world_size: plan one rank of this many data-parallel ranks (default: the recipe's
             ``trainer`` devices x nodes); the budget is then per rank.
         strategy: ``ddp``, ``fsdp`` or ``model_parallel`` (default: the recipe's ``trainer.strategy``);
-            see `tuner.planner.sharding` for what each rank is predicted to hold.
+            see `lightning_recompute.planner.sharding` for what each rank is predicted to hold.
 
     Raises:
         RecomputeError: the budget is not a size, the hardware is unknown, the world size or strategy
             cannot be planned, or the model cannot be profiled.
     """
-    from tuner.planner import BudgetError, Planner
-    from tuner.planner.sharding import recipe_layout, shard_profile, sharding_for
+    from lightning_recompute.planner import BudgetError, Planner
+    from lightning_recompute.planner.sharding import shard_profile, sharding_for
     from tuner.preflight import output_problem
-    from tuner.profile.recipe_profile import profile_recipe_meta
+    from tuner.recipe.profile import profile_recipe_meta, recipe_layout
     from tuner.trials import profile_recipe
 
     sharding = sharding_for(recipe, world_size, strategy)  # before profiling, which can take minutes
@@ -140,8 +140,8 @@ def plan(
 
 def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None) -> tuple[str, int]:
     """The device planned for (in words) and the budget limit in bytes (``--budget``, else the recipe's)."""
+    from lightning_recompute.profile import HARDWARE
     from lightning_recompute.units import parse_bytes
-    from tuner.profile import HARDWARE
     from tuner.trials import device_info
 
     total: int | None
@@ -263,14 +263,14 @@ def max_seq_len(
 
     The sequence length is the constructor argument ``seq_arg`` of the recipe's model and data
     (set on each that takes it); every probed length is profiled (measured, or on the meta device
-    with ``meta``) and planned; the search bisects (`tuner.planner.seqlen`).
+    with ``meta``) and planned; the search bisects (`lightning_recompute.planner.seqlen`).
 
     Raises:
         RecomputeError: no component takes ``seq_arg``, changing it does not change the batch, the
             budget or hardware is invalid, or a length cannot be profiled.
     """
-    from tuner.planner.seqlen import longest_fits
-    from tuner.profile.recipe_profile import profile_recipe_meta
+    from lightning_recompute.planner.seqlen import longest_fits
+    from tuner.recipe.profile import profile_recipe_meta
     from tuner.trials import profile_recipe
 
     mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None

@@ -6,7 +6,7 @@ A session hands `decide_best` the study's best feasible trial. One gate runs at 
 already current, and records nothing twice; the race runs under the same lease, since two races at once
 would measure each other. Without new trials since the last decision (or after waiting on another
 worker's gate) there is no race: racing again would only re-roll the noise that race settled, and the
-good policy stands. Otherwise the leaders race (`tuner.race`), the winner (or without a race the best
+good policy stands. Otherwise the leaders race (`lightning_recompute.race`), the winner (or without a race the best
 single trial) is the candidate, and `tuner.gate.decide` checks, records and promotes or keeps.
 """
 
@@ -25,8 +25,8 @@ from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
 from tuner.search import gate_lease
 
 if TYPE_CHECKING:
+    from lightning_recompute.race import RacePlan, RaceResult
     from tuner.gate import Candidate, GateDecision
-    from tuner.race import RacePlan, RaceResult
     from tuner.recipe import Recipe
     from tuner.search import TrialRecord, TuningStudy
     from tuner.tracking import GoodPolicy, Tracker
@@ -147,9 +147,9 @@ def race_leaders(
     records: Sequence[TrialRecord],
     run_race: Callable[..., RaceResult],
 ) -> RaceResult | None:
-    """Race the leading candidates (`tuner.race.field`); ``None`` when the recipe turns the race off."""
-    from tuner.race import RacePlan, RaceResult
-    from tuner.race.field import choose_field, suspects
+    """Race the leading candidates (`tuner.field`); ``None`` when the recipe turns the race off."""
+    from lightning_recompute.race import RaceResult
+    from tuner.field import choose_field, suspects
 
     recipe = stage.recipe
     if not recipe.race.enabled:
@@ -173,7 +173,7 @@ def race_leaders(
     stage.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
     # The search's cost sets the race's: a race of a fixed length would double a short search.
     search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
-    plan = RacePlan.from_recipe(recipe, search_s=search_s)
+    plan = recipe.race_plan(search_s=search_s)
     if plan.total_s is not None and recipe.race.share is not None:
         by_share = recipe.race.share * search_s
         share = f"{recipe.race.share:.0%} of the search's {search_s:.0f} s of trials"
@@ -224,16 +224,15 @@ def estimate_again(
     """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing the
     winner against the references, and beside the rivals the selection left unresolved
     (`RaceResult.rivals`, at most ``race.rivals``; a reference can be one), for as many rounds as the
-    race's estimation ran. ``references``: the keys of the field's references (`tuner.race.field.Field`).
+    race's estimation ran. ``references``: the keys of the field's references (`tuner.field.Field`).
 
     The winner is then the fastest across processes (`RaceResult.estimated_again`); while the processes
     disagree on which of a rival and the winner is faster (`RaceResult.disputed`), up to ``race.disputes``
     more race just those. The figures span every process that measured them
-    (`tuner.race.stats.across_processes` says why). A rival that wins had its figures
+    (`lightning_recompute.race.stats.across_processes` says why). A rival that wins had its figures
     measured in the fresh processes only, so one more process measures it against the references, and
     its figures span as many processes as the selection's winner's would have. A process that fails adds
     nothing and is noted."""
-    from tuner.race import RacePlan
 
     recipe, count = stage.recipe, stage.recipe.race.processes
     assert race.winner is not None
@@ -250,7 +249,7 @@ def estimate_again(
             f"race: {names} not separated from {race.entrants[race.winner].short}: raced again beside it in the "
             f"fresh process{'es' if count > 2 else ''}, and the winner is the fastest across processes"
         )
-    plan = replace(RacePlan.from_recipe(recipe), total_s=None, estimate_rounds=race.estimate_rounds)
+    plan = replace(recipe.race_plan(), total_s=None, estimate_rounds=race.estimate_rounds)
     others = [
         _estimation_process(stage, race, keys, len(against), run_race, plan, micro_batch, label=f"{index} of {count}")
         for index in range(2, count + 1)

@@ -16,8 +16,9 @@ Ctrl-C, SIGTERM and SIGHUP exit `EXIT_INTERRUPTED`.
 from __future__ import annotations
 
 from typing import ClassVar
+from urllib.parse import urlsplit
 
-from lightning_recompute.errors import RecomputeError
+from lightning_recompute.errors import RecomputeError, clip
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -28,7 +29,9 @@ __all__ = [
     "Declined",
     "StoreFailure",
     "TunerError",
+    "driver_missing",
     "exit_code_of",
+    "hide_password",
 ]
 
 EXIT_OK = 0
@@ -76,3 +79,25 @@ class StoreFailure(TunerError):
         super().__init__(message)
         self.key = key
         """The recipe key naming the store: ``study.storage``, ``tracking.uri``, ``output`` (or ``disk``)."""
+
+
+def driver_missing(key: str, url: str, err: ImportError) -> str:
+    """The message for a database URL whose Python driver is not installed."""
+    shown = clip(hide_password(url))
+    if url.startswith("postgresql"):
+        return f"{key}: {shown} needs psycopg: pip install 'lightning-recompute[postgres]'"
+    return f"{key}: {shown} needs a database driver that is not installed ({err})"
+
+
+def hide_password(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # not a URL SQLAlchemy parses: hide what looks like user:password@
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        return url.replace(f":{parts.password}@", ":***@", 1)

@@ -16,7 +16,7 @@ verdict first; the first failure ends the gate, and later checks are reported as
    (`tuner.trials.check_numerics`: deterministic mode; at the largest micro-batch up to the
    candidate's where no recompute fits; bitwise, or on an accelerator within the spread of two
    runs without recompute);
-3. **regression**: candidate and current good policy raced (`tuner.race`: interleaved in one
+3. **regression**: candidate and current good policy raced (`lightning_recompute.race`: interleaved in one
    process, paired per round, until one is ahead with confidence or the race's time is spent);
    the candidate must win that race. Seen within the tie margin of each other, the two are tied,
    and the tie goes to the one with more memory headroom, then less recomputation, as in the
@@ -41,11 +41,10 @@ from typing import TYPE_CHECKING, Any
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.tuned_for import TunedFor
-from lightning_recompute.units import format_bytes
-from tuner.jsonable import jsonable
+from lightning_recompute.units import format_bytes, jsonable
 
 if TYPE_CHECKING:
-    from tuner.race import RaceEntrant, RaceResult
+    from lightning_recompute.race import RaceEntrant, RaceResult
     from tuner.recipe import Recipe
     from tuner.tracking import GoodPolicy, Tracker
     from tuner.trials import NumericsResult, TrialResult
@@ -592,7 +591,7 @@ def _regression(
     race: RaceResult,
 ) -> str | None:
     """The regression verdict from a race that had the candidate and the good policy; a failure reason, or ``None``."""
-    from tuner.race import format_gain
+    from lightning_recompute.race import format_gain
 
     decision.evidence["regression"] = race.to_dict()
     if not race.ok:

@@ -7,7 +7,7 @@ position embeddings, a SwiGLU MLP, untied embeddings and an LM head. Its blocks 
 ``layers="auto"``.
 
 Built under ``torch.device("meta")`` it costs no memory at any size, which is how the planner
-sizes a 7B-class model on a laptop (`llama_7b`, `tuner.profile.profile_meta`).
+sizes a 7B-class model on a laptop (`llama_7b`, `lightning_recompute.profile.profile_meta`).
 
 On the meta device ``F.scaled_dot_product_attention`` has no fused kernel and falls back to the
 math decomposition, which materialises the (batch, heads, seq, seq) score matrix that no GPU
@@ -159,7 +159,7 @@ class LlamaLike(nn.Module):
     """A Llama-style decoder: ``tok_embeddings`` -> ``layers.N`` -> ``norm`` -> ``output``.
 
     ``forward(idx)`` returns logits; ``loss((idx, targets))`` the mean next-token cross-entropy,
-    which is what `tuner.profile.profile_model` calls by default for a plain module with a
+    which is what `lightning_recompute.profile.profile_model` calls by default for a plain module with a
     ``loss`` method.
     """
 

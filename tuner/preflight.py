@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from lightning_recompute.errors import RecomputeError, clip
+from tuner.exits import driver_missing, hide_password
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -153,28 +154,6 @@ def storage_problem(url: str) -> str | None:
     except ImportError as err:
         return driver_missing("study.storage", url, err)
     return None
-
-
-def driver_missing(key: str, url: str, err: ImportError) -> str:
-    """The message for a database URL whose Python driver is not installed."""
-    shown = clip(hide_password(url))
-    if url.startswith("postgresql"):
-        return f"{key}: {shown} needs psycopg: pip install 'lightning-recompute[postgres]'"
-    return f"{key}: {shown} needs a database driver that is not installed ({err})"
-
-
-def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for messages."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):  # not a URL SQLAlchemy parses: hide what looks like user:password@
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        return url.replace(f":{parts.password}@", ":***@", 1)
 
 
 def _server_problem(key: str, uri: str, default_port: int) -> str | None:

@@ -1,7 +1,7 @@
 """One tuning session, the loop only: study -> trials -> tracking -> decision -> policy file.
 
 `tune` is what ``recompute-tune RECIPE`` runs. It opens the study (`tuner.search`), has it set up
-once (profile and plan: `tuner.planner.seeds`), asks, runs (`tuner.trials`) and tells trials,
+once (profile and plan: `tuner.search.planner_seeds`), asks, runs (`tuner.trials`) and tells trials,
 records each in MLflow (`tuner.tracking`), and hands the best feasible one to `tuner.decision` (the
 race and the evidence gate). What workers sharing the study agree on is `tuner.workers`'. It returns
 a `tuner.summary.SessionSummary` and reports progress through callbacks, so the CLI only parses
@@ -31,7 +31,6 @@ from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
 from tuner.killpoints import kill_point
 from tuner.liveness import Heartbeat, grace_s
-from tuner.planner.seeds import PlannerSeeds
 from tuner.search import (
     Predictor,
     Proposal,
@@ -42,6 +41,7 @@ from tuner.search import (
     inspect_layers,
     study_name,
 )
+from tuner.search.planner_seeds import PlannerSeeds
 from tuner.session_run import close_session_run, open_session_run, reconcile_policy_file
 from tuner.setup import set_up_study
 from tuner.stores import storage_failure
@@ -56,7 +56,7 @@ from tuner.workers import (
 )
 
 if TYPE_CHECKING:
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.tracking import Tracker
     from tuner.trials import TrialResult

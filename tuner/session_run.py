@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tuner.stores import open_tracker
+from tuner.tracking import open_tracker
 from tuner.workers import end_dead_session_runs
 
 if TYPE_CHECKING:

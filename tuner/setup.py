@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tuner.killpoints import kill_point
-from tuner.planner.seeds import PlannerSeeds, plan_seeds
 from tuner.search import baseline_seeds
+from tuner.search.planner_seeds import PlannerSeeds, plan_seeds
 from tuner.workers import join_setup
 
 if TYPE_CHECKING:

@@ -23,7 +23,6 @@ from optuna.storages.journal import JournalFileBackend
 
 from lightning_recompute.errors import RecomputeError, clip
 from tuner.exits import StoreFailure
-from tuner.tracking import Tracker
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -38,7 +37,6 @@ __all__ = [
     "StoreFailure",
     "bound_tracking_requests",
     "open_storage",
-    "open_tracker",
     "sqlite_setup_lock",
     "storage_failure",
     "store_failure",
@@ -110,7 +108,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     try:
         return _open_server_storage(url)
     except ImportError as err:  # Optuna imports the database's driver when it opens the storage
-        from tuner.preflight import driver_missing
+        from tuner.exits import driver_missing
 
         raise RecomputeError(driver_missing("study.storage", url, err)) from None
 
@@ -155,7 +153,7 @@ def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
 
     if not isinstance(err, (StorageInternalError, OperationalError, InterfaceError)):
         return None
-    from tuner.preflight import hide_password
+    from tuner.exits import hide_password
 
     cause = err.__cause__ or err.__context__ or err
     lines = str(getattr(cause, "orig", None) or cause).strip().splitlines() or [type(cause).__name__]
@@ -165,29 +163,6 @@ def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
         "same command again and the study resumes",
         "study.storage",
     )
-
-
-def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Tracker:
-    """The `Tracker` of ``experiment``, opened under the SQLite setup lock, retried on failure.
-
-    Two workers starting at once against a new SQLite tracking database would both run MLflow's
-    schema migration and fail on each other's half-made tables; the lock serialises that. The
-    retry covers stores the lock cannot (no ``fcntl``; a server still starting).
-    """
-    from alembic.util.exc import CommandError
-    from mlflow.exceptions import MlflowException
-    from sqlalchemy.exc import SQLAlchemyError
-
-    for attempt in range(1, attempts + 1):
-        try:
-            with sqlite_setup_lock(tracking_uri):
-                return Tracker(tracking_uri, experiment)
-        except (CommandError, MlflowException, SQLAlchemyError) as err:
-            if attempt == attempts:
-                raise
-            _log.info("opening the MLflow store failed (%s); retrying", err)
-            time.sleep(0.5 * attempt)
-    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 _DAMAGED = ("file is not a database", "malformed", "no such table", "corrupt", "unexpected end", "expecting value")
@@ -208,7 +183,7 @@ def store_failure(recipe: Recipe, err: BaseException) -> StoreFailure | None:
     """
     if isinstance(err, StoreFailure):
         return err
-    from tuner.preflight import hide_password
+    from tuner.exits import hide_password
 
     cause = _first_line(err)
     damaged = any(word in cause.lower() for word in _DAMAGED)

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.tuned_for import TunedFor, batch_advice
-from tuner.jsonable import jsonable
+from lightning_recompute.units import jsonable
 from tuner.recipe.build import data_batch_size
 
 if TYPE_CHECKING:
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.search import SearchSpace, TrialRecord, TuningStudy
 
@@ -99,7 +99,7 @@ class SessionSummary:
         """Baseline name -> the race's figure against it: ``gain``, ``low``, ``high`` (fractions),
         ``rounds``, ``processes``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14
         rounds)``; ``..., 28 rounds in 2 processes)`` when the estimation ran in several)."""
-        from tuner.race import format_gain
+        from lightning_recompute.race import format_gain
 
         out: dict[str, dict[str, Any]] = {}
         if self.race is None or not self.race.ok:

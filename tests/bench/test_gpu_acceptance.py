@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_recompute.profile import ALL_MODES
 from tests.helpers import REPO
-from tuner.profile import ALL_MODES
 
 
 @pytest.fixture(scope="module")

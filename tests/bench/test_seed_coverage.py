@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bench import seed_coverage as sc
+from lightning_recompute.planner import Planner
 from tests.tuner.planner.test_seeds import MODES, _profile
-from tuner.planner import Planner
 
 
 def test_coverage_counts_the_profiles_whose_seeds_hold_the_best_now_and_before() -> None:

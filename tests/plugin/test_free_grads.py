@@ -88,8 +88,8 @@ def test_same_loss_and_weights_bit_for_bit_with_dropout(runs) -> None:
 
 
 def test_peak_drops_by_exactly_the_gradient_bytes_and_the_planner_predicts_it(runs) -> None:
-    from tuner.planner import Planner
-    from tuner.profile import profile_model
+    from lightning_recompute.planner import Planner
+    from lightning_recompute.profile import profile_model
 
     model = _buffered()  # one no Trainer is attached to (profiling runs its training_step alone)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -12,7 +12,7 @@ from typing import Any, cast
 from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
-from tuner.race import RaceEntrant, RaceResult
+from lightning_recompute.race import RaceEntrant, RaceResult
 from tuner.recipe import from_dict
 from tuner.search import TuningStudy
 from tuner.trials import NumericsResult, Outcome, TrialResult
@@ -222,11 +222,11 @@ def exact_race(
     entrants, times, peaks, references=(), *, rounds=6, layer_names=SESSION_LAYERS, budget_bytes=None, winner=None
 ) -> RaceResult:
     """A `RaceResult` of ``entrants`` (``(policy, labels)``) whose every round measures ``times``
-    (fingerprint -> seconds) exactly, decided by the real rule (`tuner.race.rule.verdict`); an entrant
+    (fingerprint -> seconds) exactly, decided by the real rule (`lightning_recompute.race.rule.verdict`); an entrant
     peaking over ``budget_bytes`` is out, as in the engine. Given ``winner`` (a policy), no selection:
     only the estimation rounds, of every entrant, as `tuner.trials.run_race` runs them."""
-    from tuner.race.rule import verdict
-    from tuner.race.stats import paired_ratio
+    from lightning_recompute.race.rule import verdict
+    from lightning_recompute.race.stats import paired_ratio
 
     out = {k for k, peak in peaks.items() if budget_bytes is not None and peak is not None and peak > budget_bytes}
     keys = [p.fingerprint() for p, _ in entrants if p.fingerprint() not in out]

@@ -130,8 +130,8 @@ def test_a_candidate_that_won_across_processes_passes_the_regression_check_with_
     """The good policy led the session race's own process and the candidate, unresolved behind it, won
     when raced again in a fresh process: the regression check cites that decision, not the selection's
     standing that shows the candidate behind."""
-    from tuner.race import RaceEntrant, RaceResult
-    from tuner.race.stats import Interval
+    from lightning_recompute.race import RaceEntrant, RaceResult
+    from lightning_recompute.race.stats import Interval
 
     tracker = Tracker(uri, "gate")
     gate(tracker, A, recipe, FixedTrials({A: 100.0}))

@@ -13,11 +13,11 @@ import pytest
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.modes import BY_MEMORY_SAVED, FAMILY_NAMES, MODE_NAMES, MODES, Mode
+from lightning_recompute.planner.report import _count_name
 from lightning_recompute.policy import RecomputePolicy
-from tuner.planner.report import _count_name
-from tuner.profile import ALL_MODES
-from tuner.profile.model import BASE_MODES, FAMILY_MODES
-from tuner.race.rule import recompute_strength
+from lightning_recompute.profile import ALL_MODES
+from lightning_recompute.profile.model import BASE_MODES, FAMILY_MODES
+from lightning_recompute.race.rule import recompute_strength
 from tuner.recipe import from_dict, json_schema
 from tuner.search.space import LayerInfo, SearchSpace
 

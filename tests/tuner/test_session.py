@@ -15,14 +15,14 @@ from typing import cast
 import pytest
 from optuna.trial import TrialState
 
+from lightning_recompute.planner import Planner, Prediction
 from lightning_recompute.policy import RecomputePolicy
 from tests.tuner.fakes import MIB, TRIAL_WALL_S, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
 from tests.tuner.fakes import SESSION_LAYERS as LAYERS
 from tuner import session, setup
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
-from tuner.planner import Planner, Prediction
-from tuner.planner.seeds import PlannerSeeds
 from tuner.recipe import from_dict
+from tuner.search.planner_seeds import PlannerSeeds
 from tuner.summary import TrialEvent
 from tuner.trials import TrialResult
 
@@ -91,7 +91,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
 def test_an_estimation_process_that_fails_leaves_the_race_processs_figures_and_says_so(
     tmp_path, tracking_uri, fakes, monkeypatch
 ):
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
 
     raced = fakes.run_race
 
@@ -116,8 +116,8 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
     sides with the fresh one, which settles it: across the three the rival is faster, it wins, and one
     more fresh process measures it against the references, so its figures span two processes its
     selection did not run in."""
+    from lightning_recompute.race import RaceResult
     from tests.tuner.fakes import exact_race
-    from tuner.race import RaceResult
 
     raced = fakes.run_race
     seen: dict[str, str] = {}
@@ -175,7 +175,7 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
 def test_processes_that_agree_on_a_rival_need_no_dispute(tmp_path, tracking_uri, fakes, monkeypatch):
     """A rival unresolved in the race's process and measured slower in the fresh one too: no more
     processes, the selection's winner stands, and its figures span both processes."""
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
 
     raced = fakes.run_race
     calls: list[int] = []

@@ -19,11 +19,15 @@ from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError, clip
 from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
+from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race.rule import TIE_MARGIN
 from lightning_recompute.units import format_bytes as _format_bytes
-from lightning_recompute.units import parse_bytes
-from tuner.jsonable import jsonable
-from tuner.race.field import PREDICTION_SPAN
-from tuner.race.rule import TIE_MARGIN
+from lightning_recompute.units import jsonable, parse_bytes
+
+PREDICTION_SPAN = 0.05
+"""Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
+cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
+alike. `tuner.field` takes the faster trials among them."""
 
 REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
 """The model a recipe trains when it names none."""
@@ -575,6 +579,27 @@ class Recipe:
     """Optuna storage; ``storage`` is always set, ``name`` may be ``None`` (derived from the hardware)."""
     output: Path
     """The policy file written on promotion."""
+
+    def race_plan(self, *, search_s: float | None = None) -> RacePlan:
+        """The race's plan from ``race``, warmed up as long as the recipe's trials (at least one step).
+
+        ``search_s``: the wall time the search's trials took; the race's rounds then take at most
+        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did, but
+        never less than ``race.min_s`` (a search of cheap forked trials would leave a race too short
+        to measure anything).
+        """
+        r = self.race
+        return RacePlan(
+            steps=r.steps,
+            min_rounds=r.min_rounds,
+            max_rounds=r.max_rounds,
+            time_s=r.time_s,
+            total_s=max(r.min_s, r.share * search_s) if search_s and r.share is not None else None,
+            estimate_rounds=r.estimate_rounds,
+            confidence=r.confidence,
+            tie_margin=r.tie_margin,
+            warmup_steps=max(1, self.trial.warmup_steps),
+        )
 
     @property
     def folder(self) -> Path:

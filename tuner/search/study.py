@@ -21,7 +21,7 @@ from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.units import format_bytes
 
 if TYPE_CHECKING:
-    from tuner.planner.solver import Prediction
+    from lightning_recompute.planner.solver import Prediction
     from tuner.recipe import Recipe
     from tuner.trials import TrialResult
 from tuner.liveness import Owner

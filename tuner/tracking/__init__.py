@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from tuner.tracking.client import DEFAULT_TRACKING_URI, ExperimentNotFound, TrackingError, artifact_location_for
 from tuner.tracking.registry import Decision, GoodPolicy
-from tuner.tracking.tracker import Tracker
+from tuner.tracking.tracker import Tracker, open_tracker
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -43,4 +43,5 @@ __all__ = [
     "Tracker",
     "TrackingError",
     "artifact_location_for",
+    "open_tracker",
 ]

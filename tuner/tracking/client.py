@@ -18,7 +18,7 @@ from tuner.exits import EXIT_BAD_INPUT, Declined
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-from tuner.jsonable import jsonable
+from lightning_recompute.units import jsonable
 
 _log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class TrackingClient:
 
     def _not_found(self) -> str:
         """The message for a missing experiment: the store, and the experiments it does have."""
-        from tuner.preflight import hide_password
+        from tuner.exits import hide_password
 
         names = sorted(e.name for e in self.client.search_experiments() if e.name != "Default")
         valid = ", ".join(repr(n) for n in names) if names else "none yet"

@@ -212,7 +212,7 @@ def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) 
 
 def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
     """`STEP_NOISE_METRICS` of a trial's measured step times (none with fewer than 2 steps)."""
-    from tuner.race import spread
+    from lightning_recompute.race import spread
 
     times = [float(t) for t in step_times if finite(t) is not None]
     if len(times) < 2:

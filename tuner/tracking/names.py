@@ -119,7 +119,7 @@ RACE_WINNER = "recompute.race_winner"
 RACE_SUMMARY = "recompute.race"
 """On a session run: the race in words (winner, tie, stop reason, the "vs" figures with their intervals)."""
 IN_JOB = "recompute.in_job"
-"""On a session run: ``true`` when it tuned inside a training job (`tuner.auto.AutoRecompute`), not in
+"""On a session run: ``true`` when it tuned inside a training job (`lightning_recompute.auto.AutoRecompute`), not in
 ``recompute-tune``."""
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"
@@ -148,7 +148,7 @@ def rank_peak_metric(rank: int) -> str:
 
 STEP_NOISE_METRICS = ("step_time_mad_rel", "step_time_ci_rel")
 """A trial's noise: median absolute deviation of its step times over their median, and the relative width
-of a 95% interval of the median (`tuner.race.stats.spread`); logged where the trial has enough steps."""
+of a 95% interval of the median (`lightning_recompute.race.stats.spread`); logged where the trial has enough steps."""
 MACHINE_METRIC_PREFIX = "machine_"
 """``machine_load_1m``, ``machine_cpu_mhz``, ``machine_gpu_sm_mhz`` ...: the machine while a trial or race ran."""
 

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
 
     pass
 
-from lightning_recompute.units import format_bytes
-from tuner.jsonable import jsonable
+from lightning_recompute.units import format_bytes, jsonable
 
 
 def result_dict(result: TrialResult) -> dict[str, Any]:

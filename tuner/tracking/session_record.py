@@ -33,7 +33,7 @@ from tuner.tracking.names import (
 from tuner.tracking.report import session_markdown, trials_csv
 
 if TYPE_CHECKING:
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
 
 __all__ = ["write_race", "write_session_record"]
 
@@ -91,7 +91,7 @@ def write_session_record(
 def write_race(store: TrackingClient, run_id: str, race: RaceResult) -> None:
     """Record ``race`` on the session run ``run_id``: ``race.json`` (every entrant's per-round times, the
     standing, the intervals), its winner and words as tags, its figures as metrics."""
-    from tuner.race import format_gain
+    from lightning_recompute.race import format_gain
 
     store.log_json(run_id, RACE_JSON, race.to_dict())
     words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]

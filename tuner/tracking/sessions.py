@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 from lightning_recompute.policy import RecomputePolicy
-from tuner.jsonable import jsonable
+from lightning_recompute.units import jsonable
 from tuner.tracking.client import (
     TrackingClient,
     TrackingError,
@@ -42,7 +42,7 @@ from tuner.tracking.names import (
 from tuner.tracking.session_record import write_race, write_session_record
 
 if TYPE_CHECKING:
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.trials import TrialResult
 
@@ -141,7 +141,7 @@ class SessionLog:
         return run_id
 
     def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
-        """Open the session run of a tuning inside a training job (`tuner.auto.AutoRecompute`); its run id.
+        """Open the session run of a tuning inside a training job (`AutoRecompute`); its run id.
 
         The layout is a tuning session's (trial runs nest in it, `log_race` and `finish_session` write
         the same records), without a recipe or a study: ``name`` stands for the study, ``params`` say

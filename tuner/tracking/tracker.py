@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -9,6 +11,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.policy import RecomputePolicy
+from tuner.stores import sqlite_setup_lock
 from tuner.tracking.client import TrackingClient
 from tuner.tracking.registry import Decision, GoodPolicy, PolicyRegistry
 from tuner.tracking.sessions import SessionLog
@@ -16,11 +19,11 @@ from tuner.tracking.sessions import SessionLog
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-    from tuner.race import RaceResult
+    from lightning_recompute.race import RaceResult
     from tuner.recipe import Recipe
     from tuner.trials import TrialResult
 
-__all__ = ["Tracker"]
+__all__ = ["Tracker", "open_tracker"]
 
 
 class Tracker:
@@ -253,3 +256,29 @@ class Tracker:
     def history(self) -> list[Decision]:
         """Every completed promotion, rejection and rollback, oldest first (`PolicyRegistry.history`)."""
         return self.registry.history()
+
+
+_log = logging.getLogger(__name__)
+
+
+def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Tracker:
+    """The `Tracker` of ``experiment``, opened under the SQLite setup lock, retried on failure.
+
+    Two workers starting at once against a new SQLite tracking database would both run MLflow's
+    schema migration and fail on each other's half-made tables; the lock serialises that. The
+    retry covers stores the lock cannot (no ``fcntl``; a server still starting).
+    """
+    from alembic.util.exc import CommandError
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    for attempt in range(1, attempts + 1):
+        try:
+            with sqlite_setup_lock(tracking_uri):
+                return Tracker(tracking_uri, experiment)
+        except (CommandError, MlflowException, SQLAlchemyError) as err:
+            if attempt == attempts:
+                raise
+            _log.info("opening the MLflow store failed (%s); retrying", err)
+            time.sleep(0.5 * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises

@@ -87,7 +87,14 @@ FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
 """``0`` (or ``off``, ``false``, ``no``): every worker is a fresh interpreter. Anything else, or unset
 (the default): one-rank CPU workers are forked from the fork server."""
 
-PRELOAD = ("torch", "lightning", "lightning_recompute", "tuner.trials.worker", "tuner.race.engine", "tuner.recipe")
+PRELOAD = (
+    "torch",
+    "lightning",
+    "lightning_recompute",
+    "tuner.trials.worker",
+    "lightning_recompute.race.engine",
+    "tuner.recipe",
+)
 """What the server imports before forking: what every worker imports before its first step."""
 
 _START_TIMEOUT_S = 300.0  # imports on a loaded machine; a server that takes longer is not worth waiting for

@@ -10,8 +10,8 @@ reads it back with `parse_spec`. The kinds, all listed in `SPEC_TYPES`:
   one training step with and without the policy, in deterministic mode, against the spread of two runs
   without it (`NumericsPayload`).
 - ``device`` (`DeviceSpec`): the name and total memory of the device an accelerator selects.
-- ``profile`` (`ProfileSpec`): the recipe's per-layer cost profile (`tuner.profile.recipe_profile`).
-- ``race`` (`RaceSpec`): several policies measured in turn on one model in one fit (`tuner.race.engine`).
+- ``profile`` (`ProfileSpec`): the recipe's per-layer cost profile (`tuner.recipe.profile`).
+- ``race`` (`RaceSpec`): several policies measured in turn on one model in one fit (`lightning_recompute.race.engine`).
 
 The ``RANKED_KINDS`` run on the recipe's ``trainer.devices`` ranks (`Spec.ranks`), each rank
 writing its own result (`rank_result_path`) that the parent merges.
@@ -256,7 +256,7 @@ class RaceSpec(_RecipeSpec):
     budget_bytes: int | None = None
     """An entrant peaking over it is out of the race."""
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """`tuner.race.RacePlan.to_dict`."""
+    """`lightning_recompute.race.RacePlan.to_dict`."""
     winner: str | None = None
     """The key of an earlier race's winner: no selection, only the estimation rounds (``None``: select)."""
 

@@ -55,8 +55,8 @@ from tuner.trials.protocol import (
 )
 
 if TYPE_CHECKING:
-    from tuner.profile import Profile
-    from tuner.race import RacePlan, RaceResult, Spread
+    from lightning_recompute.profile import Profile
+    from lightning_recompute.race import RacePlan, RaceResult, Spread
 
 __all__ = [
     "NumericsResult",
@@ -130,7 +130,7 @@ class TrialResult:
     rank_peak_bytes: tuple[int, ...] = ()
     """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum); empty for one device."""
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The machine while the trial ran (`tuner.race.machine.machine_state`: load, clocks, other GPU processes)."""
+    """The machine while the trial ran (`race.machine.machine_state`: load, clocks, other GPU processes)."""
     batches: dict[str, Any] | None = None
     """The scan of the data module's first batches (`tuner.trials.batches.BatchScan.to_dict`): when they vary,
     every measured step used the largest. ``None``: not measured."""
@@ -139,7 +139,7 @@ class TrialResult:
     def noise(self) -> Spread | None:
         """The spread of the measured step times (``None`` without any): a single trial's figure is one
         sample, and this says how loud the machine was while it was taken."""
-        from tuner.race.stats import spread
+        from lightning_recompute.race.stats import spread
 
         return spread(self.step_times_s) if self.step_times_s else None
 
@@ -267,7 +267,7 @@ def run_race(
 ) -> RaceResult:
     """Race ``entrants`` (a policy and why it races) interleaved on one model, in one subprocess.
 
-    See `tuner.race.engine` for how. Entrants are keyed by their policy's fingerprint; ``references``
+    See `lightning_recompute.race.engine` for how. Entrants are keyed by their policy's fingerprint; ``references``
     (entrants too) are what the winner's "vs" figures are about. Never raises for what the race does:
     a worker that fails gives a ``failed`` result with the reason.
 
@@ -284,9 +284,9 @@ def run_race(
             rounds, every entrant in each (the figures against ``references`` measured again in a fresh
             process, and the earlier race's rivals beside them).
     """
-    from tuner.race import RacePlan, RaceResult
+    from lightning_recompute.race import RaceResult
 
-    plan = plan or RacePlan.from_recipe(recipe)
+    plan = plan or recipe.race_plan()
     labels: dict[str, list[str]] = {}
     policies: dict[str, RecomputePolicy] = {}
     for policy, why in entrants:
@@ -402,11 +402,11 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
     Raises:
         RecomputeError: the profile could not be taken (the message says why).
     """
-    from tuner.profile import Profile
+    from lightning_recompute.profile import Profile
 
     if recipe.trainer.accelerator == "cpu":
         from lightning_recompute.meter import CPU_MEMORY_LIMIT
-        from tuner.profile.recipe_profile import profile_recipe_here
+        from tuner.recipe.profile import profile_recipe_here
 
         # Here rather than in a worker, but on the device a worker would see: the recipe's cap on the CPU.
         cap = recipe.trial.env.get(CPU_MEMORY_LIMIT)

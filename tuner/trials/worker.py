@@ -183,7 +183,7 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
         **QUIET_TRAINER,
         callbacks=[callback, losses],
     )
-    from tuner.race.machine import machine_state
+    from lightning_recompute.race.machine import machine_state
 
     machine = machine_state(recipe.trainer.accelerator)
     trainer.fit(model, datamodule=datamodule)
@@ -222,7 +222,7 @@ def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_recompute import RecomputePolicy
-    from tuner.race.engine import RacePlan, race
+    from lightning_recompute.race.engine import RacePlan, race
     from tuner.recipe import build_datamodule, build_model, from_dict
 
     spec = RaceSpec.of(spec)
@@ -703,8 +703,8 @@ def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
 
 
 def _profile(spec: ProfileSpec | Mapping[str, Any]) -> dict[str, Any]:
-    from tuner.profile.recipe_profile import profile_recipe_here
     from tuner.recipe import from_dict
+    from tuner.recipe.profile import profile_recipe_here
 
     spec = ProfileSpec.of(spec)
     recipe = from_dict(spec.recipe, source=spec.source)

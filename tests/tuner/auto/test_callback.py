@@ -1,4 +1,4 @@
-"""`tuner.auto.AutoRecompute`: tuning inside the training job, on CPU, with real steps.
+"""`lightning_recompute.auto.AutoRecompute`: tuning inside the training job, on CPU, with real steps.
 
 What a user relies on: the weights are those of a plain run (bitwise, dropout on, every tuning step
 and switch included), the chosen policy fits, a candidate over the limit runs once and never again,
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from lightning_recompute import RecomputePolicy, applied_policy
+from lightning_recompute.auto import AutoRecompute
+from lightning_recompute.race import RacePlan
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
-from tuner.auto import AutoRecompute
-from tuner.race import RacePlan
 
 TINY = dict(vocab_size=64, seq_len=32, n_layer=3, n_embd=32, n_head=4, dropout=0.1)
 DATA = dict(vocab_size=64, seq_len=32, batch_size=4, num_batches=64)

@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
+from lightning_recompute.auto.candidates import planner_candidates
+from lightning_recompute.planner import Planner
+from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.reference import ReferenceGPT
-from tuner.auto.candidates import planner_candidates
-from tuner.planner import Planner
-from tuner.profile import Profile, profile_model
 
 MODES = ["none", "selective", "full"]
 

@@ -25,8 +25,8 @@ from torch.distributed.fsdp import fully_shard
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_recompute import QUIET_TRAINER
 from lightning_recompute.reference import Block, ReferenceGPT, SyntheticTokens
-from tuner.auto import AutoRecompute
-from tuner.race import RacePlan
+from lightning_recompute.auto import AutoRecompute
+from lightning_recompute.race import RacePlan
 
 TINY = dict(vocab_size=64, seq_len=32, n_embd=32, n_head=4, dropout=0.1)
 

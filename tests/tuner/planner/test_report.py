@@ -3,8 +3,8 @@ prints, in the order it prints them; `Prediction.describe` leaves room after lon
 
 from __future__ import annotations
 
-from tuner.planner import Planner, format_front
-from tuner.profile import ALL_MODES, LayerProfile, Profile, SegmentCost
+from lightning_recompute.planner import Planner, format_front
+from lightning_recompute.profile import ALL_MODES, LayerProfile, Profile, SegmentCost
 
 MODES = ["none", "selective", "full", "selective:attn", "selective:attn+narrow"]
 KEPT = {"none": 1000, "selective": 600, "full": 100, "selective:attn": 800, "selective:attn+narrow": 400}

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lightning_recompute import step_peak
+from lightning_recompute.planner import Planner
+from lightning_recompute.profile import Profile, profile_model
+from lightning_recompute.profile.model import FAMILY_MODES
 from lightning_recompute.reference import ReferenceGPT
-from tuner.planner import Planner
-from tuner.profile import Profile, profile_model
-from tuner.profile.model import FAMILY_MODES
 from tuner.search.space import LayerInfo, SearchSpace
 
 B, T = 2, 32

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_recompute.planner import Planner
 from lightning_recompute.policy import glyph
-from tuner.planner import Planner
-from tuner.planner.seeds import kind_picks, planner_seeds
-from tuner.profile import LayerProfile, Profile, SegmentCost
+from lightning_recompute.profile import LayerProfile, Profile, SegmentCost
 from tuner.search import LayerInfo, SearchSpace
+from tuner.search.planner_seeds import kind_picks, planner_seeds
 
 MODES = ["none", "selective", "full"]
 

@@ -1,4 +1,4 @@
-"""The sharded planner (`tuner.planner.sharding`): FSDP2's per-rank terms on a hand-computed profile,
+"""The sharded planner (`lightning_recompute.planner.sharding`): FSDP2's per-rank terms on a hand-computed profile,
 the padding rule, DDP's buckets, world size 1 as one device, static terms that do not scale with
 the micro-batch, reading a recipe's strategy, and the ``plan --world-size/--strategy`` flags.
 
@@ -13,12 +13,19 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_recompute.planner import Planner, PlannerError
+from lightning_recompute.planner.sharding import (
+    STRATEGIES,
+    ParamGroup,
+    ParamLayout,
+    Sharding,
+    shard_profile,
+    sharding_for,
+)
+from lightning_recompute.profile import LayerProfile, Profile, SegmentCost
 from tests.helpers import REPO
 from tuner.cli import build_parser, main
 from tuner.models import LlamaConfig, LlamaLike
-from tuner.planner import Planner, PlannerError
-from tuner.planner.sharding import STRATEGIES, ParamGroup, ParamLayout, Sharding, shard_profile, sharding_for
-from tuner.profile import LayerProfile, Profile, SegmentCost
 
 # --------------------------------------------------------------------------- a hand-computed profile
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_recompute import RecomputeError, RecomputePolicy, step_peak
+from lightning_recompute.planner import BudgetError, Planner, PlannerError, format_front
+from lightning_recompute.profile import LayerProfile, Profile, SegmentCost, profile_model
 from lightning_recompute.reference import ReferenceGPT
-from tuner.planner import BudgetError, Planner, PlannerError, format_front
-from tuner.profile import LayerProfile, Profile, SegmentCost, profile_model
 
 # --------------------------------------------------------------------------- synthetic profiles
 

@@ -3,8 +3,8 @@ layer name or mode header running into the next column."""
 
 from __future__ import annotations
 
+from lightning_recompute.profile import LayerProfile, Profile, SegmentCost
 from lightning_recompute.units import format_bytes
-from tuner.profile import LayerProfile, Profile, SegmentCost
 
 MODES = ["none", "selective", "full", "selective:attn+narrow"]
 

@@ -1,4 +1,4 @@
-"""Profiling a deep stack on meta from cuts of 3, 4 and 5 layers (`tuner.profile.extrapolate`): the
+"""Profiling a deep stack on meta from cuts of 3, 4 and 5 layers (`lightning_recompute.profile.extrapolate`): the
 result equals stepping every layer, field by field, on our models and a Hugging Face one; a stack
 the cuts cannot describe is stepped in full, and the profile says why."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_recompute.profile import Profile, profile_meta
 from lightning_recompute.reference import ReferenceGPT
 from tuner.models import LlamaConfig, LlamaLike, token_batch
-from tuner.profile import Profile, profile_meta
 
 DEPTH = 13  # the fewest layers the cuts are taken for (`MIN_LAYERS`)
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lightning_recompute import RecomputePolicy
+from lightning_recompute.profile import HARDWARE, Profile, ProfileError, profile_meta, profile_model
 from lightning_recompute.reference import ReferenceGPT
 from tests.helpers import REPO
 from tuner.models import LlamaConfig, LlamaLike, token_batch
-from tuner.profile import HARDWARE, Profile, ProfileError, profile_meta, profile_model
 
 B, T, C, H = 4, 32, 32, 4
 E = 4  # float32
@@ -146,8 +146,8 @@ def test_7b_llama_at_4096_tokens_plans_on_meta_without_allocating() -> None:
         """
         import json, resource, torch
         from tuner.models import LlamaLike, llama_7b, token_batch
-        from tuner.planner import Planner
-        from tuner.profile import profile_meta
+        from lightning_recompute.planner import Planner
+        from lightning_recompute.profile import profile_meta
         cfg = llama_7b()
         prof = profile_meta(lambda: LlamaLike(cfg).to(torch.bfloat16), token_batch(1, 4096, cfg.vocab_size, "meta"),
                             modes=["none", "selective", "full"], hardware="H100")
@@ -203,8 +203,8 @@ def test_a_mode_that_does_not_fit_is_profiled_in_groups_of_layers_with_the_same_
     group of layers at a time (the rest full), and every cost equals the profile of a device that fits it;
     the planner's prediction of each group's step equals that step's measured peak."""
     from lightning_recompute.meter import CPU_MEMORY_LIMIT
+    from lightning_recompute.planner import Planner
     from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
-    from tuner.planner import Planner
 
     torch.manual_seed(0)
     model = ReferenceGPT(vocab_size=64, seq_len=64, n_layer=4, n_embd=32, n_head=4, dropout=0.1)
@@ -217,7 +217,7 @@ def test_a_mode_that_does_not_fit_is_profiled_in_groups_of_layers_with_the_same_
     full_peak = planner.predict(RecomputePolicy.uniform("full")).peak_bytes
     monkeypatch.setenv(CPU_MEMORY_LIMIT, str((none_peak + full_peak) // 2))
 
-    from tuner.profile import measure
+    from lightning_recompute.profile import measure
 
     runs: list[measure.Split] = []
     real = measure._split_run

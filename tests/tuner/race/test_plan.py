@@ -1,10 +1,9 @@
-"""`tuner.race.plan.RacePlan.from_recipe`: the race's budget follows the search's cost, within a floor."""
+"""`Recipe.race_plan`: the race's budget follows the search's cost, within a floor."""
 
 from __future__ import annotations
 
 import pytest
 
-from tuner.race.plan import RacePlan
 from tuner.recipe import from_dict
 from tuner.recipe.schema import RecipeError
 
@@ -26,7 +25,7 @@ def _recipe(tmp_path, **race):
     ],
 )
 def test_the_race_budget_is_a_share_of_the_search_never_under_min_s(tmp_path, race, search_s, total_s) -> None:
-    plan = RacePlan.from_recipe(_recipe(tmp_path, **race), search_s=search_s)
+    plan = _recipe(tmp_path, **race).race_plan(search_s=search_s)
     assert plan.total_s == total_s
 
 

@@ -1,11 +1,11 @@
-"""`tuner.race.result.RaceResult`: the figures' wording, several estimation processes, and its record."""
+"""`lightning_recompute.race.result.RaceResult`: the figures' wording, several estimation processes, and its record."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from tuner.race.result import RaceEntrant, RaceResult, format_gain
-from tuner.race.stats import Interval
+from lightning_recompute.race.result import RaceEntrant, RaceResult, format_gain
+from lightning_recompute.race.stats import Interval
 
 WIN, FULL = "w", "f"
 

@@ -1,4 +1,4 @@
-"""`tuner.race.rule` and `tuner.race.field`: who leads, who is beaten, who is tied, and who races."""
+"""`lightning_recompute.race.rule` and `tuner.field`: who leads, who is beaten, who is tied, and who races."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from lightning_recompute.policy import RecomputePolicy
-from tuner.race.field import choose_field, suspects
-from tuner.race.rule import recompute_strength, stand, tie_break, verdict
+from lightning_recompute.race.rule import recompute_strength, stand, tie_break, verdict
+from tuner.field import choose_field, suspects
 from tuner.search import TrialRecord
 
 NAMES = ("blocks.0", "blocks.1", "blocks.2")
@@ -228,7 +228,7 @@ def test_a_trial_far_from_its_prediction_while_the_others_are_close_is_suspect()
 
 
 def test_the_tie_line_says_why_the_winner_was_chosen() -> None:
-    from tuner.race import RaceEntrant, RaceResult
+    from lightning_recompute.race import RaceEntrant, RaceResult
 
     def result(winner: str, peaks: dict[str, int]) -> RaceResult:
         shorts = {"L": "FFs..", "W": "FFF..", "X": "F.F.F"}
@@ -242,8 +242,8 @@ def test_the_tie_line_says_why_the_winner_was_chosen() -> None:
 
 
 def test_the_unresolved_line_names_who_the_leader_beat_on_its_median_alone() -> None:
-    from tuner.race import RaceEntrant, RaceResult
-    from tuner.race.stats import Interval
+    from lightning_recompute.race import RaceEntrant, RaceResult
+    from lightning_recompute.race.stats import Interval
 
     entrants = {k: RaceEntrant(key=k, short=s, labels=(k,)) for k, s in {"L": "...", "F": "FFF"}.items()}
     behind = {"F": Interval(ratio=1.6, low=0.9, high=2.0, rounds=8, confidence=0.99)}

@@ -1,4 +1,4 @@
-"""`tuner.race.schedule.RaceSchedule`: the turns and the decision, fed measurements by hand (no model).
+"""`lightning_recompute.race.schedule.RaceSchedule`: the turns and the decision, fed measurements by hand (no model).
 
 The engine's tests race real models; these pin what several ranks and a job that ends early rely on.
 """
@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from lightning_recompute import RecomputePolicy
-from tuner.race.plan import RacePlan
-from tuner.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport
+from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport
 
 NAMES = [f"blocks.{i}" for i in range(3)]
 FULL, NONE = RecomputePolicy.uniform("full"), RecomputePolicy.uniform("none")

@@ -1,4 +1,4 @@
-"""`tuner.race.stats`: a sample's spread, and the paired ratio of two candidates over rounds."""
+"""`lightning_recompute.race.stats`: a sample's spread, and the paired ratio of two candidates over rounds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from tuner.race.neighbour import LoadModel
-from tuner.race.stats import Interval, across_processes, paired_ratio, spread
+from lightning_recompute.race.neighbour import LoadModel
+from lightning_recompute.race.stats import Interval, across_processes, paired_ratio, spread
 
 
 def test_spread_of_a_sample() -> None:

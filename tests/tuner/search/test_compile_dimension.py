@@ -46,7 +46,7 @@ def test_compile_is_a_parameter_only_when_both_choices_are_searched() -> None:
 
 
 def test_the_planner_seeds_a_compiled_twin_of_its_pick() -> None:
-    from tuner.planner.seeds import planner_seeds
+    from tuner.search.planner_seeds import planner_seeds
 
     class _Pick:
         def __init__(self) -> None:

@@ -13,8 +13,8 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.planner import Prediction
 from lightning_recompute.policy import RecomputePolicy
-from tuner.planner import Prediction
 from tuner.recipe import from_dict
 from tuner.search import (
     FAR_OVER_BUDGET,

@@ -274,9 +274,9 @@ def test_trial_results_keep_per_rank_peaks_through_their_dict_form() -> None:
 
 
 def test_the_planner_plans_one_rank_of_a_multi_rank_recipe() -> None:
-    from tuner.planner.seeds import plan_seeds
-    from tuner.profile.recipe_profile import profile_recipe_here
+    from tuner.recipe.profile import profile_recipe_here
     from tuner.search import SearchSpace, inspect_layers
+    from tuner.search.planner_seeds import plan_seeds
 
     one = from_dict({"budget": "1GiB", "data": {"init_args": {"batch_size": 2}}})
     two = from_dict(

@@ -1,4 +1,4 @@
-"""The exact solvers over a step's tables (see `tuner.planner` for the model they solve): the fastest
+"""The exact solvers over a step's tables (see `lightning_recompute.planner` for the model they solve): the fastest
 policy under a budget (`fastest_within`), the least peak any policy reaches (`least_peak`) and the
 Pareto front of peak and time (`pareto_picks`). Each is a dynamic programme over layers whose state
 is the bytes kept so far, pruned to the states no other state dominates."""
@@ -31,7 +31,7 @@ class Tables:
 
 
 def fastest_within(tab: Tables, budget: int) -> list[int] | None:
-    """Least-time mode indices with every constraint <= budget, or None (see `tuner.planner`)."""
+    """Least-time mode indices with every constraint <= budget, or None (see `lightning_recompute.planner`)."""
     n, nm = tab.a.shape
     A = np.zeros(1, np.int64)
     T = np.zeros(1, np.int64)

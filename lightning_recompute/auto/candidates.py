@@ -25,10 +25,10 @@ from lightning_recompute import RecomputePolicy
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.modes import MODES
+from lightning_recompute.planner import Planner
 from lightning_recompute.policy import PolicyLike
+from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.sources import as_policy
-from tuner.planner import Planner
-from tuner.profile import Profile, profile_model
 
 __all__ = [
     "PROFILED_STRATEGIES",

@@ -1,4 +1,4 @@
-"""The cost model and the exact solver (see `tuner.planner`): `Planner` predicts any policy's
+"""The cost model and the exact solver (see `lightning_recompute.planner`): `Planner` predicts any policy's
 peak and step time from a `Profile`, and finds the fastest policy under a budget and the Pareto front."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.planner.dp import Tables, fastest_within, least_peak, pareto_picks
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, glyph
+from lightning_recompute.profile import ALL_MODES, Profile, SegmentCost
+from lightning_recompute.profile.model import ZERO_GRAD_SEGMENT
 from lightning_recompute.sources import as_policy
 from lightning_recompute.units import format_bytes, format_seconds, parse_bytes
-from tuner.planner.dp import Tables, fastest_within, least_peak, pareto_picks
-from tuner.profile import ALL_MODES, Profile, SegmentCost
-from tuner.profile.model import ZERO_GRAD_SEGMENT
 
 
 class PlannerError(RecomputeError, ValueError):
@@ -141,7 +141,7 @@ class Planner:
         start (they are not alive in the forward; `RecomputeCallback`'s default where safe) or not
         (Lightning's order); ``None``: as the profile says (`Profile.free_grads_at_batch_start`)."""
         if not isinstance(profile, Profile):
-            raise PlannerError(f"profile: expected a tuner.profile.Profile, got {type(profile).__name__}")
+            raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
         self.profile = profile
         self.names = profile.layer_names
         self._check_timeline()
@@ -202,7 +202,11 @@ class Planner:
         """(delta, peak, seconds) scaled by ``k`` (see the module docstring)."""
         if k == 1.0 or not c.scales:
             return c.delta, c.peak, c.seconds
-        g, sd, sp = c.grad, c.static_delta, c.static_peak  # the static parts: see `tuner.planner.sharding`
+        g, sd, sp = (
+            c.grad,
+            c.static_delta,
+            c.static_peak,
+        )  # the static parts: see `lightning_recompute.planner.sharding`
         delta = g + sd + round((c.delta - g - sd) * k)
         gp, act = max(0, g), c.peak - sp
         peak = sp + (gp + round((act - gp) * k) if act >= gp else round(act * k))

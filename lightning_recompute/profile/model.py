@@ -51,7 +51,7 @@ class SegmentCost:
     """Whether the activation part of this segment grows with the micro-batch (false for the optimizer)."""
     static_delta: int = 0
     """Bytes of ``delta`` besides ``grad`` that do not grow with the micro-batch (a sharded strategy's
-    gathered parameters and communication buffers, `tuner.planner.sharding`); 0 for a measured segment."""
+    gathered parameters and communication buffers, `lightning_recompute.planner.sharding`); 0 for a measured segment."""
     static_peak: int = 0
     """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch (as ``static_delta``)."""
 
@@ -139,7 +139,7 @@ class Profile:
     The profile is measured in Lightning's order either way; the planner predicts the job's."""
     split: dict[str, int] = field(default_factory=dict)
     """The modes that did not fit with every layer in them, each with the number of steps it was profiled
-    in instead (groups of layers in the mode, the rest in ``full``; `tuner.profile.measure.Split`)."""
+    in instead (groups of layers in the mode, the rest in ``full``; `lightning_recompute.profile.measure.Split`)."""
     torch_version: str = torch.__version__
     version: int = PROFILE_VERSION
 

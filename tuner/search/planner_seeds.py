@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.planner.solver import BudgetError, PlannedPolicy, Planner, Prediction
 from lightning_recompute.policy import RecomputePolicy
-from tuner.planner.solver import BudgetError, PlannedPolicy, Planner, Prediction
 from tuner.search import Predictor, SearchSpace, Seed
 
 if TYPE_CHECKING:
-    from tuner.planner.sharding import Sharding
-    from tuner.profile import Profile
+    from lightning_recompute.planner.sharding import Sharding
+    from lightning_recompute.profile import Profile
     from tuner.recipe import Recipe
 
 __all__ = [
@@ -159,15 +159,16 @@ def plan_seeds(
     """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds.
 
     The profile is one device's, measured whole: a mode that does not fit with every layer in it is
-    profiled a group of layers at a time (`tuner.profile.Profile.split`). For a multi-rank recipe the
-    planner plans one rank of it (`tuner.planner.sharding`); the study stores the measured profile.
+    profiled a group of layers at a time (`lightning_recompute.profile.Profile.split`). For a multi-rank recipe the
+    planner plans one rank of it (`lightning_recompute.planner.sharding`); the study stores the measured profile.
     The note says which profile the planner planned from.
 
     Never raises for the planner's own failure (only for Ctrl-C): the note says why there are no
     predictions, and the session seeds from the baselines only.
     """
-    from tuner.planner.sharding import recipe_layout, shard_profile, sharding_for
-    from tuner.profile import Profile
+    from lightning_recompute.planner.sharding import shard_profile, sharding_for
+    from lightning_recompute.profile import Profile
+    from tuner.recipe.profile import recipe_layout
     from tuner.trials import profile_recipe
 
     try:

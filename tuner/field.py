@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_recompute.policy import RecomputePolicy
+from tuner.recipe.schema import PREDICTION_SPAN
 
 if TYPE_CHECKING:
     from tuner.search import TrialRecord
@@ -110,12 +111,6 @@ def choose_field(
     if len(out.entrants) < 2:
         out.skipped = "only one candidate fits: nothing to race"
     return out
-
-
-PREDICTION_SPAN = 0.05
-"""Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
-cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
-alike. `_add_predicted` takes the faster trials among them."""
 
 
 def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:

@@ -13,7 +13,7 @@ change of live tensor memory across it (``delta``), the highest point above its 
 (``peak``, the transient), the bytes of parameter gradients it allocated (``grad``), its FLOPs
 (`torch.utils.flop_counter.FlopCounterMode`), and its time. A layer's segments are measured once
 per mode (one step with every layer in that mode), the rest once (they do not depend on the
-policy). `tuner.planner.Planner` composes them into the peak and step time of any mixed policy.
+policy). `lightning_recompute.planner.Planner` composes them into the peak and step time of any mixed policy.
 
 Memory comes from the plugin's meters (`lightning_recompute.meter.memory_meter`): the CUDA
 allocator's statistics on CUDA, and on CPU and meta the exact storage ledger of `StorageMeter`,
@@ -54,18 +54,19 @@ Conventions and assumptions (the planner relies on them):
 - ``selective`` works on the meta device (PyTorch's selective checkpointing only decides which op
   outputs to cache; it needs no data).
 
-Modules: `tuner.profile.model` (the data model and its JSON form), `tuner.profile.hardware` (device
-peaks for estimates), `tuner.profile.recorder` (the instruments of one step), `tuner.profile.measure`
-(`profile_model`), `tuner.profile.meta` (`profile_meta`), `tuner.profile.recipe_profile` (the
-profile of a recipe's model and data, what the tuning session and ``recompute-tune plan`` take).
+Modules: `lightning_recompute.profile.model` (the data model and its JSON form),
+`lightning_recompute.profile.hardware` (device peaks for estimates), `lightning_recompute.profile.recorder`
+(the instruments of one step), `lightning_recompute.profile.measure` (`profile_model`),
+`lightning_recompute.profile.meta` (`profile_meta`), `tuner.recipe.profile` (the profile of a recipe's model
+and data, what the tuning session and ``recompute-tune plan`` take).
 """
 
 from __future__ import annotations
 
-from tuner.profile.hardware import HARDWARE, Hardware
-from tuner.profile.measure import profile_model
-from tuner.profile.meta import profile_meta
-from tuner.profile.model import ALL_MODES, LayerProfile, Profile, ProfileError, SegmentCost
+from lightning_recompute.profile.hardware import HARDWARE, Hardware
+from lightning_recompute.profile.measure import profile_model
+from lightning_recompute.profile.meta import profile_meta
+from lightning_recompute.profile.model import ALL_MODES, LayerProfile, Profile, ProfileError, SegmentCost
 
 __all__ = [
     "ALL_MODES",

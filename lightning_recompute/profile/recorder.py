@@ -94,7 +94,7 @@ class Recorder:
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(i), with_kwargs=True))
         # The end of the model's own forward (before the loss): where FSDP2's root post-forward frees
-        # the last layer's all-gather buffer, so `tuner.planner.sharding` can place that free exactly.
+        # the last layer's all-gather buffer, so `lightning_recompute.planner.sharding` can place that free exactly.
         self._handles.append(self.model.register_forward_hook(self._output_hook))
         return self
 

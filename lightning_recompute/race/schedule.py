@@ -1,7 +1,7 @@
 """The race's schedule: which entrant runs the next step, and what the rounds have decided.
 
 Pure bookkeeping over the step times and peaks it is given (no model, no Trainer), so the race in a
-trial worker (`tuner.race.engine`) and the race inside a user's training job (`tuner.auto`) run the
+trial worker (`race.engine`) and the race inside a user's training job (`lightning_recompute.auto`) run the
 same rounds, drop the same entrants and decide with the same statistic.
 
 A round runs each entrant once, in an order rotated by one place per round (an order that
@@ -12,14 +12,14 @@ reshuffle; on CPU it is the step the memory ledger meters, whose cost would dist
 and then ``steps`` timed steps; its time in the round is their median.
 
 Two phases, because the fastest of several noisy medians is biased low: **selection** races every
-entrant until the leader is separated from the rest with confidence (`tuner.race.rule`), or the
+entrant until the leader is separated from the rest with confidence (`lightning_recompute.race.rule`), or the
 rounds or the time run out; the entrants left within noise of the leader are tied, and the tie is
 broken by headroom, then by less recomputation. **Estimation** then races the winner against the
 references (the baselines a "vs" figure is about) for fresh rounds, and only those rounds give the
 figures shown to a user. A schedule given its ``winner`` runs the estimation alone, with every entrant
 it is given in each round: the winner of an earlier race, measured again in a fresh process beside the
-references (`tuner.race.stats.across_processes` says why) and the rivals that race left unresolved
-(`tuner.race.result.RaceResult.estimated_again` decides between them across processes).
+references (`lightning_recompute.race.stats.across_processes` says why) and the rivals that race left unresolved
+(`lightning_recompute.race.result.RaceResult.estimated_again` decides between them across processes).
 
 Several processes racing together (the ranks of one data-parallel job) must take every decision
 alike: `RaceSchedule.agree` is called at each round's end with what this process measured, and
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recompute import RecomputePolicy
-from tuner.race.plan import RacePlan
-from tuner.race.rule import Standing, stand, verdict
+from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race.rule import Standing, stand, verdict
 
 __all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "Agree", "RaceSchedule", "RoundReport", "Turn"]
 
@@ -368,7 +368,7 @@ class RaceSchedule:
 
     def vs(self) -> dict[str, dict[str, Any]]:
         """The winner's estimation-round intervals against each reference (the reference's time over the winner's)."""
-        from tuner.race.stats import paired_ratio
+        from lightning_recompute.race.stats import paired_ratio
 
         out: dict[str, dict[str, Any]] = {}
         if self.winner is None:
@@ -383,7 +383,7 @@ class RaceSchedule:
         return out
 
     def result(self) -> dict[str, Any]:
-        """The JSON-ready race record (`tuner.race.RaceResult.from_worker` reads it)."""
+        """The JSON-ready race record (`lightning_recompute.race.RaceResult.from_worker` reads it)."""
         standing = self.standing
         return {
             "entrants": {

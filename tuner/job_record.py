@@ -1,77 +1,24 @@
-"""What a job that tuned itself leaves behind: the policy file and the MLflow record.
-
-The record has a tuning session's layout (`tuner.tracking.SessionLog`): a session run, one trial run
-per candidate with its per-round step times, ``race.json`` and the race's figures, and the session's
-summary (trials table, best policy, Pareto plot), so ``mlflow ui`` and the tuner's readers show it
-like any session. It goes to the job's ``MLFlowLogger`` store, nested under the job's run, unless
-the callback names a tracking URI. A record that cannot be written is a warning, never the end of
-the job: the job trains on either way.
-"""
+"""The MLflow record of a job that tuned itself (`lightning_recompute.auto.AutoRecompute`), in a tuning
+session's layout: a session run, one trial run per candidate with its per-round step times, ``race.json``
+and the race's figures, and the session's summary, so ``mlflow ui`` and ``recompute-tune history`` show it
+like any session. The library finds `record` through the ``lightning_recompute`` entry point group."""
 
 from __future__ import annotations
 
-import logging
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_recompute import RecomputePolicy
-from lightning_recompute.layers import LayerSpec, layer_names
-from lightning_recompute.tuned_for import TunedFor
-from tuner.auto.candidates import Candidate
-from tuner.race import RacePlan, RaceResult
+from lightning_recompute.auto.candidates import Candidate
+from lightning_recompute.auto.record import JobTuning
+from lightning_recompute.layers import layer_names
+from lightning_recompute.race import RaceResult
+from tuner.search import TrialRecord
+from tuner.tracking import open_tracker
 from tuner.trials import TrialResult
 
-__all__ = ["JobTuning", "candidate_results", "record_decision", "tracking_target"]
-
-_log = logging.getLogger(__name__)
-
-DEFAULT_EXPERIMENT = "auto-recompute"
-"""The experiment of a record when the callback names a tracking URI but no experiment."""
-
-
-@dataclass(frozen=True)
-class JobTuning:
-    """What a job's tuning decided and measured: everything the record is made of."""
-
-    policy: RecomputePolicy
-    """The policy the job settled on."""
-    summary: str
-    """The decision in words, as logged."""
-    candidates: Sequence[Candidate]
-    race: RaceResult
-    notes: Sequence[str]
-    budget_bytes: int
-    limit_bytes: int
-    modes: Sequence[str]
-    plan: RacePlan
-    layers: LayerSpec
-    micro_batch: int | None
-    """Samples in the job's last tuning batch (the policy's ``tuned_for.micro_batch``)."""
-    name: str
-    """The session's name in MLflow (the study tag)."""
-    output: Path | None
-    tracking_uri: str | None
-    experiment: str | None
-
-
-def tracking_target(auto: JobTuning, trainer: L.Trainer) -> tuple[str, str, str | None] | None:
-    """Where the record goes: ``(tracking URI, experiment, parent run)``, or ``None`` for nowhere."""
-    if auto.tracking_uri is not None:
-        return auto.tracking_uri, auto.experiment or DEFAULT_EXPERIMENT, None
-    for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger):
-            client = logger.experiment
-            experiment = auto.experiment or client.get_experiment(logger.experiment_id).name
-            return client.tracking_uri, experiment, logger.run_id
-    return None
+__all__ = ["candidate_results", "record"]
 
 
 def candidate_results(auto: JobTuning, race: RaceResult, device: str) -> list[tuple[Candidate, TrialResult]]:
@@ -106,37 +53,7 @@ def candidate_results(auto: JobTuning, race: RaceResult, device: str) -> list[tu
     return out
 
 
-def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
-    """Write the policy file (when asked) and the MLflow record (when there is a store); the session
-    run's id, or ``None``. Failures are warnings (see the module docstring)."""
-    race = auto.race
-    device = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu"
-    peak = race.entrants[auto.policy.fingerprint()].peak_bytes
-    tuned = TunedFor(
-        micro_batch=auto.micro_batch,
-        data_batch_size=auto.micro_batch,
-        peak_bytes=peak,
-        limit_bytes=auto.limit_bytes,
-        device=device,
-    )
-    policy = auto.policy.with_tuned_for(tuned)
-    if auto.output is not None:
-        try:
-            policy.save(auto.output)
-        except OSError as err:
-            rank_zero_warn(f"AutoRecompute: could not write the policy file {auto.output}: {err}")
-    target = tracking_target(auto, trainer)
-    if target is None:
-        return None
-    try:
-        return _record(auto, trainer, pl_module, race, device, target)
-    except Exception as err:  # noqa: BLE001 - the record is a by-product; the job must train on
-        _log.debug("AutoRecompute record failed", exc_info=True)
-        rank_zero_warn(f"AutoRecompute: the MLflow record was not written ({type(err).__name__}: {err})")
-        return None
-
-
-def _record(
+def record(
     auto: JobTuning,
     trainer: L.Trainer,
     pl_module: L.LightningModule,
@@ -144,9 +61,6 @@ def _record(
     device: str,
     target: tuple[str, str, str | None],
 ) -> str:
-    from tuner.search import TrialRecord
-    from tuner.stores import open_tracker
-
     uri, experiment, parent = target
     names = layer_names(pl_module, auto.layers)
     sessions = open_tracker(uri, experiment).sessions

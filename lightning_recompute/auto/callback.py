@@ -2,11 +2,11 @@
 
 Recomputation never changes what a step computes, so a step taken to measure a candidate policy is
 an ordinary training step: the job loses no progress to tuning. At the first batch the callback
-profiles the model in the job (`tuner.auto.candidates`), takes the planner's candidates that fit
-the limit, and races them (`tuner.race.schedule`, the same rounds and statistic as
+profiles the model in the job (`lightning_recompute.auto.candidates`), takes the planner's candidates that fit
+the limit, and races them (`lightning_recompute.race.schedule`, the same rounds and statistic as
 ``recompute-tune``'s race): one candidate per optimizer step, in rotation, the safest first. Then it
 switches to the winner for the rest of training, says so in the log, writes the policy file and
-records the race in MLflow (`tuner.auto.record`).
+records the race in MLflow (`lightning_recompute.auto.record`).
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_recompute import RecomputeCallback, RecomputePolicy, StepRecord
+from lightning_recompute.auto.candidates import Candidate, shared_candidates
+from lightning_recompute.auto.record import JobTuning, record_decision
+from lightning_recompute.auto.retry import StepRetry
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.meter import cpu_memory_limit
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
+from lightning_recompute.race import RacePlan, RaceResult
+from lightning_recompute.race.machine import machine_state
+from lightning_recompute.race.schedule import RaceSchedule, RoundReport, Turn
 from lightning_recompute.sources import as_policy
 from lightning_recompute.units import format_bytes, parse_bytes
-from tuner.auto.candidates import Candidate, shared_candidates
-from tuner.auto.record import JobTuning, record_decision
-from tuner.auto.retry import StepRetry
-from tuner.race import RacePlan, RaceResult
-from tuner.race.machine import machine_state
-from tuner.race.schedule import RaceSchedule, RoundReport, Turn
 
 __all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "agree_across_ranks"]
 

@@ -12,14 +12,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tuner.profile.measure import profile_model
-from tuner.profile.meta import profile_meta
-from tuner.profile.model import Profile
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.planner.sharding import ParamLayout
+from lightning_recompute.profile.measure import profile_model
+from lightning_recompute.profile.meta import profile_meta
+from lightning_recompute.profile.model import Profile
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
-__all__ = ["PRECISION_DTYPES", "profile_recipe_here", "profile_recipe_meta"]
+__all__ = ["PRECISION_DTYPES", "profile_recipe_here", "profile_recipe_meta", "recipe_layout"]
 
 PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 """Trainer precisions that keep the parameters in another dtype than float32 (the ``-true`` ones)."""
@@ -70,3 +72,21 @@ def profile_recipe_meta(recipe: Recipe, micro_batch: int | None, hardware: str) 
         return model.to(dtype=dtype) if dtype is not None else model
 
     return profile_meta(factory, batch, recipe.layers, modes=list(recipe.search.modes), hardware=hardware)
+
+
+def recipe_layout(recipe: Recipe, layer_names: list[str]) -> ParamLayout:
+    """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
+    from tuner.recipe import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(recipe)
+    except Exception as err:  # the user's model: whatever its constructor raises on meta
+        raise RecomputeError(
+            f"model: {recipe.model.class_path} cannot be built on the meta device to read its parameter "
+            f"shapes for sharded planning: {type(err).__name__}: {err}"
+        ) from err
+    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return ParamLayout.of_model(model, layer_names)

@@ -1,5 +1,5 @@
 """Profiling without the hardware (`profile_meta`): the step on the meta device for memory, time
-estimated from FLOPs and memory traffic against `tuner.profile.hardware.HARDWARE`."""
+estimated from FLOPs and memory traffic against `lightning_recompute.profile.hardware.HARDWARE`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from torch.utils._pytree import tree_map
 from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
-from tuner.profile.extrapolate import profile_stack, stack_of
-from tuner.profile.hardware import HARDWARE, Hardware
-from tuner.profile.measure import LossFn, ProfilingRun, Split, check_modes
-from tuner.profile.model import Profile, ProfileError, SegmentCost
-from tuner.profile.recorder import Recorder
+from lightning_recompute.profile.extrapolate import profile_stack, stack_of
+from lightning_recompute.profile.hardware import HARDWARE, Hardware
+from lightning_recompute.profile.measure import LossFn, ProfilingRun, Split, check_modes
+from lightning_recompute.profile.model import Profile, ProfileError, SegmentCost
+from lightning_recompute.profile.recorder import Recorder
 
 
 def profile_meta(
@@ -56,7 +56,7 @@ def profile_meta(
         free_grads_at_batch_start: as for `profile_model`.
         extrapolate: profile a stack of 13 or more identical layers from cuts of its first 3, 4
             and 5 layers and put the whole stack's profile together from them
-            (`tuner.profile.extrapolate`: equal to stepping every layer, checked against the 5-layer
+            (`lightning_recompute.profile.extrapolate`: equal to stepping every layer, checked against the 5-layer
             cut, and ~n/12 times faster); False steps every layer.
     """
     if hardware not in HARDWARE:

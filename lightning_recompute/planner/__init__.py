@@ -13,7 +13,7 @@ API::
 
 The model
 ---------
-A `tuner.profile.Profile` cuts the step into segments (fixed ones, and a forward and a backward
+A `lightning_recompute.profile.Profile` cuts the step into segments (fixed ones, and a forward and a backward
 segment per layer and mode), each with a level change ``delta`` and a transient ``peak`` above its
 starting level. The predicted memory timeline of a policy walks the segments in order::
 
@@ -45,7 +45,7 @@ segment (its delta and peak minus the parameter gradients it allocates) and its 
 activations are linear in the batch (true for transformers at fixed sequence length) and that a
 segment's transient peak happens after its gradients exist; profile at the batch you will run
 for figures that are exact rather than scaled.
-A segment's ``static_delta`` / ``static_peak`` (what `tuner.planner.sharding` adds for one rank of
+A segment's ``static_delta`` / ``static_peak`` (what `lightning_recompute.planner.sharding` adds for one rank of
 a sharded run: gathered parameters, all-gather and reduce-scatter buffers) do not scale either.
 
 The solver
@@ -64,16 +64,23 @@ The Pareto front adds the running maximum ``P`` of the candidates to the state a
 non-dominated ``(A, P, T)``. Ties are broken deterministically: fastest, then least memory, then
 modes earlier in ``none, selective, full, offload`` order.
 
-Modules: `tuner.planner.solver` (the cost model, `Planner`, `Prediction`, `PlannedPolicy`),
-`tuner.planner.report` (`format_front`), `tuner.planner.seeds` (the planner's seeds and
-predictions for a tuning session), `tuner.planner.sharding` (`shard_profile`: the profile one rank
+Modules: `lightning_recompute.planner.solver` (the cost model, `Planner`, `Prediction`, `PlannedPolicy`),
+`lightning_recompute.planner.report` (`format_front`), `tuner.search.planner_seeds` (the planner's seeds and
+predictions for a tuning session), `lightning_recompute.planner.sharding` (`shard_profile`: the profile one rank
 of DDP / FSDP / FSDP2 sees at a world size).
 """
 
 from __future__ import annotations
 
-from tuner.planner.report import format_front
-from tuner.planner.solver import BudgetError, LayerPrediction, PlannedPolicy, Planner, PlannerError, Prediction
+from lightning_recompute.planner.report import format_front
+from lightning_recompute.planner.solver import (
+    BudgetError,
+    LayerPrediction,
+    PlannedPolicy,
+    Planner,
+    PlannerError,
+    Prediction,
+)
 
 __all__ = [
     "BudgetError",

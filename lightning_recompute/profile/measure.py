@@ -18,8 +18,8 @@ from lightning_recompute import RecomputePolicy, applied_policy, apply_policy, f
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.meter import StorageMeter, memory_meter
 from lightning_recompute.policy import Mode
-from tuner.profile.model import ALL_MODES, BASE_MODES, LayerProfile, Profile, ProfileError, SegmentCost
-from tuner.profile.recorder import Event, Recorder, TrafficMode
+from lightning_recompute.profile.model import ALL_MODES, BASE_MODES, LayerProfile, Profile, ProfileError, SegmentCost
+from lightning_recompute.profile.recorder import Event, Recorder, TrafficMode
 
 # --------------------------------------------------------------------------- the step
 
@@ -125,7 +125,7 @@ def _run_step(
     # backward, so the previous step's gradients are alive through the whole forward.
     optimizer.zero_grad(set_to_none=True)
     # Its own segment (ZERO_GRAD_SEGMENT): what it frees, the planner can free at batch start, and a
-    # sharded strategy frees less here than one device (`tuner.planner.sharding`); only a segment that
+    # sharded strategy frees less here than one device (`lightning_recompute.planner.sharding`); only a segment that
     # does nothing but free can be rescaled exactly.
     mark("zero_grad")
     loss.backward()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lightning_recompute.modes import MODES
+from lightning_recompute.planner.solver import PlannedPolicy
+from lightning_recompute.profile import ALL_MODES
 from lightning_recompute.units import format_bytes, format_seconds
-from tuner.planner.solver import PlannedPolicy
-from tuner.profile import ALL_MODES
 
 _COUNT_NAMES = {s.name: s.label for s in MODES}
 

@@ -20,8 +20,8 @@ The parent side (`tuner.trials.run_race`) starts the worker.
 
 from __future__ import annotations
 
-from tuner.race.plan import RacePlan
-from tuner.race.result import RaceEntrant, RaceResult, format_gain
-from tuner.race.stats import Interval, Spread, paired_ratio, spread
+from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race.result import RaceEntrant, RaceResult, format_gain
+from lightning_recompute.race.stats import Interval, Spread, paired_ratio, spread
 
 __all__ = ["Interval", "RaceEntrant", "RacePlan", "RaceResult", "Spread", "format_gain", "paired_ratio", "spread"]

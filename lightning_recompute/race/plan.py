@@ -5,12 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tuner.race.rule import TIE_MARGIN
-
-if TYPE_CHECKING:
-    from tuner.recipe import Recipe
+from lightning_recompute.race.rule import TIE_MARGIN
 
 __all__ = ["RacePlan"]
 
@@ -32,40 +29,18 @@ class RacePlan:
     """Seconds of rounds at most, selection and estimation together (``None``: no such cap): the selection
     stops when what it spent and what the estimation rounds will take, at the step times seen so far,
     reach it, but not before `min_rounds`. The estimation then runs at most
-    `tuner.race.schedule.ESTIMATE_SHARE` of it in rounds, never fewer than
-    `tuner.race.schedule.MIN_ESTIMATE_ROUNDS` (they give the "vs" figures)."""
+    `lightning_recompute.race.schedule.ESTIMATE_SHARE` of it in rounds, never fewer than
+    `lightning_recompute.race.schedule.MIN_ESTIMATE_ROUNDS` (they give the "vs" figures)."""
     estimate_rounds: int = 16
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95
     """Confidence of the intervals reported, and of "tied" (not separated at this level)."""
     tie_margin: float = TIE_MARGIN
-    """How far behind the leader an unseparated entrant may be and still tie (`tuner.race.rule.Standing`)."""
+    """How far behind the leader an unseparated entrant may be and still tie (`race.rule.Standing`)."""
     stop_confidence: float = 0.99
     """Confidence the selection needs to stop before `max_rounds` (stricter: it looks after every round)."""
     warmup_steps: int = 2
     """Steps before the first round (lazy initialisation, optimizer state), neither timed nor metered."""
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe, *, search_s: float | None = None) -> RacePlan:
-        """The plan of ``recipe.race``, warmed up as long as the recipe's trials (at least one step).
-
-        ``search_s``: the wall time the search's trials took; the race's rounds then take at most
-        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did, but
-        never less than ``race.min_s`` (a search of cheap forked trials would leave a race too short
-        to measure anything).
-        """
-        r = recipe.race
-        return cls(
-            steps=r.steps,
-            min_rounds=r.min_rounds,
-            max_rounds=r.max_rounds,
-            time_s=r.time_s,
-            total_s=max(r.min_s, r.share * search_s) if search_s and r.share is not None else None,
-            estimate_rounds=r.estimate_rounds,
-            confidence=r.confidence,
-            tie_margin=r.tie_margin,
-            warmup_steps=max(1, recipe.trial.warmup_steps),
-        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RacePlan:

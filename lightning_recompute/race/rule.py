@@ -1,7 +1,7 @@
 """Who leads a race, who is beaten, and who is tied: the decision over per-round step times.
 
 Pure functions of the measurements (no model, no clock), so the decision can be tested exactly.
-The statistics and why they were chosen are in `tuner.race.stats`.
+The statistics and why they were chosen are in `lightning_recompute.race.stats`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_recompute.modes import MODES, Mode
-from tuner.race.stats import Interval, paired_ratio
+from lightning_recompute.race.stats import Interval, paired_ratio
 
 __all__ = ["TIE_MARGIN", "Standing", "recompute_strength", "stand", "tie_break", "verdict"]
 

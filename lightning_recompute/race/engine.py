@@ -5,7 +5,7 @@ one data stream: between steps `RecomputeCallback.switch_policy` puts the next c
 on, so every candidate sees the same allocator, caches and moments of the machine. Recomputation
 never changes what a step computes, so every step of the race is an ordinary training step.
 
-The schedule (rounds, rotation, selection and estimation, the decision) is `tuner.race.schedule`;
+The schedule (rounds, rotation, selection and estimation, the decision) is `lightning_recompute.race.schedule`;
 this module runs it in a Lightning fit.
 """
 
@@ -19,9 +19,9 @@ import lightning as L
 import torch
 
 from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
-from tuner.race.machine import machine_state
-from tuner.race.plan import RacePlan
-from tuner.race.schedule import RaceSchedule, Turn
+from lightning_recompute.race.machine import machine_state
+from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race.schedule import RaceSchedule, Turn
 
 __all__ = ["race"]
 

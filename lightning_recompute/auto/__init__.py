@@ -9,7 +9,7 @@ the job's first steps (every one a training step) and trains on with the winner.
 
 from __future__ import annotations
 
-from tuner.auto.callback import AUTO_PLAN, AutoDecision, AutoRecompute
-from tuner.auto.candidates import Candidate
+from lightning_recompute.auto.callback import AUTO_PLAN, AutoDecision, AutoRecompute
+from lightning_recompute.auto.candidates import Candidate
 
 __all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "Candidate"]

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_recompute.planner.solver import PlannedPolicy, Planner, PlannerError
 from lightning_recompute.policy import RecomputePolicy
-from tuner.planner.solver import PlannedPolicy, Planner, PlannerError
-from tuner.profile import Profile
+from lightning_recompute.profile import Profile
 
 __all__ = ["BEST_MIXED", "SeqLenFit", "longest_fits"]
 

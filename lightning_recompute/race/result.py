@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tuner.race.stats import Interval, across_processes, paired_ratio
+from lightning_recompute.race.stats import Interval, across_processes, paired_ratio
 
 __all__ = ["RaceEntrant", "RaceResult", "format_gain"]
 
@@ -53,7 +53,7 @@ class RaceEntrant:
 
 def format_gain(interval: Interval) -> str:
     """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``;
-    ``..., 28 rounds in 2 processes)`` when measured in several (`tuner.race.stats.across_processes`)."""
+    ``..., 28 rounds in 2 processes)`` when measured in several (`lightning_recompute.race.stats.across_processes`)."""
     gain, low, high = interval.gain()
     where = f" in {interval.processes} processes" if interval.processes > 1 else ""
     return (
@@ -76,10 +76,10 @@ class RaceResult:
     leader: str | None = None
     """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
     tied: tuple[str, ...] = ()
-    """The leader and every entrant within noise of it (`tuner.race.rule.Standing.tied`)."""
+    """The leader and every entrant within noise of it (`lightning_recompute.race.rule.Standing.tied`)."""
     unresolved: tuple[str, ...] = ()
     """Entrants the selection could neither separate from the leader nor see within the tie margin of it
-    (`tuner.race.rule.Standing.unresolved`): the leader won the selection over them on its better median
+    (`lightning_recompute.race.rule.Standing.unresolved`): the leader won the selection over them on its better median
     (they may race again: `rivals`)."""
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
@@ -146,7 +146,7 @@ class RaceResult:
         """``tie within noise: ...; chose ... (...)`` when the selection ended in a tie."""
         if not self.is_tie() or self.winner is None:
             return None
-        from tuner.race.rule import recompute_strength
+        from lightning_recompute.race.rule import recompute_strength
 
         chose = self.selected or self.winner  # the tie was the selection's; a rival may have won since
         names = ", ".join(self.entrants[k].short for k in self.tied)
@@ -270,7 +270,7 @@ class RaceResult:
           whole decision. A rival faster on that mean, measured in at least two processes, becomes the
           `winner` (the fastest such), and `selected` keeps the selection's.
         - **The figures.** For the selection's winner a reference gets the hull of every process's
-          interval (`tuner.race.stats.across_processes`); one a process could not measure keeps the
+          interval (`lightning_recompute.race.stats.across_processes`); one a process could not measure keeps the
           processes that did. For a rival that won, the race's own rounds were a selection, so its figures
           come from the others' rounds only (`refigured`; the selection's winner among the references
           when it is one).
@@ -368,7 +368,7 @@ class RaceResult:
         labels: Mapping[str, Sequence[str]],
         policies: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> RaceResult:
-        """The result of `tuner.race.engine.race` (the worker's payload), with each entrant's labels and
+        """The result of `lightning_recompute.race.engine.race` (the worker's payload), with each entrant's labels and
         its policy (fingerprint -> `RecomputePolicy.to_dict`)."""
         sel, est = res.get("selection", {}), res.get("estimate", {})
         entrants = {

@@ -36,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from lightning_recompute.layers import LayerSpec, find_layers
-from tuner.profile.model import LayerProfile, Profile, SegmentCost
+from lightning_recompute.profile.model import LayerProfile, Profile, SegmentCost
 
 MIN_LAYERS = 13
 """Stacks shorter than this are stepped in full: the three cuts hold 12 layers between them."""
@@ -118,7 +118,7 @@ def profile_stack(
         return None, prof
     note = (
         f"meta: the {len(names)} identical layers {names[0]} .. {names[-1]} were profiled as cuts of 3, 4 "
-        f"and 5 layers (inner layers copied, the rest extrapolated and checked; `tuner.profile.extrapolate`)"
+        f"and 5 layers (inner layers copied, the rest extrapolated and checked; `profile.extrapolate`)"
     )
     return prof, note
 

@@ -1,6 +1,6 @@
 """Per-rank memory of a sharded or replicated data-parallel step: `shard_profile` turns the profile
 of one device into the profile one rank of ``ddp``, ``fsdp`` or ``model_parallel`` sees, which
-`tuner.planner.Planner` then predicts and solves as it does for one device.
+`lightning_recompute.planner.Planner` then predicts and solves as it does for one device.
 
 What is modelled (PyTorch 2.13's ``fully_shard``, i.e. FSDP2, read from
 ``torch/distributed/fsdp/_fully_shard``), at data-parallel size ``W`` = the world size:
@@ -57,11 +57,11 @@ from typing import Any
 
 from torch import nn
 
+from lightning_recompute.planner.solver import PlannerError
+from lightning_recompute.profile.model import LayerProfile, Profile, SegmentCost
 from lightning_recompute.units import format_bytes
-from tuner.planner.solver import PlannerError
-from tuner.profile.model import LayerProfile, Profile, SegmentCost
 
-__all__ = ["STRATEGIES", "ParamGroup", "ParamLayout", "Sharding", "recipe_layout", "shard_profile", "sharding_for"]
+__all__ = ["STRATEGIES", "ParamGroup", "ParamLayout", "Sharding", "shard_profile", "sharding_for"]
 
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "model_parallel")
 """Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP)."""
@@ -402,25 +402,3 @@ def _fsdp_fixed(
         if not c.scales:
             fixed[key] = _adjust(c, round(c.delta * ratio), round(c.peak * ratio), round(c.grad * ratio))
     return fixed
-
-
-def recipe_layout(recipe: Any, layer_names: list[str]) -> ParamLayout:
-    """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
-    import torch
-
-    from lightning_recompute.errors import RecomputeError
-    from tuner.profile.recipe_profile import PRECISION_DTYPES
-    from tuner.recipe import build_model
-
-    try:
-        with torch.device("meta"):
-            model = build_model(recipe)
-    except Exception as err:  # the user's model: whatever its constructor raises on meta
-        raise RecomputeError(
-            f"model: {recipe.model.class_path} cannot be built on the meta device to read its parameter "
-            f"shapes for sharded planning: {type(err).__name__}: {err}"
-        ) from err
-    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
-    return ParamLayout.of_model(model, layer_names)
