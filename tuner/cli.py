@@ -155,9 +155,23 @@ def command() -> int:
     """The ``recompute-tune`` program: `main`, then an exit that skips the interpreter's last walk over
     every object torch, Lightning and MLflow made (1.7 s for a bare `import lightning` on a 2-core machine; exit
     frees them all the same). Not `main` itself: a caller in the same process keeps its garbage collector."""
+    missing = _service_missing()
+    if missing is not None:
+        print(f"recompute-tune: {missing}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     code = main()
     gc.freeze()
     return code
+
+
+def _service_missing() -> str | None:
+    """Why the service cannot run here, when the library was installed without the ``tune`` extra."""
+    import importlib.util
+
+    absent = [name for name in ("optuna", "mlflow", "pydantic") if importlib.util.find_spec(name) is None]
+    if not absent:
+        return None
+    return f"needs {', '.join(absent)}, the tuning service's dependencies: pip install 'lightning-recompute[tune]'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

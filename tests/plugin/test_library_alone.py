@@ -66,3 +66,18 @@ def test_a_job_without_the_tune_extra_tunes_writes_its_policy_and_says_the_recor
     assert output.exists()
     assert any("lightning-recompute[tune]" in w for w in found["warnings"]), found["warnings"]
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_recompute_tune_without_the_tune_extra_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from tuner import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optuna" else real(name, *a))
+    assert cli.command() == 2
+    err = capsys.readouterr().err
+    assert "needs optuna" in err
+    assert "pip install 'lightning-recompute[tune]'" in err
