@@ -101,6 +101,11 @@ def _add_tune(sub: Any) -> None:
         default="text",
         help="json: a machine-readable summary on stdout (progress goes to stderr)",
     )
+    tune.add_argument(
+        "--verbose",
+        action="store_true",
+        help="after the report, the trials table, the race table, the gate's evidence and the session's notes",
+    )
 
 
 def _add_plan(sub: Any) -> None:
@@ -342,7 +347,9 @@ def _tune(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     if args.format == "json":
         print(json.dumps(summary.to_dict(), indent=2, default=str), file=out)
     else:
-        print(_final_report(summary))
+        print(_report(summary))
+        if args.verbose:
+            print(_details(summary))
     return int(summary.exit_code)
 
 
@@ -368,7 +375,92 @@ def _trial_line(event: TrialEvent) -> str:
     return f"{head}  {body}{seed}  | {best_text}"
 
 
-def _final_report(s: SessionSummary) -> str:
+def _report(s: SessionSummary) -> str:
+    """What the session decided, in at most 15 lines: the policy and where it went, the glyphs, its speed and
+    peak against the limit, one figure per baseline with its interval, the gate in one line, where to see more.
+    """
+    best = s.best
+    where = _micro_batch(best.micro_batch, s.data_batch_size) if best is not None else ""
+    short = best.short if best is not None else ""
+    path = s.policy_path
+    head = {
+        "promoted": f"promoted {short} at {where}: written to {path}",
+        "current": f"unchanged: {short} is already the good policy ({path})",
+        "rejected": f"rejected {short}: the good policy " + (f"in {path} stands" if path else "stays none"),
+        "searched": f"best single trial {short} at {where} (--search-only: not gated, nothing written)",
+    }.get(s.status, f"{s.status}: nothing promoted")
+    lines = ["", head]
+    if best is None:
+        lines += [f"  {reason}" for reason in s.reasons[:3]]
+    else:
+        lines.append(f"  {_legend(s)}")
+        raced = s.race.throughput(best.fingerprint) if s.race is not None and s.race.ok else None
+        speed = raced if raced is not None else best.throughput
+        source = "in the race" if raced is not None else "its single trial"
+        lines.append(
+            f"  {_num(speed)} {best.throughput_unit or ''} ({source}), peak {_bytes(best.peak_bytes)} "
+            f"of the {_bytes(s.budget_bytes)} limit"
+        )
+        lines += [f"  {line}" for line in _baseline_lines(s)]
+    if s.reasons and best is not None and s.status != "searched":
+        checks = ", ".join(r.partition(": ")[0] for r in s.reasons)
+        gate = f"passed {checks}" if s.status == "promoted" else s.reasons[0]
+        lines.append(f"  gate: {_clip(gate)}")
+    if s.training_change is not None and s.status in ("promoted", "current"):
+        lines.append(f"  in the training job: {s.training_change}")
+    race = s.race
+    entered = (
+        f", a race of {len(race.entrants)} ({race.select_rounds + race.estimate_rounds} rounds)"
+        if race is not None and race.ok
+        else ""
+    )
+    noted = f", {len(s.notes)} notes" if s.notes else ""
+    lines.append(f"  {len([r for r in s.records if r.ran])} trials{entered}{noted}: --verbose shows them")
+    lines.append(f"  browse: {s.mlflow_command}")
+    return "\n".join(lines)
+
+
+def _legend(s: SessionSummary) -> str:
+    """What each glyph of the policies shown means."""
+    from lightning_recompute.modes import MODES
+
+    shown = "".join(r.short for r in (s.best, *s.baselines.values()) if r is not None)
+    glyphs = ", ".join(f"{m.glyph} {m.name}" for m in MODES if m.glyph in shown)
+    return f"one glyph per layer ({_span(s.layer_names)}): {glyphs}"
+
+
+def _baseline_lines(s: SessionSummary) -> list[str]:
+    """Each baseline once, with the race's figure against it and its interval at the recipe's confidence."""
+    figures, out = s.vs_figures(), []
+    assert s.best is not None
+    for name, rec in s.baselines.items():
+        head = f"vs {name:<15} {rec.short}:"
+        if rec.ran and (rec.fingerprint, rec.micro_batch) == (s.best.fingerprint, s.best.micro_batch):
+            out.append(f"{head} this policy")
+        elif name in figures:
+            f = figures[name]
+            spans_zero = f["low"] < 0.0 < f["high"]
+            out.append(
+                f"{head} {f['gain'] * 100:+.1f}% throughput ({s.confidence:.0%} CI {f['low'] * 100:+.1f}.."
+                f"{f['high'] * 100:+.1f}%)" + (", not significant" if spans_zero else "")
+            )
+        elif not rec.ran:
+            out.append(
+                _clip(f"{head} not measured ({rec.outcome}: {rec.reason})" if rec.reason else f"{head} {rec.outcome}")
+            )
+        elif not rec.feasible:
+            out.append(f"{head} over the limit")
+        else:
+            out.append(f"{head} not raced (one trial only: no figure)")
+    return out
+
+
+def _clip(text: str, width: int = 110) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _details(s: SessionSummary) -> str:
+    """``--verbose``: every table and note behind the report."""
     lines = [
         "",
         f"study {s.study} on {s.device}: budget limit {_bytes(s.budget_bytes)}; search space {s.search_space}",

@@ -81,6 +81,9 @@ class SessionSummary:
     """What the session decided along the way (planner unavailable, space exhausted ...)."""
     data_batch_size: int | None = None
     """The batch size of the recipe's data module (what ``micro_batch`` ``None`` means)."""
+    confidence: float = 0.95
+    """The recipe's race confidence: the level the report states its intervals at (their coverage is at least
+    this: order statistics move in whole ranks)."""
     tuned_for: TunedFor | None = None
     """What the good policy in `policy_path` was tuned for (``None``: no good policy, or one
     promoted before the tuner recorded it)."""
@@ -155,6 +158,7 @@ class SessionSummary:
             "trials": [r.to_dict() for r in self.records],
             "notes": list(self.notes),
             "data_batch_size": self.data_batch_size,
+            "confidence": self.confidence,
             "tuned_for": None if self.tuned_for is None else self.tuned_for.to_dict(),
             "training_change": self.training_change,
         }
@@ -242,6 +246,7 @@ def summarize(
         data_batch_size=data_batch_size(recipe),
         race=race,
         chosen=chosen is not None and best is not None and best.fingerprint == chosen,
+        confidence=recipe.race.confidence,
     )
 
 

@@ -235,7 +235,7 @@ def test_the_text_report_shows_the_top_ten_and_the_baselines_and_counts_the_rest
     summary = session.tune(recipe, use_planner=False, search_only=True)
     ranked = summary.ranked
     assert len(ranked) == 14
-    report = cli._final_report(summary)
+    report = cli._details(summary)
     rows = [line for line in report.splitlines() if line[:4].strip().isdigit()]
     baselines = {r.number for r in summary.baselines.values()}
     shown = [r for i, r in enumerate(ranked) if i < 10 or r.number in baselines]
@@ -547,7 +547,7 @@ def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_f
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
     summary = session.tune(recipe, use_planner=False)
     assert summary.status == "promoted" and summary.race is not None and summary.race.ok
-    report = cli._final_report(summary).splitlines()
+    report = cli._details(summary).splitlines()
     figures = summary.vs_figures()
     assert summary.best is not None
     (chosen,) = [n for n, r in summary.baselines.items() if r.fingerprint == summary.best.fingerprint]
@@ -582,15 +582,51 @@ def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_f
     rival = dataclasses.replace(
         summary, race=dataclasses.replace(summary.race, rechecked={rec.fingerprint: (1.02, 1.01)})
     )
-    (line,) = [x for x in cli._final_report(rival).splitlines() if x.startswith(f"  vs {name} ")]
+    (line,) = [x for x in cli._details(rival).splitlines() if x.startswith(f"  vs {name} ")]
     assert line.endswith("raced as a rival across processes ('raced again' above); no 'vs' figure")
 
     # The same baseline left out of the race's field: not raced, and no figure from its single trial.
     without = {k: e for k, e in entered.items() if k != rec.fingerprint}
     left_out = dataclasses.replace(summary, race=dataclasses.replace(summary.race, entrants=without))
-    (line,) = [x for x in cli._final_report(left_out).splitlines() if x.startswith(f"  vs {name} ")]
+    (line,) = [x for x in cli._details(left_out).splitlines() if x.startswith(f"  vs {name} ")]
     rank = summary.ranked.index(rec) + 1
     assert line.endswith(
         f"not raced (its single trial ranked {rank} of {len(summary.ranked)}; no 'vs' figure from one run)"
     )
     assert "%" not in line
+
+
+def test_the_default_report_reads_in_ten_seconds(tmp_path, tracking_uri, fakes):
+    """At most 15 lines: what was promoted and where, the glyphs, speed and peak against the limit, each
+    baseline once with one figure and its interval at the recipe's confidence ("not significant" beside one
+    that spans zero), the gate in one line, where to see more. The tables are behind --verbose."""
+    from lightning_recompute.race.stats import Interval
+    from tuner import cli
+
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.status == "promoted" and summary.best is not None and summary.race is not None
+    report = cli._report(summary).splitlines()[1:]  # a blank line first, after the progress
+    assert len(report) <= 15, "\n".join(report)
+    where = cli._micro_batch(summary.best.micro_batch, summary.data_batch_size)
+    assert report[0] == f"promoted {summary.best.short} at {where}: written to {recipe.output}"
+    assert report[1].startswith("  one glyph per layer (") and "F full" in report[1]
+    assert f"of the {cli._bytes(summary.budget_bytes)} limit" in report[2]
+    for name in summary.baselines:
+        assert len([x for x in report if x.startswith(f"  vs {name} ")]) == 1
+    gate = [x for x in report if x.startswith("  gate: ")]
+    assert gate == ["  gate: passed " + ", ".join(r.partition(": ")[0] for r in summary.reasons)]
+    assert report[-1] == f"  browse: {summary.mlflow_command}"
+    assert not any(x.startswith("rank") or "vs leader" in x for x in report)
+
+    # One figure with its interval at the recipe's confidence; "not significant" only when it spans zero.
+    full = summary.baselines["full"]
+    for low, high, said in ((1.05, 1.30, False), (0.90, 1.30, True)):
+        iv = Interval(ratio=1.2, low=low, high=high, rounds=16, confidence=0.99)
+        race = dataclasses.replace(summary.race, vs={full.fingerprint: iv})
+        other = dataclasses.replace(summary, race=race, best=summary.baselines["none"], confidence=0.9)
+        (line,) = [x for x in cli._report(other).splitlines() if x.startswith("  vs full ")]
+        assert line.endswith(
+            f"{full.short}: +20.0% throughput (90% CI {(low - 1) * 100:+.1f}..{(high - 1) * 100:+.1f}%)"
+            + (", not significant" if said else "")
+        ), line
