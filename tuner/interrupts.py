@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, Literal, TypeVar, cast
 
-from tuner.killpoints import kill_point
+from tuner.liveness import kill_point
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -73,7 +73,7 @@ class Interrupts:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             with self.during("gate"):
-                kill_point("gate")  # a test hook; see tuner.killpoints
+                kill_point("gate")  # a test hook; see tuner.liveness
                 return fn(*args, **kwargs)
 
         return cast("_F", call)

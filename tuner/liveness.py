@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -28,7 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GRACE_S", "HEARTBEAT_S", "Heartbeat", "Owner", "dead_reason", "grace_s", "heartbeat_s"]
+__all__ = [
+    "ENV",
+    "GRACE_S",
+    "HEARTBEAT_S",
+    "POINTS",
+    "Heartbeat",
+    "Owner",
+    "dead_reason",
+    "grace_s",
+    "heartbeat_s",
+    "kill_point",
+]
+
 
 _log = logging.getLogger(__name__)
 
@@ -209,3 +222,19 @@ class Heartbeat:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# -------------------------------------------------------------------------------- killpoints
+# A test hook: ``RECOMPUTE_TUNE_TEST_KILL_AT=<point>`` makes `recompute-tune` SIGKILL itself at that point.
+
+ENV = "RECOMPUTE_TUNE_TEST_KILL_AT"
+POINTS = ("profiling", "trial", "between", "gate", "after_write", "rollback")
+
+
+def kill_point(point: str) -> None:
+    """SIGKILL this process (its process group when it leads one) if ``ENV`` names ``point``."""
+    if not point or os.environ.get(ENV) != point:
+        return
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -29,8 +29,7 @@ from lightning_recompute.errors import RecomputeError
 from tuner.decision import Stage, decide_best
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.interrupts import Interrupts
-from tuner.killpoints import kill_point
-from tuner.liveness import Heartbeat, grace_s
+from tuner.liveness import Heartbeat, grace_s, kill_point
 from tuner.search import (
     Predictor,
     Proposal,
@@ -42,8 +41,6 @@ from tuner.search import (
     study_name,
 )
 from tuner.search.planner_seeds import PlannerSeeds
-from tuner.session_run import close_session_run, open_session_run, reconcile_policy_file
-from tuner.setup import set_up_study
 from tuner.stores import storage_failure
 from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 from tuner.workers import (
@@ -60,8 +57,27 @@ if TYPE_CHECKING:
     from tuner.recipe import Recipe
     from tuner.tracking import Tracker
     from tuner.trials import TrialResult
+from typing import TYPE_CHECKING
 
-__all__ = ["tune"]
+from tuner.search import baseline_seeds
+from tuner.search.planner_seeds import plan_seeds
+from tuner.workers import join_setup
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+    from tuner.search import SearchSpace, TuningStudy
+    from tuner.workers import Presence
+from pathlib import Path
+
+from tuner.tracking import open_tracker
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+    from tuner.summary import SessionSummary
+    from tuner.tracking import Tracker
+
+__all__ = ["close_session_run", "open_session_run", "reconcile_policy_file", "set_up_study", "tune"]
+
 
 _log = logging.getLogger(__name__)
 
@@ -308,7 +324,7 @@ class _TuningSession:
             waiting_since = None
             ran = self._one_trial(study)
             unmeasured = 0 if ran == "measured" else unmeasured + 1
-            kill_point("between" if ran == "measured" else "")  # a test hook; see tuner.killpoints
+            kill_point("between" if ran == "measured" else "")  # a test hook; see tuner.liveness
             if ran == "stood down":
                 # Another worker asked at the same moment and may have stood down too: a random
                 # pause makes one of the two ask first next time.
@@ -478,4 +494,120 @@ def _trial_event(study: TuningStudy, number: int, n_trials: int, where: _Where) 
         n_trials=n_trials,
         budget_bytes=where.budget,
         layer_names=where.space.layer_names,
+    )
+
+
+# -------------------------------------------------------------------------------- setup
+# A study's setup, once for all its workers: profile the model, plan, store the profile and seed the study.
+
+Say = Callable[[str], None]
+
+
+def set_up_study(
+    study: TuningStudy,
+    name: str,
+    recipe: Recipe,
+    space: SearchSpace,
+    budget_bytes: int,
+    *,
+    use_planner: bool,
+    presence: Presence,
+    grace_s: float,
+    notify: Say,
+    note: Say,
+) -> PlannerSeeds:
+    """Set ``study`` up, or join it; the planner's predictions and notes either way.
+
+    Args:
+        study: the study, just opened; name: its name (for the messages).
+        recipe, space, budget_bytes: what the planner plans for.
+        use_planner: profile and plan (else the study is seeded with the baselines only).
+        presence: the worker's heartbeat state; it holds the setup while this worker sets it up.
+        grace_s: how long another host's worker may stay silent before it counts as dead.
+        notify: progress (printed, not kept); note: a decision along the way (kept).
+
+    Returns:
+        The seeding: its predictor serves the whole session; its seeds are empty when the study was
+        set up by another session (they are already in the study).
+    """
+    if not join_setup(study, name, grace_s, notify, note):
+        stored = study.setup.profile()
+        seeding = (
+            plan_seeds(recipe, space, budget_bytes, stored=stored)
+            if stored
+            else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
+        )
+        seeding.seeds = []  # the study was seeded by the session that set it up
+        if seeding.note:
+            note(seeding.note)
+        notify(f"study {name} resumed: {study.ran_count()} trials run so far")
+        return seeding
+    presence.setting_up = True
+    try:
+        kill_point("profiling")  # a test hook; see tuner.liveness
+        if use_planner:
+            notify("profiling the model and planning ...")
+            seeding = plan_seeds(recipe, space, budget_bytes)
+        else:
+            seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
+        if seeding.profile is not None:
+            study.setup.store_profile(seeding.profile.to_dict())
+        if seeding.note:
+            study.setup.store_planner_note(seeding.note)
+            note(seeding.note)
+        enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
+    except BaseException:
+        study.setup.abandon()
+        raise
+    finally:
+        presence.setting_up = False
+    notify(f"study {name} created; seeded {', '.join(enqueued) or 'nothing'}")
+    return seeding
+
+
+# -------------------------------------------------------------------------------- session_run
+# The session's MLflow run, opened and closed, and the policy file reconciled with what MLflow records.
+
+
+def open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, note: Say) -> tuple[Tracker, str]:
+    """The tracker and this session's run (resumed when an interrupted or dead session of ``study`` left one)."""
+    from tuner.trials import clean_stale_trial_dirs
+
+    tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+    # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
+    # session resumes it (one study, one session run) instead of opening another.
+    end_dead_session_runs(tracker, study, grace_s, note)
+    for done in tracker.clean_leftovers(recipe.output, grace_s):
+        note(done)
+    run_id = tracker.start_session(recipe, study_name=study, resume=True)
+    for folder in clean_stale_trial_dirs():
+        notify(f"removed {folder}: its tuning process is gone")
+    return tracker, run_id
+
+
+def reconcile_policy_file(tracker: Tracker, output: Path, summary: SessionSummary, note: Say) -> None:
+    """Make ``output`` hold the good policy (restored from MLflow when it does not, and said so), and
+    point ``summary`` at it when there is a good policy."""
+    restored = tracker.restore_file(output)
+    if restored is not None:
+        note(f"policy file: {restored}")
+    if summary.policy_path is None and tracker.current_good() is not None:
+        summary.policy_path = output
+
+
+def close_session_run(tracker: Tracker, summary: SessionSummary, status: str, *, study: str, budget_bytes: int) -> None:
+    """End the session run ``status`` (FINISHED, KILLED) with the session's notes, trials table and baselines."""
+    notes = [
+        f"study {study} ({summary.storage})",
+        f"search space {summary.search_space}",
+        f"status {summary.status}",
+        *summary.notes,
+    ]
+    tracker.note_session(notes)
+    tracker.finish_session(
+        status=status,
+        best=None if summary.best is None else summary.best.to_dict(),
+        trials_table=[r.to_dict() for r in summary.records],
+        baselines={k: v.to_dict() for k, v in summary.baselines.items()},
+        budget_bytes=budget_bytes,
     )

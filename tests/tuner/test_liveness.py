@@ -3,7 +3,7 @@
 The fast tests kill a real child process that runs a tuning session (with the deterministic fake
 trials of `test_session.py`), then run the next session here. The slow fault-injection test
 SIGKILLs the real ``recompute-tune`` at each of five points in turn (``RECOMPUTE_TUNE_TEST_KILL_AT``,
-see `tuner.killpoints`), each run recovering from the one before, and reruns it to completion.
+see `tuner.liveness`), each run recovering from the one before, and reruns it to completion.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ def study_trials(folder: Path, *, lease_allowed: bool = True) -> list[optuna.tri
 
 @pytest.mark.slow
 def test_kill_9_at_each_point_in_turn_then_rerun_leaves_nothing_running_and_loses_no_candidate(tmp_path):
-    from tuner.killpoints import POINTS
+    from tuner.liveness import POINTS
 
     # `rollback` is not a session's point: test_cli.py kills a rollback there.
     assert set(CHAIN) == set(POINTS) - {"rollback"}, "a new kill point needs its place in the chain"

@@ -19,7 +19,7 @@ from lightning_recompute.planner import Planner, Prediction
 from lightning_recompute.policy import RecomputePolicy
 from tests.tuner.fakes import MIB, TRIAL_WALL_S, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
 from tests.tuner.fakes import SESSION_LAYERS as LAYERS
-from tuner import session, setup
+from tuner import session
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.recipe import from_dict
 from tuner.search.planner_seeds import PlannerSeeds
@@ -261,7 +261,7 @@ class FakePlanner:
 def test_a_candidate_predicted_far_over_budget_is_skipped_and_logged(tmp_path, tracking_uri, fakes, monkeypatch):
     # Only `predict` of the planner is called once the study is seeded.
     fake = cast(Planner, FakePlanner())
-    monkeypatch.setattr(setup, "plan_seeds", lambda *a, **k: PlannerSeeds(planner=fake))
+    monkeypatch.setattr(session, "plan_seeds", lambda *a, **k: PlannerSeeds(planner=fake))
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
     summary = session.tune(recipe, search_only=True)
     none = summary.baselines["none"]

@@ -27,7 +27,7 @@ from lightning_recompute.units import jsonable, parse_bytes
 PREDICTION_SPAN = 0.05
 """Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
 cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
-alike. `tuner.field` takes the faster trials among them."""
+alike. `tuner.decision` takes the faster trials among them."""
 
 REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
 """The model a recipe trains when it names none."""

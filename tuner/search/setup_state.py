@@ -1,6 +1,6 @@
 """The study's setup as its workers share it: who sets it up, whether it is seeded, and what it stored.
 
-One worker profiles the model and seeds a new study (`tuner.setup`); every other worker waits for
+One worker profiles the model and seeds a new study (`tuner.session`); every other worker waits for
 that and reads what it stored (the profile, the planner's note), so all predict alike. `StudySetup`
 is that state, kept in the study's user attributes: the owner and its heartbeat (a dead owner's
 setup is taken over), the seeded and abandoned marks, the profile and the planner's note.

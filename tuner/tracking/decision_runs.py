@@ -18,7 +18,7 @@ from typing import Any
 from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
-from tuner.killpoints import kill_point
+from tuner.liveness import kill_point
 from tuner.tracking.client import TrackingClient, clip_tag
 from tuner.tracking.names import (
     DECISION,
@@ -102,7 +102,7 @@ def finish_decision_run(
     old_bytes = out.read_bytes() if out.exists() else None
     try:
         store.client.set_tag(decision_id, NEW_GOOD, new)
-        kill_point("rollback" if rolled_back else "")  # a test hook; see tuner.killpoints
+        kill_point("rollback" if rolled_back else "")  # a test hook; see tuner.liveness
         policy.save(out)
         kill_point("after_write")  # a test hook; a no-op unless the fault-injection test sets it
         now = datetime.now(timezone.utc).isoformat()

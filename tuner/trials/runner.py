@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
-from tuner.killpoints import kill_point
-from tuner.liveness import Owner
+from tuner.liveness import Owner, kill_point
 from tuner.recipe import Recipe
 from tuner.trials import forkserver
 from tuner.trials.forkserver import SERVER_PARENT_ENV, Forked
@@ -503,7 +502,7 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, fork=_forkable(spec))
         timed_out = False
         try:
-            kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner.killpoints
+            kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner.liveness
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True

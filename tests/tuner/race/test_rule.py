@@ -1,4 +1,4 @@
-"""`lightning_recompute.race.rule` and `tuner.field`: who leads, who is beaten, who is tied, and who races."""
+"""`lightning_recompute.race.rule` and `tuner.decision`: who leads, who is beaten, who is tied, and who races."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.race.rule import recompute_strength, stand, tie_break, verdict
-from tuner.field import choose_field, suspects
+from tuner.decision import choose_field, suspects
 from tuner.search import TrialRecord
 
 NAMES = ("blocks.0", "blocks.1", "blocks.2")
