@@ -12,7 +12,7 @@ two arms alternates, so both see the same machine moments):
   training step.
 
 Then **truth**: every policy either arm chose, every candidate the job raced and ``full`` race in one
-process, interleaved, for ``--truth-rounds`` rounds without early stopping (`tuner.trials.run_race`);
+process, interleaved, for ``--truth-rounds`` rounds without early stopping (`tuner._trials.run_race`);
 each policy's true time is the median of its time over ``full``'s in the same round. The regret of a
 choice is its true time over the best raced policy's (the best of the policies raced for truth, not
 of the whole search space: the quickstart's space has hundreds of policies; the decision-quality
@@ -155,9 +155,9 @@ def truth(recipe_path: Path, policies: list[dict[str, Any]], rounds: int) -> dic
     """True time over full's (median over interleaved rounds) of each policy, keyed by its glyphs."""
     from lightning_recompute import RecomputePolicy
     from lightning_recompute.race import RacePlan
+    from tuner._search import inspect_layers
+    from tuner._trials import run_race
     from tuner.recipe import load
-    from tuner.search import inspect_layers
-    from tuner.trials import run_race
 
     recipe = load(recipe_path)
     names = [layer.name for layer in inspect_layers(recipe)]
@@ -186,8 +186,8 @@ def truth(recipe_path: Path, policies: list[dict[str, Any]], rounds: int) -> dic
 
 def _short(policy: dict[str, Any], recipe_path: Path) -> str:
     from lightning_recompute import RecomputePolicy
+    from tuner._search import inspect_layers
     from tuner.recipe import load
-    from tuner.search import inspect_layers
 
     return RecomputePolicy.from_dict(policy).short([layer.name for layer in inspect_layers(load(recipe_path))])
 

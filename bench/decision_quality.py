@@ -110,7 +110,7 @@ def space_policies(recipe: Any) -> tuple[list[Any], tuple[str, ...]]:
     """Every distinct policy of the recipe's search space."""
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
-    from tuner.search import SearchSpace, inspect_layers
+    from tuner._search import SearchSpace, inspect_layers
 
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
     dists = space.distributions()
@@ -134,8 +134,8 @@ def truth(workload: str, rounds: int, log: Any) -> dict[str, Any]:
     """Every fitting policy raced for ``rounds`` rounds: true time over full's, per policy."""
     from lightning_recompute import RecomputePolicy
     from lightning_recompute.race import RacePlan
+    from tuner._trials import run_race
     from tuner.recipe import from_dict
-    from tuner.trials import run_race
 
     with tempfile.TemporaryDirectory() as tmp:
         recipe = from_dict(recipe_dict(workload, Path(tmp), race=True))
@@ -190,7 +190,7 @@ def session(
     ran them; otherwise as the caller's environment says (forked by default).
     """
     from lightning_recompute.race.neighbour import noisy_neighbour
-    from tuner.trials.forkserver import FORK_SERVER_ENV
+    from tuner._trials.forkserver import FORK_SERVER_ENV
 
     with tempfile.TemporaryDirectory(prefix="dq-") as tmp:
         folder = Path(tmp)
@@ -298,8 +298,8 @@ def pair_truth(workload: str, shorts: list[str], rounds: int, log: Any, processe
     as noisy as a session's estimate, so grading against it misjudges coverage; pooled rounds are not.
     """
     from lightning_recompute.race import RacePlan
+    from tuner._trials import run_race
     from tuner.recipe import from_dict
-    from tuner.trials import run_race
 
     pooled: dict[str, list[float]] = {}
     per_process: dict[str, list[float]] = {}
@@ -423,8 +423,8 @@ def steady_truth(workload: str, shorts: list[str], processes: int, steps: int, l
     a policy's steady time is the median of its turns' ratios, and ``per_turn`` keeps every ratio, because
     the spread between processes is the first thing to look at.
     """
+    from tuner._trials import run_trial
     from tuner.recipe import from_dict
-    from tuner.trials import run_trial
 
     per_turn: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -630,7 +630,7 @@ def main() -> int:
 
 def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: Any) -> list[dict[str, Any]]:
     """Every condition's sessions on ``workload``, with and without the race, each graded against ``t``."""
-    from tuner.trials.forkserver import forking
+    from tuner._trials.forkserver import forking
 
     rows: list[dict[str, Any]] = []
     modes = args.race.split(",")

@@ -1,6 +1,6 @@
 """Does a forked trial worker step as fast as a fresh interpreter? Fresh, forked, forked from a warmed server.
 
-A trial's figures must be what the training job will see. The fork server (`tuner.trials.forkserver`)
+A trial's figures must be what the training job will see. The fork server (`tuner._trials.forkserver`)
 saves each worker the imports, but a child inherits its server's memory as it was at the fork. This
 benchmark times the steps of a small, dispatch-bound model (four ``Linear(32, 32)``, batch 8, one
 thread: where the per-operator cost shows most) in three kinds of process:
@@ -81,7 +81,7 @@ def _warm_up() -> None:
 
 def _process(kind: str, per: int, steps: int) -> None:
     """In a child interpreter: print one JSON line per measured process of ``kind``."""
-    from tuner.trials import forkserver
+    from tuner._trials import forkserver
 
     for name in forkserver.PRELOAD:
         __import__(name)

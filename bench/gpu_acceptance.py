@@ -88,7 +88,7 @@ from lightning_recompute.probe import step_peak  # noqa: E402
 from lightning_recompute.profile import ALL_MODES, profile_meta  # noqa: E402
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens  # noqa: E402
 from lightning_recompute.units import format_bytes  # noqa: E402
-from tuner.trials.oom import is_oom_error  # noqa: E402
+from tuner._trials.oom import is_oom_error  # noqa: E402
 
 METER_TOLERANCE = 0.005
 OFFLOAD_TOLERANCE = 0.05
@@ -373,7 +373,7 @@ def _recipe_dict(
 
 def _worker_numerics(recipe: Mapping[str, Any], policy: RecomputePolicy, folder: Path) -> dict[str, Any]:
     """The trial worker's ``numerics`` kind (the gate's rule), run in this process by the worker's entry point."""
-    from tuner.trials import worker
+    from tuner._trials import worker
 
     spec_path, result_path = folder / "spec.json", folder / "result.json"
     spec: dict[str, Any] = {
@@ -618,7 +618,7 @@ def check_offload(ctx: Context) -> Verdict:
 
 def _session_budget(recipe: Any) -> tuple[int, int, int]:
     """A budget limit between full's and none's predicted peaks (60% of the way up): ``(limit, full, none)``."""
-    from tuner.recipe.profile import profile_recipe_meta
+    from tuner.recipe._profile import profile_recipe_meta
 
     planner = Planner(profile_recipe_meta(recipe, None, "H100"))
     full = planner.predict(RecomputePolicy.uniform("full")).peak_bytes

@@ -1,6 +1,6 @@
 """The longest sequence that fits, per policy family, predicted and then measured (CPU).
 
-Runs `tuner.commands.max_seq_len` (``recompute-tune plan RECIPE --max-seq-len``) on a small GPT
+Runs `tuner._commands.max_seq_len` (``recompute-tune plan RECIPE --max-seq-len``) on a small GPT
 (the quickstart's reference model: 6 blocks of width 64, eager attention, micro-batch 8) under a
 budget, then trains two real steps on CPU at each family's predicted length and one step past it,
 and prints the measured peaks (the callback's exact storage ledger, as the tuner's trials measure).
@@ -24,10 +24,10 @@ from lightning_recompute import step_peak
 from lightning_recompute.planner import Planner
 from lightning_recompute.planner.seqlen import BEST_MIXED
 from lightning_recompute.units import format_bytes, format_seconds, parse_bytes
-from tuner import commands
+from tuner import _commands as commands
+from tuner._trials import profile_recipe
 from tuner.recipe import Recipe, build_datamodule, build_model, from_dict
-from tuner.recipe.profile import profile_recipe_meta
-from tuner.trials import profile_recipe
+from tuner.recipe._profile import profile_recipe_meta
 
 RESULTS = Path(__file__).parent / "results" / "max_seq_len.txt"
 

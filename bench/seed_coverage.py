@@ -4,7 +4,7 @@ A tuning session profiles its model once (a few timed steps per mode) and seeds 
 planner's picks; a policy no seed or sampled trial measures cannot be promoted, however good the race.
 On `bench/decision_quality.py`'s ``gpt4`` the profile sometimes ranked ``selective`` ahead of ``full``, the
 planner's pick was ``ss..``, and in 3 of 10 sessions no trial measured ``FF..``, the fastest policy. Since
-then each kind of recomputation's own pick is seeded too (`tuner.search.planner_seeds.kind_picks`).
+then each kind of recomputation's own pick is seeded too (`tuner._search.planner_seeds.kind_picks`).
 
 This takes ``--profiles`` profiles per condition (quiet, and beside the seeded noisy neighbour that
 ``decision_quality.py`` uses; conditions take turns), builds the planner's seeds from each, and counts how
@@ -42,8 +42,8 @@ def short(modes: dict[str, str]) -> str:
 
 def seeds_before_kind_picks(planner: Any, budget: int, modes: Sequence[str]) -> list[str]:
     """The planner's seeds as they were before the kind picks: its pick at the budget and the front's
-    points other than the pick (`tuner.search.planner_seeds.front_points`)."""
-    from tuner.search.planner_seeds import front_points
+    points other than the pick (`tuner._search.planner_seeds.front_points`)."""
+    from tuner._search.planner_seeds import front_points
 
     pick = planner.solve(budget, modes=list(modes))
     return [pick.short()] + [p.short() for p in front_points(planner, budget, modes, None, [dict(pick.modes)])]
@@ -64,10 +64,10 @@ def one_profile(workload: str, noisy_seed: int | None) -> dict[str, Any]:
     """One timed profile of ``workload`` (as a session takes it), and the planner's seeds from it."""
     from lightning_recompute.planner import Planner
     from lightning_recompute.race.neighbour import noisy_neighbour
+    from tuner._search import SearchSpace, inspect_layers
+    from tuner._search.planner_seeds import PROFILE_REPEATS, kind_picks, planner_seeds
+    from tuner._trials import profile_recipe
     from tuner.recipe import from_dict
-    from tuner.search import SearchSpace, inspect_layers
-    from tuner.search.planner_seeds import PROFILE_REPEATS, kind_picks, planner_seeds
-    from tuner.trials import profile_recipe
 
     with tempfile.TemporaryDirectory(prefix="seeds-") as tmp:
         recipe = from_dict(recipe_dict(workload, Path(tmp), race=True), source=Path(tmp) / "recipe.yaml")

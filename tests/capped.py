@@ -28,7 +28,7 @@ def planned_cap(recipe: Recipe) -> int:
     of its model on this (uncapped) CPU, sharded for the recipe's ranks."""
     from lightning_recompute.planner import Planner
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
-    from tuner.recipe.profile import profile_recipe_here, recipe_layout
+    from tuner.recipe._profile import profile_recipe_here, recipe_layout
 
     profile = profile_recipe_here(recipe, None, 1)
     sharding = sharding_for(recipe)

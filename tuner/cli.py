@@ -1,5 +1,5 @@
 """``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`
-and `tuner.commands`.
+and `tuner._commands`.
 
 Usage::
 
@@ -252,7 +252,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         # The one handler of every subcommand: a store failing is exit 3 whatever raised it; an
         # error raised on purpose is its message and its exit code (`tuner.exits`); anything else
         # is a bug, and its traceback is what to report.
-        from tuner.stores import store_failure
+        from tuner._stores import store_failure
 
         failure = None if recipe is None else store_failure(recipe, err)
         known: RecomputeError
@@ -299,7 +299,7 @@ def _quiet_libraries() -> None:
     import logging
     import os
 
-    from tuner.stores import bound_tracking_requests
+    from tuner._stores import bound_tracking_requests
 
     bound_tracking_requests()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -597,7 +597,7 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
 
 def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from lightning_recompute.planner import format_front
-    from tuner import commands
+    from tuner import _commands as commands
 
     if args.max_seq_len:
         return _max_seq_len(recipe, args, out)
@@ -632,7 +632,7 @@ def _plan(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
 def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
     from lightning_recompute.units import format_seconds
-    from tuner import commands
+    from tuner import _commands as commands
 
     if args.write is not None:
         print("error: --write: --max-seq-len chooses no single policy to write", file=sys.stderr)
@@ -662,7 +662,7 @@ def _max_seq_len(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
-    from tuner import commands
+    from tuner import _commands as commands
     from tuner.summary import training_change
 
     done = commands.rollback(recipe, allow_over_budget=args.allow_over_budget)
@@ -688,7 +688,7 @@ def _rollback(recipe: Recipe, args: argparse.Namespace) -> int:
 
 
 def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
-    from tuner import commands
+    from tuner import _commands as commands
 
     summary = commands.history(recipe)
     if args.format == "json":

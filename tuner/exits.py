@@ -6,7 +6,7 @@ the message (no traceback) and exits with `exit_code_of` it:
 - `StoreFailure`: `EXIT_STORE_FAILED` (3), a store needs a person;
 - `Declined`: `EXIT_INFEASIBLE` (1), the command ran and changed nothing (nothing to roll back to, a
   rollback refused, the gate's lease held by another worker past the wait);
-- any other `RecomputeError` (`tuner.recipe.RecipeError`, `tuner.preflight.SettingsError`, a layer
+- any other `RecomputeError` (`tuner.recipe.RecipeError`, `tuner._preflight.SettingsError`, a layer
   not found, a planner error ...): `EXIT_BAD_INPUT` (2), what was asked cannot be done as written.
 
 A tuning session that ends without a promotion is no error: its summary carries `EXIT_INFEASIBLE`.
@@ -16,9 +16,8 @@ Ctrl-C, SIGTERM and SIGHUP exit `EXIT_INTERRUPTED`.
 from __future__ import annotations
 
 from typing import ClassVar
-from urllib.parse import urlsplit
 
-from lightning_recompute.errors import RecomputeError, clip
+from lightning_recompute.errors import RecomputeError
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -29,9 +28,7 @@ __all__ = [
     "Declined",
     "StoreFailure",
     "TunerError",
-    "driver_missing",
     "exit_code_of",
-    "hide_password",
 ]
 
 EXIT_OK = 0
@@ -69,7 +66,7 @@ def exit_code_of(err: RecomputeError) -> int:
 class StoreFailure(TunerError):
     """A store a command reads or writes failed: the study storage, the tracking store, or the output folder.
 
-    The CLI prints the message alone (no traceback) and exits `EXIT_STORE_FAILED`; `tuner.stores.store_failure`
+    The CLI prints the message alone (no traceback) and exits `EXIT_STORE_FAILED`; `tuner._stores.store_failure`
     makes one from what a store raised.
     """
 
@@ -79,25 +76,3 @@ class StoreFailure(TunerError):
         super().__init__(message)
         self.key = key
         """The recipe key naming the store: ``study.storage``, ``tracking.uri``, ``output`` (or ``disk``)."""
-
-
-def driver_missing(key: str, url: str, err: ImportError) -> str:
-    """The message for a database URL whose Python driver is not installed."""
-    shown = clip(hide_password(url))
-    if url.startswith("postgresql"):
-        return f"{key}: {shown} needs psycopg: pip install 'lightning-recompute[postgres]'"
-    return f"{key}: {shown} needs a database driver that is not installed ({err})"
-
-
-def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for messages."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):  # not a URL SQLAlchemy parses: hide what looks like user:password@
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        return url.replace(f":{parts.password}@", ":***@", 1)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaBlock", "LlamaConfig", "LlamaLike", "RMSNorm", "llama_7b", "token_batch"]
+__all__ = ["LlamaConfig", "LlamaLike", "llama_7b", "token_batch"]
 
 
 @dataclass(frozen=True)

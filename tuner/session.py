@@ -1,13 +1,13 @@
 """One tuning session, the loop only: study -> trials -> tracking -> decision -> policy file.
 
-`tune` is what ``recompute-tune RECIPE`` runs. It opens the study (`tuner.search`), has it set up
-once (profile and plan: `tuner.search.planner_seeds`), asks, runs (`tuner.trials`) and tells trials,
-records each in MLflow (`tuner.tracking`), and hands the best feasible one to `tuner.decision` (the
-race and the evidence gate). What workers sharing the study agree on is `tuner.workers`'. It returns
+`tune` is what ``recompute-tune RECIPE`` runs. It opens the study (`tuner._search`), has it set up
+once (profile and plan: `tuner._search.planner_seeds`), asks, runs (`tuner._trials`) and tells trials,
+records each in MLflow (`tuner._tracking`), and hands the best feasible one to `tuner._decision` (the
+race and the evidence gate). What workers sharing the study agree on is `tuner._workers`'. It returns
 a `tuner.summary.SessionSummary` and reports progress through callbacks, so the CLI only parses
 arguments and prints.
 
-Interrupts (`tuner.interrupts`): the first Ctrl-C lets the trial in flight finish, records it,
+Interrupts (`tuner._interrupts`): the first Ctrl-C lets the trial in flight finish, records it,
 and stops; the second kills the trial (its process group) and records it as interrupted. Either
 way the in-flight Optuna trial is told (FAIL, and a seed goes back in the queue), the MLflow
 session run is ended as KILLED, and the next run of the same recipe resumes the study. Setting
@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
-from tuner.decision import Stage, decide_best
-from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
-from tuner.interrupts import Interrupts
-from tuner.liveness import Heartbeat, grace_s, kill_point
-from tuner.search import (
+from tuner._decision import Stage, decide_best
+from tuner._interrupts import Interrupts
+from tuner._liveness import Heartbeat, grace_s, kill_point
+from tuner._search import (
     Predictor,
     Proposal,
     SearchSpace,
@@ -40,10 +39,9 @@ from tuner.search import (
     inspect_layers,
     study_name,
 )
-from tuner.search.planner_seeds import PlannerSeeds
-from tuner.stores import storage_failure
-from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
-from tuner.workers import (
+from tuner._search.planner_seeds import PlannerSeeds
+from tuner._stores import storage_failure
+from tuner._workers import (
     Presence,
     end_dead_session_runs,
     others_fill,
@@ -51,32 +49,34 @@ from tuner.workers import (
     stand_down_reason,
     wait_for_running,
 )
+from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
+from tuner.summary import SessionSummary, TrialEvent, _why_infeasible, summarize
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
+    from tuner._tracking import Tracker
+    from tuner._trials import TrialResult
     from tuner.recipe import Recipe
-    from tuner.tracking import Tracker
-    from tuner.trials import TrialResult
 from typing import TYPE_CHECKING
 
-from tuner.search import baseline_seeds
-from tuner.search.planner_seeds import plan_seeds
-from tuner.workers import join_setup
+from tuner._search import baseline_seeds
+from tuner._search.planner_seeds import plan_seeds
+from tuner._workers import join_setup
 
 if TYPE_CHECKING:
+    from tuner._search import SearchSpace, TuningStudy
+    from tuner._workers import Presence
     from tuner.recipe import Recipe
-    from tuner.search import SearchSpace, TuningStudy
-    from tuner.workers import Presence
 from pathlib import Path
 
-from tuner.tracking import open_tracker
+from tuner._tracking import open_tracker
 
 if TYPE_CHECKING:
+    from tuner._tracking import Tracker
     from tuner.recipe import Recipe
     from tuner.summary import SessionSummary
-    from tuner.tracking import Tracker
 
-__all__ = ["close_session_run", "open_session_run", "reconcile_policy_file", "set_up_study", "tune"]
+__all__ = ["tune"]
 
 
 _log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def tune(
     """Run one tuning session of ``recipe`` and decide whether to promote its best policy.
 
     Args:
-        recipe: a loaded recipe (`tuner.recipe.load`).
+        recipe: a loaded recipe (`tuner.recipe._load`).
         n_trials: how many trials the *study* should have measured when this session stops
             (default: the recipe's ``search.n_trials``); a resumed study only runs the rest.
         search_only: search, then report the best without the gate or a promotion (workers
@@ -147,8 +147,8 @@ class _Where:
 
     @classmethod
     def of(cls, recipe: Recipe, search_only: bool, notify: Notify) -> _Where:
-        from tuner.preflight import check_settings
-        from tuner.trials import device_info
+        from tuner._preflight import check_settings
+        from tuner._trials import device_info
 
         # Before anything is measured: a path or URI that cannot work fails now, not after the search.
         check_settings(recipe, output=not search_only)
@@ -181,8 +181,8 @@ class _Options:
 class _TuningSession:
     """The state of one `tune` call (kept off module level: several may run in one process).
 
-    The loop only: set the study up, ask / run / tell trials, then hand the best to `tuner.decision`.
-    Workers sharing the study are `tuner.workers`' concern; the decision, `tuner.decision`'s.
+    The loop only: set the study up, ask / run / tell trials, then hand the best to `tuner._decision`.
+    Workers sharing the study are `tuner._workers`' concern; the decision, `tuner._decision`'s.
     """
 
     def __init__(
@@ -240,7 +240,7 @@ class _TuningSession:
                 device=where.device,
             )
             heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
-            self.seeding = set_up_study(
+            self.seeding = _set_up_study(
                 self.presence.study,
                 where.name,
                 recipe,
@@ -254,7 +254,7 @@ class _TuningSession:
             )
             self.predict = self.seeding.predictor()
             self.interrupts.phase = "between"
-            self.presence.tracker, self.session_run_id = open_session_run(
+            self.presence.tracker, self.session_run_id = _open_session_run(
                 recipe, where.name, self.grace, self.notify, self.note
             )
             stop_reason = self._search()
@@ -324,7 +324,7 @@ class _TuningSession:
             waiting_since = None
             ran = self._one_trial(study)
             unmeasured = 0 if ran == "measured" else unmeasured + 1
-            kill_point("between" if ran == "measured" else "")  # a test hook; see tuner.liveness
+            kill_point("between" if ran == "measured" else "")  # a test hook; see tuner._liveness
             if ran == "stood down":
                 # Another worker asked at the same moment and may have stood down too: a random
                 # pause makes one of the two ask first next time.
@@ -333,7 +333,7 @@ class _TuningSession:
     def _one_trial(self, study: TuningStudy) -> Literal["measured", "not measured", "stood down"]:
         """One proposal: measured, not measured (a duplicate, or skipped on the planner's prediction), or
         stood down for another worker's trial asked at the same moment."""
-        from tuner.trials import TrialResult, run_trial
+        from tuner._trials import TrialResult, run_trial
 
         proposal = study.ask(session_run_id=self.session_run_id)
         self.presence.in_flight = proposal
@@ -372,7 +372,7 @@ class _TuningSession:
         """Say once that the data module's batches vary, and which batch the trials measure."""
         if self.data_noted or not result.batches or not result.batches.get("varies"):
             return
-        from tuner.trials.batches import BatchScan
+        from tuner._trials.batches import BatchScan
 
         self.data_noted = True
         self.note(f"data: {BatchScan(**result.batches).describe()}")
@@ -423,7 +423,7 @@ class _TuningSession:
             # grace period, but its session run's heartbeat may still have been within it then: end it
             # now, so that no session run is left RUNNING that no process runs.
             end_dead_session_runs(self.tracker, self.where.name, self.grace, self.note)
-            close_session_run(self.tracker, summary, status, study=self.where.name, budget_bytes=self.where.budget)
+            _close_session_run(self.tracker, summary, status, study=self.where.name, budget_bytes=self.where.budget)
 
     def _finish_interrupted(self, how: str) -> SessionSummary:
         # Handlers stay installed: a further Ctrl-C during this bookkeeping only sets the flag.
@@ -439,12 +439,12 @@ class _TuningSession:
     def _finish(self, summary: SessionSummary) -> SessionSummary:
         """Make the output file hold the good policy (restored from MLflow when it does not, and said so)
         and close the session run."""
-        reconcile_policy_file(self._tracker(), self.recipe.output, summary, self.note)  # notes: summary.notes
+        _reconcile_policy_file(self._tracker(), self.recipe.output, summary, self.note)  # notes: summary.notes
         self._finish_tracking("FINISHED", summary)
         return summary
 
     def _decide(self) -> SessionSummary:
-        """Gate the best feasible trial against the current good policy (`tuner.decision`); promote or keep."""
+        """Gate the best feasible trial against the current good policy (`tuner._decision`); promote or keep."""
         study = self.study
         if not self.options.search_only and study is not None:
             timeout = float(self.recipe.trial.timeout_s) + 60.0
@@ -454,7 +454,7 @@ class _TuningSession:
         best = study.best() if study is not None else None
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
-            summary.reasons.append(why_infeasible(summary, self.where.budget))
+            summary.reasons.append(_why_infeasible(summary, self.where.budget))
             return self._finish(summary)
         if self.options.search_only:
             summary = self._summary("searched", EXIT_OK)
@@ -503,7 +503,7 @@ def _trial_event(study: TuningStudy, number: int, n_trials: int, where: _Where) 
 Say = Callable[[str], None]
 
 
-def set_up_study(
+def _set_up_study(
     study: TuningStudy,
     name: str,
     recipe: Recipe,
@@ -544,7 +544,7 @@ def set_up_study(
         return seeding
     presence.setting_up = True
     try:
-        kill_point("profiling")  # a test hook; see tuner.liveness
+        kill_point("profiling")  # a test hook; see tuner._liveness
         if use_planner:
             notify("profiling the model and planning ...")
             seeding = plan_seeds(recipe, space, budget_bytes)
@@ -569,9 +569,9 @@ def set_up_study(
 # The session's MLflow run, opened and closed, and the policy file reconciled with what MLflow records.
 
 
-def open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, note: Say) -> tuple[Tracker, str]:
+def _open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, note: Say) -> tuple[Tracker, str]:
     """The tracker and this session's run (resumed when an interrupted or dead session of ``study`` left one)."""
-    from tuner.trials import clean_stale_trial_dirs
+    from tuner._trials import clean_stale_trial_dirs
 
     tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
     # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
@@ -585,7 +585,7 @@ def open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, no
     return tracker, run_id
 
 
-def reconcile_policy_file(tracker: Tracker, output: Path, summary: SessionSummary, note: Say) -> None:
+def _reconcile_policy_file(tracker: Tracker, output: Path, summary: SessionSummary, note: Say) -> None:
     """Make ``output`` hold the good policy (restored from MLflow when it does not, and said so), and
     point ``summary`` at it when there is a good policy."""
     restored = tracker.restore_file(output)
@@ -595,7 +595,9 @@ def reconcile_policy_file(tracker: Tracker, output: Path, summary: SessionSummar
         summary.policy_path = output
 
 
-def close_session_run(tracker: Tracker, summary: SessionSummary, status: str, *, study: str, budget_bytes: int) -> None:
+def _close_session_run(
+    tracker: Tracker, summary: SessionSummary, status: str, *, study: str, budget_bytes: int
+) -> None:
     """End the session run ``status`` (FINISHED, KILLED) with the session's notes, trials table and baselines."""
     notes = [
         f"study {study} ({summary.storage})",

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.tuned_for import TunedFor, batch_advice
 from lightning_recompute.units import jsonable
-from tuner.recipe.build import data_batch_size
+from tuner.recipe._build import data_batch_size
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
+    from tuner._search import SearchSpace, TrialRecord, TuningStudy
     from tuner.recipe import Recipe
-    from tuner.search import SearchSpace, TrialRecord, TuningStudy
 
-__all__ = ["SessionSummary", "TrialEvent", "baselines", "summarize", "training_change", "why_infeasible"]
+__all__ = ["SessionSummary", "TrialEvent", "summarize", "training_change"]
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
     return out
 
 
-def why_infeasible(summary: SessionSummary, budget: int) -> str:
+def _why_infeasible(summary: SessionSummary, budget: int) -> str:
     """Why there is no best trial, consistent with the "N trials run" count the report prints."""
     if summary.ranked:
         return f"no measured trial fits the budget limit of {budget} bytes"

@@ -1,6 +1,6 @@
 """What a job that tuned itself leaves behind: the policy file and the MLflow record.
 
-The record has a tuning session's layout (`tuner.tracking.SessionLog`): a session run, one trial run
+The record has a tuning session's layout (`tuner._tracking.SessionLog`): a session run, one trial run
 per candidate with its per-round step times, ``race.json`` and the race's figures, and the session's
 summary (trials table, best policy, Pareto plot), so ``mlflow ui`` and the tuner's readers show it
 like any session. It goes to the job's ``MLFlowLogger`` store, nested under the job's run, unless

@@ -65,7 +65,7 @@ non-dominated ``(A, P, T)``. Ties are broken deterministically: fastest, then le
 modes earlier in ``none, selective, full, offload`` order.
 
 Modules: `lightning_recompute.planner.solver` (the cost model, `Planner`, `Prediction`, `PlannedPolicy`),
-`lightning_recompute.planner.report` (`format_front`), `tuner.search.planner_seeds` (the planner's seeds and
+`lightning_recompute.planner.report` (`format_front`), `tuner._search.planner_seeds` (the planner's seeds and
 predictions for a tuning session), `lightning_recompute.planner.sharding` (`shard_profile`: the profile one rank
 of DDP / FSDP / FSDP2 sees at a world size).
 """

@@ -57,7 +57,7 @@ Conventions and assumptions (the planner relies on them):
 Modules: `lightning_recompute.profile.model` (the data model and its JSON form),
 `lightning_recompute.profile.hardware` (device peaks for estimates), `lightning_recompute.profile.recorder`
 (the instruments of one step), `lightning_recompute.profile.measure` (`profile_model`),
-`lightning_recompute.profile.meta` (`profile_meta`), `tuner.recipe.profile` (the profile of a recipe's model
+`lightning_recompute.profile.meta` (`profile_meta`), `tuner.recipe._profile` (the profile of a recipe's model
 and data, what the tuning session and ``recompute-tune plan`` take).
 """
 

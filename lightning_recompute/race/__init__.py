@@ -15,7 +15,7 @@ the winner's "vs" figures come from fresh rounds with their intervals.
 - `machine`: the machine's state beside a measurement;
 - `neighbour`: a seeded noisy neighbour, for tests and benchmarks.
 
-The parent side (`tuner.trials.run_race`) starts the worker.
+The parent side (`tuner._trials.run_race`) starts the worker.
 """
 
 from __future__ import annotations

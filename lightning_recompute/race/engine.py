@@ -1,6 +1,6 @@
 """The race itself: candidate policies measured in turn on one model in one Lightning fit.
 
-Runs inside a trial worker (`tuner.trials.worker`, spec kind ``race``). One model, one optimizer,
+Runs inside a trial worker (`tuner._trials.worker`, spec kind ``race``). One model, one optimizer,
 one data stream: between steps `RecomputeCallback.switch_policy` puts the next candidate's policy
 on, so every candidate sees the same allocator, caches and moments of the machine. Recomputation
 never changes what a step computes, so every step of the race is an ordinary training step.

@@ -14,7 +14,7 @@ __all__ = ["RacePlan"]
 
 @dataclass(frozen=True)
 class RacePlan:
-    """How long a race runs and how sure it must be (see `tuner.recipe.schema.RaceSettings` for the user's view)."""
+    """How long a race runs and how sure it must be (see `tuner.recipe._schema.RaceSettings` for the user's view)."""
 
     steps: int = 2
     """Timed steps per entrant per round (after one settling step)."""

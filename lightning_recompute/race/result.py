@@ -259,7 +259,7 @@ class RaceResult:
     ) -> RaceResult:
         """This result with its `vs` figures measured in more processes, and its ``rivals`` raced again.
 
-        ``others`` are races of the same winner with no selection (`tuner.trials.run_race` given
+        ``others`` are races of the same winner with no selection (`tuner._trials.run_race` given
         ``winner``), against the same references and beside the ``rivals`` (`rivals`); failed ones, and
         races of another winner, add nothing. ``references``: the keys the figures are about (the race's
         field's references; default: those `vs` has).

@@ -465,7 +465,7 @@ def test_workers_opening_a_fresh_database_together_all_get_the_storage(postgres_
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from tuner.stores import open_storage
+    from tuner._stores import open_storage
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         storages = list(pool.map(lambda _: open_storage(postgres_url), range(4)))

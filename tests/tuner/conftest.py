@@ -17,7 +17,7 @@ def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
 def fakes(monkeypatch: pytest.MonkeyPatch) -> ExactTrials:
     """The session's trial runner, race and numerics check replaced by `ExactTrials`' exact figures."""
     f = ExactTrials()
-    monkeypatch.setattr("tuner.trials.run_trial", f.run_trial)
-    monkeypatch.setattr("tuner.trials.check_numerics", f.check_numerics)
-    monkeypatch.setattr("tuner.trials.run_race", f.run_race)
+    monkeypatch.setattr("tuner._trials.run_trial", f.run_trial)
+    monkeypatch.setattr("tuner._trials.check_numerics", f.check_numerics)
+    monkeypatch.setattr("tuner._trials.run_race", f.run_race)
     return f

@@ -13,9 +13,9 @@ from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.race import RaceEntrant, RaceResult
+from tuner._search import TuningStudy
+from tuner._trials import NumericsResult, Outcome, TrialResult
 from tuner.recipe import from_dict
-from tuner.search import TuningStudy
-from tuner.trials import NumericsResult, Outcome, TrialResult
 
 GATE_LAYERS = ("blocks.0", "blocks.1")
 """The two layers of the gate tests' model."""
@@ -52,7 +52,7 @@ class ExactTrials:
         """The `RacePlan` each race was given (``None``: the recipe's)."""
         self.on_call = on_call
         self.batches = batches
-        """The data scan every trial reports (`tuner.trials.batches.BatchScan.to_dict`), or ``None``."""
+        """The data scan every trial reports (`tuner._trials.batches.BatchScan.to_dict`), or ``None``."""
 
     def run_trial(
         self,
@@ -120,7 +120,7 @@ def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB", race=None
 
 
 def study_of(recipe, summary) -> TuningStudy:
-    from tuner.search import SearchSpace, inspect_layers
+    from tuner._search import SearchSpace, inspect_layers
 
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
     return TuningStudy.open(
@@ -224,7 +224,7 @@ def exact_race(
     """A `RaceResult` of ``entrants`` (``(policy, labels)``) whose every round measures ``times``
     (fingerprint -> seconds) exactly, decided by the real rule (`lightning_recompute.race.rule.verdict`); an entrant
     peaking over ``budget_bytes`` is out, as in the engine. Given ``winner`` (a policy), no selection:
-    only the estimation rounds, of every entrant, as `tuner.trials.run_race` runs them."""
+    only the estimation rounds, of every entrant, as `tuner._trials.run_race` runs them."""
     from lightning_recompute.race.rule import verdict
     from lightning_recompute.race.stats import paired_ratio
 

@@ -20,8 +20,8 @@ from lightning_recompute.policy import RecomputePolicy
 from tests.helpers import child_env
 from tests.tuner.cli_run import Drain, command, run_cli, write_recipe
 from tuner import cli
+from tuner._search import SearchSpace, TuningStudy, inspect_layers, study_name
 from tuner.recipe import load
-from tuner.search import SearchSpace, TuningStudy, inspect_layers, study_name
 
 
 def open_study(recipe_path: Path) -> TuningStudy:
@@ -308,7 +308,7 @@ def test_a_rollback_killed_mid_decision_is_cleaned_up_by_the_next(tmp_path, caps
 
     recipe_path = write_recipe(tmp_path)
     recipe = load(recipe_path)
-    from tuner.tracking import Tracker
+    from tuner._tracking import Tracker
 
     tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
     first = RecomputePolicy.uniform("full")

@@ -1,4 +1,4 @@
-"""tuner.gate + Tracker.promote/reject/rollback/history, with fake trial runners and a real MLflow store."""
+"""tuner._gate + Tracker.promote/reject/rollback/history, with fake trial runners and a real MLflow store."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from lightning_recompute.mlflow_policy import load_good_policy
 from lightning_recompute.policy import RecomputePolicy
 from tests.tuner.fakes import GATE_LAYERS, FixedTrials, numerics
 from tuner import recipe as recipe_mod
-from tuner.gate import Candidate, GateSettings, decide, evaluate
-from tuner.tracking import Tracker, TrackingError
-from tuner.trials import TrialResult
+from tuner._gate import Candidate, GateSettings, decide, evaluate
+from tuner._tracking import Tracker, TrackingError
+from tuner._trials import TrialResult
+from tuner.recipe._schema import Budget
 
 LAYERS = GATE_LAYERS
 A = RecomputePolicy.uniform("full")
@@ -345,7 +346,7 @@ def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:
 
 @pytest.mark.slow
 def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path) -> None:
-    """End to end with tuner.trials's real subprocess runner and numerics check (the gate's defaults)."""
+    """End to end with tuner._trials's real subprocess runner and numerics check (the gate's defaults)."""
     from lightning_recompute.layers import layer_names
 
     tiny = recipe_mod.from_dict(
@@ -400,7 +401,7 @@ def test_a_good_policy_recorded_over_a_tightened_limit_is_no_contender(uri: str,
 
 
 def test_a_good_policy_that_peaks_over_the_limit_side_by_side_is_no_contender(recipe: recipe_mod.Recipe) -> None:
-    from tuner.tracking import GoodPolicy
+    from tuner._tracking import GoodPolicy
 
     # A good policy without a recorded peak (an older run): the race meters it, under the same limit.
     good = GoodPolicy("run-a", A, A.fingerprint(), throughput=200.0, peak_bytes=None, promoted_at=None)
@@ -528,7 +529,7 @@ def test_history_and_rollback_survive_a_decision_run_with_a_bad_seq_tag(uri: str
 
 def test_rollback_refuses_an_artifact_changed_after_its_run_logged_it(uri: str, recipe: recipe_mod.Recipe) -> None:
     # rollback used to restore the edited artifact over a correct policy file, exit 0.
-    from tuner import commands
+    from tuner import _commands as commands
 
     tracker = Tracker(uri, "gate")
     gate(tracker, A, recipe, FixedTrials({A: 100.0}))
@@ -552,12 +553,12 @@ def test_rollback_refuses_a_policy_over_the_recipe_s_budget_now(uri: str, recipe
     # A rollback restored a policy measured at 2.35 MiB against a 2.18 MiB limit without a word.
     import dataclasses
 
-    from tuner import commands
+    from tuner import _commands as commands
 
     tracker = Tracker(uri, "gate")
     a = gate(tracker, A, recipe, FixedTrials({A: 100.0}, peaks={A: 100 * 2**20}))
     gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}, peaks={A: 100 * 2**20, B: 90 * 2**20}))
-    smaller = dataclasses.replace(recipe, budget=recipe_mod.Budget(96 * 2**20, 0.05))  # limit 91.2 MiB
+    smaller = dataclasses.replace(recipe, budget=Budget(96 * 2**20, 0.05))  # limit 91.2 MiB
     with pytest.raises(RecomputeError, match=r"rollback refused: run \S+ \(\S+\) peaked at 100.00 MiB when measured, "):
         commands.rollback(smaller)
     assert RecomputePolicy.load(recipe.output) == B
@@ -731,7 +732,7 @@ def test_without_a_reference_two_slow_confirmations_fail_and_a_failing_second_ru
 
 
 def test_a_policy_confirmed_on_batches_that_vary_is_tuned_for_the_largest(recipe: recipe_mod.Recipe) -> None:
-    from tuner.gate import tuned_for
+    from tuner._gate import tuned_for
 
     scan = {"varies": True, "largest_samples": 16, "smallest_samples": 1, "scanned": 4, "exhaustive": True}
     conf = TrialResult(outcome="ok", peak_bytes=10, batches={**scan, "largest_index": 3, "largest_elements": 512})

@@ -3,7 +3,7 @@
 The fast tests kill a real child process that runs a tuning session (with the deterministic fake
 trials of `test_session.py`), then run the next session here. The slow fault-injection test
 SIGKILLs the real ``recompute-tune`` at each of five points in turn (``RECOMPUTE_TUNE_TEST_KILL_AT``,
-see `tuner.liveness`), each run recovering from the one before, and reruns it to completion.
+see `tuner._liveness`), each run recovering from the one before, and reruns it to completion.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from lightning_recompute.policy import RecomputePolicy
 from tests.helpers import REPO, child_env
 from tests.tuner.cli_run import TINY as CLI_TINY
 from tests.tuner.fakes import make_recipe, runs, study_of
-from tuner import liveness, session, workers
-from tuner.liveness import Owner, dead_reason
-from tuner.search import TuningStudy
-from tuner.search.attrs import StudyAttr, TrialAttr
-from tuner.search.lease import lease_name
-from tuner.trials.forkserver import SERVER_PARENT_ENV, forking
-from tuner.trials.runner import TRIAL_DIR_ENV, clean_stale_trial_dirs
+from tuner import _liveness as liveness
+from tuner import _workers as workers
+from tuner import session
+from tuner._liveness import Owner, dead_reason
+from tuner._search import TuningStudy
+from tuner._search.attrs import StudyAttr, TrialAttr
+from tuner._search.lease import lease_name
+from tuner._trials.forkserver import SERVER_PARENT_ENV, forking
+from tuner._trials.runner import TRIAL_DIR_ENV, clean_stale_trial_dirs
 
 DEADLINE_S = 300
 
@@ -43,13 +45,13 @@ import os, signal, sys
 from pathlib import Path
 from tests.tuner.fakes import ExactTrials, make_recipe
 from tuner import session
-import tuner.trials
+import tuner._trials
 
 folder, uri, kill_on_call = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 os.chdir(folder)
 fakes = ExactTrials(on_call=lambda n, policy: os.kill(os.getpid(), signal.SIGKILL) if n == kill_on_call else None)
-tuner.trials.run_trial = fakes.run_trial
-tuner.trials.check_numerics = fakes.check_numerics
+tuner._trials.run_trial = fakes.run_trial
+tuner._trials.check_numerics = fakes.check_numerics
 session.tune(make_recipe(folder, uri, n_trials=4), use_planner=False)
 """
 
@@ -152,7 +154,7 @@ def test_a_setup_whose_owner_died_is_taken_over_at_once(tmp_path, tracking_uri, 
 
 def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_nothing(tmp_path, tracking_uri):
     recipe = make_recipe(tmp_path, tracking_uri)
-    from tuner.search import SearchSpace, inspect_layers
+    from tuner._search import SearchSpace, inspect_layers
 
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
     creator = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
@@ -166,7 +168,7 @@ def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_n
 
 def test_a_trial_of_a_silent_owner_on_another_host_is_reaped_after_the_grace_period(tmp_path, tracking_uri):
     recipe = make_recipe(tmp_path, tracking_uri)
-    from tuner.search import SearchSpace, inspect_layers
+    from tuner._search import SearchSpace, inspect_layers
 
     space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
     study = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
@@ -235,7 +237,7 @@ def test_a_trial_worker_dies_with_its_parent(tmp_path):
     parent = f"""
 import os, subprocess, sys, time
 w = subprocess.Popen([sys.executable, "-c",
-    "import os, sys; from tuner.trials.worker import die_with_parent; "
+    "import os, sys; from tuner._trials.worker import die_with_parent; "
     "die_with_parent(os.environ['RECOMPUTE_TUNE_PARENT_PID']); "
     "open(sys.argv[1], 'w').write(str(os.getpid())); import time; time.sleep(600)", {str(tmp_path / "pid")!r}],
     env={{**os.environ, "RECOMPUTE_TUNE_PARENT_PID": str(os.getpid())}}, start_new_session=True)
@@ -284,8 +286,8 @@ def tune_cli(folder: Path, tmpdir: Path, kill_at: str | None) -> subprocess.Comp
 
 def trial_processes(tmpdir: Path) -> list[int]:
     """Workers (fresh or forked) of the trial folders in ``tmpdir``, and their owners' fork servers, still running."""
-    from tuner.trials.forkserver import SERVER_PARENT_ENV
-    from tuner.trials.runner import _pids_with_env, trial_processes
+    from tuner._trials.forkserver import SERVER_PARENT_ENV
+    from tuner._trials.runner import _pids_with_env, trial_processes
 
     found = set()
     for folder in tmpdir.glob("recompute-trial-*"):
@@ -305,8 +307,8 @@ CHAIN = ("profiling", "trial", "between", "gate", "after_write")
 def study_trials(folder: Path, *, lease_allowed: bool = True) -> list[optuna.trial.FrozenTrial]:
     """The trials of the one study in the folder's storage (a session killed in the gate leaves its
     gate lease study behind, which the next run breaks: ``lease_allowed`` says whether it may be there)."""
+    from tuner._stores import open_storage
     from tuner.recipe import load
-    from tuner.stores import open_storage
 
     storage = open_storage(str(load(folder / "tiny.yaml").study.storage))
     names = optuna.get_all_study_names(storage)
@@ -317,7 +319,7 @@ def study_trials(folder: Path, *, lease_allowed: bool = True) -> list[optuna.tri
 
 @pytest.mark.slow
 def test_kill_9_at_each_point_in_turn_then_rerun_leaves_nothing_running_and_loses_no_candidate(tmp_path):
-    from tuner.liveness import POINTS
+    from tuner._liveness import POINTS
 
     # `rollback` is not a session's point: test_cli.py kills a rollback there.
     assert set(CHAIN) == set(POINTS) - {"rollback"}, "a new kill point needs its place in the chain"

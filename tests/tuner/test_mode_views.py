@@ -18,8 +18,8 @@ from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.profile import ALL_MODES
 from lightning_recompute.profile.model import BASE_MODES, FAMILY_MODES
 from lightning_recompute.race.rule import recompute_strength
+from tuner._search.space import LayerInfo, SearchSpace
 from tuner.recipe import from_dict, json_schema
-from tuner.search.space import LayerInfo, SearchSpace
 
 NAMES = [f"blocks.{i}" for i in range(3)]
 

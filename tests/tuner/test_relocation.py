@@ -19,10 +19,10 @@ from lightning_recompute.mlflow_policy import load_good_policy
 from lightning_recompute.policy import RecomputePolicy
 from tests.tuner.fakes import GATE_LAYERS as LAYERS
 from tests.tuner.fakes import FixedTrials, numerics
-from tuner import commands
+from tuner import _commands as commands
 from tuner import recipe as recipe_mod
-from tuner.gate import Candidate, decide
-from tuner.tracking import Tracker
+from tuner._gate import Candidate, decide
+from tuner._tracking import Tracker
 
 A = RecomputePolicy.uniform("full")
 B = RecomputePolicy.first_n(LAYERS, 1, "selective")

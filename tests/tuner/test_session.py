@@ -20,11 +20,11 @@ from lightning_recompute.policy import RecomputePolicy
 from tests.tuner.fakes import MIB, TRIAL_WALL_S, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
 from tests.tuner.fakes import SESSION_LAYERS as LAYERS
 from tuner import session
+from tuner._search.planner_seeds import PlannerSeeds
+from tuner._trials import TrialResult
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
 from tuner.recipe import from_dict
-from tuner.search.planner_seeds import PlannerSeeds
 from tuner.summary import TrialEvent
-from tuner.trials import TrialResult
 
 
 def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(tmp_path, tracking_uri, fakes):
@@ -100,7 +100,7 @@ def test_an_estimation_process_that_fails_leaves_the_race_processs_figures_and_s
             return RaceResult(outcome="failed", reason="the race ended killed: injected")
         return raced(recipe, entrants, **kw)
 
-    monkeypatch.setattr("tuner.trials.run_race", race_then_fail)
+    monkeypatch.setattr("tuner._trials.run_race", race_then_fail)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
     summary = session.tune(recipe, use_planner=False)
     assert summary.status == "promoted" and summary.race is not None and summary.race.vs_processes == ()
@@ -143,7 +143,7 @@ def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_acros
         peaks = {p.fingerprint(): fake_peak(p) for p, _ in entrants}
         return exact_race(entrants, times, peaks, kw.get("references", ()), winner=winner)
 
-    monkeypatch.setattr("tuner.trials.run_race", scripted)
+    monkeypatch.setattr("tuner._trials.run_race", scripted)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
     summary = session.tune(recipe, use_planner=False)
     race = summary.race
@@ -189,7 +189,7 @@ def test_processes_that_agree_on_a_rival_need_no_dispute(tmp_path, tracking_uri,
         runner = min(rest, key=lambda k: res.entrants[k].median_s() or 0.0)
         return dataclasses.replace(res, unresolved=(runner,))
 
-    monkeypatch.setattr("tuner.trials.run_race", unresolved_runner_up)
+    monkeypatch.setattr("tuner._trials.run_race", unresolved_runner_up)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
     summary = session.tune(recipe, use_planner=False)
     race = summary.race
@@ -336,7 +336,7 @@ def test_failed_trials_are_recorded_and_the_session_goes_on(tmp_path, tracking_u
             return TrialResult(outcome="error", error="RuntimeError: boom", device="cpu")
         return fakes.run_trial(recipe, policy, **kwargs)
 
-    monkeypatch.setattr("tuner.trials.run_trial", flaky)
+    monkeypatch.setattr("tuner._trials.run_trial", flaky)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=3)
     summary = session.tune(recipe, use_planner=False, search_only=True)
     full = summary.baselines["full"]
@@ -403,7 +403,7 @@ def test_a_failing_profile_leaves_a_note_and_the_search_goes_on(tmp_path, tracki
     def broken(*args, **kwargs):
         raise RuntimeError("the model cannot be profiled here")
 
-    monkeypatch.setattr("tuner.trials.profile_recipe", broken)
+    monkeypatch.setattr("tuner._trials.profile_recipe", broken)
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=2)
     summary = session.tune(recipe, search_only=True)
     assert summary.status == "searched" and len(fakes.calls) == 2

@@ -17,8 +17,9 @@ import pytest
 
 from tests.helpers import child_env
 from tests.tuner.cli_run import TINY, run_cli, write_recipe
-from tuner import cli, preflight
-from tuner.preflight import output_problem, storage_problem, tracking_problem
+from tuner import _preflight as preflight
+from tuner import cli
+from tuner._preflight import output_problem, storage_problem, tracking_problem
 
 
 def closed_port() -> int:
@@ -185,7 +186,7 @@ def test_an_unreachable_tracking_server_fails_clearly(tmp_path: Path) -> None:
 def test_the_tuner_bounds_mlflow_http_retries_unless_the_user_set_them(tmp_path: Path) -> None:
     script = (
         "import json, os\n"
-        "from tuner.stores import bound_tracking_requests\n"
+        "from tuner._stores import bound_tracking_requests\n"
         "bound_tracking_requests()\n"
         "from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES as R, "
         "MLFLOW_HTTP_REQUEST_TIMEOUT as T, MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT as S\n"
@@ -202,7 +203,7 @@ def test_the_tuner_bounds_mlflow_http_retries_unless_the_user_set_them(tmp_path:
 
 
 def preflight_env_names() -> list[str]:
-    from tuner.stores import TRACKING_REQUEST_DEFAULTS
+    from tuner._stores import TRACKING_REQUEST_DEFAULTS
 
     return list(TRACKING_REQUEST_DEFAULTS)
 

@@ -1,4 +1,4 @@
-"""`tuner.workers`: the ``n_trials`` slots of workers sharing one study (two `TuningStudy` on one storage)."""
+"""`tuner._workers`: the ``n_trials`` slots of workers sharing one study (two `TuningStudy` on one storage)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner.search import LayerInfo, SearchSpace, TuningStudy, baseline_seeds
-from tuner.workers import others_fill, slot_taken
+from tuner._search import LayerInfo, SearchSpace, TuningStudy, baseline_seeds
+from tuner._workers import others_fill, slot_taken
 
 GRACE_S = 60.0
 SPACE = SearchSpace.for_layers([LayerInfo(f"blocks.{i}", "k") for i in range(2)], ("none", "full"))
@@ -62,8 +62,8 @@ def test_a_tracking_server_that_hangs_does_not_stall_the_studys_heartbeat() -> N
     import time
     from types import SimpleNamespace
 
-    from tuner.liveness import Heartbeat
-    from tuner.workers import Presence
+    from tuner._liveness import Heartbeat
+    from tuner._workers import Presence
 
     study_beats: list[float] = []
     released, tracker_entered = threading.Event(), threading.Event()

@@ -21,51 +21,15 @@ once, as pydantic dataclasses, so the validator and the JSON Schema (`json_schem
 Relative paths in a recipe (the output policy, sqlite databases, journal files) resolve against
 the recipe's folder, so a recipe means the same thing whatever directory the tuner runs from.
 
-Modules: `tuner.recipe.schema` (the declared schema and `Recipe`), `tuner.recipe.checks` (the
-checks pydantic cannot make), `tuner.recipe.load` (reading and validating), `tuner.recipe.build`
+Modules: `tuner.recipe._schema` (the declared schema and `Recipe`), `tuner.recipe._checks` (the
+checks pydantic cannot make), `tuner.recipe._load` (reading and validating), `tuner.recipe._build`
 (instantiating the model and the data). Importing this package imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
 
-from tuner.recipe.build import build_datamodule, build_model, data_batch_size
-from tuner.recipe.load import from_dict, json_schema, load
-from tuner.recipe.schema import (
-    PRECISIONS,
-    REFERENCE_DATA,
-    REFERENCE_MODEL,
-    STRATEGIES,
-    Budget,
-    Component,
-    RaceSettings,
-    Recipe,
-    RecipeError,
-    SearchSettings,
-    StudySettings,
-    TrackingSettings,
-    TrainerSettings,
-    TrialSettings,
-)
+from tuner.recipe._build import build_datamodule, build_model
+from tuner.recipe._load import from_dict, json_schema, load
+from tuner.recipe._schema import Recipe, RecipeError
 
-__all__ = [
-    "PRECISIONS",
-    "REFERENCE_DATA",
-    "REFERENCE_MODEL",
-    "STRATEGIES",
-    "Budget",
-    "Component",
-    "RaceSettings",
-    "Recipe",
-    "RecipeError",
-    "SearchSettings",
-    "StudySettings",
-    "TrackingSettings",
-    "TrainerSettings",
-    "TrialSettings",
-    "build_datamodule",
-    "build_model",
-    "data_batch_size",
-    "from_dict",
-    "json_schema",
-    "load",
-]
+__all__ = ["Recipe", "RecipeError", "build_datamodule", "build_model", "from_dict", "json_schema", "load"]

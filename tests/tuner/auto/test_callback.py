@@ -209,7 +209,7 @@ def test_the_record_is_a_tuning_session_nested_in_the_jobs_run_and_the_policy_fi
     from mlflow import MlflowClient
 
     from lightning_recompute import as_policy
-    from tuner.tracking.names import BEST_FINGERPRINT, IN_JOB, KIND, PARENT, RACE_JSON, RACE_WINNER
+    from tuner._tracking.names import BEST_FINGERPRINT, IN_JOB, KIND, PARENT, RACE_JSON, RACE_WINNER
 
     # MLflow's run-context tags ask `git` for the commit: a process the fast tier does not start.
     monkeypatch.setattr("lightning.pytorch.loggers.mlflow._get_resolve_tags", lambda: lambda tags=None: tags or {})

@@ -13,7 +13,7 @@ from lightning_recompute.planner import Planner
 from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.profile.model import FAMILY_MODES
 from lightning_recompute.reference import ReferenceGPT
-from tuner.search.space import LayerInfo, SearchSpace
+from tuner._search.space import LayerInfo, SearchSpace
 
 B, T = 2, 32
 MODES = ["none", "selective", *FAMILY_MODES, "full"]

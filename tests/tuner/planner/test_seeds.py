@@ -7,8 +7,8 @@ import pytest
 from lightning_recompute.planner import Planner
 from lightning_recompute.policy import glyph
 from lightning_recompute.profile import LayerProfile, Profile, SegmentCost
-from tuner.search import LayerInfo, SearchSpace
-from tuner.search.planner_seeds import kind_picks, planner_seeds
+from tuner._search import LayerInfo, SearchSpace
+from tuner._search.planner_seeds import kind_picks, planner_seeds
 
 MODES = ["none", "selective", "full"]
 

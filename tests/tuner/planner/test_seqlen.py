@@ -14,9 +14,9 @@ import pytest
 from lightning_recompute import RecomputeError, step_peak
 from lightning_recompute.planner import Planner
 from lightning_recompute.planner.seqlen import BEST_MIXED, longest_fits
-from tuner import commands
+from tuner import _commands as commands
 from tuner.recipe import Recipe, build_datamodule, build_model, from_dict
-from tuner.recipe.profile import profile_recipe_meta
+from tuner.recipe._profile import profile_recipe_meta
 
 STEP = 8
 BUDGET = 1_900_000  # bytes: between the peaks of every family at 8 and at 256 tokens

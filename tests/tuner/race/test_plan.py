@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tuner.recipe import from_dict
-from tuner.recipe.schema import RecipeError
+from tuner.recipe._schema import RecipeError
 
 
 def _recipe(tmp_path, **race):

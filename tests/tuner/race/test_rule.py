@@ -1,4 +1,4 @@
-"""`lightning_recompute.race.rule` and `tuner.decision`: who leads, who is beaten, who is tied, and who races."""
+"""`lightning_recompute.race.rule` and `tuner._decision`: who leads, who is beaten, who is tied, and who races."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.race.rule import recompute_strength, stand, tie_break, verdict
-from tuner.decision import choose_field, suspects
-from tuner.search import TrialRecord
+from tuner._decision import choose_field, suspects
+from tuner._search import TrialRecord
 
 NAMES = ("blocks.0", "blocks.1", "blocks.2")
 
@@ -134,7 +134,7 @@ COMPILED = dataclasses.replace(RecomputePolicy.first_n(NAMES, 1, "full"), compil
 
 
 def test_the_field_is_the_leaders_the_planners_pick_the_baselines_and_the_good_policy() -> None:
-    from tuner.tracking import GoodPolicy
+    from tuner._tracking import GoodPolicy
 
     records = [
         _record(0, FULL, 100.0, seed="baseline:full"),

@@ -177,7 +177,7 @@ def test_under_a_race_budget_the_estimation_keeps_its_minimum_rounds_and_the_sel
 
 
 def test_given_the_winner_of_an_earlier_race_only_the_estimation_rounds_run() -> None:
-    """An estimation process (`tuner.decision.estimate_again`): the winner is taken, not selected, even
+    """An estimation process (`tuner._decision.estimate_again`): the winner is taken, not selected, even
     when a reference measures faster here; every turn is an estimation turn, for the plan's rounds."""
     plan = dataclasses.replace(PLAN, estimate_rounds=5)
     entrants = [e for e in ENTRANTS if e[0] != NONE.fingerprint()]
@@ -196,7 +196,7 @@ def test_given_the_winner_of_an_earlier_race_only_the_estimation_rounds_run() ->
 
 
 def test_an_estimation_process_races_the_earlier_races_rivals_beside_the_winner_in_every_round() -> None:
-    """`tuner.decision.estimate_again` hands the rivals the race left unresolved in as entrants that are
+    """`tuner._decision.estimate_again` hands the rivals the race left unresolved in as entrants that are
     not references: each round runs all three, rotated, and the figures stay the winner's against full."""
     plan = dataclasses.replace(PLAN, estimate_rounds=4)
     schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, winner=ONE.fingerprint())

@@ -18,6 +18,7 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 from tests.helpers import REPO
 from tuner import recipe as R
+from tuner.recipe import _schema as S
 
 
 class NeedsWidth(L.LightningModule):
@@ -46,12 +47,12 @@ def test_defaults_fill_everything_and_resolve_against_the_recipe_folder(tmp_path
     recipe = R.load(_write(tmp_path, {"budget": "1GiB"}, "small.yaml"))
     assert recipe.source == tmp_path / "small.yaml"
     assert recipe.name == "small"
-    assert recipe.model == R.Component(R.REFERENCE_MODEL, {})
+    assert recipe.model == S.Component(S.REFERENCE_MODEL, {})
     # Synthetic tokens follow the reference model's vocabulary and context when not told otherwise.
-    assert recipe.data == R.Component(R.REFERENCE_DATA, {"vocab_size": 256, "seq_len": 64})
-    assert recipe.trainer == R.TrainerSettings("cpu", 1, "32-true")
+    assert recipe.data == S.Component(S.REFERENCE_DATA, {"vocab_size": 256, "seq_len": 64})
+    assert recipe.trainer == S.TrainerSettings("cpu", 1, "32-true")
     assert recipe.layers == "auto"
-    assert recipe.budget == R.Budget(1 << 30, 0.05)
+    assert recipe.budget == S.Budget(1 << 30, 0.05)
     assert recipe.search.modes == ("none", "selective", "full")
     assert (recipe.search.n_trials, recipe.search.timeout_s, recipe.search.micro_batch_sizes, recipe.search.seed) == (
         20,
@@ -61,8 +62,8 @@ def test_defaults_fill_everything_and_resolve_against_the_recipe_folder(tmp_path
     )
     assert (recipe.trial.warmup_steps, recipe.trial.measure_steps, recipe.trial.timeout_s) == (2, 5, 300.0)
     assert recipe.trial.env == {}
-    assert recipe.tracking == R.TrackingSettings(f"sqlite:///{tmp_path}/mlflow.db", "small")
-    assert recipe.study == R.StudySettings(f"sqlite:///{tmp_path}/optuna.db", None)
+    assert recipe.tracking == S.TrackingSettings(f"sqlite:///{tmp_path}/mlflow.db", "small")
+    assert recipe.study == S.StudySettings(f"sqlite:///{tmp_path}/optuna.db", None)
     assert recipe.output == tmp_path / "policy.yaml"
 
 
@@ -150,10 +151,10 @@ def test_budget_values(value: Any, stored: float) -> None:
 
 
 def test_budget_limit_applies_the_margin() -> None:
-    absolute = R.Budget(value=1000, margin=0.1)
+    absolute = S.Budget(value=1000, margin=0.1)
     assert absolute.limit_bytes(None) == 900
     assert absolute.limit_bytes(10**12) == 900  # the device size does not matter for bytes
-    fraction = R.Budget(value=0.8, margin=0.05)
+    fraction = S.Budget(value=0.8, margin=0.05)
     assert fraction.limit_bytes(80 * 1024**3) == int(0.8 * 80 * 1024**3 * 0.95)
     with pytest.raises(RecomputeError, match="fraction of device memory"):
         fraction.limit_bytes(None)
@@ -487,7 +488,7 @@ def test_multi_device_trainer_settings_and_their_fingerprint() -> None:
     assert ddp.fingerprint() != single.fingerprint()
     custom = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"find_unused_parameters": True}}
     recipe = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2, "strategy": custom}})
-    assert recipe.trainer.strategy == R.Component(**custom)
+    assert recipe.trainer.strategy == S.Component(**custom)
     assert recipe.trainer.strategy_name == "lightning.pytorch.strategies.DDPStrategy"
     assert R.from_dict(recipe.to_dict()) == recipe
 
@@ -495,8 +496,8 @@ def test_multi_device_trainer_settings_and_their_fingerprint() -> None:
 def test_precision_choices_match_lightning() -> None:
     from lightning.fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS_CONVERSION
 
-    assert set(R.PRECISIONS) == set(typing.get_args(_PRECISION_INPUT_STR))
-    from tuner.recipe.schema import _PRECISION_ALIASES
+    assert set(S.PRECISIONS) == set(typing.get_args(_PRECISION_INPUT_STR))
+    from tuner.recipe._schema import _PRECISION_ALIASES
 
     assert _PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
     assert R.from_dict({"budget": "1GiB", "trainer": {"precision": "bf16"}}).trainer.precision == "bf16-mixed"
@@ -512,7 +513,7 @@ def test_quickstart_budget_forces_a_mixed_policy() -> None:
     Runs the worker's own trial code in this process (no subprocess startup), so the peaks are
     exactly what a tuning session measures.
     """
-    from tuner.trials import worker
+    from tuner._trials import worker
 
     recipe = R.load(REPO / "recipes" / "quickstart.yaml")
     assert recipe.trainer.accelerator == "cpu"

@@ -19,8 +19,8 @@ from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 from lightning_recompute.meter import StorageMeter
 from lightning_recompute.reference import Block
 from tuner import recipe as R
-from tuner.search.space import LayerInfo, SearchSpace
-from tuner.trials import run_trial
+from tuner._search.space import LayerInfo, SearchSpace
+from tuner._trials import run_trial
 
 B, T, C, H = 2, 8, 16, 4
 
@@ -46,7 +46,7 @@ def test_compile_is_a_parameter_only_when_both_choices_are_searched() -> None:
 
 
 def test_the_planner_seeds_a_compiled_twin_of_its_pick() -> None:
-    from tuner.search.planner_seeds import planner_seeds
+    from tuner._search.planner_seeds import planner_seeds
 
     class _Pick:
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The gate lease (`tuner.search.lease`): one evidence gate at a time per study, on real Optuna storages."""
+"""The gate lease (`tuner._search.lease`): one evidence gate at a time per study, on real Optuna storages."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 
 from lightning_recompute.policy import RecomputePolicy
 from tuner import recipe as recipe_mod
-from tuner.gate import Candidate, decide
-from tuner.search import GateLeaseTimeout, gate_lease
-from tuner.search.lease import lease_name
-from tuner.stores import open_storage
-from tuner.tracking import Tracker
-from tuner.trials import NumericsResult, TrialResult
+from tuner._gate import Candidate, decide
+from tuner._search import GateLeaseTimeout, gate_lease
+from tuner._search.lease import lease_name
+from tuner._stores import open_storage
+from tuner._tracking import Tracker
+from tuner._trials import NumericsResult, TrialResult
 
 A = RecomputePolicy.uniform("full")
 

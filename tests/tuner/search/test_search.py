@@ -15,8 +15,7 @@ from optuna.trial import TrialState
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.planner import Prediction
 from lightning_recompute.policy import RecomputePolicy
-from tuner.recipe import from_dict
-from tuner.search import (
+from tuner._search import (
     FAR_OVER_BUDGET,
     LayerInfo,
     SearchSpace,
@@ -28,8 +27,9 @@ from tuner.search import (
     peak_constraint,
     study_name,
 )
-from tuner.stores import open_storage
-from tuner.trials import TrialResult
+from tuner._stores import open_storage
+from tuner._trials import TrialResult
+from tuner.recipe import from_dict
 
 
 def _prediction(peak_bytes: int) -> Prediction:
@@ -333,8 +333,8 @@ def test_failed_trials_are_told_fail_with_their_outcome(tmp_path):
 def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
     from typing import get_args
 
-    from tuner.search.study import MEASURED, NOT_EVIDENCE, RAN, RecordOutcome
-    from tuner.trials import Outcome
+    from tuner._search.study import MEASURED, NOT_EVIDENCE, RAN, RecordOutcome
+    from tuner._trials import Outcome
 
     record_outcomes = set(get_args(RecordOutcome))
     assert set(get_args(Outcome)) <= record_outcomes

@@ -1,4 +1,4 @@
-"""tuner.tracking + tuner.plots against a real MLflow sqlite store, read back through MlflowClient."""
+"""tuner._tracking + tuner._plots against a real MLflow sqlite store, read back through MlflowClient."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from mlflow import MlflowClient
 from lightning_recompute.errors import PolicyError
 from lightning_recompute.policy import RecomputePolicy
 from tuner import recipe as recipe_mod
-from tuner.plots import pareto_front, pareto_plot
-from tuner.search import TrialRecord
-from tuner.tracking import Tracker, TrackingError, artifact_location_for
-from tuner.trials import TrialResult
+from tuner._plots import pareto_front, pareto_plot
+from tuner._search import TrialRecord
+from tuner._tracking import Tracker, TrackingError, artifact_location_for
+from tuner._trials import TrialResult
 
 LAYERS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -19,14 +19,15 @@ import pytest
 from lightning_recompute import RecomputePolicy
 from tests.helpers import REPO, process_alive
 from tuner import recipe as R
-from tuner.trials import check_numerics, run_trial, runner
-from tuner.trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, forking
+from tuner._trials import check_numerics, run_trial, runner
+from tuner._trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, forking
+from tuner.recipe._schema import REFERENCE_MODEL
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
 DEADLINE_S = 240.0  # for a process to appear or go on a loaded machine; not a speed bound
 
 
-def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, **trial: Any) -> R.Recipe:
+def _recipe(tmp_path: Path, model: str = REFERENCE_MODEL, **trial: Any) -> R.Recipe:
     return R.from_dict(
         {
             "budget": "1GiB",
@@ -209,7 +210,7 @@ def test_the_fork_server_is_on_unless_turned_off(value: str, on: bool) -> None:
 
 
 def test_a_value_neither_on_nor_off_keeps_forking_on_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="tuner.trials.forkserver"):
+    with caplog.at_level("WARNING", logger="tuner._trials.forkserver"):
         assert forking({FORK_SERVER_ENV: "disable"}) is True
         assert forking({FORK_SERVER_ENV: "disable"}) is True
     warned = [r.getMessage() for r in caplog.records]

@@ -31,10 +31,10 @@ from lightning_recompute.policy import RecomputePolicy
 from tests.capped import planned_cap
 from tests.helpers import REPO
 from tuner import session
+from tuner._tracking.names import KIND, rank_peak_metric
+from tuner._trials import TrialResult, merge_ranks, run_trial
+from tuner._trials.runner import _pids_with_env
 from tuner.recipe import Recipe, from_dict, load
-from tuner.tracking.names import KIND, rank_peak_metric
-from tuner.trials import TrialResult, merge_ranks, run_trial
-from tuner.trials.runner import _pids_with_env
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="PyTorch built without distributed")
 
@@ -170,7 +170,7 @@ import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from lightning_recompute.policy import RecomputePolicy
 from tuner.recipe import load
-from tuner.trials import run_trial
+from tuner._trials import run_trial
 run_trial(load(sys.argv[1]), RecomputePolicy.uniform("none"))
 """
 
@@ -274,9 +274,9 @@ def test_trial_results_keep_per_rank_peaks_through_their_dict_form() -> None:
 
 
 def test_the_planner_plans_one_rank_of_a_multi_rank_recipe() -> None:
-    from tuner.recipe.profile import profile_recipe_here
-    from tuner.search import SearchSpace, inspect_layers
-    from tuner.search.planner_seeds import plan_seeds
+    from tuner._search import SearchSpace, inspect_layers
+    from tuner._search.planner_seeds import plan_seeds
+    from tuner.recipe._profile import profile_recipe_here
 
     one = from_dict({"budget": "1GiB", "data": {"init_args": {"batch_size": 2}}})
     two = from_dict(
@@ -296,7 +296,7 @@ def test_the_planner_plans_one_rank_of_a_multi_rank_recipe() -> None:
 
 
 def test_a_session_refuses_trials_over_several_nodes() -> None:
-    from tuner.preflight import nodes_problem
+    from tuner._preflight import nodes_problem
 
     assert nodes_problem(from_dict({"budget": "1GiB", "trainer": {"devices": 2}})) is None
     problem = nodes_problem(from_dict({"budget": "1GiB", "trainer": {"devices": 2, "num_nodes": 2}}))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tuner.trials import protocol as P
+from tuner._trials import protocol as P
 
 RECIPE = {"trainer": {"accelerator": "cpu", "devices": 2}, "model": {"init_args": {"n_layer": 2}}}
 POLICY = {"version": 1, "default": "full", "layers": {}}
@@ -134,7 +134,7 @@ def test_each_rank_writes_its_own_result() -> None:
 
 
 def test_the_worker_runs_every_kind_and_no_other() -> None:
-    from tuner.trials import worker
+    from tuner._trials import worker
 
     assert set(worker._HANDLERS) == set(P.SPEC_TYPES.values())
 
@@ -149,7 +149,7 @@ def test_the_worker_runs_every_kind_and_no_other() -> None:
 def test_a_worker_given_a_spec_it_cannot_read_writes_an_error_naming_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, data: dict[str, Any], error: str
 ) -> None:
-    from tuner.trials import worker
+    from tuner._trials import worker
 
     # main() sets it to this process's pid for its ranks. setenv, not delenv: deleting an unset variable
     # records nothing to undo, and the pid left behind once ended this process in a later in-process main().
@@ -165,7 +165,7 @@ def test_a_worker_given_a_spec_it_cannot_read_writes_an_error_naming_it(
 def test_a_worker_run_in_the_process_that_started_workers_does_not_take_itself_for_its_dead_parent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tuner.trials import worker
+    from tuner._trials import worker
 
     # What main() leaves in os.environ for the ranks it may start: this process's own pid. A second
     # main() in the same process must not read that as "my parent died" and exit.

@@ -17,13 +17,14 @@ import pytest
 from lightning_recompute import RecomputePolicy
 from tests.helpers import REPO, process_alive
 from tuner import recipe as R
-from tuner.trials import NumericsResult, TrialResult, check_numerics, device_info, run_trial, summarize_steps
+from tuner._trials import NumericsResult, TrialResult, check_numerics, device_info, run_trial, summarize_steps
+from tuner.recipe._schema import REFERENCE_MODEL
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
 BATCH = 4
 
 
-def _recipe(tmp_path: Path, model: str = R.REFERENCE_MODEL, timeout_s: float = 300, **init_args: Any) -> R.Recipe:
+def _recipe(tmp_path: Path, model: str = REFERENCE_MODEL, timeout_s: float = 300, **init_args: Any) -> R.Recipe:
     """A tiny reference-model recipe; ``timeout_s`` is a deadline for a hang, not a speed bound: four
     workers start at once here on two cores, and the gate's numerics check builds its model several times."""
     return R.from_dict(
@@ -65,7 +66,7 @@ def _ok_then_over_budget(folder: Path) -> tuple[TrialResult, TrialResult]:
 
 def _gate(recipe: R.Recipe) -> Any:
     """The evidence gate with its real runners, on ``full`` (recomputes all six blocks: fits)."""
-    from tuner.gate import evaluate
+    from tuner._gate import evaluate
 
     return evaluate(RecomputePolicy.uniform("full"), None, recipe=recipe, budget_bytes=None)
 
@@ -316,7 +317,7 @@ def _fake_cgroup(root: Path, kills: int) -> None:
 def test_a_sigkill_is_oom_only_where_the_kernel_records_an_oom_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tuner.trials import oom, runner
+    from tuner._trials import oom, runner
 
     monkeypatch.setattr(oom, "CGROUP_ROOT", tmp_path)
     monkeypatch.setattr(oom, "KMSG", tmp_path / "no-kmsg")

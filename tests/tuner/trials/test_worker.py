@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_recompute import RecomputePolicy, step_peak
+from tuner._trials import worker
 from tuner.recipe import build_datamodule, build_model, from_dict
-from tuner.trials import worker
 
 RECIPE = {
     "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 16, "n_head": 2, "vocab_size": 64}},
@@ -48,7 +48,7 @@ def test_a_trial_whose_loss_is_not_finite_is_its_own_outcome(monkeypatch: pytest
     assert res["error"].startswith("the training loss was nan at step 1 of 3;"), res["error"]
 
     # The parent keeps the outcome and the message (a worker run stands in for the subprocess).
-    from tuner.trials import runner
+    from tuner._trials import runner
 
     done = runner._WorkerRun(returncode=0, result=res, tail="", wall_s=1.0, timed_out=False)
     monkeypatch.setattr(runner, "_run_worker", lambda *a, **k: done)
@@ -69,7 +69,7 @@ def test_the_numerics_check_says_when_the_run_without_recompute_is_not_finite() 
 def test_every_measured_step_is_metered_so_a_leak_shows_where_it_peaks() -> None:
     # On CPU only the warm-up and one step after it were metered: a model keeping 512 KiB more each
     # step was promoted on its second step's peak while its later steps went over the budget.
-    from tuner.trials import summarize_steps
+    from tuner._trials import summarize_steps
 
     recipe = from_dict({**RECIPE, "model": {**RECIPE["model"], "class_path": "tests.tuner.faulty.Leaks"}})
     spec = {
@@ -94,8 +94,8 @@ VARYING = {**RECIPE, "data": {"class_path": "tests.tuner.faulty.VaryingBatches",
 def test_a_trial_on_batches_that_vary_measures_every_step_on_the_largest_and_says_so() -> None:
     # Batches of 1, 8, 2, 16 samples: a 2-step trial metered the 1- and 8-sample batches and passed a
     # budget that the 16-sample batch exceeds.
-    from tuner.trials import summarize_steps
-    from tuner.trials.batches import BatchScan
+    from tuner._trials import summarize_steps
+    from tuner._trials.batches import BatchScan
 
     recipe = from_dict(VARYING)
     spec = {"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("none").to_dict(), "warmup_steps": 1}
@@ -119,7 +119,7 @@ def test_a_trial_on_batches_that_vary_measures_every_step_on_the_largest_and_say
 def test_a_scan_shorter_than_the_epoch_says_a_larger_batch_may_come_later() -> None:
     import torch
 
-    from tuner.trials.batches import scan
+    from tuner._trials.batches import scan
 
     found, largest = scan([torch.zeros(n, 2) for n in (1, 3, 2, 9)], limit=3)
     assert found is not None and not found.exhaustive and found.scanned == 3 and found.varies
@@ -175,7 +175,7 @@ def test_one_comparison_serves_one_process_and_every_rank() -> None:
 
 
 def test_the_numerics_result_is_the_protocols_payload() -> None:
-    from tuner.trials.protocol import NumericsPayload
+    from tuner._trials.protocol import NumericsPayload
 
     recipe = from_dict(RECIPE)
     res = worker._numerics({"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("full").to_dict()})

@@ -1,0 +1,498 @@
+"""The commands besides tuning: ``plan`` (the planner's front and choice), ``history`` and ``rollback``.
+
+Each returns a plain summary object the CLI prints (``--format json`` dumps its `to_dict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.units import jsonable
+from tuner.exits import EXIT_INFEASIBLE, EXIT_OK, Declined
+
+if TYPE_CHECKING:
+    from lightning_recompute.planner import PlannedPolicy
+    from lightning_recompute.planner.seqlen import SeqLenFit
+    from lightning_recompute.profile import Profile
+    from tuner._tracking import Decision, GoodPolicy, Tracker
+    from tuner.recipe import Recipe
+
+__all__ = ["HistorySummary", "PlanSummary", "SeqLenSummary", "history", "max_seq_len", "plan", "rollback"]
+
+
+@dataclass
+class PlanSummary:
+    """What ``recompute-tune plan`` shows: the predicted front and the policy chosen for a budget."""
+
+    recipe: str
+    device: str
+    budget_bytes: int
+    layer_names: tuple[str, ...]
+    front: list[PlannedPolicy]
+    """By increasing predicted peak."""
+    profile: Profile
+    chosen: PlannedPolicy | None = None
+    """The fastest predicted policy within the budget (``None`` when none fits)."""
+    reason: str | None = None
+    """Why nothing was chosen."""
+    written: Path | None = None
+    """Where the chosen policy was written (``--write``)."""
+    exit_code: int = EXIT_OK
+    sharding: str | None = None
+    """``per rank, world size 64, fsdp`` when the front is per rank of a sharded or replicated run."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+
+        def row(p: PlannedPolicy) -> dict[str, Any]:
+            return {
+                "policy": p.policy.to_dict(),
+                "short": p.short(),
+                "peak_bytes": p.peak_bytes,
+                "step_time_s": p.step_time_s,
+                "micro_batch": p.prediction.micro_batch,
+            }
+
+        return {
+            "recipe": self.recipe,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "layer_names": list(self.layer_names),
+            "front": [row(p) for p in self.front],
+            "chosen": None if self.chosen is None else row(self.chosen),
+            "reason": self.reason,
+            "written": None if self.written is None else str(self.written),
+            "exit_code": self.exit_code,
+            "sharding": self.sharding,
+        }
+
+
+def plan(
+    recipe: Recipe,
+    *,
+    budget: str | int | None = None,
+    write: str | Path | None = None,
+    meta: str | None = None,
+    world_size: int | None = None,
+    strategy: str | None = None,
+) -> PlanSummary:
+    """Profile the recipe's model and show the planner's front and its choice at ``budget``.
+
+    Args:
+        recipe: a loaded recipe.
+        budget: bytes or a size (``"20GiB"``); default: the recipe's budget limit (after its margin).
+        write: write the chosen policy here (YAML, or JSON for ``.json``), atomically.
+        meta: plan without the hardware and without allocating: profile the model on the meta
+            device and estimate time for this accelerator (a key of `lightning_recompute.profile.HARDWARE`), so a
+            7B model can be planned for an 80 GiB GPU on a laptop.
+        world_size: plan one rank of this many data-parallel ranks (default: the recipe's
+            ``trainer`` devices x nodes); the budget is then per rank.
+        strategy: ``ddp``, ``fsdp`` or ``model_parallel`` (default: the recipe's ``trainer.strategy``);
+            see `lightning_recompute.planner.sharding` for what each rank is predicted to hold.
+
+    Raises:
+        RecomputeError: the budget is not a size, the hardware is unknown, the world size or strategy
+            cannot be planned, or the model cannot be profiled.
+    """
+    from lightning_recompute.planner import BudgetError, Planner
+    from lightning_recompute.planner.sharding import shard_profile, sharding_for
+    from tuner._preflight import output_problem
+    from tuner._trials import profile_recipe
+    from tuner.recipe._profile import profile_recipe_meta, recipe_layout
+
+    sharding = sharding_for(recipe, world_size, strategy)  # before profiling, which can take minutes
+    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
+    device, limit = _device_and_limit(recipe, budget, meta)
+    if write is not None:
+        problem = output_problem(Path(write).expanduser().absolute(), key="--write")
+        if problem is not None:  # found before profiling, which can take minutes
+            raise RecomputeError(problem)
+    profile = profile_recipe_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
+    if sharding is not None:
+        profile = shard_profile(profile, recipe_layout(recipe, profile.layer_names), sharding)
+    planner = Planner(profile)
+    modes = list(recipe.search.modes)
+    summary = PlanSummary(
+        recipe=recipe.name,
+        device=device,
+        budget_bytes=limit,
+        layer_names=tuple(profile.layer_names),
+        front=planner.pareto_front(modes, micro_batch=mb),
+        profile=profile,
+        sharding=None if sharding is None else sharding.describe(),
+    )
+    try:
+        summary.chosen = planner.solve(limit, modes=modes, micro_batch=mb)
+    except BudgetError as err:
+        summary.reason = str(err)
+        summary.exit_code = EXIT_INFEASIBLE
+        return summary
+    if write is not None:
+        try:
+            summary.written = summary.chosen.policy.save(write)
+        except OSError as err:  # the folder changed since the check
+            raise RecomputeError(f"--write: cannot write {write}: {err.strerror or err}") from None
+    return summary
+
+
+def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None) -> tuple[str, int]:
+    """The device planned for (in words) and the budget limit in bytes (``--budget``, else the recipe's)."""
+    from lightning_recompute.profile import HARDWARE
+    from lightning_recompute.units import parse_bytes
+    from tuner._trials import device_info
+
+    total: int | None
+    if meta is not None:
+        if meta not in HARDWARE:
+            raise RecomputeError(f"--meta: unknown hardware {meta!r}; valid: {', '.join(HARDWARE)}")
+        device, total = f"{HARDWARE[meta].name} (estimated on the meta device)", HARDWARE[meta].memory_bytes
+    else:
+        device, total = device_info(recipe)
+    if budget is None:
+        return device, recipe.budget.limit_bytes(total)
+    try:
+        return device, parse_bytes(budget)
+    except ValueError as err:
+        raise RecomputeError(f"--budget: {err}") from None
+
+
+@dataclass
+class SeqLenSummary:
+    """What ``recompute-tune plan --max-seq-len`` shows: per policy family, the longest sequence that fits."""
+
+    recipe: str
+    device: str
+    budget_bytes: int
+    micro_batch: int
+    seq_arg: str
+    """The constructor argument that sets the sequence length."""
+    set_on: tuple[str, ...]
+    """The recipe components it is set on (``model``, ``data``)."""
+    step: int
+    cap: int
+    fits: list[SeqLenFit]
+    profiles: int
+    """How many lengths were profiled."""
+    exit_code: int = EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+
+        def row(f: SeqLenFit) -> dict[str, Any]:
+            return {
+                "family": f.family,
+                "seq_len": f.seq_len,
+                "capped": f.capped,
+                "peak_bytes": None if f.plan is None else f.plan.peak_bytes,
+                "step_time_s": None if f.plan is None else f.plan.step_time_s,
+                "tokens_per_s": f.tokens_per_s,
+                "short": None if f.plan is None else f.plan.short(),
+            }
+
+        return {
+            "recipe": self.recipe,
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "micro_batch": self.micro_batch,
+            "seq_arg": self.seq_arg,
+            "set_on": list(self.set_on),
+            "step": self.step,
+            "cap": self.cap,
+            "fits": [row(f) for f in self.fits],
+            "profiles": self.profiles,
+            "exit_code": self.exit_code,
+        }
+
+
+def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tuple[str, ...]]:
+    """``recipe`` with ``seq_arg=length`` in the init args of its model and data, where their constructors take it.
+
+    Returns the recipe and the components set (``model``, ``data``).
+
+    Raises:
+        RecomputeError: neither the model nor the data takes an argument named ``seq_arg``.
+    """
+    import dataclasses
+
+    from tuner.recipe._checks import accepts
+    from tuner.recipe._schema import Component
+
+    changes: dict[str, Component] = {}
+    for key in ("model", "data"):
+        component: Component = getattr(recipe, key)
+        if accepts(component.import_class(), seq_arg):
+            changes[key] = Component(component.class_path, {**component.init_args, seq_arg: length})
+    if not changes:
+        raise RecomputeError(
+            f"--seq-arg: neither model {recipe.model.class_path} nor data {recipe.data.class_path} takes an argument "
+            f"named {seq_arg!r}; name the constructor argument that sets the sequence length with --seq-arg NAME"
+        )
+    return dataclasses.replace(
+        recipe, model=changes.get("model", recipe.model), data=changes.get("data", recipe.data)
+    ), tuple(changes)
+
+
+def _seq_len_of(recipe: Recipe, seq_arg: str) -> int | None:
+    """The recipe's own sequence length: ``seq_arg`` in the data's, else the model's init args or defaults."""
+    from tuner.recipe._checks import init_signature
+
+    for component in (recipe.data, recipe.model):
+        value = component.init_args.get(seq_arg)
+        if value is None:
+            param = init_signature(component.import_class()).parameters.get(seq_arg)
+            value = None if param is None else param.default
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def max_seq_len(
+    recipe: Recipe,
+    *,
+    budget: str | int | None = None,
+    meta: str | None = None,
+    seq_arg: str = "seq_len",
+    step: int = 64,
+    cap: int = 2**20,
+) -> SeqLenSummary:
+    """Per policy family (each searched mode on every layer, and the planner's best mix), the longest
+    sequence length that fits the budget, and the predicted step time there.
+
+    The sequence length is the constructor argument ``seq_arg`` of the recipe's model and data
+    (set on each that takes it); every probed length is profiled (measured, or on the meta device
+    with ``meta``) and planned; the search bisects (`lightning_recompute.planner.seqlen`).
+
+    Raises:
+        RecomputeError: no component takes ``seq_arg``, changing it does not change the batch, the
+            budget or hardware is invalid, or a length cannot be profiled.
+    """
+    from lightning_recompute.planner.seqlen import longest_fits
+    from tuner._trials import profile_recipe
+    from tuner.recipe._profile import profile_recipe_meta
+
+    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
+    device, limit = _device_and_limit(recipe, budget, meta)
+    _, set_on = with_seq_len(recipe, seq_arg, 1)  # fails now, before any profiling, if nothing takes it
+    batches: dict[int, int] = {}
+
+    def profile_at(length: int) -> Profile:
+        variant, _ = with_seq_len(recipe, seq_arg, length)
+        try:
+            prof = profile_recipe_meta(variant, mb, meta) if meta is not None else profile_recipe(variant, mb)
+        except RecomputeError:
+            raise
+        except Exception as err:  # the user's model refusing a length (e.g. beyond its position table)
+            raise RecomputeError(f"profiling at {seq_arg}={length} failed: {type(err).__name__}: {err}") from err
+        same = [other for other, size in batches.items() if size == prof.batch_bytes]
+        if same:
+            raise RecomputeError(
+                f"--seq-arg: the batch is {prof.batch_bytes} bytes at both {seq_arg}={same[0]} and {seq_arg}={length}: "
+                f"{seq_arg} (set on {', '.join(set_on)}) does not change the sequence length of the batch"
+            )
+        batches[length] = prof.batch_bytes
+        return prof
+
+    start = _seq_len_of(recipe, seq_arg) or step
+    fits = longest_fits(profile_at, limit, modes=list(recipe.search.modes), start=start, step=step, cap=cap)
+    micro_batch = next((f.plan.prediction.micro_batch for f in fits if f.plan is not None), mb or 0)
+    return SeqLenSummary(
+        recipe=recipe.name,
+        device=device,
+        budget_bytes=limit,
+        micro_batch=micro_batch,
+        seq_arg=seq_arg,
+        set_on=set_on,
+        step=step,
+        cap=cap,
+        fits=fits,
+        profiles=len(batches),
+        exit_code=EXIT_OK if any(f.seq_len is not None for f in fits) else EXIT_INFEASIBLE,
+    )
+
+
+@dataclass
+class HistorySummary:
+    """What ``recompute-tune history`` shows: every decision, and the good policy now."""
+
+    experiment: str
+    tracking_uri: str
+    decisions: list[Decision]
+    """Oldest first."""
+    current: GoodPolicy | None = None
+    """``None`` before the first promotion."""
+    missing: Path | None = None
+    """The SQLite tracking database that does not exist (nothing tuned yet); ``None`` when it does."""
+    current_problem: str | None = None
+    """Why the good policy cannot be read (its run or artifact gone or changed); the decisions still show."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (JSON-ready)."""
+        return {
+            "experiment": self.experiment,
+            "tracking_uri": self.tracking_uri,
+            "decisions": [jsonable(d) for d in self.decisions],
+            "current": None if self.current is None else jsonable(self.current),
+            "missing": None if self.missing is None else str(self.missing),
+            "current_problem": self.current_problem,
+        }
+
+
+def history(recipe: Recipe) -> HistorySummary:
+    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone.
+
+    Reading creates nothing: without the recipe's SQLite tracking database the history is empty
+    (and `HistorySummary.missing` says where it looked).
+
+    Raises:
+        RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
+    """
+
+    missing = _missing_tracking_database(recipe)
+    if missing is not None:
+        return HistorySummary(
+            experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=[], missing=missing
+        )
+    from tuner._tracking import TrackingError
+
+    tracker = _existing_tracker(recipe)
+    summary = HistorySummary(
+        experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=tracker.history()
+    )
+    try:
+        summary.current = tracker.current_good()
+    except TrackingError as err:  # an edited artifact must not hide the record of decisions
+        summary.current_problem = str(err)
+    return summary
+
+
+@dataclass(frozen=True)
+class RollbackSummary:
+    """What ``recompute-tune rollback`` did."""
+
+    good: GoodPolicy
+    """The good policy now (the restored earlier one, or the current one when nothing was rolled back)."""
+    rolled_back: bool
+    """Whether the record moved back to an earlier good policy."""
+    file_note: str | None
+    """What was wrong with the policy file before (missing, corrupt, another policy) and was repaired."""
+    cleaned: tuple[str, ...] = ()
+    """What a killed earlier command left and this one cleaned up (a decision run, temporary files), in words."""
+    budget_note: str | None = None
+    """How the restored policy's measured peak compares with the recipe's budget now (``None``: nothing restored)."""
+
+
+def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSummary:
+    """Restore the previous good policy (MLflow record and ``recipe.output``).
+
+    First the file is made to match the current good policy (restored from its MLflow run when
+    missing, corrupt or different). With only one good policy recorded, that repair is the whole
+    rollback; without a repair either, there is nothing to do. Every artifact restored must have
+    the fingerprint its run recorded (as the plugin's ``mlflow:`` loader checks).
+
+    The earlier policy was measured against the budget of its day: when its measured peak is over
+    the recipe's budget limit now, the rollback is refused (it would hand training jobs a policy
+    known not to fit) unless ``allow_over_budget``; `RollbackSummary.budget_note` says how it compares.
+
+    Raises:
+        SettingsError: ``tracking.uri`` or ``tracking.experiment`` names no store or experiment.
+        StoreFailure: a store failed.
+        Declined: there is no tracking database to roll back in, or the earlier policy is over the
+            budget and ``allow_over_budget`` is not set.
+        TrackingError: there is no earlier good policy and the file needed no repair, or an artifact
+            was changed after it was logged (a `Declined` too).
+    """
+
+    missing = _missing_tracking_database(recipe)
+    if missing is not None:
+        raise Declined(
+            f"nothing to roll back to: there is no tracking database at {missing} (tracking.uri); "
+            f"nothing has been tuned with this recipe there yet"
+        )
+
+    tracker = _existing_tracker(recipe)
+    from tuner._liveness import grace_s
+
+    cleaned = tracker.clean_leftovers(recipe.output, grace_s())
+    note = tracker.restore_file(recipe.output)
+    current = tracker.current_good()
+    if note is not None and current is not None and not tracker.can_roll_back():
+        return RollbackSummary(good=current, rolled_back=False, file_note=note, cleaned=cleaned)
+    notes: list[str] = []
+
+    def vet(candidate: GoodPolicy) -> None:
+        note, over = _against_budget(recipe, candidate)
+        if over and not allow_over_budget:
+            raise Declined(
+                f"rollback refused: {note}; nothing was changed. Training with it would likely run out of memory. "
+                f"Raise budget in {recipe.source or 'the recipe'} if it is meant to fit, or pass --allow-over-budget "
+                f"to restore it anyway"
+            )
+        notes.append(note)
+
+    restored = tracker.rollback(output_path=recipe.output, vet=vet)
+    return RollbackSummary(
+        good=restored, rolled_back=True, file_note=note, cleaned=cleaned, budget_note=notes[0] if notes else None
+    )
+
+
+def _against_budget(recipe: Recipe, good: GoodPolicy) -> tuple[str, bool]:
+    """How ``good``'s measured peak compares with ``recipe``'s budget limit now, in words, and whether it is over."""
+    from lightning_recompute.units import format_bytes
+
+    tuned = good.policy.tuned_for
+    peak = good.peak_bytes if good.peak_bytes is not None else (tuned.peak_bytes if tuned is not None else None)
+    what = f"run {good.run_id} ({good.fingerprint})"
+    if peak is None:
+        return f"{what} has no measured peak on record, so it is not checked against the budget", False
+    total = None
+    if recipe.budget.is_fraction:
+        from tuner._trials import device_info
+
+        total = device_info(recipe)[1]
+    limit = recipe.budget.limit_bytes(total)
+    if peak > limit:
+        return (
+            f"{what} peaked at {format_bytes(peak)} when measured, over the recipe's budget limit "
+            f"{format_bytes(limit)} ({recipe.budget.describe(total)})"
+        ), True
+    return f"{what} peaked at {format_bytes(peak)}, within the budget limit {format_bytes(limit)}", False
+
+
+def _existing_tracker(recipe: Recipe) -> Tracker:
+    """The recipe's `Tracker` for a command that reads or restores: it never creates the experiment.
+
+    Raises:
+        SettingsError: the store has no experiment named ``tracking.experiment`` (a misspelt name
+            used to be created, empty, by ``history`` or ``rollback``).
+    """
+    from tuner._preflight import SettingsError
+    from tuner._tracking import ExperimentNotFound, Tracker
+
+    try:
+        return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment), create=False)
+    except ExperimentNotFound as err:
+        raise SettingsError([str(err)]) from None
+
+
+def _missing_tracking_database(recipe: Recipe) -> Path | None:
+    """The recipe's ``sqlite:///`` tracking database when it does not exist, else ``None``.
+
+    Opening a SQLite URL creates the file and MLflow's tables, so a read-only command run in the
+    wrong folder (or before any tuning) would leave an empty database behind; check first.
+
+    Raises:
+        RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
+    """
+    from tuner._preflight import SettingsError, tracking_problem
+
+    problem = tracking_problem(recipe.tracking.uri)
+    if problem is not None:
+        raise SettingsError([problem])
+    uri = recipe.tracking.uri
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    path = Path(uri[len("sqlite:///") :]).expanduser()
+    return None if path.exists() else path

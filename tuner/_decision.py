@@ -1,0 +1,556 @@
+"""From a finished search to the good policy: the race of the leading trials, the gate's candidate, and
+the gate, all under the study's gate lease.
+
+A session hands `decide_best` the study's best feasible trial. One gate runs at a time per study
+(`tuner._search.gate_lease`): a worker that waited finds the winner another worker promoted meanwhile
+already current, and records nothing twice; the race runs under the same lease, since two races at once
+would measure each other. Without new trials since the last decision (or after waiting on another
+worker's gate) there is no race: racing again would only re-roll the noise that race settled, and the
+good policy stands. Otherwise the leaders race (`lightning_recompute.race`), the winner (or without a race the best
+single trial) is the candidate, and `tuner._gate.decide` checks, records and promotes or keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from lightning_recompute.errors import RecomputeError
+from tuner._search import gate_lease
+from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
+
+if TYPE_CHECKING:
+    from lightning_recompute.race import RacePlan, RaceResult
+    from tuner._gate import Candidate, GateDecision
+    from tuner._search import TrialRecord, TuningStudy
+    from tuner._tracking import GoodPolicy, Tracker
+    from tuner.recipe import Recipe
+import math
+import statistics
+from dataclasses import field
+from typing import TYPE_CHECKING
+
+from lightning_recompute.policy import RecomputePolicy
+from tuner.recipe._schema import PREDICTION_SPAN
+
+if TYPE_CHECKING:
+    from tuner._search import TrialRecord
+    from tuner._tracking import GoodPolicy
+
+__all__ = [
+    "PREDICTION_SPAN",
+    "Decided",
+    "Field",
+    "candidate_of",
+    "choose_field",
+    "decide_best",
+    "race_leaders",
+    "suspects",
+]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+Say = Callable[[str], None]
+
+
+class Killable(Protocol):
+    """Wraps a measurement so that the first Ctrl-C stops it (the session's interrupt phases)."""
+
+    def __call__(self, fn: _F, /) -> _F: ...
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What `decide_best` decided."""
+
+    decision: GateDecision
+    race: RaceResult | None
+    """The race before the gate (``None``: not run)."""
+    chosen: str | None
+    """Fingerprint of the race's winner, or of the good policy that stood without a race; ``None``: no race chose."""
+    waited: bool
+    """This worker waited for another worker's gate of the same study."""
+
+    def status(self) -> tuple[str, int]:
+        """The session's status and exit code: ``current`` (the good policy stands), ``promoted`` (both
+        `EXIT_OK`) or ``rejected`` (the gate kept the good policy: `EXIT_INFEASIBLE`)."""
+        if self.decision.unchanged:
+            return "current", EXIT_OK
+        return ("promoted", EXIT_OK) if self.decision.promoted else ("rejected", EXIT_INFEASIBLE)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Where the decision happens: the session's recipe, space, budget, records and voices."""
+
+    recipe: Recipe
+    layer_names: tuple[str, ...]
+    budget: int
+    study_name: str
+    tracker: Tracker
+    session_run_id: str | None
+    notify: Say
+    """Progress (printed, not kept)."""
+    note: Say
+    """A decision along the way (printed and kept in the session's notes)."""
+    killable: Killable
+    stop: threading.Event
+    """Set by a Ctrl-C: a wait for the lease ends."""
+
+
+def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, new_trials: bool) -> Decided:
+    """Race the leaders of ``study`` and gate the winner (``best`` is its best feasible trial) under the lease.
+
+    The study's records are read once the lease is held (another worker may have measured meanwhile);
+    ``new_trials`` says whether this session measured any trial.
+    """
+    from tuner import _gate as gate
+    from tuner._trials import check_numerics, run_race, run_trial
+
+    if best.policy is None:
+        raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
+    recipe = stage.recipe
+    settings = gate.GateSettings()
+    wait_s = settings.longest_s(recipe) + 60.0
+    storage = study.storage if study is not None else None
+    lease = (
+        gate_lease(storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop)
+        if storage is not None
+        else contextlib.nullcontext(False)
+    )
+    with lease as waited:
+        good = stage.tracker.current_good()
+        records = study.records() if study is not None else []
+        race: RaceResult | None
+        chosen: str | None
+        if (not new_trials or waited) and good is not None and good.micro_batch == best.micro_batch:
+            why = "another worker decided while this one waited" if waited else "no new trial since the last decision"
+            stage.note(f"race: not run: {why}; the current good policy stands")
+            race, chosen = None, good.fingerprint
+            candidate = gate.Candidate(
+                policy=good.policy,
+                micro_batch=good.micro_batch,
+                source_run_id=good.run_id,
+                layer_names=stage.layer_names,
+            )
+        else:
+            race = race_leaders(stage, best, good, records, stage.killable(run_race))
+            candidate = candidate_of(best, race, good, records, stage.layer_names)
+            chosen = race.winner if race is not None and race.ok else None
+        stage.notify(f"gate: {candidate.policy.short(stage.layer_names)} is the candidate")
+        decision = gate.decide(
+            stage.tracker,
+            candidate,
+            recipe=recipe,
+            budget_bytes=stage.budget,
+            output_path=recipe.output,
+            run_trial=stage.killable(run_trial),
+            check_numerics=stage.killable(check_numerics),
+            run_race=stage.killable(run_race),
+            race=race,
+            settings=settings,
+            progress=stage.notify,
+        )
+    if waited and decision.unchanged:
+        decision.reasons.append("another worker ran the gate for this study while this one waited")
+    return Decided(decision=decision, race=race, chosen=chosen, waited=bool(waited))
+
+
+def race_leaders(
+    stage: Stage,
+    best: TrialRecord,
+    good: GoodPolicy | None,
+    records: Sequence[TrialRecord],
+    run_race: Callable[..., RaceResult],
+) -> RaceResult | None:
+    """Race the leading candidates (`tuner._decision`); ``None`` when the recipe turns the race off."""
+    from lightning_recompute.race import RaceResult
+
+    recipe = stage.recipe
+    if not recipe.race.enabled:
+        stage.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
+        return None
+    entry = choose_field(
+        records, best, good, leaders=recipe.race.leaders, predicted=recipe.race.predicted, budget_bytes=stage.budget
+    )
+    for record, why in suspects(records):
+        stage.note(why)
+        if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
+            entry.add(record.policy, f"suspect trial {record.number}")
+    for line in entry.notes:
+        stage.note(f"race: {line}")
+    if recipe.trainer.devices > 1 or recipe.trainer.num_nodes > 1:
+        entry.skipped = "multi-device trials are not raced yet (one process races on one device)"
+    if entry.skipped is not None:
+        stage.note(f"race: not run: {entry.skipped}")
+        return RaceResult(outcome="skipped", reason=entry.skipped)
+    names = ", ".join(f"{p.short(stage.layer_names)} ({' = '.join(labels)})" for p, labels in entry.entrants)
+    stage.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
+    # The search's cost sets the race's: a race of a fixed length would double a short search.
+    search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
+    plan = recipe.race_plan(search_s=search_s)
+    if plan.total_s is not None and recipe.race.share is not None:
+        by_share = recipe.race.share * search_s
+        share = f"{recipe.race.share:.0%} of the search's {search_s:.0f} s of trials"
+        # The plan took the larger of the share and race.min_s; say which.
+        if plan.total_s > by_share:
+            why = f"race.min_s; race.share's {share} would be {by_share:.0f} s"
+        else:
+            why = f"{share}, race.share"
+        stage.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
+    race = run_race(
+        recipe,
+        entry.entrants,
+        layer_names=stage.layer_names,
+        references=entry.references,
+        micro_batch=entry.micro_batch,
+        budget_bytes=stage.budget,
+        plan=plan,
+    )
+    if race.ok and race.vs and recipe.race.processes > 1:
+        references = [p.fingerprint() for p in entry.references]
+        race = estimate_again(stage, race, run_race, micro_batch=entry.micro_batch, references=references)
+    if race.ok and race.winner is not None:
+        race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
+        won = race.entrants[race.winner].short if race.winner is not None else "?"
+        if race.selected is not None:
+            led = race.entrants[race.selected].short
+            stage.notify(f"race: {won} won across processes; {led} won the selection's {race.select_rounds} rounds")
+        else:
+            stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
+        for said in (*race.decision_lines(), *race.headlines()):
+            if said:
+                stage.notify(f"race: {said}")
+    else:
+        stage.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
+    if stage.session_run_id is not None:
+        stage.tracker.log_race(race)
+    return race
+
+
+def estimate_again(
+    stage: Stage,
+    race: RaceResult,
+    run_race: Callable[..., RaceResult],
+    *,
+    micro_batch: int | None,
+    references: Sequence[str],
+) -> RaceResult:
+    """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing the
+    winner against the references, and beside the rivals the selection left unresolved
+    (`RaceResult.rivals`, at most ``race.rivals``; a reference can be one), for as many rounds as the
+    race's estimation ran. ``references``: the keys of the field's references (`tuner._decision.Field`).
+
+    The winner is then the fastest across processes (`RaceResult.estimated_again`); while the processes
+    disagree on which of a rival and the winner is faster (`RaceResult.disputed`), up to ``race.disputes``
+    more race just those. The figures span every process that measured them
+    (`lightning_recompute.race.stats.across_processes` says why). A rival that wins had its figures
+    measured in the fresh processes only, so one more process measures it against the references, and
+    its figures span as many processes as the selection's winner's would have. A process that fails adds
+    nothing and is noted."""
+
+    recipe, count = stage.recipe, stage.recipe.race.processes
+    assert race.winner is not None
+    refs = [k for k in references if k in race.entrants and race.entrants[k].out is None]
+    rivals = race.rivals(recipe.race.rivals)
+    against = [k for k in refs if k != race.winner]
+    keys = [race.winner, *(k for k in rivals if k not in against), *against]
+    if any(race.entrants[k].policy is None for k in keys):
+        stage.note("race: the figures come from the race's process only (an entrant's policy was not kept)")
+        return race
+    if rivals:
+        names = ", ".join(race.entrants[k].short for k in rivals)
+        stage.note(
+            f"race: {names} not separated from {race.entrants[race.winner].short}: raced again beside it in the "
+            f"fresh process{'es' if count > 2 else ''}, and the winner is the fastest across processes"
+        )
+    plan = replace(recipe.race_plan(), total_s=None, estimate_rounds=race.estimate_rounds)
+    others = [
+        _estimation_process(stage, race, keys, len(against), run_race, plan, micro_batch, label=f"{index} of {count}")
+        for index in range(2, count + 1)
+    ]
+    again = partial(race.estimated_again, rivals=rivals, references=refs, confidence=recipe.race.confidence)
+    result = again(others)
+    index = count
+    # Processes that disagree on which is faster decide nothing between them: more processes do, without
+    # the references (their figures are the winner's, measured above).
+    for _ in range(recipe.race.disputes):
+        disputed = result.disputed()
+        if not disputed:
+            break
+        index += 1
+        names = ", ".join(race.entrants[k].short for k in disputed)
+        stage.note(
+            f"race: the processes disagree whether {names} or {race.entrants[race.winner].short} is faster: "
+            "one more process races them"
+        )
+        label = f"{index}, for the dispute"
+        others.append(
+            _estimation_process(stage, race, [race.winner, *disputed], 0, run_race, plan, micro_batch, label=label)
+        )
+        result = again(others)
+    if result.selected is not None and result.winner is not None:
+        won = [result.winner, *(k for k in refs if k != result.winner)]
+        if len(won) > 1:
+            label = f"{index + 1}, for the figures of the winner across processes"
+            last = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, label=label)
+            result = result.refigured([last], references=won[1:], confidence=recipe.race.confidence)
+    return result
+
+
+def _estimation_process(
+    stage: Stage,
+    race: RaceResult,
+    keys: Sequence[str],
+    refs: int,
+    run_race: Callable[..., RaceResult],
+    plan: RacePlan,
+    micro_batch: int | None,
+    *,
+    label: str,
+) -> RaceResult:
+    """One fresh process racing ``keys`` (the winner first, its last ``refs`` the references) with no
+    selection; noted (``label``: which process, and what for), and when it fails, noted as adding nothing."""
+    from lightning_recompute import RecomputePolicy
+
+    entrants = [race.entrants[k] for k in keys]
+    policies = [RecomputePolicy.from_dict(e.policy or {}, source=f"race entrant {e.key}") for e in entrants]
+    names = ", ".join(e.short for e in entrants[1:])
+    of = label
+    stage.notify(
+        f"race: {entrants[0].short} against {names} again in a fresh process ({of}, {plan.estimate_rounds} rounds) ..."
+    )
+    began = time.perf_counter()
+    again = run_race(
+        stage.recipe,
+        [(p, list(e.labels)) for p, e in zip(policies, entrants, strict=True)],
+        layer_names=stage.layer_names,
+        references=policies[len(policies) - refs :] if refs else [],
+        micro_batch=micro_batch,
+        budget_bytes=stage.budget,
+        plan=plan,
+        winner=policies[0],
+    )
+    if not again.ok or not again.estimate_rounds:
+        out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
+        why = again.reason or "; ".join(out) or "no figure measured"
+        stage.note(f"race: estimation process {of} {again.outcome}: {why}; it adds no figure")
+    else:
+        took, rounds = time.perf_counter() - began, again.estimate_rounds
+        stage.note(f"race: estimation process {of}: {rounds} rounds in {took:.0f} s (start included)")
+    return again
+
+
+def candidate_of(
+    best: TrialRecord,
+    race: RaceResult | None,
+    good: GoodPolicy | None,
+    records: Sequence[TrialRecord],
+    layer_names: tuple[str, ...],
+) -> Candidate:
+    """The gate's candidate: the race's winner, or without one the best single trial."""
+    from tuner import _gate as gate
+
+    policy, source = best.policy, best.run_id
+    if race is not None and race.ok:
+        won = next((r for r in records if r.ran and r.fingerprint == race.winner), None)
+        if won is not None:
+            policy, source = won.policy, won.run_id
+        elif good is not None and good.fingerprint == race.winner:
+            policy, source = good.policy, good.run_id
+    if policy is None:
+        raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
+    return gate.Candidate(policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=layer_names)
+
+
+# ---------------------------------------------------------------------------------------------- the field
+# Who races after a search: the leading trials (the search thinks they are fast), the planner's pick and top
+# predictions (independent of one measurement's noise), suspect trials, the fastest fitting baseline and full (the
+# "vs" figures are about them) and the current good policy (keeping it is decided by the same race).
+
+
+@dataclass
+class Field:
+    """The entrants of a race and the references of its "vs" figures, or why there is no race."""
+
+    entrants: list[tuple[RecomputePolicy, list[str]]] = field(default_factory=list)
+    """``(policy, labels)`` in order of entry (the leader by trial first)."""
+    references: list[RecomputePolicy] = field(default_factory=list)
+    """The baselines the winner is compared with."""
+    micro_batch: int | None = None
+    """The micro-batch every entrant runs at (the best trial's)."""
+    skipped: str | None = None
+    """Why no race is run (``None``: race)."""
+    notes: list[str] = field(default_factory=list)
+    """Candidates left out, and why."""
+
+    def has(self, fingerprint: str) -> bool:
+        """Whether a policy of this fingerprint is already an entrant."""
+        return any(p.fingerprint() == fingerprint for p, _ in self.entrants)
+
+    def add(self, policy: RecomputePolicy, label: str) -> None:
+        for existing, labels in self.entrants:
+            if existing.fingerprint() == policy.fingerprint():
+                if label not in labels:
+                    labels.append(label)
+                return
+        self.entrants.append((policy, [label]))
+
+
+def choose_field(
+    records: Sequence[TrialRecord],
+    best: TrialRecord,
+    good: GoodPolicy | None,
+    *,
+    leaders: int,
+    budget_bytes: int | None,
+    predicted: int = 0,
+) -> Field:
+    """The race's field after a search whose best feasible trial is ``best``.
+
+    ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more race from
+    those the planner predicts fastest (`PREDICTION_SPAN`), fastest trial first.
+
+    Entrants run at ``best``'s micro-batch (one model, one data stream); trials at another one are
+    left out and say so. Compiled policies are left out: switching a compiled layer's policy
+    recompiles it, which would be timed as the policy's cost (their trials' figures stand, and say
+    they are single runs). With ``best`` compiled there is no race.
+    """
+    out = Field(micro_batch=best.micro_batch)
+    if best.policy is None:
+        out.skipped = f"trial {best.number} holds no policy"
+        return out
+    if best.policy.compile:
+        out.skipped = (
+            "the best trial compiles its layers, and switching a compiled layer's policy recompiles it: "
+            "not raced, its figure is a single run"
+        )
+        return out
+    fitting = [r for r in records if r.feasible and r.measured and r.policy is not None and r.throughput]
+    fitting.sort(key=lambda r: (-(r.throughput or 0.0), r.number))
+    left_compiled = left_batch = 0
+    taken = 0
+    for r in fitting:
+        assert r.policy is not None
+        if r.policy.compile:
+            left_compiled += 1
+            continue
+        if r.micro_batch != best.micro_batch:
+            left_batch += 1
+            continue
+        if taken < leaders and not out.has(r.fingerprint):
+            out.add(r.policy, f"trial {r.number}")
+            taken += 1
+    same = [r for r in fitting if r.micro_batch == best.micro_batch and r.policy is not None and not r.policy.compile]
+    _add_references(out, same)
+    if good is not None:
+        _add_good(out, good, best, budget_bytes)
+    _add_predicted(out, same, predicted)  # last: the planner's pick, a baseline or the good policy is no extra
+    if left_compiled:
+        out.notes.append(f"{left_compiled} compiled trial(s) not raced (switching a compiled layer recompiles it)")
+    if left_batch:
+        out.notes.append(f"{left_batch} trial(s) at another micro-batch than the best not raced")
+    if len(out.entrants) < 2:
+        out.skipped = "only one candidate fits: nothing to race"
+    return out
+
+
+def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:
+    """Up to ``count`` trials of ``same`` (fitting, at the best's micro-batch) not yet in the field, from
+    those the planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first.
+
+    Why: in `bench/decision_quality.py`'s ``wide4`` most promotions short of the best came from races
+    the best policy was not in; its single trial had ranked it below the leaders, while the planner
+    predicted it among the fastest. Policies predicted slower than that span do not enter this way.
+    """
+
+    rated = [
+        (r, p)
+        for r in same
+        if r.policy is not None and (p := r.predicted_step_time_s) is not None and math.isfinite(p) and p > 0
+    ]
+    if count <= 0 or not rated:
+        return
+    top = min(p for _, p in rated) * (1.0 + PREDICTION_SPAN)
+    near = [r for r, p in rated if p <= top and not out.has(r.fingerprint)]
+    for r in sorted(near, key=lambda r: (-(r.throughput or 0.0), r.number))[:count]:
+        assert r.policy is not None
+        out.add(r.policy, "planner prediction")
+
+
+def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
+    """The planner's pick and the baselines beside the leaders: the fastest baseline and full, the
+    references the winner's figure is given against (``same``: fitting trials at the best's micro-batch,
+    fastest first)."""
+    planner = [r for r in same if (r.seed or "").startswith("planner:budget")]
+    if planner and planner[0].policy is not None:
+        out.add(planner[0].policy, "planner")
+    baselines = [r for r in same if (r.seed or "").startswith("baseline:")]
+    if baselines and (fastest := baselines[0].policy) is not None:  # `same` is sorted fastest first
+        out.add(fastest, f"baseline {_name(baselines[0])}")
+        out.references.append(fastest)
+    full = next((r for r in same if r.seed == "baseline:full"), None)
+    if (
+        full is not None
+        and full.policy is not None
+        and all(p.fingerprint() != full.fingerprint for p in out.references)
+    ):
+        out.add(full.policy, "baseline full")
+        out.references.append(full.policy)
+
+
+def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int | None) -> None:
+    """The current good policy as an entrant, unless it cannot race (over the limit, another micro-batch,
+    compiled); a note says why not."""
+    fits = budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes
+    if not fits:
+        out.notes.append("the current good policy is over the budget limit: not raced")
+    elif good.micro_batch != best.micro_batch:
+        out.notes.append("the current good policy was tuned at another micro-batch: not raced")
+    elif good.policy.compile:
+        out.notes.append("the current good policy compiles its layers: not raced")
+    else:
+        out.add(good.policy, "good")
+
+
+def _name(record: TrialRecord) -> str:
+    return (record.seed or "").removeprefix("baseline:")
+
+
+def suspects(records: Sequence[TrialRecord], *, tolerance: float = 0.25) -> list[tuple[TrialRecord, str]]:
+    """Trials far from the planner's prediction while the others are close: a measurement to distrust.
+
+    Each measured trial with a predicted step time has a ratio measured / predicted. The planner's
+    times are off by a factor on any machine, so the ratio is judged against the median ratio of all
+    trials: a trial more than ``tolerance`` (relative) away from it, while the typical trial is within
+    ``tolerance`` of it, is suspect. Needs at least 4 trials with predictions.
+    """
+    rated = [
+        (r, r.step_time_s / r.predicted_step_time_s)
+        for r in records
+        if r.measured and r.step_time_s and r.predicted_step_time_s
+    ]
+    if len(rated) < 4:
+        return []
+    mid = statistics.median(q for _, q in rated)
+    typical = statistics.median(abs(q / mid - 1.0) for _, q in rated)
+    if typical > tolerance:
+        return []  # the planner is far off everywhere: no trial stands out
+    found = []
+    for r, q in rated:
+        off = q / mid - 1.0
+        if abs(off) > tolerance:
+            found.append(
+                (
+                    r,
+                    f"trial {r.number} ({r.short}) measured {r.step_time_s:.4g} s/step against the planner's "
+                    f"{r.predicted_step_time_s:.4g} s: {off:+.0%} from how far the other trials are from theirs "
+                    f"(typically {typical:.0%}); suspect, re-measured in the race",
+                )
+            )
+    return found

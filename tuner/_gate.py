@@ -1,0 +1,651 @@
+"""The evidence gate: a search winner becomes the good policy only after it proves itself again.
+
+A short trial can win by luck (a quiet moment on a shared host, a peak that the next allocator
+state exceeds) and a policy can be subtly wrong (a recomputation that changes numerics). Before
+the output policy file changes, the candidate must pass three checks, in this order (cheapest
+verdict first; the first failure ends the gate, and later checks are reported as not run):
+
+1. **confirmation**: one run at least `GateSettings.confirm_factor` (3) times as many measured
+   steps as a search trial, which must end ``ok``, peak under the budget limit (the budget
+   less its margin) and, when the candidate came out of a race, not be much slower than the race
+   measured it (`GateSettings.confirm_slack`): a race figure that does not hold up is no evidence.
+   A slow confirmation runs again; slow twice, it races a reference from the session's race again,
+   interleaved, so that a machine slowed throughout (which slows the reference alike) is told from
+   a policy that is slow;
+2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute
+   (`tuner._trials.check_numerics`: deterministic mode; at the largest micro-batch up to the
+   candidate's where no recompute fits; bitwise, or on an accelerator within the spread of two
+   runs without recompute);
+3. **regression**: candidate and current good policy raced (`lightning_recompute.race`: interleaved in one
+   process, paired per round, until one is ahead with confidence or the race's time is spent);
+   the candidate must win that race. Seen within the tie margin of each other, the two are tied,
+   and the tie goes to the one with more memory headroom, then less recomputation, as in the
+   session's race. A session whose race already had both hands its `RaceResult` in and nothing
+   is re-measured. A current good
+   policy that does not fit the budget limit (its recorded peak, or its peak in the race, is over
+   it: the budget was tightened) is no contender: the candidate replaces it.
+
+`evaluate` decides; `decide` also records the confirmation run and the promotion or rejection
+through a `tuner._tracking.Tracker`. The trial runner, race runner and numerics checker are
+injectable so the gate can be tested without subprocesses; by default they are
+`tuner._trials.run_trial`, `tuner._trials.run_race` and `tuner._trials.check_numerics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import RecomputePolicy
+from lightning_recompute.tuned_for import TunedFor
+from lightning_recompute.units import format_bytes, jsonable
+
+if TYPE_CHECKING:
+    from lightning_recompute.race import RaceEntrant, RaceResult
+    from tuner._tracking import GoodPolicy, Tracker
+    from tuner._trials import NumericsResult, TrialResult
+    from tuner.recipe import Recipe
+
+__all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate", "tuned_for"]
+
+RunTrial = Callable[..., "TrialResult"]
+"""``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes)``."""
+RunRace = Callable[..., "RaceResult"]
+"""``run_race(recipe, entrants, *, layer_names, references, micro_batch, budget_bytes) -> RaceResult``."""
+CheckNumerics = Callable[..., "NumericsResult"]
+"""``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
+Progress = Callable[[str], None]
+"""Told one line before each check runs (the CLI prints it)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The policy the search proposes for promotion."""
+
+    policy: RecomputePolicy
+    """The policy to promote."""
+    micro_batch: int | None = None
+    """The micro-batch it won with (``None``: the data module's own)."""
+    source_run_id: str | None = None
+    """The MLflow trial run it won in, if any."""
+    layer_names: tuple[str, ...] | None = None
+    """The model's layers, for per-layer params of the confirmation run (``None``: the policy's patterns)."""
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """How much evidence the gate asks for."""
+
+    confirm_factor: int = 3
+    """The confirmation run measures this many times a trial's ``measure_steps`` (at least 3)."""
+    confirm_slack: float = 0.25
+    """The confirmation fails when its throughput is more than this fraction below the race's figure for
+    the candidate. A confirmation is one run in its own process, minutes after the race, so it is
+    allowed the difference between processes and moments; "much slower" is beyond that."""
+
+    def longest_s(self, recipe: Recipe) -> float:
+        """The longest one `evaluate` can take under ``recipe``, every run at its deadline: two
+        confirmation runs and a race against a reference, the numerics check, a race against the good
+        policy and the good policy alone (another worker waits this long for the gate's lease)."""
+        trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race.time_s)
+        return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.confirm_factor, int) or self.confirm_factor < 3:
+            raise RecomputeError(f"gate.confirm_factor: {self.confirm_factor!r}; valid: an integer >= 3")
+        if not 0.0 < self.confirm_slack < 1.0:
+            raise RecomputeError(f"gate.confirm_slack: {self.confirm_slack!r}; valid: a fraction in (0, 1)")
+
+
+@dataclass
+class GateDecision:
+    """What the gate concluded, and on what evidence."""
+
+    promoted: bool
+    """Whether the candidate passed every check."""
+    reasons: list[str]
+    """When promoted: one line per passed check. Otherwise: why it failed (first the failed check)."""
+    evidence: dict[str, Any]
+    """Everything measured, JSON-ready: ``confirmation``, ``numerics``, ``regression``, ``settings``."""
+    unchanged: bool = False
+    """The candidate is already the current good policy: nothing was run, nothing is to be recorded."""
+    confirmation: TrialResult | None = None
+    """The confirmation run's `TrialResult` (``None`` when the gate did not get that far)."""
+    decision_run_id: str | None = None
+    """The MLflow decision run (`decide` fills it in)."""
+    confirmation_run_id: str | None = None
+    """The MLflow confirmation run (`decide` fills it in)."""
+    checks: dict[str, str] = field(default_factory=dict)
+    """Check name -> ``passed`` / ``failed`` / ``not run``."""
+
+    @property
+    def reason(self) -> str:
+        """The reasons as one line."""
+        return "; ".join(self.reasons)
+
+
+def evaluate(
+    candidate: Candidate | RecomputePolicy,
+    current_good: GoodPolicy | None,
+    *,
+    recipe: Recipe,
+    budget_bytes: int | None,
+    run_trial: RunTrial | None = None,
+    check_numerics: CheckNumerics | None = None,
+    run_race: RunRace | None = None,
+    race: RaceResult | None = None,
+    settings: GateSettings | None = None,
+    progress: Progress | None = None,
+) -> GateDecision:
+    """Run the three checks on ``candidate`` against ``current_good``; touches no file and no record.
+
+    Args:
+        candidate: the proposed policy (a bare policy means the data module's micro-batch).
+        current_good: the good policy now (`Tracker.current_good`), or ``None`` before the first.
+        recipe: the recipe (its ``trial`` settings give the trial length and timeout).
+        budget_bytes: the memory limit after the margin (``recipe.budget.limit_bytes(...)``);
+            ``None`` checks no budget.
+        run_trial: the trial runner; default `tuner._trials.run_trial`.
+        check_numerics: the numerics checker; default `tuner._trials.check_numerics`.
+        run_race: the race runner of the regression check; default `tuner._trials.run_race`.
+        race: the session's race the candidate won, if any: the confirmation is compared with its
+            figure, and when the current good policy raced too, the regression check reads it
+            instead of racing again.
+        settings: `GateSettings` (defaults: 3x steps, 25% confirmation slack).
+        progress: told a line before each check that runs (nothing for an unchanged candidate).
+    """
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    if not isinstance(cand.policy, RecomputePolicy):
+        raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
+    cfg = settings or GateSettings()
+    if run_trial is None or check_numerics is None or run_race is None:
+        # Imported late: tuner._trials spawns subprocesses and imports the recipe machinery, which
+        # callers injecting their own runners (tests, other schedulers) do not need.
+        from tuner import _trials as trials
+
+        run_trial = run_trial or trials.run_trial
+        check_numerics = check_numerics or trials.check_numerics
+        run_race = run_race or trials.run_race
+    gate = _Gate(recipe, cand, current_good, budget_bytes, cfg, progress or (lambda _line: None))
+    decision = gate.decision
+    if (
+        current_good is not None
+        and current_good.fingerprint == cand.policy.fingerprint()
+        and current_good.micro_batch == cand.micro_batch
+    ):
+        decision.unchanged = True
+        decision.reasons.append(f"the candidate is already the current good policy (run {current_good.run_id})")
+        return decision
+    for check in (
+        lambda: gate.confirm(run_trial, run_race, race),
+        lambda: gate.numerics(check_numerics),
+        lambda: gate.regression(run_trial, run_race, race),
+    ):
+        if not check():
+            return decision
+    decision.promoted = True
+    return decision
+
+
+class _Gate:
+    """One `evaluate` call: the candidate, what it is held against, and the decision its checks fill in.
+
+    Each check returns whether the candidate passed it; a failing check has already recorded why.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        cand: Candidate,
+        good: GoodPolicy | None,
+        budget_bytes: int | None,
+        cfg: GateSettings,
+        tell: Progress,
+    ) -> None:
+        self.recipe = recipe
+        self.cand = cand
+        self.good = good
+        self.budget_bytes = budget_bytes
+        self.cfg = cfg
+        self.tell = tell
+        self.warmup = int(recipe.trial.warmup_steps)
+        self.steps = int(recipe.trial.measure_steps)
+        self.timeout = float(recipe.trial.timeout_s)
+        self.evidence: dict[str, Any] = {
+            "candidate": {
+                "fingerprint": cand.policy.fingerprint(),
+                "micro_batch": cand.micro_batch,
+                "source_run_id": cand.source_run_id,
+                "policy": cand.policy.to_dict(),
+            },
+            "current_good": None
+            if good is None
+            else {
+                "run_id": good.run_id,
+                "fingerprint": good.fingerprint,
+                "micro_batch": good.micro_batch,
+                "throughput": good.throughput,
+                "peak_bytes": good.peak_bytes,
+            },
+            "budget_bytes": budget_bytes,
+            "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
+        }
+        self.decision = GateDecision(
+            promoted=False,
+            reasons=[],
+            evidence=self.evidence,
+            checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"},
+        )
+
+    def confirm(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:
+        """1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows."""
+        cfg, cand, budget = self.cfg, self.cand, self.budget_bytes
+        want = cfg.confirm_factor * self.steps
+        self.tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
+
+        def run(policy: RecomputePolicy) -> TrialResult:
+            return run_trial(
+                self.recipe,
+                policy,
+                micro_batch=cand.micro_batch,
+                warmup_steps=self.warmup,
+                measure_steps=want,
+                timeout_s=self.timeout * cfg.confirm_factor,
+                budget_bytes=budget,
+            )
+
+        conf = run(cand.policy)
+        failure = _unconfirmed(conf, want, budget, cfg)
+        slow = None if failure else _slower_than_raced(conf, cand.policy, race, cfg)
+        if slow is not None:
+            conf, failure = self._slow_confirmation(run, run_race, conf, slow, race)
+        self.decision.confirmation = conf
+        self.evidence["confirmation"] = _as_dict(conf)
+        if failure:
+            _fail(self.decision, "confirmation", failure)
+            return False
+        self.decision.checks["confirmation"] = "passed"
+        self.decision.reasons.append(
+            f"confirmation: {len(conf.step_times_s)} measured steps ({cfg.confirm_factor}x a trial), ok, "
+            f"peak {format_bytes(conf.peak_bytes)}"
+            + (f" <= limit {format_bytes(budget)}" if budget is not None else "")
+        )
+        if "confirmation_held" in self.evidence:
+            self.decision.reasons.append(f"confirmation: {self.evidence['confirmation_held']}")
+        return True
+
+    def _slow_confirmation(
+        self,
+        run: Callable[[RecomputePolicy], TrialResult],
+        run_race: RunRace,
+        conf: TrialResult,
+        slow: str,
+        race: RaceResult | None,
+    ) -> tuple[TrialResult, str | None]:
+        """A confirmation came out slower than the race measured: load on the machine, or a figure that
+        did not hold? Returns the confirmation that counts and why it fails (``None``: it passes).
+
+        Load on a shared machine only ever slows a run, and one run in its own process can land in a
+        spell of it, so the candidate runs once more and the faster of its two runs is the confirmation
+        (benchmark tools take the best of repeats against one-sided noise). A spell can also outlast both
+        runs (a neighbour's job, a loaded CI node), and no figure from another moment can tell that from
+        a slow policy; a reference measured at the same moment can. So, when the race had another entrant,
+        the candidate races it again, interleaved in one fresh process (load then falls on both alike,
+        round by round), and passes if it kept its standing: its throughput over the reference's within
+        `GateSettings.confirm_slack` of the first race's ratio. Without a reference, two slow runs fail.
+        """
+        cand, cfg = self.cand, self.cfg
+        want = cfg.confirm_factor * self.steps
+        self.evidence["confirmation_slow"] = _as_dict(conf)
+        self.tell(f"gate: {slow}; measuring once more ...")
+        again = run(cand.policy)
+        failure = _unconfirmed(again, want, self.budget_bytes, cfg)  # a second run failing on its own terms stands
+        if failure is not None:
+            return again, failure
+        if (again.throughput or 0.0) > (conf.throughput or 0.0):
+            conf = again
+        failure = _slower_than_raced(conf, cand.policy, race, cfg)
+        ref = _reference_entrant(race, cand.policy.fingerprint())
+        if failure is None or ref is None or ref.policy is None or race is None:
+            return conf, failure
+        self.tell(
+            f"gate: slow again; racing it against {ref.short} ({ref.label}) interleaved, to tell a slowed "
+            "machine from a slow policy ..."
+        )
+        pair = self._race_against(run_race, RecomputePolicy.from_dict(ref.policy), list(ref.labels))
+        self.evidence["confirmation_race"] = pair.to_dict()
+        kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
+        if kept:
+            self.evidence["confirmation_held"] = f"slower than the race in its own process, but it {held}"
+            return conf, None
+        return conf, f"{failure}; and it {held}"
+
+    def _race_against(self, run_race: RunRace, other: RecomputePolicy, labels: list[str]) -> RaceResult:
+        """The candidate and ``other`` raced interleaved, ``other`` the reference of the figures."""
+        return run_race(
+            self.recipe,
+            [(self.cand.policy, ["candidate"]), (other, labels)],
+            layer_names=self.cand.layer_names or (),
+            references=[other],
+            micro_batch=self.cand.micro_batch,
+            budget_bytes=self.budget_bytes,
+        )
+
+    def numerics(self, check_numerics: CheckNumerics) -> bool:
+        """2. Numerics: a recomputation that changes gradients or module state is a bug, however fast."""
+        self.tell("gate: checking numerics against no recompute ...")
+        cand = self.cand
+        num = check_numerics(self.recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=self.timeout)
+        self.evidence["numerics"] = _as_dict(num)
+        if not num.equal:
+            why = f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}"
+            _fail(self.decision, "numerics", why)
+            return False
+        self.decision.checks["numerics"] = "passed"
+        self.decision.reasons.append(f"numerics: training unchanged from no recompute ({num.detail})")
+        return True
+
+    def regression(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:
+        """3. Regression: never trade the good policy for a slower one, unless it no longer fits."""
+        decision, good, cand = self.decision, self.good, self.cand
+        over = _over_limit(good, self.budget_bytes)
+        if good is None or over is not None:
+            why = "no current good policy to compare against" if good is None else over
+            decision.checks["regression"] = "passed"
+            self.evidence["regression"] = {"skipped": why}
+            decision.reasons.append(f"regression: {why}" if good is None else f"regression: not compared: {why}")
+            return True
+        raced = race if _raced_both(race, cand.policy, good) else None
+        if raced is None:
+            self.tell("gate: racing the candidate against the current good policy, interleaved ...")
+            raced = self._race_against(run_race, good.policy, ["good"])
+        if raced.outcome == "failed" and self._good_does_not_run(run_trial, raced):
+            return True
+        failure = _regression(decision, cand, good, raced)
+        if failure:
+            _fail(decision, "regression", failure)
+            return False
+        return True
+
+    def _good_does_not_run(self, run_trial: RunTrial, raced: RaceResult) -> bool:
+        """Whether the current good policy fails alone too (a changed model or machine): then it must not
+        block a candidate that works, and the regression check passes, saying why."""
+        good = self.good
+        assert good is not None
+        alone = run_trial(
+            self.recipe,
+            good.policy,
+            micro_batch=good.micro_batch,
+            warmup_steps=self.warmup,
+            measure_steps=self.steps,
+            timeout_s=self.timeout,
+            budget_bytes=self.budget_bytes,
+        )
+        if alone.measured:
+            return False
+        self.evidence["regression"] = {"race": raced.to_dict(), "good_alone": _as_dict(alone)}
+        self.decision.checks["regression"] = "passed"
+        self.decision.reasons.append(
+            f"regression: the current good policy failed to run ({alone.outcome}"
+            + (f": {alone.error}" if alone.error else "")
+            + "); nothing to be slower than"
+        )
+        return True
+
+
+def decide(
+    tracker: Tracker,
+    candidate: Candidate | RecomputePolicy,
+    *,
+    recipe: Recipe,
+    budget_bytes: int | None,
+    output_path: str | Path | None = None,
+    run_trial: RunTrial | None = None,
+    check_numerics: CheckNumerics | None = None,
+    run_race: RunRace | None = None,
+    race: RaceResult | None = None,
+    settings: GateSettings | None = None,
+    progress: Progress | None = None,
+) -> GateDecision:
+    """`evaluate` against the tracker's current good policy, then record the outcome.
+
+    The confirmation run is logged (it becomes the good run on promotion, since it holds the
+    longest measurement of the policy). A pass promotes: ``output_path`` (default
+    ``recipe.output``) is written atomically and the experiment's good run moves. A failure is
+    recorded as a rejection with its reason, and the file is not touched. An unchanged candidate
+    records nothing.
+    """
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    decision = evaluate(
+        cand,
+        tracker.current_good(),
+        recipe=recipe,
+        budget_bytes=budget_bytes,
+        run_trial=run_trial,
+        check_numerics=check_numerics,
+        run_race=run_race,
+        race=race,
+        settings=settings,
+        progress=progress,
+    )
+    if decision.unchanged:
+        return decision
+    # The file and every run's policy.yaml carry what the policy was tuned for, so a training job
+    # reading either (a path or "mlflow:") can tell when its batch is larger than the one measured.
+    policy = cand.policy.with_tuned_for(tuned_for(recipe, cand, decision.confirmation, budget_bytes))
+    decision.evidence["tuned_for"] = policy.tuned_for.to_dict() if policy.tuned_for is not None else None
+    source = cand.source_run_id
+    if decision.confirmation is not None:
+        source = tracker.log_confirmation(
+            policy,
+            cand.layer_names,
+            cand.micro_batch,
+            decision.confirmation,
+            source_run_id=cand.source_run_id,
+            evidence=decision.evidence,
+        )
+        decision.confirmation_run_id = source
+    if decision.promoted:
+        out = Path(output_path) if output_path is not None else Path(recipe.output)
+        decision.decision_run_id = tracker.promote(
+            policy, source_run_id=source, output_path=out, reason=decision.reason, evidence=decision.evidence
+        )
+    else:
+        decision.decision_run_id = tracker.reject(
+            policy, source_run_id=source, reason=decision.reason, evidence=decision.evidence
+        )
+    return decision
+
+
+def tuned_for(
+    recipe: Recipe, candidate: Candidate, confirmation: TrialResult | None, budget_bytes: int | None
+) -> TunedFor:
+    """What ``candidate`` was tuned for: its micro-batch (the data module's own when it has none; the
+    largest batch the confirmation measured when the data module's batches vary), the confirmation run's
+    peak and device, the budget limit, and the recipe."""
+    from tuner.recipe._build import data_batch_size
+
+    data_batch = data_batch_size(recipe)
+    measured = confirmation is not None and confirmation.outcome in ("ok", "over_budget")
+    micro_batch = candidate.micro_batch if candidate.micro_batch is not None else data_batch
+    scan = confirmation.batches if measured and confirmation is not None else None
+    if scan and scan.get("varies"):
+        # The callback warns when a job's batch exceeds this; the budget held for the largest batch only.
+        # That batch is also the data's own: the training job needs no change (its nominal batch_size is
+        # not what its largest step feeds the model).
+        micro_batch = data_batch = int(scan["largest_samples"])
+    return TunedFor(
+        micro_batch=micro_batch,
+        data_batch_size=data_batch,
+        peak_bytes=(confirmation.peak_bytes or None) if measured and confirmation is not None else None,
+        limit_bytes=budget_bytes,
+        device=(confirmation.device or None) if confirmation is not None else None,
+        recipe=recipe.name,
+        recipe_fingerprint=recipe.fingerprint(),
+    )
+
+
+def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: GateSettings) -> str | None:
+    """Why a confirmation run fails the gate on its own (outcome, peak, steps measured), or ``None``."""
+    if conf.outcome != "ok":
+        if conf.outcome == "over_budget":
+            return (
+                f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
+                f"over the budget limit {format_bytes(budget_bytes)}"
+            )
+        return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if conf.error else "")
+    if budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
+        if conf.peak_bytes is None:
+            return "confirmation run reported no peak memory to check the budget"
+        return (
+            f"confirmation run peaked at {format_bytes(conf.peak_bytes)},"
+            f" over the budget limit {format_bytes(budget_bytes)}"
+        )
+    got = len(getattr(conf, "step_times_s", ()) or ())
+    if got < want:
+        return f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x a trial's)"
+    return None
+
+
+def _slower_than_raced(
+    conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None, cfg: GateSettings
+) -> str | None:
+    """Why the confirmation contradicts the race's figure for ``policy``, or ``None``.
+
+    The confirmation runs in its own short-lived process, as trials do, and those measure lower than a
+    warm race on the same policies; so the race's figure is first scaled down to the lowest any raced
+    trial came out at against the race (`RaceResult.trial_scale`), and only then held against the
+    confirmation: what fails is a confirmation further below the race than any trial of the session was.
+    """
+    if race is None or not race.ok or conf.throughput is None:
+        return None
+    raced = race.throughput(policy.fingerprint())
+    if raced is None:
+        return None
+    scale = race.trial_scale or 1.0
+    expected = raced * scale
+    if conf.throughput >= expected * (1.0 - cfg.confirm_slack):
+        return None
+    unit = conf.throughput_unit or race.unit
+    how = f" ({scale:.2f}x the race's {raced:.4g}: the lowest a raced trial measured)" if race.trial_scale else ""
+    return (
+        f"confirmation run measured {conf.throughput:.4g} {unit}, {1 - conf.throughput / expected:.0%} below the "
+        f"{expected:.4g} {unit} expected of this policy in its own process{how}, more than the "
+        f"{cfg.confirm_slack:.0%} allowed between runs: the race's figure did not hold up"
+    )
+
+
+def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant | None:
+    """The entrant of ``race`` to re-measure beside a slow confirmation of ``candidate``, or ``None``.
+
+    One the race measured in its estimation (a headline reference: the most rounds) comes first, then
+    the fastest other entrant; it must have stayed within the limit and have its policy on record.
+    """
+    if race is None or not race.ok:
+        return None
+    others = [
+        e
+        for k, e in race.entrants.items()
+        if k != candidate and e.out is None and e.policy is not None and race.throughput(k)
+    ]
+    if not others:
+        return None
+    return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)))
+
+
+def _held_against(
+    pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings
+) -> tuple[bool, str]:
+    """Whether the candidate kept its standing against ``ref`` when raced again (``pair``), and the
+    words: ``kept ...``, ``did not keep ...`` or ``could not be compared ...``, with the figures."""
+    now_c, now_r = pair.throughput(candidate), pair.throughput(ref.key)
+    then_c, then_r = race.throughput(candidate), race.throughput(ref.key)
+    if not (pair.ok and now_c and now_r and then_c and then_r):
+        why = pair.reason or "no figure for one of the two"
+        return False, f"could not be compared with {ref.short} ({ref.label}) raced again ({pair.outcome}: {why})"
+    now, then = now_c / now_r, then_c / then_r
+    figures = (
+        f"{now:.2f}x the throughput of {ref.short} ({ref.label}) raced again interleaved "
+        f"({pair.select_rounds + pair.estimate_rounds} rounds), against {then:.2f}x in the session's race "
+        f"(at most {cfg.confirm_slack:.0%} less allowed)"
+    )
+    if now >= then * (1.0 - cfg.confirm_slack):
+        return True, f"kept its standing: the machine slowed, not the policy: {figures}"
+    return False, f"did not keep its standing either: {figures}"
+
+
+def _raced_both(race: RaceResult | None, candidate: RecomputePolicy, good: GoodPolicy) -> bool:
+    """Whether ``race`` ran the candidate and the good policy and chose between them."""
+    if race is None or not race.ok:
+        return False
+    return candidate.fingerprint() in race.entrants and good.fingerprint in race.entrants
+
+
+def _regression(
+    decision: GateDecision,
+    cand: Candidate,
+    good: GoodPolicy,
+    race: RaceResult,
+) -> str | None:
+    """The regression verdict from a race that had the candidate and the good policy; a failure reason, or ``None``."""
+    from lightning_recompute.race import format_gain
+
+    decision.evidence["regression"] = race.to_dict()
+    if not race.ok:
+        return f"the race against the current good policy (run {good.run_id}) failed: {race.reason}"
+    c, g = cand.policy.fingerprint(), good.fingerprint
+    good_entrant = race.entrants.get(g)
+    if good_entrant is not None and good_entrant.out is not None:
+        decision.checks["regression"] = "passed"
+        decision.reasons.append(
+            f"regression: not compared: the current good policy (run {good.run_id}) {good_entrant.out}: "
+            "it does not fit, so it is no contender"
+        )
+        return None
+    interval = race.vs.get(g) if race.winner == c else race.vs.get(c) if race.winner == g else None
+    if interval is None and race.selected is None:  # the session's race: the selection's standing has the pair
+        interval = race.behind.get(g) if race.leader == c else race.behind.get(c) if race.leader == g else None
+    figures = f": {format_gain(interval)}" if interval is not None else ""
+    # The rivals raced again across processes decided the winner: the selection's standing alone would
+    # show the other side of that decision.
+    decided = race.selected is not None and (g == race.selected or g in race.rechecked)
+    across = race.recheck_line() if decided else None
+    figures = f" ({across})" if across and interval is None else figures
+    tie = None if decided else race.tie_line()  # the tie was the selection's; the processes decided since
+    if race.winner == c:
+        decision.checks["regression"] = "passed"
+        decision.reasons.append(
+            f"regression: the race put the candidate ahead of the current good policy (run {good.run_id})"
+            + (f" ({tie})" if tie else figures)
+        )
+        return None
+    if race.winner == g:
+        return f"the current good policy (run {good.run_id}) won the race against the candidate" + (
+            f" ({tie})" if tie else figures
+        )
+    return f"the race against the current good policy (run {good.run_id}) chose neither ({race.winner})"
+
+
+def _over_limit(good: GoodPolicy | None, budget_bytes: int | None) -> str | None:
+    """Why the current good policy is no contender under ``budget_bytes`` by its recorded peak, or ``None``."""
+    if good is None or budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes:
+        return None
+    return (
+        f"the current good policy (run {good.run_id}) peaked at {format_bytes(good.peak_bytes)}, over the budget "
+        f"limit {format_bytes(budget_bytes)}: it does not fit, so it is no contender"
+    )
+
+
+def _fail(decision: GateDecision, check: str, reason: str) -> GateDecision:
+    decision.checks[check] = "failed"
+    decision.reasons = [f"{check}: {reason}", *decision.reasons]
+    decision.promoted = False
+    return decision
+
+
+def _as_dict(result: TrialResult | NumericsResult) -> dict[str, Any]:
+    d = jsonable(result)
+    return d if isinstance(d, dict) else {"value": d}

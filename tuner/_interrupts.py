@@ -1,0 +1,97 @@
+"""Ctrl-C during a tuning session: finish the trial in flight on the first press, kill it on the second.
+
+SIGTERM (a scheduler stopping the job) and SIGHUP (a closed terminal, a lost SSH session) stop at
+once, as a second press does: nobody is left to wait for the trial to finish.
+
+The handler only raises `KeyboardInterrupt` where that is safe and wanted: while a trial's
+subprocess runs (`tuner._trials.run_trial` kills its process group and re-raises), while
+profiling, and in the gate. Between trials it only asks the loop to stop, so an Optuna tell or an
+MLflow write is never cut in half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, Literal, TypeVar, cast
+
+from tuner._liveness import kill_point
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+__all__ = ["STOP_SIGNALS", "Interrupts", "Phase"]
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),  # no SIGHUP on Windows
+)
+"""The signals that stop a session in order (trial and session runs ended, the study resumable)."""
+
+Phase = Literal["setup", "trial", "between", "gate"]
+"""Where the session is: what a Ctrl-C may stop at once (setup, a trial on the second press, the gate)."""
+
+
+class Interrupts:
+    """Ctrl-C state shared by the signal handler and the session loop."""
+
+    def __init__(self, notify: Callable[[str], None]) -> None:
+        self.stop = threading.Event()
+        """Set by the first press: the loop stops before the next trial."""
+        self.presses = 0
+        self.phase: Phase = "setup"
+        self._notify = notify
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGINT / SIGTERM / SIGHUP handler."""
+        self.presses += 1
+        self.stop.set()
+        kill = signum != signal.SIGINT or self.presses > 1 or self.phase in ("setup", "gate")
+        if self.phase == "trial" and not kill:
+            self._say("interrupt: finishing the current trial, then stopping (Ctrl-C again to kill it)")
+            return
+        if kill and self.phase != "between":
+            self._say("interrupt: stopping now")
+            raise KeyboardInterrupt
+        self._say("interrupt: stopping")
+
+    @contextlib.contextmanager
+    def during(self, phase: Phase) -> Iterator[None]:
+        """Be in ``phase`` for the ``with`` block, and "between" after it, however it ends."""
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = "between"
+
+    def stoppable(self, fn: _F) -> _F:
+        """``fn`` run in the "gate" phase, so the first Ctrl-C stops it (the gate's measurements, not its
+        records)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.during("gate"):
+                kill_point("gate")  # a test hook; see tuner._liveness
+                return fn(*args, **kwargs)
+
+        return cast("_F", call)
+
+    def _say(self, text: str) -> None:
+        # After SIGHUP the terminal may be gone: a write failing must not stop the orderly shutdown.
+        with contextlib.suppress(OSError):
+            self._notify(text)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Interrupts]:
+        """Install the handler for SIGINT, SIGTERM and SIGHUP (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)

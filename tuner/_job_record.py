@@ -1,0 +1,129 @@
+"""The MLflow record of a job that tuned itself (`lightning_recompute.auto.AutoRecompute`), in a tuning
+session's layout: a session run, one trial run per candidate with its per-round step times, ``race.json``
+and the race's figures, and the session's summary, so ``mlflow ui`` and ``recompute-tune history`` show it
+like any session. The library finds `record` through the ``lightning_recompute`` entry point group."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import lightning as L
+
+from lightning_recompute.auto.candidates import Candidate
+from lightning_recompute.auto.record import JobTuning
+from lightning_recompute.layers import layer_names
+from lightning_recompute.race import RaceResult
+from tuner._search import TrialRecord
+from tuner._tracking import open_tracker
+from tuner._trials import TrialResult
+
+__all__ = ["candidate_results", "record"]
+
+
+def candidate_results(auto: JobTuning, race: RaceResult, device: str) -> list[tuple[Candidate, TrialResult]]:
+    """Each candidate's race as a `TrialResult`: its round times (selection, then estimation) as the
+    step times, their median as its step time, its largest metered peak, and how it ended."""
+    per_step = race.tokens_per_step or race.samples_per_step
+    unit = "tokens/s" if race.tokens_per_step else "samples/s"
+    out = []
+    for cand in auto.candidates:
+        entrant = race.entrants[cand.key]
+        times = tuple(t for t in (*entrant.select_s, *entrant.estimate_s) if t is not None)
+        median = statistics.median(times) if times else None
+        out_reason = entrant.out or ""
+        if out_reason.startswith("out of memory"):
+            outcome = "oom"
+        elif entrant.out is not None:
+            outcome = "over_budget"
+        else:
+            outcome = "ok"
+        result = TrialResult(
+            outcome=outcome,  # type: ignore[arg-type]
+            peak_bytes=entrant.peak_bytes,
+            step_time_s=median,
+            throughput=(per_step / median) if per_step and median else None,
+            throughput_unit=unit,
+            step_times_s=times,
+            error=entrant.out,
+            device=device,
+            machine=dict(race.machine_before),
+        )
+        out.append((cand, result))
+    return out
+
+
+def record(
+    auto: JobTuning,
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    race: RaceResult,
+    device: str,
+    target: tuple[str, str, str | None],
+) -> str:
+    uri, experiment, parent = target
+    names = layer_names(pl_module, auto.layers)
+    sessions = open_tracker(uri, experiment).sessions
+    name = auto.name
+    params = _params(auto, trainer)
+    run_id = sessions.start_job_session(name, params, parent_run_id=parent)
+    rows: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    try:
+        for number, (cand, result) in enumerate(candidate_results(auto, race, device)):
+            prediction = {"peak_bytes": cand.predicted_peak_bytes, "step_time_s": cand.predicted_step_time_s}
+            noise = result.noise
+            trial_run = sessions.log_trial(number, cand.policy, names, None, result, prediction=prediction)
+            record = TrialRecord(
+                number=number,
+                state="COMPLETE" if result.outcome in ("ok", "over_budget") else "FAIL",
+                outcome=result.outcome,
+                policy=cand.policy,
+                fingerprint=cand.key,
+                short=cand.short,
+                micro_batch=None,
+                seed=cand.label,
+                throughput=result.throughput,
+                throughput_unit=result.throughput_unit,
+                peak_bytes=result.peak_bytes,
+                step_time_s=result.step_time_s,
+                noise_rel=None if noise is None else noise.mad_rel,
+                predicted_peak_bytes=cand.predicted_peak_bytes,
+                predicted_step_time_s=cand.predicted_step_time_s,
+                reason=result.error,
+                run_id=trial_run,
+                feasible=result.outcome == "ok",
+            )
+            rows.append(record.to_dict())
+            if cand.key == auto.policy.fingerprint():
+                best = {
+                    "policy": auto.policy,
+                    "run_id": trial_run,
+                    "number": number,
+                    "throughput": result.throughput,
+                    "peak_bytes": result.peak_bytes,
+                    "label": cand.label,
+                }
+        sessions.log_race(race)
+        sessions.note_session([auto.summary, *auto.notes])
+    except BaseException:
+        sessions.close("FAILED")
+        raise
+    sessions.finish_session(
+        status="FINISHED", best=best, trials_table=rows, baselines={}, budget_bytes=auto.limit_bytes
+    )
+    return run_id
+
+
+def _params(auto: JobTuning, trainer: L.Trainer) -> dict[str, str]:
+    plan = auto.plan.to_dict()
+    params = {
+        "auto.budget_bytes": str(auto.budget_bytes),
+        "auto.limit_bytes": str(auto.limit_bytes),
+        "auto.modes": ",".join(auto.modes),
+        "auto.candidates": str(len(auto.candidates)),
+        "auto.world_size": str(trainer.world_size),
+        "auto.accumulate_grad_batches": str(trainer.accumulate_grad_batches),
+    }
+    params.update({f"auto.race.{k}": str(v) for k, v in plan.items()})
+    return params

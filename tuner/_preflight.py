@@ -1,0 +1,186 @@
+"""Checking a recipe's settings before anything is measured: the output path, the tracking URI and
+the study storage.
+
+Profiling and a search take minutes to hours; a policy path that cannot be written, or a tracking
+URI no store understands, used to surface only when the session wrote its result. `check_settings`
+finds every such problem first, all at once, each naming its recipe key and what would be valid.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from lightning_recompute.errors import RecomputeError, clip
+from tuner._stores import driver_missing, hide_password
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+
+__all__ = [
+    "SettingsError",
+    "check_settings",
+    "nodes_problem",
+    "output_problem",
+    "storage_problem",
+    "tracking_problem",
+]
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long the check waits for a tracking server to accept a connection."""
+
+_KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
+"""Where a policy file can never live: kernel interfaces, not storage."""
+
+TRACKING_FORMS = (
+    "sqlite:///path/mlflow.db, postgresql://user@host/db, mysql://..., http(s)://host:port, "
+    "file:///path/mlruns or databricks"
+)
+STORAGE_FORMS = "sqlite:///path/optuna.db, postgresql://user@host/db, mysql://user@host/db, or a path ending in .log"
+
+
+class SettingsError(RecomputeError, ValueError):
+    """A recipe's settings cannot work; `problems` holds each, ``key: problem (valid: ...)``."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        noun = "problem" if len(self.problems) == 1 else "problems"
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} {noun} in the recipe's settings:\n{lines}")
+
+
+def check_settings(recipe: Recipe, *, output: bool = True) -> None:
+    """Refuse settings that cannot work, before the session profiles or measures anything.
+
+    Args:
+        recipe: the loaded recipe.
+        output: check the policy path too (``history`` writes no file, so it passes ``False``).
+
+    Raises:
+        SettingsError: every problem found (the policy path, ``tracking.uri``, ``study.storage``,
+            ``trainer.num_nodes``).
+    """
+    problems = [
+        problem
+        for problem in (
+            output_problem(recipe.output) if output else None,
+            tracking_problem(recipe.tracking.uri),
+            storage_problem(str(recipe.study.storage)),
+            nodes_problem(recipe),
+        )
+        if problem is not None
+    ]
+    if problems:
+        raise SettingsError(problems)
+
+
+def nodes_problem(recipe: Recipe) -> str | None:
+    """Why the recipe's trials cannot run here, spanning several nodes; ``None`` when they run on one."""
+    nodes = recipe.trainer.num_nodes
+    if nodes == 1:
+        return None
+    return (
+        f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
+        f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
+        f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
+    )
+
+
+def output_problem(path: Path, key: str = "output") -> str | None:
+    """Why the policy file cannot be written at ``path``, or ``None`` when it can; ``key`` names the setting.
+
+    Writability is tested the only reliable way: creating and removing a file in the folder that
+    will hold it (or, when that folder does not exist yet, in the nearest one that does, where it
+    would be created). Permission bits say nothing about read-only mounts or immutable folders.
+    """
+    shown = clip(str(path))
+    if any(path == root or root in path.parents for root in _KERNEL_FILESYSTEMS):
+        return f"{key}: {shown} is on a kernel filesystem, not storage (valid: a file path in a writable folder)"
+    if path.is_dir():
+        return f"{key}: {shown} is a directory (valid: a file path, e.g. {clip(str(path / 'policy.yaml'))})"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{key}: {clip(str(folder))} is a file, so {shown} cannot be created under it"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".recompute-write-test.", dir=folder)
+    except OSError as err:
+        why = err.strerror or str(err)
+        return f"{key}: cannot create a file in {clip(str(folder))} ({why}), so {shown} cannot be written"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def tracking_problem(uri: str) -> str | None:
+    """Why MLflow cannot track to ``uri``, or ``None``; a server must accept a connection within `CONNECT_TIMEOUT_S`."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry  # the schemes MLflow registers
+
+    shown = clip(repr(uri))
+    scheme = urlsplit(uri).scheme if "://" in uri or ":" in uri else ""
+    if not scheme or (len(scheme) == 1 and os.name == "nt"):
+        return f"tracking.uri: {shown} is not a URI (valid: {TRACKING_FORMS})"
+    base = scheme.split("+", 1)[0]  # postgresql+psycopg: the dialect names the store
+    known = set(_tracking_store_registry._registry)
+    if base not in known:
+        return f"tracking.uri: {shown} has an unknown scheme {scheme!r} (valid: {TRACKING_FORMS})"
+    if base in ("http", "https"):
+        return _server_problem("tracking.uri", uri, 443 if base == "https" else 80)
+    return None
+
+
+def storage_problem(url: str) -> str | None:
+    """Why Optuna cannot store a study at ``url``, or ``None`` (the driver's import is checked, not the server)."""
+    if "://" not in url:
+        if url.endswith(".log"):
+            return None
+        return f"study.storage: {clip(repr(url))} is neither a database URL nor a journal file (valid: {STORAGE_FORMS})"
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError):
+        return f"study.storage: {clip(repr(hide_password(url)))} is not a database URL (valid: {STORAGE_FORMS})"
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        return driver_missing("study.storage", url, err)
+    return None
+
+
+def _server_problem(key: str, uri: str, default_port: int) -> str | None:
+    """Whether the server of ``uri`` accepts a TCP connection, within `CONNECT_TIMEOUT_S`.
+
+    MLflow's own client retries a refused connection with exponential backoff for minutes; a
+    plain connection attempt answers in milliseconds for a closed port and is bounded otherwise.
+    A Ctrl-C interrupts it like any blocking socket call.
+    """
+    parts = urlsplit(uri)
+    host = parts.hostname
+    if not host:
+        return f"{key}: {clip(repr(uri))} names no host (valid: {TRACKING_FORMS})"
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        return f"{key}: {clip(repr(uri))} has an invalid port (valid: {TRACKING_FORMS})"
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as err:
+        why = (
+            "timed out"
+            if isinstance(err, TimeoutError)
+            else (err.strerror or errno.errorcode.get(err.errno or 0, str(err)))
+        )
+        return (
+            f"{key}: cannot reach the tracking server at {host}:{port} ({why}); start it "
+            f"(mlflow server --host {host} --port {port}) or correct the URI"
+        )

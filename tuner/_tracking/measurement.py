@@ -1,0 +1,232 @@
+"""A measurement's MLflow run: a trial's or a confirmation's, and the record of a trial whose owner died.
+
+`SessionLog` decides where a run nests (the session run, a dead owner's); this module writes it: the
+tags, params, metrics and artifacts every measurement run has, so a trial run and the confirmation run
+of the gate have one shape (a promoted confirmation run is a self-contained good run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
+from lightning_recompute.policy import RecomputePolicy
+from tuner._tracking.client import TrackingClient, clip_tag, finite, now_ms, param_key
+from tuner._tracking.names import (
+    COMPILE_PARAM,
+    COMPILE_SECONDS_METRIC,
+    DEVICE,
+    ERROR,
+    EVIDENCE_JSON,
+    FINGERPRINT,
+    KIND,
+    MACHINE_METRIC_PREFIX,
+    MICRO_BATCH_PARAM,
+    OUTCOME,
+    PARENT,
+    POLICY_FINGERPRINT_PARAM,
+    POLICY_SHORT,
+    REASON,
+    STDERR_TAIL_TXT,
+    STEP_NOISE_METRICS,
+    STUDY,
+    THROUGHPUT_UNIT,
+    TRIAL_NUMBER_PARAM,
+    rank_peak_metric,
+)
+from tuner._tracking.report import layer_modes, result_dict
+
+if TYPE_CHECKING:
+    from tuner._trials import TrialResult
+
+__all__ = ["log_abandoned_run", "log_measurement_run", "machine_metrics"]
+
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
+"""Outcomes whose run ends FAILED (the others, measured or skipped, end FINISHED)."""
+
+
+def log_measurement_run(
+    store: TrackingClient,
+    *,
+    kind: str,
+    run_name: str,
+    parent: str | None,
+    policy: RecomputePolicy,
+    layer_names: Sequence[str] | None,
+    micro_batch: int | None,
+    result: TrialResult,
+    prediction: Mapping[str, Any] | None,
+    reason: str | None,
+    extra_params: Mapping[str, str],
+    extra_tags: Mapping[str, str] | None = None,
+    evidence: Mapping[str, Any] | None = None,
+    study: str | None = None,
+) -> str:
+    """Record one measurement (a trial, a confirmation) as a finished run; its id.
+
+    Tags say what it was (``kind``), how it ended and why; params its layer modes, micro-batch and
+    fingerprint (and ``extra_params``); metrics what it measured, its noise, its machine and the
+    planner's ``prediction``; artifacts its ``policy.yaml``, the worker's stderr tail when it failed,
+    and ``evidence`` when given. The run spans the measurement's own wall time, ends FAILED for a
+    failed outcome and nests in ``parent`` (with ``study``'s tag) when given.
+    """
+    from mlflow.entities import Metric
+
+    r = result_dict(result)
+    outcome = str(r["outcome"])
+    wall = finite(r.get("wall_s")) or 0.0
+    tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
+    if parent is not None:
+        tags[PARENT] = parent
+        if study:
+            tags[STUDY] = study
+    if layer_names:
+        tags[POLICY_SHORT] = policy.short(layer_names)
+    tags.update(_result_tags(r, reason))
+    tags.update(extra_tags or {})
+    # The run's span in the UI is the trial's own wall time, not the time it took to log it.
+    end = now_ms()
+    run = store.client.create_run(store.experiment_id, start_time=end - int(wall * 1000), tags=tags, run_name=run_name)
+    run_id = run.info.run_id
+    status = "FAILED" if outcome in _FAILED_OUTCOMES else "FINISHED"
+    try:
+        params = _params(policy, layer_names, micro_batch, extra_params)
+        store.log_batch(run_id, params=params, metrics=_result_metrics(r, prediction))
+        steps = [
+            Metric("step_time_s", float(s), end, i)
+            for i, s in enumerate(r.get("step_times_s") or [])
+            if finite(s) is not None
+        ]
+        for i in range(0, len(steps), 1000):
+            store.client.log_batch(run_id, metrics=steps[i : i + 1000])
+        store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+        if r.get("stderr_tail"):
+            store.client.log_text(run_id, str(r["stderr_tail"]), STDERR_TAIL_TXT)
+        if evidence is not None:
+            store.log_json(run_id, EVIDENCE_JSON, evidence)
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        store.client.set_terminated(run_id, status)
+    return run_id
+
+
+def _params(
+    policy: RecomputePolicy, layer_names: Sequence[str] | None, micro_batch: int | None, extra: Mapping[str, str]
+) -> list[Any]:
+    """A measurement run's params: one per layer (its mode), the micro-batch, the fingerprint, ``extra``."""
+    from mlflow.entities import Param
+
+    params = [Param(param_key(f"layer.{name}"), mode) for name, mode in layer_modes(policy, layer_names).items()]
+    params += [
+        Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
+        Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
+        *(Param(k, v) for k, v in extra.items()),
+    ]
+    if policy.compile:
+        params.append(Param(COMPILE_PARAM, "true"))
+    return params
+
+
+def log_abandoned_run(
+    store: TrackingClient,
+    number: int,
+    policy: RecomputePolicy,
+    layer_names: Sequence[str] | None,
+    micro_batch: int | None,
+    *,
+    reason: str,
+    parent: str,
+    study: str | None,
+) -> str:
+    """Record a trial whose owner died mid-trial: a FAILED run nested in ``parent``, outcome ``abandoned``."""
+    from mlflow.entities import Param
+
+    tags = {
+        KIND: "trial",
+        OUTCOME: "abandoned",
+        REASON: clip_tag(reason),
+        ERROR: clip_tag(reason),
+        FINGERPRINT: policy.fingerprint(),
+        PARENT: parent,
+    }
+    if study:
+        tags[STUDY] = study
+    if layer_names:
+        tags[POLICY_SHORT] = policy.short(layer_names)
+    name = policy.short(layer_names) if layer_names else policy.fingerprint()
+    run = store.client.create_run(store.experiment_id, tags=tags, run_name=f"trial {number} {name}")
+    run_id = run.info.run_id
+    try:
+        store.log_batch(
+            run_id,
+            params=[
+                Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
+                Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
+                Param(TRIAL_NUMBER_PARAM, str(number)),
+            ],
+        )
+    finally:
+        store.client.set_terminated(run_id, "FAILED")
+    return run_id
+
+
+def _result_tags(r: Mapping[str, Any], reason: str | None) -> dict[str, str]:
+    """A measurement run's tags from its result: device, throughput unit, why it ended and its error."""
+    tags: dict[str, str] = {}
+    for key, tag in (("device", DEVICE), ("throughput_unit", THROUGHPUT_UNIT)):
+        if r.get(key):
+            tags[tag] = str(r[key])
+    if reason or r.get("error"):
+        tags[REASON] = clip_tag(reason or r["error"])
+    if r.get("error"):
+        tags[ERROR] = clip_tag(r["error"])
+    return tags
+
+
+def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
+    """A measurement run's metrics: what it measured, its noise and machine, and the planner's prediction."""
+    metrics: dict[str, float] = {}
+    if finite(r.get("compile_s")) is not None:
+        metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
+    for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
+        v = finite(r.get(key))
+        if v is not None:
+            metrics[f"measured_{key}"] = v
+    for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
+        metrics[rank_peak_metric(rank)] = float(peak)
+    metrics.update(_noise_metrics(r.get("step_times_s") or ()))
+    metrics.update(machine_metrics(r.get("machine") or {}))
+    wall = finite(r.get("wall_s")) or 0.0
+    if wall:
+        metrics["wall_s"] = wall
+    if finite(r.get("device_total_bytes")) is not None:
+        metrics["device_total_bytes"] = float(r["device_total_bytes"])
+    for key, value in (prediction or {}).items():
+        if finite(value) is not None:
+            metrics[f"predicted_{key}"] = float(value)
+    return metrics
+
+
+def _noise_metrics(step_times: Sequence[float]) -> dict[str, float]:
+    """`STEP_NOISE_METRICS` of a trial's measured step times (none with fewer than 2 steps)."""
+    from lightning_recompute.race import spread
+
+    times = [float(t) for t in step_times if finite(t) is not None]
+    if len(times) < 2:
+        return {}
+    sp = spread(times)
+    out = {STEP_NOISE_METRICS[0]: sp.mad_rel}
+    if sp.ci_rel != float("inf"):
+        out[STEP_NOISE_METRICS[1]] = sp.ci_rel
+    return out
+
+
+def machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric parts of a machine state as ``machine_*`` metrics (other GPU processes as a count)."""
+    out = {f"{MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if finite(v) is not None}
+    if isinstance(machine.get("gpu_processes"), list):
+        out[f"{MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
+    return out

@@ -1,0 +1,574 @@
+"""A warm process that forks trial workers: torch and Lightning imported once per tuning process, not once per trial.
+
+``python -m tuner._trials.worker`` pays for an interpreter and for importing torch and Lightning
+(3-5 s on a 2-core CPU, more on a loaded one) before its first step, against trials of 5-10 s:
+a session with a race spends a third of its wall in imports. `ForkServer` starts one process that
+imports them and then forks each worker from it. The forked child becomes what a fresh worker
+would be: its own session and process group, the trial's environment, the log as its stdout and
+stderr, standard input from ``/dev/null``; then it runs `tuner._trials.worker.main` on the same
+``SPEC.json RESULT.json`` and exits with its status. The worker protocol is unchanged: spec and
+result files, a log, a deadline, one ``killpg`` for the whole group.
+
+Why not ``multiprocessing``'s forkserver: its children re-import the parent's ``__main__`` (a
+user's script without a main guard would run again in every trial), their output goes to the
+parent's terminal rather than the trial's log, and a trial's process group and exit status would
+sit behind its pickling layer. What is needed here is a fork and a wait.
+
+`runner` forks only where the child is exactly what ``python -m tuner._trials.worker`` would be:
+
+- **CPU only.** A process that loaded the CUDA driver must not fork (the child's CUDA state is
+  undefined), and the server cannot know whether an import did. GPU trials also run long enough
+  that an import is a small share of them.
+- **One rank.** Lightning starts ranks 1..N-1 by running the worker's command line again; a forked
+  child has none to run.
+- **The server's environment and working directory.** Libraries read some variables once, at
+  import or library load (``OMP_NUM_THREADS``, ``LD_PRELOAD``, ``MALLOC_CONF``...), so a trial
+  whose environment differs (other than the per-trial variables) gets a server started with it.
+
+**On by default; ``RECOMPUTE_TUNE_FORK_SERVER=0`` turns it off.** A tuner exists to measure what
+the job will see, so a forked worker must step as fast as a fresh one. Measured on this project's
+2-core CPU (`bench/fork_warm_up.py`: a small, dispatch-bound model, where a per-operator cost shows
+most; 24 processes of each kind, taking turns, `bench/results/fork_warm_up.txt`): fresh interpreters
+ran a median of 164.3 us a step, children of the server 166.7 us (0.99x paired by round, 0.59..1.61),
+and both were bimodal to the same degree (6 fresh and 4 forked processes over 1.25x the fresh
+median, in spells that spanned kinds): the machine's slow moments, not the fork. An earlier,
+smaller probe (6 fresh, 12 forked) had seen forks slower and kept this off; the larger run did not
+reproduce it. Forking saves a session the imports: the quickstart with the race takes 0.96x the
+wall of the tuner before the race, against 1.60x with fresh workers (`bench/session_wall.py`).
+
+The server's request and reply protocol: one JSON object per line. The client writes
+``{"argv": [...], "env": {...}, "log": PATH}`` to the server's stdin; the server replies
+``{"pid": PID}`` once the child is forked and ``{"pid": PID, "returncode": R}`` once it has exited
+(``R`` as ``subprocess`` reports it: negative for a signal). One worker at a time. The server
+ends, killing a worker still running, when the process that started it is gone (`serve` says how it
+knows); a worker follows its server (``PR_SET_PDEATHSIG``, as a fresh worker follows the tuner).
+
+What still differs from a fresh interpreter, none of it part of a measurement: forked workers share
+the server's string hash seed and numpy's global random state (fresh ones draw their own; Python's
+``random`` is reseeded at fork, and a trial seeds what it trains with); ``__main__`` is this module;
+and on the way out a forked worker runs its atexit handlers and flushes its streams but does not
+wait for its non-daemon threads (the server kills its group next anyway). Forking is safe because
+importing torch and Lightning runs no parallel region: the OpenMP thread pool a parallel region
+creates would not survive a fork, so nothing added to `PRELOAD` may run one at import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = [
+    "FORK_SERVER_ENV",
+    "SERVER_PARENT_ENV",
+    "ForkServer",
+    "ForkServerError",
+    "Forked",
+    "fork",
+    "forking",
+    "serve",
+    "warm",
+]
+
+FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
+"""``0`` (or ``off``, ``false``, ``no``): every worker is a fresh interpreter. Anything else, or unset
+(the default): one-rank CPU workers are forked from the fork server."""
+
+PRELOAD = (
+    "torch",
+    "lightning",
+    "lightning_recompute",
+    "tuner._trials.worker",
+    "lightning_recompute.race.engine",
+    "tuner.recipe",
+)
+"""What the server imports before forking: what every worker imports before its first step."""
+
+_START_TIMEOUT_S = 300.0  # imports on a loaded machine; a server that takes longer is not worth waiting for
+_REPLY_TIMEOUT_S = 60.0  # a fork takes milliseconds; anything else is a server in trouble
+_TAIL_CHARS = 2000
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not start or stopped answering; workers start as fresh interpreters instead."""
+
+
+class Forked:
+    """One worker forked by a `ForkServer`: the part of ``subprocess.Popen`` the runner uses."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        """The worker's pid, which is also its process group and session id."""
+        self.returncode: int | None = None
+        """Its exit status once it has exited: negative for the signal that ended it, as ``Popen``'s."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status; ``subprocess.TimeoutExpired`` if it runs past ``timeout`` seconds."""
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self.pid, timeout)
+        return self.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL the worker and its process group.
+
+        While it may run, the server does it: only the server knows whether it has reaped the
+        worker yet, so only it can kill that pid without risking another process that reuses it.
+        Once the worker has exited, the server has already killed what was left in its group. With
+        the server gone, the worker went with it, and what it started is killed by its group.
+        """
+        if self._server.alive:
+            if self.returncode is None:
+                self._server.kill(self.pid)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+class ForkServer:
+    """A server process started with ``env`` in ``cwd``, forking workers on request.
+
+    Raises `ForkServerError` when the server does not come up (its output's tail says why).
+    One worker runs at a time; `spawn` says when another one is running.
+    """
+
+    def __init__(self, env: Mapping[str, str], cwd: str, preload: Sequence[str] = PRELOAD) -> None:
+        self.env = dict(env)
+        self.cwd = cwd
+        self._busy = threading.Lock()
+        self._buffer = b""
+        self._broken = False
+        # Its output (import warnings, a traceback if it fails): a file, as a pipe could fill and
+        # block it, and an unlinked one, so that nothing is left behind whatever ends this process.
+        self._log, path = tempfile.mkstemp(prefix="recompute-forkserver-", suffix=".log")
+        os.unlink(path)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tuner._trials.forkserver", *preload],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                cwd=cwd,
+                env={**self.env, SERVER_PARENT_ENV: str(os.getpid())},
+                start_new_session=True,  # a Ctrl-C in the terminal is the tuner's to handle, not the server's
+            )
+        except OSError as err:
+            os.close(self._log)
+            raise ForkServerError(f"fork server did not start: {err}") from err
+        try:
+            self.pid = int(self._reply(time.monotonic() + _START_TIMEOUT_S)["ready"])
+        except (ForkServerError, subprocess.TimeoutExpired, KeyError, TypeError, ValueError) as err:
+            output = self._tail()
+            self._abandon()
+            self._release_files()
+            raise ForkServerError(f"fork server did not come up: {err}; its output: {output}") from err
+
+    @property
+    def busy(self) -> bool:
+        """Whether a worker of this server is running."""
+        return self._busy.locked()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server is still running and its replies can be trusted."""
+        return not self._broken and self._proc.poll() is None
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> Forked | None:
+        """Fork a worker running ``tuner._trials.worker.main(argv)`` with ``env``, its output to ``log_path``.
+
+        ``None`` while another worker of this server runs (a second thread measuring at the same
+        time): the server runs one at a time. `ForkServerError` if the server does not answer; it
+        is then ended (with any worker it forked), so no reply of it is ever read out of turn.
+        """
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            if not self.alive:
+                raise ForkServerError(f"fork server gone; its output: {self._tail()}")
+            self._send({"argv": list(argv), "env": dict(env), "log": log_path})
+            pid = int(self._reply(time.monotonic() + _REPLY_TIMEOUT_S)["pid"])
+        except BaseException as err:
+            try:
+                self._abandon()
+            finally:
+                self._busy.release()
+            if isinstance(err, (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)):
+                raise ForkServerError(f"fork server did not fork: {err!r}") from err
+            raise
+        return Forked(self, pid)
+
+    def kill(self, pid: int) -> None:
+        """Have the server SIGKILL its running worker ``pid`` and the worker's group (nothing if it has exited)."""
+        try:
+            self._send({"kill": pid})
+        except (OSError, ValueError):
+            self._abandon()  # a server that cannot be told is ended, and its worker with it
+
+    def exit_status(self, pid: int, timeout: float | None) -> int:
+        """Wait for worker ``pid`` to exit (``subprocess.TimeoutExpired`` past ``timeout``) and release the server."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                reply = self._reply(deadline)
+            except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
+            except (ForkServerError, OSError, ValueError):
+                # The server died or garbled its reply: the worker is ended with it (it follows the
+                # server), and the status it had is unknown. Read as killed; its result file decides.
+                try:
+                    self._abandon()
+                finally:
+                    self._busy.release()
+                return -signal.SIGKILL
+            if reply.get("pid") == pid and "returncode" in reply:
+                self._busy.release()
+                return int(reply["returncode"])
+
+    def close(self) -> None:
+        """End the server: closing its stdin ends its loop (and a worker still running); killed if it lingers.
+
+        Its reply pipe is kept open while another thread still waits on a worker of it (this
+        process exiting with a trial in a daemon thread): that thread reads the end of the pipe.
+        """
+        with contextlib.suppress(OSError, ValueError):
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._abandon()
+        if not self.busy:
+            self._release_files()
+
+    def _send(self, message: Mapping[str, Any]) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write((json.dumps(message) + "\n").encode())
+        self._proc.stdin.flush()
+
+    def _abandon(self) -> None:
+        """Kill the server now (a worker of it follows) and never use it again."""
+        self._broken = True
+        if self._proc.poll() is None:  # not yet reaped: its pid is still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+
+    def _release_files(self) -> None:
+        for stream in (self._proc.stdin, self._proc.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if stream is not None:
+                    stream.close()
+        with contextlib.suppress(OSError):
+            os.close(self._log)
+
+    def _reply(self, deadline: float | None) -> dict[str, Any]:
+        """The server's next line; ``subprocess.TimeoutExpired`` past ``deadline``, `ForkServerError` at its end."""
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        poller = select.poll()  # not select.select: it cannot watch a descriptor numbered 1024 or more
+        poller.register(fd, select.POLLIN)
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not poller.poll(None if left is None else left * 1000):
+                raise subprocess.TimeoutExpired("fork server", left or 0.0)
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ForkServerError(f"fork server exited ({self._proc.wait()})")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise ForkServerError(f"fork server said {line!r}, not a reply")
+        return reply
+
+    def _tail(self) -> str:
+        try:
+            size = os.fstat(self._log).st_size
+            text = os.pread(self._log, _TAIL_CHARS * 4, max(0, size - _TAIL_CHARS * 4)).decode(errors="replace")
+        except OSError:
+            return "(unreadable)"
+        return text[-_TAIL_CHARS:].strip() or "(none)"
+
+
+SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
+"""In the server's environment, the pid of the process that started it (and that it follows). A forked
+worker's ``/proc`` environment is the server's, so this is how a worker is known as a forked one."""
+_OFF = frozenset({"0", "off", "false", "no"})
+_ON = frozenset({"", "1", "on", "true", "yes"})
+_warned: set[str] = set()  # values of the variable already warned about, once each
+_log = logging.getLogger(__name__)
+_shared_lock = threading.Lock()
+_shared: ForkServer | None = None
+_refused: list[tuple[dict[str, str], str]] = []  # environments a server would not start with: not tried again
+
+
+def forking(env: Mapping[str, str]) -> bool:
+    """Whether forking is on for ``env``: unless ``RECOMPUTE_TUNE_FORK_SERVER`` turns it off.
+
+    A value that is neither on nor off keeps the default (on), with a warning naming it once.
+    """
+    value = env.get(FORK_SERVER_ENV, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value not in _ON and value not in _warned:
+        _warned.add(value)
+        _log.warning(
+            "%s=%r is neither on (1, on, true, yes) nor off (0, off, false, no); forking stays on",
+            FORK_SERVER_ENV,
+            env[FORK_SERVER_ENV],
+        )
+    return True
+
+
+def warm(env: Mapping[str, str], cwd: str) -> None:
+    """Start this process's fork server for ``env`` and ``cwd`` now if it is not running: its imports are no trial's."""
+    if forking(env):
+        with _shared_lock:
+            _server_for(env, cwd)
+
+
+def fork(
+    env: Mapping[str, str], cwd: str, argv: Sequence[str], child_env: Mapping[str, str], log_path: str, parent_env: str
+) -> Forked | None:
+    """Fork a worker from this process's fork server for ``env`` and ``cwd``; ``None``: start a fresh interpreter.
+
+    ``child_env`` is the worker's environment, with ``parent_env`` set to the server's pid (the
+    parent the worker follows). The server is started on first use, kept for the next worker, and
+    replaced for another environment or folder, never while a worker of it runs. ``None`` where
+    ``RECOMPUTE_TUNE_FORK_SERVER`` is off, where a server for this environment would not start
+    (logged once), while a worker of the server runs (another thread measuring), and where the
+    server does not answer (logged).
+    """
+    if not forking(env):
+        return None
+    with _shared_lock:
+        server = _server_for(env, cwd)
+        if server is None:
+            return None
+        try:
+            return server.spawn(argv, {**child_env, parent_env: str(server.pid)}, log_path)
+        except ForkServerError as err:
+            _log.warning("%s; this worker starts as a fresh interpreter", err)
+            return None
+
+
+def _server_for(env: Mapping[str, str], cwd: str) -> ForkServer | None:
+    """The shared server for ``env`` and ``cwd``, started or replaced as needed (the caller holds `_shared_lock`)."""
+    global _shared
+    if (dict(env), cwd) in _refused:
+        return None
+    if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
+        if _shared.busy:
+            return None  # a worker of it runs on (closing the server would end it): this one starts fresh
+        _shared.close()
+        _shared = None
+    if _shared is None:
+        try:
+            _shared = ForkServer(env, cwd)
+        except ForkServerError as err:
+            _refused.append((dict(env), cwd))
+            _log.warning("%s; trial workers start as fresh interpreters", err)
+            return None
+    return _shared
+
+
+@atexit.register
+def _close_shared() -> None:
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared.close()
+            _shared = None
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+_PARENT_POLL_S = 1.0
+
+
+def serve(preload: Sequence[str]) -> int:
+    """The server's loop: import ``preload``, then fork one worker per request until its parent is gone.
+
+    Its parent (the pid in ``RECOMPUTE_TUNE_FORK_SERVER_PARENT``) is gone when the server's stdin
+    ends or its parent pid is no longer that one, checked every second (every 50 ms while a worker
+    runs where ``pidfd_open`` is missing). Both, because a fork of the parent (a data-loader
+    worker, say) may hold the stdin pipe open after the parent died. Not ``PR_SET_PDEATHSIG``: that
+    follows the *thread* that started the server, and a tuning process may start it from a thread
+    that ends long before the session does. A worker still running then is killed with its group.
+    """
+    # Replies go to a copy of stdout; stdout itself becomes stderr, so nothing an import prints can
+    # be taken for a reply.
+    replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    parent = os.environ.get(SERVER_PARENT_ENV, "")
+    requests = _Requests(int(parent) if parent.isdigit() else os.getppid())
+    for name in preload:
+        __import__(name)
+    replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+    while (request := requests.next_spawn()) is not None:
+        pid = os.fork()
+        if pid == 0:
+            _child(request, replies)  # never returns
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        parent_gone = not requests.wait_for_exit(pid)
+        # The worker has exited (or is being killed): kill what it left in its group (data-loader
+        # workers, compile helpers), then reap it. Until it is reaped its pid cannot be reused,
+        # so the group killed is its own.
+        if parent_gone:
+            _kill_unreaped(pid)
+        else:
+            _kill_group(pid)
+        _, status = os.waitpid(pid, 0)
+        if parent_gone:
+            return 0
+        replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    return 0
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _kill_unreaped(pid: int) -> None:
+    """The worker's group, and the worker itself in case it has not made its group yet (it is not reaped: its pid)."""
+    _kill_group(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+class _Requests:
+    """The server's stdin: spawn and kill requests, read without blocking past its parent's death."""
+
+    def __init__(self, parent: int) -> None:
+        self._parent = parent
+        self._buffer = b""
+        self._ended = False
+
+    def next_spawn(self) -> dict[str, Any] | None:
+        """The next request to fork a worker; ``None`` once the parent is gone."""
+        while True:
+            message = self._message()
+            if message is not None and "argv" in message:
+                return message
+            if message is not None:
+                continue  # a kill for a worker that has already exited and been reported
+            came = not self._ended and self._read(_PARENT_POLL_S)
+            if not came and self._parent_gone():
+                return None
+
+    def wait_for_exit(self, pid: int) -> bool:
+        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``).
+
+        A kill request for it meanwhile kills it (and its group) at once.
+        """
+        try:
+            exited = os.pidfd_open(pid)  # readable once the process has exited (Linux 5.3)
+        except (AttributeError, OSError):
+            exited = None
+        try:
+            while True:
+                if exited is not None:
+                    readable, _, _ = select.select([exited, 0], [], [], _PARENT_POLL_S)
+                    if exited in readable:
+                        return True
+                    if 0 in readable:
+                        self._read(0.0)
+                else:
+                    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                        return True
+                    self._read(0.05)
+                self._serve_kills(pid)
+                if self._parent_gone():
+                    return False
+        finally:
+            if exited is not None:
+                os.close(exited)
+
+    def _serve_kills(self, pid: int) -> None:
+        """Act on the kill requests read so far; any other request stays for `next_spawn`."""
+        kept = []
+        while (message := self._message()) is not None:
+            if "kill" in message:
+                if message["kill"] == pid:
+                    _kill_unreaped(pid)
+            else:
+                kept.append(message)
+        self._buffer = b"".join(json.dumps(m).encode() + b"\n" for m in kept) + self._buffer
+
+    def _message(self) -> dict[str, Any] | None:
+        if b"\n" not in self._buffer:
+            return None
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        message = json.loads(line)
+        return message if isinstance(message, dict) else {}
+
+    def _parent_gone(self) -> bool:
+        return self._ended or os.getppid() != self._parent
+
+    def _read(self, timeout: float) -> bool:
+        """Read what stdin holds within ``timeout`` seconds; whether anything came (end of input sets `_ended`)."""
+        readable, _, _ = select.select([0], [], [], timeout)
+        if not readable:
+            return False
+        chunk = os.read(0, 65536)
+        if not chunk:
+            self._ended = True
+            return False
+        self._buffer += chunk
+        return True
+
+
+def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
+    """In the forked child: become a fresh worker's equivalent, run it, exit with its status."""
+    code = 1
+    try:
+        os.setsid()  # its own session and process group, as `start_new_session=True` gives a fresh worker
+        replies.close()
+        log = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from tuner._trials import worker
+
+        argv = [str(a) for a in request["argv"]]
+        sys.argv = [str(worker.__file__), *argv]
+        code = worker.main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the server's loop
+        traceback.print_exc()
+        code = 1
+    finally:
+        # What an interpreter does on its way out (atexit handlers, Python's and C's streams
+        # flushed), then leave without unwinding into the server's frames.
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        with contextlib.suppress(BaseException):
+            ctypes.CDLL(None).fflush(None)
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))

@@ -1,0 +1,92 @@
+"""The profile of a recipe's model on one batch of its data: measured here, or on the meta device.
+
+This runs in whatever process calls it. The tuning session calls it directly on CPU and through
+the trial worker (`tuner._trials.runner.profile_recipe`) on an accelerator, where a CUDA context
+in the tuning process would hold memory every trial then lacks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_recompute.errors import RecomputeError
+from lightning_recompute.planner.sharding import ParamLayout
+from lightning_recompute.profile.measure import profile_model
+from lightning_recompute.profile.meta import profile_meta
+from lightning_recompute.profile.model import Profile
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+
+__all__ = ["PRECISION_DTYPES", "profile_recipe_here", "profile_recipe_meta", "recipe_layout"]
+
+PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+"""Trainer precisions that keep the parameters in another dtype than float32 (the ``-true`` ones)."""
+
+
+def _first_batch(recipe: Recipe, micro_batch: int | None) -> Any:
+    from tuner.recipe import build_datamodule
+
+    data = build_datamodule(recipe, micro_batch)
+    data.prepare_data()
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def profile_recipe_here(recipe: Recipe, micro_batch: int | None, repeats: int) -> Profile:
+    """Measure ``recipe``'s model on its device (CUDA when the recipe asks for it and there is one)."""
+    from tuner.recipe import build_model
+
+    torch.manual_seed(recipe.search.seed)
+    model = build_model(recipe)
+    batch = _first_batch(recipe, micro_batch)
+    device = "cpu"
+    if recipe.trainer.accelerator in ("cuda", "auto") and torch.cuda.is_available():
+        device = "cuda"
+    model = model.to(device=device, dtype=PRECISION_DTYPES.get(recipe.trainer.precision))
+    # Time the profile under the trials' conditions: a recipe that pins trial threads
+    # (trial.env OMP_NUM_THREADS) would otherwise be predicted at another speed than it runs.
+    threads = recipe.trial.env.get("OMP_NUM_THREADS")
+    previous = torch.get_num_threads()
+    if threads is not None and str(threads).isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    try:
+        return profile_model(model, batch, recipe.layers, modes=list(recipe.search.modes), repeats=repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def profile_recipe_meta(recipe: Recipe, micro_batch: int | None, hardware: str) -> Profile:
+    """Profile ``recipe``'s model on the meta device, time estimated for ``hardware`` (a `HARDWARE` key)."""
+    from tuner.recipe import build_model
+
+    batch = _first_batch(recipe, micro_batch)
+    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
+
+    def factory() -> nn.Module:
+        # Called under torch.device("meta") by profile_meta: parameters cost nothing.
+        model = build_model(recipe)
+        return model.to(dtype=dtype) if dtype is not None else model
+
+    return profile_meta(factory, batch, recipe.layers, modes=list(recipe.search.modes), hardware=hardware)
+
+
+def recipe_layout(recipe: Recipe, layer_names: list[str]) -> ParamLayout:
+    """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
+    from tuner.recipe import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(recipe)
+    except Exception as err:  # the user's model: whatever its constructor raises on meta
+        raise RecomputeError(
+            f"model: {recipe.model.class_path} cannot be built on the meta device to read its parameter "
+            f"shapes for sharded planning: {type(err).__name__}: {err}"
+        ) from err
+    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return ParamLayout.of_model(model, layer_names)

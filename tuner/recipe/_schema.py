@@ -1,0 +1,670 @@
+"""The recipe file's schema, declared once as pydantic dataclasses, and the validated `Recipe`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, WithJsonSchema
+from pydantic.dataclasses import dataclass as schema_dataclass
+
+from lightning_recompute.errors import RecomputeError, clip
+from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
+from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race.rule import TIE_MARGIN
+from lightning_recompute.units import format_bytes as _format_bytes
+from lightning_recompute.units import jsonable, parse_bytes
+
+PREDICTION_SPAN = 0.05
+"""Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
+cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
+alike. `tuner._decision` takes the faster trials among them."""
+
+REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
+"""The model a recipe trains when it names none."""
+REFERENCE_DATA = "lightning_recompute.reference.SyntheticTokens"
+"""The data a recipe uses when it names none."""
+
+PRECISIONS = (
+    "transformer-engine",
+    "transformer-engine-float16",
+    "16-true",
+    "16-mixed",
+    "bf16-true",
+    "bf16-mixed",
+    "32-true",
+    "64-true",
+)
+"""Lightning's ``Trainer(precision=...)`` values (its short aliases ``32``, ``16``, ``bf16``, ``64`` are
+accepted and written in the long form). Kept literal here so loading a recipe does not import
+Lightning; a test checks the list against Lightning's own."""
+_PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+class RecipeError(RecomputeError, ValueError):
+    """A recipe is invalid; `errors` holds every problem found, each ``key.path: problem (valid: ...)``."""
+
+    def __init__(self, errors: list[str], source: str | os.PathLike[str] | None = None) -> None:
+        self.errors = list(errors)
+        self.source = None if source is None else str(source)
+        where = self.source or "recipe"
+        noun = "problem" if len(self.errors) == 1 else "problems"
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"{where}: {len(self.errors)} {noun}:\n{lines}")
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+_SCHEMA = ConfigDict(extra="forbid")
+_Int = Annotated[int, Strict()]  # YAML gives real ints; `true` or "8" for an integer is a mistake, not a 1 or an 8
+_PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class Component:
+    """A class and its constructor arguments, the LightningCLI way (``class_path`` + ``init_args``)."""
+
+    class_path: str = Field(description="Importable dotted path of the class, e.g. my_project.models.MyModule.")
+    init_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the class's __init__; checked against its signature."
+    )
+
+    def import_class(self) -> type:
+        """The class named by `class_path` (imports its module).
+
+        Raises:
+            RecipeError: the module or the class cannot be imported.
+        """
+        cls, problem = resolve_class(self.class_path)
+        if cls is None:
+            raise RecipeError([f"class_path: {problem}"])
+        return cls
+
+    def instantiate(self, **overrides: Any) -> Any:
+        """An instance of the class with `init_args`, updated by ``overrides``."""
+        return self.import_class()(**{**self.init_args, **overrides})
+
+
+def _precision(value: Any) -> str:
+    """Lightning's precision names; its aliases (``32``, ``bf16``, ...) become the long form."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    if text in PRECISIONS:
+        return text
+    if text in _PRECISION_ALIASES:
+        return _PRECISION_ALIASES[text]
+    raise ValueError(
+        f"{clip(repr(value))} is not valid{suggest(str(value), PRECISIONS)} "
+        f"(valid: {', '.join(PRECISIONS)}; aliases {', '.join(_PRECISION_ALIASES)})"
+    )
+
+
+STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
+"""The strategy names a recipe's ``trainer.strategy`` takes (or a class_path/init_args mapping)."""
+StrategyName = Literal["auto", "ddp", "fsdp", "model_parallel"]
+
+
+def _strategy(value: Any) -> Any:
+    """A known strategy name, or a mapping left for `Component` to validate."""
+    if isinstance(value, str) and value not in STRATEGIES:
+        raise ValueError(
+            f"{clip(repr(value))} is not valid{suggest(value, STRATEGIES)} "
+            f"(valid: {', '.join(STRATEGIES)}, or {{class_path: ..., init_args: {{...}}}})"
+        )
+    if not isinstance(value, (str, Mapping, Component)):
+        raise ValueError(
+            f"{clip(repr(value))} is not a strategy (valid: {', '.join(STRATEGIES)}, "
+            f"or {{class_path: ..., init_args: {{...}}}})"
+        )
+    return value
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class TrainerSettings:
+    """The Lightning ``Trainer`` arguments a trial runs with."""
+
+    accelerator: Literal["cpu", "cuda", "auto"] = Field(
+        default="cpu", description="Where trials run; 'auto' picks CUDA when available."
+    )
+    devices: _PositiveInt = Field(
+        default=1,
+        description="Devices (ranks) per node of every trial. Above 1, a trial runs that many ranks under "
+        "`strategy`; its peak is the maximum over ranks and its throughput the sum.",
+    )
+    precision: Annotated[str, BeforeValidator(_precision)] = Field(
+        default="32-true",
+        description="Lightning precision: " + ", ".join(PRECISIONS) + " (or the aliases 32, 16, bf16, 64).",
+        json_schema_extra={"enum": [*PRECISIONS, *_PRECISION_ALIASES]},
+    )
+    num_nodes: _PositiveInt = Field(
+        default=1,
+        description="Nodes of the training job. Trials run on one node (the tuner launches its ranks itself); "
+        "more nodes are for planning the job's world size, devices * num_nodes.",
+    )
+    strategy: Annotated[StrategyName | Component, Field(union_mode="left_to_right"), BeforeValidator(_strategy)] = (
+        Field(
+            default="auto",
+            description="Lightning strategy of every trial: auto (one device; DDP with several, as Lightning picks), "
+            "ddp, fsdp (Lightning's FSDPStrategy, FSDP1: CUDA only), model_parallel (ModelParallelStrategy with "
+            "data_parallel_size = all ranks, tensor_parallel_size = 1: FSDP2 through the model's configure_model), "
+            "or {class_path: a lightning.pytorch.strategies.Strategy subclass, init_args: {...}}.",
+        )
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the training job: ``devices * num_nodes``."""
+        return self.devices * self.num_nodes
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy as one word for logs: its name, or the ``class_path`` of a custom one."""
+        return self.strategy if isinstance(self.strategy, str) else self.strategy.class_path
+
+    def describe_ranks(self) -> str | None:
+        """``"2 ranks per trial (ddp)"``-style text for a multi-device trial; ``None`` for one device."""
+        if self.devices == 1:
+            return None
+        how = self.strategy_name
+        if self.strategy == "auto":
+            how = "auto: Lightning runs DDP on several devices"
+        return f"{self.devices} ranks per trial ({how}); peak = the highest rank's, throughput = all ranks'"
+
+
+def _budget_value(value: Any) -> int | float:
+    """Bytes (an int or a size string) or a fraction of device memory (a float in (0, 1] or "80%")."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"{clip(repr(value))} is not a percentage (valid: e.g. '80%')") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"{clip(repr(value))}: a percentage of device memory must be in (0%, 100%]")
+        return pct / 100
+    if isinstance(value, float):
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise ValueError(
+                f"{clip(repr(value))}: a float is a fraction of device memory and must be in (0, 1]; "
+                f"for an absolute budget give bytes as an integer or a size like '20GiB'"
+            )
+        return value
+    return parse_bytes(value)
+
+
+_BudgetValue = Annotated[
+    int | float,
+    BeforeValidator(_budget_value),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "description": "bytes"},
+                {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "description": "fraction of device memory"},
+                {
+                    "type": "string",
+                    "pattern": r"^\s*[0-9.]+\s*[a-zA-Z%]*\s*$",
+                    "description": "'20GiB', '20GB' or '80%'",
+                },
+            ]
+        }
+    ),
+]
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class Budget:
+    """The device memory a policy may use: absolute bytes, or a fraction of the device, less a safety margin."""
+
+    value: _BudgetValue = Field(
+        description="Bytes (20GiB, 20GB, 21474836480) or a fraction of the device's memory (0.8 or '80%'). "
+        "Stored as an int (bytes) or a float (fraction)."
+    )
+    margin: float = Field(
+        default=0.05,
+        ge=0.0,
+        lt=0.5,
+        description="Fraction of the budget kept free: allocator fragmentation and run-to-run variation the "
+        "short trials do not see. A policy must measure under value * (1 - margin).",
+    )
+
+    @property
+    def is_fraction(self) -> bool:
+        """Whether the budget is relative to the device's memory."""
+        return isinstance(self.value, float)
+
+    def limit_bytes(self, device_total_bytes: int | None) -> int:
+        """The most bytes a trial's peak may reach: the budget, less the margin.
+
+        Raises:
+            RecomputeError: the budget is a fraction and the device's memory is unknown (CPU).
+        """
+        if self.is_fraction:
+            if device_total_bytes is None:
+                raise RecomputeError(
+                    f"budget.value: {self.value:g} is a fraction of device memory, but this device reports no "
+                    f"total memory (CPU); give bytes instead, e.g. '20GiB'"
+                )
+            budget = self.value * device_total_bytes
+        else:
+            budget = float(self.value)
+        return int(budget * (1.0 - self.margin))
+
+    def describe(self, device_total_bytes: int | None = None) -> str:
+        """``"80% of 79.19 GiB = 63.35 GiB, less 5% margin"``-style text for logs."""
+        if self.is_fraction:
+            base = f"{self.value:.0%} of device memory"
+            if device_total_bytes is not None:
+                base = f"{self.value:.0%} of {_format_bytes(device_total_bytes)}"
+        else:
+            base = _format_bytes(int(self.value))
+        try:
+            limit = f" -> limit {_format_bytes(self.limit_bytes(device_total_bytes))}"
+        except RecomputeError:
+            limit = ""
+        return f"{base}, less {self.margin:.0%} margin{limit}"
+
+
+def _budget_shorthand(value: Any) -> Any:
+    # `budget: 20GiB` is the common case; it means {value: 20GiB} with the default margin.
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return {"value": value}
+    return value
+
+
+if TYPE_CHECKING:  # a Literal must be spelled out for a type checker; the names are checked at run time
+    ModeName = str
+else:
+    ModeName = Literal[MODE_NAMES]
+"""A mode a recipe may search: one of `lightning_recompute.modes.MODE_NAMES`, in its order (the JSON Schema's
+enum and the ``valid:`` list of an error)."""
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class SearchSettings:
+    """How the Optuna study searches."""
+
+    modes: tuple[ModeName, ...] = Field(
+        default=("none", "selective", "full"),
+        min_length=1,
+        description="Recompute modes a layer may take. 'offload' (activations in host memory) helps on CUDA only. "
+        "'selective:<family>' is selective recomputation with a named save list "
+        f"(lightning_recompute.selective.SAVE_FAMILIES): {', '.join(FAMILY_NAMES)}.",
+    )
+    compile: tuple[bool, ...] = Field(
+        default=(False,),
+        min_length=1,
+        description="Whether trials torch.compile each layer (per block, around its recompute wrapper): "
+        "[false, true] searches both. The planner predicts eager steps; trials measure compiled ones, "
+        "compilation warmed up outside the timed steps.",
+    )
+    n_trials: _PositiveInt = Field(default=20, description="Trials to run (planner-skipped candidates do not count).")
+    timeout_s: float | None = Field(default=None, gt=0, description="Stop starting new trials after this many seconds.")
+    micro_batch_sizes: tuple[_PositiveInt, ...] | None = Field(
+        default=None,
+        min_length=1,
+        description="Micro-batch sizes to co-tune with the policy (the data's batch_size init arg); "
+        "null keeps the data module's own batch size.",
+    )
+    seed: _Int = Field(default=0, description="Seed of the sampler and of every trial's model and data.")
+
+
+def _env_values(value: Any) -> Any:
+    # YAML reads `OMP_NUM_THREADS: 1` as an int; an environment holds strings.
+    if isinstance(value, Mapping):
+        return {k: (str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in value.items()}
+    return value
+
+
+_SCAN_BATCHES = 64
+"""The default ``trial.scan_batches``: enough to see a last partial batch and the spread of variable-length
+data, few enough that collating them costs little beside a trial. Left out of the recipe's fingerprint at
+this value, so studies from before the setting existed resume."""
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class TrialSettings:
+    """How long one trial measures."""
+
+    warmup_steps: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2, description="Training steps run first and not timed (allocator warm-up, lazy init, autotuning)."
+    )
+    measure_steps: _PositiveInt = Field(
+        default=5, description="Training steps timed after warm-up; the median is used."
+    )
+    timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Wall-clock limit of one trial's subprocess (startup included); then it is killed.",
+    )
+    scan_batches: _PositiveInt = Field(
+        default=_SCAN_BATCHES,
+        description="Batches of the data module scanned before a trial for the largest (the whole epoch when it "
+        "is shorter). When batches vary, every measured step uses the largest found, so 'fits the budget' "
+        "holds for it; the session says which batch that was and whether the scan saw the whole epoch.",
+    )
+    env: Annotated[dict[str, str], BeforeValidator(_env_values)] = Field(
+        default_factory=dict,
+        description="Environment variables of every trial subprocess, e.g. {OMP_NUM_THREADS: 1}: on a shared CPU, "
+        "one thread per trial gives far steadier step times than threads fighting over cores.",
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class RaceSettings:
+    """The race before the gate: the leading candidates re-measured interleaved in one process."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Race the leaders before the gate. Off: the best single trial is gated, and no 'vs' figure is "
+        "printed (single trials are not comparable).",
+    )
+    leaders: _PositiveInt = Field(
+        default=4, description="How many of the fastest fitting trials race (besides the planner's pick and baselines)."
+    )
+    predicted: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2,
+        description="How many more fitting trials race because the planner predicts them fastest (within "
+        f"{PREDICTION_SPAN:.0%} of its fastest prediction; the faster trials of those first): a single trial under "
+        "load can rank the fastest policy below the leaders.",
+    )
+    steps: _PositiveInt = Field(default=2, description="Timed steps per candidate per round (after one settling step).")
+    min_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
+        default=6,
+        description="Selection rounds before the race may stop early: on a separated leader, or on the race "
+        "budget (share), which never cuts the selection below them.",
+    )
+    max_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(default=30, description="Selection rounds at most.")
+    time_s: float = Field(default=120.0, gt=0, description="Seconds of selection rounds at most.")
+    share: float | None = Field(
+        default=0.25,
+        gt=0,
+        description="The race's rounds (selection and estimation) take at most this share of the time the "
+        "search's trials took (their wall time summed); the selection stops early enough to leave the estimation "
+        "its rounds. null: only time_s and max_rounds bound the race.",
+    )
+    min_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds of rounds the share never cuts the race below, however short the search was "
+        "(time_s and max_rounds still bound it): with forked "
+        "trials a search of a dozen trials takes seconds, and its share would leave the race on its floors "
+        "(race.min_rounds, 8 estimation rounds) with wide 'vs' intervals. 0: the share alone.",
+    )
+    estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
+        default=16, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
+    )
+    processes: Annotated[int, Strict(), Field(ge=1)] = Field(
+        default=2,
+        description="Processes the 'vs' figures are measured in: the race's, then fresh ones that race only the "
+        "winner against the baselines for estimate_rounds rounds; a figure's interval spans every process's (the "
+        "same two policies measure a few percent apart from one process to the next). 1: the race's only.",
+    )
+    rivals: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2,
+        description="How many candidates the race could not separate from its winner (nor see within tie_margin "
+        "of it), closest first, race again beside the winner in the fresh processes (processes > 1); the winner is "
+        "then the fastest across processes (geometric mean of each process's ratio), since the same two policies "
+        "can swap order from one process to the next. A rival that wins gets its figures from fresh processes "
+        "only. 0: the race's own process decides alone.",
+    )
+    disputes: Annotated[int, Strict(), Field(ge=0)] = Field(
+        default=2,
+        description="More fresh processes, at most, that race the winner and the rivals raced again (race.rivals) "
+        "while the processes so far disagree on which is faster (one measured the rival faster, another slower); "
+        "the winner is then the fastest across all of them. 0: decide on the processes of race.processes.",
+    )
+    confidence: float = Field(
+        default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
+    )
+    tie_margin: float = Field(
+        default=TIE_MARGIN,
+        ge=0.0,
+        lt=1.0,
+        description="A candidate the race could not tell from the leader ties with it (and the tie goes to the most "
+        "memory headroom) only when the race saw it within this fraction of the leader's time (the upper end of "
+        "its interval, not only its median); otherwise the leader wins.",
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class TrackingSettings:
+    """Where MLflow records sessions, trials and decisions."""
+
+    uri: str = Field(
+        default="sqlite:///mlflow.db",
+        min_length=1,
+        description="MLflow tracking URI; a relative sqlite path or plain folder resolves against the recipe folder.",
+    )
+    experiment: str | None = Field(
+        default=None, min_length=1, description="MLflow experiment; default: the recipe name."
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class StudySettings:
+    """Where the Optuna study lives (so a session resumes, and several workers share it)."""
+
+    storage: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Optuna storage URL (sqlite:///optuna.db, postgresql://...) or a journal file path "
+        "ending in .log; default: optuna.db beside the recipe.",
+    )
+    name: str | None = Field(
+        default=None, min_length=1, description="Study name; default: from the recipe name and the hardware."
+    )
+
+
+_Layers = Annotated[
+    str | tuple[str, ...],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            ],
+            "default": "auto",
+        }
+    ),
+]
+
+
+def _layers_value(value: Any) -> Any:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("an empty layer selection (valid: 'auto', module paths, globs, or 'class:Name')")
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, str) and v.strip() for v in value):
+            raise ValueError(
+                f"{clip(repr(value))}: a list of layers must hold non-empty strings "
+                "(module paths, globs, or 'class:Name')"
+            )
+        return tuple(value)
+    raise ValueError(
+        f"{clip(repr(value))} is not a layer selection (valid: 'auto', module paths, globs, or 'class:Name')"
+    )
+
+
+@schema_dataclass(frozen=True, config=_SCHEMA)
+class RecipeFile:
+    """Recipe for `recompute-tune`: what to tune, on what hardware, within which memory budget."""
+
+    budget: Annotated[Budget, BeforeValidator(_budget_shorthand)] = Field(
+        description="Device memory the policy may use: bytes ('20GiB'), a fraction (0.8, '80%'), or {value, margin}."
+    )
+    name: str | None = Field(
+        default=None, min_length=1, description="Recipe name; default: the file name without extension."
+    )
+    model: Component = Field(
+        default_factory=lambda: Component(REFERENCE_MODEL),
+        description="The LightningModule to tune; class_path defaults to the reference GPT.",
+    )
+    data: Component | None = Field(
+        default=None,
+        description="The LightningDataModule feeding it; class_path defaults to synthetic tokens, which take "
+        "the reference model's vocab_size and seq_len.",
+    )
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Trainer settings of every trial.")
+    layers: Annotated[_Layers, BeforeValidator(_layers_value)] = Field(
+        default="auto",
+        description="Which modules are layers: 'auto' (the longest stack of same-class blocks), module paths, "
+        "globs, or 'class:Name'.",
+    )
+    search: SearchSettings = Field(default_factory=SearchSettings, description="The search.")
+    trial: TrialSettings = Field(default_factory=TrialSettings, description="One trial's length.")
+    race: RaceSettings = Field(default_factory=RaceSettings, description="The race before the gate.")
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow tracking.")
+    study: StudySettings = Field(default_factory=StudySettings, description="Optuna study storage.")
+    output: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Policy file written on promotion; default: policy.yaml beside the recipe.",
+    )
+
+
+FILE_ADAPTER = TypeAdapter(RecipeFile)
+"""Validates a whole recipe file (a mapping) into a `RecipeFile`."""
+SECTIONS: dict[str, type] = {
+    "model": Component,
+    "data": Component,
+    "trainer": TrainerSettings,
+    "budget": Budget,
+    "search": SearchSettings,
+    "trial": TrialSettings,
+    "race": RaceSettings,
+    "tracking": TrackingSettings,
+    "study": StudySettings,
+}
+"""The recipe's top-level keys and the class each section validates into."""
+
+
+# ---------------------------------------------------------------------------------------------- the recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A validated recipe with every default filled in and every path absolute."""
+
+    source: Path | None
+    """The recipe file; ``None`` for a recipe built from a mapping alone."""
+    name: str
+    """The recipe's name (default: the file's stem)."""
+    model: Component
+    """The LightningModule to tune."""
+    data: Component
+    """The LightningDataModule feeding it."""
+    trainer: TrainerSettings
+    """Trainer settings of every trial."""
+    layers: str | tuple[str, ...]
+    """Which modules are layers (`lightning_recompute.layers.LayerSpec`)."""
+    budget: Budget
+    """The memory budget."""
+    search: SearchSettings
+    """The search."""
+    trial: TrialSettings
+    """One trial's length."""
+    race: RaceSettings
+    """The race before the gate."""
+    tracking: TrackingSettings
+    """MLflow tracking; ``experiment`` is always set."""
+    study: StudySettings
+    """Optuna storage; ``storage`` is always set, ``name`` may be ``None`` (derived from the hardware)."""
+    output: Path
+    """The policy file written on promotion."""
+
+    def race_plan(self, *, search_s: float | None = None) -> RacePlan:
+        """The race's plan from ``race``, warmed up as long as the recipe's trials (at least one step).
+
+        ``search_s``: the wall time the search's trials took; the race's rounds then take at most
+        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did, but
+        never less than ``race.min_s`` (a search of cheap forked trials would leave a race too short
+        to measure anything).
+        """
+        r = self.race
+        return RacePlan(
+            steps=r.steps,
+            min_rounds=r.min_rounds,
+            max_rounds=r.max_rounds,
+            time_s=r.time_s,
+            total_s=max(r.min_s, r.share * search_s) if search_s and r.share is not None else None,
+            estimate_rounds=r.estimate_rounds,
+            confidence=r.confidence,
+            tie_margin=r.tie_margin,
+            warmup_steps=max(1, self.trial.warmup_steps),
+        )
+
+    @property
+    def folder(self) -> Path:
+        """The folder relative paths resolve against (the recipe's, or the working directory)."""
+        return self.source.parent if self.source is not None else Path.cwd()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as the file structure (plain types; `from_dict` of it gives an equal recipe)."""
+        return {
+            "name": self.name,
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "trainer": dataclasses.asdict(self.trainer),
+            "layers": self.layers if isinstance(self.layers, str) else list(self.layers),
+            "budget": dataclasses.asdict(self.budget),
+            "search": jsonable(dataclasses.asdict(self.search)),
+            "trial": dataclasses.asdict(self.trial),
+            "race": dataclasses.asdict(self.race),
+            "tracking": dataclasses.asdict(self.tracking),
+            "study": dataclasses.asdict(self.study),
+            "output": str(self.output),
+        }
+
+    def fingerprint(self) -> str:
+        """What the recipe measures, as a short hash.
+
+        Covers the model, data, trainer, layers, budget, the modes and micro-batch sizes searched
+        and the trial length; not the name, the output or storage locations, nor the number of
+        trials or time limits, so a study can be resumed after extending it or moving its results.
+        """
+        d = self.to_dict()
+        keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
+        keep["trial"] = {k: v for k, v in d["trial"].items() if (k, v) != ("scan_batches", _SCAN_BATCHES)}
+        # Keys added after studies existed stay out at their defaults, so those studies still resume.
+        keep["trainer"] = {
+            k: v for k, v in d["trainer"].items() if (k, v) not in (("num_nodes", 1), ("strategy", "auto"))
+        }
+        keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
+        if list(d["search"]["compile"]) != [False]:
+            keep["search"]["compile"] = d["search"]["compile"]  # only then: older recipes keep their fingerprint
+        canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def resolve_class(class_path: str) -> tuple[type | None, str]:
+    """``(class, "")`` or ``(None, why not)``."""
+    module_name, _, attr = class_path.rpartition(".")
+    if not module_name or not attr:
+        return None, f"{class_path!r} is not a dotted path of the form package.module.ClassName"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return None, f"cannot import module {module_name!r} of {class_path!r}: {err}"
+    except Exception as err:  # noqa: BLE001 - user code failing at import time is reported, not raised
+        return None, f"importing module {module_name!r} of {class_path!r} raised {type(err).__name__}: {err}"
+    obj = getattr(module, attr, None)
+    if obj is None:
+        public = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and not n.startswith("_"))
+        return None, f"module {module_name!r} has no attribute {attr!r}{suggest(attr, public)}"
+    if not inspect.isclass(obj):
+        return None, f"{class_path!r} is a {type(obj).__name__}, not a class"
+    return obj, ""
+
+
+def suggest(word: str, choices: Any) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices`` to a misspelt ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
