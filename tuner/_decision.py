@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_recompute.errors import RecomputeError
 from tuner._search import gate_lease
+from tuner._search.seeds import Source, pick_of
 from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
 
 if TYPE_CHECKING:
@@ -487,14 +488,14 @@ def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
     """The planner's pick and the baselines beside the leaders: the fastest baseline and full, the
     references the winner's figure is given against (``same``: fitting trials at the best's micro-batch,
     fastest first)."""
-    planner = [r for r in same if (r.seed or "").startswith("planner:budget")]
+    planner = [r for r in same if r.source is Source.PLANNER and pick_of(r.label).startswith("budget")]
     if planner and planner[0].policy is not None:
         out.add(planner[0].policy, "planner")
-    baselines = [r for r in same if (r.seed or "").startswith("baseline:")]
+    baselines = [r for r in same if r.baseline is not None]
     if baselines and (fastest := baselines[0].policy) is not None:  # `same` is sorted fastest first
         out.add(fastest, f"baseline {_name(baselines[0])}")
         out.references.append(fastest)
-    full = next((r for r in same if r.seed == "baseline:full"), None)
+    full = next((r for r in same if r.baseline == "full"), None)
     if (
         full is not None
         and full.policy is not None
@@ -519,7 +520,7 @@ def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int
 
 
 def _name(record: TrialRecord) -> str:
-    return (record.seed or "").removeprefix("baseline:")
+    return record.baseline or ""
 
 
 def suspects(records: Sequence[TrialRecord], *, tolerance: float = 0.25) -> list[tuple[TrialRecord, str]]:

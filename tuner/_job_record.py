@@ -82,7 +82,7 @@ def record(
                 fingerprint=cand.key,
                 short=cand.short,
                 micro_batch=None,
-                seed=cand.label,
+                label=cand.label,
                 throughput=result.throughput,
                 throughput_unit=result.throughput_unit,
                 peak_bytes=result.peak_bytes,

@@ -367,12 +367,12 @@ def _trial_line(event: TrialEvent) -> str:
         body = f"{r.outcome}: {r.reason}"
     else:
         body = f"{r.outcome}: {r.reason or ''}".rstrip(": ")
-    seed = f"  ({r.seed})" if r.seed else ""
+    source = f"  ({r.label})" if r.label else ""
     best = event.best
     best_text = (
         f"best #{best.number} {best.short} {_num(best.throughput)}" if best is not None else "best: none feasible yet"
     )
-    return f"{head}  {body}{seed}  | {best_text}"
+    return f"{head}  {body}{source}  | {best_text}"
 
 
 def _report(s: SessionSummary) -> str:
@@ -475,7 +475,7 @@ def _details(s: SessionSummary) -> str:
         # A trial's figure is one short run in its own process: shown, never compared (the race compares).
         header = (
             f"{'rank':>4}  {'trial':>5}  {'policy':<{width}}  {'mb':>4}  "
-            f"{'throughput':>12}  {'noise':>6}  {'peak':>11}  {'fits':>4}  seed"
+            f"{'throughput':>12}  {'noise':>6}  {'peak':>11}  {'fits':>4}  source"
         )
         lines += [f"trials, one run each ({unit}; noise: step-time MAD over median):", header, "-" * len(header)]
         shown = ranked[:10] + [r for r in ranked[10:] if r.number in base_by_number]
@@ -485,7 +485,7 @@ def _details(s: SessionSummary) -> str:
             lines.append(
                 f"{rank:>4}  {r.number:>5}  {r.short:<{width}}  "
                 f"{'-' if r.micro_batch is None else r.micro_batch:>4}  {_num(r.throughput):>12}  {noise:>6}  "
-                f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {r.seed or ''}"
+                f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {r.label or ''}"
             )
         if len(shown) < len(ranked):
             # The top ten and the baselines: say what is left out and where it is, never drop rows silently.
@@ -700,7 +700,7 @@ def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
         print(f"experiment {summary.experiment}: no decisions yet")
     for d in summary.decisions:
         print(
-            f"{d.seq:>3}  {d.at:%Y-%m-%d %H:%M:%S}  {d.kind:<8}  {d.fingerprint or '-':<16}  "
+            f"{d.seq:>3}  {d.at:%Y-%m-%d %H:%M:%S}  {d.kind.value:<8}  {d.fingerprint or '-':<16}  "
             f"mb {'-' if d.micro_batch is None else d.micro_batch:<4}  "
             f"good {d.previous_good_run_id or '-'} -> {d.new_good_run_id or '-'}  {d.reason}"
         )

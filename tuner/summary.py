@@ -256,9 +256,9 @@ def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
     by_number = {r.number: r for r in records}
     out: dict[str, TrialRecord] = {}
     for r in records:
-        if not (r.seed or "").startswith("baseline:"):
+        name = r.baseline
+        if name is None:
             continue
-        name = r.seed.split(":", 1)[1]  # type: ignore[union-attr]
         if r.outcome == "duplicate" and r.duplicate_of in by_number:
             r = by_number[r.duplicate_of]
         if r.outcome in ("interrupted", "abandoned"):

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_recompute.race.schedule import Stop
 from lightning_recompute.race.stats import Interval, across_processes, paired_ratio
 
 __all__ = ["RaceEntrant", "RaceResult", "format_gain"]
@@ -97,7 +98,9 @@ class RaceResult:
     """The selection's winner in the race's own process, when the rivals' race across processes chose
     another (`winner`); ``None``: the selection's winner stands."""
     stop: str = ""
-    """Why the selection stopped."""
+    """Why the selection stopped, in words with the figures."""
+    stopped: Stop | None = None
+    """Why the selection stopped (``None``: no race ran, or a record older than the field)."""
     select_rounds: int = 0
     estimate_rounds: int = 0
     tokens_per_step: int | None = None
@@ -357,6 +360,7 @@ class RaceResult:
         values["vs"] = {k: Interval(**v) for k, v in data.get("vs", {}).items()}
         values["vs_processes"] = tuple({k: Interval(**v) for k, v in p.items()} for p in data.get("vs_processes", ()))
         values["tied"] = tuple(data.get("tied", ()))
+        values["stopped"] = Stop(data["stopped"]) if data.get("stopped") else None
         values["unresolved"] = tuple(data.get("unresolved", ()))
         values["rechecked"] = {k: tuple(v) for k, v in data.get("rechecked", {}).items()}
         return cls(**values)
@@ -395,6 +399,7 @@ class RaceResult:
             behind={k: Interval(**v) for k, v in sel.get("behind", {}).items()},
             vs={k: Interval(**v) for k, v in est.get("vs", {}).items()},
             stop=str(sel.get("stop", "")),
+            stopped=Stop(sel["stopped"]) if sel.get("stopped") else None,
             select_rounds=int(sel.get("rounds", 0)),
             estimate_rounds=int(est.get("rounds", 0)),
             tokens_per_step=res.get("tokens_per_step"),

@@ -30,6 +30,7 @@ turn the others run.
 
 from __future__ import annotations
 
+import enum
 import statistics
 import time
 from collections import deque
@@ -41,13 +42,31 @@ from lightning_recompute import RecomputePolicy
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.rule import Standing, stand, verdict
 
-__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "Agree", "RaceSchedule", "RoundReport", "Turn"]
+__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "Agree", "RaceSchedule", "RoundReport", "Stop", "Turn"]
 
 ESTIMATE_SHARE = 0.4
 """Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
 MIN_ESTIMATE_ROUNDS = 8
 """Estimation rounds a race budget never cuts below: the fewest whose order-statistic interval of the
 median reaches 98% (two references at 95%, Bonferroni; 1 - 2 * 2**-8 = 0.992)."""
+
+
+class Stop(str, enum.Enum):
+    """Why the selection stopped (`RaceSchedule.stopped`; the words with the figures: `stop_reason`)."""
+
+    SEPARATED = "separated"
+    """The leader is ahead of every other entrant at the stop confidence."""
+    ONE_LEFT = "one_left"
+    NONE_LEFT = "none_left"
+    MOST_ROUNDS = "most_rounds"
+    TIME = "time"
+    """``time_s`` of selection rounds spent."""
+    BUDGET = "budget"
+    """The race's budget (``total_s``) reached, or overspent to run the fewest rounds."""
+    ENDED = "ended"
+    """The caller ended the race (a job that ran out of steps)."""
+    ESTIMATE_ONLY = "estimate_only"
+    """No selection: the winner of an earlier race, estimated again."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +167,7 @@ class RaceSchedule:
         self.started: float | None = None
         self.elapsed_s = 0.0
         self.stop_reason = ""
+        self.stopped: Stop | None = None
         self.standing: Standing | None = None
         self.winner: str | None = winner
         self.estimate_only = winner is not None
@@ -211,6 +231,7 @@ class RaceSchedule:
             self._close_round()  # the round in progress counts when every contender ran in it
         if self.phase != "estimate":
             self.stop_reason = f"{reason} after {len(self.select_rounds)} selection rounds"
+            self.stopped = Stop.ENDED
             self._decide()
             self.phase = "estimate"
         self.turns.clear()
@@ -261,6 +282,7 @@ class RaceSchedule:
             if self.estimate_only:
                 self.phase = "estimate"
                 self.stop_reason = "no selection: the winner of an earlier race, estimated again"
+                self.stopped = Stop.ESTIMATE_ONLY
         if self.phase == "select" and self._selection_over():
             self._decide()
             self.phase = "estimate"
@@ -287,12 +309,15 @@ class RaceSchedule:
         rounds = len(self.select_rounds)
         if len(alive) < 2:
             self.stop_reason = "one entrant left" if alive else "no entrant left"
+            self.stopped = Stop.ONE_LEFT if alive else Stop.NONE_LEFT
             return True
         if rounds >= self.plan.max_rounds:
             self.stop_reason = f"{rounds} rounds (the most allowed)"
+            self.stopped = Stop.MOST_ROUNDS
             return True
         if rounds >= 2 and self.elapsed_s >= self.plan.time_s:
             self.stop_reason = f"time budget of {self.plan.time_s:g} s spent after {rounds} rounds"
+            self.stopped = Stop.TIME
             return True
         total = self.plan.total_s
         # The budget never cuts the selection below min_rounds: with fewer rounds no paired interval reaches
@@ -312,12 +337,14 @@ class RaceSchedule:
                 else:  # past the floor: the last round took longer than the pace the check before it expected
                     why = f"overspent by the last of {rounds} rounds, slower than the ones before"
                 self.stop_reason = f"race budget of {total:.0f} s {why}"
+                self.stopped = Stop.BUDGET
                 return True
         if rounds >= self.plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=self.plan.stop_confidence)
             level = f"{self.plan.stop_confidence:.0%}"
             if len(early.beaten()) == len(alive) - 1:
                 self.stop_reason = f"leader separated from every other entrant at {level} after {rounds} rounds"
+                self.stopped = Stop.SEPARATED
                 return True
             # Racing (F-Race): an entrant beaten with confidence stops costing rounds; the rounds
             # left go to the ones the race cannot tell apart yet.
@@ -401,6 +428,7 @@ class RaceSchedule:
             "selection": {
                 "rounds": len(self.select_rounds),
                 "stop": self.stop_reason,
+                "stopped": None if self.stopped is None else self.stopped.value,
                 "leader": None if standing is None else standing.leader,
                 "behind": {} if standing is None else {k: iv.to_dict() for k, iv in standing.behind.items()},
                 "tied": list(self.tied),

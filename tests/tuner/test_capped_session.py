@@ -63,7 +63,7 @@ def test_a_session_where_none_does_not_fit_plans_from_what_fits_and_promotes_und
     assert "none did not fit with every layer in it" in planned, planned
     if devices > 1:
         assert "for one rank of 2 (ddp)" in planned, planned
-    assert any((r.seed or "").startswith("planner:") and r.outcome == "ok" for r in summary.records), summary.records
+    assert any(r.source.value == "planner" and r.outcome == "ok" for r in summary.records), summary.records
     best = summary.best
     assert best is not None and best.peak_bytes is not None and best.peak_bytes <= cap
     assert best.policy is not None and best.policy != RecomputePolicy.uniform("none")

@@ -196,7 +196,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     measured = [r for r in records if r.ran]
     assert len(measured) == 3
     assert len({(r.fingerprint, r.micro_batch) for r in measured}) == 3  # nothing measured twice
-    seeds = [r.seed for r in records if r.seed]
+    seeds = [r.label for r in records if r.label]
     assert len(seeds) == len(set(seeds))  # no baseline enqueued or run twice
     assert len(study.waiting()) == waiting - (3 - len(first))  # the rest came from the original queue
     _, _, runs = mlflow_runs(recipe_path)
@@ -232,7 +232,7 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
     # Seeded once: each seed is enqueued once, plus once more each time a worker stood down from it
     # (`tell_interrupted` puts a seed back in the queue; a worker may stand down when both ask at once).
     copies = Counter(t.user_attrs["seed"] for t in study.study.trials if t.user_attrs.get("seed"))
-    put_back = Counter(r.seed for r in records if r.seed and r.outcome == "interrupted")
+    put_back = Counter(r.label for r in records if r.label and r.outcome == "interrupted")
     assert copies, "no seed was enqueued"
     assert {name: n - put_back[name] for name, n in copies.items()} == dict.fromkeys(copies, 1), (
         "the study was seeded twice"

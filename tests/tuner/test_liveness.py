@@ -119,10 +119,10 @@ def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measure
     dead = [r for r in summary.records if r.outcome == "abandoned"]
     assert len(dead) == 1 and dead[0].state == "FAIL" and "is gone" in (dead[0].reason or "")
     # The candidate came back and was measured once; every baseline was measured exactly once.
-    measured = Counter(r.seed for r in summary.records if r.ran)
+    measured = Counter(r.label for r in summary.records if r.ran)
     assert measured == Counter({f"baseline:{b}": 1 for b in ("none", "full", "selective", "every_2nd_full")})
-    assert dead[0].seed in measured
-    assert summary.baselines[dead[0].seed.split(":")[1]].outcome == "ok"  # type: ignore[union-attr]
+    assert dead[0].label in measured
+    assert summary.baselines[dead[0].label.split(":")[1]].outcome == "ok"  # type: ignore[union-attr]
 
     # MLflow: the dead trial is a FAILED run of the dead session, which ended KILLED; nothing RUNNING.
     all_runs = runs(recipe)

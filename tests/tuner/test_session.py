@@ -295,7 +295,7 @@ def test_first_ctrl_c_finishes_the_trial_then_stops_and_a_rerun_resumes(tmp_path
     assert resumed.status == "searched" and resumed.trials_this_session == 2
     records = resumed.records
     assert sum(1 for r in records if r.ran) == 4
-    seeds = [r.seed for r in records if r.seed]
+    seeds = [r.label for r in records if r.label]
     assert len(seeds) == len(set(seeds)) == 4  # every baseline once: nothing re-seeded
     assert len(study_of(recipe, resumed).waiting()) == waiting - 2
     assert [r.info.status for r in runs(recipe, "session")] == ["FINISHED"]  # the session run resumed
@@ -314,14 +314,14 @@ def test_second_ctrl_c_kills_the_trial_and_its_seed_runs_on_resume(tmp_path, tra
     assert summary.exit_code == EXIT_INTERRUPTED
     assert [r.outcome for r in summary.records] == ["over_budget", "interrupted"]
     killed = summary.records[1]
-    assert killed.seed == "baseline:full" and killed.state == "FAIL"
+    assert killed.label == "baseline:full" and killed.state == "FAIL"
     assert not study_of(recipe, summary).in_flight.running()
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
     assert str(killed.number) not in {r.data.params.get("trial_number") for r in runs(recipe, "trial")}
 
     fakes.on_call = None
     resumed = session.tune(recipe, use_planner=False, search_only=True)
-    full = [r for r in resumed.records if r.seed == "baseline:full"]
+    full = [r for r in resumed.records if r.label == "baseline:full"]
     assert [r.outcome for r in full] == ["interrupted", "ok"]  # re-queued, then measured once
     assert resumed.baselines["full"].outcome == "ok"
     assert sum(1 for r in resumed.records if r.ran) == 4

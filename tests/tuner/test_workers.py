@@ -28,11 +28,11 @@ def test_a_seed_asked_last_stands_down_for_a_trial_that_counted_itself_in_whatev
     fresh = first.ask()
     assert not slot_taken(first, n_trials=1, grace_s=GRACE_S)  # it counts itself within n_trials: it measures
     seed = late.ask()
-    assert seed.seed is not None and seed.number < fresh.number
+    assert seed.label is not None and seed.number < fresh.number
     # The rule this replaced (the lower number keeps the slot) ran the seed too: two trials for n_trials=1.
     assert slot_taken(late, n_trials=1, grace_s=GRACE_S)
     late.tell_interrupted(seed, "stood down")
-    assert [t.user_attrs.get("seed") for t in late.waiting()] == [seed.seed]  # the seed is queued again
+    assert [t.user_attrs.get("seed") for t in late.waiting()] == [seed.label]  # the seed is queued again
     assert others_fill(late, n_trials=1, grace_s=GRACE_S)  # and the worker waits rather than asking again
 
 

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lightning_recompute.policy import RecomputePolicy
 from tuner._search.space import SearchSpace
+
+
+class Source(str, enum.Enum):
+    """Where a trial's policy came from. A trial's label (``baseline:full``, ``planner:front2``, stored as
+    the trial's ``seed`` attribute since the first studies) says it; `of` reads it, in this one place."""
+
+    BASELINE = "baseline"
+    PLANNER = "planner"
+    SEARCH = "search"
+    """Sampled by Optuna's sampler (no label)."""
+
+    @classmethod
+    def of(cls, label: str | None) -> Source:
+        kind = (label or "").partition(":")[0]
+        return cls(kind) if kind in (cls.BASELINE.value, cls.PLANNER.value) else cls.SEARCH
+
+
+def pick_of(label: str | None) -> str:
+    """What a label names within its source: ``full`` of ``baseline:full``, ``budget`` of ``planner:budget``."""
+    return (label or "").partition(":")[2]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 from tuner._liveness import Owner
 from tuner._search.attrs import StudyAttr, TrialAttr
 from tuner._search.in_flight import InFlight
-from tuner._search.seeds import Seed
+from tuner._search.seeds import Seed, Source, pick_of
 from tuner._search.setup_state import StudySetup
 from tuner._search.space import SearchSpace
 from tuner._stores import open_storage
@@ -81,8 +81,9 @@ class Proposal:
     trial: optuna.Trial
     policy: RecomputePolicy
     micro_batch: int | None
-    seed: str | None
-    """The seed's name when the trial was enqueued, else ``None`` (sampled)."""
+    label: str | None
+    """Where the trial came from when it was enqueued (``baseline:full``, ``planner:budget``), else ``None``
+    (sampled; `Source`)."""
     duplicate_of: FrozenTrial | None = None
     """A trial of the same policy and micro-batch already measured, failed, or claimed for measuring."""
     contended_by: FrozenTrial | None = None
@@ -134,7 +135,9 @@ class TrialRecord:
     fingerprint: str
     short: str
     micro_batch: int | None
-    seed: str | None
+    label: str | None
+    """Where the trial came from (`Source.of` reads it): ``baseline:full``, ``planner:budget`` ...; ``None``:
+    sampled."""
     throughput: float | None = None
     throughput_unit: str = ""
     peak_bytes: int | None = None
@@ -151,6 +154,15 @@ class TrialRecord:
     feasible: bool = False
     """Measured and within the budget limit."""
 
+    @property
+    def source(self) -> Source:
+        return Source.of(self.label)
+
+    @property
+    def baseline(self) -> str | None:
+        """The baseline's name (``full``) when the trial is one, else ``None``."""
+        return pick_of(self.label) if self.source is Source.BASELINE else None
+
     @classmethod
     def from_trial(cls, t: FrozenTrial) -> TrialRecord:
         """The record of a finished Optuna trial, read from its user attributes."""
@@ -166,7 +178,7 @@ class TrialRecord:
             fingerprint=str(a.get(TrialAttr.FINGERPRINT, "")),
             short=str(a.get(TrialAttr.SHORT, "")),
             micro_batch=a.get(TrialAttr.MICRO_BATCH),
-            seed=a.get(TrialAttr.SEED),
+            label=a.get(TrialAttr.SEED),
             throughput=a.get(TrialAttr.THROUGHPUT),
             throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
             peak_bytes=a.get(TrialAttr.PEAK_BYTES),
@@ -203,7 +215,8 @@ class TrialRecord:
             "policy_fingerprint": self.fingerprint,
             "policy_short": self.short,
             "micro_batch": self.micro_batch,
-            "seed": self.seed,
+            "seed": self.label,  # the trials table's column since the first studies (trials.csv, JSON)
+            "source": self.source.value,
             "throughput": self.throughput,
             "throughput_unit": self.throughput_unit,
             "peak_bytes": self.peak_bytes,
@@ -377,7 +390,7 @@ class TuningStudy:
         trial = self.study.ask(fixed_distributions=self._distributions)
         policy, mb = self.space.decode(trial.params)
         seed_name = trial.user_attrs.get(TrialAttr.SEED)
-        proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, seed=seed_name)
+        proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, label=seed_name)
         key = proposal.key
         trial.set_user_attr(TrialAttr.CANDIDATE_KEY, key)
         trial.set_user_attr(TrialAttr.POLICY, policy.to_dict())
@@ -480,9 +493,9 @@ class TuningStudy:
         t = proposal.trial
         self._set_common(proposal, outcome="interrupted", run_id=None, reason=reason)
         frozen = self.study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
-        if proposal.seed is not None:
+        if proposal.label is not None:
             self.study.enqueue_trial(
-                dict(t.params), user_attrs={TrialAttr.SEED: proposal.seed, TrialAttr.SEED_KEY: proposal.key}
+                dict(t.params), user_attrs={TrialAttr.SEED: proposal.label, TrialAttr.SEED_KEY: proposal.key}
             )
         return frozen
 

@@ -8,6 +8,7 @@ its new good run, and a failure puts the file back and the record as it was.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from contextlib import suppress
@@ -39,12 +40,20 @@ from tuner._tracking.names import (
     TUNED_MICRO_BATCH,
 )
 
-__all__ = ["decision_seq", "finish_decision_run", "start_decision_run", "tag_int"]
+__all__ = ["DecisionKind", "decision_seq", "finish_decision_run", "start_decision_run", "tag_int"]
+
+
+class DecisionKind(str, enum.Enum):
+    """What a decision run decided; its value is the run's ``recompute.decision`` tag."""
+
+    PROMOTE = "promote"
+    REJECT = "reject"
+    ROLLBACK = "rollback"
 
 
 def start_decision_run(
     store: TrackingClient,
-    kind: str,
+    kind: DecisionKind,
     policy: RecomputePolicy,
     *,
     reason: str,
@@ -61,7 +70,7 @@ def start_decision_run(
     seq = 1 + max((decision_seq(r.data.tags) for r in store.search(f"tags.`{KIND}` = 'decision'")), default=0)
     tags = {
         KIND: "decision",
-        DECISION: kind,
+        DECISION: kind.value,
         DECISION_SEQ: str(seq),
         REASON: clip_tag(reason),
         PREVIOUS_GOOD: previous or "",
@@ -76,7 +85,7 @@ def start_decision_run(
         tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
     if parent_run_id:
         tags[PARENT] = parent_run_id
-    run = store.client.create_run(store.experiment_id, tags=tags, run_name=f"{kind} {policy.fingerprint()}")
+    run = store.client.create_run(store.experiment_id, tags=tags, run_name=f"{kind.value} {policy.fingerprint()}")
     run_id = run.info.run_id
     try:
         store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)

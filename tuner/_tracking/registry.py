@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, int_or_none
-from tuner._tracking.decision_runs import decision_seq, finish_decision_run, start_decision_run, tag_int
+from tuner._tracking.decision_runs import DecisionKind, decision_seq, finish_decision_run, start_decision_run, tag_int
 from tuner._tracking.names import (
     DECISION,
     DECISION_ENDED_BY,
@@ -61,7 +61,7 @@ class Decision:
 
     run_id: str
     """The decision run."""
-    kind: Literal["promote", "reject", "rollback"]
+    kind: DecisionKind
     """What was decided."""
     seq: int
     """Position in the experiment's decision history (1, 2, ...)."""
@@ -185,7 +185,7 @@ class PolicyRegistry:
             self._ensure_run_policy(source_run_id, policy)
         decision_id = start_decision_run(
             self.store,
-            "promote",
+            DecisionKind.PROMOTE,
             policy,
             reason=reason,
             evidence=evidence,
@@ -215,7 +215,7 @@ class PolicyRegistry:
         previous = self._good_run_id()
         decision_id = start_decision_run(
             self.store,
-            "reject",
+            DecisionKind.REJECT,
             policy,
             reason=reason,
             evidence=evidence,
@@ -274,7 +274,7 @@ class PolicyRegistry:
             vet(restored)
         decision_id = start_decision_run(
             self.store,
-            "rollback",
+            DecisionKind.ROLLBACK,
             restored.policy,
             reason=f"rolled back from run {current} to run {target}",
             evidence={"rolled_back_run_id": current, "restored_run_id": target},
@@ -292,9 +292,10 @@ class PolicyRegistry:
         out = []
         for run in self._decision_runs():
             t = run.data.tags
-            kind = t.get(DECISION)
-            if kind not in ("promote", "reject", "rollback"):
-                continue  # a run tagged a decision by other means, saying nothing the history can show
+            try:
+                kind = DecisionKind(t.get(DECISION))
+            except ValueError:  # a run tagged a decision by other means, saying nothing the history can show
+                continue
             out.append(
                 Decision(
                     run_id=run.info.run_id,
@@ -374,9 +375,9 @@ class PolicyRegistry:
         stack: list[str] = []
         for run in self._decision_runs():
             t = run.data.tags
-            if t.get(DECISION) == "promote" and t.get(NEW_GOOD):
+            if t.get(DECISION) == DecisionKind.PROMOTE and t.get(NEW_GOOD):
                 stack.append(t[NEW_GOOD])
-            elif t.get(DECISION) == "rollback" and stack:
+            elif t.get(DECISION) == DecisionKind.ROLLBACK and stack:
                 stack.pop()
         return stack
 

@@ -103,7 +103,7 @@ def _record(
     policy: RecomputePolicy,
     thr: float,
     *,
-    seed: str | None = None,
+    label: str | None = None,
     mb: int | None = None,
     feasible: bool = True,
     predicted: float | None = None,
@@ -116,7 +116,7 @@ def _record(
         fingerprint=policy.fingerprint(),
         short=policy.short(NAMES),
         micro_batch=mb,
-        seed=seed,
+        label=label,
         throughput=thr,
         step_time_s=1 / thr,
         predicted_step_time_s=predicted,
@@ -137,9 +137,9 @@ def test_the_field_is_the_leaders_the_planners_pick_the_baselines_and_the_good_p
     from tuner._tracking import GoodPolicy
 
     records = [
-        _record(0, FULL, 100.0, seed="baseline:full"),
-        _record(1, EVERY, 120.0, seed="baseline:every_2nd_full"),
-        _record(2, TWO, 130.0, seed="planner:budget"),
+        _record(0, FULL, 100.0, label="baseline:full"),
+        _record(1, EVERY, 120.0, label="baseline:every_2nd_full"),
+        _record(2, TWO, 130.0, label="planner:budget"),
         _record(3, ONE, 150.0),
         _record(4, SEL, 160.0, feasible=False),  # over budget: never races
         _record(5, COMPILED, 170.0),  # compiled: left out, said so
@@ -168,7 +168,7 @@ def test_the_planners_top_predictions_race_even_when_their_single_trials_ranked_
     cost) and ``.FF`` within 5% of its fastest, so the faster trials of those race; slower predictions,
     policies that do not fit and other micro-batches never enter this way."""
     records = [
-        _record(0, _modes("FFF"), 100.0, seed="baseline:full", predicted=0.30),
+        _record(0, _modes("FFF"), 100.0, label="baseline:full", predicted=0.30),
         _record(1, _modes("sss"), 160.0, predicted=0.26),
         _record(2, _modes("ss."), 150.0, predicted=0.25),
         _record(3, _modes("F.F"), 110.0, predicted=0.2005),
@@ -192,7 +192,7 @@ def test_the_planners_top_predictions_race_even_when_their_single_trials_ranked_
     one = choose_field(records, records[1], None, leaders=2, predicted=1, budget_bytes=None)
     assert {p.short(NAMES) for p, labels in one.entrants if "planner prediction" in labels} == {"FF."}
     # Predictions already in the field (a leader, the planner's pick) are no extra; the span's next one is.
-    records[3] = dataclasses.replace(records[3], seed="planner:budget")
+    records[3] = dataclasses.replace(records[3], label="planner:budget")
     lead = choose_field(records, records[1], None, leaders=3, predicted=2, budget_bytes=None)
     assert {p.short(NAMES): labels for p, labels in lead.entrants if p.short(NAMES) in {"FF.", "F.F", ".FF"}} == {
         "F.F": ["planner"],

@@ -299,18 +299,18 @@ def test_an_interrupted_seed_goes_back_in_the_queue(tmp_path):
     study.seed(baseline_seeds(space))
     waiting = len(study.waiting())
     proposal = study.ask()
-    assert proposal.seed == "baseline:none"
+    assert proposal.label == "baseline:none"
     frozen = study.tell_interrupted(proposal, "interrupted by the user")
     assert frozen.state == TrialState.FAIL and frozen.user_attrs["outcome"] == "interrupted"
     assert len(study.waiting()) == waiting  # one taken, one put back
     assert not study.in_flight.running()
     again = study.ask()
-    assert again.seed == "baseline:full"  # the queue goes on; the re-queued seed comes last
+    assert again.label == "baseline:full"  # the queue goes on; the re-queued seed comes last
     assert again.duplicate_of is None
     # The interrupted trial is not evidence: the same seed, asked again, is measured, not a duplicate.
     for _ in range(len(study.waiting())):
         p = study.ask()
-        if p.seed == "baseline:none":
+        if p.label == "baseline:none":
             assert p.duplicate_of is None
             break
     else:
@@ -343,3 +343,11 @@ def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
     for outcome in get_args(Outcome):
         assert (outcome in MEASURED) == TrialResult(outcome=outcome).measured
         assert (outcome in RAN) == (outcome != "skipped")
+
+
+def test_where_a_trial_came_from_is_read_from_its_label_in_one_place() -> None:
+    from tuner._search.seeds import Source
+
+    assert Source.of("baseline:every_2nd_full") is Source.BASELINE
+    assert Source.of("planner:front2@mb4") is Source.PLANNER
+    assert Source.of(None) is Source.SEARCH and Source.of("") is Source.SEARCH

@@ -88,7 +88,7 @@ def record(
         fingerprint=policy.fingerprint(),
         short=policy.short(LAYERS),
         micro_batch=micro_batch,
-        seed=None,
+        label=None,
         throughput=result.throughput,
         throughput_unit=result.throughput_unit,
         peak_bytes=result.peak_bytes,

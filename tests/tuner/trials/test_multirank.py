@@ -109,7 +109,7 @@ def test_a_two_rank_session_promotes_and_logs_every_ranks_peak(tuned: tuple[Reci
     if recipe.trainer.strategy_name == "ddp":  # capped: none does not fit a rank, the planner's pick promoted under it
         # (One device's profile may still hold none: a rank holds DDP's gradient buckets besides.)
         cap = recipe.budget.limit_bytes(None)
-        none = next(r for r in summary.records if r.seed == "baseline:none")
+        none = next(r for r in summary.records if r.label == "baseline:none")
         assert none.outcome in ("skipped", "oom"), (none.outcome, none.reason)
         # Two layers, two modes: the planner's picks are the baselines; every trial carries its prediction.
         ran = [r for r in summary.records if r.outcome == "ok"]
