@@ -1,7 +1,7 @@
 """The import graph of the two packages, read with `ast`: every import counts (module level, inside a function,
 under `TYPE_CHECKING`), so a deferred import cannot hide a cycle.
 
-A unit is a package (`tuner/race/`) or a top-level module (`tuner/session.py`); `lightning_recompute` is one unit.
+A unit is a package (`tuner/_trials/`) or a top-level module (`tuner/session.py`); `lightning_recompute` is one unit.
 Prints each unit's lines, the cycles between units (strongly connected components) and the longest chain of
 imports from the CLI to the plugin. tests/test_import_graph.py holds the figures to their limits.
 
@@ -20,7 +20,7 @@ PACKAGES = ("lightning_recompute", "tuner")
 
 
 def unit_of(module: str) -> str:
-    """`tuner.race.stats` -> `tuner.race`; `tuner.session` -> `tuner.session`; the plugin is one unit."""
+    """`tuner._trials.runner` -> `tuner._trials`; `tuner.session` -> `tuner.session`; the plugin is one unit."""
     parts = module.split(".")
     if parts[0] == "lightning_recompute":
         return parts[0]
@@ -67,7 +67,7 @@ def graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, int]]:
         lines[unit] += len(path.read_text().splitlines())
         edges[unit]
         for name in imported(module, path):
-            # `from tuner.race import stats` names a module; `from tuner.race import Interval` a name in one.
+            # `from tuner._trials import runner` names a module; `from tuner._trials import run_trial` a name in one.
             target = name if name in found else name.rpartition(".")[0]
             if target in found and unit_of(target) != unit:
                 edges[unit].add(unit_of(target))
