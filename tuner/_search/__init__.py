@@ -16,7 +16,7 @@ is built deterministically. Where layers differ, each layer gets its own categor
 
 Modules: `tuner._search.space` (layers and the space), `tuner._search.seeds` (baselines),
 `tuner._search.study` (`TuningStudy`, its records and the skip rule), `tuner._search.setup_state`
-(`StudySetup`: the study's setup shared by its workers), `tuner._search.in_flight` (`InFlight`: running
+(`StudySetup`: the study's setup shared by its workers), `tuner._search.study` (`InFlight`: running
 trials, alive or reaped), `tuner._search.attrs` (the study's user-attribute keys), `tuner._search.lease`
 (one evidence gate at a time per study).
 Storage is opened by `tuner._stores`.
