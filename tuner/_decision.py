@@ -13,17 +13,21 @@ single trial) is the candidate, and `tuner._gate.decide` checks, records and pro
 from __future__ import annotations
 
 import contextlib
+import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.policy import RecomputePolicy
 from tuner._search import gate_lease
 from tuner._search.seeds import Source, pick_of
 from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
+from tuner.recipe._schema import PREDICTION_SPAN
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RacePlan, RaceResult
@@ -31,17 +35,6 @@ if TYPE_CHECKING:
     from tuner._search import TrialRecord, TuningStudy
     from tuner._tracking import GoodPolicy, Tracker
     from tuner.recipe import Recipe
-import math
-import statistics
-from dataclasses import field
-from typing import TYPE_CHECKING
-
-from lightning_recompute.policy import RecomputePolicy
-from tuner.recipe._schema import PREDICTION_SPAN
-
-if TYPE_CHECKING:
-    from tuner._search import TrialRecord
-    from tuner._tracking import GoodPolicy
 
 __all__ = [
     "PREDICTION_SPAN",

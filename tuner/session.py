@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
@@ -34,45 +35,33 @@ from tuner._search import (
     Proposal,
     SearchSpace,
     TuningStudy,
+    baseline_seeds,
     best_of,
     far_over_budget,
     inspect_layers,
     study_name,
 )
-from tuner._search.planner_seeds import PlannerSeeds
+from tuner._search.planner_seeds import PlannerSeeds, plan_seeds
 from tuner._stores import storage_failure
+from tuner._tracking import open_tracker
 from tuner._workers import (
     Presence,
     end_dead_session_runs,
+    join_setup,
     others_fill,
     reap,
     stand_down_reason,
     wait_for_running,
 )
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
-from tuner.summary import SessionSummary, TrialEvent, _why_infeasible, summarize
+from tuner.summary import SessionSummary, TrialEvent, why_infeasible, summarize
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
+    from tuner._search import SearchSpace, TuningStudy
     from tuner._tracking import Tracker
     from tuner._trials import TrialResult
-    from tuner.recipe import Recipe
-from typing import TYPE_CHECKING
-
-from tuner._search import baseline_seeds
-from tuner._search.planner_seeds import plan_seeds
-from tuner._workers import join_setup
-
-if TYPE_CHECKING:
-    from tuner._search import SearchSpace, TuningStudy
     from tuner._workers import Presence
-    from tuner.recipe import Recipe
-from pathlib import Path
-
-from tuner._tracking import open_tracker
-
-if TYPE_CHECKING:
-    from tuner._tracking import Tracker
     from tuner.recipe import Recipe
     from tuner.summary import SessionSummary
 
@@ -454,7 +443,7 @@ class _TuningSession:
         best = study.best() if study is not None else None
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
-            summary.reasons.append(_why_infeasible(summary, self.where.budget))
+            summary.reasons.append(why_infeasible(summary, self.where.budget))
             return self._finish(summary)
         if self.options.search_only:
             summary = self._summary("searched", EXIT_OK)

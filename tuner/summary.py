@@ -269,7 +269,7 @@ def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
     return out
 
 
-def _why_infeasible(summary: SessionSummary, budget: int) -> str:
+def why_infeasible(summary: SessionSummary, budget: int) -> str:
     """Why there is no best trial, consistent with the "N trials run" count the report prints."""
     if summary.ranked:
         return f"no measured trial fits the budget limit of {budget} bytes"
