@@ -54,7 +54,7 @@ from tuner._workers import (
     wait_for_running,
 )
 from tuner.exits import EXIT_INFEASIBLE, EXIT_INTERRUPTED, EXIT_OK
-from tuner.summary import SessionSummary, TrialEvent, why_infeasible, summarize
+from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
