@@ -88,10 +88,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 
 
 def recipe_dict(workload: str, folder: Path, *, race: bool, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The workload's recipe, its stores in ``folder``; ``settings``: keys of its ``race`` section besides
-    ``enabled`` (e.g. ``share``, ``min_rounds``; the recipe defaults where absent)."""
+    """The workload's recipe, its stores in ``folder``; ``settings``: `RacePlan` fields (the recipe's race knobs go
+    in its ``race`` section, the others through `race_env`; the defaults where absent)."""
     base = WORKLOADS[workload]
-    race_section: dict[str, Any] = {**(settings or {}), "enabled": race}
+    knobs = {k: v for k, v in (settings or {}).items() if k in ("leaders", "confidence", "share")}
+    race_section: dict[str, Any] = {**knobs, "enabled": race}
     return {
         "name": f"dq-{workload}",
         "model": {"class_path": "lightning_recompute.reference.ReferenceGPT", **base["model"]},
@@ -199,6 +200,9 @@ def session(
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if fresh:
             env[FORK_SERVER_ENV] = "0"
+        constants = {k: v for k, v in (settings or {}).items() if k not in ("leaders", "confidence", "share")}
+        if constants:  # the race's constants (RacePlan fields) a run varies, beside the recipe's knobs
+            env["RECOMPUTE_TUNE_RACE_PLAN"] = json.dumps(constants)
         cmd = [sys.executable, "-m", "tuner", str(path), "--format", "json"]
         began = time.perf_counter()
         if noisy_seed is None:

@@ -646,7 +646,8 @@ def _figures(value: Any, prefix: str = "") -> dict[str, float]:
 def check_session(ctx: Context) -> Verdict:
     folder, limit = _session_recipe(ctx)
     path = os.pathsep.join(p for p in (str(REPO), ctx.child_env.get("PYTHONPATH")) if p)
-    env = {**ctx.child_env, "PYTHONPATH": path}
+    # The session's race, shortened to the check's minutes (RECOMPUTE_TUNE_RACE_PLAN: `RacePlan` fields).
+    env = {**ctx.child_env, "PYTHONPATH": path, "RECOMPUTE_TUNE_RACE_PLAN": json.dumps(ctx.sizes.session_race)}
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "tuner", "recipe.yaml", "--format", "json"],
@@ -699,7 +700,6 @@ def _session_recipe(ctx: Context) -> tuple[Path, int]:
         name="gpu-acceptance-session",
         search={"modes": ["none", "selective", "full"], "n_trials": sz.session_trials, "seed": 0},
         trial={"warmup_steps": 2, "measure_steps": 3, "timeout_s": 120},
-        race=sz.session_race,
         tracking={"uri": "sqlite:///mlflow.db"},
         study={"storage": "sqlite:///optuna.db"},
         output="policy.yaml",

@@ -169,9 +169,10 @@ def race_leaders(
     if not recipe.race.enabled:
         stage.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
         return None
-    entry = choose_field(
-        records, best, good, leaders=recipe.race.leaders, predicted=recipe.race.predicted, budget_bytes=stage.budget
-    )
+    # The search's cost sets the race's: a race of a fixed length would double a short search.
+    search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
+    plan = recipe.race_plan(search_s=search_s)
+    entry = choose_field(records, best, good, leaders=plan.leaders, predicted=plan.predicted, budget_bytes=stage.budget)
     for record, why in suspects(records):
         stage.note(why)
         if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
@@ -185,15 +186,12 @@ def race_leaders(
         return RaceResult(outcome="skipped", reason=entry.skipped)
     names = ", ".join(f"{p.short(stage.layer_names)} ({' = '.join(labels)})" for p, labels in entry.entrants)
     stage.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
-    # The search's cost sets the race's: a race of a fixed length would double a short search.
-    search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
-    plan = recipe.race_plan(search_s=search_s)
-    if plan.total_s is not None and recipe.race.share is not None:
-        by_share = recipe.race.share * search_s
-        share = f"{recipe.race.share:.0%} of the search's {search_s:.0f} s of trials"
-        # The plan took the larger of the share and race.min_s; say which.
+    if plan.total_s is not None and plan.share is not None:
+        by_share = plan.share * search_s
+        share = f"{plan.share:.0%} of the search's {search_s:.0f} s of trials"
+        # The plan took the larger of the share and its floor; say which.
         if plan.total_s > by_share:
-            why = f"race.min_s; race.share's {share} would be {by_share:.0f} s"
+            why = f"the race's floor of {plan.min_s:.0f} s; race.share's {share} would be {by_share:.0f} s"
         else:
             why = f"{share}, race.share"
         stage.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
@@ -206,7 +204,7 @@ def race_leaders(
         budget_bytes=stage.budget,
         plan=plan,
     )
-    if race.ok and race.vs and recipe.race.processes > 1:
+    if race.ok and race.vs and plan.processes > 1:
         references = [p.fingerprint() for p in entry.references]
         race = estimate_again(stage, race, run_race, micro_batch=entry.micro_batch, references=references)
     if race.ok and race.winner is not None:
@@ -248,10 +246,12 @@ def estimate_again(
     its figures span as many processes as the selection's winner's would have. A process that fails adds
     nothing and is noted."""
 
-    recipe, count = stage.recipe, stage.recipe.race.processes
+    recipe = stage.recipe
+    base = recipe.race_plan()
+    count = base.processes
     assert race.winner is not None
     refs = [k for k in references if k in race.entrants and race.entrants[k].out is None]
-    rivals = race.rivals(recipe.race.rivals)
+    rivals = race.rivals(base.rivals)
     against = [k for k in refs if k != race.winner]
     keys = [race.winner, *(k for k in rivals if k not in against), *against]
     if any(race.entrants[k].policy is None for k in keys):
@@ -263,7 +263,7 @@ def estimate_again(
             f"race: {names} not separated from {race.entrants[race.winner].short}: raced again beside it in the "
             f"fresh process{'es' if count > 2 else ''}, and the winner is the fastest across processes"
         )
-    plan = replace(recipe.race_plan(), total_s=None, estimate_rounds=race.estimate_rounds)
+    plan = replace(base, total_s=None, estimate_rounds=race.estimate_rounds)
     others = [
         _estimation_process(stage, race, keys, len(against), run_race, plan, micro_batch, label=f"{index} of {count}")
         for index in range(2, count + 1)
@@ -273,7 +273,7 @@ def estimate_again(
     index = count
     # Processes that disagree on which is faster decide nothing between them: more processes do, without
     # the references (their figures are the winner's, measured above).
-    for _ in range(recipe.race.disputes):
+    for _ in range(base.disputes):
         disputed = result.disputed()
         if not disputed:
             break

@@ -90,7 +90,7 @@ class GateSettings:
         """The longest one `evaluate` can take under ``recipe``, every run at its deadline: two
         confirmation runs and a race against a reference, the numerics check, a race against the good
         policy and the good policy alone (another worker waits this long for the gate's lease)."""
-        trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race.time_s)
+        trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
         return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
 
     def __post_init__(self) -> None:

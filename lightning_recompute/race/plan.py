@@ -42,10 +42,36 @@ class RacePlan:
     warmup_steps: int = 2
     """Steps before the first round (lazy initialisation, optimizer state), neither timed nor metered."""
 
+    # Who races and how long, for the tuning service (AutoRecompute races what it profiled).
+    leaders: int = 4
+    """The fastest fitting trials that race (besides the planner's pick and the baselines)."""
+    predicted: int = 2
+    """More fitting trials that race because the planner predicts them fastest: one trial under load can
+    rank the fastest policy below the leaders, and the planner's view does not share that noise."""
+    share: float | None = 0.25
+    """The rounds take at most this share of the search's trial time (``total_s``), so a race costs a fixed
+    share of the search; ``None``: only ``time_s`` and ``max_rounds`` bound it."""
+    min_s: float = 30.0
+    """Seconds of rounds the share never cuts below: a search of a dozen forked trials takes seconds, and
+    its share alone leaves intervals too wide to act on."""
+    processes: int = 2
+    """Processes the "vs" figures are measured in: the same two policies measure a few percent apart from
+    one process to the next, so the figures span the race's and fresh ones."""
+    rivals: int = 2
+    """Entrants the selection left unresolved that race again beside the winner in the fresh processes."""
+    disputes: int = 2
+    """More fresh processes, at most, while the processes disagree on which of a rival and the winner is faster."""
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RacePlan:
         """The inverse of `to_dict` (keys it does not know are ignored: a newer parent's plan)."""
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    def within(self, search_s: float | None) -> RacePlan:
+        """This plan with its budget (`total_s`) for a search whose trials took ``search_s`` seconds:
+        ``share`` of it, never under ``min_s`` (``None``: no search time, or no share)."""
+        total = max(self.min_s, self.share * search_s) if search_s and self.share is not None else None
+        return dataclasses.replace(self, total_s=total)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""

@@ -26,7 +26,7 @@ import yaml
 from mlflow import MlflowClient
 
 from lightning_recompute.policy import RecomputePolicy
-from tests.helpers import REPO, SHORT_RACE
+from tests.helpers import REPO, child_env
 
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 DEADLINE_S = 800  # a hang deadline, not a speed bound: three workers on two cores took ~330 s pinned to one
@@ -47,7 +47,6 @@ def write_recipe(folder: Path, *, storage: str, tracking: str, n_trials: int, na
     recipe["data"]["init_args"].update(TINY_DATA)
     recipe["budget"] = {"value": "64MiB"}
     recipe["trial"] = TINY_TRIAL
-    recipe["race"] = SHORT_RACE
     recipe["search"] = {**recipe["search"], "n_trials": n_trials, "seed": 0}
     recipe["study"] = {"storage": storage}
     recipe["tracking"] = {"uri": tracking}
@@ -55,13 +54,6 @@ def write_recipe(folder: Path, *, storage: str, tracking: str, n_trials: int, na
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
-
-
-def child_env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH", "")) if p)
-    e["PYTHONUNBUFFERED"] = "1"
-    return e
 
 
 def tune(folder: Path, *args: str) -> subprocess.Popen[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import yaml
 
 from lightning_recompute import RecomputePolicy
-from tests.helpers import REPO, SHORT_RACE
+from tests.helpers import REPO, child_env
 
 pytest.importorskip("transformers")
 
@@ -25,11 +24,9 @@ def test_hf_llama_tiny_recipe_tunes_and_promotes(tmp_path: Path) -> None:
     recipe["search"]["n_trials"] = 3
     recipe["trial"]["measure_steps"] = 2
     recipe["trial"]["timeout_s"] = 400  # a hang deadline: transformers' import alone is slow on a loaded CI node
-    recipe["race"] = SHORT_RACE
     path = tmp_path / "hf-llama-tiny.yaml"
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = child_env()
     cli = Path(sys.executable).with_name("recompute-tune")
     proc = subprocess.run(
         [str(cli), str(path), "--format", "json"],

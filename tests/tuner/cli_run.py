@@ -14,7 +14,7 @@ from typing import IO
 
 import yaml
 
-from tests.helpers import SHORT_RACE, child_env
+from tests.helpers import RACE_PLAN_ENV, SHORT_RACE, child_env
 
 TINY = {
     "model": {"init_args": {"n_layer": 3, "n_embd": 32, "seq_len": 32, "n_head": 2, "dropout": 0.0}},
@@ -22,7 +22,6 @@ TINY = {
     "budget": "64MiB",
     "search": {"n_trials": 3, "seed": 0},
     "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "env": {"OMP_NUM_THREADS": "1"}},
-    "race": SHORT_RACE,
 }
 
 
@@ -39,9 +38,13 @@ def command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tuner", *args]
 
 
-def run_cli(folder: Path, *args: str, timeout: float = 800) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    folder: Path, *args: str, timeout: float = 800, race: dict | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``recompute-tune ARGS`` in ``folder``; ``race``: `RacePlan` fields over `SHORT_RACE`."""
+    env = child_env(**{RACE_PLAN_ENV: json.dumps({**SHORT_RACE, **(race or {})})})
     return subprocess.run(
-        command(*args), check=False, cwd=folder, env=child_env(), capture_output=True, text=True, timeout=timeout
+        command(*args), check=False, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

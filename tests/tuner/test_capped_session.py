@@ -8,6 +8,7 @@ limit. Two DDP ranks, capped the same way: tests/tuner/trials/test_multirank.py'
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from lightning_recompute.meter import CPU_MEMORY_LIMIT
 from lightning_recompute.policy import RecomputePolicy
 from tests.capped import planned_cap
-from tests.helpers import SHORT_RACE
+from tests.helpers import RACE_PLAN_ENV, SHORT_RACE
 from tuner import session
 from tuner.recipe import from_dict
 
@@ -44,15 +45,18 @@ def _recipe(tmp: Path, devices: int, cap: int | None) -> dict[str, Any]:
             "seed": 0,
         },
         "trial": {"warmup_steps": 1, "measure_steps": 1, "timeout_s": 240, "env": env},
-        # The race at its floor: its statistics are tested elsewhere; here it only has to pick a fitting policy.
-        "race": {**SHORT_RACE, "min_rounds": 2, "max_rounds": 3, "estimate_rounds": 2, "time_s": 5.0},
         "tracking": {"uri": f"sqlite:///{tmp / 'mlflow.db'}"},
         "study": {"storage": f"sqlite:///{tmp / 'optuna.db'}"},
         "output": str(tmp / "policy.yaml"),
     }
 
 
-def test_a_session_where_none_does_not_fit_plans_from_what_fits_and_promotes_under_the_limit(tmp_path: Path) -> None:
+def test_a_session_where_none_does_not_fit_plans_from_what_fits_and_promotes_under_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race at its floor: its statistics are tested elsewhere; here it only has to pick a fitting policy.
+    short = {**SHORT_RACE, "min_rounds": 2, "max_rounds": 3, "estimate_rounds": 2, "time_s": 5.0}
+    monkeypatch.setenv(RACE_PLAN_ENV, json.dumps(short))
     devices = 1  # two DDP ranks: tests/tuner/trials/test_multirank.py's ddp session runs capped the same way
     cap = planned_cap(from_dict(_recipe(tmp_path, devices, None)))
     recipe = from_dict(_recipe(tmp_path, devices, cap))

@@ -45,8 +45,8 @@ def mlflow_runs(recipe_path: Path):
 
 @pytest.mark.slow
 def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
-    recipe_path = write_recipe(tmp_path, race={"processes": 2})
-    proc = run_cli(tmp_path, str(recipe_path), "--format", "json")
+    recipe_path = write_recipe(tmp_path)
+    proc = run_cli(tmp_path, str(recipe_path), "--format", "json", race={"processes": 2})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["status"] == "promoted" and summary["exit_code"] == 0

@@ -8,6 +8,7 @@ stores). `test_cli.py` runs the same flow with real trial subprocesses.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 from typing import cast
@@ -17,6 +18,7 @@ from optuna.trial import TrialState
 
 from lightning_recompute.planner import Planner, Prediction
 from lightning_recompute.policy import RecomputePolicy
+from tests.helpers import RACE_PLAN_ENV
 from tests.tuner.fakes import MIB, TRIAL_WALL_S, ExactTrials, fake_peak, fake_throughput, make_recipe, runs, study_of
 from tests.tuner.fakes import SESSION_LAYERS as LAYERS
 from tuner import session
@@ -56,9 +58,12 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert again.total_s is None and again.estimate_rounds == summary.race.vs_processes[0][full_key].rounds
     # The race's rounds may take race.share of what the search's trials took, but never less than
     # race.min_s (these trials took 12 s; a quarter of it would be 3 s), and the session says which.
-    assert recipe.race.share * TRIAL_WALL_S * len(measured) < recipe.race.min_s
-    assert plan.total_s == recipe.race.min_s
-    said = "race: at most 30 s of rounds (race.min_s; race.share's 25% of the search's 12 s of trials would be 3 s)"
+    assert plan.share is not None and plan.share * TRIAL_WALL_S * len(measured) < plan.min_s
+    assert plan.total_s == plan.min_s
+    said = (
+        "race: at most 30 s of rounds (the race's floor of 30 s; race.share's 25% of the search's 12 s of trials "
+        "would be 3 s)"
+    )
     assert said in summary.notes
     assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
     assert summary.gains["none"] is None
@@ -529,13 +534,14 @@ def test_sighup_stops_the_session_like_sigterm(tmp_path, tracking_uri, fakes):
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
 
 
-def test_a_race_budget_above_race_min_s_is_race_share_of_the_search(tmp_path, tracking_uri, fakes):
-    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6, race={"min_s": 1})
+def test_a_race_budget_above_its_floor_is_race_share_of_the_search(tmp_path, tracking_uri, fakes, monkeypatch):
+    monkeypatch.setenv(RACE_PLAN_ENV, json.dumps({"min_s": 1}))
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
     summary = session.tune(recipe, use_planner=False)
     measured = [r for r in summary.records if r.ran]
     plan = fakes.plans[0]
-    assert plan.total_s == pytest.approx(recipe.race.share * TRIAL_WALL_S * len(measured))
-    assert plan.total_s > recipe.race.min_s
+    assert plan.share is not None and plan.total_s == pytest.approx(plan.share * TRIAL_WALL_S * len(measured))
+    assert plan.total_s > plan.min_s
     assert "race: at most 3 s of rounds (25% of the search's 12 s of trials, race.share)" in summary.notes
 
 

@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -20,7 +21,6 @@ from pydantic.dataclasses import dataclass as schema_dataclass
 from lightning_recompute.errors import RecomputeError, clip
 from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
 from lightning_recompute.race.plan import RacePlan
-from lightning_recompute.race.rule import TIE_MARGIN
 from lightning_recompute.units import format_bytes as _format_bytes
 from lightning_recompute.units import jsonable, parse_bytes
 
@@ -28,6 +28,10 @@ PREDICTION_SPAN = 0.05
 """Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
 cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
 alike. `tuner._decision` takes the faster trials among them."""
+
+RACE_PLAN_ENV = "RECOMPUTE_TUNE_RACE_PLAN"
+"""A JSON object of `RacePlan` fields that replace the race's constants: short races for tests and benchmarks
+on a CPU, not a user setting."""
 
 REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
 """The model a recipe trains when it names none."""
@@ -271,6 +275,36 @@ class Budget:
         return f"{base}, less {self.margin:.0%} margin{limit}"
 
 
+RETIRED_RACE_KEYS = (
+    "predicted",
+    "steps",
+    "min_rounds",
+    "max_rounds",
+    "time_s",
+    "min_s",
+    "estimate_rounds",
+    "processes",
+    "rivals",
+    "disputes",
+    "tie_margin",
+)
+"""``race`` keys of earlier recipes that are now constants of `RacePlan`: a recipe that sets them still loads."""
+
+
+def _race_retired_keys(value: Any) -> Any:
+    """Drops the retired ``race`` keys of an earlier recipe, with a warning naming them."""
+    if not isinstance(value, dict):
+        return value
+    retired = sorted(k for k in value if k in RETIRED_RACE_KEYS)
+    if retired:
+        warnings.warn(
+            f"race.{', race.'.join(retired)}: no longer recipe settings, ignored (the race's constants, "
+            "docs/TUNER.md); the race's settings are enabled, leaders, confidence and share",
+            stacklevel=2,
+        )
+    return {k: v for k, v in value.items() if k not in RETIRED_RACE_KEYS}
+
+
 def _budget_shorthand(value: Any) -> Any:
     # `budget: 20GiB` is the common case; it means {value: 20GiB} with the default margin.
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -358,7 +392,8 @@ class TrialSettings:
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
 class RaceSettings:
-    """The race before the gate: the leading candidates re-measured interleaved in one process."""
+    """The race before the gate: the leading trials measured again, interleaved in one process. The race's other
+    settings are constants of `lightning_recompute.race.RacePlan`, each with its reason."""
 
     enabled: bool = Field(
         default=True,
@@ -368,68 +403,14 @@ class RaceSettings:
     leaders: _PositiveInt = Field(
         default=4, description="How many of the fastest fitting trials race (besides the planner's pick and baselines)."
     )
-    predicted: Annotated[int, Strict(), Field(ge=0)] = Field(
-        default=2,
-        description="How many more fitting trials race because the planner predicts them fastest (within "
-        f"{PREDICTION_SPAN:.0%} of its fastest prediction; the faster trials of those first): a single trial under "
-        "load can rank the fastest policy below the leaders.",
-    )
-    steps: _PositiveInt = Field(default=2, description="Timed steps per candidate per round (after one settling step).")
-    min_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
-        default=6,
-        description="Selection rounds before the race may stop early: on a separated leader, or on the race "
-        "budget (share), which never cuts the selection below them.",
-    )
-    max_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(default=30, description="Selection rounds at most.")
-    time_s: float = Field(default=120.0, gt=0, description="Seconds of selection rounds at most.")
-    share: float | None = Field(
-        default=0.25,
-        gt=0,
-        description="The race's rounds (selection and estimation) take at most this share of the time the "
-        "search's trials took (their wall time summed); the selection stops early enough to leave the estimation "
-        "its rounds. null: only time_s and max_rounds bound the race.",
-    )
-    min_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="Seconds of rounds the share never cuts the race below, however short the search was "
-        "(time_s and max_rounds still bound it): with forked "
-        "trials a search of a dozen trials takes seconds, and its share would leave the race on its floors "
-        "(race.min_rounds, 8 estimation rounds) with wide 'vs' intervals. 0: the share alone.",
-    )
-    estimate_rounds: Annotated[int, Strict(), Field(ge=2)] = Field(
-        default=16, description="Fresh rounds of the winner against the baselines, which give the 'vs' figures."
-    )
-    processes: Annotated[int, Strict(), Field(ge=1)] = Field(
-        default=2,
-        description="Processes the 'vs' figures are measured in: the race's, then fresh ones that race only the "
-        "winner against the baselines for estimate_rounds rounds; a figure's interval spans every process's (the "
-        "same two policies measure a few percent apart from one process to the next). 1: the race's only.",
-    )
-    rivals: Annotated[int, Strict(), Field(ge=0)] = Field(
-        default=2,
-        description="How many candidates the race could not separate from its winner (nor see within tie_margin "
-        "of it), closest first, race again beside the winner in the fresh processes (processes > 1); the winner is "
-        "then the fastest across processes (geometric mean of each process's ratio), since the same two policies "
-        "can swap order from one process to the next. A rival that wins gets its figures from fresh processes "
-        "only. 0: the race's own process decides alone.",
-    )
-    disputes: Annotated[int, Strict(), Field(ge=0)] = Field(
-        default=2,
-        description="More fresh processes, at most, that race the winner and the rivals raced again (race.rivals) "
-        "while the processes so far disagree on which is faster (one measured the rival faster, another slower); "
-        "the winner is then the fastest across all of them. 0: decide on the processes of race.processes.",
-    )
     confidence: float = Field(
         default=0.95, gt=0.5, lt=1.0, description="Confidence of the intervals, and of telling two candidates apart."
     )
-    tie_margin: float = Field(
-        default=TIE_MARGIN,
-        ge=0.0,
-        lt=1.0,
-        description="A candidate the race could not tell from the leader ties with it (and the tie goes to the most "
-        "memory headroom) only when the race saw it within this fraction of the leader's time (the upper end of "
-        "its interval, not only its median); otherwise the leader wins.",
+    share: float | None = Field(
+        default=0.25,
+        gt=0,
+        description="The race's rounds take at most this share of the time the search's trials took (never under "
+        "30 s); null: only the race's own round and time limits bound it.",
     )
 
 
@@ -520,7 +501,9 @@ class RecipeFile:
     )
     search: SearchSettings = Field(default_factory=SearchSettings, description="The search.")
     trial: TrialSettings = Field(default_factory=TrialSettings, description="One trial's length.")
-    race: RaceSettings = Field(default_factory=RaceSettings, description="The race before the gate.")
+    race: Annotated[RaceSettings, BeforeValidator(_race_retired_keys)] = Field(
+        default_factory=RaceSettings, description="The race before the gate."
+    )
     tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow tracking.")
     study: StudySettings = Field(default_factory=StudySettings, description="Optuna study storage.")
     output: str | None = Field(
@@ -581,25 +564,17 @@ class Recipe:
     """The policy file written on promotion."""
 
     def race_plan(self, *, search_s: float | None = None) -> RacePlan:
-        """The race's plan from ``race``, warmed up as long as the recipe's trials (at least one step).
-
-        ``search_s``: the wall time the search's trials took; the race's rounds then take at most
-        ``race.share`` of it (`total_s`), so the race costs a fixed share of what the search did, but
-        never less than ``race.min_s`` (a search of cheap forked trials would leave a race too short
-        to measure anything).
-        """
+        """The race's plan: the recipe's knobs on `RacePlan`'s constants, warmed up as long as the recipe's
+        trials (at least one step), with its budget for a search whose trials took ``search_s`` seconds
+        (`RacePlan.within`). `RACE_PLAN_ENV` overrides any field, for tests and benchmarks."""
         r = self.race
-        return RacePlan(
-            steps=r.steps,
-            min_rounds=r.min_rounds,
-            max_rounds=r.max_rounds,
-            time_s=r.time_s,
-            total_s=max(r.min_s, r.share * search_s) if search_s and r.share is not None else None,
-            estimate_rounds=r.estimate_rounds,
-            confidence=r.confidence,
-            tie_margin=r.tie_margin,
-            warmup_steps=max(1, self.trial.warmup_steps),
+        plan = RacePlan(
+            confidence=r.confidence, leaders=r.leaders, share=r.share, warmup_steps=max(1, self.trial.warmup_steps)
         )
+        override = os.environ.get(RACE_PLAN_ENV)
+        if override:
+            plan = RacePlan.from_dict({**plan.to_dict(), **json.loads(override)})
+        return plan.within(search_s)
 
     @property
     def folder(self) -> Path:

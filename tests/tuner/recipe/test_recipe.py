@@ -454,7 +454,7 @@ def test_json_schema_is_json_schema_and_lists_every_key() -> None:
     defs = schema["$defs"]
     for section in ("TrainerSettings", "SearchSettings", "TrialSettings", "RaceSettings", "Budget", "Component"):
         assert defs[section]["additionalProperties"] is False
-        assert set(defs[section]["properties"]) == {f.name for f in dataclasses.fields(getattr(R, section))}
+        assert set(defs[section]["properties"]) == {f.name for f in dataclasses.fields(getattr(S, section))}
     assert defs["TrainerSettings"]["properties"]["accelerator"]["enum"] == ["cpu", "cuda", "auto"]
     assert "$ref" in text
     try:
