@@ -512,18 +512,6 @@ def _arguments() -> argparse.Namespace:
         help="race.min_rounds of the raced sessions (the selection's floor under the budget; default: the recipe "
         "default)",
     )
-    parser.add_argument(
-        "--rivals",
-        type=int,
-        help="race.rivals of the raced sessions (unresolved entrants raced again in the fresh process; default: "
-        "the recipe default)",
-    )
-    parser.add_argument(
-        "--processes",
-        type=int,
-        help="race.processes of the raced sessions (1: the race's own process decides, no fresh estimation "
-        "process, no rival raced again; default: the recipe default)",
-    )
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
     parser.add_argument(
         "--rescore",
@@ -575,10 +563,6 @@ def _arguments() -> argparse.Namespace:
         parser.error(f"--race {args.race!r}: {modes} is not a mode; valid: 'on', 'off', 'off/fresh', 'on,off'")
     if args.share is not None and args.share <= 0:
         parser.error(f"--share must be above 0 (a share of the search's trial time), not {args.share}")
-    if args.processes is not None and args.processes < 1:
-        parser.error(f"--processes must be 1 or more (race.processes), not {args.processes}")
-    if args.rivals is not None and args.rivals < 0:
-        parser.error(f"--rivals must be 0 or more (race.rivals), not {args.rivals}")
     if args.min_rounds is not None and args.min_rounds < 2:
         parser.error(f"--min-rounds must be at least 2 (race.min_rounds), not {args.min_rounds}")
     return args
@@ -643,8 +627,6 @@ def _sessions(workload: str, args: argparse.Namespace, t: dict[str, Any], log: A
         for key, value in (
             ("share", args.share),
             ("min_rounds", args.min_rounds),
-            ("rivals", args.rivals),
-            ("processes", args.processes),
         )
         if value is not None
     }

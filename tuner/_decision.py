@@ -16,10 +16,8 @@ import contextlib
 import math
 import statistics
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_recompute.errors import RecomputeError
@@ -30,7 +28,7 @@ from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
 from tuner.recipe._schema import PREDICTION_SPAN
 
 if TYPE_CHECKING:
-    from lightning_recompute.race import RacePlan, RaceResult
+    from lightning_recompute.race import RaceResult
     from tuner._gate import Candidate, GateDecision
     from tuner._search import TrialRecord, TuningStudy
     from tuner._tracking import GoodPolicy, Tracker
@@ -204,17 +202,10 @@ def race_leaders(
         budget_bytes=stage.budget,
         plan=plan,
     )
-    if race.ok and race.vs and plan.processes > 1:
-        references = [p.fingerprint() for p in entry.references]
-        race = estimate_again(stage, race, run_race, micro_batch=entry.micro_batch, references=references)
     if race.ok and race.winner is not None:
         race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
         won = race.entrants[race.winner].short if race.winner is not None else "?"
-        if race.selected is not None:
-            led = race.entrants[race.selected].short
-            stage.notify(f"race: {won} won across processes; {led} won the selection's {race.select_rounds} rounds")
-        else:
-            stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
+        stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
         for said in (*race.decision_lines(), *race.headlines()):
             if said:
                 stage.notify(f"race: {said}")
@@ -223,121 +214,6 @@ def race_leaders(
     if stage.session_run_id is not None:
         stage.tracker.log_race(race)
     return race
-
-
-def estimate_again(
-    stage: Stage,
-    race: RaceResult,
-    run_race: Callable[..., RaceResult],
-    *,
-    micro_batch: int | None,
-    references: Sequence[str],
-) -> RaceResult:
-    """The race's "vs" figures measured again in ``race.processes - 1`` fresh processes, each racing the
-    winner against the references, and beside the rivals the selection left unresolved
-    (`RaceResult.rivals`, at most ``race.rivals``; a reference can be one), for as many rounds as the
-    race's estimation ran. ``references``: the keys of the field's references (`tuner._decision.Field`).
-
-    The winner is then the fastest across processes (`RaceResult.estimated_again`); while the processes
-    disagree on which of a rival and the winner is faster (`RaceResult.disputed`), up to ``race.disputes``
-    more race just those. The figures span every process that measured them
-    (`lightning_recompute.race.stats.across_processes` says why). A rival that wins had its figures
-    measured in the fresh processes only, so one more process measures it against the references, and
-    its figures span as many processes as the selection's winner's would have. A process that fails adds
-    nothing and is noted."""
-
-    recipe = stage.recipe
-    base = recipe.race_plan()
-    count = base.processes
-    assert race.winner is not None
-    refs = [k for k in references if k in race.entrants and race.entrants[k].out is None]
-    rivals = race.rivals(base.rivals)
-    against = [k for k in refs if k != race.winner]
-    keys = [race.winner, *(k for k in rivals if k not in against), *against]
-    if any(race.entrants[k].policy is None for k in keys):
-        stage.note("race: the figures come from the race's process only (an entrant's policy was not kept)")
-        return race
-    if rivals:
-        names = ", ".join(race.entrants[k].short for k in rivals)
-        stage.note(
-            f"race: {names} not separated from {race.entrants[race.winner].short}: raced again beside it in the "
-            f"fresh process{'es' if count > 2 else ''}, and the winner is the fastest across processes"
-        )
-    plan = replace(base, total_s=None, estimate_rounds=race.estimate_rounds)
-    others = [
-        _estimation_process(stage, race, keys, len(against), run_race, plan, micro_batch, label=f"{index} of {count}")
-        for index in range(2, count + 1)
-    ]
-    again = partial(race.estimated_again, rivals=rivals, references=refs, confidence=recipe.race.confidence)
-    result = again(others)
-    index = count
-    # Processes that disagree on which is faster decide nothing between them: more processes do, without
-    # the references (their figures are the winner's, measured above).
-    for _ in range(base.disputes):
-        disputed = result.disputed()
-        if not disputed:
-            break
-        index += 1
-        names = ", ".join(race.entrants[k].short for k in disputed)
-        stage.note(
-            f"race: the processes disagree whether {names} or {race.entrants[race.winner].short} is faster: "
-            "one more process races them"
-        )
-        label = f"{index}, for the dispute"
-        others.append(
-            _estimation_process(stage, race, [race.winner, *disputed], 0, run_race, plan, micro_batch, label=label)
-        )
-        result = again(others)
-    if result.selected is not None and result.winner is not None:
-        won = [result.winner, *(k for k in refs if k != result.winner)]
-        if len(won) > 1:
-            label = f"{index + 1}, for the figures of the winner across processes"
-            last = _estimation_process(stage, result, won, len(won) - 1, run_race, plan, micro_batch, label=label)
-            result = result.refigured([last], references=won[1:], confidence=recipe.race.confidence)
-    return result
-
-
-def _estimation_process(
-    stage: Stage,
-    race: RaceResult,
-    keys: Sequence[str],
-    refs: int,
-    run_race: Callable[..., RaceResult],
-    plan: RacePlan,
-    micro_batch: int | None,
-    *,
-    label: str,
-) -> RaceResult:
-    """One fresh process racing ``keys`` (the winner first, its last ``refs`` the references) with no
-    selection; noted (``label``: which process, and what for), and when it fails, noted as adding nothing."""
-    from lightning_recompute import RecomputePolicy
-
-    entrants = [race.entrants[k] for k in keys]
-    policies = [RecomputePolicy.from_dict(e.policy or {}, source=f"race entrant {e.key}") for e in entrants]
-    names = ", ".join(e.short for e in entrants[1:])
-    of = label
-    stage.notify(
-        f"race: {entrants[0].short} against {names} again in a fresh process ({of}, {plan.estimate_rounds} rounds) ..."
-    )
-    began = time.perf_counter()
-    again = run_race(
-        stage.recipe,
-        [(p, list(e.labels)) for p, e in zip(policies, entrants, strict=True)],
-        layer_names=stage.layer_names,
-        references=policies[len(policies) - refs :] if refs else [],
-        micro_batch=micro_batch,
-        budget_bytes=stage.budget,
-        plan=plan,
-        winner=policies[0],
-    )
-    if not again.ok or not again.estimate_rounds:
-        out = [f"{e.short}: {e.out}" for e in again.entrants.values() if e.out]
-        why = again.reason or "; ".join(out) or "no figure measured"
-        stage.note(f"race: estimation process {of} {again.outcome}: {why}; it adds no figure")
-    else:
-        took, rounds = time.perf_counter() - began, again.estimate_rounds
-        stage.note(f"race: estimation process {of}: {rounds} rounds in {took:.0f} s (start included)")
-    return again
 
 
 def candidate_of(

@@ -606,15 +606,10 @@ def _regression(
         )
         return None
     interval = race.vs.get(g) if race.winner == c else race.vs.get(c) if race.winner == g else None
-    if interval is None and race.selected is None:  # the session's race: the selection's standing has the pair
+    if interval is None:  # the session's race: the selection's standing has the pair
         interval = race.behind.get(g) if race.leader == c else race.behind.get(c) if race.leader == g else None
     figures = f": {format_gain(interval)}" if interval is not None else ""
-    # The rivals raced again across processes decided the winner: the selection's standing alone would
-    # show the other side of that decision.
-    decided = race.selected is not None and (g == race.selected or g in race.rechecked)
-    across = race.recheck_line() if decided else None
-    figures = f" ({across})" if across and interval is None else figures
-    tie = None if decided else race.tie_line()  # the tie was the selection's; the processes decided since
+    tie = race.tie_line()
     if race.winner == c:
         decision.checks["regression"] = "passed"
         decision.reasons.append(

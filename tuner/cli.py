@@ -512,13 +512,6 @@ def _details(s: SessionSummary) -> str:
                 lines.append(f"  vs {name:<15} {rec.short}: not measured ({why})")
             elif not rec.feasible:
                 lines.append(f"  vs {name:<15} {rec.short}: over the budget, not raced")
-            elif s.race is not None and rec.fingerprint in s.race.rechecked:
-                # Raced again as a rival beside the winner in fresh processes: the decision's line has its
-                # figures; they chose the winner, so they are no unbiased "vs" figure either.
-                lines.append(
-                    f"  vs {name:<15} {rec.short}: raced as a rival across processes ('raced again' above); "
-                    "no 'vs' figure"
-                )
             elif s.race is not None and rec.fingerprint in s.race.entrants:
                 # Raced as a leader but not a reference of the estimation: its selection figure is in the race
                 # table ("vs leader"); the selection chose the winner, so it is no unbiased "vs" figure.
@@ -558,16 +551,9 @@ def _race_report(s: SessionSummary, width: int) -> list[str]:
         return []
     if not race.ok:
         return [f"race: {race.outcome}: {race.reason}", ""]
-    processes = len(race.vs_processes)
-    if race.selected is not None:  # a rival won across processes: its figures come from fresh ones only
-        where = (
-            f" in {processes} fresh process{'es' if processes > 1 else ''}" if processes else " (none of the winner's)"
-        )
-    else:
-        where = f" in the race's process and a fresh one each ({processes} processes)" if processes > 1 else ""
     lines = [
         f"race: {len(race.entrants)} candidates interleaved in one process, {race.select_rounds} rounds "
-        f"({race.stop}), then {race.estimate_rounds} fresh rounds{where} for the figures ({race.unit}):",
+        f"({race.stop}), then {race.estimate_rounds} fresh rounds for the figures ({race.unit}):",
     ]
     header = f"  {'policy':<{width}}  {'throughput':>12}  {'vs leader':>26}  {'peak':>11}  entered as"
     lines += [header, "  " + "-" * (len(header) - 2)]

@@ -100,8 +100,7 @@ class SessionSummary:
 
     def vs_figures(self) -> dict[str, dict[str, Any]]:
         """Baseline name -> the race's figure against it: ``gain``, ``low``, ``high`` (fractions),
-        ``rounds``, ``processes``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14
-        rounds)``; ``..., 28 rounds in 2 processes)`` when the estimation ran in several)."""
+        ``rounds``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)``)."""
         from lightning_recompute.race import format_gain
 
         out: dict[str, dict[str, Any]] = {}
@@ -116,7 +115,6 @@ class SessionSummary:
                     "low": low,
                     "high": high,
                     "rounds": iv.rounds,
-                    "processes": iv.processes,
                     "confidence": iv.confidence,
                     "text": format_gain(iv),
                 }

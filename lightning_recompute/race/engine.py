@@ -72,7 +72,6 @@ def race(
     budget_bytes: int | None = None,
     layers: Any = "auto",
     trainer_kwargs: Mapping[str, Any] | None = None,
-    winner: str | None = None,
 ) -> dict[str, Any]:
     """Race ``entrants`` (``(key, policy, short)``, at least one) on ``model`` and return what happened.
 
@@ -85,7 +84,6 @@ def race(
         budget_bytes: an entrant whose metered peak exceeds it is out at once.
         layers: which modules are layers, as for `RecomputeCallback`.
         trainer_kwargs: more ``Trainer`` arguments (accelerator, precision, strategy).
-        winner: the key of an earlier race's winner: only the estimation rounds run (`RaceSchedule`).
 
     Returns:
         The JSON-ready race record: per entrant its per-round times (``select_s``, ``estimate_s``,
@@ -102,7 +100,6 @@ def race(
         plan,
         budget_bytes,
         meter_every_step=accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()),
-        winner=winner,
     )
     recompute = RecomputeCallback(entrants[0][1], layers=layers, memory_steps=frozenset())
     racer = _Race(recompute, schedule)

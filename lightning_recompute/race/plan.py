@@ -54,13 +54,6 @@ class RacePlan:
     min_s: float = 30.0
     """Seconds of rounds the share never cuts below: a search of a dozen forked trials takes seconds, and
     its share alone leaves intervals too wide to act on."""
-    processes: int = 2
-    """Processes the "vs" figures are measured in: the same two policies measure a few percent apart from
-    one process to the next, so the figures span the race's and fresh ones."""
-    rivals: int = 2
-    """Entrants the selection left unresolved that race again beside the winner in the fresh processes."""
-    disputes: int = 2
-    """More fresh processes, at most, while the processes disagree on which of a rival and the winner is faster."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RacePlan:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_recompute.race.schedule import Stop
-from lightning_recompute.race.stats import Interval, across_processes, paired_ratio
+from lightning_recompute.race.stats import Interval
 
 __all__ = ["RaceEntrant", "RaceResult", "format_gain"]
 
@@ -53,13 +52,11 @@ class RaceEntrant:
 
 
 def format_gain(interval: Interval) -> str:
-    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``;
-    ``..., 28 rounds in 2 processes)`` when measured in several (`lightning_recompute.race.stats.across_processes`)."""
+    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``."""
     gain, low, high = interval.gain()
-    where = f" in {interval.processes} processes" if interval.processes > 1 else ""
     return (
         f"{gain * 100:+.1f}% ({interval.confidence:.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
-        f"interleaved, {interval.rounds} rounds{where})"
+        f"interleaved, {interval.rounds} rounds)"
     )
 
 
@@ -73,30 +70,18 @@ class RaceResult:
     entrants: dict[str, RaceEntrant] = field(default_factory=dict)
     winner: str | None = None
     """Key of the entrant chosen: the leader, or of those tied with it the one with the most headroom,
-    then the least recomputation; or a rival faster across processes (`selected` is then the selection's)."""
+    then the least recomputation."""
     leader: str | None = None
     """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
     tied: tuple[str, ...] = ()
     """The leader and every entrant within noise of it (`lightning_recompute.race.rule.Standing.tied`)."""
     unresolved: tuple[str, ...] = ()
     """Entrants the selection could neither separate from the leader nor see within the tie margin of it
-    (`lightning_recompute.race.rule.Standing.unresolved`): the leader won the selection over them on its better median
-    (they may race again: `rivals`)."""
+    (`race.rule.Standing.unresolved`): the leader won the selection over them on its better median."""
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
     vs: dict[str, Interval] = field(default_factory=dict)
-    """Estimation: each reference's time over the winner's (above 1: the winner is faster); across every
-    process the estimation ran in (`estimated_again`)."""
-    vs_processes: tuple[dict[str, Interval], ...] = ()
-    """Each estimation process's own `vs`, the race's process first, or after a rival won only the fresh
-    processes that measured it (empty: only the race's process)."""
-    rechecked: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    """Rivals raced again beside the selection's winner in the fresh estimation processes
-    (`estimated_again`): each one's time over that winner's, one figure per process that measured the pair
-    in at least 2 rounds, in the order measured, the race's process first (empty: none raced again)."""
-    selected: str | None = None
-    """The selection's winner in the race's own process, when the rivals' race across processes chose
-    another (`winner`); ``None``: the selection's winner stands."""
+    """Estimation: each reference's time over the winner's (above 1: the winner is faster)."""
     stop: str = ""
     """Why the selection stopped, in words with the figures."""
     stopped: Stop | None = None
@@ -151,7 +136,7 @@ class RaceResult:
             return None
         from lightning_recompute.race.rule import recompute_strength
 
-        chose = self.selected or self.winner  # the tie was the selection's; a rival may have won since
+        chose = self.winner
         names = ", ".join(self.entrants[k].short for k in self.tied)
         win = self.entrants[chose]
         others = [self.entrants[k] for k in self.tied if k != chose]
@@ -185,61 +170,9 @@ class RaceResult:
             f"{lead} leads on its median"
         )
 
-    def rivals(self, limit: int) -> list[str]:
-        """Up to ``limit`` entrants to race again beside the winner in a fresh process: those the
-        selection left unresolved (`unresolved`), closest to the leader first.
-
-        One process's rounds share its memory layout and where the scheduler put it, and on this
-        project's machine two policies 3% apart swapped order from one process to the next; an
-        unresolved entrant lost on one process's median, which such an effect can decide.
-        """
-        if self.winner is None:
-            return []
-        alive = [k for k in self.unresolved if k in self.entrants and self.entrants[k].out is None and k != self.winner]
-        alive.sort(key=lambda k: self.behind[k].ratio if k in self.behind else float("inf"))
-        return alive[: max(0, limit)]
-
-    def disputed(self) -> list[str]:
-        """Rivals raced again (`rechecked`) that the processes so far cannot call: one process measured
-        the rival faster than the selection's winner and another slower, and their geometric mean is within
-        one standard error of parity (the log ratios' standard deviation over the root of their count).
-
-        Two processes that disagree are always disputed; a third that sides clearly with one of them
-        settles it, one near parity does not."""
-        found = []
-        for key, ratios in self.rechecked.items():
-            logs = [math.log(r) for r in ratios]
-            if min(logs) < 0.0 < max(logs):
-                error = statistics.stdev(logs) / math.sqrt(len(logs))
-                if abs(statistics.fmean(logs)) < error:
-                    found.append(key)
-        return found
-
-    def recheck_line(self) -> str | None:
-        """``raced again in fresh processes, vs FF.. (...): Fs.. -1.2% in 2 processes (+0.8%, -3.1%); FF..
-        stays the winner`` after the rivals raced again (`estimated_again`); ``None`` when none did."""
-        if not self.rechecked or self.winner is None:
-            return None
-        first = self.selected or self.winner
-        base = self.entrants[first].short
-        parts = []
-        for key, ratios in self.rechecked.items():
-            each = ", ".join(f"{(1 / r - 1) * 100:+.1f}%" for r in ratios)
-            n = len(ratios)
-            parts.append(
-                f"{self.entrants[key].short} {(1 / _geomean(ratios) - 1) * 100:+.1f}% in {n} processes ({each})"
-            )
-        end = (
-            f"{self.entrants[self.winner].short} is faster across them and wins over {base}"
-            if self.selected is not None
-            else f"{base} stays the winner"
-        )
-        figures = ", ".join(parts)
-        return f"raced again in fresh processes, vs {base} (each process's figure): {figures}; {end}"
-
     def decision_lines(self) -> list[str]:
-        """What decided the winner, in words: the tie, the unresolved entrants, the rivals raced again."""
-        return [line for line in (self.tie_line(), self.unresolved_line(), self.recheck_line()) if line]
+        """What decided the winner, in words: the tie, the unresolved entrants."""
+        return [line for line in (self.tie_line(), self.unresolved_line()) if line]
 
     def headlines(self) -> list[str]:
         """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ..., interleaved, 14 rounds)``."""
@@ -252,74 +185,6 @@ class RaceResult:
             lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
         return lines
 
-    def estimated_again(
-        self,
-        others: Sequence[RaceResult],
-        *,
-        rivals: Sequence[str] = (),
-        references: Sequence[str] = (),
-        confidence: float = 0.95,
-    ) -> RaceResult:
-        """This result with its `vs` figures measured in more processes, and its ``rivals`` raced again.
-
-        ``others`` are races of the same winner with no selection (`tuner._trials.run_race` given
-        ``winner``), against the same references and beside the ``rivals`` (`rivals`); failed ones, and
-        races of another winner, add nothing. ``references``: the keys the figures are about (the race's
-        field's references; default: those `vs` has).
-
-        - **The rivals**: each one's time over the winner's per process (in the race's process from the
-          selection rounds both ran, in the others from their rounds) is combined by the geometric mean
-          over processes, so a process's own effect weighs on one term of several rather than on the
-          whole decision. A rival faster on that mean, measured in at least two processes, becomes the
-          `winner` (the fastest such), and `selected` keeps the selection's.
-        - **The figures.** For the selection's winner a reference gets the hull of every process's
-          interval (`lightning_recompute.race.stats.across_processes`); one a process could not measure keeps the
-          processes that did. For a rival that won, the race's own rounds were a selection, so its figures
-          come from the others' rounds only (`refigured`; the selection's winner among the references
-          when it is one).
-        """
-        same = [o for o in others if o.ok and o.winner == self.winner]
-        if not same or self.winner is None:
-            return self
-        rechecked: dict[str, tuple[float, ...]] = {}
-        for key in rivals:
-            if key == self.winner or not any(key in o.entrants and o.entrants[key].estimate_s for o in same):
-                continue  # not raced again
-            measured = [_ratio(self, key, "select_s"), *(_ratio(o, key, "estimate_s") for o in same)]
-            ratios = tuple(r for r in measured if r is not None)
-            if len(ratios) >= 2:
-                rechecked[key] = ratios
-        faster = {k: _geomean(r) for k, r in rechecked.items() if _geomean(r) < 1.0}
-        if faster:
-            new = min(faster, key=lambda k: faster[k])
-            won = dataclasses.replace(
-                self, winner=new, selected=self.winner, rechecked=rechecked, vs={}, vs_processes=()
-            )
-            # Only the processes that raced the references: a dispute's process chose, it measured no figure.
-            with_figures = [o for o in same if o.vs]
-            return won.refigured(with_figures, references=list(references or self.vs), confidence=confidence)
-        per_process = [dict(self.vs), *(dict(o.vs) for o in same if o.vs)]  # a dispute's process has no figure
-        vs = {key: across_processes([p[key] for p in per_process if key in p]) for key in self.vs}
-        return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process), rechecked=rechecked)
-
-    def refigured(self, others: Sequence[RaceResult], *, references: Sequence[str], confidence: float) -> RaceResult:
-        """This result with the winner's figures against ``references`` from the rounds ``others`` ran
-        (estimation processes that raced the winner beside them) added to its own `vs_processes`. A process
-        where a reference ran beside the winner in fewer than 2 rounds adds no figure for it."""
-        assert self.winner is not None
-        per_process = list(self.vs_processes)
-        for o in others:
-            measured = {}
-            for ref in references:
-                iv = _paired(o, self.winner, ref, confidence) if o.ok and ref != self.winner else None
-                if iv is not None:
-                    measured[ref] = iv
-            if measured:
-                per_process.append(measured)
-        keys = dict.fromkeys(k for p in per_process for k in p)
-        vs = {k: across_processes([p[k] for p in per_process if k in p]) for k in keys}
-        return dataclasses.replace(self, vs=vs, vs_processes=tuple(per_process))
-
     # ---------------------------------------------------------------- conversion
 
     def to_dict(self) -> dict[str, Any]:
@@ -327,7 +192,6 @@ class RaceResult:
         d = dataclasses.asdict(self)
         d["behind"] = {k: v.to_dict() for k, v in self.behind.items()}
         d["vs"] = {k: v.to_dict() for k, v in self.vs.items()}
-        d["vs_processes"] = [{k: v.to_dict() for k, v in p.items()} for p in self.vs_processes]
         d["entrants"] = {
             k: {
                 **dataclasses.asdict(e),
@@ -339,12 +203,13 @@ class RaceResult:
         }
         d["tied"] = list(self.tied)
         d["unresolved"] = list(self.unresolved)
-        d["rechecked"] = {k: list(v) for k, v in self.rechecked.items()}
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
-        values = dict(data)
+        """The inverse of `to_dict`; keys it does not know are ignored (an earlier record's ``vs_processes``,
+        ``rechecked`` and ``selected``, from when fresh processes raced the winner again)."""
+        values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         values["entrants"] = {
             k: RaceEntrant(
                 **{
@@ -356,13 +221,11 @@ class RaceResult:
             )
             for k, e in data.get("entrants", {}).items()
         }
-        values["behind"] = {k: Interval(**v) for k, v in data.get("behind", {}).items()}
-        values["vs"] = {k: Interval(**v) for k, v in data.get("vs", {}).items()}
-        values["vs_processes"] = tuple({k: Interval(**v) for k, v in p.items()} for p in data.get("vs_processes", ()))
+        values["behind"] = {k: Interval.from_dict(v) for k, v in data.get("behind", {}).items()}
+        values["vs"] = {k: Interval.from_dict(v) for k, v in data.get("vs", {}).items()}
         values["tied"] = tuple(data.get("tied", ()))
         values["stopped"] = Stop(data["stopped"]) if data.get("stopped") else None
         values["unresolved"] = tuple(data.get("unresolved", ()))
-        values["rechecked"] = {k: tuple(v) for k, v in data.get("rechecked", {}).items()}
         return cls(**values)
 
     @classmethod
@@ -396,8 +259,8 @@ class RaceResult:
             leader=sel.get("leader") or sel.get("winner"),
             tied=tuple(sel.get("tied", ())),
             unresolved=tuple(sel.get("unresolved", ())),
-            behind={k: Interval(**v) for k, v in sel.get("behind", {}).items()},
-            vs={k: Interval(**v) for k, v in est.get("vs", {}).items()},
+            behind={k: Interval.from_dict(v) for k, v in sel.get("behind", {}).items()},
+            vs={k: Interval.from_dict(v) for k, v in est.get("vs", {}).items()},
             stop=str(sel.get("stop", "")),
             stopped=Stop(sel["stopped"]) if sel.get("stopped") else None,
             select_rounds=int(sel.get("rounds", 0)),
@@ -408,31 +271,3 @@ class RaceResult:
             machine_before=dict(res.get("machine_before", {})),
             machine_after=dict(res.get("machine_after", {})),
         )
-
-
-def _geomean(ratios: Sequence[float]) -> float:
-    return math.exp(statistics.fmean(math.log(r) for r in ratios))
-
-
-def _pairs(race: RaceResult, a: str, b: str, phase: str) -> tuple[list[float], list[float]]:
-    """``a``'s and ``b``'s times in the rounds of ``phase`` (``select_s``/``estimate_s``) both ran."""
-    ea, eb = race.entrants.get(a), race.entrants.get(b)
-    if ea is None or eb is None:
-        return [], []
-    both = [(x, y) for x, y in zip(getattr(ea, phase), getattr(eb, phase), strict=False) if x and y]
-    return [x for x, _ in both], [y for _, y in both]
-
-
-def _ratio(race: RaceResult, key: str, phase: str) -> float | None:
-    """``key``'s time over ``race``'s winner's: the median over the rounds of ``phase`` both ran (``None``:
-    fewer than 2)."""
-    if race.winner is None:
-        return None
-    mine, its = _pairs(race, race.winner, key, phase)
-    return paired_ratio(mine, its).ratio if len(mine) >= 2 else None
-
-
-def _paired(race: RaceResult, winner: str, ref: str, confidence: float) -> Interval | None:
-    """``ref``'s time over ``winner``'s in ``race``'s estimation rounds, with its interval (``None``: fewer than 2)."""
-    mine, its = _pairs(race, winner, ref, "estimate_s")
-    return paired_ratio(mine, its, confidence=confidence) if len(mine) >= 2 else None

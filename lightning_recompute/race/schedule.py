@@ -16,10 +16,7 @@ entrant until the leader is separated from the rest with confidence (`lightning_
 rounds or the time run out; the entrants left within noise of the leader are tied, and the tie is
 broken by headroom, then by less recomputation. **Estimation** then races the winner against the
 references (the baselines a "vs" figure is about) for fresh rounds, and only those rounds give the
-figures shown to a user. A schedule given its ``winner`` runs the estimation alone, with every entrant
-it is given in each round: the winner of an earlier race, measured again in a fresh process beside the
-references (`lightning_recompute.race.stats.across_processes` says why) and the rivals that race left unresolved
-(`lightning_recompute.race.result.RaceResult.estimated_again` decides between them across processes).
+figures shown to a user.
 
 Several processes racing together (the ranks of one data-parallel job) must take every decision
 alike: `RaceSchedule.agree` is called at each round's end with what this process measured, and
@@ -65,8 +62,6 @@ class Stop(str, enum.Enum):
     """The race's budget (``total_s``) reached, or overspent to run the fewest rounds."""
     ENDED = "ended"
     """The caller ended the race (a job that ran out of steps)."""
-    ESTIMATE_ONLY = "estimate_only"
-    """No selection: the winner of an earlier race, estimated again."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +120,6 @@ class RaceSchedule:
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
         agree: what several processes racing together take from each one's round (``None``: one process).
-        winner: the key of an earlier race's winner: no selection, only the estimation rounds, of every
-            entrant (``None``: select one).
     """
 
     def __init__(
@@ -139,15 +132,12 @@ class RaceSchedule:
         meter_every_step: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         agree: Agree | None = None,
-        winner: str | None = None,
     ) -> None:
         if not entrants:
             raise ValueError("a race needs at least one entrant")
         keys = [k for k, _, _ in entrants]
         if len(set(keys)) != len(keys):
             raise ValueError(f"entrant keys must be unique: {keys}")
-        if winner is not None and winner not in keys:
-            raise ValueError(f"the winner {winner!r} is not an entrant: {keys}")
         self.plan = plan or RacePlan()
         self.entrants = {k: _Entrant(k, p, s) for k, p, s in entrants}
         self.order = keys
@@ -169,10 +159,8 @@ class RaceSchedule:
         self.stop_reason = ""
         self.stopped: Stop | None = None
         self.standing: Standing | None = None
-        self.winner: str | None = winner
-        self.estimate_only = winner is not None
-        """The winner came from an earlier race: this one runs only the estimation rounds."""
-        self.tied: list[str] = [winner] if winner is not None else []
+        self.winner: str | None = None
+        self.tied: list[str] = []
         self.tokens: int | None = None
         self.samples: int | None = None
         self.over = False
@@ -279,10 +267,6 @@ class RaceSchedule:
         if self.phase == "warmup":
             self.phase = "select"
             self.started = self.clock()
-            if self.estimate_only:
-                self.phase = "estimate"
-                self.stop_reason = "no selection: the winner of an earlier race, estimated again"
-                self.stopped = Stop.ESTIMATE_ONLY
         if self.phase == "select" and self._selection_over():
             self._decide()
             self.phase = "estimate"
@@ -385,10 +369,7 @@ class RaceSchedule:
     def _estimate_field(self) -> list[str]:
         if self.winner is None or self.entrants[self.winner].out is not None:
             return []
-        if self.estimate_only:  # every entrant given: the references and the earlier race's rivals
-            others = [k for k in self.alive() if k != self.winner]
-        else:
-            others = [k for k in self.alive(self.references) if k != self.winner]
+        others = [k for k in self.alive(self.references) if k != self.winner]
         return [self.winner, *others] if others else []
 
     # -------------------------------------------------------------- result

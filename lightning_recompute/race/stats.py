@@ -20,21 +20,17 @@ Why these and not a t-test on step times:
 - **Looking after every round** (a sequential test) inflates the chance of a false separation; a
   race therefore needs `RaceRule.min_rounds` before it may stop, and stops on a stricter interval
   (`RaceRule.stop_confidence`) than the one it reports.
-- **Processes differ too.** One process's rounds share its memory layout and where the scheduler put
-  it, so the same pair of policies measures a few percent apart in two processes (on this project's
-  2-core machine the same ratio moved from +12% to +30% between sessions, more than one process's
-  interval is wide). A "vs" figure is therefore measured in several processes and reported with
-  `across_processes`, the hull of their intervals (why not a pooled or a t interval: see there).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Interval", "Spread", "across_processes", "paired_ratio", "spread"]
+__all__ = ["Interval", "Spread", "paired_ratio", "spread"]
 
 
 @dataclass(frozen=True)
@@ -112,8 +108,6 @@ class Interval:
     """Rounds paired."""
     confidence: float
     """The interval's coverage: at least the confidence asked for, or less when too few rounds allow no more."""
-    processes: int = 1
-    """Processes the rounds were measured in (`across_processes`)."""
 
     @property
     def excludes_one(self) -> bool:
@@ -133,8 +127,12 @@ class Interval:
             "high": self.high,
             "rounds": self.rounds,
             "confidence": self.confidence,
-            "processes": self.processes,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Interval:
+        """The inverse of `to_dict`; keys it does not know are ignored (an earlier record's ``processes``)."""
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95) -> Interval:
@@ -162,42 +160,4 @@ def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 
         high=math.exp(logs[hi]),
         rounds=len(logs),
         confidence=coverage,
-    )
-
-
-def across_processes(intervals: Sequence[Interval]) -> Interval:
-    """One ratio from the same comparison measured in several processes (`paired_ratio` in each).
-
-    The ratio is the geometric mean of the processes' ratios; the interval is the hull of theirs (from
-    the lowest low to the highest high). Why the hull:
-
-    - Each process's interval covers that process's ratio, which carries an effect of the process
-      itself; what a user's job will see is the ratio across processes. Pooling every round into one
-      order-statistic interval would treat rounds of one process as independent of its effect, and be
-      as over-confident as one process is.
-    - A t interval over the processes' ratios is the textbook answer, but with two or three processes
-      its quantile (12.7 for two at 95%) makes it too wide to act on.
-    - The hull misses the ratio across processes only when every process's interval lies on the same
-      side of it. With no process effect it covers at least as often as any one interval does; with a
-      process effect far larger than one interval, each interval is on a given side with probability
-      1/2, so ``n`` processes miss at most ``2 ** (1 - n)`` of the time. Between the two, each added
-      process cuts the chance of a miss. `bench/decision_quality.py` measures the coverage reached.
-
-    `Interval.confidence` is the lowest of the processes' (each interval's own statement);
-    `Interval.rounds` counts every process's rounds.
-
-    Raises:
-        ValueError: no interval.
-    """
-    if not intervals:
-        raise ValueError("across_processes of no interval")
-    if len(intervals) == 1:
-        return intervals[0]
-    return Interval(
-        ratio=math.exp(statistics.fmean(math.log(iv.ratio) for iv in intervals)),
-        low=min(iv.low for iv in intervals),
-        high=max(iv.high for iv in intervals),
-        rounds=sum(iv.rounds for iv in intervals),
-        confidence=min(iv.confidence for iv in intervals),
-        processes=sum(iv.processes for iv in intervals),
     )

@@ -96,14 +96,13 @@ class ExactTrials:
         micro_batch=None,
         budget_bytes=None,
         plan=None,
-        winner=None,
     ):
         """The race the real engine would run on exact figures: same rule, rounds without noise."""
         self.races.append([p.short(SESSION_LAYERS) for p, _ in entrants])
         self.plans.append(plan)
         times = {p.fingerprint(): 1.0 / fake_throughput(p) for p, _ in entrants}
         peaks = {p.fingerprint(): fake_peak(p) for p, _ in entrants}
-        return exact_race(entrants, times, peaks, references, winner=winner)
+        return exact_race(entrants, times, peaks, references)
 
 
 def make_recipe(tmp_path, tracking_uri, *, n_trials=5, budget="12MiB", race=None):
@@ -182,7 +181,6 @@ class FixedTrials:
         micro_batch: Any = None,
         budget_bytes: int | None = None,
         plan: Any = None,
-        winner: RecomputePolicy | None = None,
     ) -> RaceResult:
         """The race on the fixed figures (exact rounds, the real rule); a policy whose outcome is a
         failure fails the whole race, as a step raising in the engine's one fit does."""
@@ -197,7 +195,6 @@ class FixedTrials:
             references,
             layer_names=GATE_LAYERS,
             budget_bytes=budget_bytes,
-            winner=winner,
         )
 
     def who(self, names: dict[RecomputePolicy, str]) -> list[str]:
@@ -219,12 +216,11 @@ def numerics(equal: bool = True) -> Any:
 
 
 def exact_race(
-    entrants, times, peaks, references=(), *, rounds=6, layer_names=SESSION_LAYERS, budget_bytes=None, winner=None
+    entrants, times, peaks, references=(), *, rounds=6, layer_names=SESSION_LAYERS, budget_bytes=None
 ) -> RaceResult:
     """A `RaceResult` of ``entrants`` (``(policy, labels)``) whose every round measures ``times``
     (fingerprint -> seconds) exactly, decided by the real rule (`lightning_recompute.race.rule.verdict`); an entrant
-    peaking over ``budget_bytes`` is out, as in the engine. Given ``winner`` (a policy), no selection:
-    only the estimation rounds, of every entrant, as `tuner._trials.run_race` runs them."""
+    peaking over ``budget_bytes`` is out, as in the engine."""
     from lightning_recompute.race.rule import verdict
     from lightning_recompute.race.stats import paired_ratio
 
@@ -232,12 +228,8 @@ def exact_race(
     keys = [p.fingerprint() for p, _ in entrants if p.fingerprint() not in out]
     shorts = {p.fingerprint(): p.short(layer_names) for p, _ in entrants}
     select = [dict(times) for _ in range(rounds)]
-    if winner is None:
-        standing, tied, winner = verdict(select, keys, peaks, shorts, confidence=0.95)
-        estimated = [winner]
-    else:  # every entrant given runs the estimation rounds (the references and the rivals raced again)
-        standing, tied, winner, select = None, [winner.fingerprint()], winner.fingerprint(), []
-        estimated = keys
+    standing, tied, winner = verdict(select, keys, peaks, shorts, confidence=0.95)
+    estimated = [winner]
     refs = [p.fingerprint() for p in references if p.fingerprint() in keys and p.fingerprint() != winner]
     vs = {r: paired_ratio([times[winner]] * rounds, [times[r]] * rounds) for r in refs} if winner else {}
     return RaceResult(

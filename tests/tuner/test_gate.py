@@ -125,43 +125,6 @@ def test_the_regression_check_races_candidate_and_good_and_a_faster_candidate_re
     assert load_good_policy("gate", uri) == B
 
 
-def test_a_candidate_that_won_across_processes_passes_the_regression_check_with_that_figure(
-    uri: str, recipe: recipe_mod.Recipe
-) -> None:
-    """The good policy led the session race's own process and the candidate, unresolved behind it, won
-    when raced again in a fresh process: the regression check cites that decision, not the selection's
-    standing that shows the candidate behind."""
-    from lightning_recompute.race import RaceEntrant, RaceResult
-    from lightning_recompute.race.stats import Interval
-
-    tracker = Tracker(uri, "gate")
-    gate(tracker, A, recipe, FixedTrials({A: 100.0}))
-    a, b = A.fingerprint(), B.fingerprint()
-    race = RaceResult(
-        outcome="ok",
-        entrants={
-            a: RaceEntrant(key=a, short=A.short(LAYERS), labels=("good",), select_s=(1 / 122.4,) * 6),
-            b: RaceEntrant(key=b, short=B.short(LAYERS), labels=("trial 3",), select_s=(1 / 120.0,) * 6),
-        },
-        winner=b,
-        leader=a,
-        tied=(a,),
-        unresolved=(b,),
-        behind={b: Interval(ratio=1.02, low=0.97, high=1.08, rounds=6, confidence=0.97)},
-        rechecked={b: (1.02, 0.9)},
-        selected=a,
-        select_rounds=6,
-        tokens_per_step=1,
-    )
-    trials = FixedTrials({A: 100.0, B: 120.0})
-    d = gate(tracker, B, recipe, trials, race=race)
-    assert d.promoted, d.reasons
-    assert trials.races == []  # the session's race had both: no second race
-    (line,) = [r for r in d.reasons if r.startswith("regression:")]
-    assert "put the candidate ahead of the current good policy" in line
-    assert "raced again in fresh processes" in line and "CI -3.0..+8.0%" not in line
-
-
 @pytest.mark.parametrize(
     ("trials", "check", "failed", "reason"),
     [

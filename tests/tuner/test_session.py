@@ -49,13 +49,9 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     # which does not fit and so never raced, whatever its single trial measured.
     assert summary.race is not None and summary.race.ok
     assert summary.race.winner == summary.best.fingerprint
-    # The race, then (race.processes: 2) the winner against the references alone in a fresh process,
-    # for as many estimation rounds as the race ran, with no race budget and no selection.
-    assert summary.best.policy is not None and len(fakes.races) == 2
-    assert fakes.races[1] == [summary.best.policy.short(LAYERS), "FFF"]
-    (full_key,) = summary.race.vs
-    plan, again = fakes.plans
-    assert again.total_s is None and again.estimate_rounds == summary.race.vs_processes[0][full_key].rounds
+    # One race, in one process: its own rounds decide and give the figures.
+    assert summary.best.policy is not None and len(fakes.races) == 1
+    (plan,) = fakes.plans
     # The race's rounds may take race.share of what the search's trials took, but never less than
     # race.min_s (these trials took 12 s; a quarter of it would be 3 s), and the session says which.
     assert plan.share is not None and plan.share * TRIAL_WALL_S * len(measured) < plan.min_s
@@ -68,9 +64,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert summary.gains["full"] == pytest.approx(summary.best.throughput / 700.0 - 1.0)
     assert summary.gains["none"] is None
     full = summary.vs_figures()["full"]
-    assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 12 rounds in 2 processes" in full["text"]
-    assert len(summary.race.vs_processes) == 2
-    assert any(n.startswith("race: estimation process 2 of 2: 6 rounds in ") for n in summary.notes)
+    assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 6 rounds)" in full["text"]
     # One live event per trial told, in order, with the best so far.
     assert [e.record.number for e in events] == [r.number for r in summary.records]
     assert events[-1].best is not None and events[-1].best.number == summary.best.number
@@ -91,119 +85,6 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     decisions = [r.data.tags["recompute.decision"] for r in runs(recipe, "decision")]
     assert decisions == ["promote"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
-
-
-def test_an_estimation_process_that_fails_leaves_the_race_processs_figures_and_says_so(
-    tmp_path, tracking_uri, fakes, monkeypatch
-):
-    from lightning_recompute.race import RaceResult
-
-    raced = fakes.run_race
-
-    def race_then_fail(recipe, entrants, **kw):
-        if kw.get("winner") is not None:
-            return RaceResult(outcome="failed", reason="the race ended killed: injected")
-        return raced(recipe, entrants, **kw)
-
-    monkeypatch.setattr("tuner._trials.run_race", race_then_fail)
-    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
-    summary = session.tune(recipe, use_planner=False)
-    assert summary.status == "promoted" and summary.race is not None and summary.race.vs_processes == ()
-    assert "interleaved, 6 rounds)" in summary.vs_figures()["full"]["text"]
-    assert any("estimation process 2 of 2 failed: the race ended killed: injected" in n for n in summary.notes)
-
-
-def test_a_rival_the_race_left_unresolved_races_again_and_wins_when_faster_across_processes(
-    tmp_path, tracking_uri, fakes, monkeypatch
-):
-    """The race's process put the winner 2% ahead of a rival it could not separate; the fresh process
-    measures the rival 10% ahead of it. The two disagree, so one more process races the two alone; it
-    sides with the fresh one, which settles it: across the three the rival is faster, it wins, and one
-    more fresh process measures it against the references, so its figures span two processes its
-    selection did not run in."""
-    from lightning_recompute.race import RaceResult
-    from tests.tuner.fakes import exact_race
-
-    raced = fakes.run_race
-    seen: dict[str, str] = {}
-    calls: list[tuple[str | None, list[str]]] = []
-
-    def scripted(recipe, entrants, **kw):
-        winner = kw.get("winner")
-        calls.append((None if winner is None else winner.fingerprint(), [p.fingerprint() for p, _ in entrants]))
-        times = {p.fingerprint(): 1.0 / fake_throughput(p) for p, _ in entrants}
-        if winner is None:
-            res: RaceResult = raced(recipe, entrants, **kw)
-            rival = min(
-                (k for k, e in res.entrants.items() if k != res.winner and e.out is None and k not in res.vs),
-                key=lambda k: times[k],
-            )
-            seen.update(winner=str(res.winner), rival=rival)
-            # In the race's own rounds: 2% behind, not separated with confidence.
-            entrants_ = dict(res.entrants)
-            entrants_[rival] = dataclasses.replace(entrants_[rival], select_s=(times[res.winner] * 1.02,) * 6)
-            return dataclasses.replace(res, entrants=entrants_, tied=(res.winner,), unresolved=(rival,))
-        if seen["rival"] in times and seen["winner"] in times:
-            times[seen["rival"]] = times[seen["winner"]] / 1.10  # 10% ahead in the fresh process
-        peaks = {p.fingerprint(): fake_peak(p) for p, _ in entrants}
-        return exact_race(entrants, times, peaks, kw.get("references", ()), winner=winner)
-
-    monkeypatch.setattr("tuner._trials.run_race", scripted)
-    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
-    summary = session.tune(recipe, use_planner=False)
-    race = summary.race
-    assert race is not None and summary.status == "promoted"
-    winner, rival = seen["winner"], seen["rival"]
-    assert race.selected == winner and race.winner == rival
-    assert summary.best is not None and summary.best.fingerprint == rival
-    assert RecomputePolicy.load(recipe.output).fingerprint() == rival
-    full_key = next(k for k, e in race.entrants.items() if "baseline full" in e.labels)
-    # The race; then the winner beside the rival and full; the dispute; the new winner against the
-    # references alone, the selection's winner among them (it is the fastest baseline here).
-    assert "baseline selective" in race.entrants[winner].labels
-    dispute = (winner, [winner, rival])
-    assert calls[1:] == [(winner, [winner, rival, full_key]), dispute, (rival, [rival, winner, full_key])]
-    assert set(race.vs) == {winner, full_key} and race.vs[winner].processes == 2
-    assert race.rechecked[rival] == pytest.approx((1.02, 1 / 1.10, 1 / 1.10))
-    assert race.disputed() == []
-    assert race.vs[full_key].processes == 2 and len(race.vs_processes) == 2
-    assert "interleaved, 12 rounds in 2 processes" in summary.vs_figures()["full"]["text"]
-    short = {k: e.short for k, e in race.entrants.items()}
-    assert any(f"{short[rival]} not separated from {short[winner]}: raced again" in n for n in summary.notes)
-    assert any(n.startswith("race: estimation process 4, for the figures") for n in summary.notes)
-    disagree = f"race: the processes disagree whether {short[rival]} or {short[winner]} is faster"
-    assert sum(n.startswith(disagree) for n in summary.notes) == 1
-    line = race.recheck_line()
-    assert line is not None and line.endswith(f"{short[rival]} is faster across them and wins over {short[winner]}")
-
-
-def test_processes_that_agree_on_a_rival_need_no_dispute(tmp_path, tracking_uri, fakes, monkeypatch):
-    """A rival unresolved in the race's process and measured slower in the fresh one too: no more
-    processes, the selection's winner stands, and its figures span both processes."""
-    from lightning_recompute.race import RaceResult
-
-    raced = fakes.run_race
-    calls: list[int] = []
-
-    def unresolved_runner_up(recipe, entrants, **kw):
-        calls.append(len(entrants))
-        res: RaceResult = raced(recipe, entrants, **kw)
-        if kw.get("winner") is not None:
-            return res
-        rest = [k for k, e in res.entrants.items() if k != res.winner and e.out is None and k not in res.vs]
-        runner = min(rest, key=lambda k: res.entrants[k].median_s() or 0.0)
-        return dataclasses.replace(res, unresolved=(runner,))
-
-    monkeypatch.setattr("tuner._trials.run_race", unresolved_runner_up)
-    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
-    summary = session.tune(recipe, use_planner=False)
-    race = summary.race
-    assert race is not None and race.selected is None and race.disputed() == []
-    assert len(calls) == 2 and calls[1] == 3  # the winner, the rival, full: once
-    (ratios,) = race.rechecked.values()
-    assert len(ratios) == 2 and min(ratios) > 1.0
-    assert race.recheck_line() is not None and race.recheck_line().endswith("stays the winner")
-    assert "interleaved, 12 rounds in 2 processes" in summary.vs_figures()["full"]["text"]
 
 
 def test_a_second_session_on_a_finished_study_keeps_the_promoted_policy(tmp_path, tracking_uri, fakes):
@@ -581,15 +462,8 @@ def test_the_text_report_accounts_for_every_baseline_and_gives_unraced_ones_no_f
             )
             assert "%" not in line
 
-    # The same baseline raced again as a rival across processes (the quickstart's every_2nd_full): where
-    # its figures are, and no "vs" figure from processes that chose the winner.
     name = selection_only[0]
     rec = summary.baselines[name]
-    rival = dataclasses.replace(
-        summary, race=dataclasses.replace(summary.race, rechecked={rec.fingerprint: (1.02, 1.01)})
-    )
-    (line,) = [x for x in cli._details(rival).splitlines() if x.startswith(f"  vs {name} ")]
-    assert line.endswith("raced as a rival across processes ('raced again' above); no 'vs' figure")
 
     # The same baseline left out of the race's field: not raced, and no figure from its single trial.
     without = {k: e for k, e in entered.items() if k != rec.fingerprint}

@@ -257,8 +257,6 @@ class RaceSpec(_RecipeSpec):
     """An entrant peaking over it is out of the race."""
     plan: dict[str, Any] = dataclasses.field(default_factory=dict)
     """`lightning_recompute.race.RacePlan.to_dict`."""
-    winner: str | None = None
-    """The key of an earlier race's winner: no selection, only the estimation rounds (``None``: select)."""
 
 
 @dataclass(frozen=True, kw_only=True)

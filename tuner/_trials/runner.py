@@ -262,7 +262,6 @@ def run_race(
     budget_bytes: int | None = None,
     plan: RacePlan | None = None,
     timeout_s: float | None = None,
-    winner: RecomputePolicy | None = None,
 ) -> RaceResult:
     """Race ``entrants`` (a policy and why it races) interleaved on one model, in one subprocess.
 
@@ -279,9 +278,6 @@ def run_race(
         budget_bytes: an entrant peaking over it is out of the race.
         plan: how long and how sure (default: from ``recipe.race``).
         timeout_s: the worker's deadline (default: a trial's timeout plus twice the race's time).
-        winner: an earlier race's winner, one of ``entrants``: no selection, only the plan's estimation
-            rounds, every entrant in each (the figures against ``references`` measured again in a fresh
-            process, and the earlier race's rivals beside them).
     """
     from lightning_recompute.race import RaceResult
 
@@ -294,15 +290,12 @@ def run_race(
         labels.setdefault(key, []).extend(w for w in why if w not in labels.get(key, []))
     if not policies:
         return RaceResult(outcome="skipped", reason="no entrant")
-    if winner is not None and winner.fingerprint() not in policies:
-        raise ValueError(f"the winner {winner.fingerprint()} is not one of the entrants {sorted(policies)}")
     spec = RaceSpec(
         **_recipe_fields(recipe, micro_batch),
         entrants=tuple(RaceEntrant(key=k, policy=p.to_dict(), short=p.short(layer_names)) for k, p in policies.items()),
         references=tuple(p.fingerprint() for p in references if p.fingerprint() in policies),
         budget_bytes=budget_bytes,
         plan=plan.to_dict(),
-        winner=None if winner is None else winner.fingerprint(),
     )
     limit = float(timeout_s) if timeout_s is not None else float(recipe.trial.timeout_s) + 2.0 * plan.time_s
     run = _run_worker(spec, limit, recipe.trial.env)

@@ -245,7 +245,6 @@ def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
             "accelerator": recipe.trainer.accelerator,
             "precision": _precision(recipe.trainer.precision),
         },
-        winner=spec.winner,
     )
     return {**result, **_batches(batches()), **_device(recipe.trainer.accelerator)}
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import pytest
-
 from lightning_recompute import RecomputePolicy
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport, Stop
@@ -176,43 +174,3 @@ def test_under_a_race_budget_the_estimation_keeps_its_minimum_rounds_and_the_sel
     assert len(schedule.estimate_rounds) == MIN_ESTIMATE_ROUNDS
     assert len(schedule.select_rounds) == 3
     assert spent <= plan.total_s
-
-
-def test_given_the_winner_of_an_earlier_race_only_the_estimation_rounds_run() -> None:
-    """An estimation process (`tuner._decision.estimate_again`): the winner is taken, not selected, even
-    when a reference measures faster here; every turn is an estimation turn, for the plan's rounds."""
-    plan = dataclasses.replace(PLAN, estimate_rounds=5)
-    entrants = [e for e in ENTRANTS if e[0] != NONE.fingerprint()]
-    schedule = RaceSchedule(entrants, [FULL.fingerprint()], plan, winner=ONE.fingerprint())
-    turns = []
-    while (turn := schedule.next_turn()) is not None:
-        turns.append(turn)
-        schedule.record(turn, {FULL.fingerprint(): 1.0, ONE.fingerprint(): 1.2}[turn.key], None)
-    assert {t.phase for t in turns[plan.warmup_steps :]} == {"estimate"}
-    assert len(turns) == plan.warmup_steps + 5 * 2 * (plan.steps + 1)
-    result = schedule.result()
-    assert result["selection"]["winner"] == ONE.fingerprint() and result["selection"]["rounds"] == 0
-    assert "no selection" in result["selection"]["stop"]
-    vs = result["estimate"]["vs"][FULL.fingerprint()]
-    assert vs["rounds"] == 5 and vs["ratio"] == 1.0 / 1.2  # full's time over the winner's: the winner is slower here
-
-
-def test_an_estimation_process_races_the_earlier_races_rivals_beside_the_winner_in_every_round() -> None:
-    """`tuner._decision.estimate_again` hands the rivals the race left unresolved in as entrants that are
-    not references: each round runs all three, rotated, and the figures stay the winner's against full."""
-    plan = dataclasses.replace(PLAN, estimate_rounds=4)
-    schedule = RaceSchedule(ENTRANTS, [FULL.fingerprint()], plan, winner=ONE.fingerprint())
-    keys = []
-    while (turn := schedule.next_turn()) is not None:
-        if turn.timed:
-            keys.append(turn.key)
-        schedule.record(turn, BASE[turn.key], None)
-    assert len(keys) == 4 * 3 * plan.steps and {keys.count(k) for k in set(keys)} == {4 * plan.steps}
-    result = schedule.result()
-    assert result["entrants"][NONE.fingerprint()]["estimate_s"] == [1.0] * 4
-    assert list(result["estimate"]["vs"]) == [FULL.fingerprint()]
-
-
-def test_a_winner_that_is_not_an_entrant_is_refused() -> None:
-    with pytest.raises(ValueError, match="is not an entrant"):
-        RaceSchedule(ENTRANTS, [], PLAN, winner="nope")

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from lightning_recompute.race.neighbour import LoadModel
-from lightning_recompute.race.stats import Interval, across_processes, paired_ratio, spread
+from lightning_recompute.race.stats import paired_ratio, spread
 
 
 def test_spread_of_a_sample() -> None:
@@ -82,37 +82,3 @@ def test_bad_samples_are_refused() -> None:
         paired_ratio([1.0], [1.0])
     with pytest.raises(ValueError, match="positive"):
         paired_ratio([1.0, 0.0], [1.0, 1.0])
-
-
-def test_across_processes_is_the_hull_of_the_processes_intervals_around_their_geometric_mean() -> None:
-    a = Interval(ratio=1.10, low=1.05, high=1.16, rounds=8, confidence=0.99)
-    b = Interval(ratio=1.30, low=1.22, high=1.40, rounds=10, confidence=0.97)
-    both = across_processes([a, b])
-    assert both.ratio == pytest.approx(math.sqrt(1.10 * 1.30))
-    assert (both.low, both.high, both.rounds, both.processes, both.confidence) == (1.05, 1.40, 18, 2, 0.97)
-    assert across_processes([a]) is a
-    assert across_processes([both, a]).processes == 3
-    with pytest.raises(ValueError, match="no interval"):
-        across_processes([])
-
-
-def test_a_process_effect_defeats_one_process_interval_and_two_processes_cover_it() -> None:
-    """Seeded simulation of what the decision-quality benchmark found: each process shifts the ratio by
-    its own effect (sd 6%, as large as the round-to-round noise), and a "vs" figure's estimation has 8
-    rounds a process. One process's interval covers the ratio across processes in about 4 of 5 sessions;
-    the hull of two processes' in at least 19 of 20."""
-    rng = random.Random(7)
-    true = 1.2
-    one = two = 0
-    sessions = 400
-    for _ in range(sessions):
-        per_process = []
-        for _ in range(2):
-            effect = rng.gauss(0.0, 0.06)
-            rounds = [true * math.exp(effect + rng.gauss(0.0, 0.06)) for _ in range(8)]
-            per_process.append(paired_ratio([1.0] * 8, rounds))
-        one += per_process[0].low <= true <= per_process[0].high
-        hull = across_processes(per_process)
-        two += hull.low <= true <= hull.high
-    assert one < 0.85 * sessions  # 313 of 400 with this seed
-    assert two >= 0.95 * sessions  # 392 of 400

@@ -67,7 +67,7 @@ def test_the_wire_keys_are_those_a_spec_had_before_it_was_typed() -> None:
         *("kind", "version", "deadline", "sys_path", "source", "micro_batch"),
     }
     race = SPECS["race"].to_dict()
-    wire = {"kind", "version", "entrants", "references", "budget_bytes", "plan", "winner"}
+    wire = {"kind", "version", "entrants", "references", "budget_bytes", "plan"}
     assert set(race) - set(RECIPE_FIELDS) == wire
     assert race["entrants"][0] == {"key": "abc", "policy": POLICY, "short": "FF"}
 
