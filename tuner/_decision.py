@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +41,6 @@ __all__ = [
     "choose_field",
     "decide_best",
     "race_leaders",
-    "suspects",
 ]
 
 
@@ -171,10 +169,6 @@ def race_leaders(
     search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
     plan = recipe.race_plan(search_s=search_s)
     entry = choose_field(records, best, good, leaders=plan.leaders, predicted=plan.predicted, budget_bytes=stage.budget)
-    for record, why in suspects(records):
-        stage.note(why)
-        if record.feasible and record.policy is not None and record.micro_batch == best.micro_batch:
-            entry.add(record.policy, f"suspect trial {record.number}")
     for line in entry.notes:
         stage.note(f"race: {line}")
     if recipe.trainer.devices > 1 or recipe.trainer.num_nodes > 1:
@@ -240,7 +234,7 @@ def candidate_of(
 
 # ---------------------------------------------------------------------------------------------- the field
 # Who races after a search: the leading trials (the search thinks they are fast), the planner's pick and top
-# predictions (independent of one measurement's noise), suspect trials, the fastest fitting baseline and full (the
+# predictions (independent of one measurement's noise), the fastest fitting baseline and full (the
 # "vs" figures are about them) and the current good policy (keeping it is decided by the same race).
 
 
@@ -390,37 +384,3 @@ def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int
 
 def _name(record: TrialRecord) -> str:
     return record.baseline or ""
-
-
-def suspects(records: Sequence[TrialRecord], *, tolerance: float = 0.25) -> list[tuple[TrialRecord, str]]:
-    """Trials far from the planner's prediction while the others are close: a measurement to distrust.
-
-    Each measured trial with a predicted step time has a ratio measured / predicted. The planner's
-    times are off by a factor on any machine, so the ratio is judged against the median ratio of all
-    trials: a trial more than ``tolerance`` (relative) away from it, while the typical trial is within
-    ``tolerance`` of it, is suspect. Needs at least 4 trials with predictions.
-    """
-    rated = [
-        (r, r.step_time_s / r.predicted_step_time_s)
-        for r in records
-        if r.measured and r.step_time_s and r.predicted_step_time_s
-    ]
-    if len(rated) < 4:
-        return []
-    mid = statistics.median(q for _, q in rated)
-    typical = statistics.median(abs(q / mid - 1.0) for _, q in rated)
-    if typical > tolerance:
-        return []  # the planner is far off everywhere: no trial stands out
-    found = []
-    for r, q in rated:
-        off = q / mid - 1.0
-        if abs(off) > tolerance:
-            found.append(
-                (
-                    r,
-                    f"trial {r.number} ({r.short}) measured {r.step_time_s:.4g} s/step against the planner's "
-                    f"{r.predicted_step_time_s:.4g} s: {off:+.0%} from how far the other trials are from theirs "
-                    f"(typically {typical:.0%}); suspect, re-measured in the race",
-                )
-            )
-    return found
