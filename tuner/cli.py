@@ -410,7 +410,7 @@ def _report(s: SessionSummary) -> str:
         lines.append(f"  in the training job: {s.training_change}")
     race = s.race
     entered = (
-        f", a race of {len(race.entrants)} ({race.select_rounds + race.estimate_rounds} rounds)"
+        f" and a race of {len(race.entrants)} policies over {race.select_rounds + race.estimate_rounds} rounds"
         if race is not None and race.ok
         else ""
     )
@@ -426,7 +426,9 @@ def _legend(s: SessionSummary) -> str:
 
     shown = "".join(r.short for r in (s.best, *s.baselines.values()) if r is not None)
     glyphs = ", ".join(f"{m.glyph} {m.name}" for m in MODES if m.glyph in shown)
-    return f"one glyph per layer ({_span(s.layer_names)}): {glyphs}"
+    names = s.layer_names
+    layers = f"{names[0]} .. {names[-1]}" if len(names) > 2 else ", ".join(names)
+    return f"one glyph per layer ({layers}): {glyphs}"
 
 
 def _baseline_lines(s: SessionSummary) -> list[str]:
@@ -445,9 +447,9 @@ def _baseline_lines(s: SessionSummary) -> list[str]:
                 f"{f['high'] * 100:+.1f}%)" + (", not significant" if spans_zero else "")
             )
         elif not rec.ran:
-            out.append(
-                _clip(f"{head} not measured ({rec.outcome}: {rec.reason})" if rec.reason else f"{head} {rec.outcome}")
-            )
+            # The reason's first clause: its figures in bytes are in --verbose and the JSON.
+            why = f"{rec.outcome}: {rec.reason.split(' (')[0]}" if rec.reason else rec.outcome
+            out.append(_clip(f"{head} not measured ({why})"))
         elif not rec.feasible:
             out.append(f"{head} over the limit")
         else:
