@@ -385,7 +385,7 @@ def _report(s: SessionSummary) -> str:
     path = s.policy_path
     head = {
         "promoted": f"promoted {short} at {where}: written to {path}",
-        "current": f"unchanged: {short} is already the good policy ({path})",
+        "current": f"unchanged: {short} at {where} is already the good policy ({path})",
         "rejected": f"rejected {short}: the good policy " + (f"in {path} stands" if path else "stays none"),
         "searched": f"best single trial {short} at {where} (--search-only: not gated, nothing written)",
     }.get(s.status, f"{s.status}: nothing promoted")
