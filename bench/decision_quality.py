@@ -509,8 +509,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument(
         "--min-rounds",
         type=int,
-        help="race.min_rounds of the raced sessions (the selection's floor under the budget; default: the recipe "
-        "default)",
+        help="RacePlan.min_rounds of the raced sessions (the selection's floor under the budget; default: the "
+        "race's constant), through RECOMPUTE_TUNE_RACE_PLAN",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "decision_quality.json")
     parser.add_argument(

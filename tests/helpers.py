@@ -12,11 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 RACE_PLAN_ENV = "RECOMPUTE_TUNE_RACE_PLAN"
 """`tuner.recipe._schema.RACE_PLAN_ENV` (not imported: tests of the library alone must not import the service)."""
 
-SHORT_RACE = {"min_rounds": 4, "max_rounds": 8, "estimate_rounds": 6, "time_s": 20.0, "processes": 1}
+SHORT_RACE = {"min_rounds": 4, "max_rounds": 8, "estimate_rounds": 6, "time_s": 20.0}
 """The race of tests that run whole sessions (`RACE_PLAN_ENV`, set by `child_env`): every path of the race,
-a fraction of its default length (the race's statistics are tested with exact figures in tests/tuner/race).
-Its figures come from the race's process only: a second estimation process costs a session a worker start,
-and `tests/tuner/test_cli.py`'s end-to-end session runs one."""
+a fraction of its default length (the race's statistics are tested with exact figures in tests/tuner/race)."""
 
 
 def child_env(**extra: str) -> dict[str, str]:

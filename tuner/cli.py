@@ -382,6 +382,12 @@ def _report(s: SessionSummary) -> str:
     best = s.best
     where = _micro_batch(best.micro_batch, s.data_batch_size) if best is not None else ""
     short = best.short if best is not None else ""
+    # The race's winner when it is no trial of this study (the good policy of an earlier one): its figures.
+    race = s.race
+    won = race.winner if race is not None and race.ok and not s.chosen else None
+    entrant = race.entrants.get(won) if race is not None and won is not None else None
+    if entrant is not None:
+        short = entrant.short
     path = s.policy_path
     head = {
         "promoted": f"promoted {short} at {where}: written to {path}",
@@ -394,11 +400,13 @@ def _report(s: SessionSummary) -> str:
         lines += [f"  {reason}" for reason in s.reasons[:3]]
     else:
         lines.append(f"  {_legend(s)}")
-        raced = s.race.throughput(best.fingerprint) if s.race is not None and s.race.ok else None
+        key = won if entrant is not None and won is not None else best.fingerprint
+        raced = s.race.throughput(key) if s.race is not None and s.race.ok else None
         speed = raced if raced is not None else best.throughput
         source = "in the race" if raced is not None else "its single trial"
+        peak = entrant.peak_bytes if entrant is not None else best.peak_bytes
         lines.append(
-            f"  {_num(speed)} {best.throughput_unit or ''} ({source}), peak {_bytes(best.peak_bytes)} "
+            f"  {_num(speed)} {best.throughput_unit or ''} ({source}), peak {_bytes(peak)} "
             f"of the {_bytes(s.budget_bytes)} limit"
         )
         lines += [f"  {line}" for line in _baseline_lines(s)]

@@ -95,14 +95,14 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
     target = tracking_target(auto, trainer)
     if target is None:
         return None
-    recorder = _mlflow_recorder()
-    if recorder is None:
-        rank_zero_warn(
-            "AutoRecompute: the race is not recorded in MLflow: the record is written by the tuning service, "
-            "install it with `pip install 'lightning-recompute[tune]'`"
-        )
-        return None
     try:
+        recorder = _mlflow_recorder()
+        if recorder is None:
+            rank_zero_warn(
+                "AutoRecompute: the race is not recorded in MLflow: the record is written by the tuning service, "
+                "install it with `pip install 'lightning-recompute[tune]'`"
+            )
+            return None
         return recorder(auto, trainer, pl_module, race, device, target)
     except Exception as err:  # noqa: BLE001 - the record is a by-product; the job must train on
         _log.debug("AutoRecompute record failed", exc_info=True)

@@ -17,7 +17,7 @@ from lightning_recompute.race.stats import Interval, paired_ratio
 __all__ = ["TIE_MARGIN", "Standing", "recompute_strength", "stand", "tie_break", "verdict"]
 
 TIE_MARGIN = 0.03
-"""The default `Standing.tie_margin` (the recipe's ``race.tie_margin``)."""
+"""The default `Standing.tie_margin` (`RacePlan.tie_margin`)."""
 
 
 @dataclass(frozen=True)

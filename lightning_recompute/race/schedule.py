@@ -317,7 +317,7 @@ class RaceSchedule:
                 if self.elapsed_s + estimate_s <= total:
                     why = f"reached after {rounds} rounds, the estimation's rounds left in it"
                 elif rounds <= self.plan.min_rounds:
-                    why = f"overspent to run race.min_rounds, {rounds} rounds"
+                    why = f"overspent to run the race's fewest rounds, {rounds}"
                 else:  # past the floor: the last round took longer than the pace the check before it expected
                     why = f"overspent by the last of {rounds} rounds, slower than the ones before"
                 self.stop_reason = f"race budget of {total:.0f} s {why}"

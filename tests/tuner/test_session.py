@@ -510,3 +510,19 @@ def test_the_default_report_reads_in_ten_seconds(tmp_path, tracking_uri, fakes):
             f"{full.short}: +20.0% throughput (90% CI {(low - 1) * 100:+.1f}..{(high - 1) * 100:+.1f}%)"
             + (", not significant" if said else "")
         ), line
+
+
+def test_the_report_names_the_race_winner_when_it_is_no_trial_of_this_study(tmp_path, tracking_uri, fakes):
+    """The good policy of an earlier study (another budget) can win this study's race: the report's head and
+    figures are that winner's, not this study's best single trial."""
+    from tuner import cli
+
+    recipe = make_recipe(tmp_path, tracking_uri, n_trials=6)
+    summary = session.tune(recipe, use_planner=False)
+    assert summary.race is not None and summary.best is not None
+    other = next(k for k, e in summary.race.entrants.items() if k != summary.best.fingerprint and e.out is None)
+    earlier = dataclasses.replace(summary, race=dataclasses.replace(summary.race, winner=other), chosen=False)
+    earlier.status = "current"
+    lines = cli._report(earlier).splitlines()
+    assert lines[1].startswith(f"unchanged: {summary.race.entrants[other].short} at ")
+    assert lines[3].startswith(f"  {cli._num(summary.race.throughput(other))} ")

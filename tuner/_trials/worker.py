@@ -738,7 +738,7 @@ def _strategy(recipe: Any) -> Any:
 
 
 def _precision(value: str) -> _PRECISION_INPUT:
-    # The recipe validated ``value`` against this very list (`tuner.recipe.PRECISIONS`, checked
+    # The recipe validated ``value`` against this very list (`tuner.recipe._schema.PRECISIONS`, checked
     # against Lightning's by a test); its schema keeps it a str so loading a recipe needs no Lightning.
     return cast("_PRECISION_INPUT", value)
 

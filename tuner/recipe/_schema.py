@@ -291,6 +291,20 @@ RETIRED_RACE_KEYS = (
 """``race`` keys of earlier recipes that are now constants of `RacePlan`: a recipe that sets them still loads."""
 
 
+def _race_override(text: str) -> dict[str, Any]:
+    """`RACE_PLAN_ENV`'s fields, every one a `RacePlan` field: a typo would otherwise be dropped unseen."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RecomputeError(f"{RACE_PLAN_ENV}: not JSON ({err}): {clip(text)}") from None
+    valid = sorted(f.name for f in dataclasses.fields(RacePlan))
+    unknown = sorted(k for k in fields if k not in valid) if isinstance(fields, dict) else None
+    if unknown is None or unknown:
+        what = f"{', '.join(map(repr, unknown))} not RacePlan fields" if unknown else "not a JSON object"
+        raise RecomputeError(f"{RACE_PLAN_ENV}: {what} (valid: {', '.join(valid)})")
+    return fields
+
+
 def _race_retired_keys(value: Any) -> Any:
     """Drops the retired ``race`` keys of an earlier recipe, with a warning naming them."""
     if not isinstance(value, dict):
@@ -573,7 +587,7 @@ class Recipe:
         )
         override = os.environ.get(RACE_PLAN_ENV)
         if override:
-            plan = RacePlan.from_dict({**plan.to_dict(), **json.loads(override)})
+            plan = RacePlan.from_dict({**plan.to_dict(), **_race_override(override)})
         return plan.within(search_s)
 
     @property

@@ -62,3 +62,19 @@ def test_an_earlier_recipes_retired_race_keys_load_with_a_warning_naming_them(tm
 def test_a_bad_knob_names_the_key(tmp_path) -> None:
     with pytest.raises(RecipeError, match=r"race\.share: input should be greater than 0 \(got -1\)"):
         _recipe(tmp_path, share=-1)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ('{"processes": 1}', r"'processes' not RacePlan fields \(valid: .*min_rounds"),
+        ("{min_rounds: 2", "not JSON"),
+        ("[2]", "not a JSON object"),
+    ],
+)
+def test_a_race_override_that_is_not_racePlan_fields_is_refused_naming_them(tmp_path, monkeypatch, override, said):
+    from lightning_recompute.errors import RecomputeError
+
+    monkeypatch.setenv(RACE_PLAN_ENV, override)
+    with pytest.raises(RecomputeError, match=rf"RECOMPUTE_TUNE_RACE_PLAN: .*{said}"):
+        _recipe(tmp_path).race_plan()

@@ -139,7 +139,7 @@ def test_a_race_budget_too_small_for_min_rounds_is_overspent_not_cut_below_them(
     plan = dataclasses.replace(PLAN, min_rounds=4, total_s=12.0)
     schedule = _run_on_clock(plan)
     assert len(schedule.select_rounds) == 4
-    assert schedule.stop_reason == "race budget of 12 s overspent to run race.min_rounds, 4 rounds"
+    assert schedule.stop_reason == "race budget of 12 s overspent to run the race's fewest rounds, 4"
     assert len(schedule.estimate_rounds) == plan.estimate_rounds
 
 
