@@ -401,7 +401,7 @@ def _report(s: SessionSummary) -> str:
     else:
         lines.append(f"  {_legend(s)}")
         key = won if entrant is not None and won is not None else best.fingerprint
-        raced = s.race.throughput(key) if s.race is not None and s.race.ok else None
+        raced = race.throughput(key) if race is not None and race.ok else None
         speed = raced if raced is not None else best.throughput
         source = "in the race" if raced is not None else "its single trial"
         peak = entrant.peak_bytes if entrant is not None else best.peak_bytes
@@ -416,7 +416,6 @@ def _report(s: SessionSummary) -> str:
         lines.append(f"  gate: {_clip(gate)}")
     if s.training_change is not None and s.status in ("promoted", "current"):
         lines.append(f"  in the training job: {s.training_change}")
-    race = s.race
     entered = (
         f" and a race of {len(race.entrants)} policies over {race.select_rounds + race.estimate_rounds} rounds"
         if race is not None and race.ok
