@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
 __all__ = [
-    "PREDICTION_SPAN",
     "Decided",
     "Field",
     "candidate_of",
