@@ -359,10 +359,12 @@ def history(recipe: Recipe) -> HistorySummary:
 
     tracker = _existing_tracker(recipe)
     summary = HistorySummary(
-        experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=tracker.history()
+        experiment=str(recipe.tracking.experiment),
+        tracking_uri=recipe.tracking.uri,
+        decisions=tracker.registry.history(),
     )
     try:
-        summary.current = tracker.current_good()
+        summary.current = tracker.registry.current_good()
     except TrackingError as err:  # an edited artifact must not hide the record of decisions
         summary.current_problem = str(err)
     return summary
@@ -415,10 +417,10 @@ def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSumm
     tracker = _existing_tracker(recipe)
     from tuner._liveness import grace_s
 
-    cleaned = tracker.clean_leftovers(recipe.output, grace_s())
-    note = tracker.restore_file(recipe.output)
-    current = tracker.current_good()
-    if note is not None and current is not None and not tracker.can_roll_back():
+    cleaned = tracker.registry.clean_leftovers(recipe.output, grace_s())
+    note = tracker.registry.restore_file(recipe.output)
+    current = tracker.registry.current_good()
+    if note is not None and current is not None and not tracker.registry.can_roll_back():
         return RollbackSummary(good=current, rolled_back=False, file_note=note, cleaned=cleaned)
     notes: list[str] = []
 
@@ -432,7 +434,7 @@ def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSumm
             )
         notes.append(note)
 
-    restored = tracker.rollback(output_path=recipe.output, vet=vet)
+    restored = tracker.registry.rollback(output_path=recipe.output, vet=vet)
     return RollbackSummary(
         good=restored, rolled_back=True, file_note=note, cleaned=cleaned, budget_note=notes[0] if notes else None
     )

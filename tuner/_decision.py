@@ -113,7 +113,7 @@ def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, n
         else contextlib.nullcontext(False)
     )
     with lease as waited:
-        good = stage.tracker.current_good()
+        good = stage.tracker.registry.current_good()
         records = study.records() if study is not None else []
         race: RaceResult | None
         chosen: str | None
@@ -205,7 +205,7 @@ def race_leaders(
     else:
         stage.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
     if stage.session_run_id is not None:
-        stage.tracker.log_race(race)
+        stage.tracker.sessions.log_race(race)
     return race
 
 

@@ -421,7 +421,7 @@ def decide(
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
     decision = evaluate(
         cand,
-        tracker.current_good(),
+        tracker.registry.current_good(),
         recipe=recipe,
         budget_bytes=budget_bytes,
         run_trial=run_trial,
@@ -439,7 +439,7 @@ def decide(
     decision.evidence["tuned_for"] = policy.tuned_for.to_dict() if policy.tuned_for is not None else None
     source = cand.source_run_id
     if decision.confirmation is not None:
-        source = tracker.log_confirmation(
+        source = tracker.sessions.log_confirmation(
             policy,
             cand.layer_names,
             cand.micro_batch,
@@ -450,11 +450,11 @@ def decide(
         decision.confirmation_run_id = source
     if decision.promoted:
         out = Path(output_path) if output_path is not None else Path(recipe.output)
-        decision.decision_run_id = tracker.promote(
+        decision.decision_run_id = tracker.registry.promote(
             policy, source_run_id=source, output_path=out, reason=decision.reason, evidence=decision.evidence
         )
     else:
-        decision.decision_run_id = tracker.reject(
+        decision.decision_run_id = tracker.registry.reject(
             policy, source_run_id=source, reason=decision.reason, evidence=decision.evidence
         )
     return decision

@@ -75,7 +75,7 @@ class Presence:
     def beat_tracker(self) -> None:
         """One beat on the session run (MLflow)."""
         if self.tracker is not None:
-            self.tracker.beat()
+            self.tracker.sessions.beat()
 
 
 def join_setup(study: TuningStudy, name: str, grace_s: float, notify: Say, note: Say) -> bool:
@@ -101,7 +101,7 @@ def reap(
     """Fail the trials of dead workers (their candidates go back in the queue) and record them in MLflow."""
     abandoned = study.in_flight.reap_dead(grace_s)
     for dead in abandoned:
-        tracker.log_abandoned_trial(
+        tracker.sessions.log_abandoned_trial(
             dead.number,
             dead.policy,
             list(layer_names),
@@ -116,7 +116,7 @@ def reap(
 
 def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, note: Say) -> None:
     """End KILLED the RUNNING session runs of ``study_name`` whose worker died, each noted."""
-    for run_id in tracker.end_dead_sessions(study_name, grace_s):
+    for run_id in tracker.sessions.end_dead_sessions(study_name, grace_s):
         note(f"session run {run_id} of a dead worker ended KILLED")
 
 

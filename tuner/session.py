@@ -277,7 +277,7 @@ class _TuningSession:
                 self.study.setup.abandon()
         if self.tracker is not None:
             with contextlib.suppress(Exception):
-                self.tracker.close("FAILED")
+                self.tracker.sessions.close("FAILED")
 
     def _search(self) -> str | None:
         """Ask, run and tell trials until the study has ``n_trials`` measured; why it stopped early."""
@@ -368,7 +368,7 @@ class _TuningSession:
 
     def _log(self, proposal: Proposal, result: TrialResult, reason: str | None) -> str | None:
         pred = proposal.prediction.figures() if proposal.prediction is not None else None
-        return self._tracker().log_trial(
+        return self._tracker().sessions.log_trial(
             proposal.number,
             proposal.policy,
             list(self.where.space.layer_names),
@@ -464,7 +464,7 @@ class _TuningSession:
         done = decide_best(stage, best, study, new_trials=self.ran > 0)
         decision = done.decision
         summary = self._summary(*done.status(), race=done.race, chosen=done.chosen)
-        good = self._tracker().current_good()
+        good = self._tracker().registry.current_good()
         summary.policy_path = self.recipe.output if (decision.promoted or good) else None
         summary.tuned_for = good.policy.tuned_for if good is not None else None
         summary.reasons.extend(decision.reasons)
@@ -566,9 +566,9 @@ def _open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, n
     # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
     # session resumes it (one study, one session run) instead of opening another.
     end_dead_session_runs(tracker, study, grace_s, note)
-    for done in tracker.clean_leftovers(recipe.output, grace_s):
+    for done in tracker.registry.clean_leftovers(recipe.output, grace_s):
         note(done)
-    run_id = tracker.start_session(recipe, study_name=study, resume=True)
+    run_id = tracker.sessions.start_session(recipe, study_name=study, resume=True)
     for folder in clean_stale_trial_dirs():
         notify(f"removed {folder}: its tuning process is gone")
     return tracker, run_id
@@ -577,10 +577,10 @@ def _open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, n
 def _reconcile_policy_file(tracker: Tracker, output: Path, summary: SessionSummary, note: Say) -> None:
     """Make ``output`` hold the good policy (restored from MLflow when it does not, and said so), and
     point ``summary`` at it when there is a good policy."""
-    restored = tracker.restore_file(output)
+    restored = tracker.registry.restore_file(output)
     if restored is not None:
         note(f"policy file: {restored}")
-    if summary.policy_path is None and tracker.current_good() is not None:
+    if summary.policy_path is None and tracker.registry.current_good() is not None:
         summary.policy_path = output
 
 
@@ -594,8 +594,8 @@ def _close_session_run(
         f"status {summary.status}",
         *summary.notes,
     ]
-    tracker.note_session(notes)
-    tracker.finish_session(
+    tracker.sessions.note_session(notes)
+    tracker.sessions.finish_session(
         status=status,
         best=None if summary.best is None else summary.best.to_dict(),
         trials_table=[r.to_dict() for r in summary.records],

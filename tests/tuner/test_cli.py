@@ -309,8 +309,8 @@ def test_a_rollback_killed_mid_decision_is_cleaned_up_by_the_next(tmp_path, caps
 
     tracker = Tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
     first = RecomputePolicy.uniform("full")
-    tracker.promote(first, source_run_id=None, output_path=recipe.output, reason="first", evidence={})
-    tracker.promote(
+    tracker.registry.promote(first, source_run_id=None, output_path=recipe.output, reason="first", evidence={})
+    tracker.registry.promote(
         RecomputePolicy.uniform("selective"),
         source_run_id=None,
         output_path=recipe.output,
@@ -345,7 +345,7 @@ def test_a_rollback_killed_mid_decision_is_cleaned_up_by_the_next(tmp_path, caps
     assert client.get_run(dead.info.run_id).info.status == "KILLED"
     _, _, runs = mlflow_runs(recipe_path)
     assert not [r for r in runs if r.info.status == "RUNNING"]
-    assert [d.kind for d in tracker.history()] == ["promote", "promote", "rollback"]
+    assert [d.kind for d in tracker.registry.history()] == ["promote", "promote", "rollback"]
     assert RecomputePolicy.load(recipe.output) == first
 
 

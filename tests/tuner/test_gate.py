@@ -26,7 +26,7 @@ LIMIT = 100 * 2**20
 
 
 def _good_run_id(tracker: Tracker) -> str:
-    good = tracker.current_good()
+    good = tracker.registry.current_good()
     assert good is not None, "no good policy recorded"
     return good.run_id
 
@@ -68,7 +68,7 @@ def gate(
 def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: recipe_mod.Recipe) -> None:
     trials, check = FixedTrials({A: 100.0}), numerics()
     tracker = Tracker(uri, "gate")
-    with tracker.session(recipe, study_name="s"):
+    with tracker.sessions.session(recipe, study_name="s"):
         d = decide(
             tracker,
             Candidate(A, micro_batch=8, layer_names=LAYERS),
@@ -101,7 +101,7 @@ def test_first_promotion_writes_the_file_and_moves_the_record(uri: str, recipe: 
     assert "numerics: training unchanged from no recompute" in decision.data.tags["recompute.reason"]
     assert {f.path for f in client.list_artifacts(d.decision_run_id)} == {"policy.yaml", "evidence.json"}
 
-    current = tracker.current_good()
+    current = tracker.registry.current_good()
     assert current is not None and current.policy == A and current.micro_batch == 8
     assert current.throughput == 100.0 and current.peak_bytes == 50 * 2**20
     assert load_good_policy("gate", uri) == A  # what RecomputeCallback(policy="mlflow:gate") reads
@@ -159,7 +159,7 @@ def test_a_failing_candidate_keeps_the_last_good_policy_and_its_file(
     assert Path(recipe.output).read_bytes() == before and Path(recipe.output).stat().st_mtime_ns == mtime
     assert _good_run_id(tracker) == first.confirmation_run_id
     assert load_good_policy("gate", uri) == A
-    last = tracker.history()[-1]
+    last = tracker.registry.history()[-1]
     assert (last.kind, last.run_id, last.fingerprint) == ("reject", d.decision_run_id, B.fingerprint())
     assert reason in last.reason
     assert last.previous_good_run_id == last.new_good_run_id == first.confirmation_run_id
@@ -199,7 +199,7 @@ def test_the_current_good_policy_as_candidate_changes_nothing(uri: str, recipe: 
     trials = FixedTrials({A: 100.0})
     d = gate(tracker, A, recipe, trials)
     assert d.unchanged and not d.promoted and trials.calls == []
-    assert [h.kind for h in tracker.history()] == ["promote"]
+    assert [h.kind for h in tracker.registry.history()] == ["promote"]
 
 
 def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe) -> None:
@@ -208,13 +208,13 @@ def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe
     b = gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
     assert load_good_policy("gate", uri) == B
 
-    restored = tracker.rollback(output_path=recipe.output)
+    restored = tracker.registry.rollback(output_path=recipe.output)
     assert restored.run_id == a.confirmation_run_id and restored.policy == A
     assert RecomputePolicy.load(recipe.output) == A
     assert _good_run_id(tracker) == a.confirmation_run_id
     assert load_good_policy("gate", uri) == A
 
-    history = tracker.history()
+    history = tracker.registry.history()
     assert [h.kind for h in history] == ["promote", "promote", "rollback"]
     assert [h.seq for h in history] == [1, 2, 3]
     assert [h.new_good_run_id for h in history] == [a.confirmation_run_id, b.confirmation_run_id, a.confirmation_run_id]
@@ -226,45 +226,47 @@ def test_promote_promote_rollback_round_trip(uri: str, recipe: recipe_mod.Recipe
 
     # A second rollback would go before the first promotion: there is nothing there.
     with pytest.raises(TrackingError, match="nothing to roll back to; it has only the first good policy"):
-        tracker.rollback(output_path=recipe.output)
+        tracker.registry.rollback(output_path=recipe.output)
     assert RecomputePolicy.load(recipe.output) == A
     # Rollbacks stack with later promotions: promote C, rollback -> A again.
     gate(tracker, C, recipe, FixedTrials({A: 100.0, C: 130.0}))
-    assert tracker.rollback(output_path=recipe.output).policy == A
-    assert [h.kind for h in tracker.history()] == ["promote", "promote", "rollback", "promote", "rollback"]
+    assert tracker.registry.rollback(output_path=recipe.output).policy == A
+    assert [h.kind for h in tracker.registry.history()] == ["promote", "promote", "rollback", "promote", "rollback"]
 
 
 def test_rollback_with_nothing_to_roll_back_to(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
     with pytest.raises(TrackingError, match="nothing to roll back to; it has no good policy at all") as info:
-        tracker.rollback(output_path=recipe.output)
+        tracker.registry.rollback(output_path=recipe.output)
     assert isinstance(info.value, RecomputeError)
     assert not Path(recipe.output).exists()
-    assert tracker.history() == []
+    assert tracker.registry.history() == []
 
 
 def test_rollback_refuses_a_hand_edited_record(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "gate")
     gate(tracker, A, recipe, FixedTrials({A: 100.0}))
     gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
-    stray = MlflowClient(tracking_uri=uri).create_run(tracker.experiment_id).info.run_id
-    MlflowClient(tracking_uri=uri).set_experiment_tag(tracker.experiment_id, "recompute.good_run_id", stray)
+    stray = MlflowClient(tracking_uri=uri).create_run(tracker.store.experiment_id).info.run_id
+    MlflowClient(tracking_uri=uri).set_experiment_tag(tracker.store.experiment_id, "recompute.good_run_id", stray)
     with pytest.raises(TrackingError, match="changed outside the tuner"):
-        tracker.rollback(output_path=recipe.output)
+        tracker.registry.rollback(output_path=recipe.output)
 
 
 def test_promoting_a_policy_with_a_run_that_measured_another_one_is_refused(
     uri: str, recipe: recipe_mod.Recipe, tmp_path: Path
 ) -> None:
     tracker = Tracker(uri, "gate")
-    with tracker.session(recipe, study_name="s"):
-        run_a = tracker.log_trial(0, A, LAYERS, None, TrialResult(outcome="ok", throughput=1.0))
+    with tracker.sessions.session(recipe, study_name="s"):
+        run_a = tracker.sessions.log_trial(0, A, LAYERS, None, TrialResult(outcome="ok", throughput=1.0))
     with pytest.raises(TrackingError, match="not the promoted"):
-        tracker.promote(B, source_run_id=run_a, output_path=tmp_path / "p.yaml", reason="r", evidence={})
+        tracker.registry.promote(B, source_run_id=run_a, output_path=tmp_path / "p.yaml", reason="r", evidence={})
     assert not (tmp_path / "p.yaml").exists()
-    assert tracker.current_good() is None
+    assert tracker.registry.current_good() is None
     # Without a source run, the decision run itself holds the policy and becomes the good run.
-    decision = tracker.promote(B, source_run_id=None, output_path=tmp_path / "p.yaml", reason="by hand", evidence={})
+    decision = tracker.registry.promote(
+        B, source_run_id=None, output_path=tmp_path / "p.yaml", reason="by hand", evidence={}
+    )
     assert _good_run_id(tracker) == decision
     assert load_good_policy("gate", uri) == B
 
@@ -274,21 +276,21 @@ def test_a_failed_record_puts_the_old_file_back(
 ) -> None:
     tracker = Tracker(uri, "gate")
     out = tmp_path / "p.yaml"
-    tracker.promote(A, source_run_id=None, output_path=out, reason="first", evidence={})
+    tracker.registry.promote(A, source_run_id=None, output_path=out, reason="first", evidence={})
     before = out.read_bytes()
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("tracking server went away")
 
-    monkeypatch.setattr(tracker.client, "set_experiment_tag", broken)
+    monkeypatch.setattr(tracker.store.client, "set_experiment_tag", broken)
     with pytest.raises(RuntimeError, match="went away"):
-        tracker.promote(B, source_run_id=None, output_path=out, reason="second", evidence={})
+        tracker.registry.promote(B, source_run_id=None, output_path=out, reason="second", evidence={})
     monkeypatch.undo()
     assert out.read_bytes() == before
     assert load_good_policy("gate", uri) == A
-    assert [h.kind for h in tracker.history()] == ["promote"]  # the failed decision run is not history
+    assert [h.kind for h in tracker.registry.history()] == ["promote"]  # the failed decision run is not history
     client = MlflowClient(tracking_uri=uri)
-    failed = client.search_runs([tracker.experiment_id], filter_string="tags.`recompute.decision` = 'promote'")
+    failed = client.search_runs([tracker.store.experiment_id], filter_string="tags.`recompute.decision` = 'promote'")
     assert sorted(r.info.status for r in failed) == ["FAILED", "FINISHED"]
 
 
@@ -326,7 +328,7 @@ def test_real_trials_promote_on_a_tiny_reference_model(uri: str, tmp_path: Path)
     policy = RecomputePolicy.first_n(names, 1, "full")
     limit = tiny.budget.limit_bytes(None)
     with Tracker(uri, "real") as tracker:
-        tracker.start_session(tiny, study_name="real-cpu")
+        tracker.sessions.start_session(tiny, study_name="real-cpu")
         d = decide(tracker, Candidate(policy, layer_names=names), recipe=tiny, budget_bytes=limit)
     assert d.promoted, d.reasons
     assert d.evidence["numerics"]["equal"] is True
@@ -400,17 +402,17 @@ def test_progress_is_told_only_for_checks_that_run(uri: str, recipe: recipe_mod.
 @pytest.mark.parametrize("damage", ["missing", "garbage", "another policy"])
 def test_restore_file_puts_the_good_policy_back(uri: str, recipe: recipe_mod.Recipe, damage: str) -> None:
     tracker = Tracker(uri, "gate")
-    assert tracker.restore_file(recipe.output) is None  # no good policy yet: not the tuner's file
+    assert tracker.registry.restore_file(recipe.output) is None  # no good policy yet: not the tuner's file
     d = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
     out = Path(recipe.output)
-    assert tracker.restore_file(out) is None  # matches: untouched
+    assert tracker.registry.restore_file(out) is None  # matches: untouched
     if damage == "missing":
         out.unlink()
     elif damage == "garbage":
         out.write_bytes(b"\xff\xfe not: [a policy")
     else:
         C.save(out)
-    note = tracker.restore_file(out)
+    note = tracker.registry.restore_file(out)
     assert note is not None and f"restored the good policy {A.fingerprint()}" in note
     assert d.confirmation_run_id in note
     assert {"missing": "was missing", "garbage": "was not a readable policy", "another policy": "held policy"}[
@@ -470,11 +472,15 @@ def test_tuned_for_travels_with_promotions_history_rollback_and_mlflow(tmp_path:
     tuned_b = RecomputePolicy.load(recipe.output).tuned_for
     assert tuned_b is not None and (tuned_b.micro_batch, tuned_b.peak_bytes) == (8, 40 * 2**20)
 
-    restored = tracker.rollback(output_path=recipe.output)
+    restored = tracker.registry.rollback(output_path=recipe.output)
     assert restored.policy.tuned_for == written
     assert RecomputePolicy.load(recipe.output).tuned_for == written
     assert load_good_policy("gate", uri).tuned_for == written
-    assert [(h.kind, h.micro_batch) for h in tracker.history()] == [("promote", 4), ("promote", 8), ("rollback", 4)]
+    assert [(h.kind, h.micro_batch) for h in tracker.registry.history()] == [
+        ("promote", 4),
+        ("promote", 8),
+        ("rollback", 4),
+    ]
 
 
 def test_history_and_rollback_survive_a_decision_run_with_a_bad_seq_tag(uri: str, recipe: recipe_mod.Recipe) -> None:
@@ -483,11 +489,11 @@ def test_history_and_rollback_survive_a_decision_run_with_a_bad_seq_tag(uri: str
     a = gate(tracker, A, recipe, FixedTrials({A: 100.0}))
     gate(tracker, B, recipe, FixedTrials({A: 100.0, B: 120.0}))
     client = MlflowClient(tracking_uri=uri)
-    first = client.search_runs([tracker.experiment_id], filter_string="tags.`recompute.decision_seq` = '1'")[0]
+    first = client.search_runs([tracker.store.experiment_id], filter_string="tags.`recompute.decision_seq` = '1'")[0]
     client.set_tag(first.info.run_id, "recompute.decision_seq", "one")
-    assert [(h.kind, h.seq) for h in tracker.history()] == [("promote", 0), ("promote", 2)]
-    assert tracker.rollback(output_path=recipe.output).run_id == a.confirmation_run_id
-    assert [h.seq for h in tracker.history()] == [0, 2, 3]
+    assert [(h.kind, h.seq) for h in tracker.registry.history()] == [("promote", 0), ("promote", 2)]
+    assert tracker.registry.rollback(output_path=recipe.output).run_id == a.confirmation_run_id
+    assert [h.seq for h in tracker.registry.history()] == [0, 2, 3]
 
 
 def test_rollback_refuses_an_artifact_changed_after_its_run_logged_it(uri: str, recipe: recipe_mod.Recipe) -> None:
@@ -505,7 +511,7 @@ def test_rollback_refuses_an_artifact_changed_after_its_run_logged_it(uri: str, 
         info.value
     )
     assert Path(recipe.output).read_bytes() == before
-    assert [h.kind for h in tracker.history()] == ["promote", "promote"]
+    assert [h.kind for h in tracker.registry.history()] == ["promote", "promote"]
     # history still lists the decisions, and says what is wrong with the current one.
     summary = commands.history(recipe)
     assert len(summary.decisions) == 2 and summary.current is None
@@ -525,7 +531,7 @@ def test_rollback_refuses_a_policy_over_the_recipe_s_budget_now(uri: str, recipe
     with pytest.raises(RecomputeError, match=r"rollback refused: run \S+ \(\S+\) peaked at 100.00 MiB when measured, "):
         commands.rollback(smaller)
     assert RecomputePolicy.load(recipe.output) == B
-    assert [h.kind for h in tracker.history()] == ["promote", "promote"]
+    assert [h.kind for h in tracker.registry.history()] == ["promote", "promote"]
 
     done = commands.rollback(smaller, allow_over_budget=True)
     assert done.good.run_id == a.confirmation_run_id and RecomputePolicy.load(recipe.output) == A
@@ -567,11 +573,11 @@ def test_a_hand_edited_tuned_for_is_restored_like_the_policy(tmp_path: Path, uri
     edited.save(recipe.output)
     assert edited.fingerprint() == good.fingerprint()  # the layers are the same: the fingerprint cannot tell
 
-    note = tracker.restore_file(recipe.output)
+    note = tracker.registry.restore_file(recipe.output)
     assert note is not None and f"held the good policy {good.fingerprint()} with another tuned_for: " in note
     assert "micro_batch 64 (the good run's: 4)" in note
     assert RecomputePolicy.load(recipe.output).tuned_for == good.tuned_for
-    assert tracker.restore_file(recipe.output) is None  # now it matches
+    assert tracker.registry.restore_file(recipe.output) is None  # now it matches
 
 
 def test_a_confirmation_far_below_the_race_fails_once_scaled_to_a_trials_process(recipe: recipe_mod.Recipe) -> None:

@@ -49,7 +49,7 @@ def promote_twice(folder: Path, empty_db: Path) -> None:
     recipe = make_recipe(folder)
     tracker = Tracker(recipe.tracking.uri, "moved")
     for policy, speed in ((A, 100.0), (B, 200.0)):
-        with tracker.session(recipe, study_name="s"):
+        with tracker.sessions.session(recipe, study_name="s"):
             trials = FixedTrials({A: 100.0, B: speed})
             d = decide(
                 tracker,

@@ -34,9 +34,9 @@ def test_a_store_written_before_the_rebuild_resumes(old_store: Path, fakes) -> N
     with pytest.warns(UserWarning, match=r"race\.processes: no longer recipe settings"):
         recipe = load(old_store / "recipe.yaml")
     tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-    good = tracker.current_good()
+    good = tracker.registry.current_good()
     assert good is not None and good.policy == RecomputePolicy.load(old_store / "policy.yaml")
-    (decision,) = tracker.history()
+    (decision,) = tracker.registry.history()
     assert decision.kind is DecisionKind.PROMOTE
     (race_file,) = old_store.glob("mlartifacts/resume/*/artifacts/race.json")
     race = RaceResult.from_dict(json.loads(race_file.read_text()))
@@ -49,5 +49,5 @@ def test_a_store_written_before_the_rebuild_resumes(old_store: Path, fakes) -> N
     assert summary.status in ("promoted", "current") and summary.exit_code == 0
     assert (
         RecomputePolicy.load(recipe.output).fingerprint()
-        == open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment)).current_good().fingerprint
+        == open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment)).registry.current_good().fingerprint
     )

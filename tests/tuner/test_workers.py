@@ -74,7 +74,7 @@ def test_a_tracking_server_that_hangs_does_not_stall_the_studys_heartbeat() -> N
 
     presence = Presence()
     presence.study = SimpleNamespace(setup=SimpleNamespace(beat=lambda: study_beats.append(time.monotonic())))  # type: ignore[assignment]
-    presence.tracker = SimpleNamespace(beat=hung_tracker_beat)  # type: ignore[assignment]
+    presence.tracker = SimpleNamespace(sessions=SimpleNamespace(beat=hung_tracker_beat))  # type: ignore[assignment]
     presence.setting_up = True
     beats = [
         Heartbeat(presence.beat_study, interval=0.01).start(),

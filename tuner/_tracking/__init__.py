@@ -25,8 +25,7 @@ do not step on each other.
 Modules: `tuner._tracking.names` (every tag, param and artifact name), `tuner._tracking.client` (the
 shared MLflow client), `tuner._tracking.sessions` (session and trial runs), `tuner._tracking.registry`
 (the good policy: promote, reject, rollback, history), `tuner._tracking.report` (CSV,
-markdown), `tuner._tracking.tracker` (`Tracker`: a `SessionLog` and a `PolicyRegistry` sharing one
-`TrackingClient`).
+markdown), `tuner._tracking.tracker` (`Tracker`: its `sessions` and `registry` sharing one `TrackingClient`).
 """
 
 from __future__ import annotations

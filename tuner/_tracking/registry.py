@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
@@ -33,6 +33,9 @@ from tuner._tracking.names import (
     SOURCE_RUN,
     TUNED_MICRO_BATCH,
 )
+
+if TYPE_CHECKING:
+    from tuner._tracking.sessions import SessionLog
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,12 @@ class PolicyRegistry:
 
     Args:
         store: the experiment's client (shared with the `SessionLog` of the same `Tracker`).
+        sessions: a decision made while its session run is open nests in that run.
     """
 
-    def __init__(self, store: TrackingClient) -> None:
+    def __init__(self, store: TrackingClient, sessions: SessionLog | None = None) -> None:
         self.store = store
+        self.sessions = sessions
 
     # ------------------------------------------------------------------ the good policy
 
@@ -167,14 +172,12 @@ class PolicyRegistry:
         output_path: str | Path,
         reason: str,
         evidence: Mapping[str, Any],
-        parent_run_id: str | None = None,
     ) -> str:
         """Make ``policy`` the good policy: write ``output_path`` atomically and record it; the decision run id.
 
         The good run becomes ``source_run_id`` (the confirmation or trial run that measured the
         policy; it must hold the same policy), or the decision run itself when there is none. If
-        recording fails after the file was written, the file is put back as it was. The decision
-        run nests in ``parent_run_id`` (the open session run) when one is given.
+        recording fails after the file was written, the file is put back as it was.
 
         Raises:
             TrackingError: the source run holds a different policy.
@@ -191,7 +194,7 @@ class PolicyRegistry:
             evidence=evidence,
             previous=previous,
             source_run_id=source_run_id,
-            parent_run_id=parent_run_id,
+            parent_run_id=self._open_session(),
         )
         good_run = good_run or decision_id
         finish_decision_run(
@@ -206,12 +209,8 @@ class PolicyRegistry:
         source_run_id: str | None,
         reason: str,
         evidence: Mapping[str, Any],
-        parent_run_id: str | None = None,
     ) -> str:
-        """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id.
-
-        The decision run nests in ``parent_run_id`` (the open session run) when one is given.
-        """
+        """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id."""
         previous = self._good_run_id()
         decision_id = start_decision_run(
             self.store,
@@ -221,7 +220,7 @@ class PolicyRegistry:
             evidence=evidence,
             previous=previous,
             source_run_id=source_run_id,
-            parent_run_id=parent_run_id,
+            parent_run_id=self._open_session(),
         )
         self.store.client.set_tag(decision_id, NEW_GOOD, previous or "")
         if source_run_id is not None:
@@ -238,7 +237,6 @@ class PolicyRegistry:
         *,
         output_path: str | Path,
         vet: Callable[[GoodPolicy], None] | None = None,
-        parent_run_id: str | None = None,
     ) -> GoodPolicy:
         """Restore the good policy before the current one (file and MLflow record); the restored one.
 
@@ -248,7 +246,6 @@ class PolicyRegistry:
             output_path: the policy file to write.
             vet: called with the policy to restore before anything changes; raising refuses the
                 rollback (``rollback`` checks it against the recipe's current budget).
-            parent_run_id: the run the decision run nests in (the open session run), if any.
 
         Raises:
             TrackingError: there is no earlier good policy, the experiment's good-run tag no
@@ -280,7 +277,7 @@ class PolicyRegistry:
             evidence={"rolled_back_run_id": current, "restored_run_id": target},
             previous=current,
             source_run_id=target,
-            parent_run_id=parent_run_id,
+            parent_run_id=self._open_session(),
         )
         finish_decision_run(
             self.store, decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True
@@ -311,6 +308,9 @@ class PolicyRegistry:
                 )
             )
         return out
+
+    def _open_session(self) -> str | None:
+        return self.sessions.open_run_id if self.sessions is not None else None
 
     def _good_run_id(self) -> str | None:
         return self.store.client.get_experiment(self.store.experiment_id).tags.get(GOOD_RUN_TAG) or None

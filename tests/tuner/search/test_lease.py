@@ -85,7 +85,7 @@ def test_two_workers_finishing_together_promote_exactly_once(tmp_path: Path, uri
                     run_trial=_slow_trial,
                     check_numerics=_equal,
                 )
-            results[i] = (waited, d, tracker.restore_file(out), out)
+            results[i] = (waited, d, tracker.registry.restore_file(out), out)
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
 
@@ -101,7 +101,7 @@ def test_two_workers_finishing_together_promote_exactly_once(tmp_path: Path, uri
     unchanged = [r for r in results.values() if r[1].unchanged]
     assert len(promoted) == 1 and len(unchanged) == 1
     assert unchanged[0][0] is True  # the no-op worker waited for the lease
-    history = Tracker(uri, "lease").history()
+    history = Tracker(uri, "lease").registry.history()
     assert [h.kind for h in history] == ["promote"]
     # Both machines' files hold the one promoted policy: the waiter restored its own from MLflow.
     assert all(RecomputePolicy.load(r[3]) == A for r in results.values())

@@ -104,11 +104,11 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
     full = RecomputePolicy.uniform("full")
     mixed = RecomputePolicy.first_n(LAYERS, 2, "selective")
     with Tracker(uri, "tiny-exp") as tracker:
-        session = tracker.start_session(recipe, study_name="tiny-cpu")
-        t0 = tracker.log_trial(
+        session = tracker.sessions.start_session(recipe, study_name="tiny-cpu")
+        t0 = tracker.sessions.log_trial(
             0, full, LAYERS, None, ok(10 * 2**20, 900.0), prediction={"peak_bytes": 11 * 2**20, "step_time_s": 0.002}
         )
-        t1 = tracker.log_trial(
+        t1 = tracker.sessions.log_trial(
             1,
             mixed,
             LAYERS,
@@ -116,7 +116,7 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
             TrialResult(outcome="over_budget", peak_bytes=90 * 2**20, throughput=1500.0, throughput_unit="tokens/s"),
         )
         oom = TrialResult(outcome="oom", error="CUDA out of memory", stderr_tail="Traceback ...\nOOM")
-        t2 = tracker.log_trial(2, RecomputePolicy.uniform("none"), LAYERS, 8, oom)
+        t2 = tracker.sessions.log_trial(2, RecomputePolicy.uniform("none"), LAYERS, 8, oom)
         rows = [
             record(0, full, None, ok(10 * 2**20, 900.0), run_id=t0, predicted_peak_bytes=11 * 2**20, feasible=True),
             record(
@@ -130,7 +130,7 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
             ),
             record(2, RecomputePolicy.uniform("none"), 8, oom, run_id=t2),
         ]
-        tracker.finish_session(
+        tracker.sessions.finish_session(
             status="FINISHED",
             best={"policy": full, "run_id": t0, "number": 0, "throughput": 900.0, "peak_bytes": 10 * 2**20},
             trials_table=[r.to_dict() for r in rows],
@@ -228,10 +228,10 @@ def test_session_trials_and_summary_are_laid_out_for_mlflow_ui(
 def test_layers_beyond_one_mlflow_batch_and_odd_pattern_names(uri: str, recipe: recipe_mod.Recipe) -> None:
     names = [f"model.layers.{i}" for i in range(130)]  # MLflow takes 100 params per batch
     with Tracker(uri, "tiny-exp") as tracker:
-        tracker.start_session(recipe, study_name="s")
-        big = tracker.log_trial(0, RecomputePolicy.every_kth(names, 2), names, None, ok(1, 1.0))
+        tracker.sessions.start_session(recipe, study_name="s")
+        big = tracker.sessions.log_trial(0, RecomputePolicy.every_kth(names, 2), names, None, ok(1, 1.0))
         # Without layer names the policy's own patterns are logged; MLflow forbids '[' and '*' in keys.
-        globbed = tracker.log_trial(
+        globbed = tracker.sessions.log_trial(
             1,
             RecomputePolicy.from_dict({"version": 1, "layers": {"b.[0-1]": "full", "b.*": "none"}}),
             None,
@@ -254,70 +254,72 @@ def test_an_exception_in_a_session_leaves_nothing_running(
 ) -> None:
     tracker = Tracker(uri, "tiny-exp")
     client = MlflowClient(tracking_uri=uri)
-    with pytest.raises(type(exc)), tracker.session(recipe, study_name="s") as session:
-        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(1, 1.0))
+    with pytest.raises(type(exc)), tracker.sessions.session(recipe, study_name="s") as session:
+        tracker.sessions.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(1, 1.0))
         # A nested run opened by hand and never ended, as a crash mid-logging would leave it.
-        stray = client.create_run(tracker.experiment_id, tags={"mlflow.parentRunId": session}).info.run_id
+        stray = client.create_run(tracker.store.experiment_id, tags={"mlflow.parentRunId": session}).info.run_id
         raise exc
     assert client.get_run(session).info.status == status
     assert client.get_run(stray).info.status == status
-    assert [r.info.status for r in client.search_runs([tracker.experiment_id]) if r.info.status == "RUNNING"] == []
+    assert [
+        r.info.status for r in client.search_runs([tracker.store.experiment_id]) if r.info.status == "RUNNING"
+    ] == []
 
 
 def test_finish_session_ends_the_run_even_when_summary_logging_fails(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "tiny-exp")
-    session = tracker.start_session(recipe, study_name="s")
+    session = tracker.sessions.start_session(recipe, study_name="s")
     with pytest.raises(PolicyError, match="version"):
         # A best policy that is not a policy: the summary fails half way.
-        tracker.finish_session(
+        tracker.sessions.finish_session(
             status="FINISHED", best={"policy": {"layers": {}}}, trials_table=[], baselines={}, budget_bytes=None
         )
     assert MlflowClient(tracking_uri=uri).get_run(session).info.status == "FINISHED"
-    tracker.close("FAILED")  # idempotent: the run is already ended
+    tracker.sessions.close("FAILED")  # idempotent: the run is already ended
     assert MlflowClient(tracking_uri=uri).get_run(session).info.status == "FINISHED"
 
 
 def test_resume_reuses_the_unfinished_session_of_the_same_study(uri: str, recipe: recipe_mod.Recipe) -> None:
     client = MlflowClient(tracking_uri=uri)
-    with pytest.raises(KeyboardInterrupt), Tracker(uri, "tiny-exp").session(recipe, study_name="s") as first:
+    with pytest.raises(KeyboardInterrupt), Tracker(uri, "tiny-exp").sessions.session(recipe, study_name="s") as first:
         raise KeyboardInterrupt
     assert client.get_run(first).info.status == "KILLED"
 
     t1 = Tracker(uri, "tiny-exp")
-    other = t1.start_session(recipe, study_name="another-study")
+    other = t1.sessions.start_session(recipe, study_name="another-study")
     assert other != first
-    t1.close("FINISHED")
+    t1.sessions.close("FINISHED")
 
     tracker = Tracker(uri, "tiny-exp")
-    with tracker.session(recipe, study_name="s") as resumed:
+    with tracker.sessions.session(recipe, study_name="s") as resumed:
         assert resumed == first
         assert client.get_run(first).info.status == "RUNNING"
-        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(5, 10.0))
-        tracker.log_trial(1, RecomputePolicy.uniform("none"), LAYERS, None, ok(9, 20.0))
+        tracker.sessions.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(5, 10.0))
+        tracker.sessions.log_trial(1, RecomputePolicy.uniform("none"), LAYERS, None, ok(9, 20.0))
     run = client.get_run(first)
     assert run.info.status == "FINISHED"
     assert run.data.tags["recompute.resumes"] == "1"
     assert trial_numbers(uri, first) == [0, 1]
 
     # A finished session is history: the next one starts afresh; resume=False always does.
-    with Tracker(uri, "tiny-exp").session(recipe, study_name="s") as fresh:
+    with Tracker(uri, "tiny-exp").sessions.session(recipe, study_name="s") as fresh:
         assert fresh != first
-    with Tracker(uri, "tiny-exp").session(recipe, study_name="s", resume=False) as forced:
+    with Tracker(uri, "tiny-exp").sessions.session(recipe, study_name="s", resume=False) as forced:
         assert forced not in (first, fresh)
 
 
 def test_concurrent_workers_on_one_study_get_their_own_session_runs(uri: str, recipe: recipe_mod.Recipe) -> None:
     client = MlflowClient(tracking_uri=uri)
     a, b = Tracker(uri, "tiny-exp"), Tracker(uri, "tiny-exp")
-    run_a = a.start_session(recipe, study_name="shared")
-    run_b = b.start_session(recipe, study_name="shared")
+    run_a = a.sessions.start_session(recipe, study_name="shared")
+    run_b = b.sessions.start_session(recipe, study_name="shared")
     assert run_a != run_b
-    a.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(5, 10.0))
-    a.close("FINISHED")
+    a.sessions.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(5, 10.0))
+    a.sessions.close("FINISHED")
     # the first worker finishing does not close the second one's session under it
     assert client.get_run(run_b).info.status == "RUNNING"
-    b.log_trial(1, RecomputePolicy.uniform("none"), LAYERS, None, ok(9, 20.0))
-    b.close("FINISHED")
+    b.sessions.log_trial(1, RecomputePolicy.uniform("none"), LAYERS, None, ok(9, 20.0))
+    b.sessions.close("FINISHED")
     assert trial_numbers(uri, run_b) == [1]
 
 
@@ -325,12 +327,12 @@ def test_resume_with_an_extended_recipe_records_the_change_instead_of_failing(
     uri: str, recipe: recipe_mod.Recipe
 ) -> None:
     tracker = Tracker(uri, "tiny-exp")
-    session = tracker.start_session(recipe, study_name="s")
-    tracker.close("KILLED")
+    session = tracker.sessions.start_session(recipe, study_name="s")
+    tracker.sessions.close("KILLED")
     longer = recipe_mod.from_dict({**recipe.to_dict(), "search": {**recipe.to_dict()["search"], "n_trials": 99}})
     again = Tracker(uri, "tiny-exp")
-    assert again.start_session(longer, study_name="s") == session
-    again.close("FINISHED")
+    assert again.sessions.start_session(longer, study_name="s") == session
+    again.sessions.close("FINISHED")
     run = MlflowClient(tracking_uri=uri).get_run(session)
     assert run.data.params["recipe.search.n_trials"] == "20"  # params are write-once
     assert run.data.tags["recompute.recipe_changed_on_resume"] == "recipe.search.n_trials"
@@ -339,18 +341,18 @@ def test_resume_with_an_extended_recipe_records_the_change_instead_of_failing(
 def test_misuse_is_a_clear_error(uri: str, recipe: recipe_mod.Recipe) -> None:
     tracker = Tracker(uri, "tiny-exp")
     with pytest.raises(TrackingError, match="no open session"):
-        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(1, 1.0))
-    tracker.start_session(recipe, study_name="s")
+        tracker.sessions.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, ok(1, 1.0))
+    tracker.sessions.start_session(recipe, study_name="s")
     with pytest.raises(TrackingError, match="already open"):
-        tracker.start_session(recipe, study_name="s")
+        tracker.sessions.start_session(recipe, study_name="s")
     with pytest.raises(TrackingError, match="not a run status"):
-        tracker.finish_session(status="DONE", best=None, trials_table=[], baselines={}, budget_bytes=None)
+        tracker.sessions.finish_session(status="DONE", best=None, trials_table=[], baselines={}, budget_bytes=None)
     with pytest.raises(TrackingError, match="TrialResult"):
         # A mapping where a TrialResult belongs: the runtime check this test is about.
-        tracker.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, {"peak_bytes": 1})  # type: ignore[arg-type]
-    tracker.close("KILLED")
+        tracker.sessions.log_trial(0, RecomputePolicy.uniform("full"), LAYERS, None, {"peak_bytes": 1})  # type: ignore[arg-type]
+    tracker.sessions.close("KILLED")
     client = MlflowClient(tracking_uri=uri)
-    client.delete_experiment(tracker.experiment_id)
+    client.delete_experiment(tracker.store.experiment_id)
     with pytest.raises(TrackingError, match="is deleted; restore it"):
         Tracker(uri, "tiny-exp")
 
@@ -402,10 +404,12 @@ def test_a_decision_nests_in_the_open_session_run_and_in_none_after_it(
     policy = RecomputePolicy.uniform("full")
     tracker = Tracker(uri, "tiny-exp")
     assert tracker.sessions.store is tracker.registry.store is tracker.store
-    assert tracker.client is tracker.store.client
-    with tracker.session(recipe, study_name="s") as session:
-        inside = tracker.reject(policy, source_run_id=None, reason="in the session", evidence={})
-    outside = tracker.promote(policy, source_run_id=None, output_path=tmp_path / "p.yaml", reason="after", evidence={})
+    assert tracker.store.client is tracker.store.client
+    with tracker.sessions.session(recipe, study_name="s") as session:
+        inside = tracker.registry.reject(policy, source_run_id=None, reason="in the session", evidence={})
+    outside = tracker.registry.promote(
+        policy, source_run_id=None, output_path=tmp_path / "p.yaml", reason="after", evidence={}
+    )
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(inside).data.tags["mlflow.parentRunId"] == session
     assert "mlflow.parentRunId" not in client.get_run(outside).data.tags
