@@ -239,15 +239,6 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
     ]
     race = summary.get("race") or {}
     entrants = race.get("entrants") or {}
-    full_key = next((k for k, e in entrants.items() if "baseline full" in e.get("labels", ())), None)
-    if full_key is not None and race.get("vs_processes"):
-        # Each estimation process's own interval for "vs full" (gain, low, high), the race's process first:
-        # graded alone, they show what one process's interval would have covered in the same session.
-        out["vs_full_processes"] = [
-            {"low": p[full_key]["low"] - 1.0, "high": p[full_key]["high"] - 1.0, "gain": p[full_key]["ratio"] - 1.0}
-            for p in race["vs_processes"]
-            if full_key in p
-        ]
     if race:
         # Where a raced session's extra time goes.
         out.update(
@@ -262,11 +253,6 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
         out["race_tied"] = [short.get(k) for k in race.get("tied") or ()]
         # Who raced: a promotion short of the truth's best is a measuring miss only if the best was raced.
         out["race_field"] = sorted(x for x in short.values() if x)
-        # The rivals raced again across processes (race.rivals): each one's time over the selection's
-        # winner per process, and the selection's winner when a rival won over it.
-        out["race_unresolved"] = [short.get(k) for k in race.get("unresolved") or ()]
-        out["race_rechecked"] = {short.get(k): v for k, v in (race.get("rechecked") or {}).items()}
-        out["race_selected"] = short.get(race.get("selected"))
     return out
 
 
@@ -287,9 +273,6 @@ def grade(row: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
     if row.get("vs_full") is not None and true_rel is not None:
         true_gain = 1.0 / true_rel - 1.0  # full's time over the promoted's, less 1
         out.update(true_gain=true_gain, covered=row["vs_full"]["low"] <= true_gain <= row["vs_full"]["high"])
-        if row.get("vs_full_processes"):
-            first = row["vs_full_processes"][0]
-            out["covered_one_process"] = first["low"] <= true_gain <= first["high"]
     return out
 
 
