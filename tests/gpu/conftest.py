@@ -71,9 +71,8 @@ def _check_name(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The checks in `CHECK_ORDER` (the cheap ones first: a GPU lease cut short still says what worked);
-    other tests keep their places."""
-    places = [i for i, item in enumerate(items) if Path(str(item.path)).parent == _HERE]
+    """The checks in `CHECK_ORDER`, whatever their files' names sort as; other tests keep their places."""
+    places = [i for i, item in enumerate(items) if Path(str(item.path)).resolve().parent == _HERE]
     ordered = sorted((items[i] for i in places), key=lambda item: _order(_check_name(item)))
     for i, item in zip(places, ordered, strict=True):
         items[i] = item
@@ -85,7 +84,7 @@ def _order(check: str) -> int:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     checks = [_check_name(i) for i in session.items if "figures" in getattr(i, "fixturenames", ())]
-    if checks:
+    if checks and not session.config.option.collectonly:
         session.config.stash[_EXPECTED] = checks
         session.config.stash[_STARTED] = time.perf_counter()
         session.config.stash[_RESULTS] = {}
