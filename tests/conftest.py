@@ -30,6 +30,11 @@ SLOW_TIMEOUT_S = 900
 idle 2-core machine and twice that when the machine is busy, and the limit is there for hangs, not for load."""
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here, not in tests/gpu/conftest.py: pytest reads options only from the conftest files it loads first.
+    parser.addoption("--gpu-json", metavar="PATH", help="write the GPU acceptance checks' figures (tests/gpu) to PATH")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
