@@ -1,11 +1,6 @@
-"""What a job that tuned itself leaves behind: the policy file and the MLflow record.
+"""What a job that tuned itself leaves behind: the policy file and the MLflow record (docs/AUTO.md).
 
-The record has a tuning session's layout (`tuner._tracking.SessionLog`): a session run, one trial run
-per candidate with its per-round step times, ``race.json`` and the race's figures, and the session's
-summary (trials table, best policy, Pareto plot), so ``mlflow ui`` and the tuner's readers show it
-like any session. It goes to the job's ``MLFlowLogger`` store, nested under the job's run, unless
-the callback names a tracking URI. A record that cannot be written is a warning, never the end of
-the job: the job trains on either way.
+The record has a tuning session's layout; one that cannot be written is a warning, and the job trains on.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ __all__ = ["JobTuning", "record_decision", "tracking_target"]
 _log = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "auto-recompute"
-"""The experiment of a record when the callback names a tracking URI but no experiment."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +35,7 @@ class JobTuning:
     """What a job's tuning decided and measured: everything the record is made of."""
 
     policy: RecomputePolicy
-    """The policy the job settled on."""
     summary: str
-    """The decision in words, as logged."""
     candidates: Sequence[Candidate]
     race: RaceResult
     notes: Sequence[str]
@@ -74,8 +66,7 @@ def tracking_target(auto: JobTuning, trainer: L.Trainer) -> tuple[str, str, str 
 
 
 def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
-    """Write the policy file (when asked) and the MLflow record (when there is a store); the session
-    run's id, or ``None``. Failures are warnings (see the module docstring)."""
+    """Write the policy file (when asked) and the MLflow record (when there is a store); the session run's id."""
     race = auto.race
     device = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu"
     peak = race.entrants[auto.policy.fingerprint()].peak_bytes
@@ -111,11 +102,10 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
 
 
 def _mlflow_recorder() -> Any:
-    """The tuning service's writer of the MLflow record, or ``None`` when the service is not installed.
+    """The tuning service's writer of the MLflow record, or ``None`` when it is not installed.
 
-    Found through an entry point, not an import: the record has the service's session layout, and the
-    library must import neither the service nor its dependencies (optuna, mlflow), which a job installed
-    without the ``tune`` extra lacks."""
+    Found through an entry point: the library imports neither the service nor its dependencies.
+    """
     for entry in entry_points(group="lightning_recompute", name="mlflow_record"):
         try:
             return entry.load()

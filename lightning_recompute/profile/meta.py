@@ -1,5 +1,4 @@
-"""Profiling without the hardware (`profile_meta`): the step on the meta device for memory, time
-estimated from FLOPs and memory traffic against `lightning_recompute.profile.hardware.HARDWARE`."""
+"""Profiling without the hardware (`profile_meta`): memory on the meta device, time estimated against `HARDWARE`."""
 
 from __future__ import annotations
 
@@ -34,30 +33,23 @@ def profile_meta(
     free_grads_at_batch_start: bool | None = None,
     extrapolate: bool = True,
 ) -> Profile:
-    """The memory profile of a training step computed on the meta device: no tensor is allocated.
+    """The profile of a training step computed on the meta device: no tensor is allocated.
 
-    ``model_factory`` is called under ``torch.device("meta")``, so a model of any size costs
-    nothing; ``batch`` tensors are replaced by meta tensors of the same shape and dtype. Memory
-    and FLOPs are exact for the ops as dispatched (a fused attention kernel is only modelled if
-    the model calls one on meta, as `tuner.models.LlamaLike` does). Time is an *estimate*:
-    ``flops / (peak * mfu) + traffic / (hbm bandwidth * bandwidth_efficiency)`` per segment, plus
-    host copies for ``offload``, with the peaks of ``HARDWARE[hardware]``.
+    Memory and FLOPs are exact for the ops as dispatched; time is an estimate,
+    ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` per segment plus ``offload`` host copies.
 
     Args:
-        model_factory: builds the model (called once, on meta).
-        batch: one micro-batch (tensors of any device; only shapes and dtypes are used).
+        model_factory: builds the model (called once, under the meta device).
+        batch: one micro-batch (only shapes and dtypes are used).
         layers: which modules are layers.
-        modes: modes to profile (default: all four).
+        modes: modes to profile (default: the base modes).
         optimizer: factory ``params -> optimizer`` (default: the model's ``configure_optimizers``, else AdamW).
         loss_fn: ``(model, batch) -> scalar loss``.
-        hardware: a key of `HARDWARE` (``A100``, ``H100``, ``H200``, ``L4``).
+        hardware: a key of `HARDWARE`.
         mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
         bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
         free_grads_at_batch_start: as for `profile_model`.
-        extrapolate: profile a stack of 13 or more identical layers from cuts of its first 3, 4
-            and 5 layers and put the whole stack's profile together from them
-            (`lightning_recompute.profile.extrapolate`: equal to stepping every layer, checked against the 5-layer
-            cut, and ~n/12 times faster); False steps every layer.
+        extrapolate: profile a deep stack of identical layers from short cuts (`profile.extrapolate`).
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
@@ -127,8 +119,7 @@ def _meta_model(model_factory: Callable[[], nn.Module], device: torch.device) ->
 def _time_model(
     model: nn.Module, hw: Hardware, mfu: float, bandwidth_efficiency: float
 ) -> tuple[Callable[[SegmentCost], float], str]:
-    """A segment's estimated seconds on ``hw`` (at the peak FLOP/s of the model's most common parameter
-    dtype), and the line that says how it was estimated."""
+    """A segment's estimated seconds on ``hw`` (at the model's most common dtype), and how it was estimated."""
     dtypes = [p.dtype for p in model.parameters()]
     dtype = max(set(dtypes), key=dtypes.count)
     peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
