@@ -103,7 +103,8 @@ class _RecomputedForward:
         if not torch.is_grad_enabled():
             return self._inner(*args, **kwargs)
         if self.mode is Mode.OFFLOAD:
-            if not _any_cuda(args, kwargs, self.module):
+            on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+            if not on_cuda and not any(p.is_cuda for p in self.module.parameters()):
                 if self.offload_notice is not None:
                     self.offload_notice.warn()
                 return self._inner(*args, **kwargs)
@@ -145,13 +146,6 @@ class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return packed
 
         super().__init__(pack, unpack)
-
-
-def _any_cuda(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module) -> bool:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            return True
-    return any(p.is_cuda for p in module.parameters(recurse=True))
 
 
 def applied_policy(model: nn.Module) -> AppliedPolicy | None:
@@ -203,7 +197,11 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
             name=name,
         )
     if policy.compile:
-        _compile_layers(found)
+        # Each layer's call, around its recompute wrapper (torchtitan's order), as nn.Module.compile does.
+        for _, module in found:
+            if getattr(module, "_compiled_call_impl", None) is None:  # not compiled by the user already
+                module._compiled_call_impl = CompiledCall(module)
+                module.__dict__[_COMPILED_ATTR] = True
     applied = AppliedPolicy(policy=policy, modes=modes)
     model.__dict__[_STATE_ATTR] = applied
     return applied
@@ -222,16 +220,6 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
                 del module.__dict__["forward"]
     applied = model.__dict__.pop(_STATE_ATTR, None)
     return None if applied is None else applied.policy
-
-
-def _compile_layers(found: list[tuple[str, nn.Module]]) -> None:
-    """Compile each layer's call around its recompute wrapper (torchtitan's order), as ``nn.Module.compile``
-    does, so module paths stay; a layer compiled already is left as it is.
-    """
-    for _, module in found:
-        if getattr(module, "_compiled_call_impl", None) is None:
-            module._compiled_call_impl = CompiledCall(module)
-            module.__dict__[_COMPILED_ATTR] = True
 
 
 class CompiledCall:

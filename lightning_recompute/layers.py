@@ -45,7 +45,11 @@ def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str,
                 found.append((path, module))
                 taken.append(path)
                 break
-    unmatched = [_spec_str(specs[i]) for i, hit in matched_any.items() if not hit]
+    unmatched = [
+        s if isinstance(s, str) else f"class {s.__qualname__}"
+        for s, hit in zip(specs, matched_any.values(), strict=True)
+        if not hit
+    ]
     if unmatched:
         raise LayerDiscoveryError(
             f"layers: {unmatched} match no module of {type(model).__name__}; "
@@ -75,7 +79,8 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for stack in stacks:
         if chosen and 2 * len(stack[2]) < len(chosen[0][2]):
             break
-        if any(_nested(stack[1], other[1]) for other in chosen):
+        # One stack inside another (or the same): recomputing both would nest checkpoints.
+        if any(stack[1].startswith(other[1]) or other[1].startswith(stack[1]) for other in chosen):
             continue
         chosen.append(stack)
     chosen.sort(key=lambda s: s[0])  # module order
@@ -89,11 +94,6 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return best
 
 
-def _nested(prefix: str, other: str) -> bool:
-    """One stack lives inside the other (or they are the same): recomputing both would nest checkpoints."""
-    return prefix.startswith(other) or other.startswith(prefix)
-
-
 def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
     if isinstance(spec, type):
         return isinstance(module, spec)
@@ -102,10 +102,6 @@ def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
         cls = type(module)
         return wanted in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
     return path == spec or fnmatch.fnmatchcase(path, spec)
-
-
-def _spec_str(spec: str | type) -> str:
-    return spec if isinstance(spec, str) else f"class {spec.__qualname__}"
 
 
 def _candidates(model: nn.Module, limit: int = 15) -> str:

@@ -29,37 +29,6 @@ POLICY_VERSION = 1
 _TOP_LEVEL_KEYS = ("version", "layers", "selective", "compile", "tuned_for")
 
 
-def _parse_layers(raw: Any, source: str) -> tuple[list[tuple[str, Mode]], list[tuple[str, str]]]:
-    if not isinstance(raw, Mapping):
-        raise PolicyError(f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw).__name__}")
-    layers = []
-    families = []
-    for pattern, mode in raw.items():
-        try:
-            parsed, family = Mode.parse_choice(mode, where=f"layers.{clip(str(pattern))}")
-        except PolicyError as err:
-            raise PolicyError(f"{source}: {err}") from None
-        layers.append((str(pattern), parsed))
-        if family is not None:
-            families.append((str(pattern), family))
-    return layers, families
-
-
-def _parse_selective_save(selective: Any, source: str) -> Iterable[Any] | None:
-    if selective is None:
-        return None
-    if not isinstance(selective, Mapping) or set(selective) - {"save"}:
-        raise PolicyError(
-            f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
-        )
-    save = selective.get("save")
-    if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
-        raise PolicyError(
-            f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
-        )
-    return save
-
-
 @dataclass(frozen=True)
 class RecomputePolicy:
     """An immutable, ordered layer-pattern -> mode map, identified across processes by `fingerprint`.
@@ -186,8 +155,32 @@ class RecomputePolicy:
             raise PolicyError(
                 f"{source}: key 'version': unsupported policy version {clip(repr(version))}; valid: {POLICY_VERSION}"
             )
-        layers, families = _parse_layers(data.get("layers") or {}, source)
-        save = _parse_selective_save(data.get("selective"), source)
+        raw_layers = data.get("layers") or {}
+        if not isinstance(raw_layers, Mapping):
+            raise PolicyError(
+                f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}"
+            )
+        layers: list[tuple[str, Mode]] = []
+        families: list[tuple[str, str]] = []
+        for pattern, mode in raw_layers.items():
+            try:
+                parsed, family = Mode.parse_choice(mode, where=f"layers.{clip(str(pattern))}")
+            except PolicyError as err:
+                raise PolicyError(f"{source}: {err}") from None
+            layers.append((str(pattern), parsed))
+            if family is not None:
+                families.append((str(pattern), family))
+        selective, save = data.get("selective"), None
+        if selective is not None:
+            if not isinstance(selective, Mapping) or set(selective) - {"save"}:
+                raise PolicyError(
+                    f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
+                )
+            save = selective.get("save")
+            if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
+                raise PolicyError(
+                    f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
+                )
         compile_layers = data.get("compile", False)
         if not isinstance(compile_layers, bool):
             raise PolicyError(f"{source}: key 'compile' must be true or false, got {clip(repr(compile_layers))}")

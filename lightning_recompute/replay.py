@@ -18,14 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "CACHE_ARGUMENTS",
-    "BufferState",
-    "CacheArguments",
-    "CacheState",
-    "Replay",
-    "SideEffectWarning",
-]
+__all__ = ["CACHE_ARGUMENTS", "BufferState", "CacheArguments", "CacheState", "Replay", "SideEffectWarning"]
 
 CACHE_ARGUMENTS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
 """Names a layer's cache object goes by, across transformers releases and model families."""

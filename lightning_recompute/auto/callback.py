@@ -259,7 +259,15 @@ class AutoRecompute(RecomputeCallback):
         self.notes.extend(notes)
         for note in self.notes:
             rank_zero_info(f"AutoRecompute: {note}")
-        rank_zero_info(_racing_line(self.candidates, self.limit_bytes))
+        lines = [
+            f"  {c.short}  {c.label}"
+            + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
+            for c in self.candidates
+        ]
+        rank_zero_info(
+            f"AutoRecompute: racing {len(self.candidates)} candidate(s) under the limit "
+            f"{format_bytes(self.limit_bytes)}, one per optimizer step, safest first:\n" + "\n".join(lines)
+        )
         self.schedule = RaceSchedule(
             [(c.key, c.policy, c.short) for c in self.candidates],
             references=[self.candidates[0].key],
@@ -309,7 +317,12 @@ class AutoRecompute(RecomputeCallback):
             {c.key: c.policy.to_dict() for c in self.candidates},
         )
         self.race_result = result
-        summary = _decision_summary(chosen, result, self.tuning_steps)
+        words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]
+        if result.ok and result.stop:
+            words.append(f"{result.select_rounds} selection rounds: {result.stop}")
+        words += [*result.decision_lines(), *result.headlines()]
+        words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
+        summary = "; ".join(words)
         self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, summary)
         self.switch_policy(pl_module, chosen.policy)
         self._after_tuning()
@@ -377,27 +390,6 @@ class AutoRecompute(RecomputeCallback):
             self.decision = AutoDecision.from_dict(decided)
         else:
             rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
-
-
-def _racing_line(candidates: Sequence[Candidate], limit_bytes: int) -> str:
-    lines = [
-        f"  {c.short}  {c.label}"
-        + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
-        for c in candidates
-    ]
-    return (
-        f"AutoRecompute: racing {len(candidates)} candidate(s) under the limit {format_bytes(limit_bytes)}, "
-        "one per optimizer step, safest first:\n" + "\n".join(lines)
-    )
-
-
-def _decision_summary(chosen: Candidate, result: RaceResult, tuning_steps: int) -> str:
-    words = [f"settled on {chosen.short} ({chosen.label}) after {tuning_steps} tuning steps"]
-    if result.ok and result.stop:
-        words.append(f"{result.select_rounds} selection rounds: {result.stop}")
-    words += [*result.decision_lines(), *result.headlines()]
-    words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
-    return "; ".join(words)
 
 
 def agree_across_ranks(report: RoundReport) -> RoundReport:

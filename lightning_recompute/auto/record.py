@@ -5,6 +5,7 @@ The record has a tuning session's layout; one that cannot be written is a warnin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,7 +88,12 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
     if target is None:
         return None
     try:
-        recorder = _mlflow_recorder()
+        # The service's writer, through an entry point: the library imports neither it nor its dependencies.
+        recorder: Any = None
+        for entry in entry_points(group="lightning_recompute", name="mlflow_record"):
+            with contextlib.suppress(ImportError):  # the entry point ships with the library, its dependencies not
+                recorder = entry.load()
+            break
         if recorder is None:
             rank_zero_warn(
                 "AutoRecompute: the race is not recorded in MLflow: the record is written by the tuning service, "
@@ -99,16 +105,3 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
         _log.debug("AutoRecompute record failed", exc_info=True)
         rank_zero_warn(f"AutoRecompute: the MLflow record was not written ({type(err).__name__}: {err})")
         return None
-
-
-def _mlflow_recorder() -> Any:
-    """The tuning service's writer of the MLflow record, or ``None`` when it is not installed.
-
-    Found through an entry point: the library imports neither the service nor its dependencies.
-    """
-    for entry in entry_points(group="lightning_recompute", name="mlflow_record"):
-        try:
-            return entry.load()
-        except ImportError:  # the entry point ships with the library; its dependencies with the extra
-            return None
-    return None

@@ -31,12 +31,4 @@ from lightning_recompute.planner.solver import (
     Prediction,
 )
 
-__all__ = [
-    "BudgetError",
-    "LayerPrediction",
-    "PlannedPolicy",
-    "Planner",
-    "PlannerError",
-    "Prediction",
-    "format_front",
-]
+__all__ = ["BudgetError", "LayerPrediction", "PlannedPolicy", "Planner", "PlannerError", "Prediction", "format_front"]

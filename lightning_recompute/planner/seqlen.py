@@ -50,13 +50,7 @@ def _fit_at(profile: Profile, family: str, limit: int, modes: Sequence[str]) -> 
 
 
 def longest_fits(
-    profile_at: Callable[[int], Profile],
-    limit: int,
-    *,
-    modes: Sequence[str],
-    start: int,
-    step: int,
-    cap: int,
+    profile_at: Callable[[int], Profile], limit: int, *, modes: Sequence[str], start: int, step: int, cap: int
 ) -> list[SeqLenFit]:
     """For each mode of ``modes`` (every layer in it) and for `BEST_MIXED`, the longest fitting length.
 

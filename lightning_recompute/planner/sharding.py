@@ -173,12 +173,8 @@ def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> 
         )
     if sharding.world_size == 1:
         return profile
-    if sharding.strategy == "ddp":
-        return _ddp(profile, layout, sharding)
-    return _fsdp(profile, layout, sharding)
-
-
-def _ddp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
+    if sharding.strategy != "ddp":
+        return _fsdp(profile, layout, sharding)
     buckets = sum(g.full_bytes(trainable_only=True) for g in (*layout.layers, layout.root))
     note = (
         f"{sharding.describe()}: one device's parameters, gradients and optimizer state, plus "

@@ -29,16 +29,6 @@ class BudgetError(PlannerError):
         self.min_peak_bytes = min_peak_bytes
 
 
-def _budget_bytes(value: int | str) -> int:
-    """A budget as bytes (a whole number as it is, for a `BudgetError` naming the least peak), or a `PlannerError`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:
-        return parse_bytes(value)
-    except ValueError as err:
-        raise PlannerError(f"budget_bytes: {err}") from None
-
-
 @dataclass(frozen=True)
 class LayerPrediction:
     """One layer's share of a prediction."""
@@ -311,7 +301,13 @@ class Planner:
         Raises:
             BudgetError: even the least-memory policy exceeds the budget (the message states that minimum).
         """
-        budget = _budget_bytes(budget_bytes)
+        if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
+            budget = budget_bytes  # as it is: a BudgetError names the least peak, which says more
+        else:
+            try:
+                budget = parse_bytes(budget_bytes)
+            except ValueError as err:
+                raise PlannerError(f"budget_bytes: {err}") from None
         tab, mb = self._build(modes, micro_batch)
         picks = fastest_within(tab, budget)
         if picks is None:
