@@ -1,11 +1,6 @@
-"""Per-layer activation recomputation for PyTorch Lightning.
+"""Per-layer activation recomputation for PyTorch Lightning: `RecomputeCallback` or `apply_policy`.
 
-Add `RecomputeCallback` to a ``Trainer`` (or call `apply_policy` in ``configure_model``) to
-choose, per layer, which activations are kept, recomputed or offloaded.
-
-The names below are imported on first use (PEP 562): ``import lightning_recompute`` or
-``import lightning_recompute.policy`` loads neither Lightning, MLflow nor torch, so tools that only
-read or write policy files (the tuner's ``schema`` and ``plan`` commands, CI checks) start fast.
+Names are imported on first use (PEP 562), so reading policy files loads neither Lightning, MLflow nor torch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Applying a `RecomputePolicy` to a model's layers, and taking it off again.
 
-Each non-``none`` layer gets an instance-level ``forward`` that runs the class's forward under
-the mode's mechanism: non-reentrant `torch.utils.checkpoint.checkpoint` for ``full``, the same
-with PyTorch's selective-checkpoint contexts for ``selective``, and
-saved-tensor hooks that move activations (not weights) to pinned host memory for ``offload``.
-
-Why an instance ``forward`` rather than torch's ``checkpoint_wrapper`` module: a wrapper module
-inserts ``_checkpoint_wrapped_module`` into every module path, so layer names, ``named_modules``
-and any code that addresses a layer by path change with the policy, and ``state_dict`` keys only
-survive through extra hooks. Overriding ``forward`` on the instance leaves the module tree,
-parameter names, hooks and ``state_dict`` exactly as they were, and removing it is deleting one
-attribute. Module hooks still run once per call, outside the recomputed region.
+Each non-``none`` layer gets an instance-level ``forward`` (non-reentrant checkpoint for ``full``, with
+selective-checkpoint contexts for ``selective``, host-memory saved-tensor hooks for ``offload``). Not a
+wrapper module: module paths, hooks and ``state_dict`` keys stay exactly as they were.
 """
 
 from __future__ import annotations
@@ -45,9 +37,7 @@ _STATE_ATTR = "_lightning_recompute_applied"
 _COMPILED_ATTR = "_lightning_recompute_compiled"
 
 COMPILED_RTOL, COMPILED_ATOL = 1e-4, 1e-5
-"""How far gradients of compiled layers (``compile: true``) may be from eager without recompute, per
-tensor as `torch.testing.assert_close` reads ``rtol``/``atol``: inductor reorders and fuses float
-operations, so compiled numerics are close, not bitwise (docs/PLUGIN.md states the measured figures)."""
+"""How far gradients of compiled layers may be from eager without recompute (``assert_close``'s tolerances)."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +73,7 @@ class _OffloadNotice:
 
 
 class _RecomputedForward:
-    """The instance ``forward`` of a layer under ``full``, ``selective`` or ``offload``.
-
-    A callable object rather than a closure so that the model stays picklable and ``deepcopy``
-    (EMA copies, ``ddp_spawn``) rebinds it to the copied layer.
-    """
+    """The instance ``forward`` of a recomputed layer; an object, not a closure, so the model pickles."""
 
     def __init__(
         self,
@@ -100,8 +86,8 @@ class _RecomputedForward:
         name: str = "",
     ) -> None:
         self.module = module
-        self.name = name  # the layer's module path, for warnings
-        self.warned: set[str] = set()  # whether the replay's side-effect warning was given (once per layer)
+        self.name = name
+        self.warned: set[str] = set()  # layers whose replay's side-effect warning was given
         self.mode = mode
         self.previous = previous  # an instance forward someone else installed before us, kept to restore
         self.context_fn = context_fn
@@ -115,18 +101,16 @@ class _RecomputedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            # Nothing is saved for backward without grad (validation, inference): nothing to recompute.
             return self._inner(*args, **kwargs)
         if self.mode is Mode.OFFLOAD:
-            if not _any_cuda(args, kwargs, self.module):
+            on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+            if not on_cuda and not any(p.is_cuda for p in self.module.parameters()):
                 if self.offload_notice is not None:
                     self.offload_notice.warn()
                 return self._inner(*args, **kwargs)
             with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
                 return self._inner(*args, **kwargs)
         extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        # The replay must see the buffers and KV caches as the forward saw them, and leave them as the forward
-        # left them (lightning_recompute.replay).
         fn = Replay(
             self._inner,
             self.module,
@@ -136,18 +120,13 @@ class _RecomputedForward:
             warned=self.warned,
             record_now=not torch.compiler.is_compiling(),
         )
-        # preserve_rng_state (the default) replays the forward's RNG state in recomputation, so
-        # dropout masks are identical and gradients match no recomputation bit for bit.
+        # preserve_rng_state replays the forward's RNG state, so dropout masks are identical.
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks that move a layer's activations to host memory until backward.
-
-    Not `torch.autograd.graph.save_on_cpu`: that moves every saved tensor, and a linear layer
-    saves its weight (as a transposed view), so each step would copy every weight of the layer
-    to the host and back, and allocate a weight-sized buffer in backward. Parameters (and views
-    of them) already live on the device for the whole step; only activations are worth moving.
+    """Saved-tensor hooks that move a layer's activations (not its weights, unlike ``save_on_cpu``)
+    to host memory until backward.
     """
 
     def __init__(self, module: nn.Module, *, device_type: str, pin_memory: bool) -> None:
@@ -169,32 +148,21 @@ class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def _any_cuda(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module) -> bool:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            return True
-    return any(p.is_cuda for p in module.parameters(recurse=True))
-
-
 def applied_policy(model: nn.Module) -> AppliedPolicy | None:
     """The policy `apply_policy` put on ``model``, or ``None``."""
     return model.__dict__.get(_STATE_ATTR)
 
 
 def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto") -> AppliedPolicy:
-    """Apply ``policy`` to the layers of ``model``, in place.
+    """Apply ``policy`` to the layers of ``model``, in place; applying again replaces the previous policy.
 
-    Idempotent: applying the same policy twice is applying it once, and applying another policy
-    replaces the previous one. Parameter names and ``state_dict`` keys never change, so a
-    checkpoint saved under any policy loads under any other, or without this plugin.
-
-    Call it in ``LightningModule.configure_model`` (after building the layers, before sharding)
-    when using FSDP or ModelParallel; `RecomputeCallback` calls it for models built in ``__init__``.
+    Parameter names and ``state_dict`` keys never change. Under FSDP or ModelParallel call it in
+    ``configure_model`` before sharding; `RecomputeCallback` calls it otherwise.
 
     Args:
         model: the module whose layers to treat (a LightningModule or any ``nn.Module``).
-        policy: a `RecomputePolicy`, the policy-file mapping, or a path to a policy file.
-        layers: which modules are "layers" (see `lightning_recompute.layers.LayerSpec`).
+        policy: anything `as_policy` takes.
+        layers: which modules are layers (see `lightning_recompute.layers.LayerSpec`).
 
     Raises:
         PolicyError: the policy is invalid, or one of its patterns matches no layer.
@@ -206,7 +174,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
     remove_policy(model)
     found = find_layers(model, layers)
     modes = policy.resolve([name for name, _ in found])
-    # One context function per save list in use (the global one and each family), shared by its layers.
+    # One context function per save list in use, shared by its layers.
     selective_fns: dict[str | None, Callable[[], Any]] = {}
     for name, mode in modes.items():
         family = policy.family_for(name) if mode is Mode.SELECTIVE else None
@@ -229,7 +197,11 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
             name=name,
         )
     if policy.compile:
-        _compile_layers(found)
+        # Each layer's call, around its recompute wrapper (torchtitan's order), as nn.Module.compile does.
+        for _, module in found:
+            if getattr(module, "_compiled_call_impl", None) is None:  # not compiled by the user already
+                module._compiled_call_impl = CompiledCall(module)
+                module.__dict__[_COMPILED_ATTR] = True
     applied = AppliedPolicy(policy=policy, modes=modes)
     model.__dict__[_STATE_ATTR] = applied
     return applied
@@ -250,28 +222,9 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
     return None if applied is None else applied.policy
 
 
-def _compile_layers(found: list[tuple[str, nn.Module]]) -> None:
-    """Compile each layer's call, around its recompute wrapper (torchtitan's ``apply_compile`` order).
-
-    Compiling the module's call, as ``nn.Module.compile`` does (not wrapping it in
-    ``torch.compile``'s ``OptimizedModule``, as torchtitan does), keeps module paths and
-    ``state_dict`` keys unchanged, like the rest of this module. The checkpoint inside is traced by
-    dynamo as its activation-checkpoint operator, so the recompute choice (and a selective save
-    list) holds in the compiled graph. A layer the user compiled already is left as it is.
-    """
-    for _, module in found:
-        if getattr(module, "_compiled_call_impl", None) is None:
-            module._compiled_call_impl = CompiledCall(module)
-            module.__dict__[_COMPILED_ATTR] = True
-
-
 class CompiledCall:
-    """A layer's compiled call (what ``nn.Module.compile`` installs), run eagerly under a dispatch mode.
-
-    Not ``nn.Module.compile`` itself: dynamo, called while a ``TorchDispatchMode`` is active (the
-    CPU memory ledger, ``FlopCounterMode``), runs the frame eagerly *and remembers to skip it*, so
-    a model first stepped under the ledger would never compile. Deciding here, before dynamo sees
-    the call, keeps metered steps eager and every other step compiled.
+    """A layer's compiled call, run eagerly under a dispatch mode: dynamo called under one (the CPU ledger,
+    ``FlopCounterMode``) would run the frame eagerly and never compile it afterwards.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -279,7 +232,6 @@ class CompiledCall:
         self.compiled = torch.compile(module._call_impl)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # torch has no public query of the dispatch-mode stack; this is what its own modes consult.
         if torch._C._len_torch_dispatch_stack() > 0:
             return self.eager(*args, **kwargs)
         return self.compiled(*args, **kwargs)

@@ -13,9 +13,7 @@ __all__ = ["atomic_write"]
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same folder and an ``os.replace``.
 
-    The file keeps the permissions of the one it replaces, or gets the usual ``0666 & ~umask``
-    when new: ``mkstemp`` creates 0600 files, and a policy file only its writer can read is of
-    no use to a training job running as another user.
+    The file keeps the permissions of the one it replaces, or ``0666 & ~umask`` when new (not ``mkstemp``'s 0600).
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

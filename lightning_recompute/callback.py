@@ -1,10 +1,7 @@
 """`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs.
 
-The callback validates and delegates: layer discovery, wrapping and measuring live in
-`layers`, `apply` and `meter`. It applies the policy in ``setup`` for models built in
-``__init__``, and in ``on_fit_start`` for models built in ``configure_model`` (after
-``ModelParallelStrategy``'s ``fully_shard`` / ``parallelize_module``; FSDP1 and DeepSpeed are
-refused with a pointer to ``apply_policy`` in ``configure_model``).
+Applied in ``setup``, or in ``on_fit_start`` for models built in ``configure_model`` (see docs/PLUGIN.md,
+'Sharded strategies').
 """
 
 from __future__ import annotations
@@ -47,15 +44,15 @@ class StepRecord:
     step: int
     """``trainer.global_step`` before the batch."""
     seconds: float
-    """Wall-clock time from batch start to batch end, device work included."""
+    """Wall-clock time of the batch, device work included."""
     peak_bytes: int | None
-    """Peak tensor memory on the device during the batch (``None`` when memory is not measured)."""
+    """Peak device tensor memory during the batch (``None`` when not measured)."""
     samples: int
     """Samples in the batch."""
     tokens: int | None
-    """Tokens in the batch (``None`` when the batch has no sequence dimension)."""
+    """Tokens in the batch (``None`` without a sequence dimension)."""
     policy: str | None = None
-    """Fingerprint of the policy the batch ran under (`RecomputeCallback.switch_policy` may change it)."""
+    """Fingerprint of the policy the batch ran under."""
 
     @property
     def samples_per_s(self) -> float:
@@ -68,56 +65,27 @@ class StepRecord:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-# Strategies that wrap the model in modules of their own after `configure_model` (FSDP1's
-# FlatParameter wrappers, DeepSpeed's engine and ZeRO-3 parameter hooks); a policy must be applied
-# before that wrapping, inside `configure_model`, so the callback cannot do it late. Not in this
-# list: ModelParallelStrategy. FSDP2's `fully_shard` and tensor parallel's `parallelize_module`
-# keep every module and its path, add their work as module hooks (which run outside the instance
-# `forward` the policy installs, so once per call) and gather parameters before the layer's
-# backward, which is when a recomputed layer replays: applying after them is proven bitwise equal
-# to the same sharded run without recomputation (tests/plugin/test_strategies.py).
+# Strategies that wrap the model after `configure_model`, so a policy must be applied inside it
+# (FSDP2 and tensor parallel keep module paths: applying after them is fine; see docs/PLUGIN.md).
 _SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 class RecomputeCallback(L.Callback):
     """Apply a per-layer recompute policy to the LightningModule and log its memory and speed.
 
-    Logged every step, through the Trainer's logger (so ``log_every_n_steps`` applies):
-    ``recompute/peak_memory_bytes`` (peak device memory during the batch), ``recompute/step_time_s``,
-    ``recompute/samples_per_s`` and, when the batch holds token ids ``(batch, seq)``,
-    ``recompute/tokens_per_s``. The same figures are kept in `records` for programmatic use. With
-    gradient accumulation a record is one training batch (micro-batch), tagged with its optimizer
-    step; the logger keeps one value per optimizer step, that of its last micro-batch.
+    Logs ``recompute/peak_memory_bytes``, ``recompute/step_time_s``, ``recompute/samples_per_s`` and
+    ``recompute/tokens_per_s`` each step, and keeps them in `records` (see docs/PLUGIN.md, 'The callback').
 
     Args:
-        policy: a `RecomputePolicy`, the policy-file mapping, a path to a YAML/JSON policy file, or
-            ``"mlflow:<experiment>[@<tracking uri>]"``: the tuner's current good policy for that
-            experiment (tracking URI from ``MLFLOW_TRACKING_URI`` when not given).
-        layers: which modules are layers: ``"auto"`` (the longest stack of same-class blocks),
-            module paths, globs, classes, or ``"class:Name"`` strings.
-        measure_memory: measure the peak memory of each step. Free on CUDA (allocator statistics);
-            on CPU an exact storage ledger that costs a Python call per op, so turn it off for
-            long CPU runs where speed matters more than the memory figure.
-        memory_steps: measure memory only on these global steps (``None``: on every step). On CPU
-            this keeps the ledger's cost off the steps whose time matters: a step's peak is the
-            same every step once the optimizer state exists.
+        policy: a `RecomputePolicy`, a policy mapping, a policy file path, or ``"mlflow:<experiment>[@<uri>]"``.
+        layers: ``"auto"``, module paths, globs, classes or ``"class:Name"`` strings.
+        measure_memory: measure each step's peak (on CPU a ledger costing a Python call per op).
+        memory_steps: measure memory only on these global steps (``None``: every step).
         max_records: how many `StepRecord` to keep (oldest dropped first).
-        strict_batch_size: what happens when the policy records the micro-batch it was tuned for
-            (its ``tuned_for.micro_batch``) and a training batch is larger (every batch is checked
-            until one is: batches of variable size can grow later in an epoch): ``False`` warns
-            (`BatchSizeWarning`, once), ``True`` raises `BatchSizeError` before the step runs. Either
-            way the message names both sizes, the peak the policy was promoted on, its limit, and the
-            ``batch_size`` and ``accumulate_grad_batches`` that keep the global batch. A policy
-            without ``tuned_for`` is not checked.
-        free_grads_at_batch_start: set the previous step's gradients to ``None`` at each batch start
-            instead of after ``training_step``, so they are not alive through the forward (the
-            memory goes to activations; training computes the same). ``None`` (default): on where
-            that cannot change training (automatic optimisation, no gradient accumulation, no
-            overridden ``optimizer_zero_grad``, and no hook that runs before Lightning's
-            ``zero_grad``, such as ``on_before_zero_grad``, overridden); ``False``: off; ``True``: on
-            even though such a hook is overridden (an error where it would change training). Fit
-            start logs which applies and why; `grad_freeing` holds it. Turn it off if your
-            ``training_step`` reads the previous step's gradients.
+        strict_batch_size: raise `BatchSizeError` instead of warning when a batch is larger than the
+            policy's ``tuned_for.micro_batch``.
+        free_grads_at_batch_start: free the previous step's gradients at batch start; ``None``: where that
+            cannot change training (see docs/PLUGIN.md, 'Gradients freed at batch start').
     """
 
     def __init__(
@@ -145,9 +113,6 @@ class RecomputeCallback(L.Callback):
         self._metering = False
         self.free_grads_at_batch_start = free_grads_at_batch_start
         self.grad_freeing: GradFreeing | None = None
-        """Whether gradients are freed at batch start, and why (decided at fit start)."""
-
-    # ------------------------------------------------------------------ applying
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -174,8 +139,7 @@ class RecomputeCallback(L.Callback):
         self._timer = StepTimer(device)
         self._meter = memory_meter(device) if self.measure_memory else None
         if isinstance(self._meter, StorageMeter) and _compiled(pl_module):
-            # Inductor's generated code allocates its buffers without going through the dispatcher,
-            # where the CPU ledger watches: its figure would be too low, so report none at all.
+            # Inductor allocates outside the dispatcher, where the CPU ledger watches: report no figure.
             self._meter = None
             rank_zero_warn(
                 "RecomputeCallback: the model runs torch.compile'd code on CPU, whose allocations the storage "
@@ -190,16 +154,7 @@ class RecomputeCallback(L.Callback):
     def switch_policy(self, pl_module: L.LightningModule, policy: PolicyLike, *, retry: bool = False) -> AppliedPolicy:
         """Put ``policy`` on the model in place of the current one, for the batches that follow.
 
-        Recomputation never changes what a step computes, so a policy may change between any two
-        training batches without changing training (with gradient accumulation, switch at optimizer-step
-        boundaries so one step's micro-batches share a memory profile). The old policy is removed
-        first, so the model is exactly as `apply_policy` would leave it; `StepRecord.policy` says
-        which policy each batch ran under.
-
-        Call it between batches (from another callback's ``on_train_batch_end``, or outside ``fit``).
-        ``retry=True`` allows it while a batch runs, for a step that failed and is about to be run again
-        from its start under ``policy`` (an out-of-memory retry); the batch's record is then filed
-        under ``policy``.
+        Call it between batches; ``retry=True`` allows it mid-batch for a step about to be run again from its start.
 
         Raises:
             RecomputeError: called while a batch runs (without ``retry``).
@@ -230,13 +185,10 @@ class RecomputeCallback(L.Callback):
                 f"`lightning_recompute.apply_policy(self, policy)` at the end of configure_model, before sharding "
                 f"(the callback then only logs)."
             )
-        # Single device, DDP, or ModelParallel after fully_shard / parallelize_module: the layers are
-        # still the user's modules at their own paths, so applying now is the same as in setup.
         self.applied = apply_policy(pl_module, self.policy, self.layers)
 
     def _check_batch_size(self, trainer: L.Trainer, batch: Any) -> bool:
-        """Warn (or raise) when ``batch`` is larger than the micro-batch the policy was tuned for; whether it warned
-        or there is nothing to check (no micro-batch recorded)."""
+        """Warn (or raise) when ``batch`` exceeds the tuned micro-batch; whether checking is over."""
         tuned = self.policy.tuned_for
         if tuned is None or tuned.micro_batch is None:
             return True
@@ -268,18 +220,13 @@ class RecomputeCallback(L.Callback):
         rank_zero_warn(message, category=BatchSizeWarning)
         return True
 
-    # ------------------------------------------------------------------ measuring
-
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if not self._batch_warned:
-            # Every batch until one is too large, not just the first: with dynamic padding or variable
-            # lengths the first batch can be the smallest of the epoch. Counting samples is a walk over
-            # the batch's structure, nothing beside a training step.
+            # Every batch until one is too large: with variable lengths the first can be the smallest.
             self._batch_warned = self._check_batch_size(trainer, batch)
-        # Before the meter starts, so the step it measures begins without them. StochasticWeightAveraging's
-        # extra epoch skips backward and zero_grad (`_skip_backward`): leave those batches alone.
+        # Before the meter starts; StochasticWeightAveraging's extra epoch skips backward (`_skip_backward`).
         if (
             self.grad_freeing is not None
             and self.grad_freeing.enabled
@@ -344,8 +291,6 @@ class RecomputeCallback(L.Callback):
             self._meter.close()
         self._meter = None
 
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.to_dict(), "fingerprint": self.policy.fingerprint()}
 
@@ -359,15 +304,14 @@ class RecomputeCallback(L.Callback):
 
 
 def _compiled(model: torch.nn.Module) -> bool:
-    """``model`` or one of its modules runs through torch.compile (whole, per module, or Lightning's unwrapped form)."""
+    """Whether ``model`` or one of its modules runs through torch.compile."""
     if getattr(model, "_compiler_ctx", None) is not None:  # Lightning unwrapped a torch.compile(model) given to fit
         return True
     from torch._dynamo.eval_frame import OptimizedModule
 
     from lightning_recompute.apply import CompiledCall
 
-    # Layers a policy with ``compile: true`` compiled run eagerly while the ledger is on
-    # (`CompiledCall`): the ledger sees every allocation of those steps, the eager policy's peak.
+    # Layers compiled by a policy's ``compile: true`` run eagerly while the ledger is on (`CompiledCall`).
     return any(
         isinstance(m, OptimizedModule)
         or not isinstance(getattr(m, "_compiled_call_impl", None), (type(None), CompiledCall))
@@ -391,8 +335,7 @@ def _tokens(batch: Any) -> int | None:
             and value.ndim >= 2
             and not value.is_floating_point()
             and not value.is_complex()
+            and value.dtype is not torch.bool
         ):
-            if value.dtype is torch.bool:
-                continue
             return int(value.shape[0] * value.shape[1])
     return None

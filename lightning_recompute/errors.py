@@ -1,8 +1,4 @@
-"""Errors raised by the recompute plugin, and how their messages show untrusted values.
-
-One base class so a caller can catch everything the plugin raises about user input; narrow
-subclasses so tests and tools can tell the cases apart.
-"""
+"""Errors raised by the recompute plugin (one base class, narrow subclasses), and how messages show untrusted values."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ __all__ = [
 ]
 
 CLIP_CHARS = 200
-"""How much of an offending value an error message echoes: enough to recognise it, never a megabyte."""
+"""How much of an offending value an error message echoes."""
 
 
 class RecomputeError(Exception):
@@ -51,11 +47,7 @@ class BatchSizeWarning(UserWarning):
 
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, with a note of its full length when cut.
-
-    Values in error messages come from files a user (or an attacker) wrote; echoing a 4 MB value
-    makes the message useless and the log huge. Pass ``repr(value)`` to show a value as Python would.
-    """
+    """``text`` cut to ``limit`` characters, with a note of its full length when cut (values may be huge)."""
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"

@@ -1,14 +1,7 @@
 """Freeing the previous step's gradients at batch start: when that cannot change training, and doing it.
 
-Lightning's automatic optimisation runs ``training_step``, then ``optimizer.zero_grad()`` (which
-sets every gradient to ``None``), then ``backward`` (see
-``lightning.pytorch.loops.optimization.automatic.Closure.closure``). So the previous step's
-gradients stay allocated through the whole forward, exactly when activations pile up: with
-bf16-mixed training that is 4 bytes per parameter (fp32 gradients). Setting them to ``None`` at
-batch start, with the same ``optimizer.zero_grad(set_to_none=True)`` call, frees that memory for
-the forward, and training computes the same thing, provided nothing reads the gradients between
-this batch's start and Lightning's own ``zero_grad``. `decide_grad_freeing` checks what can be
-checked (the loop's settings and which hooks are overridden); `free_gradients` does it.
+Lightning zeroes gradients after ``training_step``, so they stay alive through the forward; freeing them at
+batch start gives that memory to activations (docs/PLUGIN.md, 'Gradients freed at batch start').
 """
 
 from __future__ import annotations
@@ -25,10 +18,8 @@ from lightning_recompute.errors import RecomputeError
 __all__ = ["GradFreeing", "decide_grad_freeing", "free_gradients", "module_blockers"]
 
 FLAG = "free_grads_at_batch_start"
-"""The `RecomputeCallback` argument that turns it on or off (``None``: on where safe)."""
 
-# Lightning callbacks known to read no gradient in on_train_batch_start (they log learning rates
-# and device statistics); any other callback running that hook after this one might.
+# Lightning callbacks known to read no gradient in on_train_batch_start.
 _SAFE_BATCH_START = frozenset({"LearningRateMonitor", "DeviceStatsMonitor"})
 
 
@@ -40,27 +31,20 @@ class GradFreeing:
     reason: str
 
     def describe(self) -> str:
-        """The line the callback logs at fit start."""
         return f"RecomputeCallback: freeing gradients at batch start: {'on' if self.enabled else 'off'} ({self.reason})"
 
 
 def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1) -> tuple[list[str], list[str]]:
     """What in ``module`` (and the accumulation setting) stands against freeing: ``(hard, soft)``.
 
-    Hard: freeing would change training (no ``True`` flag can override them). Soft: a hook that
-    runs between batch start and Lightning's ``zero_grad`` is the user's, and might read the
-    gradients; the flag ``True`` says it does not. The tuner calls this without a Trainer to know
-    what its trials' callback will do.
+    Hard: freeing would change training. Soft: a user hook that might read the gradients (``True`` overrides).
     """
     hard: list[str] = []
     soft: list[str] = []
     if not module.automatic_optimization:
         hard.append("manual optimisation: the module zeroes its gradients itself, whenever it chooses")
     if accumulate_grad_batches > 1:
-        # Lightning zeroes only at the first micro-batch of a window (batch_idx % N == 0), after its
-        # training_step: freeing there would be safe, but every later micro-batch of the window runs
-        # its forward with the accumulating gradients alive anyway, so the step's peak would not drop;
-        # and a window cut short at an epoch's end makes "the first micro-batch" harder to be sure of.
+        # Later micro-batches run their forward with the accumulating gradients alive: the peak would not drop.
         hard.append(
             f"accumulate_grad_batches={accumulate_grad_batches}: gradients accumulate across micro-batches, "
             f"so they are alive in the forward of every micro-batch but the first"
@@ -78,14 +62,10 @@ def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1)
 def decide_grad_freeing(
     flag: bool | None, trainer: L.Trainer, module: L.LightningModule, callback: L.Callback
 ) -> GradFreeing:
-    """Whether ``callback`` frees gradients at batch start under ``trainer``, given its flag.
-
-    ``flag`` ``False``: off. ``None``: on when nothing stands against it. ``True``: on even when a
-    user hook that runs before ``zero_grad`` is overridden (the user vouches it reads no gradients).
+    """Whether ``callback`` frees gradients at batch start under ``trainer``, given its ``flag``.
 
     Raises:
-        RecomputeError: ``flag`` is ``True`` where freeing would change training (manual
-            optimisation, gradient accumulation, an overridden ``optimizer_zero_grad``, DeepSpeed).
+        RecomputeError: ``flag`` is ``True`` where freeing would change training.
     """
     if flag is False:
         return GradFreeing(False, f"{FLAG}=False")
@@ -93,7 +73,6 @@ def decide_grad_freeing(
     strategy = type(trainer.strategy).__name__
     if strategy == "DeepSpeedStrategy":
         hard.append("DeepSpeedStrategy: its engine keeps and zeroes gradients in its own partitioned buffers")
-    # The connector assigns Trainer.callbacks at run time; Lightning's stubs do not declare it.
     callbacks: list[L.Callback] = list(getattr(trainer, "callbacks", []))
     after = callbacks[callbacks.index(callback) + 1 :] if callback in callbacks else []
     for cb in callbacks:
@@ -122,10 +101,6 @@ def decide_grad_freeing(
 
 
 def free_gradients(optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    """Set the gradients of ``optimizers``' parameters to ``None``: the call Lightning's ``zero_grad`` makes.
-
-    Only the optimizers' parameters: a parameter no optimizer holds is never zeroed by Lightning
-    either, so its gradient must keep accumulating.
-    """
+    """Set the gradients of ``optimizers``' parameters to ``None``, as Lightning's ``zero_grad`` does."""
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)

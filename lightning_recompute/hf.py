@@ -1,11 +1,6 @@
-"""`HFCausalLM`: a Hugging Face causal language model, built from a config, as a LightningModule.
+"""`HFCausalLM`: a Hugging Face causal language model, built from a config (no download), as a LightningModule.
 
-For recipes and LightningCLI configs: ``class_path: lightning_recompute.hf.HFCausalLM`` with the
-model's config as ``init_args`` builds the model without a download (random weights), so a tuning
-session measures the real architecture, attention implementation and KV-cache handling of that
-model family. The model keeps its config defaults (``use_cache`` included) unless told otherwise.
-Batches are ``(input_ids, targets)`` pairs, as `lightning_recompute.reference.SyntheticTokens`
-yields: ``targets`` are the next tokens, so the loss is a plain cross entropy over every position.
+Batches are ``(input_ids, targets)`` pairs, as `lightning_recompute.reference.SyntheticTokens` yields.
 """
 
 from __future__ import annotations
@@ -23,10 +18,8 @@ class HFCausalLM(L.LightningModule):
     """A ``transformers`` causal LM built with ``AutoModelForCausalLM.from_config``.
 
     Args:
-        model_type: the config's model type, as ``transformers.AutoConfig.for_model`` takes it
-            (``"llama"``, ``"gpt2"``, ``"qwen2"``, ``"mistral"``, ...).
-        config: the config's fields (``hidden_size``, ``num_hidden_layers``, ...); anything left
-            out keeps the model type's default.
+        model_type: the config's model type (``"llama"``, ``"gpt2"``, ``"qwen2"``, ...).
+        config: the config's fields; anything left out keeps the model type's default.
         attn_implementation: ``"eager"``, ``"sdpa"`` or another implementation transformers knows.
         learning_rate: AdamW learning rate.
     """

@@ -1,14 +1,7 @@
 """Finding the layers a policy is applied to, named by their module path.
 
-``"auto"`` finds the repeated blocks of a model: the longest `nn.ModuleList` / `nn.Sequential`
-whose children all share one class, wherever it sits (``blocks``, ``transformer.h``,
-``model.layers``, ``encoder.layer``, ...), together with every other such stack, not nested in a
-chosen one, that is at least half as long. The second rule is for models with two stacks:
-encoder-decoders (T5's ``encoder.block`` and ``decoder.block``, ``nn.Transformer``'s
-``encoder.layers`` and ``decoder.layers``) and two-tower models, whose stacks have about the same
-depth, while it leaves out short lists that are not the model's body (a pair of embeddings, the
-heads of a classifier). Explicit selections take module paths, globs over module paths, or module
-classes; ``["encoder.block.*", "decoder.block.*"]`` names both stacks of a T5 explicitly.
+``"auto"`` takes the longest `nn.ModuleList` / `nn.Sequential` of same-class children, and every other such
+stack, not nested in a chosen one, at least half as long (both stacks of an encoder-decoder).
 """
 
 from __future__ import annotations
@@ -23,8 +16,7 @@ from lightning_recompute.errors import LayerDiscoveryError
 __all__ = ["LayerSpec", "find_layers", "layer_names"]
 
 LayerSpec = str | type | Sequence[str | type]
-"""``"auto"``; or module paths / globs (``"blocks.*"``), module classes, or ``"class:Name"`` strings
-(a class by simple or qualified name, for YAML configs), alone or in a list."""
+"""``"auto"``; or module paths / globs, module classes, or ``"class:Name"`` strings, alone or in a list."""
 
 
 def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str, nn.Module]]:
@@ -40,13 +32,11 @@ def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str,
         raise LayerDiscoveryError("layers: an empty selection; pass 'auto', module paths, globs or classes")
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
-    unmatched: list[str] = []
     matched_any = {i: False for i in range(len(specs))}
     for path, module in model.named_modules():
         if not path:
             continue
-        # Outermost matches only: recomputing a block and, inside it, its sub-block again would
-        # run the inner forward three times for nothing.
+        # Outermost matches only: a sub-block recomputed inside a recomputed block runs three times.
         if any(path.startswith(t + ".") for t in taken):
             continue
         for i, spec in enumerate(specs):
@@ -55,7 +45,11 @@ def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str,
                 found.append((path, module))
                 taken.append(path)
                 break
-    unmatched = [_spec_str(specs[i]) for i, hit in matched_any.items() if not hit]
+    unmatched = [
+        s if isinstance(s, str) else f"class {s.__qualname__}"
+        for s, hit in zip(specs, matched_any.values(), strict=True)
+        if not hit
+    ]
     if unmatched:
         raise LayerDiscoveryError(
             f"layers: {unmatched} match no module of {type(model).__name__}; "
@@ -79,14 +73,14 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         prefix = f"{path}." if path else ""
         stacks.append((order, prefix, [(prefix + name, child) for name, child in children]))
-    # Longest first; among equals the outermost (first visited) one, so a stack nested in an
-    # equally long one is left out below.
+    # Longest first; among equals the outermost, so a stack nested in an equally long one is left out.
     stacks.sort(key=lambda s: (-len(s[2]), s[0]))
     chosen: list[tuple[int, str, list[tuple[str, nn.Module]]]] = []
     for stack in stacks:
         if chosen and 2 * len(stack[2]) < len(chosen[0][2]):
             break
-        if any(_nested(stack[1], other[1]) for other in chosen):
+        # One stack inside another (or the same): recomputing both would nest checkpoints.
+        if any(stack[1].startswith(other[1]) or other[1].startswith(stack[1]) for other in chosen):
             continue
         chosen.append(stack)
     chosen.sort(key=lambda s: s[0])  # module order
@@ -100,11 +94,6 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return best
 
 
-def _nested(prefix: str, other: str) -> bool:
-    """One stack lives inside the other (or they are the same): recomputing both would nest checkpoints."""
-    return prefix.startswith(other) or other.startswith(prefix)
-
-
 def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
     if isinstance(spec, type):
         return isinstance(module, spec)
@@ -115,12 +104,7 @@ def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
     return path == spec or fnmatch.fnmatchcase(path, spec)
 
 
-def _spec_str(spec: str | type) -> str:
-    return spec if isinstance(spec, str) else f"class {spec.__qualname__}"
-
-
 def _candidates(model: nn.Module, limit: int = 15) -> str:
-    # Top two levels of the tree: enough to see where the blocks live without a wall of text.
     paths = [p for p, _ in model.named_modules() if p and p.count(".") <= 1]
     shown = ", ".join(paths[:limit])
     return shown + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "") if paths else "(none)"

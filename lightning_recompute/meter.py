@@ -1,25 +1,9 @@
 """Peak-memory and step-time meters with one interface for CUDA, CPU and the meta device.
 
-On CUDA the caching allocator already keeps exact statistics; the meter resets and reads them.
-On CPU (and on the meta device, for planning without allocating) no allocator statistics exist,
-so `StorageMeter` keeps its own ledger: a `TorchDispatchMode` sees every op, records each fresh
-output storage with its size, and a `weakref.finalize` on the storage takes it off the ledger
-when the storage is freed. PyTorch keeps a storage's Python object alive exactly as long as the
-storage itself, so the ledger is exact: it agrees with sizes computed by hand, which is what lets
-this project test memory claims on a machine without a GPU.
-
-Two things FSDP2 (``fully_shard``) does need more than a dispatch mode: its parameters, gradients
-and optimizer state are `DTensor` wrappers, which own no storage themselves (the ledger counts
-their inner tensors), and it frees and re-allocates unsharded parameters by resizing their
-storages in place (``UntypedStorage.resize_``), which dispatches no op (the meter watches that
-method while it is started).
-
-A CPU never runs out of memory the way a GPU does, so the situation recomputation exists for (the
-model does not fit without it) would never run here. ``RECOMPUTE_CPU_MEMORY_LIMIT`` (bytes, or a
-size such as ``48MiB``) caps the CPU device for testing and demonstration: while a `StorageMeter`
-on the CPU is started, an allocation that takes the ledger's live bytes over the limit raises
-``torch.OutOfMemoryError``, as the CUDA allocator does. Every step the plugin or the tuner meters
-is capped; unmetered steps are not. Unset, it costs nothing.
+On CUDA the allocator's statistics; on CPU and meta `StorageMeter`, an exact ledger of live storages
+(a dispatch mode records fresh outputs, a ``weakref.finalize`` takes them off; DTensors count their inner
+tensors, and in-place ``UntypedStorage.resize_``, which FSDP2 uses, is watched). ``RECOMPUTE_CPU_MEMORY_LIMIT``
+caps a started CPU meter: an allocation over it raises ``torch.OutOfMemoryError``, as on CUDA.
 """
 
 from __future__ import annotations
@@ -49,14 +33,14 @@ __all__ = [
 ]
 
 CPU_MEMORY_LIMIT = "RECOMPUTE_CPU_MEMORY_LIMIT"
-"""The environment variable that caps the CPU device's metered steps (see the module docstring)."""
+"""The environment variable that caps the CPU device's metered steps."""
 
 
 def cpu_memory_limit() -> int | None:
-    """The CPU device's cap in bytes from `CPU_MEMORY_LIMIT`, or ``None`` when it is unset or empty.
+    """The CPU cap in bytes from `CPU_MEMORY_LIMIT`, or ``None`` when unset or empty.
 
     Raises:
-        ValueError: the variable is set to something that is not a size (named, with what is valid).
+        ValueError: the variable is not a size.
     """
     from lightning_recompute.units import parse_bytes
 
@@ -106,11 +90,7 @@ class MemoryMeter(ABC):
         """Highest ``current_bytes`` since `start` or the last `reset_peak`."""
 
     def track(self, *objs: Any) -> None:
-        """Count tensors that existed before the meter started (parameters, optimizer state, a batch).
-
-        A no-op on CUDA, whose allocator already counts everything; so a no-op by default, for
-        meters that see all allocations.
-        """
+        """Count tensors that existed before the meter started (a no-op for meters that see everything)."""
         return None
 
 
@@ -154,7 +134,6 @@ class _Ledger:
     def add(self, tensor: torch.Tensor, *, allocated: bool = True) -> None:
         """Put ``tensor``'s storage on the ledger; ``allocated``: it was just allocated (the limit applies)."""
         if is_traceable_wrapper_subclass(tensor):
-            # A wrapper (DTensor) allocates nothing of its own; its inner tensors hold the memory.
             attrs, _ = tensor.__tensor_flatten__()
             for attr in attrs:
                 inner = getattr(tensor, attr)
@@ -181,7 +160,6 @@ class _Ledger:
 
     def _check(self, nbytes: int) -> None:
         if self.limit is not None and self.current > self.limit:
-            # The storage stays on the ledger: dropping the output that raised frees it, through its finalizer.
             raise torch.OutOfMemoryError(
                 f"{self.device_type.upper()} out of memory: tried to allocate {nbytes} bytes with "
                 f"{self.current - nbytes} live, over the limit of {self.limit} bytes ({CPU_MEMORY_LIMIT})"
@@ -211,7 +189,6 @@ class _Ledger:
             self.current -= nbytes
 
     def close(self) -> None:
-        # Detach from storages still alive so they do not call back into a meter nobody reads.
         for fin in self._finalizers.values():
             fin.detach()
         self._finalizers.clear()
@@ -228,10 +205,8 @@ class _LedgerMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         flat, _ = tree_flatten(out)
-        # An output whose schema marks it as aliasing an input (views, in-place and out= ops) is
-        # not new memory; everything else is a fresh allocation.
-        fresh = not any(r.alias_info is not None for r in returns)
-        if fresh:
+        # An output aliasing an input (views, in-place and out= ops) is not new memory.
+        if not any(r.alias_info is not None for r in returns):
             for value in flat:
                 if isinstance(value, torch.Tensor):
                     self.ledger.add(value)
@@ -239,11 +214,8 @@ class _LedgerMode(TorchDispatchMode):
 
 
 class _ResizeWatch:
-    """Reports in-place storage resizes to the started ledgers.
-
-    ``UntypedStorage.resize_`` reaches no dispatch mode, and FSDP2 frees and re-gathers every
-    unsharded parameter with it; wrapping the method for as long as a meter is started is the
-    only place to see it. One wrapper serves every started meter (they may nest).
+    """Reports in-place storage resizes (FSDP2's ``resize_``, which reaches no dispatch mode) to the
+    started ledgers; one wrapper serves every started meter.
     """
 
     ledgers: ClassVar[list[_Ledger]] = []
@@ -275,15 +247,11 @@ class _ResizeWatch:
 class StorageMeter(MemoryMeter):
     """Exact accounting of live tensor storage bytes on a device without allocator statistics.
 
-    Counts every storage created by an op while entered (forward, backward and optimizer ops,
-    which autograd runs under the same dispatch mode), plus whatever `track` is given; each is
-    taken off when freed. Costs a Python call per op, so use it to measure, not in every step of
-    a long run.
+    Costs a Python call per op: use it to measure, not in every step of a long run.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, limit: int | None = None) -> None:
-        """``limit``: bytes of live storage an allocation may not exceed (``torch.OutOfMemoryError``); on the CPU,
-        `cpu_memory_limit` when not given. Tracked tensors count, but only an allocation raises."""
+        """``limit``: live bytes an allocation may not exceed; on the CPU `cpu_memory_limit` by default."""
         self.device = torch.device(device)
         if limit is None and self.device.type == "cpu":
             limit = cpu_memory_limit()
@@ -362,11 +330,7 @@ def synchronize(device: torch.device | str) -> None:
 class StepTimer:
     """Duration of one step, device work included.
 
-    On CPU, wall-clock time. On CUDA, kernels run asynchronously to the Python that launches them, so
-    the host clock alone would time the launches: the device is synchronised before the step, a CUDA
-    event is recorded at its start and another at its end, and the step's time is the device's time
-    between the two events (after a synchronisation that waits for the end event). Not yet run on a
-    GPU: docs/GPU.md says what is verified there.
+    Wall-clock on CPU; on CUDA the device time between two events (kernels run asynchronously). See docs/GPU.md.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:

@@ -1,13 +1,7 @@
 """Read the tuner's current good policy from MLflow: ``RecomputeCallback(policy="mlflow:<experiment>")``.
 
-The tuner records which run holds the current good policy in the experiment tag `GOOD_RUN_TAG`,
-stores the policy in that run as the artifact `POLICY_ARTIFACT`, and tags the run with the
-policy's fingerprint (`FINGERPRINT_TAG`). This module reads all three with mlflow alone: the
-plugin runs inside training jobs and never imports the tuner. The names below are the contract
-between the two sides; the tuner imports them from here.
-
-Reading never writes: a tracking URI naming a sqlite file or a file store that does not exist is
-refused before MLflow, which would create an empty one, is asked anything.
+With mlflow alone (the plugin never imports the tuner); the names below are the contract, and the tuner
+imports them from here. Reading never writes: a missing local store is refused before MLflow creates one.
 """
 
 from __future__ import annotations
@@ -27,12 +21,11 @@ __all__ = ["FINGERPRINT_TAG", "GOOD_RUN_TAG", "POLICY_ARTIFACT", "good_run_id", 
 GOOD_RUN_TAG = "recompute.good_run_id"
 """Experiment tag: the id of the run whose policy is the current good one."""
 POLICY_ARTIFACT = "policy.yaml"
-"""Artifact path of a run's policy file (the same YAML the tuner writes as its output)."""
+"""Artifact path of a run's policy file."""
 FINGERPRINT_TAG = "recompute.policy_fingerprint"
 """Run tag: ``RecomputePolicy.fingerprint()`` of the policy the run measured or decided about."""
 
 _PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-"""MLflow's switch for the progress bar it draws on every artifact download (read per download)."""
 
 
 def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
@@ -61,15 +54,12 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
     """The current good policy of ``experiment``, as the tuner last promoted (or rolled back to) it.
 
     Args:
-        experiment: the MLflow experiment the tuner logs to (the recipe's ``tracking.experiment``).
-        tracking_uri: the MLflow tracking URI; ``None`` uses MLflow's default (``MLFLOW_TRACKING_URI``).
+        experiment: the MLflow experiment the tuner logs to.
+        tracking_uri: the MLflow tracking URI; ``None`` uses MLflow's default.
 
     Raises:
-        PolicyError: the tracking store, the experiment, its good-run tag, the run, or the run's
-            policy artifact does not exist; the artifact is not a valid policy; or its fingerprint
-            differs from the run's `FINGERPRINT_TAG` (the artifact was changed after the run
-            recorded it). The message names which. A run without the tag (one not logged by the
-            tuner) is loaded unchecked.
+        PolicyError: the store, experiment, good-run tag, run or artifact is missing; the artifact is not a
+            valid policy; or its fingerprint differs from the run's `FINGERPRINT_TAG` (untagged runs load unchecked).
     """
     from mlflow.exceptions import MlflowException
 
@@ -101,7 +91,6 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
         try:
             policy = RecomputePolicy.load(Path(local))
         except PolicyError as err:
-            # The temporary path in err means nothing to the user; the run and artifact do.
             message = str(err).replace(str(local), POLICY_ARTIFACT)
             raise PolicyError(
                 f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {message}"
@@ -117,12 +106,8 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
 
 
 def _moved_artifacts(tracking_uri: str, artifact_uri: str) -> Path | None:
-    """A run's artifact folder beside its SQLite database, when the folder holding both was moved.
-
-    MLflow records absolute artifact paths, and the tuner keeps a SQLite store's artifacts in
-    ``<database folder>/mlartifacts/``. After the folder is moved the recorded path is gone; the
-    artifacts are at the same place relative to the database. Reading them there writes nothing
-    (the tuner rewrites the records the next time it opens the store). ``None``: not moved.
+    """A run's artifact folder beside its SQLite database, when the folder holding both was moved
+    (MLflow records absolute paths); ``None``: not moved.
     """
     if not tracking_uri.startswith("sqlite:///"):
         return None
@@ -152,12 +137,7 @@ def _client(experiment: str, tracking_uri: str | None) -> Any:
 
 
 def _missing_local_store(uri: str) -> Path | None:
-    """The local database file or store folder that ``uri`` names when it does not exist, else ``None``.
-
-    MLflow opens a sqlite URI by creating the file and migrating an empty schema into it, and a
-    file store by creating its folder: a typo would leave an empty store behind and report "no
-    experiment" instead of "no such file".
-    """
+    """The local sqlite file or store folder ``uri`` names when it does not exist (MLflow would create it)."""
     from urllib.parse import urlparse
     from urllib.request import url2pathname
 
@@ -180,12 +160,7 @@ def _missing_local_store(uri: str) -> Path | None:
 
 @contextlib.contextmanager
 def _no_progress_bar() -> Iterator[None]:
-    """Hide MLflow's download progress bar, unless the user's environment asks for it.
-
-    The plugin downloads one small file at the start of training; a progress bar on the
-    training job's terminal is noise. The variable is restored afterwards: the process is the
-    user's.
-    """
+    """Hide MLflow's download progress bar, unless the user's environment asks for it."""
     if _PROGRESS_BAR_ENV in os.environ:
         yield
         return

@@ -1,23 +1,7 @@
 """The recompute modes, declared once: every mode a layer can take and what the code needs of each.
 
-`MODES` has one `ModeSpec` per mode a policy file can name: the four plugin modes (`Mode`) and a
-``selective:<family>`` entry per named save list. Each says how the mode is written, its glyph
-(one character of `RecomputePolicy.short`), how much memory it saves relative to the others (the
-order the tuner's search space gives modes), how much it recomputes (the weight the race's
-tie-break gives it), and, for the selective ones, the ops whose outputs it keeps. Everything else
-that needs the vocabulary reads it from here: `Mode` parsing and the glyphs (`policy`), the save
-lists (`selective`), the recipe schema's choice of modes, the search space's order, the race's
-recompute strength, the planner's table, the profile's modes and the benchmarks.
-
-**Adding a save-list family is one `ModeSpec` in `MODES`** (name, glyph, ranks, save list) plus
-its line in ``tests/plugin/test_modes.py``. A new plugin mode also needs a `Mode` member and the
-code that applies it (`lightning_recompute.apply`).
-
-Why a module of its own: the vocabulary must load without torch (policy files, the recipe's JSON
-Schema and the tuner's ``schema`` and ``plan`` commands read it), so it cannot live in
-`lightning_recompute.selective`, which imports torch to resolve op names; and `policy` is about
-layer -> mode maps and their files, which are one user of the vocabulary among many. This module
-imports nothing but `lightning_recompute.errors`, so anything may import it.
+Adding a save-list family is one `ModeSpec` in `MODES` plus its line in ``tests/plugin/test_modes.py``.
+A module of its own because it must load without torch (policy files, the recipe schema read it).
 """
 
 from __future__ import annotations
@@ -60,10 +44,7 @@ class Mode(str, enum.Enum):
 
     @classmethod
     def parse_choice(cls, value: Any, *, where: str) -> tuple[Mode, str | None]:
-        """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``).
-
-        The family's name is checked against `SAVE_FAMILIES` by `RecomputePolicy`.
-        """
+        """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``)."""
         if isinstance(value, str) and ":" in value:
             base, _, family = value.strip().partition(":")
             mode = cls.parse(base, where=where)
@@ -96,20 +77,16 @@ class ModeSpec:
     mode: Mode
     """The plugin mode that runs it (`Mode.SELECTIVE` for every save-list family)."""
     family: str | None
-    """The save-list family (written ``selective:<family>``), or ``None`` for a plain mode."""
     glyph: str
-    """One character for the mode in `RecomputePolicy.short` (logs, tables, the race's tie-break)."""
+    """One character for the mode in `RecomputePolicy.short`."""
     saving: int
-    """Rank by memory saved per layer, 0 the least. The tuner's search space orders modes by it: the
-    weakest mode searched fills the layers no count claims, the strongest is placed first."""
+    """Rank by memory saved per layer, 0 the least (the search space's order)."""
     recompute: int
-    """How much the mode recomputes (0 nothing; full recomputes most): the race's tie-break prefers
-    the least (`lightning_recompute.race.rule.recompute_strength`)."""
+    """How much the mode recomputes (0 nothing); the race's tie-break prefers the least."""
     label: str
-    """The mode's column name in the planner's table of plans (``sel`` for selective)."""
+    """The mode's column name in the planner's table of plans."""
     save: tuple[str, ...] | None = None
-    """The ops whose outputs a selective mode keeps (plain selective: `DEFAULT_SAVE_OPS`, which a
-    policy's ``selective.save`` replaces); ``None`` for the modes that are not selective."""
+    """The ops whose outputs a selective mode keeps; ``None`` for the modes that are not selective."""
 
     @property
     def name(self) -> str:
@@ -118,7 +95,6 @@ class ModeSpec:
 
     @property
     def is_family(self) -> bool:
-        """Whether the mode is selective recomputation with a named save list (``selective:<family>``)."""
         return self.family is not None
 
 
@@ -133,32 +109,18 @@ ATTENTION_KERNELS: tuple[str, ...] = (
 """The fused attention kernels: every selective save list keeps their outputs."""
 
 DEFAULT_SAVE_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", *ATTENTION_KERNELS)
-"""What plain ``selective`` keeps: matmuls against weights and fused attention kernels. ``aten.bmm``
-is deliberately absent: in eager attention it produces the (batch, heads, seq, seq) score and
-context tensors, which are the cheapest to recompute per byte kept."""
+"""What plain ``selective`` keeps; not ``aten.bmm`` (eager attention's scores, cheapest to recompute per byte)."""
 
 
 MODES: tuple[ModeSpec, ...] = (
     ModeSpec(Mode.NONE, None, glyph=".", saving=0, recompute=0, label="none"),
     ModeSpec(Mode.SELECTIVE, None, glyph="s", saving=1, recompute=2, label="sel", save=DEFAULT_SAVE_OPS),
     ModeSpec(Mode.FULL, None, glyph="F", saving=6, recompute=3, label="full"),
-    # Offload recomputes nothing (it moves activations to host memory and back), but frees more
-    # device memory than any selective mode.
+    # Offload recomputes nothing but frees more device memory than any selective mode.
     ModeSpec(Mode.OFFLOAD, None, glyph="o", saving=5, recompute=1, label="off"),
-    # The save-list families: which ops are worth keeping depends on shapes, so the tuner profiles
-    # each family per layer and lets its planner choose. A matmul entry qualified ``:wide`` (output
-    # wider than input: fused QKV, MLP up/gate) or ``:narrow`` (the others: attention output and
-    # MLP down projections, separate q/k/v) keeps only those GEMMs
-    # (`lightning_recompute.selective.MATMUL_ROLES`). In eager attention (the score matmul is
-    # an ``aten.bmm``) no family keeps the (seq x seq) scores; there ``attn`` keeps nothing of
-    # attention, and the profile shows what each family is worth.
-    #
-    # attn: only the fused attention kernels' outputs; every GEMM, norm and activation is
-    # recomputed. The least memory selective recomputation keeps, for the price of re-running the
-    # layer's GEMMs; pays off at long sequence, where attention is the expensive part to recompute.
+    # The save-list families (see docs/PLUGIN.md, 'Save-list families'); attn: only the attention kernels.
     ModeSpec(Mode.SELECTIVE, "attn", glyph="a", saving=4, recompute=2, label="attn", save=ATTENTION_KERNELS),
-    # attn+wide: plus the widening GEMMs: keeps what attention and the activation function consume,
-    # recomputes the output and down projections (the GEMMs whose outputs are the narrow ones).
+    # attn+wide: plus the widening GEMMs (fused QKV, MLP up/gate).
     ModeSpec(
         Mode.SELECTIVE,
         "attn+wide",
@@ -168,8 +130,7 @@ MODES: tuple[ModeSpec, ...] = (
         label="attn+wide",
         save=(*ATTENTION_KERNELS, "aten.mm:wide", "aten.addmm:wide"),
     ),
-    # attn+narrow: plus the narrowing GEMMs: the outputs with the most FLOPs behind each byte kept;
-    # recomputes the wide GEMMs.
+    # attn+narrow: plus the narrowing GEMMs (the most FLOPs behind each byte kept).
     ModeSpec(
         Mode.SELECTIVE,
         "attn+narrow",
@@ -180,31 +141,23 @@ MODES: tuple[ModeSpec, ...] = (
         save=(*ATTENTION_KERNELS, "aten.mm:narrow", "aten.addmm:narrow"),
     ),
 )
-"""Every mode a layer can take, in canonical order: the plugin modes in `Mode`'s order, then the
-save-list families. The order is the recipe schema's, the profile's and the planner's (which breaks
-ties by it)."""
-
-# ---------------------------------------------------------------------- views of MODES
+"""Every mode a layer can take, in canonical order (the planner breaks ties by it)."""
 
 MODE_NAMES: tuple[str, ...] = tuple(s.name for s in MODES)
-"""Every mode as a policy file and a recipe write it, in `MODES`' order."""
 
 FAMILY_NAMES: tuple[str, ...] = tuple(s.family for s in MODES if s.family is not None)
-"""The save-list families' names (``attn``, ...), in `MODES`' order."""
 
 SAVE_FAMILIES: dict[str, tuple[str, ...]] = {s.family: s.save or () for s in MODES if s.family is not None}
-"""Named save lists a layer can take as ``selective:<name>`` (plain ``selective`` is
-`DEFAULT_SAVE_OPS`: every weight matmul plus the attention kernels), in `MODES`' order."""
+"""Named save lists a layer can take as ``selective:<name>``."""
 
 BY_MEMORY_SAVED: tuple[str, ...] = tuple(s.name for s in sorted(MODES, key=lambda s: s.saving))
-"""Every mode's name, the one that saves the least memory per layer first (`ModeSpec.saving`)."""
+"""Every mode's name, the one that saves the least memory per layer first."""
 
 UNKNOWN_GLYPH = "?"
-"""The glyph of a choice that is no mode of `MODES`."""
 
 _BY_NAME: dict[str, ModeSpec] = {s.name: s for s in MODES}
 
 
 def spec(name: str) -> ModeSpec | None:
-    """The `ModeSpec` of a mode as written (``full``, ``selective:attn``), or ``None`` if no mode is."""
+    """The `ModeSpec` of a mode as written (``full``, ``selective:attn``), or ``None``."""
     return _BY_NAME.get(name)

@@ -1,32 +1,7 @@
 """`RecomputePolicy`: which layers keep, recompute or offload their activations.
 
-A policy is an ordered map from a layer path (or a glob over layer paths) to a mode; the first
-entry that matches a layer decides its mode, and a layer no entry matches keeps everything
-(``none``). The file format is the contract between the tuner and the plugin::
-
-    version: 1
-    layers:
-      blocks.0: none
-      "blocks.[1-3]": selective
-      "blocks.*": full
-      "blocks.8": selective:attn   # selective with its own save list (a family, see below)
-    selective:
-      save: [aten.mm, aten.addmm]
-    tuned_for:                     # optional: what the tuner measured it at (`TunedFor`)
-      micro_batch: 4
-      peak_bytes: 40088371
-      limit_bytes: 47815065
-
-A file without ``tuned_for`` is as valid as one with it; applying a policy never reads it.
-
-A layer's mode may be ``selective:<family>``: selective recomputation with one of the named save
-lists of `lightning_recompute.modes.SAVE_FAMILIES` instead of ``selective.save``. Files without
-such a mode read, compare and fingerprint exactly as before families existed. Every mode (its name,
-glyph and ranks) is declared once, in `lightning_recompute.modes`; `Mode` is re-exported here.
-
-``compile: true`` also compiles each layer with `torch.compile` (per block, after its recompute
-wrapper: torchtitan's order). A file without the key (or with ``false``) does not compile, and
-its fingerprint is what it was before the key existed.
+An ordered map from a layer path or glob to a mode; the first matching entry decides, and an unmatched
+layer keeps everything. The file format is the tuner's contract with the plugin (docs/PLUGIN.md, 'The policy file').
 """
 
 from __future__ import annotations
@@ -51,73 +26,27 @@ from lightning_recompute.tuned_for import TunedFor
 __all__ = ["POLICY_VERSION", "Mode", "PolicyLike", "RecomputePolicy"]
 
 POLICY_VERSION = 1
-
-
 _TOP_LEVEL_KEYS = ("version", "layers", "selective", "compile", "tuned_for")
-
-
-def _parse_layers(raw: Any, source: str) -> tuple[list[tuple[str, Mode]], list[tuple[str, str]]]:
-    """A policy file's ``layers`` mapping: ``(pattern, mode)`` pairs and ``(pattern, family)`` pairs."""
-    if not isinstance(raw, Mapping):
-        raise PolicyError(f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw).__name__}")
-    layers = []
-    families = []
-    for pattern, mode in raw.items():
-        try:
-            parsed, family = Mode.parse_choice(mode, where=f"layers.{clip(str(pattern))}")
-        except PolicyError as err:
-            raise PolicyError(f"{source}: {err}") from None
-        layers.append((str(pattern), parsed))
-        if family is not None:
-            families.append((str(pattern), family))
-    return layers, families
-
-
-def _parse_selective_save(selective: Any, source: str) -> Iterable[Any] | None:
-    """A policy file's ``selective.save``: the op names saved by ``selective``, or ``None``."""
-    if selective is None:
-        return None
-    if not isinstance(selective, Mapping) or set(selective) - {"save"}:
-        raise PolicyError(
-            f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
-        )
-    save = selective.get("save")
-    if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
-        raise PolicyError(
-            f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
-        )
-    return save
 
 
 @dataclass(frozen=True)
 class RecomputePolicy:
-    """An immutable, ordered layer-pattern -> mode map.
+    """An immutable, ordered layer-pattern -> mode map, identified across processes by `fingerprint`.
 
-    Build one with the helpers (`uniform`, `every_kth`, `first_n`, `from_modes`), from a mapping
-    (`from_dict`) or from a YAML/JSON file (`load`). Hashable, comparable, and identified across
-    processes by `fingerprint`.
+    Build one with `uniform`, `every_kth`, `first_n`, `from_modes`, `from_dict` or `load`.
     """
 
     layers: tuple[tuple[str, Mode], ...] = ()
-    """``(pattern, mode)`` pairs in priority order: the first pattern matching a layer path wins.
-    A pattern is a module path (``blocks.3``) or an `fnmatch` glob over module paths (``blocks.*``)."""
+    """``(pattern, mode)`` pairs in priority order; a pattern is a module path or an `fnmatch` glob."""
     selective_save: tuple[str, ...] | None = None
-    """Ops whose outputs ``selective`` keeps (``aten.mm`` style names); ``None`` means the default
-    list of `lightning_recompute.selective.DEFAULT_SAVE_OPS`."""
+    """Ops whose outputs ``selective`` keeps; ``None``: `DEFAULT_SAVE_OPS`."""
     families: tuple[tuple[str, str], ...] = ()
-    """``(pattern, family)`` for the ``layers`` entries in mode ``selective:<family>``: those layers
-    save the ops of `lightning_recompute.modes.SAVE_FAMILIES` ``[family]`` instead of
-    ``selective_save``. Filled from modes written ``selective:<family>`` in ``layers``."""
+    """``(pattern, family)`` for ``layers`` entries in mode ``selective:<family>`` (`SAVE_FAMILIES`)."""
     compile: bool = False
-    """Whether `apply_policy` also compiles every layer (``nn.Module.compile``, one block at a time,
-    around the layer's recompute wrapper). Numerics are then equal to eager within float
-    reordering, not bitwise (see docs/PLUGIN.md)."""
+    """Whether `apply_policy` also compiles every layer (not bitwise; see docs/PLUGIN.md)."""
     version: int = field(default=POLICY_VERSION)
-    """File format version; only ``1`` exists."""
     tuned_for: TunedFor | None = field(default=None, compare=False)
-    """What the tuner measured the policy at (micro-batch, peak, limit, device, recipe), or ``None``.
-    Provenance, not behaviour: applying ignores it, and it takes no part in ``==``, ``hash`` or
-    `fingerprint` (see there)."""
+    """What the tuner measured the policy at; provenance only (not in ``==``, ``hash`` or `fingerprint`)."""
 
     def __post_init__(self) -> None:
         if self.version != POLICY_VERSION:
@@ -139,7 +68,7 @@ class RecomputePolicy:
         object.__setattr__(self, "layers", tuple(layers))
         object.__setattr__(self, "families", self._check_families(families))
         if self.selective_save is not None:
-            # Imported here: selective imports torch, policy files are read by tools that need not.
+            # Imported here: selective imports torch.
             from lightning_recompute.selective import resolve_save_ops
 
             names = tuple(self.selective_save)
@@ -151,7 +80,7 @@ class RecomputePolicy:
             raise PolicyError(f"tuned_for: expected a TunedFor, got {type(self.tuned_for).__name__}")
 
     def _check_families(self, families: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-        """``families`` in layer order; a `PolicyError` for a family on a non-selective entry or an unknown name."""
+        """``families`` in layer order, checked (selective entries, known names)."""
         if not families:
             return ()
         modes = dict(reversed(self.layers))  # the first entry of a pattern decides it
@@ -168,8 +97,6 @@ class RecomputePolicy:
                     f"{', '.join(SAVE_FAMILIES)}"
                 )
         return tuple((p, families[p]) for p, _ in self.layers if p in families and p in modes)
-
-    # ------------------------------------------------------------------ constructors
 
     @classmethod
     def uniform(cls, mode: Mode | str, pattern: str = "*", **kwargs: Any) -> RecomputePolicy:
@@ -192,10 +119,7 @@ class RecomputePolicy:
     def every_kth(
         cls, layer_names: Sequence[str], k: int, mode: Mode | str = Mode.FULL, *, offset: int = 0, **kwargs: Any
     ) -> RecomputePolicy:
-        """``mode`` on every ``k``-th layer (``offset``, ``offset + k``, ...), ``none`` elsewhere.
-
-        This is torchtitan's / torchtune's "checkpoint every k-th block" choice.
-        """
+        """``mode`` on every ``k``-th layer (``offset``, ``offset + k``, ...), ``none`` elsewhere."""
         if not isinstance(k, int) or k < 1:
             raise PolicyError(f"k: must be a positive integer, got {k!r}")
         m = Mode.parse(mode, where="mode")
@@ -208,11 +132,7 @@ class RecomputePolicy:
     def first_n(
         cls, layer_names: Sequence[str], n: int, mode: Mode | str = Mode.FULL, **kwargs: Any
     ) -> RecomputePolicy:
-        """``mode`` on the first ``n`` layers, ``none`` on the rest.
-
-        Early layers' activations live longest (they are freed last in backward), so these are the
-        ones to recompute first when only some layers are.
-        """
+        """``mode`` on the first ``n`` layers (their activations live longest), ``none`` on the rest."""
         if not isinstance(n, int) or n < 0:
             raise PolicyError(f"n: must be a non-negative integer, got {n!r}")
         m = Mode.parse(mode, where="mode")
@@ -235,8 +155,32 @@ class RecomputePolicy:
             raise PolicyError(
                 f"{source}: key 'version': unsupported policy version {clip(repr(version))}; valid: {POLICY_VERSION}"
             )
-        layers, families = _parse_layers(data.get("layers") or {}, source)
-        save = _parse_selective_save(data.get("selective"), source)
+        raw_layers = data.get("layers") or {}
+        if not isinstance(raw_layers, Mapping):
+            raise PolicyError(
+                f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}"
+            )
+        layers: list[tuple[str, Mode]] = []
+        families: list[tuple[str, str]] = []
+        for pattern, mode in raw_layers.items():
+            try:
+                parsed, family = Mode.parse_choice(mode, where=f"layers.{clip(str(pattern))}")
+            except PolicyError as err:
+                raise PolicyError(f"{source}: {err}") from None
+            layers.append((str(pattern), parsed))
+            if family is not None:
+                families.append((str(pattern), family))
+        selective, save = data.get("selective"), None
+        if selective is not None:
+            if not isinstance(selective, Mapping) or set(selective) - {"save"}:
+                raise PolicyError(
+                    f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
+                )
+            save = selective.get("save")
+            if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
+                raise PolicyError(
+                    f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
+                )
         compile_layers = data.get("compile", False)
         if not isinstance(compile_layers, bool):
             raise PolicyError(f"{source}: key 'compile' must be true or false, got {clip(repr(compile_layers))}")
@@ -255,11 +199,7 @@ class RecomputePolicy:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RecomputePolicy:
-        """Read a policy file: JSON for a ``.json`` suffix, YAML otherwise.
-
-        The file is read within `lightning_recompute.safe_yaml`'s bounds (size, encoding, nesting,
-        alias expansion): a policy file may come from anywhere a training job can read.
-        """
+        """Read a policy file (JSON for ``.json``, else YAML) within `lightning_recompute.safe_yaml`'s bounds."""
         p = Path(path)
         try:
             data = load_document(p, what="policy file")
@@ -268,8 +208,6 @@ class RecomputePolicy:
         if data is None:
             raise PolicyError(f"{p}: policy file is empty; expected keys {list(_TOP_LEVEL_KEYS)}")
         return cls.from_dict(data, source=str(p))
-
-    # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
         """The policy-file structure (plain types only); ``tuned_for`` only when the policy has it."""
@@ -288,7 +226,7 @@ class RecomputePolicy:
         if self.selective_save is not None:
             out["selective"] = {"save": list(self.selective_save)}
         if self.compile:
-            out["compile"] = True  # absent when false: files from before the key keep their fingerprint
+            out["compile"] = True  # absent when false: older files keep their fingerprint
         return out
 
     def with_tuned_for(self, tuned_for: TunedFor | None) -> RecomputePolicy:
@@ -302,28 +240,17 @@ class RecomputePolicy:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the policy to ``path`` (JSON for ``.json``, else YAML), atomically.
-
-        The file is written beside its destination and renamed over it, so a reader (a training
-        job starting now) sees the old policy or the new one, never half of one.
-        """
+        """Write the policy to ``path`` (JSON for ``.json``, else YAML), atomically."""
         p = Path(path)
         return atomic_write(p, self.to_json() if p.suffix.lower() == ".json" else self.to_yaml())
 
     def fingerprint(self) -> str:
         """A short, stable identifier of what the policy does (order-sensitive, format-independent).
 
-        ``tuned_for`` is left out: the fingerprint names what applying the policy does to a model,
-        and that is what its users compare (the study's duplicate check, a checkpoint's policy on
-        resume, the MLflow record of the good run). The same layer modes tuned at another
-        micro-batch are the same policy; the tuner keys candidates by fingerprint *and*
-        micro-batch. Leaving it out also keeps the fingerprint of every file written before
-        ``tuned_for`` existed.
+        ``tuned_for`` is left out, so the same modes tuned elsewhere, and files written before it existed, match.
         """
         canonical = json.dumps(self._behaviour_dict(), sort_keys=False, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-    # ------------------------------------------------------------------ resolution
 
     def mode_for(self, layer: str) -> Mode:
         """The mode of one layer path (first matching pattern; ``none`` when none matches)."""
@@ -349,11 +276,7 @@ class RecomputePolicy:
         return {name: self.choice_for(name) for name in layer_names}
 
     def resolve(self, layer_names: Sequence[str], *, source: str = "policy") -> dict[str, Mode]:
-        """The mode of every layer; a `PolicyError` if some pattern matches no layer.
-
-        A pattern that matches nothing is almost always a typo or a policy written for another
-        model, and silently training without the intended recomputation is how jobs OOM at 3 am.
-        """
+        """The mode of every layer; a `PolicyError` if some pattern matches no layer (likely a typo)."""
         unmatched = [p for p, _ in self.layers if not any(_matches(p, n) for n in layer_names)]
         if unmatched:
             shown = _summarise(layer_names)
@@ -384,8 +307,7 @@ class RecomputePolicy:
         return "\n".join(lines)
 
     def short(self, layer_names: Sequence[str]) -> str:
-        """One character per layer (see `glyph`: ``.`` none, ``s`` selective, ``a``/``w``/``n`` the
-        save-list families attn/attn+wide/attn+narrow, ``F`` full, ``o`` offload), for logs."""
+        """One character per layer (see `glyph`), for logs."""
         return "".join(glyph(self.choice_for(n)) for n in layer_names)
 
 
@@ -402,8 +324,7 @@ def _choice(mode: Mode, family: str | None) -> str:
 
 
 PolicyLike = RecomputePolicy | Mapping[str, Any] | str | os.PathLike
-"""What the plugin's entry points accept as a policy: an object, the file structure, a path, or
-``"mlflow:<experiment>[@<tracking uri>]"`` for the tuner's current good policy of an experiment."""
+"""A policy object, the file structure, a path, or ``"mlflow:<experiment>[@<tracking uri>]"``."""
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -1,10 +1,6 @@
-"""A GPT-style reference model and a synthetic-token data module.
+"""A GPT-style reference model and a synthetic-token data module, small enough to train on a laptop CPU.
 
-Shared by the tests, the recipes and the benchmarks, and small enough to train on a laptop CPU.
-``attention="eager"`` materialises the (batch, heads, seq, seq) attention matrix, which is where
-selective recomputation saves the most; ``attention="sdpa"`` uses
-`torch.nn.functional.scaled_dot_product_attention`. ``widths`` makes a stack whose layers are
-not all alike (each block projects to its own width), where uniform policies do worst.
+``attention="eager"`` materialises the (seq x seq) attention matrix; ``widths`` makes a heterogeneous stack.
 """
 
 from __future__ import annotations
@@ -41,9 +37,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
         if self.attention == "sdpa" and x.device.type == "meta":
-            # On meta, F.scaled_dot_product_attention has no fused kernel and falls back to the
-            # math path, which keeps a (seq x seq) matrix no GPU run ever holds. Call the flash
-            # kernel (it has a meta implementation) so meta-device planning sees what a GPU does.
+            # On meta SDPA falls back to the math path (a seq x seq matrix); the flash kernel is what a GPU runs.
             y = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, True)[0]
         elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -145,12 +139,9 @@ class ReferenceGPT(L.LightningModule):
 
 
 class ShardedGPT(ReferenceGPT):
-    """`ReferenceGPT` for ``ModelParallelStrategy``: ``configure_model`` shards it with FSDP2.
+    """`ReferenceGPT` for ``ModelParallelStrategy``: ``configure_model`` ``fully_shard``s each block, then the model.
 
-    Each block, then the whole model, is ``fully_shard``-ed over the strategy's data-parallel
-    mesh, the usual FSDP2 layout (one all-gather per block). The blocks exist from ``__init__``,
-    so a `RecomputeCallback` applies its policy in ``setup``, before the sharding. Outside
-    ``ModelParallelStrategy`` (no device mesh) it is the plain reference model.
+    The blocks exist from ``__init__``, so `RecomputeCallback` applies its policy before the sharding.
     """
 
     def configure_model(self) -> None:

@@ -1,14 +1,7 @@
 """Bounded reading of YAML/JSON documents that come from outside: policy files, recipes, artifacts.
 
-``yaml.safe_load`` only refuses to run code. A hostile or broken file can still cost unbounded
-time and memory (a 1 KB alias "billion laughs" expands to gigabytes once anything walks it),
-overflow the interpreter stack (deeply nested collections), or escape as a raw
-``UnicodeDecodeError``. `load_document` refuses all of these up front, within `DocumentLimits`,
-and raises one `DocumentError` that names the file and what was wrong; callers re-raise it as
-their own error (`PolicyError`, the tuner's recipe error).
-
-The shape check walks YAML's event stream, which PyYAML and libyaml produce iteratively; only a
-document that passes is composed and constructed (both recursive, hence the depth bound).
+``yaml.safe_load`` alone still allows alias bombs, stack-overflowing nesting and raw decode errors;
+`load_document` refuses them within `DocumentLimits`, as one `DocumentError` naming the file.
 """
 
 from __future__ import annotations
@@ -28,11 +21,10 @@ from lightning_recompute.errors import DocumentError, clip
 
 __all__ = ["DEFAULT_LIMITS", "DocumentLimits", "load_document", "parse_document", "read_text"]
 
-# libyaml when PyYAML was built with it (the usual wheel): several times faster, same results.
+# libyaml when PyYAML was built with it: faster, same results.
 _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-# A JSON string literal, or one bracket: what the JSON depth scan needs to see (brackets inside
-# strings do not nest).
+# A JSON string literal, or one bracket: what the JSON depth scan needs to see.
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
 _BOMS = (
@@ -62,7 +54,7 @@ def load_document(path: str | os.PathLike[str], *, what: str = "file", limits: D
     """The data in a YAML file (or a JSON one, by its ``.json`` suffix), read within ``limits``.
 
     Args:
-        path: the file. Only a regular file is read (a FIFO or device could block or never end).
+        path: the file; only a regular file is read.
         what: what the file is, for messages ("policy file", "recipe").
         limits: size, nesting and alias-expansion bounds.
 
@@ -70,9 +62,8 @@ def load_document(path: str | os.PathLike[str], *, what: str = "file", limits: D
         The parsed document: plain dicts, lists and scalars; ``None`` for an empty file.
 
     Raises:
-        DocumentError: the file is missing, unreadable, not a regular file, too large, binary or
-            not UTF-8, malformed, nested too deeply, or its aliases expand too far. The message
-            starts with the path and clips any echoed content.
+        DocumentError: missing, unreadable, not a regular file, too large, not UTF-8, malformed, nested too
+            deeply, or aliases expanding too far; the message starts with the path.
     """
     p = Path(path)
     text = _read_text(p, what, limits)
@@ -102,9 +93,6 @@ def parse_document(
 
 def read_text(path: str | os.PathLike[str], *, what: str = "file", limits: DocumentLimits = DEFAULT_LIMITS) -> str:
     """The UTF-8 text of a regular file within ``limits.max_bytes``: `load_document`'s reading step alone.
-
-    For a caller that parses the text itself after `parse_document` has checked its shape (the
-    recipe loader also refuses duplicate keys, which needs its own constructor).
 
     Raises:
         DocumentError: as `load_document`, for everything before parsing.
@@ -148,9 +136,7 @@ def _read_text(path: Path, what: str, limits: DocumentLimits) -> str:
 def _check_yaml_shape(text: str, source: str, limits: DocumentLimits) -> None:
     """Refuse deep nesting and alias expansion from the event stream, before anything is built.
 
-    Each anchor's expanded size (nodes, counting the aliases inside it) is known when its node
-    ends, so an alias costs O(1) here however far it would expand: a bomb fails at its first
-    over-limit alias instead of after gigabytes.
+    Each anchor's expanded size is known when it ends, so an alias costs O(1) and a bomb fails at once.
     """
     frames: list[tuple[str | None, list[int]]] = []  # open collections: (anchor, [expanded size])
     sizes: dict[str, int] = {}  # closed anchors -> expanded size
@@ -169,7 +155,6 @@ def _check_yaml_shape(text: str, source: str, limits: DocumentLimits) -> None:
             anchor, size = event.anchor, 1
         elif isinstance(event, yaml.AliasEvent):
             if any(event.anchor == open_anchor for open_anchor, _ in frames):
-                # A collection containing itself: anything that walks it without cycle checks recurses forever.
                 raise DocumentError(
                     f"{source}: alias *{clip(event.anchor or '')} refers to a collection that contains it "
                     f"(line {event.start_mark.line + 1}); recursive documents are not accepted"

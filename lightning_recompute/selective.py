@@ -1,22 +1,8 @@
 """Op-level selective recomputation: which ops' outputs ``selective`` keeps.
 
-Built on `torch.utils.checkpoint.create_selective_checkpoint_contexts` (PyTorch's SAC): inside a
-checkpointed layer, the outputs of the listed ops are cached in forward and reused in backward;
-every other op is recomputed. The default list keeps the GEMMs against weights and the fused
-attention kernels (expensive per byte) and recomputes everything elementwise or quadratic in
-sequence length that is cheap per byte: norms, activations, dropout, and in eager attention the
-score matmul, softmax and the probability-value product (Korthikanti et al. 2022's
-"selective activation recomputation").
-
-`SAVE_FAMILIES` names a few other save lists, which a policy gives a layer as
-``selective:<family>``: which ops are worth keeping depends on shapes (at long sequence the
-attention kernels dominate the recompute time; with wide MLPs the up-projections do), so the tuner
-profiles each family per layer and lets its planner choose. `SAVE_FAMILIES` and `DEFAULT_SAVE_OPS`
-are declared with the modes in `lightning_recompute.modes` (which needs no torch) and re-exported
-here. A save-list entry may qualify a weight
-matmul by its shape, ``aten.mm:wide`` (output wider than input: fused QKV, MLP up/gate) or
-``aten.mm:narrow`` (output no wider than input: attention output projection, MLP down, separate
-q/k/v projections), because op names alone cannot tell those GEMMs apart.
+Built on PyTorch's `create_selective_checkpoint_contexts`: the listed ops' outputs are cached in forward,
+every other op is recomputed. A weight matmul entry may be qualified by shape (``aten.mm:wide``), since
+op names cannot tell GEMMs apart; see docs/PLUGIN.md, 'Save-list families'.
 """
 
 from __future__ import annotations
@@ -35,9 +21,7 @@ from lightning_recompute.modes import DEFAULT_SAVE_OPS, SAVE_FAMILIES
 __all__ = ["DEFAULT_SAVE_OPS", "MATMUL_ROLES", "SAVE_FAMILIES", "resolve_save_ops", "selective_context_fn"]
 
 MATMUL_ROLES: tuple[str, ...] = ("wide", "narrow")
-"""Shape qualifiers of a weight matmul entry (``aten.mm:wide``): ``wide`` when the output has more
-features than the input (fused QKV, MLP up and gate projections), ``narrow`` otherwise (attention
-output projection, MLP down projection, separate q/k/v projections)."""
+"""Shape qualifiers of a weight matmul entry: ``wide`` when the output has more features than the input."""
 
 _QUALIFIABLE = ("mm", "addmm")
 
@@ -82,8 +66,7 @@ def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]
         overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, o) for o in op.overloads()]
         for ov in overloads:
             if torch.Tag.nondeterministic_seeded in ov.tags and _dropout_index(ov) is None:
-                # Caching a random op would skip its RNG draw during recompute and shift the
-                # random stream of every later op: dropout would no longer match bit for bit.
+                # Caching a random op would skip its RNG draw during recompute and shift every later one.
                 raise PolicyError(f"op {name!r} draws random numbers and cannot be saved by selective recomputation")
         ops.update((ov, role) if role else ov for ov in overloads)
     return frozenset(ops)
@@ -94,8 +77,7 @@ def resolve_save_ops(
 ) -> frozenset[Any]:
     """The ops named by ``names`` (``None``: the defaults) or by the save-list ``family``.
 
-    An element is an `OpOverload` (always saved) or an ``(OpOverload, role)`` pair (saved when the
-    matmul has that shape role, see `MATMUL_ROLES`). A `PolicyError` names an unknown op or family.
+    Elements are `OpOverload` (always saved) or ``(OpOverload, role)`` (saved for that matmul shape role).
     """
     if family is not None:
         if family not in SAVE_FAMILIES:
@@ -113,8 +95,7 @@ def resolve_save_ops(
 
 
 def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    # Fused attention kernels are tagged random because of their dropout; with dropout_p == 0
-    # they draw nothing, and caching them is safe.
+    # Fused attention kernels are tagged random for their dropout; with dropout_p == 0 they draw nothing.
     if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
     i = _dropout_index(op)
@@ -125,10 +106,9 @@ def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
 
 
 def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for `torch.utils.checkpoint.checkpoint` that saves ``save_ops`` and recomputes the rest.
+    """A ``context_fn`` for `checkpoint` that saves ``save_ops`` and recomputes the rest.
 
-    An attention kernel running with dropout is recomputed even when listed: caching it would
-    skip its RNG draw in recomputation and change every later dropout mask.
+    An attention kernel running with dropout is recomputed even when listed: caching it would skip its RNG draw.
     """
 
     qualified = any(isinstance(e, tuple) for e in save_ops)
@@ -144,10 +124,7 @@ def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, An
 
 
 def _matmul_role(op: Any, args: tuple[Any, ...]) -> str | None:
-    """``wide`` or ``narrow`` for ``mm(a, w)`` / ``addmm(bias, a, w)`` by ``w``'s (in, out) shape; else ``None``.
-
-    A function of shapes only, so the forward and its recomputation decide alike.
-    """
+    """``wide`` or ``narrow`` for ``mm(a, w)`` / ``addmm(bias, a, w)`` by ``w``'s shape (so replays decide alike)."""
     name = op.overloadpacket.__name__ if hasattr(op, "overloadpacket") else ""
     if name not in _QUALIFIABLE:
         return None

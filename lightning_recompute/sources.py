@@ -1,10 +1,4 @@
-"""Where a policy comes from: `as_policy` turns what the entry points accept into a `RecomputePolicy`.
-
-A `PolicyLike` is a policy object, the policy-file structure as a mapping, a path to a policy
-file, or ``"mlflow:<experiment>[@<tracking uri>]"`` for the tuner's current good policy. This
-module sits above both `lightning_recompute.policy` (the data model and its file format) and
-`lightning_recompute.mlflow_policy` (the MLflow reader), so neither needs the other's caller.
-"""
+"""Where a policy comes from: `as_policy` turns what the entry points accept (`PolicyLike`) into a `RecomputePolicy`."""
 
 from __future__ import annotations
 
@@ -17,22 +11,19 @@ from lightning_recompute.policy import PolicyLike, RecomputePolicy
 __all__ = ["MLFLOW_PREFIX", "as_policy"]
 
 MLFLOW_PREFIX = "mlflow:"
-"""A policy source string starting with this names an MLflow experiment, not a file."""
 
 
 def as_policy(policy: PolicyLike) -> RecomputePolicy:
     """The `RecomputePolicy` that ``policy`` names.
 
     Raises:
-        PolicyError: the file, mapping or MLflow experiment holds no valid policy, or ``policy``
-            is of another type; the message names the source.
+        PolicyError: the source holds no valid policy, or ``policy`` is of another type.
     """
     if isinstance(policy, RecomputePolicy):
         return policy
     if isinstance(policy, Mapping):
         return RecomputePolicy.from_dict(policy)
     if isinstance(policy, str) and policy.startswith(MLFLOW_PREFIX):
-        # Imported here: mlflow is heavy, and only users of "mlflow:" policies need it.
         from lightning_recompute.mlflow_policy import load_good_policy
 
         experiment, _, tracking_uri = policy[len(MLFLOW_PREFIX) :].partition("@")

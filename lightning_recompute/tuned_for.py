@@ -1,20 +1,7 @@
-"""`TunedFor`: what a policy was tuned for, and what a training job that differs should change.
+"""`TunedFor`: what a policy was tuned for (the policy file's optional ``tuned_for:`` section).
 
-A policy only fits the memory budget at the micro-batch it was measured with: the activations a
-layer keeps grow with the batch. The tuner records that micro-batch (and the figures it was
-promoted on) in the policy file's optional ``tuned_for:`` section::
-
-    tuned_for:
-      micro_batch: 4          # samples per training batch (per device) the policy was measured at
-      data_batch_size: 8      # the recipe's data module batch size: the global batch to keep
-      peak_bytes: 40088371    # the promoted (confirmation) run's peak
-      limit_bytes: 47815065   # the budget limit it had to fit (budget less margin)
-      device: cpu
-      recipe: quickstart
-      recipe_fingerprint: 3f0c...
-
-Every key is optional. Applying a policy never reads this section; `RecomputeCallback` compares
-``micro_batch`` with every training batch until one is larger (`batch_advice`).
+A policy fits its budget only at the micro-batch it was measured at; `RecomputeCallback` compares ``micro_batch``
+with the training batches (`batch_advice`). See docs/PLUGIN.md, 'The policy file'.
 """
 
 from __future__ import annotations
@@ -35,18 +22,14 @@ class TunedFor:
     micro_batch: int | None = None
     """Samples per training batch, per device, the policy was measured at."""
     data_batch_size: int | None = None
-    """The batch size of the recipe's data module when not overridden: the global batch a training
-    job that runs at `micro_batch` keeps with gradient accumulation."""
+    """The recipe's data batch size: the global batch a job at `micro_batch` keeps by accumulation."""
     peak_bytes: int | None = None
     """Peak device memory of the run the policy was promoted on."""
     limit_bytes: int | None = None
     """The memory limit that peak had to fit under (the budget less its margin)."""
     device: str | None = None
-    """The device it was measured on (``cpu``, ``NVIDIA H100 80GB HBM3``)."""
     recipe: str | None = None
-    """The tuning recipe's name (also the MLflow experiment, unless the recipe names another)."""
     recipe_fingerprint: str | None = None
-    """The recipe's fingerprint: which model, data and trainer settings were measured."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "data_batch_size", "peak_bytes", "limit_bytes"):
@@ -100,11 +83,8 @@ class TunedFor:
 
 
 def batch_advice(micro_batch: int, global_batch: int) -> tuple[int, int]:
-    """``(batch_size, accumulate_grad_batches)`` that keeps ``global_batch`` samples per optimizer step
-    with training batches of at most ``micro_batch`` samples.
-
-    The batch size is the largest divisor of ``global_batch`` not above ``micro_batch``, so the
-    global batch stays exact (8 at micro-batch 4: ``(4, 2)``; 12 at micro-batch 5: ``(4, 3)``).
+    """``(batch_size, accumulate_grad_batches)`` that keeps ``global_batch`` samples per optimizer step with
+    batches of at most ``micro_batch``: the largest divisor of ``global_batch`` not above it (12 at 5: ``(4, 3)``).
     """
     if micro_batch < 1 or global_batch < 1:
         raise ValueError(f"batch sizes must be positive, got micro_batch={micro_batch}, global_batch={global_batch}")
@@ -113,5 +93,4 @@ def batch_advice(micro_batch: int, global_batch: int) -> tuple[int, int]:
 
 
 def _mib(n: int) -> str:
-    # MiB with two decimals, as the tuner prints sizes; the plugin does not import the tuner.
     return f"{n / 2**20:.2f} MiB"

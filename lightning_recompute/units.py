@@ -1,5 +1,4 @@
-"""Values the plugin and the tuner read and print, one way for both: byte sizes, seconds, and the JSON-ready
-form of results, policies and dataclasses (`jsonable`)."""
+"""Byte sizes, seconds and JSON-ready values (`jsonable`), read and printed one way by the plugin and the tuner."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ _UNITS = {
 def parse_bytes(value: int | float | str) -> int:
     """Bytes from a whole number or a size string: ``"20GiB"`` (1024-based), ``"20GB"`` (1000-based), ``"512 MiB"``.
 
-    Case-insensitive; a bare number is bytes. Zero is not a size: every size the tuner reads (a
-    budget, a budget limit) must be positive, so ``0`` and ``"0GiB"`` are refused here, once.
+    Case-insensitive; a bare number is bytes; zero is refused.
 
     Raises:
         ValueError: not a size; the message lists the units understood.
@@ -67,10 +65,7 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def format_bytes(n: float | None) -> str:
-    """Bytes in binary units with two decimals: ``21474836480`` -> ``20.00 GiB``; small values in ``B``.
-
-    ``None`` (and a non-finite number) is ``n/a``: summaries print figures a trial may not have.
-    """
+    """Bytes in binary units with two decimals (``20.00 GiB``); ``None`` and non-finite numbers are ``n/a``."""
     if n is None or isinstance(n, bool) or not math.isfinite(n):
         return "n/a"
     sign, n = ("-" if n < 0 else ""), abs(n)

@@ -1,12 +1,6 @@
 """`AutoRecompute`: tune the recompute policy inside the training job, on its first steps.
 
-Recomputation never changes what a step computes, so a step taken to measure a candidate policy is
-an ordinary training step: the job loses no progress to tuning. At the first batch the callback
-profiles the model in the job (`lightning_recompute.auto.candidates`), takes the planner's candidates that fit
-the limit, and races them (`lightning_recompute.race.schedule`, the same rounds and statistic as
-``recompute-tune``'s race): one candidate per optimizer step, in rotation, the safest first. Then it
-switches to the winner for the rest of training, says so in the log, writes the policy file and
-records the race in MLflow (`lightning_recompute.auto.record`).
+Every tuning step is a training step; see docs/AUTO.md.
 """
 
 from __future__ import annotations
@@ -40,9 +34,7 @@ __all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "agree_across_ranks"]
 
 
 AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimate_rounds=6, warmup_steps=1)
-"""The race a job runs by default: at most 24 selection rounds (``recompute-tune``'s: 30) and 6
-estimation rounds (16); every step trains, but the slower candidates cost the job time while they race.
-With 12 rounds at most, one in four quickstart jobs called a 17% difference a tie (bench/auto_vs_tune.py)."""
+"""The race a job runs by default: shorter than ``recompute-tune``'s, since slower candidates cost the job time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +61,15 @@ class AutoDecision:
 
 @dataclasses.dataclass
 class _StepTotals:
-    """One optimizer step's measurements, summed over its micro-batches (gradient accumulation)."""
+    """One optimizer step's measurements, summed over its micro-batches."""
 
     global_step: int = -1
-    """The trainer's step count when the step began (it moves on when the optimizer steps)."""
     seconds: float = 0.0
     peak_bytes: int | None = None
     samples: int = 0
     tokens: int | None = None
 
     def add(self, record: StepRecord) -> None:
-        """Add one micro-batch's record."""
         self.seconds += record.seconds
         if record.peak_bytes is not None:
             self.peak_bytes = max(self.peak_bytes or 0, record.peak_bytes)
@@ -88,53 +78,25 @@ class _StepTotals:
             self.tokens = (self.tokens or 0) + record.tokens
 
 
-def _checked_budget(budget: int | str, margin: float, max_candidates: int, profile_repeats: int) -> int:
-    """The budget in bytes, after checking `AutoRecompute`'s numeric arguments (a clear error for each)."""
-    try:
-        budget_bytes = parse_bytes(budget)
-    except (TypeError, ValueError) as err:
-        raise RecomputeError(f"AutoRecompute budget: {err}") from err
-    if not 0.0 <= margin < 1.0:
-        raise RecomputeError(f"AutoRecompute margin: must be in [0, 1), got {margin!r}")
-    if not isinstance(max_candidates, int) or max_candidates < 2:
-        raise RecomputeError(f"AutoRecompute max_candidates: must be an integer >= 2, got {max_candidates!r}")
-    if not isinstance(profile_repeats, int) or profile_repeats < 1:
-        raise RecomputeError(f"AutoRecompute profile_repeats: must be a positive integer, got {profile_repeats!r}")
-    return budget_bytes
-
-
 class AutoRecompute(RecomputeCallback):
     """Find the fastest recompute policy that fits ``budget`` inside the training job, then train with it.
 
-    Every tuning step is a training step: weights after any number of steps are those of a plain
-    run (bitwise on CPU). At the first batch the model is profiled on it (restored exactly
-    afterwards) and the planner's candidates predicted to fit the limit (``budget`` less
-    ``margin``) race, one per optimizer step, the lowest predicted peak first. A candidate whose
-    measured peak exceeds the limit is out at once and never runs again. The race stops when the
-    leader is separated from the rest with confidence (or its rounds or time run out), breaks ties
-    within noise by headroom and then less recomputation, measures the winner against the safest
-    candidate for fresh rounds (the "vs" figure), and the winner trains the rest of the job.
+    At the first batch the planner's candidates that fit the limit race, one per optimizer step, and the
+    winner trains the rest of the job (see docs/AUTO.md).
 
     Args:
         budget: the device memory a step may use: bytes or a size (``"40GiB"``).
-        margin: the fraction of ``budget`` kept free (allocator fragmentation, the optimizer's
-            temporaries); the limit is ``budget * (1 - margin)``.
-        output: where to write the chosen policy (with ``tuned_for``), atomically; ``None``: nowhere.
-        tracking_uri: MLflow tracking URI of the record; ``None``: the job's ``MLFlowLogger``'s (the
-            session run nests under the job's run), or no record without one.
+        margin: the fraction of ``budget`` kept free; the limit is ``budget * (1 - margin)``.
+        output: where to write the chosen policy (with ``tuned_for``); ``None``: nowhere.
+        tracking_uri: MLflow tracking URI of the record; ``None``: the job's ``MLFlowLogger``'s, if any.
         experiment: MLflow experiment of the record (default: the logger's, else ``auto-recompute``).
         candidates: race these policies (safest first) instead of the planner's.
         max_candidates: how many of the planner's candidates race (at least 2).
         modes: the modes the planner combines per layer.
         plan: the race (`RacePlan`; default `AUTO_PLAN`).
         layers: which modules are layers, as for `RecomputeCallback`.
-        catch_oom: on an out-of-memory error in a candidate's optimizer step, drop the candidate and
-            run the same batch again, from the same random state, under the safest candidate left
-            (nothing lost, no step skipped). ``None``: on for one CUDA device or the capped CPU
-            (``RECOMPUTE_CPU_MEMORY_LIMIT``) without gradient accumulation. Never with gradient
-            accumulation (the step's earlier micro-batches cannot be told apart from the failed one)
-            nor across several ranks (one rank retrying while the others wait in a collective would
-            hang the job).
+        catch_oom: on an out-of-memory step, drop the candidate and run the batch again under the safest
+            one left. ``None``: on for one CUDA device or the capped CPU, without gradient accumulation.
         profile_repeats: timed steps per mode in the profile.
         name: the session's name in MLflow (default ``auto-<model class>``).
         free_grads_at_batch_start: as for `RecomputeCallback`.
@@ -161,7 +123,6 @@ class AutoRecompute(RecomputeCallback):
         name: str | None = None,
         free_grads_at_batch_start: bool | None = None,
     ) -> None:
-        # Long because it is a list: one checked or stored argument per line, each documented above.
         # Until the first batch, the policy that needs least memory without knowing the model.
         super().__init__(
             RecomputePolicy.uniform(Mode.FULL.value),
@@ -169,9 +130,17 @@ class AutoRecompute(RecomputeCallback):
             memory_steps=frozenset(),
             free_grads_at_batch_start=free_grads_at_batch_start,
         )
-        self.budget_bytes = _checked_budget(budget, margin, max_candidates, profile_repeats)
+        try:
+            self.budget_bytes = parse_bytes(budget)
+        except (TypeError, ValueError) as err:
+            raise RecomputeError(f"AutoRecompute budget: {err}") from err
+        if not 0.0 <= margin < 1.0:
+            raise RecomputeError(f"AutoRecompute margin: must be in [0, 1), got {margin!r}")
+        if not isinstance(max_candidates, int) or max_candidates < 2:
+            raise RecomputeError(f"AutoRecompute max_candidates: must be an integer >= 2, got {max_candidates!r}")
+        if not isinstance(profile_repeats, int) or profile_repeats < 1:
+            raise RecomputeError(f"AutoRecompute profile_repeats: must be a positive integer, got {profile_repeats!r}")
         self.limit_bytes = int(self.budget_bytes * (1.0 - margin))
-        """The most a candidate's measured peak may reach."""
         self.output = None if output is None else Path(output)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -186,17 +155,13 @@ class AutoRecompute(RecomputeCallback):
         self.profile_repeats = profile_repeats
         self.name = name
         self.candidates: list[Candidate] = []
-        """What races (known from the first batch)."""
         self.notes: list[str] = []
         """What the tuning noticed (planner notes, a dropped candidate, an out-of-memory retry)."""
         self.schedule: RaceSchedule | None = None
         self.decision: AutoDecision | None = None
-        """The settled policy (``None`` while tuning, or before the first batch)."""
         self.race_result: RaceResult | None = None
         self.tuning_steps = 0
-        """Optimizer steps taken while tuning (every one a training step)."""
         self.record_run_id: str | None = None
-        """The MLflow session run of the record, when one was written."""
         self._turn: Turn | None = None
         self._totals = _StepTotals()
         self._retry: StepRetry | None = None
@@ -206,8 +171,6 @@ class AutoRecompute(RecomputeCallback):
         self._machine_before: dict[str, Any] = {}
         self._world = 1
         self._on_cuda = False
-
-    # ------------------------------------------------------------------ lifecycle
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -222,8 +185,6 @@ class AutoRecompute(RecomputeCallback):
                 "collective would hang the job); leave it None or False"
             )
         elif self.catch_oom and accumulating:
-            # The retry runs the last micro-batch again, but the earlier ones' gradients, buffers and random
-            # draws cannot be told apart from the failed one's without a copy of every gradient.
             raise RecomputeError(
                 f"AutoRecompute catch_oom=True: not with gradient accumulation (accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}): a step cannot be run again from its last micro-batch alone; "
@@ -243,7 +204,6 @@ class AutoRecompute(RecomputeCallback):
             if self.schedule is None:
                 self._start(trainer, pl_module, batch)
             if self._retry is not None and self._turn is not None and trainer.global_step != self._retry_step:
-                # The random state at the start of the optimizer step: an out-of-memory retry starts from it.
                 self._retry.mark(pl_module)
                 self._retry_step = trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
@@ -281,10 +241,7 @@ class AutoRecompute(RecomputeCallback):
         self._stop_retrying()
         super().teardown(trainer, pl_module, stage)
 
-    # ------------------------------------------------------------------ the race
-
     def _start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
-        """Find the candidates (rank 0's, shared) and start the race."""
         self._began = time.perf_counter()
         self._machine_before = machine_state(pl_module.device.type)
         self.candidates, notes = shared_candidates(
@@ -302,7 +259,15 @@ class AutoRecompute(RecomputeCallback):
         self.notes.extend(notes)
         for note in self.notes:
             rank_zero_info(f"AutoRecompute: {note}")
-        rank_zero_info(_racing_line(self.candidates, self.limit_bytes))
+        lines = [
+            f"  {c.short}  {c.label}"
+            + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
+            for c in self.candidates
+        ]
+        rank_zero_info(
+            f"AutoRecompute: racing {len(self.candidates)} candidate(s) under the limit "
+            f"{format_bytes(self.limit_bytes)}, one per optimizer step, safest first:\n" + "\n".join(lines)
+        )
         self.schedule = RaceSchedule(
             [(c.key, c.policy, c.short) for c in self.candidates],
             references=[self.candidates[0].key],
@@ -352,14 +317,35 @@ class AutoRecompute(RecomputeCallback):
             {c.key: c.policy.to_dict() for c in self.candidates},
         )
         self.race_result = result
-        summary = _decision_summary(chosen, result, self.tuning_steps)
+        words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]
+        if result.ok and result.stop:
+            words.append(f"{result.select_rounds} selection rounds: {result.stop}")
+        words += [*result.decision_lines(), *result.headlines()]
+        words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
+        summary = "; ".join(words)
         self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, summary)
         self.switch_policy(pl_module, chosen.policy)
         self._after_tuning()
         self._stop_retrying()
         rank_zero_info(f"AutoRecompute: {summary}")
         if trainer.is_global_zero:
-            tuning = _job_tuning(self, chosen, summary, result, pl_module)
+            tuning = JobTuning(
+                policy=chosen.policy,
+                summary=summary,
+                candidates=tuple(self.candidates),
+                race=result,
+                notes=tuple(self.notes),
+                budget_bytes=self.budget_bytes,
+                limit_bytes=self.limit_bytes,
+                modes=self.modes,
+                plan=self.plan,
+                layers=self.layers,
+                micro_batch=self.records[-1].samples if self.records else None,
+                name=self.name or f"auto-{type(pl_module).__name__}",
+                output=self.output,
+                tracking_uri=self.tracking_uri,
+                experiment=self.experiment,
+            )
             self.record_run_id = record_decision(tuning, trainer, pl_module)
 
     def _stop_retrying(self) -> None:
@@ -369,15 +355,11 @@ class AutoRecompute(RecomputeCallback):
 
     def _after_tuning(self) -> None:
         self._turn = None
-        # CUDA's allocator statistics are free: keep logging every step's peak. The CPU ledger costs
-        # a Python call per op, so after tuning it stays off.
+        # CUDA's allocator statistics are free; the CPU ledger costs a Python call per op, so it stays off.
         self.memory_steps = None if self._on_cuda else frozenset()
 
-    # ------------------------------------------------------------------ out of memory
-
     def _after_oom(self, pl_module: L.LightningModule, err: BaseException) -> bool:
-        """Drop the candidate that ran out of memory and put the safest one left on, for `StepRetry` to run
-        the step again; ``False`` when there is nothing to run it under (the error stands)."""
+        """Drop the candidate that ran out of memory and put on the safest left; ``False``: none left."""
         schedule, turn = self.schedule, self._turn
         if schedule is None or turn is None or self.decision is not None:
             return False
@@ -397,8 +379,6 @@ class AutoRecompute(RecomputeCallback):
         self._oom = note
         return True
 
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["auto_decision"] = None if self.decision is None else self.decision.to_dict()
@@ -412,55 +392,11 @@ class AutoRecompute(RecomputeCallback):
             rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
 
 
-def _racing_line(candidates: Sequence[Candidate], limit_bytes: int) -> str:
-    """What the log says when the race starts: the candidates in their order, with predicted peaks."""
-    lines = [
-        f"  {c.short}  {c.label}"
-        + (f"  predicted peak {format_bytes(c.predicted_peak_bytes)}" if c.predicted_peak_bytes else "")
-        for c in candidates
-    ]
-    return (
-        f"AutoRecompute: racing {len(candidates)} candidate(s) under the limit {format_bytes(limit_bytes)}, "
-        "one per optimizer step, safest first:\n" + "\n".join(lines)
-    )
-
-
-def _decision_summary(chosen: Candidate, result: RaceResult, tuning_steps: int) -> str:
-    """The decision in one line: the winner, why the race stopped, ties, headlines and who went out."""
-    words = [f"settled on {chosen.short} ({chosen.label}) after {tuning_steps} tuning steps"]
-    if result.ok and result.stop:
-        words.append(f"{result.select_rounds} selection rounds: {result.stop}")
-    words += [*result.decision_lines(), *result.headlines()]
-    words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
-    return "; ".join(words)
-
-
-def _job_tuning(
-    auto: AutoRecompute, chosen: Candidate, summary: str, result: RaceResult, pl_module: L.LightningModule
-) -> JobTuning:
-    """What `record_decision` writes: the decision with the callback's settings and what it noticed."""
-    return JobTuning(
-        policy=chosen.policy,
-        summary=summary,
-        candidates=tuple(auto.candidates),
-        race=result,
-        notes=tuple(auto.notes),
-        budget_bytes=auto.budget_bytes,
-        limit_bytes=auto.limit_bytes,
-        modes=auto.modes,
-        plan=auto.plan,
-        layers=auto.layers,
-        micro_batch=auto.records[-1].samples if auto.records else None,
-        name=auto.name or f"auto-{type(pl_module).__name__}",
-        output=auto.output,
-        tracking_uri=auto.tracking_uri,
-        experiment=auto.experiment,
-    )
-
-
 def agree_across_ranks(report: RoundReport) -> RoundReport:
-    """What every rank takes at a round's end (`RaceSchedule.agree`): rank 0's times and clock, and the
-    largest peak any rank measured. One ``all_gather_object``, so every rank must call it at the same round."""
+    """Rank 0's times and clock and the largest peak any rank measured, agreed at a round's end.
+
+    One ``all_gather_object``: every rank must call it at the same round.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return report
     gathered: list[Any] = [None] * dist.get_world_size()

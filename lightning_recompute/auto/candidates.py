@@ -1,12 +1,7 @@
 """Which policies a training job races: the planner's, from a profile of the job's own first batch.
 
-The profile runs inside the job, on its model and its first batch, before that batch's training
-step. It trains the model for a few steps, so everything it touches is put back exactly: the
-parameters and buffers (`profile_model` restores them), the gradients, the random number
-generators (so the job's dropout masks are the ones a plain run draws), and the job's optimizer,
-which the profile never sees (it steps a fresh one of the same class and settings: the optimizer's
-state is part of the memory it measures). ``self.log`` is silenced while it runs, so no profile
-step reaches the job's metrics.
+The profile leaves the job exactly as it was: parameters, buffers, gradients, random generators, the job's
+optimizer (the profile steps a fresh one like it) and its logged metrics.
 """
 
 from __future__ import annotations
@@ -42,11 +37,9 @@ __all__ = [
 ]
 
 PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-"""Where the first batch is profiled in the job: one device, or rank 0 of data parallel (its
-replica is the whole model, and a forward outside DDP's wrapper runs no collective). A sharded
-model (FSDP2 through ModelParallelStrategy) gathers its parameters collectively on every forward,
-so rank 0 cannot profile it alone: those jobs race the uniform policies of ``modes`` (or the given
-candidates)."""
+"""Where the first batch is profiled in the job: one device, or rank 0 of DDP. A sharded model gathers
+its parameters collectively, so those jobs race the uniform policies of ``modes``.
+"""
 
 
 @dataclass(frozen=True)
@@ -55,10 +48,8 @@ class Candidate:
 
     policy: RecomputePolicy
     short: str
-    """One glyph per layer (`RecomputePolicy.short`)."""
     label: str
-    """Where it came from: ``planner:budget`` (the planner's pick), ``planner:front<i>``,
-    ``baseline:<mode>`` or ``given:<i>``."""
+    """Where it came from: ``planner:budget``, ``planner:front<i>``, ``baseline:<mode>`` or ``given:<i>``."""
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
 
@@ -79,7 +70,6 @@ class Candidate:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Candidate:
-        """The inverse of `to_dict`."""
         return cls(
             RecomputePolicy.from_dict(data["policy"]),
             str(data["short"]),
@@ -92,9 +82,8 @@ class Candidate:
 def planner_candidates(
     profile: Profile, limit_bytes: int, modes: Sequence[str], most: int
 ) -> tuple[list[Candidate], str | None]:
-    """Up to ``most`` points of the planner's front predicted to fit ``limit_bytes``, safest (lowest
-    predicted peak) first, always with the planner's pick and the safest point; and a note. A front
-    with fewer points than ``most`` is filled up with the uniform policies of ``modes`` predicted to fit.
+    """Up to ``most`` points of the planner's front predicted to fit ``limit_bytes``, safest first
+    (always the planner's pick and the safest), topped up with fitting uniform policies; and a note.
 
     When nothing is predicted to fit, the one policy of least predicted peak, with a note saying so.
     """
@@ -119,13 +108,9 @@ def planner_candidates(
         label = "planner:budget" if planned is pick else f"planner:front{j + 1}"
         out.append(Candidate(planned.policy, planned.short(), label, planned.peak_bytes, planned.step_time_s))
     if note is None and len(out) < most:
-        # The front is ordered by measured times, and a profile's few timed steps are noisy: one slow
-        # sample can make the least-memory policy look fastest too and collapse the front to one
-        # point, leaving nothing to race. The race measures speed properly; so every uniform policy
-        # predicted to fit races as well, up to ``most``: what fits is a prediction of memory, not of time.
+        # A noisy profile can collapse the front to one point: uniform policies predicted to fit race too.
         names = [lp.name for lp in profile.layers]
         taken = {c.key for c in out}
-        # Per layer, as the planner writes its policies: the same modes give the same fingerprint.
         uniform = {m: RecomputePolicy.from_modes(dict.fromkeys(names, m)) for m in dict.fromkeys(modes)}
         predicted = [(m, p, planner.predict(p)) for m, p in uniform.items() if p.fingerprint() not in taken]
         for mode, policy, guess in sorted(predicted, key=lambda mpg: mpg[2].peak_bytes):
@@ -173,14 +158,13 @@ def profile_in_job(
     free_grads_at_batch_start: bool,
     repeats: int,
 ) -> Profile:
-    """`profile_model` of the job's model on ``batch``, leaving the job exactly as it was (see the module docstring)."""
+    """`profile_model` of the job's model on ``batch``, leaving the job exactly as it was."""
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
 
     def fresh(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         if optimizer is None:
             return torch.optim.AdamW(params)
-        # `defaults` can hold keys the class sets itself and its constructor refuses (AdamW's
-        # decoupled_weight_decay): pass only the ones the constructor takes.
+        # `defaults` can hold keys the constructor refuses (AdamW's decoupled_weight_decay).
         accepted = inspect.signature(type(optimizer)).parameters
         return type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
@@ -209,9 +193,9 @@ def find_candidates(
     free_grads_at_batch_start: bool,
     repeats: int,
 ) -> tuple[list[Candidate], list[str]]:
-    """What the job races, safest first, and notes: the ``given`` policies; else the planner's front from a
-    profile of ``batch`` (`profile_in_job`); the uniform policies of ``modes`` where the model is sharded
-    or the profile fails (the note says why)."""
+    """What the job races, safest first, and notes: the ``given`` policies; else the planner's; the uniform
+    policies of ``modes`` where the model is sharded or the profile fails.
+    """
     if given is not None:
         return given_candidates(pl_module, layers, given), []
     strategy = type(trainer.strategy).__name__
@@ -230,8 +214,6 @@ def find_candidates(
         )
         found, planner_note = planner_candidates(profile, limit_bytes, modes, max_candidates)
     except (RecomputeError, torch.OutOfMemoryError) as err:
-        # Out of memory here: the model does not fit even with every layer recomputed; the race's own
-        # out-of-memory handling decides what runs.
         failed = f"profiling the first batch failed ({type(err).__name__}: {err}); racing uniform policies"
         return baseline_candidates(pl_module, layers, modes), [failed]
     notes = [
@@ -245,9 +227,9 @@ def find_candidates(
 def shared_candidates(
     trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, **find: Any
 ) -> tuple[list[Candidate], list[str]]:
-    """`find_candidates` on rank 0 (``find`` its keywords), received by every rank. A failure on rank 0
-    reaches every rank as a `RecomputeError`, so no rank waits forever in the broadcast; on one rank the
-    original error is raised."""
+    """`find_candidates` on rank 0, received by every rank; a failure on rank 0 reaches every rank as a
+    `RecomputeError` (on one rank the original error is raised).
+    """
     payload: dict[str, Any] | None = None
     if trainer.is_global_zero:
         try:
@@ -274,8 +256,7 @@ def _job_untouched(pl_module: L.LightningModule) -> Iterator[None]:
     def silent(*args: Any, **kwargs: Any) -> None:
         return None
 
-    # An instance attribute shadows the method: the profile's training steps must not log into the
-    # job's metrics (an epoch mean would average them in). Removed after, so the class's method is back.
+    # Instance attributes shadow the methods: profile steps must not log into the job's metrics.
     pl_module.__dict__["log"] = silent
     pl_module.__dict__["log_dict"] = silent
     try:

@@ -1,15 +1,11 @@
-"""What a job that tuned itself leaves behind: the policy file and the MLflow record.
+"""What a job that tuned itself leaves behind: the policy file and the MLflow record (docs/AUTO.md).
 
-The record has a tuning session's layout (`tuner._tracking.SessionLog`): a session run, one trial run
-per candidate with its per-round step times, ``race.json`` and the race's figures, and the session's
-summary (trials table, best policy, Pareto plot), so ``mlflow ui`` and the tuner's readers show it
-like any session. It goes to the job's ``MLFlowLogger`` store, nested under the job's run, unless
-the callback names a tracking URI. A record that cannot be written is a warning, never the end of
-the job: the job trains on either way.
+The record has a tuning session's layout; one that cannot be written is a warning, and the job trains on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +29,6 @@ __all__ = ["JobTuning", "record_decision", "tracking_target"]
 _log = logging.getLogger(__name__)
 
 DEFAULT_EXPERIMENT = "auto-recompute"
-"""The experiment of a record when the callback names a tracking URI but no experiment."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +36,7 @@ class JobTuning:
     """What a job's tuning decided and measured: everything the record is made of."""
 
     policy: RecomputePolicy
-    """The policy the job settled on."""
     summary: str
-    """The decision in words, as logged."""
     candidates: Sequence[Candidate]
     race: RaceResult
     notes: Sequence[str]
@@ -74,8 +67,7 @@ def tracking_target(auto: JobTuning, trainer: L.Trainer) -> tuple[str, str, str 
 
 
 def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
-    """Write the policy file (when asked) and the MLflow record (when there is a store); the session
-    run's id, or ``None``. Failures are warnings (see the module docstring)."""
+    """Write the policy file (when asked) and the MLflow record (when there is a store); the session run's id."""
     race = auto.race
     device = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu"
     peak = race.entrants[auto.policy.fingerprint()].peak_bytes
@@ -96,7 +88,12 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
     if target is None:
         return None
     try:
-        recorder = _mlflow_recorder()
+        # The service's writer, through an entry point: the library imports neither it nor its dependencies.
+        recorder: Any = None
+        for entry in entry_points(group="lightning_recompute", name="mlflow_record"):
+            with contextlib.suppress(ImportError):  # the entry point ships with the library, its dependencies not
+                recorder = entry.load()
+            break
         if recorder is None:
             rank_zero_warn(
                 "AutoRecompute: the race is not recorded in MLflow: the record is written by the tuning service, "
@@ -108,17 +105,3 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
         _log.debug("AutoRecompute record failed", exc_info=True)
         rank_zero_warn(f"AutoRecompute: the MLflow record was not written ({type(err).__name__}: {err})")
         return None
-
-
-def _mlflow_recorder() -> Any:
-    """The tuning service's writer of the MLflow record, or ``None`` when the service is not installed.
-
-    Found through an entry point, not an import: the record has the service's session layout, and the
-    library must import neither the service nor its dependencies (optuna, mlflow), which a job installed
-    without the ``tune`` extra lacks."""
-    for entry in entry_points(group="lightning_recompute", name="mlflow_record"):
-        try:
-            return entry.load()
-        except ImportError:  # the entry point ships with the library; its dependencies with the extra
-            return None
-    return None

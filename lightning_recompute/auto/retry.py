@@ -1,16 +1,8 @@
-"""Running an optimizer step again after an out-of-memory error in it, as if the first try never happened.
+"""Running an optimizer step again after an out-of-memory error in its closure, as if the first try never happened.
 
-Lightning runs a step's forward and backward inside the closure it hands to the module's
-``optimizer_step``. `StepRetry` wraps that method: when the closure raises ``torch.OutOfMemoryError``,
-it asks its owner what to run instead (`AutoRecompute` drops the candidate and puts the safest one
-left on), drops the half-made gradients, frees the cached blocks, sets the random number generators
-and the module's buffers (BatchNorm's statistics, which the failed forward may have updated) back to
-where they were when the step began, and calls the same closure again: the same batch, the
-same dropout masks, the step a plain run takes. An out-of-memory error in the optimizer's update,
-after the closure, is not run again: some parameters may be updated already.
-
-Written here rather than taken from a library: Lightning has no hook that sees an exception inside
-a step and may retry it (``on_exception`` ends the fit).
+`StepRetry` wraps ``optimizer_step`` (Lightning has no hook that may retry a step): the gradients are dropped,
+the cache freed, random generators and buffers set back to the step's start, and the same closure runs again.
+An error in the optimizer's update, after the closure, is not retried. See docs/AUTO.md.
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ __all__ = ["StepRetry", "StepStart"]
 
 
 class StepStart:
-    """What a step changes besides parameters, at its start: the CPU generator's state, the module's CUDA
-    device's when it has one, and a copy of the module's buffers (none for most transformers)."""
+    """What a step changes besides parameters, at its start: random generator states and a copy of the buffers."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         device = module.device if isinstance(module, L.LightningModule) else torch.device("cpu")
@@ -37,7 +28,6 @@ class StepStart:
         self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
 
     def restore(self) -> None:
-        """Put the generators and the buffers back to this state."""
         torch.set_rng_state(self.cpu)
         if self.device is not None and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
@@ -50,24 +40,21 @@ class StepRetry:
     """Wraps ``pl_module.optimizer_step`` so that an out-of-memory error in a step's closure can be retried.
 
     Args:
-        on_oom: called with the error when the closure ran out of memory; switches what the step runs
-            under and returns ``True`` to run it again, ``False`` to let the error stand.
+        on_oom: called with the error; switches what the step runs under and returns whether to run it again.
     """
 
     def __init__(self, on_oom: Callable[[BaseException], bool]) -> None:
         self.on_oom = on_oom
         self.start: StepStart | None = None
-        """The random state and buffers at the start of the current optimizer step (`mark`)."""
         self.retried = 0
-        """Steps run again so far."""
         self._module: L.LightningModule | None = None
 
     def mark(self, module: torch.nn.Module) -> None:
-        """Remember the random state and buffers at the start of each optimizer step (its first micro-batch)."""
+        """Remember the random state and buffers at the start of each optimizer step."""
         self.start = StepStart(module)
 
     def install(self, pl_module: L.LightningModule) -> None:
-        """Wrap the module's ``optimizer_step`` (an instance attribute shadowing the method; `remove` undoes it)."""
+        """Wrap the module's ``optimizer_step`` (an instance attribute; `remove` undoes it)."""
         original = pl_module.optimizer_step
         retry = self
 
@@ -84,8 +71,7 @@ class StepRetry:
             except torch.OutOfMemoryError as err:
                 if ran or retry.start is None or not retry.on_oom(err):
                     raise
-            # Out of the except block: the error's traceback holds the failed step's frames, and with them
-            # its activations, until the block ends; the step runs again only once they are freed.
+            # Out of the except block, whose traceback holds the failed step's activations.
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             if torch.cuda.is_available():
@@ -99,7 +85,6 @@ class StepRetry:
         self._module = pl_module
 
     def remove(self) -> None:
-        """Give the module its own ``optimizer_step`` back."""
         if self._module is not None:
             self._module.__dict__.pop("optimizer_step", None)
             self._module = None

@@ -1,7 +1,6 @@
-"""The exact solvers over a step's tables (see `lightning_recompute.planner` for the model they solve): the fastest
-policy under a budget (`fastest_within`), the least peak any policy reaches (`least_peak`) and the
-Pareto front of peak and time (`pareto_picks`). Each is a dynamic programme over layers whose state
-is the bytes kept so far, pruned to the states no other state dominates."""
+"""The exact solvers over a step's tables (the model: `lightning_recompute.planner`): dynamic programmes over
+layers whose state is the bytes kept so far, pruned to the non-dominated states.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ class Tables:
 
 
 def fastest_within(tab: Tables, budget: int) -> list[int] | None:
-    """Least-time mode indices with every constraint <= budget, or None (see `lightning_recompute.planner`)."""
+    """Least-time mode indices with every constraint <= budget, or None."""
     n, nm = tab.a.shape
     A = np.zeros(1, np.int64)
     T = np.zeros(1, np.int64)
@@ -136,10 +135,8 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
 
 
 def _pareto3(cands: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """The (A, P, T)-non-dominated candidates, given sorted by A (then P, T).
-
-    Sweeping by A, a candidate is dominated iff some earlier one has P' <= P and T' <= T: the
-    staircase of earlier (P, T) points (P ascending, T strictly descending) answers that with a bisect.
+    """The (A, P, T)-non-dominated candidates, given sorted by A (then P, T), found with a bisect on
+    the staircase of earlier (P, T) points.
     """
     keep: list[tuple[int, int, int, int, int]] = []
     stair_p: list[int] = []

@@ -13,15 +13,14 @@ _COUNT_NAMES = {s.name: s.label for s in MODES}
 
 
 def _count_name(mode: str) -> str:
-    """A mode's name in the front's mode-count header: ``sel`` for selective, the family alone
-    (``attn+wide``) for ``selective:<family>``."""
+    """A mode's name in the mode-count header: ``sel`` for selective, the family alone for a family."""
     return _COUNT_NAMES.get(mode, mode.partition(":")[2] or mode)
 
 
 def format_front(plans: Sequence[PlannedPolicy], budgets: Mapping[str, int] | None = None) -> str:
-    """A terminal table of plans (typically `Planner.pareto_front`): peak, step time, slowdown
-    over the fastest, mode counts, the per-layer glyphs, and a column per named budget saying
-    whether the plan fits (``budgets={"H100 80GiB": parse_bytes("80GiB")}``)."""
+    """A terminal table of plans: peak, step time, slowdown over the fastest, mode counts, glyphs,
+    and a column per named budget saying whether the plan fits.
+    """
     if not plans:
         return "(no plans)"
     budgets = dict(budgets or {})
@@ -44,6 +43,3 @@ def format_front(plans: Sequence[PlannedPolicy], budgets: Mapping[str, int] | No
     if plans[0].prediction.estimated:
         lines.append("time: estimated from FLOPs and memory traffic against the hardware table, not measured")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the planner

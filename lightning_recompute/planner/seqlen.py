@@ -1,12 +1,7 @@
 """The longest sequence length that fits a memory budget, per policy family (`longest_fits`).
 
-A profile is taken at one sequence length; activations grow with it, parameters and optimizer
-state do not. Rather than extrapolate, each probed length is profiled (on the meta device or
-measured) and planned exactly, and the answer is bisected: every family's least peak is
-non-decreasing in the sequence length (each activation is at least as large at a longer
-sequence), so "fits" flips once. Lengths are multiples of ``step`` (the granularity the answer is
-given in); profiles are cached per length and shared by all families, so the whole search takes
-about ``2 log2(answer / step)`` profiles.
+Each probed length is profiled and planned exactly, and the answer bisected: a family's least peak never falls
+as the sequence grows, so "fits" flips once. Profiles are cached per length and shared by all families.
 """
 
 from __future__ import annotations
@@ -29,17 +24,14 @@ class SeqLenFit:
     """The longest sequence length at which one policy family fits the budget."""
 
     family: str
-    """A mode (every layer in it) or `BEST_MIXED`."""
     seq_len: int | None
     """The longest multiple of the step that fits; ``None`` when not even one step fits."""
     plan: PlannedPolicy | None
-    """The policy at ``seq_len`` with its prediction (for `BEST_MIXED` the fastest that fits)."""
     capped: bool = False
     """It still fits at the largest length searched (``seq_len`` is that cap, not the limit)."""
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Predicted tokens per second at ``seq_len`` (micro-batch x length / step time)."""
         if self.plan is None or self.seq_len is None or self.plan.step_time_s <= 0:
             return None
         return self.plan.prediction.micro_batch * self.seq_len / self.plan.step_time_s
@@ -58,21 +50,15 @@ def _fit_at(profile: Profile, family: str, limit: int, modes: Sequence[str]) -> 
 
 
 def longest_fits(
-    profile_at: Callable[[int], Profile],
-    limit: int,
-    *,
-    modes: Sequence[str],
-    start: int,
-    step: int,
-    cap: int,
+    profile_at: Callable[[int], Profile], limit: int, *, modes: Sequence[str], start: int, step: int, cap: int
 ) -> list[SeqLenFit]:
     """For each mode of ``modes`` (every layer in it) and for `BEST_MIXED`, the longest fitting length.
 
     Args:
         profile_at: the profile of the training step at a sequence length (called once per probed length).
-        limit: the memory budget in bytes (predicted peaks must be at most this).
+        limit: the memory budget in bytes.
         modes: the modes searched (the uniform families, and what the best mix chooses from).
-        start: where the search starts (the recipe's own length); rounded to a multiple of ``step``.
+        start: where the search starts; rounded to a multiple of ``step``.
         step: the granularity: only multiples of it are probed and reported.
         cap: the largest length searched.
 

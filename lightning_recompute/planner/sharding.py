@@ -1,51 +1,7 @@
-"""Per-rank memory of a sharded or replicated data-parallel step: `shard_profile` turns the profile
-of one device into the profile one rank of ``ddp``, ``fsdp`` or ``model_parallel`` sees, which
-`lightning_recompute.planner.Planner` then predicts and solves as it does for one device.
+"""Per-rank memory of a sharded or replicated data-parallel step: `shard_profile` turns one device's profile
+into the one a rank of ``ddp``, ``fsdp`` or ``model_parallel`` (FSDP2) sees, for `Planner` to predict and solve.
 
-What is modelled (PyTorch 2.13's ``fully_shard``, i.e. FSDP2, read from
-``torch/distributed/fsdp/_fully_shard``), at data-parallel size ``W`` = the world size:
-
-- **Layout.** Every layer (the blocks the policy addresses) is its own ``fully_shard`` unit, and
-  the parameters outside the layers (embeddings, final norm, head) belong to the root unit, as
-  torchtitan and Lightning's ``ModelParallelStrategy`` examples wrap them. No mixed precision
-  (parameters gathered in their own dtype), no CPU offload, no tensor parallelism.
-- **Sharded state, held through the step.** A parameter of shape ``(d0, ...)`` is chunked on dim 0;
-  every rank keeps a shard padded to ``ceil(d0 / W)`` rows. Rank 0's shard is the largest (later
-  ranks' last chunk may be short or empty), so rank 0 is the one predicted. Its parameters and its
-  gradients (one flat reduce-scatter output per unit) are the padded shards; its optimizer state is
-  the one-device state times ``padded shard bytes / parameter bytes`` (exact for per-element state
-  such as AdamW's two moments; a per-parameter scalar such as AdamW's ``step`` is counted as sharded).
-- **Forward.** Unit ``i``'s pre-forward all-gathers into a flat buffer ``AG_i`` (the padded unsharded
-  bytes, ``W`` shards) and copies out into the unsharded parameters ``U_i`` (same bytes); the buffer
-  is kept until the next unit's copy-out (FSDP2 defers its free to overlap that copy-out with the
-  next all-gather), the unsharded parameters are freed after the unit's forward
-  (``reshard_after_forward=True``). The root keeps its unsharded parameters from the start of the
-  forward until the end of the backward (``reshard_after_forward`` defaults to ``False`` for the root).
-- **Backward.** The root's pre-backward prefetches the last unit's all-gather; unit ``i``'s
-  pre-backward copies out ``U_i``, frees its buffer and prefetches unit ``i-1``'s (one unit of
-  backward prefetch, the default); the unit's gradients are computed unsharded (as on one device),
-  then its post-backward frees ``U_i``, releases the previous unit's reduce-scatter input, allocates
-  its own (``RS_i``, the padded unsharded bytes; kept until the next unit's post-backward, the
-  default of one buffer in flight), frees the unsharded gradients and keeps the sharded ones. The
-  root's gradients stay unsharded until its post-backward at the end of the backward.
-- **Activations** are the profile's: each rank runs the profiled micro-batch (Lightning's batch size
-  is per device), and the recomputation of a ``full`` or ``selective`` layer runs while the layer's
-  parameters are gathered anyway, so it adds no all-gather and no memory beyond one device's.
-- **``fsdp``** (Lightning's ``FSDPStrategy``, FSDP1 with flat parameters) is predicted with the same
-  rules, provided its wrap policy wraps each layer: FSDP1 pads each flat parameter as a whole
-  rather than each parameter, and rate-limits all-gathers rather than deferring frees, differences
-  of a few padding rows and at most one unit's buffer.
-- **``ddp``**: parameters, gradients and optimizer state are replicated (one device's), plus the
-  reducer's gradient buckets, which ``DistributedDataParallel`` allocates once for every trainable
-  parameter (``gradient_as_bucket_view=False``, its default and Lightning's) and holds for the run.
-
-Not modelled: the caching allocator's fragmentation and the NCCL/gloo workspaces (the prediction
-is the bytes of live tensors, as `torch.cuda.max_memory_allocated` counts them), a reduce-scatter
-in a lower precision, hybrid sharding. Time is compute-only: the profile's per-segment time, with
-no communication added (FSDP overlaps the all-gathers and reduce-scatters with compute; where the
-links are too slow for that, the real step is slower than predicted).
-
-A world size of 1 is one device: the profile is returned unchanged.
+What is modelled and what is not: docs/SHARDING.md, 'What the planner assumes'. A world size of 1 is one device.
 """
 
 from __future__ import annotations
@@ -109,7 +65,6 @@ class ParamLayout:
     """Which parameters each ``fully_shard`` unit holds: one unit per layer, and the root."""
 
     layers: tuple[ParamGroup, ...]
-    """In the profile's layer order."""
     root: ParamGroup
 
     @classmethod
@@ -143,9 +98,7 @@ class Sharding:
     """A data-parallel strategy at a world size: what the planner predicts one rank of."""
 
     strategy: str
-    """One of `STRATEGIES`."""
     world_size: int
-    """Ranks, all data-parallel (devices per node x nodes)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -158,19 +111,13 @@ class Sharding:
 
 
 def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | None = None) -> Sharding | None:
-    """The sharding to plan ``recipe`` for: the recipe's ``trainer`` devices, nodes and strategy,
-    overridden by ``world_size`` / ``strategy`` (the CLI's flags); ``None`` for one device.
-
-    A recipe's ``strategy`` may be ``auto`` (Lightning's choice: ``ddp`` on more than one device),
-    a name of `STRATEGIES`, or ``{class_path, init_args}`` naming Lightning's ``DDPStrategy``,
-    ``FSDPStrategy`` or ``ModelParallelStrategy`` (without tensor parallelism).
+    """The sharding to plan ``recipe`` for (its ``trainer`` devices, nodes and strategy, overridden by
+    ``world_size`` / ``strategy``); ``None`` for one device.
 
     Raises:
-        PlannerError: a world size that is not a positive integer or not a multiple of the
-            recipe's devices per node, an unknown strategy, tensor parallelism.
+        PlannerError: a bad world size, an unknown strategy, tensor parallelism.
     """
     trainer = recipe.trainer
-    # Read with defaults: the recipe schema gains devices/num_nodes/strategy in the multi-device work.
     devices = getattr(trainer, "devices", 1)
     nodes = getattr(trainer, "num_nodes", 1)
     declared = getattr(trainer, "strategy", "auto")
@@ -217,11 +164,8 @@ def _strategy_name(declared: Any) -> str:
     return str(declared)
 
 
-# --------------------------------------------------------------------------- the transform
-
-
 def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
-    """The profile one rank of ``sharding`` sees (see the module docstring); world size 1: ``profile``."""
+    """The profile one rank of ``sharding`` sees; world size 1: ``profile``."""
     if [g.name for g in layout.layers] != profile.layer_names:
         raise PlannerError(
             f"layout: its layers {[g.name for g in layout.layers][:4]}... differ from the profile's "
@@ -229,12 +173,8 @@ def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> 
         )
     if sharding.world_size == 1:
         return profile
-    if sharding.strategy == "ddp":
-        return _ddp(profile, layout, sharding)
-    return _fsdp(profile, layout, sharding)
-
-
-def _ddp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
+    if sharding.strategy != "ddp":
+        return _fsdp(profile, layout, sharding)
     buckets = sum(g.full_bytes(trainable_only=True) for g in (*layout.layers, layout.root))
     note = (
         f"{sharding.describe()}: one device's parameters, gradients and optimizer state, plus "
@@ -262,8 +202,7 @@ def _adjust(c: SegmentCost, delta: int, peak: int, grad: int | None = None) -> S
 
 
 def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
-    """``profile`` as rank 0 of FSDP2 on ``sharding.world_size`` ranks sees it: sharded parameters,
-    gradients and optimizer state in the base, the layers' and fixed segments' collectives placed."""
+    """``profile`` as rank 0 of FSDP2 sees it: sharded state in the base, the collectives placed."""
     w = sharding.world_size
     gathered = [g.gathered_bytes(w) for g in layout.layers]
     root_gathered = layout.root.gathered_bytes(w)
@@ -302,15 +241,13 @@ def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
 
 
 def _fsdp_layers(profile: Profile, layout: ParamLayout, w: int) -> list[LayerProfile]:
-    """Each layer's segments under FSDP2 on ``w`` ranks: its unit's all-gather buffer, the next unit's
-    prefetch and reduce-scatter input, and sharded gradients."""
+    """Each layer's segments under FSDP2: its all-gather buffer, the neighbours' prefetch and reduce-scatter input."""
     n = len(profile.layers)
     gathered = [g.gathered_bytes(w) for g in layout.layers]  # AG_i = U_i = RS_i
     shard_grads = [g.shard_bytes(w, trainable_only=True) for g in layout.layers]
     root_gathered = layout.root.gathered_bytes(w)
 
     def ag(i: int) -> int:
-        """The all-gather buffer freed at unit ``i + 1``'s forward copy-out (``-1``: the root's)."""
         return root_gathered if i < 0 else gathered[i]
 
     layers: list[LayerProfile] = []
@@ -338,9 +275,9 @@ def _fsdp_layers(profile: Profile, layout: ParamLayout, w: int) -> list[LayerPro
 def _fsdp_fixed(
     profile: Profile, layout: ParamLayout, w: int, shard_grads_all: int, ratio: float
 ) -> dict[str, SegmentCost]:
-    """The fixed (non-layer) segments under FSDP2 on ``w`` ranks: the root's gathers, prefetch and
-    reduce-scatter placed in the segments around the layers, sharded gradients freed at zero_grad, and
-    the optimizer's temporaries shrunk with the shards (``ratio``: sharded over full parameter bytes)."""
+    """The fixed segments under FSDP2: the root's gathers, prefetch and reduce-scatter placed, sharded
+    gradients freed at zero_grad, the optimizer's temporaries shrunk by ``ratio``.
+    """
     n = len(profile.layers)
     gathered = [g.gathered_bytes(w) for g in layout.layers]
     root_gathered = layout.root.gathered_bytes(w)
@@ -377,8 +314,7 @@ def _fsdp_fixed(
     key = before[-1]
     c = fixed[key]
     fixed[key] = _adjust(c, c.delta + 2 * root_gathered, c.peak + 2 * root_gathered)
-    # The root's post-forward frees the last unit's buffer at the end of the model's forward: exactly
-    # there when the profile marks it (``output``), else at the end of the first segment after the layers.
+    # The root's post-forward frees the last unit's buffer (at ``output`` when the profile marks it).
     key = next((k for k in after_fwd if k.endswith("->output")), after_fwd[0])
     c = fixed[key]
     fixed[key] = _adjust(c, c.delta - gathered[-1], c.peak)
@@ -386,8 +322,7 @@ def _fsdp_fixed(
     key = after_fwd[-1]
     c = fixed[key]
     fixed[key] = _adjust(c, c.delta + gathered[-1], c.peak + gathered[-1])
-    # The root's post-backward: its parameters resharded, unit 0's reduce-scatter input released, its
-    # own reduce-scatter input allocated while its unsharded gradients live, then sharded gradients only.
+    # The root's post-backward: resharded, unit 0's reduce-scatter input released, its own allocated.
     key = after_bwd[0]
     c = fixed[key]
     root_shard_grads = layout.root.shard_bytes(w, trainable_only=True)

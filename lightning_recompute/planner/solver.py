@@ -1,5 +1,4 @@
-"""The cost model and the exact solver (see `lightning_recompute.planner`): `Planner` predicts any policy's
-peak and step time from a `Profile`, and finds the fastest policy under a budget and the Pareto front."""
+"""The cost model and the exact solver (see `lightning_recompute.planner`): `Planner`."""
 
 from __future__ import annotations
 
@@ -30,27 +29,6 @@ class BudgetError(PlannerError):
         self.min_peak_bytes = min_peak_bytes
 
 
-# --------------------------------------------------------------------------- bytes
-
-
-# --------------------------------------------------------------------------- results
-
-
-def _budget_bytes(value: int | str) -> int:
-    """A budget as bytes, or a `PlannerError` naming what is wrong.
-
-    A whole number is taken as it is: a budget below every policy's peak (zero included) is a
-    `BudgetError` with the least achievable peak, which says more than "not a size". Anything
-    else is read by `lightning_recompute.units.parse_bytes`.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:
-        return parse_bytes(value)
-    except ValueError as err:
-        raise PlannerError(f"budget_bytes: {err}") from None
-
-
 @dataclass(frozen=True)
 class LayerPrediction:
     """One layer's share of a prediction."""
@@ -61,10 +39,8 @@ class LayerPrediction:
     """Activation bytes it keeps from forward to backward (its output included)."""
     forward_seconds: float
     backward_seconds: float
-    """Backward time, recomputation included."""
     recompute_flops: int
     backward_peak_bytes: int
-    """Predicted device memory at the highest point of this layer's backward."""
 
 
 @dataclass(frozen=True)
@@ -75,20 +51,19 @@ class Prediction:
     step_time_s: float
     micro_batch: int
     peak_at: str
-    """Where the peak is reached: a segment key such as ``bwd:0`` (the backward of layer 0)."""
+    """Where the peak is reached: a segment key such as ``bwd:0``."""
     base_bytes: int
-    """Parameters, optimizer state, batch and buffers: memory held before the step starts (batch scaled)."""
+    """Memory held before the step starts (batch scaled)."""
     layers: tuple[LayerPrediction, ...]
     estimated: bool
-    """True when time comes from FLOPs and a hardware table rather than measurement."""
+    """Time from FLOPs and a hardware table rather than measurement."""
 
     def figures(self) -> dict[str, float | int]:
         """The figures a trial records as ``predicted_*`` (``peak_bytes``, ``step_time_s``)."""
         return {"peak_bytes": self.peak_bytes, "step_time_s": self.step_time_s}
 
     def describe(self) -> str:
-        # The name and mode columns at least two characters wider than their longest entry, so a long
-        # name (``model.model.layers.0``) or mode (``selective:attn+narrow``) never runs into the next.
+        # Columns at least two characters wider than their longest entry.
         name_w = max(18, max((len(lp.name) for lp in self.layers), default=0) + 2)
         mode_w = max(10, max((len(lp.mode) for lp in self.layers), default=0) + 2)
         lines = [
@@ -113,7 +88,6 @@ class PlannedPolicy:
 
     policy: RecomputePolicy
     modes: Mapping[str, str]
-    """Mode per layer path, in layer order."""
     prediction: Prediction
 
     @property
@@ -125,8 +99,7 @@ class PlannedPolicy:
         return self.prediction.step_time_s
 
     def short(self) -> str:
-        """One character per layer (`lightning_recompute.policy.glyph`): ``.`` none, ``s`` selective,
-        ``a``/``w``/``n`` selective:attn/attn+wide/attn+narrow, ``F`` full, ``o`` offload."""
+        """One character per layer (`lightning_recompute.policy.glyph`)."""
         return "".join(glyph(m) for m in self.modes.values())
 
 
@@ -137,9 +110,7 @@ class Planner:
     """Predicts and optimises policies for the model a `Profile` describes."""
 
     def __init__(self, profile: Profile, free_grads_at_batch_start: bool | None = None) -> None:
-        """``free_grads_at_batch_start``: predict a job that frees the previous step's gradients at batch
-        start (they are not alive in the forward; `RecomputeCallback`'s default where safe) or not
-        (Lightning's order); ``None``: as the profile says (`Profile.free_grads_at_batch_start`)."""
+        """``free_grads_at_batch_start``: predict a job that frees gradients at batch start; ``None``: as profiled."""
         if not isinstance(profile, Profile):
             raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
         self.profile = profile
@@ -152,11 +123,8 @@ class Planner:
                 f"the gradients alive in the forward are unknown; profile again"
             )
         self.free_grads_at_batch_start = bool(frees)
-        # Freed at batch start, the previous step's gradients leave the base level, and Lightning's zero_grad
-        # (the segment that freed them) frees nothing: every level before it drops by these bytes, none after.
+        # Freed at batch start, the gradients leave the base level and zero_grad's segment frees nothing.
         self._freed_grads = (profile.forward_grad_bytes or 0) if frees else 0
-
-    # ------------------------------------------------------------------ inputs
 
     def _check_timeline(self) -> None:
         n = len(self.profile.layers)
@@ -199,14 +167,10 @@ class Planner:
 
     @staticmethod
     def _seg(c: SegmentCost, k: float) -> tuple[int, int, float]:
-        """(delta, peak, seconds) scaled by ``k`` (see the module docstring)."""
+        """(delta, peak, seconds) scaled by ``k``; gradients and static parts do not scale."""
         if k == 1.0 or not c.scales:
             return c.delta, c.peak, c.seconds
-        g, sd, sp = (
-            c.grad,
-            c.static_delta,
-            c.static_peak,
-        )  # the static parts: see `lightning_recompute.planner.sharding`
+        g, sd, sp = c.grad, c.static_delta, c.static_peak
         delta = g + sd + round((c.delta - g - sd) * k)
         gp, act = max(0, g), c.peak - sp
         peak = sp + (gp + round((act - gp) * k) if act >= gp else round(act * k))
@@ -271,20 +235,17 @@ class Planner:
         mb, k = self._scale(micro_batch)
         return self._tables(mlist, k), mb
 
-    # ------------------------------------------------------------------ prediction
-
     def predict(self, policy: PolicyLike | Mapping[str, str], micro_batch: int | None = None) -> Prediction:
         """Predicted peak memory and step time of ``policy`` at ``micro_batch`` (default: the profiled one).
 
-        ``policy`` is a `RecomputePolicy`, a policy-file mapping, a path, or a plain
-        ``{layer path: mode}`` mapping. A mode the profile did not measure is a `PlannerError`.
+        ``policy`` is anything `as_policy` takes, or a plain ``{layer path: mode}`` mapping.
         """
         modes = self._resolve(policy)
         mb, _ = self._scale(micro_batch)
         return self._predict(modes, mb)
 
     def _predict(self, modes: list[str], mb: int) -> Prediction:
-        """`predict` for resolved per-layer modes: the timeline walk of the module docstring."""
+        """`predict` for resolved per-layer modes: the timeline walk."""
         k = mb / self.profile.micro_batch
         prof = self.profile
         level = base = prof.base_bytes - self._freed_grads + round(prof.batch_bytes * (k - 1))
@@ -332,8 +293,6 @@ class Planner:
             )
         return modes
 
-    # ------------------------------------------------------------------ solving
-
     def solve(
         self, budget_bytes: int | str, modes: Sequence[str] | None = None, micro_batch: int | None = None
     ) -> PlannedPolicy:
@@ -342,7 +301,13 @@ class Planner:
         Raises:
             BudgetError: even the least-memory policy exceeds the budget (the message states that minimum).
         """
-        budget = _budget_bytes(budget_bytes)
+        if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
+            budget = budget_bytes  # as it is: a BudgetError names the least peak, which says more
+        else:
+            try:
+                budget = parse_bytes(budget_bytes)
+            except ValueError as err:
+                raise PlannerError(f"budget_bytes: {err}") from None
         tab, mb = self._build(modes, micro_batch)
         picks = fastest_within(tab, budget)
         if picks is None:

@@ -1,27 +1,9 @@
-"""Profiling a deep stack of identical layers on meta from three short cuts of it (`profile_stack`).
+"""Profiling a deep stack of identical layers on meta from cuts of its first 3, 4 and 5 layers (`profile_stack`).
 
-On the meta device a profile costs Python dispatch per op: a 70B-class model's 80 blocks take minutes
-to step through once per mode, twice (memory, then FLOPs), although 78 of them are the same block
-seeing the same input. So the stack is cut to its first 3, 4 and 5 layers, each cut is profiled in
-every mode, and the whole stack's profile is put together from the 3- and 4-layer runs:
-
-- the layers in between the first and the last are copies of the 4-layer run's second layer, and
-  the segments between two inner layers (backward's gradient hand-over) copies of its inner one;
-- everything else (the first and last layers' costs, which may depend on depth: a Hugging Face model's
-  first layer frees in backward what every layer's forward left behind; the fixed segments:
-  embedding, head, loss, ``zero_grad``, the optimizer step; the parameter, gradient,
-  optimizer-state and base bytes) is taken as affine in the number of layers n:
-  ``q(n) = q4 + (n - 4)(q4 - q3)``.
-
-Both assumptions are checked, not trusted: the same assembly for n = 5 must equal the 5-layer run
-field by field, or the shortcut is refused and every layer is stepped (with a note saying why).
-The tests compare the result with stepping every layer, field by field.
-
-The cut is made by giving the stack's container (an ``nn.ModuleList`` / ``nn.Sequential``) only
-its first k children for the duration of the run; nothing is copied. Also refused: layers that are
-not all the children of one container, children that differ in class or parameter/buffer shapes,
-and a Hugging Face config whose ``layer_types`` mixes kinds (sliding and global attention
-interleaved with a period the cuts could miss).
+Inner layers (and the gaps between them) are copies of the 4-layer run's; everything else is affine in the
+number of layers, ``q(n) = q4 + (n - 4)(q4 - q3)``. Both assumptions are checked: the assembly for n = 5 must
+equal the 5-layer run field by field, or the shortcut is refused. The cut gives the stack's container only its
+first k children for the run; stacks not all one container's identical children are refused.
 """
 
 from __future__ import annotations
@@ -43,12 +25,10 @@ MIN_LAYERS = 13
 _CUTS = (3, 4, 5)
 
 ProfileRun = Callable[[LayerSpec, list[str]], Profile]
-"""``(layers, modes) -> Profile`` of the model as it stands (cut or not)."""
 
 
 def stack_of(model: nn.Module, layers: LayerSpec) -> tuple[nn.Module, list[str]] | str | None:
-    """The container holding exactly the model's layers, and their paths; or why there is none
-    (None: too few layers for the shortcut to matter)."""
+    """The container holding exactly the model's layers, and their paths; or why not (``None``: too few)."""
     found = find_layers(model, layers)
     n = len(found)
     if n < MIN_LAYERS:
@@ -94,10 +74,9 @@ def _first(container: nn.Module, k: int) -> Iterator[None]:
 def profile_stack(
     container: nn.Module, names: list[str], modes: list[str], run: ProfileRun
 ) -> tuple[Profile | None, str]:
-    """The profile of the whole stack from runs of its first 3, 4 and 5 layers.
+    """The profile of the whole stack from runs of its first 3, 4 and 5 layers, with a note.
 
-    Returns ``(profile, note)``; ``(None, reason)`` where the 5-layer run is not what the 3- and
-    4-layer runs predict for it (then the caller steps the whole model).
+    ``(None, reason)`` where the 5-layer run is not what the 3- and 4-layer runs predict.
     """
     cuts = {}
     for k in _CUTS:
@@ -187,8 +166,7 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile | str:
 
 
 def _first_difference(a: Profile, b: Profile) -> str | None:
-    """The first field in which two profiles differ, or None. Notes (they name layers) and times (on meta
-    a function of the FLOPs and bytes compared here, set by the caller) are left out."""
+    """The first field in which two profiles differ, or None (notes and times left out)."""
     da, db = _without_times(a.to_dict()), _without_times(b.to_dict())
     da.pop("notes")
     db.pop("notes")
@@ -231,8 +209,7 @@ def _indices(key: str) -> list[int]:
 
 
 def _gap(key: str) -> tuple[str, int] | None:
-    """``(direction, lower index)`` of a fixed segment between two adjacent layers (backward's
-    ``bwd_end:3->bwd_start:2``), else None."""
+    """``(direction, lower index)`` of a fixed segment between two adjacent layers, else None."""
     if not key.startswith("fixed:"):
         return None
     idx = _indices(key)
@@ -243,11 +220,7 @@ def _gap(key: str) -> tuple[str, int] | None:
 
 def _expand(keys: list[str], n: int) -> list[tuple[str, str]] | None:
     """The n-layer stack's timeline as ``(key, key of the 4-layer run it copies)``; None where a
-    segment outside the layers' own stretch of the run names another layer.
-
-    The 4-layer run reads: ``..., fwd:0, [fwd:1 ...], [fwd:2 ... bwd:3 ...], [bwd:2 ...], bwd:1, ...``;
-    the first bracket (layer 1 and the gap after it) repeats for layers 1 .. n-3, the last
-    (layer 2 and the gap before layer 1) for layers n-2 .. 2.
+    segment outside the layers' own stretch names another layer.
     """
     pos = {k: i for i, k in enumerate(keys)}
     try:

@@ -11,19 +11,16 @@ class Hardware:
 
     name: str
     memory_bytes: int
-    """Device memory as the driver reports it (nvidia-smi's total)."""
     flops: dict[str, float]
     """Dense peak FLOP/s per dtype name (``bfloat16``, ``float16``, ``float32``)."""
     hbm_bytes_per_s: float
-    """Device memory bandwidth, for memory-bound (elementwise) ops."""
     host_bytes_per_s: float
     """Host link bandwidth (PCIe or C2C), for ``offload`` copies."""
 
 
 _MIB = 1 << 20
 HARDWARE: dict[str, Hardware] = {
-    # Vendor datasheet dense peaks (no sparsity); fp32 is plain FP32 (PyTorch's default matmul
-    # precision "highest" does not use TF32). Host: effective PCIe throughput for pinned copies.
+    # Datasheet dense peaks; fp32 without TF32 (PyTorch's default); host: effective pinned-copy throughput.
     "A100": Hardware(
         "A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9
     ),
@@ -35,4 +32,3 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "L4": Hardware("L4-24GB", 23034 * _MIB, {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12}, 300e9, 25e9),
 }
-"""Device peaks used by `profile_meta`; keys are what ``hardware=`` accepts."""

@@ -1,5 +1,4 @@
-"""Measuring a profile on real hardware (`profile_model`): run uniform-mode steps, cut them into
-segments at layer boundaries, and turn the recorded events into costs."""
+"""Measuring a profile on real hardware (`profile_model`): uniform-mode steps cut into segments at layer boundaries."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from lightning_recompute.policy import Mode
 from lightning_recompute.profile.model import ALL_MODES, BASE_MODES, LayerProfile, Profile, ProfileError, SegmentCost
 from lightning_recompute.profile.recorder import Event, Recorder, TrafficMode
 
-# --------------------------------------------------------------------------- the step
-
-
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -44,9 +40,7 @@ def _default_loss_fn(model: nn.Module) -> LossFn:
 
         def lightning_step(m: nn.Module, batch: Any) -> torch.Tensor:
             with warnings.catch_warnings():
-                # self.log without a Trainer warns on every call; the profile does not need the logs.
                 warnings.filterwarnings("ignore", message=".*self.log.*")
-                # nn.Module's __getattr__ types attributes as Tensor | Module; this one is the method.
                 training_step = cast("Callable[[Any, int], Any]", m.training_step)
                 out = training_step(batch, 0)
             return out["loss"] if isinstance(out, dict) else out
@@ -58,9 +52,7 @@ def _default_loss_fn(model: nn.Module) -> LossFn:
 
 
 def _frees_grads(model: nn.Module, flag: bool | None) -> bool:
-    """Whether the profiled job frees gradients at batch start: ``flag``, or (``None``) what
-    `RecomputeCallback` does by default for ``model`` at ``accumulate_grad_batches=1`` with no other
-    callback (the tuner's trials): on for a LightningModule nothing in which stands against it."""
+    """Whether the profiled job frees gradients at batch start: ``flag``, or `RecomputeCallback`'s default."""
     if flag is not None:
         return bool(flag)
     import lightning as L
@@ -121,12 +113,8 @@ def _run_step(
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
     mark("loss")
-    # Lightning's automatic optimisation zeroes gradients after training_step and before
-    # backward, so the previous step's gradients are alive through the whole forward.
+    # Where Lightning's automatic optimisation zeroes gradients; its own segment, so the planner can move it.
     optimizer.zero_grad(set_to_none=True)
-    # Its own segment (ZERO_GRAD_SEGMENT): what it frees, the planner can free at batch start, and a
-    # sharded strategy frees less here than one device (`lightning_recompute.planner.sharding`); only a segment that
-    # does nothing but free can be rescaled exactly.
     mark("zero_grad")
     loss.backward()
     del loss
@@ -136,15 +124,14 @@ def _run_step(
 
 
 def _segments(events: list[Event], n_layers: int) -> list[tuple[str, list[Event]]]:
-    """Cut the events into keyed segments (see the module docstring); each with its events, ends included."""
+    """Cut the events into keyed segments (see docs in `lightning_recompute.profile`), ends included."""
     out: list[tuple[str, list[Event]]] = []
     k = 0
     while k < len(events) - 1:
         kind, _, idx = events[k].label.partition(":")
         end = k + 1
         if kind == "fwd_start":
-            # The gap after a layer's forward belongs to it: a layer that does not keep its input
-            # (offload) lets it go there, when the caller drops its last reference.
+            # The gap after a layer's forward belongs to it (an offloaded layer's input is freed there).
             if (
                 events[end].label == f"fwd_end:{idx}"
                 and end + 1 < len(events)
@@ -183,9 +170,6 @@ def _cost(events: list[Event], scales: bool) -> SegmentCost:
     )
 
 
-# --------------------------------------------------------------------------- profiling
-
-
 def _storage_bytes(tensors: Iterable[torch.Tensor], device_type: str) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
@@ -204,7 +188,7 @@ def _batch_size(batch: Any) -> int:
 
 
 def check_modes(modes: Sequence[str] | None, device: torch.device) -> list[str]:
-    """The mode names to profile: ``modes`` checked and normalised (``none`` first); the base modes for ``None``."""
+    """``modes`` checked and normalised (``none`` first); the base modes for ``None``."""
     if modes is None:
         return list(BASE_MODES)
     out = []
@@ -220,24 +204,14 @@ def check_modes(modes: Sequence[str] | None, device: torch.device) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _group_of(name: str, module: nn.Module, input_shape: str) -> str:
-    params = ",".join(f"{n}{tuple(p.shape)}:{str(p.dtype)[6:]}" for n, p in module.named_parameters())
-    return f"{type(module).__qualname__}[{params}]<-{input_shape}"
-
-
 def least_kept(modes: Sequence[str]) -> str:
-    """The mode of ``modes`` that keeps the least between forward and backward (``full`` when profiled)."""
+    """The mode of ``modes`` that keeps the least between forward and backward."""
     return Mode.FULL.value if Mode.FULL.value in modes else Mode.NONE.value
 
 
 class Split:
-    """A mode that does not fit with every layer in it, profiled from steps that do: in each, one group of
-    layers in the mode and every other layer in a mode that keeps less.
-
-    Why groups of layers with the rest recomputed, rather than a cut of the stack or a smaller
-    micro-batch: each layer is measured at the job's own micro-batch and in its own place in the
-    model, so its costs are the ones the planner composes with no scaling, and the steps are real
-    steps whose peaks the planner's prediction can be checked against (`runs`, `policies`).
+    """A mode that does not fit with every layer in it, profiled from steps that do: one group of layers
+    in the mode per step, the rest in a mode that keeps less (each layer measured in its own place).
     """
 
     def __init__(self, n_layers: int, groups: list[list[int]], runs: list[Recorder], policies: list[Any]) -> None:
@@ -245,12 +219,12 @@ class Split:
         self._owner = {i: g for g, members in enumerate(groups) for i in members}
 
     def segments(self) -> list[tuple[str, list[Event]]]:
-        """The step's segments: each layer's from the run where it was in the mode, the rest from the first run."""
+        """Each layer's segments from the run where it was in the mode, the rest from the first run."""
         per_run = [_segments(rec.events, self.n_layers) for rec in self.runs]
         return [(key, dict(per_run[self._source(key)])[key]) for key, _ in per_run[0]]
 
     def times(self, timed: list[dict[str, float]]) -> dict[str, float]:
-        """One timed round's segment seconds from the runs' (one dict per group, in order), composed alike."""
+        """One timed round's segment seconds from the runs' (one dict per group), composed alike."""
         return {key: timed[self._source(key)][key] for key in timed[0]}
 
     def _source(self, key: str) -> int:
@@ -258,14 +232,8 @@ class Split:
         return self._owner[int(idx)] if kind in ("fwd", "bwd") else 0
 
     def peaks(self) -> list[int]:
-        """Each run's measured peak: the highest level any event saw."""
+        """Each run's measured peak."""
         return [max((e.peak for e in rec.events), default=0) for rec in self.runs]
-
-
-def _groups(n: int, k: int) -> list[list[int]]:
-    """``range(n)`` in ``k`` contiguous groups, as even as can be."""
-    size = -(-n // k)
-    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
 
 
 class ProfilingRun:
@@ -291,10 +259,8 @@ class ProfilingRun:
         self.optimizer = _make_optimizer(model, optimizer, self.notes)
 
     def apply(self, mode: str | RecomputePolicy) -> None:
-        """Every layer in ``mode``, or the policy given."""
         policy = mode if isinstance(mode, RecomputePolicy) else RecomputePolicy.uniform(mode)
         with warnings.catch_warnings():
-            # The plugin warns that offload does nothing off CUDA; the profile already says so.
             warnings.filterwarnings("ignore", message=".*offload.*")
             apply_policy(self.model, policy, self.layer_spec)
 
@@ -304,12 +270,9 @@ class ProfilingRun:
         return RecomputePolicy.from_modes({n: mode if i in members else rest for i, n in enumerate(self.names)})
 
     def memory_run(self, mode: str | RecomputePolicy, emulate_offload: bool) -> Recorder:
-        """Two steps with every layer in ``mode`` (or under a policy): one under the memory meter and the
-        traffic counter, one under `FlopCounterMode`; the returned events carry the memory of the first,
-        the FLOPs of the second.
+        """Two steps with every layer in ``mode``: memory and traffic from the first, FLOPs from the second.
 
-        Apart because FlopCounterMode's module tracker keeps tensors recomputed in backward alive
-        past their use (hundreds of KiB per layer on the reference model), which the meter would see.
+        Apart because FlopCounterMode's module tracker keeps recomputed tensors alive, which the meter would see.
         """
         self.apply(Mode.NONE.value if emulate_offload else mode)
         offload = frozenset(range(len(self.layers))) if emulate_offload else frozenset()
@@ -321,7 +284,7 @@ class ProfilingRun:
                 _run_step(self.model, self.batch, self.loss_fn, self.optimizer, rec)
         finally:
             if isinstance(meter, StorageMeter):
-                meter.close()  # detach its finalizers from storages that outlive the step (parameters)
+                meter.close()
         counter = FlopCounterMode(display=False)
         with Recorder(self.model, self.layers, self.device, None, counter, None, offload) as frec, counter:
             _run_step(self.model, self.batch, self.loss_fn, self.optimizer, frec)
@@ -334,8 +297,7 @@ class ProfilingRun:
         return rec
 
     def warm_up(self) -> None:
-        """One step that creates the optimizer state, so the measured steps see it in the base: in the mode
-        that keeps the least (`least_kept`), so a model that fits only with recomputation warms up too."""
+        """One step in the mode that keeps least, so the measured steps see the optimizer state in the base."""
         self.apply(least_kept(self.modes))
         _run_step(self.model, self.batch, self.loss_fn, self.optimizer, None)
 
@@ -383,8 +345,7 @@ class ProfilingRun:
             modes=list(self.modes),
             base_bytes=rec0.events[0].level,
             param_bytes=_storage_bytes(self.model.parameters(), self.device.type),
-            # A gradient is the size of its parameter. (Summing per-segment growth would miss the
-            # head's: its gradients appear in the segment where zero_grad frees the old ones.)
+            # A gradient is the size of its parameter (per-segment growth would miss the head's).
             grad_bytes=_storage_bytes((p for p in self.model.parameters() if p.requires_grad), self.device.type),
             optimizer_bytes=_storage_bytes(
                 (v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
@@ -404,12 +365,12 @@ class ProfilingRun:
     def _layers(
         self, by_mode: dict[str, dict[str, SegmentCost]], rec0: Recorder
     ) -> tuple[list[LayerProfile], dict[str, list[str]]]:
-        """Each layer's costs per mode (a note where modes leave different bytes behind), and the
-        groups of layers alike enough to share time samples."""
+        """Each layer's costs per mode, and the groups of layers alike enough to share time samples."""
         groups: dict[str, list[str]] = {}
         layer_profiles: list[LayerProfile] = []
         for i, (name, module) in enumerate(self.layers):
-            group = _group_of(name, module, rec0.input_shapes.get(i, "?"))
+            params = ",".join(f"{n}{tuple(p.shape)}:{str(p.dtype)[6:]}" for n, p in module.named_parameters())
+            group = f"{type(module).__qualname__}[{params}]<-{rec0.input_shapes.get(i, '?')}"
             groups.setdefault(group, []).append(name)
             fwd = {m: by_mode[m][f"fwd:{i}"] for m in self.modes}
             bwd = {m: by_mode[m][f"bwd:{i}"] for m in self.modes}
@@ -443,7 +404,7 @@ class ProfilingRun:
         runs_none = times[Mode.NONE.value]
         for key, cost in fixed.items():
             cost.seconds = statistics.median(run[f"fixed:{key}"] for run in runs_none)
-        # Offload on CPU is none (see the module docstring): same times, not a second noisy sample.
+        # Offload on CPU is none: same times, not a second noisy sample.
         for lp in layers:
             for phase in ("fwd", "bwd"):
                 costs = getattr(lp, phase)
@@ -470,35 +431,42 @@ def profile_model(
 ) -> Profile:
     """Measure the per-layer, per-mode costs of a training step of ``model`` on ``batch``.
 
-    Runs one warm-up step, one step per mode under the memory meter, FLOP counter and traffic
-    counter, then ``repeats`` timed rounds (every mode once per round, in rotating order). The
-    device is the one the model's parameters are on; the batch is moved there.
+    One warm-up step, one metered step per mode, then ``repeats`` timed rounds in rotating order, on the
+    device of the model's parameters (see `lightning_recompute.profile` for the conventions).
 
     Args:
-        model: an ``nn.Module`` or LightningModule (its ``training_step`` and
-            ``configure_optimizers`` are used unless ``loss_fn`` / ``optimizer`` are given).
+        model: an ``nn.Module`` or LightningModule (its ``training_step`` and ``configure_optimizers``
+            are used unless ``loss_fn`` / ``optimizer`` are given).
         batch: one micro-batch, as the training step receives it.
         layers: which modules are layers (see `lightning_recompute.layers.LayerSpec`).
-        modes: the modes to profile (default: all four); ``none`` is always included.
+        modes: the modes to profile (default: the base modes); ``none`` is always included.
         optimizer: an optimizer over ``model``'s parameters, or a factory ``params -> optimizer``.
         loss_fn: ``(model, batch) -> scalar loss``.
         repeats: timed steps per mode (>= 1); the medians are kept.
-        restore: put the parameters (and buffers) back as they were afterwards (the profiled
-            steps train the model); needs a host copy of the ``state_dict``. A given
-            ``optimizer``'s state does advance.
-        clock: the timer (wall clock by default, with a device synchronize at every boundary).
-            On a shared CPU machine, ``time.thread_time`` with ``torch.set_num_threads(1)``
-            measures the work of the step rather than the other tenants' load.
-        free_grads_at_batch_start: whether the training job frees the previous step's gradients
-            at batch start (`Profile.free_grads_at_batch_start`; the step is measured in Lightning's
-            order either way). ``None``: what `RecomputeCallback` does by default for this model
-            (on for a LightningModule with automatic optimisation and no hook against it).
+        restore: put parameters and buffers back afterwards (a given ``optimizer``'s state does advance).
+        clock: the timer; ``time.thread_time`` measures the step's own work on a shared CPU.
+        free_grads_at_batch_start: whether the job frees gradients at batch start; ``None``:
+            `RecomputeCallback`'s default for this model.
 
     Raises:
         ProfileError: bad arguments, or a model whose layers do not run once each in order.
         LayerDiscoveryError: ``layers`` found nothing.
     """
-    device = _device_to_profile_on(model, repeats, clock)
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ProfileError(f"repeats: must be a positive integer, got {repeats!r}")
+    if not callable(clock):
+        raise ProfileError(f"clock: expected a callable returning seconds (time.perf_counter), got {clock!r}")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ProfileError(f"model: {type(model).__name__} has no parameters; nothing to train, nothing to profile")
+    device = param.device
+    if device.type == "meta":
+        raise ProfileError(
+            "model: its parameters are on the meta device; use profile_meta(model_factory, batch)"
+            " to plan without memory"
+        )
     mode_list = check_modes(modes, device)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     previous = applied_policy(model)
@@ -517,34 +485,11 @@ def profile_model(
         model.train(was_training)
 
 
-def _device_to_profile_on(model: nn.Module, repeats: int, clock: Callable[[], float]) -> torch.device:
-    """The device of ``model``'s parameters, after checking `profile_model`'s arguments."""
-    if not isinstance(model, nn.Module):
-        raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ProfileError(f"repeats: must be a positive integer, got {repeats!r}")
-    if not callable(clock):
-        raise ProfileError(f"clock: expected a callable returning seconds (time.perf_counter), got {clock!r}")
-    param = next(model.parameters(), None)
-    if param is None:
-        raise ProfileError(f"model: {type(model).__name__} has no parameters; nothing to train, nothing to profile")
-    device = param.device
-    if device.type == "meta":
-        raise ProfileError(
-            "model: its parameters are on the meta device; use profile_meta(model_factory, batch)"
-            " to plan without memory"
-        )
-    return device
-
-
 def _measure(session: ProfilingRun, mode_list: list[str], repeats: int, clock: Callable[[], float]) -> Profile:
-    """One warm-up step, one metered step per mode, then ``repeats`` timed rounds in rotating order.
-
-    A mode that runs out of memory with every layer in it is profiled in groups of layers (`Split`).
-    """
+    """One warm-up step, one metered step per mode (`Split` where it does not fit), then the timed rounds."""
     model, batch, device = session.model, session.batch, session.device
     session.warm_up()
-    # On CPU offload is none (see the module docstring): measure it once, as none.
+    # On CPU offload is none: measure it once, as none.
     measured = [m for m in mode_list if not (m == Mode.OFFLOAD.value and device.type != "cuda")]
     if len(measured) < len(mode_list):
         session.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
@@ -591,7 +536,8 @@ def _split_run(session: ProfilingRun, mode: str, rest: str) -> Split:
     n = len(session.layers)
     k = 2
     while True:
-        groups = _groups(n, min(k, n))
+        size = -(-n // min(k, n))  # contiguous groups, as even as can be
+        groups = [list(range(i, min(n, i + size))) for i in range(0, n, size)]
         policies = [session.group_policy(mode, g, rest) for g in groups]
         try:
             runs = [session.memory_run(p, emulate_offload=False) for p in policies]
@@ -613,9 +559,9 @@ def _split_run(session: ProfilingRun, mode: str, rest: str) -> Split:
 
 
 def _recover(session: ProfilingRun) -> None:
-    """After a step that ran out of memory (called outside the ``except`` block, whose traceback holds the
-    step's activations): free what it left, and run one step in the mode that keeps least, so the next
-    measured step starts with every gradient a step leaves (the failed one may have set only some)."""
+    """After an out-of-memory step (outside its ``except``, whose traceback holds its activations): free
+    what it left and run a step in the mode that keeps least, so every gradient exists again.
+    """
     import gc
 
     gc.collect()

@@ -1,9 +1,8 @@
-"""Profiling without the hardware (`profile_meta`): the step on the meta device for memory, time
-estimated from FLOPs and memory traffic against `lightning_recompute.profile.hardware.HARDWARE`."""
+"""Profiling without the hardware (`profile_meta`): memory on the meta device, time estimated against `HARDWARE`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
 from lightning_recompute.profile.extrapolate import profile_stack, stack_of
-from lightning_recompute.profile.hardware import HARDWARE, Hardware
+from lightning_recompute.profile.hardware import HARDWARE
 from lightning_recompute.profile.measure import LossFn, ProfilingRun, Split, check_modes
 from lightning_recompute.profile.model import Profile, ProfileError, SegmentCost
 from lightning_recompute.profile.recorder import Recorder
@@ -34,30 +33,23 @@ def profile_meta(
     free_grads_at_batch_start: bool | None = None,
     extrapolate: bool = True,
 ) -> Profile:
-    """The memory profile of a training step computed on the meta device: no tensor is allocated.
+    """The profile of a training step computed on the meta device: no tensor is allocated.
 
-    ``model_factory`` is called under ``torch.device("meta")``, so a model of any size costs
-    nothing; ``batch`` tensors are replaced by meta tensors of the same shape and dtype. Memory
-    and FLOPs are exact for the ops as dispatched (a fused attention kernel is only modelled if
-    the model calls one on meta, as `tuner.models.LlamaLike` does). Time is an *estimate*:
-    ``flops / (peak * mfu) + traffic / (hbm bandwidth * bandwidth_efficiency)`` per segment, plus
-    host copies for ``offload``, with the peaks of ``HARDWARE[hardware]``.
+    Memory and FLOPs are exact for the ops as dispatched; time is an estimate,
+    ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` per segment plus ``offload`` host copies.
 
     Args:
-        model_factory: builds the model (called once, on meta).
-        batch: one micro-batch (tensors of any device; only shapes and dtypes are used).
+        model_factory: builds the model (called once, under the meta device).
+        batch: one micro-batch (only shapes and dtypes are used).
         layers: which modules are layers.
-        modes: modes to profile (default: all four).
+        modes: modes to profile (default: the base modes).
         optimizer: factory ``params -> optimizer`` (default: the model's ``configure_optimizers``, else AdamW).
         loss_fn: ``(model, batch) -> scalar loss``.
-        hardware: a key of `HARDWARE` (``A100``, ``H100``, ``H200``, ``L4``).
+        hardware: a key of `HARDWARE`.
         mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
         bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
         free_grads_at_batch_start: as for `profile_model`.
-        extrapolate: profile a stack of 13 or more identical layers from cuts of its first 3, 4
-            and 5 layers and put the whole stack's profile together from them
-            (`lightning_recompute.profile.extrapolate`: equal to stepping every layer, checked against the 5-layer
-            cut, and ~n/12 times faster); False steps every layer.
+        extrapolate: profile a deep stack of identical layers from short cuts (`profile.extrapolate`).
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
@@ -65,11 +57,36 @@ def profile_meta(
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ProfileError(f"{name}: must be in (0, 1], got {value!r}")
     device = torch.device("meta")
-    model = _meta_model(model_factory, device)
+    if not callable(model_factory):
+        raise ProfileError(
+            f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}"
+        )
+    with device:
+        model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise ProfileError(f"model_factory: returned {type(model).__name__}, not an nn.Module")
+    elsewhere = sorted({p.device.type for p in model.parameters()} - {"meta"})
+    if elsewhere:
+        raise ProfileError(
+            f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
+        )
     mode_list = check_modes(modes, device)
     batch = tree_map(lambda t: torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t, batch)
     model.train()
-    estimate, source = _time_model(model, HARDWARE[hardware], mfu, bandwidth_efficiency)
+    hw = HARDWARE[hardware]
+    dtypes = [p.dtype for p in model.parameters()]
+    dtype = max(set(dtypes), key=dtypes.count)  # the peak FLOP/s of the most common parameter dtype
+    peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
+    source = (
+        f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
+    )
+
+    def estimate(c: SegmentCost) -> float:
+        return (
+            c.flops / (peak * mfu)
+            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
+            + c.offload / hw.host_bytes_per_s
+        )
 
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
         session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
@@ -91,7 +108,10 @@ def profile_meta(
         # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
         prof, note = profile_stack(stack[0], stack[1], mode_list, run)
         if prof is not None:
-            for c in _costs(prof):
+            for layer in prof.layers:
+                for c in (*layer.fwd.values(), *layer.bwd.values()):
+                    c.seconds = estimate(c)
+            for c in prof.fixed.values():
                 c.seconds = estimate(c)
         else:
             note = f"meta: every layer stepped ({note})"
@@ -104,50 +124,3 @@ def profile_meta(
             "offload: emulated on meta (saved tensors leave device memory in forward, return in backward)"
         )
     return prof
-
-
-def _meta_model(model_factory: Callable[[], nn.Module], device: torch.device) -> nn.Module:
-    """``model_factory()`` built under the meta ``device``; a clear error when it is not a module on meta."""
-    if not callable(model_factory):
-        raise ProfileError(
-            f"model_factory: expected a callable returning an nn.Module, got {type(model_factory).__name__}"
-        )
-    with device:
-        model = model_factory()
-    if not isinstance(model, nn.Module):
-        raise ProfileError(f"model_factory: returned {type(model).__name__}, not an nn.Module")
-    elsewhere = sorted({p.device.type for p in model.parameters()} - {"meta"})
-    if elsewhere:
-        raise ProfileError(
-            f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
-        )
-    return model
-
-
-def _time_model(
-    model: nn.Module, hw: Hardware, mfu: float, bandwidth_efficiency: float
-) -> tuple[Callable[[SegmentCost], float], str]:
-    """A segment's estimated seconds on ``hw`` (at the peak FLOP/s of the model's most common parameter
-    dtype), and the line that says how it was estimated."""
-    dtypes = [p.dtype for p in model.parameters()]
-    dtype = max(set(dtypes), key=dtypes.count)
-    peak = hw.flops.get(str(dtype).replace("torch.", ""), hw.flops["float32"])
-
-    def estimate(c: SegmentCost) -> float:
-        return (
-            c.flops / (peak * mfu)
-            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
-            + c.offload / hw.host_bytes_per_s
-        )
-
-    source = (
-        f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
-    )
-    return estimate, source
-
-
-def _costs(prof: Profile) -> Iterator[SegmentCost]:
-    for layer in prof.layers:
-        yield from layer.fwd.values()
-        yield from layer.bwd.values()
-    yield from prof.fixed.values()

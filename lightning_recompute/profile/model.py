@@ -1,5 +1,4 @@
-"""The profile's data model: per-segment costs, per-layer costs per mode, the whole `Profile`,
-and its JSON form (what a study stores and the profiling child sends back)."""
+"""The profile's data model (`SegmentCost`, `LayerProfile`, `Profile`) and its JSON form."""
 
 from __future__ import annotations
 
@@ -16,13 +15,12 @@ from lightning_recompute.units import format_bytes
 BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)
 """The plugin's modes; what a profile measures when not told which modes."""
 FAMILY_MODES: tuple[str, ...] = tuple(s.name for s in MODES if s.is_family)
-"""``selective:<family>`` for every save-list family: more modes per layer, profiled when asked for."""
+"""``selective:<family>`` for every save-list family, profiled when asked for."""
 ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES
 """Every mode a profile can hold, in the planner's canonical order (it breaks ties)."""
 PROFILE_VERSION = 1
 ZERO_GRAD_SEGMENT = "loss->zero_grad"
-"""The fixed segment that is Lightning's ``optimizer.zero_grad()`` alone (after ``training_step``, before
-backward): its ``delta`` is minus the previous step's gradient bytes, alive until then."""
+"""The fixed segment that is Lightning's ``optimizer.zero_grad()`` alone (its ``delta``: minus the gradients)."""
 
 
 class ProfileError(RecomputeError, ValueError):
@@ -40,20 +38,17 @@ class SegmentCost:
     grad: int = 0
     """Bytes of parameter gradients allocated (or, negative, freed) in the segment."""
     seconds: float = 0.0
-    """Time of the segment (measured median, or estimated; see `Profile.time_source`)."""
     flops: int = 0
-    """FLOPs counted by `FlopCounterMode` (matmuls, attention kernels)."""
     traffic: int = 0
     """Bytes read and written by ops without a FLOP formula (elementwise, norms, copies)."""
     offload: int = 0
-    """Bytes copied to host memory in this segment's forward and back in its backward (``offload``)."""
+    """Bytes copied to host memory in this segment's forward and back in its backward."""
     scales: bool = True
-    """Whether the activation part of this segment grows with the micro-batch (false for the optimizer)."""
+    """Whether the activation part grows with the micro-batch (false for the optimizer)."""
     static_delta: int = 0
-    """Bytes of ``delta`` besides ``grad`` that do not grow with the micro-batch (a sharded strategy's
-    gathered parameters and communication buffers, `lightning_recompute.planner.sharding`); 0 for a measured segment."""
+    """Bytes of ``delta`` besides ``grad`` that do not grow with the micro-batch (sharding's buffers)."""
     static_peak: int = 0
-    """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch (as ``static_delta``)."""
+    """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,19 +63,17 @@ class LayerProfile:
     """One layer's costs, per mode."""
 
     name: str
-    """Module path (``blocks.3``)."""
     group: str
-    """Signature (class, parameter shapes, input shape): layers with the same group share time samples."""
+    """Signature (class, parameter shapes, input shape): layers of one group share time samples."""
     param_bytes: int
     fwd: dict[str, SegmentCost]
-    """Per mode: the layer's forward (``delta`` = activation bytes kept for backward, output included)."""
+    """Per mode: the layer's forward (``delta`` = activation bytes kept, output included)."""
     bwd: dict[str, SegmentCost]
-    """Per mode: the layer's backward, recomputation included (``peak`` = the transient it adds)."""
+    """Per mode: the layer's backward, recomputation included."""
     net: int
-    """Bytes the layer's forward plus backward leave behind (gradients; output minus input); mode-independent."""
+    """Bytes the layer's forward plus backward leave behind; mode-independent."""
 
     def kept_bytes(self, mode: str) -> int:
-        """Activation bytes kept from forward to backward (the layer's output included)."""
         return self.fwd[mode].delta
 
     def recompute_flops(self, mode: str) -> int:
@@ -115,9 +108,9 @@ class Profile:
 
     layers: list[LayerProfile]
     timeline: list[str]
-    """Segment keys in execution order: ``fwd:<i>``, ``bwd:<i>`` (layer index) or ``fixed:<name>``."""
+    """Segment keys in execution order: ``fwd:<i>``, ``bwd:<i>`` or ``fixed:<name>``."""
     fixed: dict[str, SegmentCost]
-    """The segments no policy changes, by name (the keys of ``timeline`` without ``fixed:``)."""
+    """The segments no policy changes, by name."""
     modes: list[str]
     base_bytes: int
     """Live device bytes when the step starts: parameters, optimizer state, the batch, buffers."""
@@ -128,18 +121,14 @@ class Profile:
     micro_batch: int
     device: str
     time_source: str
-    """``measured`` or ``estimated: ...`` (FLOPs and traffic against a hardware table)."""
+    """``measured`` or ``estimated: ...``."""
     hardware: str | None = None
     groups: dict[str, list[str]] = field(default_factory=dict)
-    """Layers sharing time measurements (see `LayerProfile.group`)."""
     notes: list[str] = field(default_factory=list)
     free_grads_at_batch_start: bool = False
-    """Whether the training job frees the previous step's gradients at batch start (what
-    `lightning_recompute.RecomputeCallback` does where safe), so they are not alive in the forward.
-    The profile is measured in Lightning's order either way; the planner predicts the job's."""
+    """Whether the job frees the previous step's gradients at batch start (measured in Lightning's order)."""
     split: dict[str, int] = field(default_factory=dict)
-    """The modes that did not fit with every layer in them, each with the number of steps it was profiled
-    in instead (groups of layers in the mode, the rest in ``full``; `lightning_recompute.profile.measure.Split`)."""
+    """The modes that did not fit with every layer in them, with the number of steps each was profiled in."""
     torch_version: str = torch.__version__
     version: int = PROFILE_VERSION
 
@@ -160,8 +149,7 @@ class Profile:
 
     @property
     def forward_grad_bytes(self) -> int | None:
-        """Gradient bytes alive through the forward in Lightning's order (the previous step's, freed at its
-        ``zero_grad``); ``None`` for a profile measured before that segment was recorded."""
+        """Gradient bytes alive through the forward in Lightning's order; ``None`` for an older profile."""
         seg = self.fixed.get(ZERO_GRAD_SEGMENT)
         return None if seg is None else -seg.delta
 
@@ -232,8 +220,7 @@ class Profile:
             "previous step's gradients in the forward: "
             + ("freed at batch start" if self.free_grads_at_batch_start else "alive (Lightning's order)"),
         ]
-        # Every column at least two characters wider than its longest header or name, so no name runs
-        # into the next column (``model.model.layers.0`` and ``selective:attn+narrow`` included).
+        # Every column at least two characters wider than its longest header or name.
         name_w = max(16, max((len(layer.name) for layer in self.layers), default=0) + 2)
         kept_w = {m: max(16, len(f"{m} kept") + 2) for m in self.modes}
         ms_w = {m: max(14, len(f"{m} ms") + 2) for m in self.modes}

@@ -1,5 +1,4 @@
-"""Instruments of one profiled step: the event recorder on module and tensor hooks, memory-traffic
-counting, and the emulated offload of saved tensors on the meta device."""
+"""Instruments of one profiled step: the event recorder, memory-traffic counting, and emulated offload on meta."""
 
 from __future__ import annotations
 
@@ -93,8 +92,7 @@ class Recorder:
         for i, (_, module) in enumerate(self.layers):
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook(i), with_kwargs=True))
-        # The end of the model's own forward (before the loss): where FSDP2's root post-forward frees
-        # the last layer's all-gather buffer, so `lightning_recompute.planner.sharding` can place that free exactly.
+        # The end of the model's forward: where FSDP2's root frees the last layer's all-gather buffer.
         self._handles.append(self.model.register_forward_hook(self._output_hook))
         return self
 
@@ -139,8 +137,7 @@ class Recorder:
     def _hook_tensor(self, t: torch.Tensor, label: str, first: bool) -> None:
         entry = self._hooked.get(id(t))
         if entry is not None and entry[0]() is t:
-            # The same tensor is one layer's output and the next one's input: one hook, labels in
-            # backward order (the later layer's backward ends, then the earlier one's starts).
+            # One layer's output is the next one's input: one hook, labels in backward order.
             entry[1].insert(0, label) if first else entry[1].append(label)
             return
         labels = [label]
@@ -186,8 +183,7 @@ class Recorder:
 
         return hook
 
-    # torch.autograd.graph.save_on_cpu, minus the host copy: the device forgets the tensor in
-    # forward and allocates it anew when backward unpacks it.
+    # save_on_cpu minus the host copy: forgotten in forward, allocated anew when backward unpacks it.
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device.type != self.device.type:
             return t

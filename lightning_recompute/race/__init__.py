@@ -1,21 +1,7 @@
-"""Deciding between candidate policies on evidence that survives a noisy machine.
+"""Deciding between candidate policies on evidence that survives a noisy machine: the race (docs/TUNER.md).
 
-A trial is one short measurement in its own process, minutes from the others: on a machine whose
-load moves it ranks noise. A race measures the leading candidates again, interleaved on one model
-in one process, round after round, until the leader is separated from the rest with confidence or
-its time is spent; ties within noise are ties, broken by headroom and then less recomputation, and
-the winner's "vs" figures come from fresh rounds with their intervals.
-
-- `stats`: a sample's spread; the paired-ratio interval (why these statistics);
-- `rule`: standing, tie and tie-break over per-round times (pure);
-- `plan`: `RacePlan`, how long and how sure;
-- `schedule`: `RaceSchedule`, the turns and the decision, fed one step at a time;
-- `engine`: the schedule run in a Lightning fit (runs in a trial worker);
-- `result`: `RaceResult`, what the parent reads, with the figures' wording;
-- `machine`: the machine's state beside a measurement;
-- `neighbour`: a seeded noisy neighbour, for tests and benchmarks.
-
-The parent side (`tuner._trials.run_race`) starts the worker.
+The leading candidates run again, interleaved on one model in one process, round after round, until the leader
+is separated with confidence or time is spent; the winner's "vs" figures come from fresh rounds.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The race itself: candidate policies measured in turn on one model in one Lightning fit.
+"""The race itself: candidate policies measured in turn on one model in one Lightning fit (in a trial worker).
 
-Runs inside a trial worker (`tuner._trials.worker`, spec kind ``race``). One model, one optimizer,
-one data stream: between steps `RecomputeCallback.switch_policy` puts the next candidate's policy
-on, so every candidate sees the same allocator, caches and moments of the machine. Recomputation
-never changes what a step computes, so every step of the race is an ordinary training step.
-
-The schedule (rounds, rotation, selection and estimation, the decision) is `lightning_recompute.race.schedule`;
-this module runs it in a Lightning fit.
+`RecomputeCallback.switch_policy` puts each turn's policy on between steps; the schedule is `race.schedule`.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ __all__ = ["race"]
 
 
 class _Race(L.Callback):
-    """Runs the schedule's turns in a Lightning fit: switches the policy between steps and files each
-    step's measurement (placed after `RecomputeCallback`, whose `StepRecord` it reads)."""
+    """Runs the schedule's turns in a fit (placed after `RecomputeCallback`, whose `StepRecord` it reads)."""
 
     def __init__(self, recompute: RecomputeCallback, schedule: RaceSchedule) -> None:
         self.recompute = recompute
@@ -45,7 +38,6 @@ class _Race(L.Callback):
         if turn is not None and turn.phase != "warmup":
             expected = self.schedule.entrants[turn.key].policy.fingerprint()
             if record.policy != expected:
-                # A step measured under another policy than the turn's would be filed under the wrong name.
                 raise RuntimeError(f"race: step {record.step} ran policy {record.policy}, but the turn was {expected}")
             self.schedule.record(turn, record.seconds, record.peak_bytes, tokens=record.tokens, samples=record.samples)
         self._advance(trainer, pl_module)
@@ -78,18 +70,15 @@ def race(
     Args:
         model: the LightningModule, freshly built; it is trained in place.
         datamodule: its data (a finite one is cycled).
-        entrants: the candidates, each with a unique key and its glyphs (for the tie-break).
-        references: keys of the entrants the winner's "vs" figures are about (estimation phase).
+        entrants: the candidates, each with a unique key and its glyphs.
+        references: keys of the entrants the winner's "vs" figures are about.
         plan: how long and how sure (`RacePlan`).
         budget_bytes: an entrant whose metered peak exceeds it is out at once.
         layers: which modules are layers, as for `RecomputeCallback`.
         trainer_kwargs: more ``Trainer`` arguments (accelerator, precision, strategy).
 
     Returns:
-        The JSON-ready race record: per entrant its per-round times (``select_s``, ``estimate_s``,
-        ``None`` for a round it did not run), peak and whether it is out; the selection's standing,
-        stop reason, tie and winner; the estimation's intervals (``vs``: the reference's time over the
-        winner's); the machine's state before and after.
+        The JSON-ready race record (`RaceSchedule.result`) with the outcome, wall time, machine state and plan.
     """
     plan = plan or RacePlan()
     kwargs = dict(trainer_kwargs or {})

@@ -1,9 +1,4 @@
-"""What the machine looked like while something was measured: load, CPU clocks, and the GPU's state.
-
-Recorded beside every trial and race so a figure can be read against its conditions ("measured at
-load 3.1 while another job ran"). Everything here is best effort: a value the platform does not
-expose is absent, never guessed.
-"""
+"""What the machine looked like while something was measured (load, CPU clocks, the GPU); best effort, never guessed."""
 
 from __future__ import annotations
 
@@ -20,9 +15,8 @@ _CPUFREQ = Path("/sys/devices/system/cpu")
 def machine_state(device: str = "cpu") -> dict[str, Any]:
     """The load average, the mean current CPU clock, and on CUDA the device's clocks and other processes.
 
-    Keys (each only where readable): ``load_1m``, ``load_5m``, ``cpu_count``, ``cpu_mhz``;
-    on ``cuda``: ``gpu_sm_mhz``, ``gpu_utilization``, ``gpu_processes`` (processes on the device other
-    than this one, as NVML lists them).
+    Keys, each only where readable: ``load_1m``, ``load_5m``, ``cpu_count``, ``cpu_mhz``; on ``cuda``
+    ``gpu_sm_mhz``, ``gpu_utilization``, ``gpu_processes``.
     """
     state: dict[str, Any] = {"cpu_count": os.cpu_count()}
     with contextlib.suppress(OSError, AttributeError):
@@ -37,7 +31,6 @@ def machine_state(device: str = "cpu") -> dict[str, Any]:
 
 
 def _cpu_mhz() -> float | None:
-    """The mean of every core's current clock (cpufreq's scaling_cur_freq, in kHz), or ``None``."""
     values = []
     for path in _CPUFREQ.glob("cpu[0-9]*/cpufreq/scaling_cur_freq"):
         with contextlib.suppress(OSError, ValueError):
@@ -46,7 +39,6 @@ def _cpu_mhz() -> float | None:
 
 
 def _gpu_state() -> dict[str, Any]:
-    """Clock, utilisation and other processes of the current CUDA device, through torch's NVML bindings."""
     out: dict[str, Any] = {}
     try:
         import torch

@@ -1,10 +1,5 @@
-"""A noisy neighbour: a seeded load of busy and idle spells on every core, for tests and benchmarks.
-
-What a shared machine does to a measurement (another job's bursts, a neighbour on the same cores),
-made repeatable: `NoisyNeighbour` runs one process per core that alternates busy spells (spinning)
-and idle spells (sleeping), with spell lengths drawn from a seeded generator. `LoadModel` is the same
-pattern as a number, for tests that patch the clock: the slowdown a step starting at a given
-moment sees.
+"""A noisy neighbour for tests and benchmarks: `NoisyNeighbour` spins seeded busy and idle spells on every
+core; `LoadModel` is the same pattern as a slowdown factor, for tests that patch the clock.
 """
 
 from __future__ import annotations
@@ -22,22 +17,16 @@ __all__ = ["LoadModel", "NoisyNeighbour", "noisy_neighbour"]
 
 @dataclass(frozen=True)
 class LoadModel:
-    """Spells of load as a slowdown factor over time: ``factor(t)`` is 1 when idle, ``1 + busy_slowdown`` when busy.
-
-    Spell lengths are exponential with the given means; the sequence is fixed by ``seed``.
-    """
+    """Spells of load as a slowdown: ``factor(t)`` is 1 when idle, ``1 + busy_slowdown`` when busy (seeded)."""
 
     seed: int = 0
     busy_s: float = 2.0
-    """Mean length of a busy spell."""
     idle_s: float = 3.0
-    """Mean length of an idle spell."""
     busy_slowdown: float = 0.6
     """How much slower a step runs during a busy spell (0.6: 60% slower)."""
     horizon_s: float = 100_000.0
 
     def spells(self) -> Iterator[tuple[float, float, bool]]:
-        """``(start, end, busy)`` spells from time 0 to the horizon."""
         rng = random.Random(self.seed)
         t, busy = 0.0, rng.random() < self.busy_s / (self.busy_s + self.idle_s)
         while t < self.horizon_s:
@@ -46,7 +35,6 @@ class LoadModel:
             t, busy = t + length, not busy
 
     def factor(self, t: float) -> float:
-        """The slowdown of a step starting at time ``t``."""
         for start, end, busy in self.spells():
             if start <= t < end:
                 return 1.0 + self.busy_slowdown if busy else 1.0
@@ -75,7 +63,7 @@ class NoisyNeighbour:
         busy_s: mean busy spell, seconds.
         idle_s: mean idle spell, seconds.
         processes: how many (default: one per core).
-        max_s: the processes end by themselves after this long (a crashed caller leaves no spinner).
+        max_s: the processes end by themselves after this long.
     """
 
     def __init__(

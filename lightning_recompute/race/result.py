@@ -21,33 +21,26 @@ class RaceEntrant:
     """One policy in a race."""
 
     key: str
-    """The entrant's key (its policy's fingerprint)."""
     short: str
-    """Its glyphs, one per layer."""
     labels: tuple[str, ...]
     """Why it raced: ``trial 12``, ``planner``, ``baseline full``, ``good`` ..."""
     peak_bytes: int | None = None
-    """The highest peak metered in the race."""
     out: str | None = None
     """Why it left the race (over the limit), or ``None``."""
     dropped: str | None = None
     """Why the selection stopped racing it (beaten with confidence), or ``None``."""
     select_s: tuple[float | None, ...] = ()
-    """Its time per selection round (median of its timed steps there; ``None``: not run that round)."""
+    """Its time per selection round (``None``: not run that round)."""
     estimate_s: tuple[float | None, ...] = ()
-    """Its time per estimation round."""
     policy: dict[str, Any] | None = None
-    """Its policy (`RecomputePolicy.to_dict`), so a reader can run it again (the gate re-measures a
-    reference beside a slow confirmation); ``None`` in records written before it was kept."""
+    """Its policy (`RecomputePolicy.to_dict`), so a reader can run it again; ``None`` in older records."""
 
     def median_s(self) -> float | None:
-        """Median of its round times over both phases, or ``None`` if it ran none."""
         times = [t for t in (*self.select_s, *self.estimate_s) if t is not None]
         return statistics.median(times) if times else None
 
     @property
     def label(self) -> str:
-        """Its labels in one string (``trial 3 = baseline full``)."""
         return " = ".join(self.labels) if self.labels else self.key
 
 
@@ -65,27 +58,24 @@ class RaceResult:
     """A race's outcome: ``ok`` with a winner, or why there was none."""
 
     outcome: RaceOutcome
-    """``ok``, ``failed`` (the worker failed; the reason says how) or ``skipped`` (not raced; the reason says why)."""
+    """``ok``, ``failed`` or ``skipped`` (``reason`` says why)."""
     reason: str | None = None
     entrants: dict[str, RaceEntrant] = field(default_factory=dict)
     winner: str | None = None
-    """Key of the entrant chosen: the leader, or of those tied with it the one with the most headroom,
-    then the least recomputation."""
+    """Key of the entrant chosen: the leader, or of those tied with it the most headroom, then least recomputation."""
     leader: str | None = None
-    """Key of the fastest entrant by the selection rounds (may differ from `winner` within a tie)."""
+    """Key of the fastest entrant by the selection rounds."""
     tied: tuple[str, ...] = ()
-    """The leader and every entrant within noise of it (`lightning_recompute.race.rule.Standing.tied`)."""
+    """The leader and every entrant within noise of it."""
     unresolved: tuple[str, ...] = ()
-    """Entrants the selection could neither separate from the leader nor see within the tie margin of it
-    (`race.rule.Standing.unresolved`): the leader won the selection over them on its better median."""
+    """Entrants neither separated from the leader nor within the tie margin of it."""
     behind: dict[str, Interval] = field(default_factory=dict)
     """Selection: each entrant's time over the leader's."""
     vs: dict[str, Interval] = field(default_factory=dict)
     """Estimation: each reference's time over the winner's (above 1: the winner is faster)."""
     stop: str = ""
-    """Why the selection stopped, in words with the figures."""
     stopped: Stop | None = None
-    """Why the selection stopped (``None``: no race ran, or a record older than the field)."""
+    """Why the selection stopped (``None``: no race ran, or an older record)."""
     select_rounds: int = 0
     estimate_rounds: int = 0
     tokens_per_step: int | None = None
@@ -94,13 +84,9 @@ class RaceResult:
     machine_before: dict[str, Any] = field(default_factory=dict)
     machine_after: dict[str, Any] = field(default_factory=dict)
     trial_scale: float | None = None
-    """How low a trial in its own process measures against the race on the same policies: the lowest,
-    over entrants that also ran as trials, of trial throughput over race throughput (a short-lived
-    process is slower than a warm one, more so for small models and on a loaded machine, and the
-    lowest is what a separate run of a policy that truly is as fast as raced can come out at).
-    ``None``: no entrant had a trial."""
-
-    # ---------------------------------------------------------------- reading
+    """The lowest ratio of a trial's throughput (own process) to its race throughput, over entrants that
+    also ran as trials; ``None``: no entrant had a trial.
+    """
 
     @property
     def ok(self) -> bool:
@@ -111,7 +97,6 @@ class RaceResult:
         return "tokens/s" if self.tokens_per_step else "samples/s"
 
     def throughput(self, key: str) -> float | None:
-        """An entrant's throughput from its median round time (``None``: not measured)."""
         entrant = self.entrants.get(key)
         per_step = self.tokens_per_step or self.samples_per_step
         t = entrant.median_s() if entrant is not None else None
@@ -127,7 +112,6 @@ class RaceResult:
         return dataclasses.replace(self, trial_scale=min(ratios) if ratios else None)
 
     def is_tie(self) -> bool:
-        """More than one entrant within noise of the leader."""
         return len(self.tied) > 1
 
     def tie_line(self) -> str | None:
@@ -152,8 +136,7 @@ class RaceResult:
         return f"tie within noise between {names}; chose {win.short} ({why})"
 
     def unresolved_line(self) -> str | None:
-        """``not separated ...`` when entrants were neither beaten with confidence nor seen within the tie
-        margin of the leader."""
+        """``not separated ...`` when some entrants are unresolved."""
         if not self.unresolved or self.leader is None:
             return None
         lead = self.entrants[self.leader].short
@@ -171,11 +154,10 @@ class RaceResult:
         )
 
     def decision_lines(self) -> list[str]:
-        """What decided the winner, in words: the tie, the unresolved entrants."""
         return [line for line in (self.tie_line(), self.unresolved_line()) if line]
 
     def headlines(self) -> list[str]:
-        """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ..., interleaved, 14 rounds)``."""
+        """The winner against each reference: ``FFF... vs full FFFFFF: +6.1% (95% CI ...)``."""
         if self.winner is None:
             return []
         win = self.entrants[self.winner]
@@ -184,8 +166,6 @@ class RaceResult:
             ref = self.entrants[key]
             lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
         return lines
-
-    # ---------------------------------------------------------------- conversion
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready); `from_dict` of it is an equal result."""
@@ -207,8 +187,7 @@ class RaceResult:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
-        """The inverse of `to_dict`; keys it does not know are ignored (an earlier record's ``vs_processes``,
-        ``rechecked`` and ``selected``, from when fresh processes raced the winner again)."""
+        """The inverse of `to_dict`; unknown keys (from older records) are ignored."""
         values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         values["entrants"] = {
             k: RaceEntrant(
@@ -235,8 +214,7 @@ class RaceResult:
         labels: Mapping[str, Sequence[str]],
         policies: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> RaceResult:
-        """The result of `lightning_recompute.race.engine.race` (the worker's payload), with each entrant's labels and
-        its policy (fingerprint -> `RecomputePolicy.to_dict`)."""
+        """The result of a race's worker payload, with each entrant's labels and policy (fingerprint -> dict)."""
         sel, est = res.get("selection", {}), res.get("estimate", {})
         entrants = {
             k: RaceEntrant(

@@ -1,8 +1,4 @@
-"""Who leads a race, who is beaten, and who is tied: the decision over per-round step times.
-
-Pure functions of the measurements (no model, no clock), so the decision can be tested exactly.
-The statistics and why they were chosen are in `lightning_recompute.race.stats`.
-"""
+"""Who leads a race, who is beaten, and who is tied: pure functions over per-round step times (`race.stats`)."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ from lightning_recompute.race.stats import Interval, paired_ratio
 __all__ = ["TIE_MARGIN", "Standing", "recompute_strength", "stand", "tie_break", "verdict"]
 
 TIE_MARGIN = 0.03
-"""The default `Standing.tie_margin` (`RacePlan.tie_margin`)."""
 
 
 @dataclass(frozen=True)
@@ -25,29 +20,21 @@ class Standing:
     """The state of a race after some rounds."""
 
     leader: str
-    """The entrant fastest relative to the others, round by round."""
     behind: dict[str, Interval]
     """Every other entrant's time over the leader's (above 1: slower), with its interval."""
     confidence: float = 0.95
-    """The confidence asked for: an interval whose coverage is below it (too few rounds) beats nobody."""
+    """The confidence asked for: an interval whose coverage is below it beats nobody."""
     tie_margin: float = TIE_MARGIN
-    """How far behind the leader an entrant the race could not separate may be and still be tied with it:
-    the upper end of its interval (not only its median) must be within it."""
+    """How far behind the leader the upper end of an unseparated entrant's interval may be for a tie."""
 
     def beaten(self) -> list[str]:
         """Entrants slower than the leader with at least the confidence asked for."""
         return [k for k, iv in self.behind.items() if iv.low > 1.0 and iv.confidence >= self.confidence]
 
     def tied(self) -> list[str]:
-        """Entrants the race cannot tell from the leader and has seen close to it: the upper end of their
-        interval, at the confidence asked for, is within `tie_margin` of the leader (tie within noise).
+        """Entrants not beaten whose interval's upper end, at the confidence asked for, is within `tie_margin`.
 
-        The interval, not the median: a race cut short on a loaded machine has wide intervals, and a
-        median within the margin then says little (one such race tied a policy 9% behind the leader,
-        and the tie-break, which favours headroom, promoted it). A tie is a claim that the two train
-        equally fast; it needs the race to have measured that, not only to have failed to separate them,
-        and with the same confidence as a separation (two rounds within 3% of each other are no such
-        measurement).
+        The interval, not the median: a tie claims the two train equally fast, which the race must have measured.
         """
         beaten = set(self.beaten())
         return [
@@ -57,12 +44,7 @@ class Standing:
         ]
 
     def unresolved(self) -> list[str]:
-        """Entrants the race could neither separate from the leader nor see within `tie_margin` of it.
-
-        Not a tie: a race that runs out of rounds on a noisy machine leaves wide intervals, and a tie
-        would hand the choice to the tie-break (most headroom), which favours the slowest policy. The
-        leader is the best estimate the race has, so it wins over these.
-        """
+        """Entrants neither separated from the leader nor within `tie_margin`: the leader wins over them."""
         settled = {*self.beaten(), *self.tied()}
         return [k for k in self.behind if k not in settled]
 
@@ -72,9 +54,7 @@ def stand(
 ) -> Standing:
     """The standing of ``entrants`` over ``rounds`` (each: entrant -> its time in that round).
 
-    The leader has the lowest median, over rounds, of its log time less the round's mean log time
-    of the entrants present (so a slow round weighs on nobody). Each other entrant is compared with
-    the leader on the rounds both ran (`paired_ratio`).
+    The leader has the lowest median of its log time less the round's mean; each other is paired with it.
 
     Raises:
         ValueError: no entrant, or an entrant with fewer than 2 rounds beside the leader.
@@ -102,11 +82,8 @@ def stand(
 
 
 _STRENGTH = {s.glyph: s.recompute for s in MODES}
-"""How much a layer's mode recomputes, by its glyph (`RecomputePolicy.short`), from
-`lightning_recompute.modes.ModeSpec.recompute`: none keeps everything, offload recomputes nothing but
-moves activations, the selective families recompute the cheap ops, full recomputes the layer."""
+"""How much a layer's mode recomputes, by its glyph (`ModeSpec.recompute`)."""
 _UNKNOWN_STRENGTH = max(_STRENGTH.values())
-"""A glyph of no mode counts as the most recomputation."""
 _FULL = next(s.glyph for s in MODES if s.name == Mode.FULL.value)
 
 
@@ -116,8 +93,7 @@ def recompute_strength(short: str) -> tuple[int, int]:
 
 
 def tie_break(tied: Sequence[str], peaks: Mapping[str, int | None], shorts: Mapping[str, str]) -> str:
-    """Of entrants tied within noise, the one a user wants: the most memory headroom (lowest peak),
-    then the least recomputation, then the first given (the leader)."""
+    """Of tied entrants, the lowest peak, then the least recomputation, then the first given (the leader)."""
 
     def key(k: str) -> tuple[float, tuple[int, int], int]:
         peak = peaks.get(k)
@@ -135,12 +111,9 @@ def verdict(
     confidence: float,
     tie_margin: float = TIE_MARGIN,
 ) -> tuple[Standing | None, list[str], str | None]:
-    """The selection's outcome: ``(standing, tied, winner)``.
+    """The selection's outcome: ``(standing, tied, winner)``; ``winner`` is `tie_break` of ``tied``.
 
-    ``tied`` is the leader and every entrant within noise of it (`Standing.tied`); ``winner`` is
-    `tie_break` of them.
-    With one entrant (or fewer than 2 rounds) it wins alone and there is no standing; with none,
-    nobody wins.
+    With one entrant (or fewer than 2 rounds) it wins alone with no standing; with none, nobody wins.
     """
     if not entrants:
         return None, [], None

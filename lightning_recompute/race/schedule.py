@@ -1,28 +1,9 @@
 """The race's schedule: which entrant runs the next step, and what the rounds have decided.
 
-Pure bookkeeping over the step times and peaks it is given (no model, no Trainer), so the race in a
-trial worker (`race.engine`) and the race inside a user's training job (`lightning_recompute.auto`) run the
-same rounds, drop the same entrants and decide with the same statistic.
-
-A round runs each entrant once, in an order rotated by one place per round (an order that
-alternates runs the end entrants twice in a row, and that biased identical models by up to 5% on
-this project's 2-core machine; rotation spread them least). An entrant's turn is one settling step
-after the switch (not timed: the first step under a new policy pays for the allocator's
-reshuffle; on CPU it is the step the memory ledger meters, whose cost would distort the time)
-and then ``steps`` timed steps; its time in the round is their median.
-
-Two phases, because the fastest of several noisy medians is biased low: **selection** races every
-entrant until the leader is separated from the rest with confidence (`lightning_recompute.race.rule`), or the
-rounds or the time run out; the entrants left within noise of the leader are tied, and the tie is
-broken by headroom, then by less recomputation. **Estimation** then races the winner against the
-references (the baselines a "vs" figure is about) for fresh rounds, and only those rounds give the
-figures shown to a user.
-
-Several processes racing together (the ranks of one data-parallel job) must take every decision
-alike: `RaceSchedule.agree` is called at each round's end with what this process measured, and
-returns what every process takes (rank 0's times and clock, the largest peak of any rank). With
-it, an entrant over the limit is out at the round's end rather than at once, so no rank skips a
-turn the others run.
+Pure bookkeeping over the step times and peaks it is given, shared by the trial worker's race (`race.engine`)
+and `lightning_recompute.auto`. A round runs each entrant once (a settling step, then ``steps`` timed steps)
+in an order rotated by one place per round; selection races every entrant until the leader is separated,
+then estimation races the winner against the references for the "vs" figures (see docs/TUNER.md, 'The race').
 """
 
 from __future__ import annotations
@@ -44,24 +25,19 @@ __all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "Agree", "RaceSchedule", "Ro
 ESTIMATE_SHARE = 0.4
 """Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
 MIN_ESTIMATE_ROUNDS = 8
-"""Estimation rounds a race budget never cuts below: the fewest whose order-statistic interval of the
-median reaches 98% (two references at 95%, Bonferroni; 1 - 2 * 2**-8 = 0.992)."""
+"""Estimation rounds a race budget never cuts below: the fewest whose median's interval reaches 98%."""
 
 
 class Stop(str, enum.Enum):
     """Why the selection stopped (`RaceSchedule.stopped`; the words with the figures: `stop_reason`)."""
 
     SEPARATED = "separated"
-    """The leader is ahead of every other entrant at the stop confidence."""
     ONE_LEFT = "one_left"
     NONE_LEFT = "none_left"
     MOST_ROUNDS = "most_rounds"
     TIME = "time"
-    """``time_s`` of selection rounds spent."""
     BUDGET = "budget"
-    """The race's budget (``total_s``) reached, or overspent to run the fewest rounds."""
     ENDED = "ended"
-    """The caller ended the race (a job that ran out of steps)."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +45,10 @@ class Turn:
     """One training step of the race: whose, and whether it is timed and metered."""
 
     key: str
-    """The entrant that runs the step."""
     timed: bool
     """Its time counts in the round (the settling step after a switch does not)."""
     metered: bool
-    """Its peak memory is measured (every step on CUDA; on CPU the first visit, whose ledger is costly)."""
+    """Its peak memory is measured (every step on CUDA; on CPU the first visit)."""
     phase: str
     """``warmup``, ``select`` or ``estimate``."""
 
@@ -91,7 +66,7 @@ class RoundReport:
 
 
 Agree = Callable[[RoundReport], RoundReport]
-"""What several processes racing together take from each one's `RoundReport` (see the module docstring)."""
+"""What several processes racing together take from each one's `RoundReport` (rank 0's times, the largest peak)."""
 
 
 @dataclass
@@ -109,17 +84,18 @@ class _Entrant:
 class RaceSchedule:
     """The turns of a race and its decision, fed one measured step at a time.
 
-    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy; ``record(turn, seconds,
-    peak)``; repeat until `next_turn` returns ``None``; then `winner` and `result`.
+    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy; ``record(turn, seconds, peak)``;
+    repeat until `next_turn` returns ``None``; then `winner` and `result`.
 
     Args:
         entrants: ``(key, policy, short)`` per candidate, at least one; the first runs the warm-up.
-        references: keys of the entrants the winner's "vs" figures are about (estimation phase).
+        references: keys of the entrants the winner's "vs" figures are about.
         plan: how long and how sure (`RacePlan`).
         budget_bytes: an entrant whose metered peak exceeds it is out.
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
-        agree: what several processes racing together take from each one's round (``None``: one process).
+        agree: what several processes racing together take from each one's round (``None``: one process);
+            with it an entrant over the limit is out at the round's end, so no rank skips a turn.
     """
 
     def __init__(
@@ -152,7 +128,6 @@ class RaceSchedule:
         self.select_rounds: list[dict[str, float]] = []
         self.estimate_rounds: list[dict[str, float]] = []
         self.estimate_target = self.plan.estimate_rounds
-        """Estimation rounds to run: the plan's, or fewer under a race budget (`RacePlan.total_s`)."""
         self.visited: set[str] = set()
         self.started: float | None = None
         self.elapsed_s = 0.0
@@ -164,8 +139,6 @@ class RaceSchedule:
         self.tokens: int | None = None
         self.samples: int | None = None
         self.over = False
-
-    # -------------------------------------------------------------- feeding
 
     def next_turn(self) -> Turn | None:
         """The next step's turn, or ``None`` when the race is over (and stays over)."""
@@ -210,9 +183,11 @@ class RaceSchedule:
             self.knock_out(entrant.key, f"peaked at {peak} bytes in the race, over the limit {self.budget}")
 
     def finish(self, reason: str) -> None:
-        """End the race now (the job ran out of steps): decide on the rounds there are, the one in
-        progress included when every contender has run in it (a comparison needs both sides of a
-        round), and run no more turns. The stop reason is ``"<reason> after <n> selection rounds"``."""
+        """End the race now (the job ran out of steps) and decide on the rounds there are.
+
+        The round in progress counts when every contender ran in it. The stop reason is
+        ``"<reason> after <n> selection rounds"``.
+        """
         if self.over:
             return
         if self.phase == "select" and all(self.round_times.get(k) for k in self._contenders()):
@@ -226,20 +201,16 @@ class RaceSchedule:
         self.round_times = {}
         self.over = True
 
-    # -------------------------------------------------------------- what is left
-
     def alive(self, keys: Sequence[str] | None = None) -> list[str]:
-        """Entrants not out of the race (over the limit, failed), in ``keys``' order (default: all)."""
+        """Entrants not out of the race, in ``keys``' order (default: all)."""
         return [k for k in (self.order if keys is None else keys) if self.entrants[k].out is None]
 
     def _contenders(self) -> list[str]:
-        """Entrants the selection still races: alive and not yet beaten with confidence."""
+        """Entrants alive and not yet beaten with confidence."""
         return [k for k in self.alive() if self.entrants[k].dropped is None]
 
-    # -------------------------------------------------------------- rounds
-
     def _close_round(self) -> None:
-        """Turn the round's step times into one time per entrant (its median) and file the round."""
+        """File the round: one time per entrant (the median of its steps)."""
         if self.phase == "warmup":
             return
         times = {k: statistics.median(v) for k, v in self.round_times.items() if v and self.entrants[k].out is None}
@@ -304,21 +275,17 @@ class RaceSchedule:
             self.stopped = Stop.TIME
             return True
         total = self.plan.total_s
-        # The budget never cuts the selection below min_rounds: with fewer rounds no paired interval reaches
-        # the race's confidence, nobody can be beaten, and a short search's race (the quickstart's budget
-        # paid for 2 rounds) would hand the choice to noise and the tie-break. A budget that tight is
-        # overspent, and the stop reason says so.
+        # Never below min_rounds: with fewer no interval reaches the confidence (a tight budget is overspent).
         if rounds >= max(2, self.plan.min_rounds) and total is not None:
-            # A round starts only when it fits, at the selection's pace so far, with the estimation after it.
+            # A round starts only when it fits, at the pace so far, with the estimation after it.
             pace = self.elapsed_s / rounds
             estimate_s = self._estimate_target() * self._estimate_round_s()
             if self.elapsed_s + pace + estimate_s > total:
-                # No parentheses: readers print the stop reason inside their own.
                 if self.elapsed_s + estimate_s <= total:
                     why = f"reached after {rounds} rounds, the estimation's rounds left in it"
                 elif rounds <= self.plan.min_rounds:
                     why = f"overspent to run the race's fewest rounds, {rounds}"
-                else:  # past the floor: the last round took longer than the pace the check before it expected
+                else:  # the last round was slower than the pace expected
                     why = f"overspent by the last of {rounds} rounds, slower than the ones before"
                 self.stop_reason = f"race budget of {total:.0f} s {why}"
                 self.stopped = Stop.BUDGET
@@ -330,15 +297,14 @@ class RaceSchedule:
                 self.stop_reason = f"leader separated from every other entrant at {level} after {rounds} rounds"
                 self.stopped = Stop.SEPARATED
                 return True
-            # Racing (F-Race): an entrant beaten with confidence stops costing rounds; the rounds
-            # left go to the ones the race cannot tell apart yet.
+            # F-Race: an entrant beaten with confidence stops costing rounds.
             for key in early.beaten():
                 leader = self.entrants[early.leader].short
                 self.entrants[key].dropped = f"beaten by {leader} at {level} after {rounds} rounds"
         return False
 
     def _estimate_round_s(self) -> float:
-        """What one estimation round will take, at the median step time of the last selection round."""
+        """What one estimation round will take, at the last selection round's median step."""
         last = self.select_rounds[-1] if self.select_rounds else {}
         if not last:
             return 0.0
@@ -346,9 +312,9 @@ class RaceSchedule:
         return entrants * (self.plan.steps + 1) * statistics.median(last.values())
 
     def _estimate_target(self) -> int:
-        """The estimation's rounds: the plan's; under a race budget, those that fit in `ESTIMATE_SHARE` of
-        it, but never fewer than `MIN_ESTIMATE_ROUNDS` (the figures' intervals need them). The
-        selection decides which policy trains; it gets the larger part of a tight budget."""
+        """The estimation's rounds: the plan's, or under a race budget those that fit in `ESTIMATE_SHARE`
+        of it, never fewer than `MIN_ESTIMATE_ROUNDS`.
+        """
         total, per_round = self.plan.total_s, self._estimate_round_s()
         if total is None or per_round <= 0:
             return self.plan.estimate_rounds
@@ -372,10 +338,8 @@ class RaceSchedule:
         others = [k for k in self.alive(self.references) if k != self.winner]
         return [self.winner, *others] if others else []
 
-    # -------------------------------------------------------------- result
-
     def vs(self) -> dict[str, dict[str, Any]]:
-        """The winner's estimation-round intervals against each reference (the reference's time over the winner's)."""
+        """The winner's estimation-round intervals against each reference (reference time over winner's)."""
         from lightning_recompute.race.stats import paired_ratio
 
         out: dict[str, dict[str, Any]] = {}
@@ -391,7 +355,7 @@ class RaceSchedule:
         return out
 
     def result(self) -> dict[str, Any]:
-        """The JSON-ready race record (`lightning_recompute.race.RaceResult.from_worker` reads it)."""
+        """The JSON-ready race record (`RaceResult.from_worker` reads it)."""
         standing = self.standing
         return {
             "entrants": {

@@ -1,29 +1,16 @@
 """The statistics of a race: a sample's spread, and paired comparisons of candidates over rounds.
 
-Why these and not a t-test on step times:
-
-- **Rounds are the unit.** A step's time depends on what the machine does at that moment (another
-  job, clocks, the page cache), and consecutive steps share that moment. So steps are not
-  independent samples; rounds of an interleaved race are closer to it (Kalibera & Jones, 2013:
-  repeat at the level where the variance lives). Each candidate's figure in a round is the median
-  of its steps there.
-- **Paired ratios.** Within one round every candidate ran within seconds of the others, so a spell
-  of load slows all of them; the ratio of two candidates' times in the same round cancels most of
-  it. The comparison is on ``log(time_b / time_a)`` per round (log: a 10% gain and a 10% loss are
-  symmetric, and ratios of ratios compose).
-- **Median and order statistics.** Load comes in spells that make a few rounds far off: the median
-  of the per-round log ratios ignores them where a mean would not. Its interval is the
-  distribution-free one from order statistics (how many of n values fall below the true median is
-  Binomial(n, 1/2)), so its coverage is at least the stated confidence whatever the distribution;
-  a percentile bootstrap of the median was tried first and covered the true ratio in only 85% of
-  simulated 14-round races at a nominal 95%. The price is width: the interval moves in whole ranks.
-- **Looking after every round** (a sequential test) inflates the chance of a false separation; a
-  race therefore needs `RaceRule.min_rounds` before it may stop, and stops on a stricter interval
-  (`RaceRule.stop_confidence`) than the one it reports.
+Why these and not a t-test on step times: steps share the machine's moment, so rounds are the unit; within
+a round a spell of load slows every candidate, so candidates are compared by per-round ``log(time_b / time_a)``;
+load comes in spells, so the median of those, with its distribution-free order-statistics interval (coverage at
+least the confidence whatever the distribution; a bootstrap covered 85% at a nominal 95%); and looking after
+every round inflates false separations, so a race stops early only after `RacePlan.min_rounds` and at the
+stricter `RacePlan.stop_confidence`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -38,14 +25,11 @@ class Spread:
     """How noisy one sample of step times is."""
 
     n: int
-    """Values in the sample."""
     median: float
-    """Its median."""
     mad_rel: float
     """Median absolute deviation over the median (0: every value equal)."""
     ci_rel: float
-    """Relative width of a 95% confidence interval of the median (distribution-free, from order
-    statistics): ``(upper - lower) / median``; ``inf`` when the sample is too small for one."""
+    """Relative width of the median's 95% interval; ``inf`` when the sample is too small for one."""
 
     def to_dict(self) -> dict[str, float | int]:
         """Plain types (JSON-ready; ``inf`` as ``None``)."""
@@ -58,11 +42,7 @@ class Spread:
 
 
 def spread(values: Sequence[float]) -> Spread:
-    """The median of ``values`` and its spread.
-
-    The median's interval comes from order statistics (the binomial distribution of how many values
-    fall below the true median), so it holds whatever the distribution of step times; with fewer than
-    6 values no 95% interval exists and ``ci_rel`` is ``inf``.
+    """The median of ``values`` and its spread (with fewer than 6 values ``ci_rel`` is ``inf``).
 
     Raises:
         ValueError: ``values`` is empty.
@@ -81,8 +61,7 @@ def spread(values: Sequence[float]) -> Spread:
 def _median_ranks(n: int, confidence: float = 0.95) -> tuple[int, int, float]:
     """0-based ranks ``(j - 1, n - j)`` whose values bracket the median, and their coverage.
 
-    ``j`` is the largest with coverage ``1 - 2 P(Binomial(n, 1/2) <= j - 1) >= confidence``; when even
-    the sample's extremes (``j = 1``) fall short of it, they are returned with the coverage they have.
+    ``j`` is the largest with coverage ``1 - 2 P(Binomial(n, 1/2) <= j - 1) >= confidence``, else 1.
     """
     best, coverage = 1, 1.0 - 2.0 / 2.0**n
     below = 0.0  # P(Binomial(n, 1/2) <= j - 1)
@@ -101,47 +80,30 @@ class Interval:
     ratio: float
     """The median over rounds of the per-round ratio."""
     low: float
-    """Lower end of the interval."""
     high: float
-    """Upper end of the interval."""
     rounds: int
-    """Rounds paired."""
     confidence: float
-    """The interval's coverage: at least the confidence asked for, or less when too few rounds allow no more."""
+    """The interval's coverage: the confidence asked for, or less when too few rounds allow no more."""
 
     @property
     def excludes_one(self) -> bool:
-        """The two differ with this confidence."""
         return self.low > 1.0 or self.high < 1.0
 
     def gain(self) -> tuple[float, float, float]:
-        """How much more throughput ``a`` has than ``b`` (``b``'s time over ``a``'s, less 1), with the
-        interval: ``(gain, low, high)``, e.g. ``(0.061, 0.048, 0.073)`` for +6.1% (+4.8..+7.3%)."""
+        """``a``'s throughput over ``b``'s, less 1, with the interval: ``(gain, low, high)``."""
         return self.ratio - 1.0, self.low - 1.0, self.high - 1.0
 
     def to_dict(self) -> dict[str, float | int]:
-        """Plain types (JSON-ready)."""
-        return {
-            "ratio": self.ratio,
-            "low": self.low,
-            "high": self.high,
-            "rounds": self.rounds,
-            "confidence": self.confidence,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Interval:
-        """The inverse of `to_dict`; keys it does not know are ignored (an earlier record's ``processes``)."""
+        """The inverse of `to_dict`; unknown keys (older records) are ignored."""
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95) -> Interval:
-    """The median ratio ``b / a`` of two candidates' per-round times, with its interval.
-
-    ``a[i]`` and ``b[i]`` are the two candidates' times in round ``i`` (a round where either is
-    missing is left out by the caller). The interval brackets the median of the per-round log ratios
-    by order statistics (`Interval.confidence` is its exact coverage: with fewer rounds than the
-    confidence needs, the extremes, and the lower coverage they have).
+    """The median ratio ``b / a`` of two candidates' per-round times, with its order-statistics interval.
 
     Raises:
         ValueError: fewer than 2 rounds, different lengths, or a time that is not positive.
