@@ -190,7 +190,7 @@ def session(
     ``fresh``: every trial worker a fresh interpreter (the fork server off), as the tuner before the race
     ran them; otherwise as the caller's environment says (forked by default).
     """
-    from lightning_recompute.race.neighbour import noisy_neighbour
+    from bench.neighbour import noisy_neighbour
     from tuner._trials.forkserver import FORK_SERVER_ENV
 
     with tempfile.TemporaryDirectory(prefix="dq-") as tmp:

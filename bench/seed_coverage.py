@@ -62,8 +62,8 @@ def coverage(rows: Sequence[dict[str, Any]], best: str) -> dict[str, Any]:
 
 def one_profile(workload: str, noisy_seed: int | None) -> dict[str, Any]:
     """One timed profile of ``workload`` (as a session takes it), and the planner's seeds from it."""
+    from bench.neighbour import noisy_neighbour
     from lightning_recompute.planner import Planner
-    from lightning_recompute.race.neighbour import noisy_neighbour
     from tuner._search import SearchSpace, inspect_layers
     from tuner._search.planner_seeds import PROFILE_REPEATS, kind_picks, planner_seeds
     from tuner._trials import profile_recipe

@@ -13,9 +13,9 @@ import lightning as L
 import pytest
 import torch
 
+from bench.neighbour import LoadModel
 from lightning_recompute import RecomputePolicy, applied_policy
 from lightning_recompute.race.engine import race
-from lightning_recompute.race.neighbour import LoadModel
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from lightning_recompute.race.neighbour import LoadModel
+from bench.neighbour import LoadModel
 from lightning_recompute.race.stats import paired_ratio, spread
 
 

@@ -1,4 +1,4 @@
-"""A noisy neighbour for tests and benchmarks: `NoisyNeighbour` spins seeded busy and idle spells on every
+"""A noisy neighbour for benchmarks and tests: `NoisyNeighbour` spins seeded busy and idle spells on every
 core; `LoadModel` is the same pattern as a slowdown factor, for tests that patch the clock.
 """
 
