@@ -188,23 +188,10 @@ class _TuningSession:
                 device=where.device,
             )
             heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
-            self.seeding = _set_up_study(
-                self.presence.study,
-                where.name,
-                recipe,
-                where.space,
-                where.budget,
-                use_planner=self.options.use_planner,
-                presence=self.presence,
-                grace_s=self.grace,
-                notify=self.notify,
-                note=self.note,
-            )
+            self.seeding = self._set_up(self.presence.study)
             self.predict = self.seeding.predictor()
             self.interrupts.phase = "between"
-            self.presence.tracker, self.session_run_id = _open_session_run(
-                recipe, where.name, self.grace, self.notify, self.note
-            )
+            self._open_session_run()
             stop_reason = self._search()
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped after the current trial")
@@ -222,6 +209,62 @@ class _TuningSession:
         finally:
             for heartbeat in heartbeats:
                 heartbeat.stop()
+
+    def _set_up(self, study: TuningStudy) -> PlannerSeeds:
+        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it.
+
+        Returns the seeding: its predictor serves the whole session; its seeds are empty when another
+        session set the study up.
+        """
+        recipe, name, space, budget, note = self.recipe, self.where.name, self.where.space, self.where.budget, self.note
+        if not join_setup(study, name, self.grace, self.notify, note):
+            stored = study.setup.profile()
+            seeding = (
+                plan_seeds(recipe, space, budget, stored=stored)
+                if stored
+                else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
+            )
+            seeding.seeds = []
+            if seeding.note:
+                note(seeding.note)
+            self.notify(f"study {name} resumed: {study.ran_count()} trials run so far")
+            return seeding
+        self.presence.setting_up = True
+        try:
+            kill_point("profiling")  # a test hook; see tuner._liveness
+            if self.options.use_planner:
+                self.notify("profiling the model and planning ...")
+                seeding = plan_seeds(recipe, space, budget)
+            else:
+                seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
+            if seeding.profile is not None:
+                study.setup.store_profile(seeding.profile.to_dict())
+            if seeding.note:
+                study.setup.store_planner_note(seeding.note)
+                note(seeding.note)
+            enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
+        except BaseException:
+            study.setup.abandon()
+            raise
+        finally:
+            self.presence.setting_up = False
+        self.notify(f"study {name} created; seeded {', '.join(enqueued) or 'nothing'}")
+        return seeding
+
+    def _open_session_run(self) -> None:
+        """Open the tracker and this session's run (resumed when an interrupted or dead session left one)."""
+        from tuner._trials import clean_stale_trial_dirs
+
+        recipe = self.recipe
+        tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+        # End KILLED a dead session's run first, so this session resumes it instead of opening another.
+        end_dead_session_runs(tracker, self.where.name, self.grace, self.note)
+        for done in tracker.registry.clean_leftovers(recipe.output, self.grace):
+            self.note(done)
+        self.session_run_id = tracker.sessions.start_session(recipe, study_name=self.where.name, resume=True)
+        self.presence.tracker = tracker
+        for folder in clean_stale_trial_dirs():
+            self.notify(f"removed {folder}: its tuning process is gone")
 
     def _finish_failed(self, err: BaseException) -> None:
         """Leave nothing running after an unexpected error."""
@@ -449,71 +492,3 @@ class _TuningSession:
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id
         return self._finish(summary)
-
-
-def _set_up_study(
-    study: TuningStudy,
-    name: str,
-    recipe: Recipe,
-    space: SearchSpace,
-    budget_bytes: int,
-    *,
-    use_planner: bool,
-    presence: Presence,
-    grace_s: float,
-    notify: Notify,
-    note: Notify,
-) -> PlannerSeeds:
-    """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it.
-
-    Returns the seeding: its predictor serves the whole session; its seeds are empty when another
-    session set the study up.
-    """
-    if not join_setup(study, name, grace_s, notify, note):
-        stored = study.setup.profile()
-        seeding = (
-            plan_seeds(recipe, space, budget_bytes, stored=stored)
-            if stored
-            else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
-        )
-        seeding.seeds = []
-        if seeding.note:
-            note(seeding.note)
-        notify(f"study {name} resumed: {study.ran_count()} trials run so far")
-        return seeding
-    presence.setting_up = True
-    try:
-        kill_point("profiling")  # a test hook; see tuner._liveness
-        if use_planner:
-            notify("profiling the model and planning ...")
-            seeding = plan_seeds(recipe, space, budget_bytes)
-        else:
-            seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
-        if seeding.profile is not None:
-            study.setup.store_profile(seeding.profile.to_dict())
-        if seeding.note:
-            study.setup.store_planner_note(seeding.note)
-            note(seeding.note)
-        enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
-    except BaseException:
-        study.setup.abandon()
-        raise
-    finally:
-        presence.setting_up = False
-    notify(f"study {name} created; seeded {', '.join(enqueued) or 'nothing'}")
-    return seeding
-
-
-def _open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Notify, note: Notify) -> tuple[Tracker, str]:
-    """The tracker and this session's run (resumed when an interrupted or dead session of ``study`` left one)."""
-    from tuner._trials import clean_stale_trial_dirs
-
-    tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-    # End KILLED a dead session's run first, so this session resumes it instead of opening another.
-    end_dead_session_runs(tracker, study, grace_s, note)
-    for done in tracker.registry.clean_leftovers(recipe.output, grace_s):
-        note(done)
-    run_id = tracker.sessions.start_session(recipe, study_name=study, resume=True)
-    for folder in clean_stale_trial_dirs():
-        notify(f"removed {folder}: its tuning process is gone")
-    return tracker, run_id
