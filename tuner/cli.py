@@ -65,7 +65,6 @@ def _add_tune(sub: Any) -> None:
     tune.add_argument(
         "--n-trials",
         type=int,
-        default=None,
         metavar="N",
         help="trials the study should have measured when this run stops (overrides search.n_trials)",
     )
@@ -95,27 +94,22 @@ def _add_tune(sub: Any) -> None:
 def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="show the planner's predicted front and its policy for a budget")
     plan.add_argument("recipe", help="the recipe YAML file")
-    plan.add_argument(
-        "--budget", default=None, help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)"
-    )
-    plan.add_argument("--write", default=None, metavar="PATH", help="write the chosen policy to PATH")
+    plan.add_argument("--budget", help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)")
+    plan.add_argument("--write", metavar="PATH", help="write the chosen policy to PATH")
     plan.add_argument(
         "--meta",
-        default=None,
         metavar="HARDWARE",
         help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4",
     )
     plan.add_argument(
         "--world-size",
         type=int,
-        default=None,
         metavar="N",
         help="predict one rank of N data-parallel ranks (default: the recipe's trainer devices x num_nodes)",
     )
     plan.add_argument(
         "--strategy",
         choices=("ddp", "fsdp", "model_parallel"),
-        default=None,
         help="the strategy the ranks run (default: the recipe's trainer.strategy; auto is ddp)",
     )
     plan.add_argument("--format", choices=("text", "json"), default="text")

@@ -223,7 +223,6 @@ def summarize(
         best=best,
         baselines=base,
         gains=gains,
-        policy_path=None,
         tracking_uri=recipe.tracking.uri,
         experiment=str(recipe.tracking.experiment),
         session_run_id=session_run_id,
