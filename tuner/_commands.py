@@ -1,11 +1,9 @@
-"""The commands besides tuning: ``plan`` (the planner's front and choice), ``history`` and ``rollback``.
-
-Each returns a plain summary object the CLI prints (``--format json`` dumps its `to_dict`).
-"""
+"""The commands besides tuning: ``plan``, ``history`` and ``rollback``; each returns a summary the CLI
+prints (``--format json`` dumps its `to_dict`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +43,7 @@ class PlanSummary:
     """``per rank, world size 64, fsdp`` when the front is per rank of a sharded or replicated run."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (JSON-ready)."""
+        """Plain types (JSON-ready); the profile is left out."""
 
         def row(p: PlannedPolicy) -> dict[str, Any]:
             return {
@@ -56,18 +54,12 @@ class PlanSummary:
                 "micro_batch": p.prediction.micro_batch,
             }
 
-        return {
-            "recipe": self.recipe,
-            "device": self.device,
-            "budget_bytes": self.budget_bytes,
-            "layer_names": list(self.layer_names),
-            "front": [row(p) for p in self.front],
-            "chosen": None if self.chosen is None else row(self.chosen),
-            "reason": self.reason,
-            "written": None if self.written is None else str(self.written),
-            "exit_code": self.exit_code,
-            "sharding": self.sharding,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "profile"}
+        out["layer_names"] = list(self.layer_names)
+        out["front"] = [row(p) for p in self.front]
+        out["chosen"] = None if self.chosen is None else row(self.chosen)
+        out["written"] = None if self.written is None else str(self.written)
+        return out
 
 
 def plan(
@@ -82,20 +74,15 @@ def plan(
     """Profile the recipe's model and show the planner's front and its choice at ``budget``.
 
     Args:
-        recipe: a loaded recipe.
         budget: bytes or a size (``"20GiB"``); default: the recipe's budget limit (after its margin).
         write: write the chosen policy here (YAML, or JSON for ``.json``), atomically.
-        meta: plan without the hardware and without allocating: profile the model on the meta
-            device and estimate time for this accelerator (a key of `lightning_recompute.profile.HARDWARE`), so a
-            7B model can be planned for an 80 GiB GPU on a laptop.
-        world_size: plan one rank of this many data-parallel ranks (default: the recipe's
-            ``trainer`` devices x nodes); the budget is then per rank.
-        strategy: ``ddp``, ``fsdp`` or ``model_parallel`` (default: the recipe's ``trainer.strategy``);
-            see `lightning_recompute.planner.sharding` for what each rank is predicted to hold.
+        meta: profile on the meta device and estimate time for this accelerator (a key of
+            `lightning_recompute.profile.HARDWARE`): no hardware needed, nothing allocated.
+        world_size: plan one rank of this many data-parallel ranks (default: the recipe's); the budget is per rank.
+        strategy: ``ddp``, ``fsdp`` or ``model_parallel`` (default: the recipe's ``trainer.strategy``).
 
     Raises:
-        RecomputeError: the budget is not a size, the hardware is unknown, the world size or strategy
-            cannot be planned, or the model cannot be profiled.
+        RecomputeError: a bad budget, hardware, world size or strategy, or a model that cannot be profiled.
     """
     from lightning_recompute.planner import BudgetError, Planner
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
@@ -182,39 +169,26 @@ class SeqLenSummary:
         """Plain types (JSON-ready)."""
 
         def row(f: SeqLenFit) -> dict[str, Any]:
+            plan = f.plan
             return {
                 "family": f.family,
                 "seq_len": f.seq_len,
                 "capped": f.capped,
-                "peak_bytes": None if f.plan is None else f.plan.peak_bytes,
-                "step_time_s": None if f.plan is None else f.plan.step_time_s,
+                "peak_bytes": None if plan is None else plan.peak_bytes,
+                "step_time_s": None if plan is None else plan.step_time_s,
                 "tokens_per_s": f.tokens_per_s,
-                "short": None if f.plan is None else f.plan.short(),
+                "short": None if plan is None else plan.short(),
             }
 
-        return {
-            "recipe": self.recipe,
-            "device": self.device,
-            "budget_bytes": self.budget_bytes,
-            "micro_batch": self.micro_batch,
-            "seq_arg": self.seq_arg,
-            "set_on": list(self.set_on),
-            "step": self.step,
-            "cap": self.cap,
-            "fits": [row(f) for f in self.fits],
-            "profiles": self.profiles,
-            "exit_code": self.exit_code,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["set_on"] = list(self.set_on)
+        out["fits"] = [row(f) for f in self.fits]
+        return out
 
 
 def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tuple[str, ...]]:
-    """``recipe`` with ``seq_arg=length`` in the init args of its model and data, where their constructors take it.
-
-    Returns the recipe and the components set (``model``, ``data``).
-
-    Raises:
-        RecomputeError: neither the model nor the data takes an argument named ``seq_arg``.
-    """
+    """``recipe`` with ``seq_arg=length`` in the init args of its model and data, where their constructors
+    take it, and the components set (``model``, ``data``); a `RecomputeError` when neither takes it."""
     import dataclasses
 
     from tuner.recipe._checks import accepts
@@ -261,13 +235,10 @@ def max_seq_len(
     """Per policy family (each searched mode on every layer, and the planner's best mix), the longest
     sequence length that fits the budget, and the predicted step time there.
 
-    The sequence length is the constructor argument ``seq_arg`` of the recipe's model and data
-    (set on each that takes it); every probed length is profiled (measured, or on the meta device
-    with ``meta``) and planned; the search bisects (`lightning_recompute.planner.seqlen`).
-
-    Raises:
-        RecomputeError: no component takes ``seq_arg``, changing it does not change the batch, the
-            budget or hardware is invalid, or a length cannot be profiled.
+    ``seq_arg`` is set on the model and data that take it; every probed length is profiled (measured,
+    or on the meta device with ``meta``) and planned (`lightning_recompute.planner.seqlen` bisects).
+    Raises `RecomputeError` when no component takes ``seq_arg``, it does not change the batch, the
+    budget or hardware is invalid, or a length cannot be profiled.
     """
     from lightning_recompute.planner.seqlen import longest_fits
     from tuner._trials import profile_recipe
@@ -330,26 +301,15 @@ class HistorySummary:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
-        return {
-            "experiment": self.experiment,
-            "tracking_uri": self.tracking_uri,
-            "decisions": [jsonable(d) for d in self.decisions],
-            "current": None if self.current is None else jsonable(self.current),
-            "missing": None if self.missing is None else str(self.missing),
-            "current_problem": self.current_problem,
-        }
+        return {f.name: jsonable(getattr(self, f.name)) for f in fields(self)}
 
 
 def history(recipe: Recipe) -> HistorySummary:
     """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone.
 
-    Reading creates nothing: without the recipe's SQLite tracking database the history is empty
-    (and `HistorySummary.missing` says where it looked).
-
-    Raises:
-        RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
+    Reading creates nothing: without the SQLite tracking database the history is empty (`missing` says
+    where it looked). Raises `RecomputeError` when ``tracking.uri`` is no store MLflow can open.
     """
-
     missing = _missing_tracking_database(recipe)
     if missing is not None:
         return HistorySummary(
@@ -389,24 +349,16 @@ class RollbackSummary:
 def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSummary:
     """Restore the previous good policy (MLflow record and ``recipe.output``).
 
-    First the file is made to match the current good policy (restored from its MLflow run when
-    missing, corrupt or different). With only one good policy recorded, that repair is the whole
-    rollback; without a repair either, there is nothing to do. Every artifact restored must have
-    the fingerprint its run recorded (as the plugin's ``mlflow:`` loader checks).
-
-    The earlier policy was measured against the budget of its day: when its measured peak is over
-    the recipe's budget limit now, the rollback is refused (it would hand training jobs a policy
-    known not to fit) unless ``allow_over_budget``; `RollbackSummary.budget_note` says how it compares.
+    First the file is made to match the current good policy; with only one good policy recorded, that
+    repair is the whole rollback. An earlier policy whose measured peak is over the budget limit now is
+    refused unless ``allow_over_budget`` (docs/TUNER.md, "Rollback").
 
     Raises:
         SettingsError: ``tracking.uri`` or ``tracking.experiment`` names no store or experiment.
         StoreFailure: a store failed.
-        Declined: there is no tracking database to roll back in, or the earlier policy is over the
-            budget and ``allow_over_budget`` is not set.
-        TrackingError: there is no earlier good policy and the file needed no repair, or an artifact
-            was changed after it was logged (a `Declined` too).
+        Declined: no tracking database, or the earlier policy is over the budget (without ``allow_over_budget``).
+        TrackingError: nothing earlier and no repair, or an artifact changed after it was logged (a `Declined` too).
     """
-
     missing = _missing_tracking_database(recipe)
     if missing is not None:
         raise Declined(
@@ -464,12 +416,8 @@ def _against_budget(recipe: Recipe, good: GoodPolicy) -> tuple[str, bool]:
 
 
 def _existing_tracker(recipe: Recipe) -> Tracker:
-    """The recipe's `Tracker` for a command that reads or restores: it never creates the experiment.
-
-    Raises:
-        SettingsError: the store has no experiment named ``tracking.experiment`` (a misspelt name
-            used to be created, empty, by ``history`` or ``rollback``).
-    """
+    """The recipe's `Tracker` for a command that reads or restores: it never creates the experiment
+    (a misspelt name is a `SettingsError`)."""
     from tuner._preflight import SettingsError
     from tuner._tracking import ExperimentNotFound, Tracker
 
@@ -480,14 +428,8 @@ def _existing_tracker(recipe: Recipe) -> Tracker:
 
 
 def _missing_tracking_database(recipe: Recipe) -> Path | None:
-    """The recipe's ``sqlite:///`` tracking database when it does not exist, else ``None``.
-
-    Opening a SQLite URL creates the file and MLflow's tables, so a read-only command run in the
-    wrong folder (or before any tuning) would leave an empty database behind; check first.
-
-    Raises:
-        RecomputeError: ``tracking.uri`` is not a tracking store MLflow can open.
-    """
+    """The recipe's ``sqlite:///`` tracking database when it does not exist, else ``None`` (opening one
+    creates it: a read-only command must not leave an empty database behind)."""
     from tuner._preflight import SettingsError, tracking_problem
 
     problem = tracking_problem(recipe.tracking.uri)

@@ -1,13 +1,7 @@
 """From a finished search to the good policy: the race of the leading trials, the gate's candidate, and
-the gate, all under the study's gate lease.
-
-A session hands `decide_best` the study's best feasible trial. One gate runs at a time per study
-(`tuner._search.gate_lease`): a worker that waited finds the winner another worker promoted meanwhile
-already current, and records nothing twice; the race runs under the same lease, since two races at once
-would measure each other. Without new trials since the last decision (or after waiting on another
-worker's gate) there is no race: racing again would only re-roll the noise that race settled, and the
-good policy stands. Otherwise the leaders race (`lightning_recompute.race`), the winner (or without a race the best
-single trial) is the candidate, and `tuner._gate.decide` checks, records and promotes or keeps.
+the gate (`tuner._gate.decide`), all under the study's gate lease (`tuner._search.gate_lease`: two races
+at once would measure each other). Without new trials since the last decision the good policy stands
+unraced: racing again would only re-roll the noise that race settled.
 """
 
 from __future__ import annotations
@@ -33,22 +27,14 @@ if TYPE_CHECKING:
     from tuner._tracking import GoodPolicy, Tracker
     from tuner.recipe import Recipe
 
-__all__ = [
-    "Decided",
-    "Field",
-    "candidate_of",
-    "choose_field",
-    "decide_best",
-    "race_leaders",
-]
-
+__all__ = ["Decided", "Field", "candidate_of", "choose_field", "decide_best", "race_leaders"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 Say = Callable[[str], None]
 
 
 class Killable(Protocol):
-    """Wraps a measurement so that the first Ctrl-C stops it (the session's interrupt phases)."""
+    """Wraps a measurement so that the first Ctrl-C stops it."""
 
     def __call__(self, fn: _F, /) -> _F: ...
 
@@ -66,8 +52,7 @@ class Decided:
     """This worker waited for another worker's gate of the same study."""
 
     def status(self) -> tuple[str, int]:
-        """The session's status and exit code: ``current`` (the good policy stands), ``promoted`` (both
-        `EXIT_OK`) or ``rejected`` (the gate kept the good policy: `EXIT_INFEASIBLE`)."""
+        """The session's status and exit code."""
         if self.decision.unchanged:
             return "current", EXIT_OK
         return ("promoted", EXIT_OK) if self.decision.promoted else ("rejected", EXIT_INFEASIBLE)
@@ -75,7 +60,7 @@ class Decided:
 
 @dataclass(frozen=True)
 class Stage:
-    """Where the decision happens: the session's recipe, space, budget, records and voices."""
+    """The session's recipe, space, budget, records and voices, as the decision needs them."""
 
     recipe: Recipe
     layer_names: tuple[str, ...]
@@ -93,11 +78,8 @@ class Stage:
 
 
 def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, new_trials: bool) -> Decided:
-    """Race the leaders of ``study`` and gate the winner (``best`` is its best feasible trial) under the lease.
-
-    The study's records are read once the lease is held (another worker may have measured meanwhile);
-    ``new_trials`` says whether this session measured any trial.
-    """
+    """Race the leaders of ``study`` and gate the winner (``best`` is its best feasible trial) under the lease;
+    ``new_trials``: whether this session measured any trial."""
     from tuner import _gate as gate
     from tuner._trials import check_numerics, run_race, run_trial
 
@@ -157,7 +139,7 @@ def race_leaders(
     records: Sequence[TrialRecord],
     run_race: Callable[..., RaceResult],
 ) -> RaceResult | None:
-    """Race the leading candidates (`tuner._decision`); ``None`` when the recipe turns the race off."""
+    """Race the leading candidates; ``None`` when the recipe turns the race off."""
     from lightning_recompute.race import RaceResult
 
     recipe = stage.recipe
@@ -180,7 +162,6 @@ def race_leaders(
     if plan.total_s is not None and plan.share is not None:
         by_share = plan.share * search_s
         share = f"{plan.share:.0%} of the search's {search_s:.0f} s of trials"
-        # The plan took the larger of the share and its floor; say which.
         if plan.total_s > by_share:
             why = f"the race's floor of {plan.min_s:.0f} s; race.share's {share} would be {by_share:.0f} s"
         else:
@@ -231,15 +212,13 @@ def candidate_of(
     return gate.Candidate(policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=layer_names)
 
 
-# ---------------------------------------------------------------------------------------------- the field
-# Who races after a search: the leading trials (the search thinks they are fast), the planner's pick and top
-# predictions (independent of one measurement's noise), the fastest fitting baseline and full (the
-# "vs" figures are about them) and the current good policy (keeping it is decided by the same race).
-
-
 @dataclass
 class Field:
-    """The entrants of a race and the references of its "vs" figures, or why there is no race."""
+    """The entrants of a race and the references of its "vs" figures, or why there is no race.
+
+    Who races: the leading trials, the planner's pick and top predictions (independent of one run's noise),
+    the fastest fitting baseline and full (the "vs" figures are about them) and the current good policy.
+    """
 
     entrants: list[tuple[RecomputePolicy, list[str]]] = field(default_factory=list)
     """``(policy, labels)`` in order of entry (the leader by trial first)."""
@@ -253,7 +232,6 @@ class Field:
     """Candidates left out, and why."""
 
     def has(self, fingerprint: str) -> bool:
-        """Whether a policy of this fingerprint is already an entrant."""
         return any(p.fingerprint() == fingerprint for p, _ in self.entrants)
 
     def add(self, policy: RecomputePolicy, label: str) -> None:
@@ -277,12 +255,9 @@ def choose_field(
     """The race's field after a search whose best feasible trial is ``best``.
 
     ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more race from
-    those the planner predicts fastest (`PREDICTION_SPAN`), fastest trial first.
-
-    Entrants run at ``best``'s micro-batch (one model, one data stream); trials at another one are
-    left out and say so. Compiled policies are left out: switching a compiled layer's policy
-    recompiles it, which would be timed as the policy's cost (their trials' figures stand, and say
-    they are single runs). With ``best`` compiled there is no race.
+    those the planner predicts fastest (`PREDICTION_SPAN`). Entrants run at ``best``'s micro-batch;
+    compiled policies are left out (switching a compiled layer's policy recompiles it, which would be
+    timed as the policy's cost).
     """
     out = Field(micro_batch=best.micro_batch)
     if best.policy is None:
@@ -325,13 +300,9 @@ def choose_field(
 
 def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:
     """Up to ``count`` trials of ``same`` (fitting, at the best's micro-batch) not yet in the field, from
-    those the planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first.
-
-    Why: in `bench/decision_quality.py`'s ``wide4`` most promotions short of the best came from races
-    the best policy was not in; its single trial had ranked it below the leaders, while the planner
-    predicted it among the fastest. Policies predicted slower than that span do not enter this way.
+    those the planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first:
+    a best policy that one unlucky trial ranked below the leaders still races (`bench/decision_quality.py`).
     """
-
     rated = [
         (r, p)
         for r in same
@@ -347,15 +318,14 @@ def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:
 
 
 def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
-    """The planner's pick and the baselines beside the leaders: the fastest baseline and full, the
-    references the winner's figure is given against (``same``: fitting trials at the best's micro-batch,
-    fastest first)."""
+    """The planner's pick, and the fastest baseline and full as the references of the winner's figures
+    (``same``: fitting trials at the best's micro-batch, fastest first)."""
     planner = [r for r in same if r.source is Source.PLANNER and pick_of(r.label).startswith("budget")]
     if planner and planner[0].policy is not None:
         out.add(planner[0].policy, "planner")
     baselines = [r for r in same if r.baseline is not None]
     if baselines and (fastest := baselines[0].policy) is not None:  # `same` is sorted fastest first
-        out.add(fastest, f"baseline {_name(baselines[0])}")
+        out.add(fastest, f"baseline {baselines[0].baseline or ''}")
         out.references.append(fastest)
     full = next((r for r in same if r.baseline == "full"), None)
     if (
@@ -368,8 +338,7 @@ def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
 
 
 def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int | None) -> None:
-    """The current good policy as an entrant, unless it cannot race (over the limit, another micro-batch,
-    compiled); a note says why not."""
+    """The current good policy as an entrant, unless it cannot race; a note says why not."""
     fits = budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes
     if not fits:
         out.notes.append("the current good policy is over the budget limit: not raced")
@@ -379,7 +348,3 @@ def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int
         out.notes.append("the current good policy compiles its layers: not raced")
     else:
         out.add(good.policy, "good")
-
-
-def _name(record: TrialRecord) -> str:
-    return record.baseline or ""

@@ -1,34 +1,10 @@
 """The evidence gate: a search winner becomes the good policy only after it proves itself again.
 
-A short trial can win by luck (a quiet moment on a shared host, a peak that the next allocator
-state exceeds) and a policy can be subtly wrong (a recomputation that changes numerics). Before
-the output policy file changes, the candidate must pass three checks, in this order (cheapest
-verdict first; the first failure ends the gate, and later checks are reported as not run):
-
-1. **confirmation**: one run at least `GateSettings.confirm_factor` (3) times as many measured
-   steps as a search trial, which must end ``ok``, peak under the budget limit (the budget
-   less its margin) and, when the candidate came out of a race, not be much slower than the race
-   measured it (`GateSettings.confirm_slack`): a race figure that does not hold up is no evidence.
-   A slow confirmation runs again; slow twice, it races a reference from the session's race again,
-   interleaved, so that a machine slowed throughout (which slows the reference alike) is told from
-   a policy that is slow;
-2. **numerics**: on a fixed batch, loss and every gradient equal training without recompute
-   (`tuner._trials.check_numerics`: deterministic mode; at the largest micro-batch up to the
-   candidate's where no recompute fits; bitwise, or on an accelerator within the spread of two
-   runs without recompute);
-3. **regression**: candidate and current good policy raced (`lightning_recompute.race`: interleaved in one
-   process, paired per round, until one is ahead with confidence or the race's time is spent);
-   the candidate must win that race. Seen within the tie margin of each other, the two are tied,
-   and the tie goes to the one with more memory headroom, then less recomputation, as in the
-   session's race. A session whose race already had both hands its `RaceResult` in and nothing
-   is re-measured. A current good
-   policy that does not fit the budget limit (its recorded peak, or its peak in the race, is over
-   it: the budget was tightened) is no contender: the candidate replaces it.
-
-`evaluate` decides; `decide` also records the confirmation run and the promotion or rejection
-through a `tuner._tracking.Tracker`. The trial runner, race runner and numerics checker are
-injectable so the gate can be tested without subprocesses; by default they are
-`tuner._trials.run_trial`, `tuner._trials.run_race` and `tuner._trials.check_numerics`.
+Three checks, cheapest first, the first failure ending the gate: confirmation (a longer run, within the
+budget and not much slower than the race measured), numerics (training unchanged from no recompute) and
+regression (the candidate wins a race against the current good policy). docs/TUNER.md, "What the gate
+guarantees", has the details. `evaluate` decides; `decide` also records the outcome through a
+`tuner._tracking.Tracker`. The runners are injectable (defaults from `tuner._trials`) for tests.
 """
 
 from __future__ import annotations
@@ -52,13 +28,9 @@ if TYPE_CHECKING:
 __all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate", "tuned_for"]
 
 RunTrial = Callable[..., "TrialResult"]
-"""``run_trial(recipe, policy, *, micro_batch, warmup_steps, measure_steps, timeout_s, budget_bytes)``."""
 RunRace = Callable[..., "RaceResult"]
-"""``run_race(recipe, entrants, *, layer_names, references, micro_batch, budget_bytes) -> RaceResult``."""
 CheckNumerics = Callable[..., "NumericsResult"]
-"""``check_numerics(recipe, policy, *, micro_batch, timeout_s) -> NumericsResult``."""
 Progress = Callable[[str], None]
-"""Told one line before each check runs (the CLI prints it)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +38,6 @@ class Candidate:
     """The policy the search proposes for promotion."""
 
     policy: RecomputePolicy
-    """The policy to promote."""
     micro_batch: int | None = None
     """The micro-batch it won with (``None``: the data module's own)."""
     source_run_id: str | None = None
@@ -82,14 +53,12 @@ class GateSettings:
     confirm_factor: int = 3
     """The confirmation run measures this many times a trial's ``measure_steps`` (at least 3)."""
     confirm_slack: float = 0.25
-    """The confirmation fails when its throughput is more than this fraction below the race's figure for
-    the candidate. A confirmation is one run in its own process, minutes after the race, so it is
-    allowed the difference between processes and moments; "much slower" is beyond that."""
+    """How far below the race's figure for the candidate a confirmation (another process, minutes later)
+    may measure before it fails."""
 
     def longest_s(self, recipe: Recipe) -> float:
-        """The longest one `evaluate` can take under ``recipe``, every run at its deadline: two
-        confirmation runs and a race against a reference, the numerics check, a race against the good
-        policy and the good policy alone (another worker waits this long for the gate's lease)."""
+        """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits
+        this long for the gate's lease)."""
         trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
         return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
 
@@ -105,7 +74,6 @@ class GateDecision:
     """What the gate concluded, and on what evidence."""
 
     promoted: bool
-    """Whether the candidate passed every check."""
     reasons: list[str]
     """When promoted: one line per passed check. Otherwise: why it failed (first the failed check)."""
     evidence: dict[str, Any]
@@ -113,7 +81,6 @@ class GateDecision:
     unchanged: bool = False
     """The candidate is already the current good policy: nothing was run, nothing is to be recorded."""
     confirmation: TrialResult | None = None
-    """The confirmation run's `TrialResult` (``None`` when the gate did not get that far)."""
     decision_run_id: str | None = None
     """The MLflow decision run (`decide` fills it in)."""
     confirmation_run_id: str | None = None
@@ -123,7 +90,6 @@ class GateDecision:
 
     @property
     def reason(self) -> str:
-        """The reasons as one line."""
         return "; ".join(self.reasons)
 
 
@@ -144,26 +110,19 @@ def evaluate(
 
     Args:
         candidate: the proposed policy (a bare policy means the data module's micro-batch).
-        current_good: the good policy now (`Tracker.current_good`), or ``None`` before the first.
-        recipe: the recipe (its ``trial`` settings give the trial length and timeout).
-        budget_bytes: the memory limit after the margin (``recipe.budget.limit_bytes(...)``);
-            ``None`` checks no budget.
-        run_trial: the trial runner; default `tuner._trials.run_trial`.
-        check_numerics: the numerics checker; default `tuner._trials.check_numerics`.
-        run_race: the race runner of the regression check; default `tuner._trials.run_race`.
-        race: the session's race the candidate won, if any: the confirmation is compared with its
-            figure, and when the current good policy raced too, the regression check reads it
-            instead of racing again.
-        settings: `GateSettings` (defaults: 3x steps, 25% confirmation slack).
-        progress: told a line before each check that runs (nothing for an unchanged candidate).
+        current_good: the good policy now, or ``None`` before the first.
+        budget_bytes: the memory limit after the margin; ``None`` checks no budget.
+        run_trial, check_numerics, run_race: the runners; defaults from `tuner._trials`.
+        race: the session's race the candidate won, if any: the confirmation is held against its figure,
+            and the regression check reads it when the current good policy raced too.
+        progress: told a line before each check that runs.
     """
-    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    cand = _candidate(candidate)
     if not isinstance(cand.policy, RecomputePolicy):
         raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
     cfg = settings or GateSettings()
     if run_trial is None or check_numerics is None or run_race is None:
-        # Imported late: tuner._trials spawns subprocesses and imports the recipe machinery, which
-        # callers injecting their own runners (tests, other schedulers) do not need.
+        # Late: tuner._trials spawns subprocesses, which callers injecting their own runners do not need.
         from tuner import _trials as trials
 
         run_trial = run_trial or trials.run_trial
@@ -190,11 +149,12 @@ def evaluate(
     return decision
 
 
-class _Gate:
-    """One `evaluate` call: the candidate, what it is held against, and the decision its checks fill in.
+def _candidate(candidate: Candidate | RecomputePolicy) -> Candidate:
+    return candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
 
-    Each check returns whether the candidate passed it; a failing check has already recorded why.
-    """
+
+class _Gate:
+    """One `evaluate` call; each check returns whether the candidate passed, a failing one having said why."""
 
     def __init__(
         self,
@@ -285,17 +245,12 @@ class _Gate:
         slow: str,
         race: RaceResult | None,
     ) -> tuple[TrialResult, str | None]:
-        """A confirmation came out slower than the race measured: load on the machine, or a figure that
-        did not hold? Returns the confirmation that counts and why it fails (``None``: it passes).
+        """A confirmation slower than the race: load on the machine, or a figure that did not hold?
+        Returns the confirmation that counts and why it fails (``None``: it passes).
 
-        Load on a shared machine only ever slows a run, and one run in its own process can land in a
-        spell of it, so the candidate runs once more and the faster of its two runs is the confirmation
-        (benchmark tools take the best of repeats against one-sided noise). A spell can also outlast both
-        runs (a neighbour's job, a loaded CI node), and no figure from another moment can tell that from
-        a slow policy; a reference measured at the same moment can. So, when the race had another entrant,
-        the candidate races it again, interleaved in one fresh process (load then falls on both alike,
-        round by round), and passes if it kept its standing: its throughput over the reference's within
-        `GateSettings.confirm_slack` of the first race's ratio. Without a reference, two slow runs fail.
+        Load only slows a run, so the faster of two runs counts; slow twice, the candidate races a
+        reference of the session's race again, interleaved, and passes if it kept its standing (a slowed
+        machine slows both alike). Without a reference, two slow runs fail.
         """
         cand, cfg = self.cand, self.cfg
         want = cfg.confirm_factor * self.steps
@@ -324,7 +279,6 @@ class _Gate:
         return conf, f"{failure}; and it {held}"
 
     def _race_against(self, run_race: RunRace, other: RecomputePolicy, labels: list[str]) -> RaceResult:
-        """The candidate and ``other`` raced interleaved, ``other`` the reference of the figures."""
         return run_race(
             self.recipe,
             [(self.cand.policy, ["candidate"]), (other, labels)],
@@ -335,7 +289,7 @@ class _Gate:
         )
 
     def numerics(self, check_numerics: CheckNumerics) -> bool:
-        """2. Numerics: a recomputation that changes gradients or module state is a bug, however fast."""
+        """2. Numerics: a recomputation that changes training is a bug, however fast."""
         self.tell("gate: checking numerics against no recompute ...")
         cand = self.cand
         num = check_numerics(self.recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=self.timeout)
@@ -371,8 +325,8 @@ class _Gate:
         return True
 
     def _good_does_not_run(self, run_trial: RunTrial, raced: RaceResult) -> bool:
-        """Whether the current good policy fails alone too (a changed model or machine): then it must not
-        block a candidate that works, and the regression check passes, saying why."""
+        """Whether the current good policy fails alone too (a changed model or machine): then it blocks
+        nothing, and the regression check passes, saying why."""
         good = self.good
         assert good is not None
         alone = run_trial(
@@ -412,13 +366,11 @@ def decide(
 ) -> GateDecision:
     """`evaluate` against the tracker's current good policy, then record the outcome.
 
-    The confirmation run is logged (it becomes the good run on promotion, since it holds the
-    longest measurement of the policy). A pass promotes: ``output_path`` (default
-    ``recipe.output``) is written atomically and the experiment's good run moves. A failure is
-    recorded as a rejection with its reason, and the file is not touched. An unchanged candidate
-    records nothing.
+    The confirmation run is logged (the good run on promotion: the longest measurement). A pass writes
+    ``output_path`` (default ``recipe.output``) and moves the good run; a failure is recorded as a
+    rejection and leaves the file alone; an unchanged candidate records nothing.
     """
-    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    cand = _candidate(candidate)
     decision = evaluate(
         cand,
         tracker.registry.current_good(),
@@ -433,8 +385,7 @@ def decide(
     )
     if decision.unchanged:
         return decision
-    # The file and every run's policy.yaml carry what the policy was tuned for, so a training job
-    # reading either (a path or "mlflow:") can tell when its batch is larger than the one measured.
+    # What the policy was tuned for travels with it, so a training job can tell a larger batch than measured.
     policy = cand.policy.with_tuned_for(tuned_for(recipe, cand, decision.confirmation, budget_bytes))
     decision.evidence["tuned_for"] = policy.tuned_for.to_dict() if policy.tuned_for is not None else None
     source = cand.source_run_id
@@ -463,9 +414,8 @@ def decide(
 def tuned_for(
     recipe: Recipe, candidate: Candidate, confirmation: TrialResult | None, budget_bytes: int | None
 ) -> TunedFor:
-    """What ``candidate`` was tuned for: its micro-batch (the data module's own when it has none; the
-    largest batch the confirmation measured when the data module's batches vary), the confirmation run's
-    peak and device, the budget limit, and the recipe."""
+    """What ``candidate`` was tuned for: its micro-batch (the largest measured when the data's batches
+    vary), the confirmation's peak and device, the budget limit and the recipe."""
     from tuner.recipe._build import data_batch_size
 
     data_batch = data_batch_size(recipe)
@@ -473,9 +423,7 @@ def tuned_for(
     micro_batch = candidate.micro_batch if candidate.micro_batch is not None else data_batch
     scan = confirmation.batches if measured and confirmation is not None else None
     if scan and scan.get("varies"):
-        # The callback warns when a job's batch exceeds this; the budget held for the largest batch only.
-        # That batch is also the data's own: the training job needs no change (its nominal batch_size is
-        # not what its largest step feeds the model).
+        # The budget held for the largest batch only; it is also the data's own, so the job needs no change.
         micro_batch = data_batch = int(scan["largest_samples"])
     return TunedFor(
         micro_batch=micro_batch,
@@ -490,19 +438,14 @@ def tuned_for(
 
 def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: GateSettings) -> str | None:
     """Why a confirmation run fails the gate on its own (outcome, peak, steps measured), or ``None``."""
-    if conf.outcome != "ok":
-        if conf.outcome == "over_budget":
-            return (
-                f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
-                f"over the budget limit {format_bytes(budget_bytes)}"
-            )
+    if conf.outcome not in ("ok", "over_budget"):
         return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if conf.error else "")
-    if budget_bytes is not None and (conf.peak_bytes is None or conf.peak_bytes > budget_bytes):
-        if conf.peak_bytes is None:
-            return "confirmation run reported no peak memory to check the budget"
+    if conf.outcome == "ok" and budget_bytes is not None and conf.peak_bytes is None:
+        return "confirmation run reported no peak memory to check the budget"
+    if conf.outcome == "over_budget" or (budget_bytes is not None and (conf.peak_bytes or 0) > budget_bytes):
         return (
-            f"confirmation run peaked at {format_bytes(conf.peak_bytes)},"
-            f" over the budget limit {format_bytes(budget_bytes)}"
+            f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
+            f"over the budget limit {format_bytes(budget_bytes)}"
         )
     got = len(getattr(conf, "step_times_s", ()) or ())
     if got < want:
@@ -515,10 +458,8 @@ def _slower_than_raced(
 ) -> str | None:
     """Why the confirmation contradicts the race's figure for ``policy``, or ``None``.
 
-    The confirmation runs in its own short-lived process, as trials do, and those measure lower than a
-    warm race on the same policies; so the race's figure is first scaled down to the lowest any raced
-    trial came out at against the race (`RaceResult.trial_scale`), and only then held against the
-    confirmation: what fails is a confirmation further below the race than any trial of the session was.
+    A run in its own process measures lower than a warm race, so the race's figure is first scaled by
+    `RaceResult.trial_scale` (the lowest any raced trial came out at against the race).
     """
     if race is None or not race.ok or conf.throughput is None:
         return None
@@ -539,11 +480,8 @@ def _slower_than_raced(
 
 
 def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant | None:
-    """The entrant of ``race`` to re-measure beside a slow confirmation of ``candidate``, or ``None``.
-
-    One the race measured in its estimation (a headline reference: the most rounds) comes first, then
-    the fastest other entrant; it must have stayed within the limit and have its policy on record.
-    """
+    """The entrant of ``race`` to re-measure beside a slow confirmation of ``candidate``, or ``None``: a
+    headline reference first, then the fastest other one within the limit with its policy on record."""
     if race is None or not race.ok:
         return None
     others = [
@@ -559,8 +497,7 @@ def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant |
 def _held_against(
     pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings
 ) -> tuple[bool, str]:
-    """Whether the candidate kept its standing against ``ref`` when raced again (``pair``), and the
-    words: ``kept ...``, ``did not keep ...`` or ``could not be compared ...``, with the figures."""
+    """Whether the candidate kept its standing against ``ref`` when raced again (``pair``), and the words."""
     now_c, now_r = pair.throughput(candidate), pair.throughput(ref.key)
     then_c, then_r = race.throughput(candidate), race.throughput(ref.key)
     if not (pair.ok and now_c and now_r and then_c and then_r):
@@ -634,11 +571,10 @@ def _over_limit(good: GoodPolicy | None, budget_bytes: int | None) -> str | None
     )
 
 
-def _fail(decision: GateDecision, check: str, reason: str) -> GateDecision:
+def _fail(decision: GateDecision, check: str, reason: str) -> None:
     decision.checks[check] = "failed"
     decision.reasons = [f"{check}: {reason}", *decision.reasons]
     decision.promoted = False
-    return decision
 
 
 def _as_dict(result: TrialResult | NumericsResult) -> dict[str, Any]:

@@ -1,12 +1,7 @@
 """Ctrl-C during a tuning session: finish the trial in flight on the first press, kill it on the second.
 
-SIGTERM (a scheduler stopping the job) and SIGHUP (a closed terminal, a lost SSH session) stop at
-once, as a second press does: nobody is left to wait for the trial to finish.
-
-The handler only raises `KeyboardInterrupt` where that is safe and wanted: while a trial's
-subprocess runs (`tuner._trials.run_trial` kills its process group and re-raises), while
-profiling, and in the gate. Between trials it only asks the loop to stop, so an Optuna tell or an
-MLflow write is never cut in half.
+SIGTERM and SIGHUP stop at once, as a second press does. `KeyboardInterrupt` is raised only in a trial,
+setup or the gate; between trials the loop is only asked to stop, so no Optuna or MLflow write is cut.
 """
 
 from __future__ import annotations
@@ -29,24 +24,19 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGTERM,
     *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),  # no SIGHUP on Windows
 )
-"""The signals that stop a session in order (trial and session runs ended, the study resumable)."""
-
 Phase = Literal["setup", "trial", "between", "gate"]
-"""Where the session is: what a Ctrl-C may stop at once (setup, a trial on the second press, the gate)."""
 
 
 class Interrupts:
     """Ctrl-C state shared by the signal handler and the session loop."""
 
     def __init__(self, notify: Callable[[str], None]) -> None:
-        self.stop = threading.Event()
-        """Set by the first press: the loop stops before the next trial."""
+        self.stop = threading.Event()  # set by the first press: the loop stops before the next trial
         self.presses = 0
         self.phase: Phase = "setup"
         self._notify = notify
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
-        """The SIGINT / SIGTERM / SIGHUP handler."""
         self.presses += 1
         self.stop.set()
         kill = signum != signal.SIGINT or self.presses > 1 or self.phase in ("setup", "gate")
@@ -68,8 +58,7 @@ class Interrupts:
             self.phase = "between"
 
     def stoppable(self, fn: _F) -> _F:
-        """``fn`` run in the "gate" phase, so the first Ctrl-C stops it (the gate's measurements, not its
-        records)."""
+        """``fn`` run in the "gate" phase, so the first Ctrl-C stops it."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
             with self.during("gate"):

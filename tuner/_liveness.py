@@ -1,18 +1,8 @@
 """Whether the process that owns a trial, a study's setup or a session run is still alive.
 
-A `recompute-tune` process records itself as an `Owner` (host name and boot id, pid, the
-process's start time)
-on what it holds, and a `Heartbeat` thread refreshes a timestamp there while it holds it. Another
-process decides with `dead_reason`:
-
-- same host (same name and, on Linux, same boot: two machines may share a name, e.g. containers):
-  the owner is dead as soon as its pid is gone, or the pid now belongs to a process
-  started at another time (a recycled pid); no waiting;
-- another host: the owner is dead when its heartbeat is older than the grace period
-  (`grace_s`, default `GRACE_S`).
-
-The heartbeat and the grace period can be shortened with ``RECOMPUTE_TUNE_HEARTBEAT_S`` and
-``RECOMPUTE_TUNE_GRACE_S`` (seconds), e.g. for a test of dead workers across machines.
+A process records itself as an `Owner` on what it holds, and a `Heartbeat` refreshes a timestamp there.
+`dead_reason` decides: on the same host (name and boot id) the owner is dead once its pid is gone or
+recycled; on another host, once its heartbeat is older than the grace period (`grace_s`).
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +31,6 @@ __all__ = [
     "heartbeat_s",
     "kill_point",
 ]
-
 
 _log = logging.getLogger(__name__)
 
@@ -75,10 +64,8 @@ def grace_s() -> float:
 
 
 def process_start(pid: int) -> str | None:
-    """An identity of the process ``pid``'s start (Linux: its start time in clock ticks); ``None`` if unknown.
-
-    Together with the pid it tells a live owner from a new process that got the same pid.
-    """
+    """An identity of the process ``pid``'s start (Linux: its start time in clock ticks; it tells a
+    recycled pid); ``None`` if unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -126,7 +113,7 @@ class Owner:
         return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()), boot_id())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "pid": self.pid, "started": self.started, "boot": self.boot}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> Owner | None:
@@ -167,10 +154,10 @@ def dead_reason(
     """Why the holder of something is dead, or ``None`` while it may be alive.
 
     Args:
-        owner: the recorded owner (``None``: not recorded, e.g. by an older version).
+        owner: the recorded owner (``None``: not recorded).
         heartbeat_at: the owner's last heartbeat (``time.time()``), ``None`` if it never beat.
         grace: seconds of silence after which an owner elsewhere (or unrecorded) counts as dead.
-        since: when the thing was taken (``time.time()``), the silence's start without a heartbeat.
+        since: when the thing was taken, the silence's start without a heartbeat.
     """
     if owner is not None:
         gone = owner.gone_here()
@@ -191,8 +178,7 @@ def dead_reason(
 class Heartbeat:
     """A daemon thread calling ``beat`` every ``interval`` seconds until `stop` (or the context ends).
 
-    ``beat`` writes to a store; a failure is logged and retried at the next beat, never raised:
-    a store hiccup must not end a trial, and a missed beat only matters after the grace period.
+    A failing beat is logged, never raised: a store hiccup must not end a trial.
     """
 
     def __init__(self, beat: Callable[[], None], interval: float | None = None) -> None:

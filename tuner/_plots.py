@@ -1,9 +1,7 @@
 """The Pareto plot of a tuning session: peak memory against throughput, one point per trial.
 
-It answers the question a person opening the session in ``mlflow ui`` has: which policies fit the
-budget, how much speed each costs, and where the usual choices (no recompute, recompute
-everything) sit. Drawn with matplotlib's object API on an Agg canvas, never ``pyplot``: the tuner
-may run headless and must not touch a global figure state or a display backend.
+Drawn with matplotlib's object API on an Agg canvas, never ``pyplot``: the tuner may run headless and
+must not touch a global figure state or a display backend.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ def _point(row: Mapping[str, Any]) -> tuple[float, float] | None:
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indexes of the points no other point beats: less or equal memory *and* more or equal throughput.
-
-    Points are ``(peak_bytes, throughput)``; the result is ordered by increasing memory. Of equal
-    points only the first is kept, so the front draws as a clean staircase.
-    """
+    """Indexes of the ``(peak_bytes, throughput)`` points no other point beats (less or equal memory *and*
+    more or equal throughput), by increasing memory; of equal points only the first."""
     order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1], i))
     front: list[int] = []
     best = -math.inf
@@ -73,18 +68,13 @@ def pareto_plot(
     """Draw the trials, the front, the baselines and the budget to a PNG at ``path``.
 
     Args:
-        trials: trials-table rows (`tuner._search.TrialRecord.to_dict`); a row is drawn when it has
-            ``peak_bytes`` and ``throughput`` and no ``duplicate_of``.
-            ``outcome`` picks the marker (ok, over budget); ``number`` labels the front's points.
-        path: the PNG to write (folders are created).
-        baselines: name -> row of the same shape (``none``, ``full``...); each is drawn and labelled.
-            A baseline that measured nothing (it ran out of memory, say) is named in the legend.
-        budget_bytes: the memory limit a policy must stay under; drawn as a vertical line.
+        trials: trials-table rows (`tuner._search.TrialRecord.to_dict`); drawn when they have ``peak_bytes``
+            and ``throughput`` and no ``duplicate_of``.
+        path: the PNG to write (folders are created); returned.
+        baselines: name -> row of the same shape; each is drawn and labelled (one that measured nothing
+            is named in the legend).
+        budget_bytes: the memory limit, drawn as a vertical line.
         throughput_unit: the y axis unit; default: the rows' ``throughput_unit``, else "samples/s".
-        title: the figure title.
-
-    Returns:
-        The path written.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -93,7 +83,7 @@ def pareto_plot(
     unit = throughput_unit or next(
         (str(r["throughput_unit"]) for r in [*trials, *baselines.values()] if r.get("throughput_unit")), "samples/s"
     )
-    # A duplicate re-proposal carries the figures of the trial it repeats: drawing it again adds nothing.
+    # A duplicate carries the figures of the trial it repeats.
     measured = [(row, p) for row in trials if row.get("duplicate_of") is None and (p := _point(row)) is not None]
     base_pts = {name: _point(row) for name, row in baselines.items()}
     all_bytes = (

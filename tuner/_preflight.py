@@ -1,10 +1,5 @@
-"""Checking a recipe's settings before anything is measured: the output path, the tracking URI and
-the study storage.
-
-Profiling and a search take minutes to hours; a policy path that cannot be written, or a tracking
-URI no store understands, used to surface only when the session wrote its result. `check_settings`
-finds every such problem first, all at once, each naming its recipe key and what would be valid.
-"""
+"""Checking a recipe's settings before anything is measured (the output path, the tracking URI, the study
+storage), all at once, each problem naming its recipe key and what would be valid."""
 
 from __future__ import annotations
 
@@ -22,14 +17,7 @@ from tuner._stores import driver_missing, hide_password
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
-__all__ = [
-    "SettingsError",
-    "check_settings",
-    "nodes_problem",
-    "output_problem",
-    "storage_problem",
-    "tracking_problem",
-]
+__all__ = ["SettingsError", "check_settings", "nodes_problem", "output_problem", "storage_problem", "tracking_problem"]
 
 CONNECT_TIMEOUT_S = 10.0
 """How long the check waits for a tracking server to accept a connection."""
@@ -55,16 +43,8 @@ class SettingsError(RecomputeError, ValueError):
 
 
 def check_settings(recipe: Recipe, *, output: bool = True) -> None:
-    """Refuse settings that cannot work, before the session profiles or measures anything.
-
-    Args:
-        recipe: the loaded recipe.
-        output: check the policy path too (``history`` writes no file, so it passes ``False``).
-
-    Raises:
-        SettingsError: every problem found (the policy path, ``tracking.uri``, ``study.storage``,
-            ``trainer.num_nodes``).
-    """
+    """Raise a `SettingsError` of every problem found (the policy path unless not ``output``,
+    ``tracking.uri``, ``study.storage``, ``trainer.num_nodes``)."""
     problems = [
         problem
         for problem in (
@@ -94,9 +74,8 @@ def nodes_problem(recipe: Recipe) -> str | None:
 def output_problem(path: Path, key: str = "output") -> str | None:
     """Why the policy file cannot be written at ``path``, or ``None`` when it can; ``key`` names the setting.
 
-    Writability is tested the only reliable way: creating and removing a file in the folder that
-    will hold it (or, when that folder does not exist yet, in the nearest one that does, where it
-    would be created). Permission bits say nothing about read-only mounts or immutable folders.
+    A file is created and removed in the (nearest existing) folder: permission bits say nothing about
+    read-only mounts or immutable folders.
     """
     shown = clip(str(path))
     if any(path == root or root in path.parents for root in _KERNEL_FILESYSTEMS):
@@ -157,12 +136,8 @@ def storage_problem(url: str) -> str | None:
 
 
 def _server_problem(key: str, uri: str, default_port: int) -> str | None:
-    """Whether the server of ``uri`` accepts a TCP connection, within `CONNECT_TIMEOUT_S`.
-
-    MLflow's own client retries a refused connection with exponential backoff for minutes; a
-    plain connection attempt answers in milliseconds for a closed port and is bounded otherwise.
-    A Ctrl-C interrupts it like any blocking socket call.
-    """
+    """Whether the server of ``uri`` accepts a TCP connection within `CONNECT_TIMEOUT_S` (MLflow's own
+    client retries a refused connection for minutes)."""
     parts = urlsplit(uri)
     host = parts.hostname
     if not host:

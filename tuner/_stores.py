@@ -1,21 +1,15 @@
-"""Opening the stores the parent writes to: Optuna storage and the MLflow tracking store.
-
-Several workers may open one SQLite file at once; the first creates or migrates its tables, and
-two doing that together fail on each other's half-made schema. `sqlite_setup_lock` serialises
-the opening; `open_tracker` also retries what the lock cannot cover (no ``fcntl``; a tracking
-server still starting).
-"""
+"""Opening the stores (Optuna storage, the MLflow tracking store) and explaining their failures."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -57,16 +51,13 @@ TRACKING_REQUEST_DEFAULTS = {
 }
 """What the tuner's process sets for MLflow's HTTP client, each only where the user has not set it."""
 
-_log = logging.getLogger(__name__)
-
 
 @contextlib.contextmanager
 def sqlite_setup_lock(url: str) -> Iterator[None]:
     """Hold an exclusive lock beside a ``sqlite:///`` database while a store opens it; a no-op otherwise.
 
-    Opening a new SQLite store creates or migrates its tables (Optuna's and MLflow's both do), and
-    two workers doing that at once fail on each other's half-made schema. Once made, opening is
-    a plain read, so the lock is only held for the opening.
+    Opening creates or migrates the tables, and two workers doing that at once fail on each other's
+    half-made schema.
     """
     if not url.startswith("sqlite:///") or fcntl is None:
         yield
@@ -82,20 +73,13 @@ def sqlite_setup_lock(url: str) -> Iterator[None]:
 
 
 def bound_tracking_requests() -> None:
-    """Set `TRACKING_REQUEST_DEFAULTS` in this process's environment, keeping any the user set.
-
-    MLflow reads these variables at every request, so setting them before the first call is enough.
-    """
+    """Set `TRACKING_REQUEST_DEFAULTS` in this process's environment (MLflow reads them at every request)."""
     for name, value in TRACKING_REQUEST_DEFAULTS.items():
         os.environ.setdefault(name, value)
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """Optuna storage for a database URL, or a journal file for a path ending in ``.log``.
-
-    SQLite gets a long lock timeout: several workers on one file wait for each other's writes
-    instead of failing with "database is locked".
-    """
+    """Optuna storage for a database URL, or a journal file for a path ending in ``.log``."""
     if "://" not in url:
         if not url.endswith(".log"):
             raise RecomputeError(
@@ -106,7 +90,7 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     if url.startswith("sqlite:///"):
-        with sqlite_setup_lock(url):
+        with sqlite_setup_lock(url):  # a long lock timeout: workers on one file wait for each other's writes
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
     try:
         return _open_server_storage(url)
@@ -121,11 +105,8 @@ SCHEMA_RACE_ATTEMPTS = 5
 def _open_server_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on a database server, tolerating workers that create its schema at once.
 
-    Optuna creates its tables (and, on PostgreSQL, enum types) with SQLAlchemy's ``create_all``,
-    which checks then creates: two workers starting together on an empty database both see no
-    ``studydirection`` type and the second fails with a unique violation. The loser's retry finds
-    the schema complete. (SQLite is serialised by `sqlite_setup_lock` instead: a file lock cannot
-    reach a database on another machine.)
+    Optuna's ``create_all`` checks, then creates: of two workers on an empty database the second fails
+    with a unique violation, and its retry finds the schema complete.
     """
     from sqlalchemy.exc import IntegrityError, ProgrammingError
 
@@ -142,19 +123,13 @@ class StorageUnavailable(StoreFailure):
 
 
 def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
-    """The clear error for ``err`` when it is the study database failing, else ``None``.
-
-    Optuna reports a lost connection as `StorageInternalError` (from a commit) or lets SQLAlchemy's
-    `OperationalError` through (from a query); both arrive as tracebacks naming neither the
-    setting nor what to do. Nothing is promoted from a session whose study failed, so the policy
-    file is untouched, and the study resumes from what the database holds.
-    """
+    """The clear error for ``err`` when it is the study database failing (Optuna's and SQLAlchemy's
+    errors name neither the setting nor what to do), else ``None``."""
     from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import InterfaceError, OperationalError
 
     if not isinstance(err, (StorageInternalError, OperationalError, InterfaceError)):
         return None
-
     cause = err.__cause__ or err.__context__ or err
     lines = str(getattr(cause, "orig", None) or cause).strip().splitlines() or [type(cause).__name__]
     return StorageUnavailable(
@@ -174,16 +149,11 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 def store_failure(recipe: Recipe, err: BaseException) -> StoreFailure | None:
     """The clear error for ``err`` when a store of ``recipe`` failed; ``None`` when it is something else.
 
-    A damaged SQLite file, an Optuna journal cut short, a full disk, a folder made read-only, a
-    tracking URI that answers HTTP but is not MLflow: each used to come out as a traceback of
-    dozens of lines. The store is told by where the error arose (MLflow's code or Optuna's) or
-    by the file it names; the message names the recipe key, the store, the first line of the
-    cause, and what to do. Nothing is promoted when a store fails mid-session (a promotion puts
-    the file back when its record fails), and nothing already stored is removed.
+    The store is told by where the error arose (MLflow's code or Optuna's) or by the file it names; the
+    message names the recipe key, the store, the first line of the cause, and what to do.
     """
     if isinstance(err, StoreFailure):
         return err
-
     cause = _first_line(err)
     damaged = any(word in cause.lower() for word in _DAMAGED)
     stores = {"study.storage": str(recipe.study.storage), "tracking.uri": recipe.tracking.uri}
@@ -236,16 +206,17 @@ def _first_line(err: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 
+def _frames(tb: TracebackType | None) -> Iterator[tuple[str, ...]]:
+    """The path parts of each frame's file in traceback ``tb``."""
+    while tb is not None:
+        yield Path(tb.tb_frame.f_code.co_filename).parts
+        tb = tb.tb_next
+
+
 def _raised_in(err: BaseException, package: tuple[str, ...]) -> bool:
     """Whether a frame of ``err``'s traceback is in ``package`` (path parts, in order)."""
     n = len(package)
-    tb = err.__traceback__
-    while tb is not None:
-        parts = Path(tb.tb_frame.f_code.co_filename).parts
-        if any(parts[i : i + n] == package for i in range(len(parts) - n + 1)):
-            return True
-        tb = tb.tb_next
-    return False
+    return any(parts[i : i + n] == package for parts in _frames(err.__traceback__) for i in range(len(parts) - n + 1))
 
 
 def _is_store_error(err: BaseException) -> bool:
@@ -253,6 +224,7 @@ def _is_store_error(err: BaseException) -> bool:
     import json
     import sqlite3
 
+    import requests  # an MLflow dependency
     from mlflow.exceptions import MlflowException
     from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import SQLAlchemyError
@@ -265,13 +237,8 @@ def _is_store_error(err: BaseException) -> bool:
         json.JSONDecodeError,
         UnicodeDecodeError,
         ConnectionError,
+        requests.RequestException,
     )
-    try:
-        import requests
-
-        kinds += (requests.RequestException,)
-    except ImportError:  # pragma: no cover - mlflow depends on requests
-        pass
     return isinstance(err, kinds)
 
 
@@ -282,14 +249,11 @@ def _key_of_code(err: BaseException) -> str | None:
     found = set()
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        tb = cur.__traceback__
-        while tb is not None:
-            parts = Path(tb.tb_frame.f_code.co_filename).parts
+        for parts in _frames(cur.__traceback__):
             if "mlflow" in parts:
                 found.add("tracking.uri")
             elif "optuna" in parts:
                 found.add("study.storage")
-            tb = tb.tb_next
         cur = cur.__cause__ or cur.__context__
     return next(iter(found)) if len(found) == 1 else None
 

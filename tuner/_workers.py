@@ -1,20 +1,6 @@
-"""Workers sharing one study: heartbeats, who sets the study up, dead workers' trials, and the wait for others.
-
-Several ``recompute-tune`` processes, on one host or many, may tune the same recipe against one study
-storage (`tuner._search.TuningStudy`). Besides the study itself they must agree on a few things, and this
-module is where each is decided:
-
-- `Presence`: what this worker's heartbeat keeps alive (the study's setup while it holds it, the trial in
-  flight, the MLflow session run), so other workers can tell a live worker from a dead one;
-- `join_setup`: whether this worker profiles and seeds the study, or waits for the one that does (and
-  takes over when that one died);
-- `reap`: the trials of dead workers failed, recorded in MLflow and their candidates queued again;
-- `slot_taken` / `others_fill` / `stand_down_reason`: ``n_trials`` counts the study's trials, so a worker
-  never runs a surplus one while others' trials in flight make up the number, nor a candidate another
-  worker asked at the same moment;
-- `wait_for_running`: before the gate, every worker waits for the others' trials, so all gate the same
-  final winner.
-"""
+"""Workers sharing one study (docs/CLUSTER.md): heartbeats (`Presence`), who sets the study up
+(`join_setup`), dead workers' trials (`reap`), no surplus or doubled trials (`stand_down_reason`), and the
+wait for others' trials before the gate (`wait_for_running`)."""
 
 from __future__ import annotations
 
@@ -41,27 +27,22 @@ __all__ = [
 ]
 
 SETUP_WAIT_S = 600.0
-"""How long a worker joining a new study waits for the worker that created it to profile and seed it
-(a dead creator is taken over at once on its host, after the grace period elsewhere)."""
+"""How long a worker joining a new study waits for the worker that created it to profile and seed it."""
 
 Say = Callable[[str], None]
 
 
 class Presence:
-    """What this worker's heartbeats keep alive: `beat_study` and `beat_tracker` each run on their own
-    `tuner._liveness.Heartbeat` thread, so that a slow tracking server (an HTTP call may retry for
-    minutes) never stalls the study's beat, by which other workers judge this one alive."""
+    """What this worker's heartbeats keep alive; `beat_study` and `beat_tracker` run on separate threads so
+    that a slow tracking server never stalls the study's beat, by which other workers judge this one alive."""
 
     def __init__(self) -> None:
         self.study: TuningStudy | None = None
         self.tracker: Tracker | None = None
-        self.setting_up = False
-        """Whether this worker holds the study's setup (its heartbeat keeps the setup owner alive)."""
-        self.in_flight: Proposal | None = None
-        """The trial this worker runs now (asked, not yet told)."""
+        self.setting_up = False  # this worker holds the study's setup
+        self.in_flight: Proposal | None = None  # asked, not yet told
 
     def beat_study(self) -> None:
-        """One beat in the study: the setup this worker holds, the trial it runs."""
         study = self.study
         if study is None:
             return
@@ -73,7 +54,6 @@ class Presence:
                 study.in_flight.beat(proposal)
 
     def beat_tracker(self) -> None:
-        """One beat on the session run (MLflow)."""
         if self.tracker is not None:
             self.tracker.sessions.beat()
 
@@ -129,13 +109,9 @@ def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     """Whether the study's measured trials and every live trial in flight, this worker's asked one among
     them, exceed ``n_trials``: then this worker stands down.
 
-    Every worker asks (its trial turns RUNNING) before it counts, so of two workers asking at once the
-    later counter sees the earlier one's trial; a worker that counts itself within ``n_trials`` can
-    measure whatever the others decide. Both may see each other and both stand down; each waits a
-    random moment before asking again (`tuner.session`), so one takes the slot next time. The rule
-    this replaces let the lower trial number keep the slot, and ran a surplus trial: numbers do not
-    follow the order of asking (an enqueued seed keeps the number it got when enqueued), so a seed
-    asked last could still win against a trial that had counted itself in already.
+    Every worker asks (its trial turns RUNNING) before it counts, so of two asking at once the later
+    sees the earlier; both may stand down, and a random pause (`tuner.session`) lets one go first next
+    time. Trial numbers cannot decide: an enqueued seed keeps the number it got when enqueued.
     """
     return study.ran_count() + study.in_flight.running_alive(grace_s) > n_trials
 
@@ -143,9 +119,8 @@ def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
 def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> str | None:
     """Why this worker must not run ``proposal``, just asked, for another worker's trial; ``None``: run it.
 
-    Past ``n_trials`` (`slot_taken`), or another worker asked the same candidate at the same moment
-    and has not claimed it yet (`tuner._search.Proposal.contended_by`): neither can know the other
-    measures it, so both stand down. A duplicate of a claimed or finished trial is not standing down.
+    Past ``n_trials`` (`slot_taken`), or another worker asked the same candidate at the same moment and
+    has not claimed it yet: neither can know the other measures it, so both stand down.
     """
     if slot_taken(study, n_trials, grace_s):
         return "not run: other workers' trials make up n_trials"
@@ -158,13 +133,8 @@ def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, gra
 
 
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:
-    """Wait until no trial of the study runs, so every worker gates the same final winner.
-
-    Workers sharing a study stop at nearly the same time, but a trial another worker still runs may
-    beat the best one seen now; gating before it ends would promote a winner that the next worker then
-    replaces. Bounded by ``timeout_s`` (a dead worker's trial stays RUNNING until it is recovered);
-    ``stop`` (a Ctrl-C) ends the wait.
-    """
+    """Wait until no trial of the study runs, so every worker gates the same final winner; at most
+    ``timeout_s`` (a dead worker's trial stays RUNNING until it is recovered), or until ``stop`` is set."""
     deadline = time.monotonic() + timeout_s
     told = False
     while (running := len(study.in_flight.running())) and time.monotonic() < deadline:

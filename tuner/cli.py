@@ -1,21 +1,5 @@
 """``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`
-and `tuner._commands`.
-
-Usage::
-
-    recompute-tune RECIPE [--n-trials N] [--search-only] [--no-plan] [--format text|json]
-    recompute-tune plan RECIPE [--budget 20GiB] [--meta H100] [--world-size 64 --strategy fsdp]
-                               [--write policy.yaml] [--format text|json]
-    recompute-tune plan RECIPE --max-seq-len [--seq-arg seq_len] [--seq-step 64] [--seq-cap N] [--meta H100]
-    recompute-tune rollback RECIPE [--allow-over-budget]
-    recompute-tune history RECIPE [--format text|json]
-    recompute-tune schema
-
-Exit codes: 0 the policy file holds the study's best policy (promoted now or already), 1 nothing
-promoted (nothing fits the budget, or the gate kept the current policy; for ``rollback``: nothing
-to roll back to), 2 a bad recipe or argument, 3 a store failed (study storage, tracking store,
-output folder or disk; the message says which and what to do), 130 interrupted (Ctrl-C, SIGTERM or
-SIGHUP; rerun the same command to resume).
+and `tuner._commands`. ``recompute-tune --help`` lists the subcommands; `tuner.exits`, the exit codes.
 """
 
 from __future__ import annotations
@@ -81,7 +65,6 @@ def _add_tune(sub: Any) -> None:
     tune.add_argument(
         "--n-trials",
         type=int,
-        default=None,
         metavar="N",
         help="trials the study should have measured when this run stops (overrides search.n_trials)",
     )
@@ -111,27 +94,22 @@ def _add_tune(sub: Any) -> None:
 def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="show the planner's predicted front and its policy for a budget")
     plan.add_argument("recipe", help="the recipe YAML file")
-    plan.add_argument(
-        "--budget", default=None, help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)"
-    )
-    plan.add_argument("--write", default=None, metavar="PATH", help="write the chosen policy to PATH")
+    plan.add_argument("--budget", help="memory budget, e.g. 20GiB (default: the recipe's, less its margin)")
+    plan.add_argument("--write", metavar="PATH", help="write the chosen policy to PATH")
     plan.add_argument(
         "--meta",
-        default=None,
         metavar="HARDWARE",
         help="plan on the meta device (nothing allocated) with time estimated for HARDWARE: A100, H100, H200 or L4",
     )
     plan.add_argument(
         "--world-size",
         type=int,
-        default=None,
         metavar="N",
         help="predict one rank of N data-parallel ranks (default: the recipe's trainer devices x num_nodes)",
     )
     plan.add_argument(
         "--strategy",
         choices=("ddp", "fsdp", "model_parallel"),
-        default=None,
         help="the strategy the ranks run (default: the recipe's trainer.strategy; auto is ddp)",
     )
     plan.add_argument("--format", choices=("text", "json"), default="text")
@@ -157,26 +135,22 @@ def _add_plan(sub: Any) -> None:
 
 
 def command() -> int:
-    """The ``recompute-tune`` program: `main`, then an exit that skips the interpreter's last walk over
-    every object torch, Lightning and MLflow made (1.7 s for a bare `import lightning` on a 2-core machine; exit
-    frees them all the same). Not `main` itself: a caller in the same process keeps its garbage collector."""
-    missing = _service_missing()
-    if missing is not None:
-        print(f"recompute-tune: {missing}", file=sys.stderr)
+    """The ``recompute-tune`` program: `main`, then `gc.freeze` so that exiting skips the collector's
+    slow last walk over every object torch, Lightning and MLflow made (`main` leaves a caller's alone)."""
+    import importlib.util
+
+    # Installed without the ``tune`` extra: say what is missing rather than fail on an import.
+    absent = [name for name in ("optuna", "mlflow", "pydantic") if importlib.util.find_spec(name) is None]
+    if absent:
+        print(
+            f"recompute-tune: needs {', '.join(absent)}, the tuning service's dependencies: "
+            "pip install 'lightning-recompute[tune]'",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     code = main()
     gc.freeze()
     return code
-
-
-def _service_missing() -> str | None:
-    """Why the service cannot run here, when the library was installed without the ``tune`` extra."""
-    import importlib.util
-
-    absent = [name for name in ("optuna", "mlflow", "pydantic") if importlib.util.find_spec(name) is None]
-    if not absent:
-        return None
-    return f"needs {', '.join(absent)}, the tuning service's dependencies: pip install 'lightning-recompute[tune]'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,9 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if getattr(args, "format", "text") != "json":
         return _run(args, sys.stdout)
-    # `--format json` promises a program reading stdout nothing but the JSON: whatever else would
-    # reach stdout while the command runs (a user module printing at import or in its forward, a
-    # library, native code) goes to stderr, and the JSON is written once the command is done.
+    # `--format json` puts nothing but the JSON on stdout: anything else printed meanwhile (a user's
+    # module, a library, native code) goes to stderr, and the JSON is written once the command is done.
     out = io.StringIO()
     args.error = None
     code = 1  # what the interpreter exits with when an exception escapes
@@ -207,9 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     finally:
         text = out.getvalue()
-        if not text:
-            # The command ended before its summary (a store failed, interrupted, bad input, a bug): a
-            # program reading stdout still gets JSON, saying how it ended.
+        if not text:  # ended before its summary: still JSON, saying how it ended
             text = json.dumps({"status": _STATUS.get(code, "failed"), "exit_code": code, "error": args.error}) + "\n"
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -222,7 +193,6 @@ _STATUS = {
     EXIT_INFEASIBLE: "declined",
     EXIT_INTERRUPTED: "interrupted",
 }
-"""The ``status`` of the JSON written when a command ends before its summary, by exit code."""
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
@@ -249,9 +219,8 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         args.error = "interrupted"
         return EXIT_INTERRUPTED
     except Exception as err:
-        # The one handler of every subcommand: a store failing is exit 3 whatever raised it; an
-        # error raised on purpose is its message and its exit code (`tuner.exits`); anything else
-        # is a bug, and its traceback is what to report.
+        # The one handler of every subcommand: a store failing is exit 3 whatever raised it; an error
+        # raised on purpose is its message and exit code (`tuner.exits`); anything else is a bug.
         from tuner._stores import store_failure
 
         failure = None if recipe is None else store_failure(recipe, err)
@@ -269,11 +238,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
 @contextlib.contextmanager
 def _stdout_to_stderr() -> Iterator[None]:
-    """Send this process's stdout to stderr: Python's ``sys.stdout``, and file descriptor 1 where it is one.
-
-    The descriptor matters too: native code and child processes that inherit it write there
-    without passing through ``sys.stdout``.
-    """
+    """Send stdout to stderr: ``sys.stdout``, and file descriptor 1 (native code and child processes)."""
     sys.stdout.flush()
     saved: int | None = None
     try:
@@ -297,7 +262,6 @@ def _stdout_to_stderr() -> Iterator[None]:
 def _quiet_libraries() -> None:
     """Keep the terminal to the tuner's own lines: no per-trial INFO logs or download progress bars."""
     import logging
-    import os
 
     from tuner._stores import bound_tracking_requests
 
@@ -376,13 +340,11 @@ def _trial_line(event: TrialEvent) -> str:
 
 
 def _report(s: SessionSummary) -> str:
-    """What the session decided, in at most 15 lines: the policy and where it went, the glyphs, its speed and
-    peak against the limit, one figure per baseline with its interval, the gate in one line, where to see more.
-    """
+    """What the session decided, in at most 15 lines."""
     best = s.best
     where = _micro_batch(best.micro_batch, s.data_batch_size) if best is not None else ""
     short = best.short if best is not None else ""
-    # The race's winner when it is no trial of this study (the good policy of an earlier one): its figures.
+    # The race's winner may be no trial of this study (the good policy of an earlier one): its figures.
     race = s.race
     won = race.winner if race is not None and race.ok and not s.chosen else None
     entrant = race.entrants.get(won) if race is not None and won is not None else None
@@ -454,7 +416,6 @@ def _baseline_lines(s: SessionSummary) -> list[str]:
                 f"{f['high'] * 100:+.1f}%)" + (", not significant" if spans_zero else "")
             )
         elif not rec.ran:
-            # The reason's first clause: its figures in bytes are in --verbose and the JSON.
             why = f"{rec.outcome}: {rec.reason.split(' (')[0]}" if rec.reason else rec.outcome
             out.append(_clip(f"{head} not measured ({why})"))
         elif not rec.feasible:
@@ -481,7 +442,6 @@ def _details(s: SessionSummary) -> str:
     width = max(6, len(s.layer_names))
     if ranked:
         unit = next((r.throughput_unit for r in ranked if r.throughput_unit), "")
-        # A trial's figure is one short run in its own process: shown, never compared (the race compares).
         header = (
             f"{'rank':>4}  {'trial':>5}  {'policy':<{width}}  {'mb':>4}  "
             f"{'throughput':>12}  {'noise':>6}  {'peak':>11}  {'fits':>4}  source"
@@ -497,7 +457,6 @@ def _details(s: SessionSummary) -> str:
                 f"{_bytes(r.peak_bytes):>11}  {'yes' if r.feasible else 'no':>4}  {r.label or ''}"
             )
         if len(shown) < len(ranked):
-            # The top ten and the baselines: say what is left out and where it is, never drop rows silently.
             left = len(ranked) - len(shown)
             lines.append(f"  ... {left} more (every trial: `--format json`, or trials.csv in MLflow)")
         lines.append("")
@@ -511,7 +470,6 @@ def _details(s: SessionSummary) -> str:
         figures = s.vs_figures()
         for name, rec in s.baselines.items():
             if rec.ran and (rec.fingerprint, rec.micro_batch) == (s.best.fingerprint, s.best.micro_batch):
-                # The baseline won (the quickstart often promotes every_2nd_full): no figure against itself.
                 itself = "the chosen policy" if s.chosen else "the best single trial"
                 lines.append(f"  vs {name:<15} {rec.short}: this is {itself}, no figure against itself")
             elif name in figures:
@@ -522,16 +480,12 @@ def _details(s: SessionSummary) -> str:
             elif not rec.feasible:
                 lines.append(f"  vs {name:<15} {rec.short}: over the budget, not raced")
             elif s.race is not None and rec.fingerprint in s.race.entrants:
-                # Raced as a leader but not a reference of the estimation: its selection figure is in the race
-                # table ("vs leader"); the selection chose the winner, so it is no unbiased "vs" figure.
+                # Raced in the selection only: its figure there is biased by the choice of the winner.
                 lines.append(
                     f"  vs {name:<15} {rec.short}: raced in the selection only ('vs leader' above); "
                     "no estimation rounds, no 'vs' figure"
                 )
             else:
-                # Fits and ran, but the race did not take it (slower trials than the raced baseline, or no race):
-                # say so rather than drop the line, and give no figure from its single run.
-                ranked = s.ranked
                 place = f"ranked {ranked.index(rec) + 1} of {len(ranked)}" if rec in ranked else "measured"
                 lines.append(
                     f"  vs {name:<15} {rec.short}: not raced (its single trial {place}; no 'vs' figure from one run)"
@@ -716,14 +670,12 @@ def _history(recipe: Recipe, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _micro_batch(micro_batch: int | None, data_batch_size: int | None) -> str:
-    """``micro-batch 4``; a trial without one ran at the data module's own batch size."""
     if micro_batch is not None:
         return f"micro-batch {micro_batch}"
     return f"micro-batch {data_batch_size} (the data's own)" if data_batch_size is not None else "the data's batch size"
 
 
 def _span(names: Sequence[str]) -> str:
-    """Layer names, the first and last of a long list only."""
     return ", ".join(names) if len(names) <= 8 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 

@@ -1,16 +1,7 @@
 """The exit codes of ``recompute-tune`` and the errors that carry them, defined once for every subcommand.
 
-Every error a command raises on purpose is a `RecomputeError`; the CLI has one handler, which prints
-the message (no traceback) and exits with `exit_code_of` it:
-
-- `StoreFailure`: `EXIT_STORE_FAILED` (3), a store needs a person;
-- `Declined`: `EXIT_INFEASIBLE` (1), the command ran and changed nothing (nothing to roll back to, a
-  rollback refused, the gate's lease held by another worker past the wait);
-- any other `RecomputeError` (`tuner.recipe.RecipeError`, `tuner._preflight.SettingsError`, a layer
-  not found, a planner error ...): `EXIT_BAD_INPUT` (2), what was asked cannot be done as written.
-
-A tuning session that ends without a promotion is no error: its summary carries `EXIT_INFEASIBLE`.
-Ctrl-C, SIGTERM and SIGHUP exit `EXIT_INTERRUPTED`.
+The CLI's one handler prints a `RecomputeError`'s message (no traceback) and exits with `exit_code_of` it:
+`StoreFailure` 3, `Declined` 1, any other 2. A session that promotes nothing carries `EXIT_INFEASIBLE`.
 """
 
 from __future__ import annotations
@@ -38,9 +29,8 @@ EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 """The recipe or an argument is invalid (the CLI prints every problem)."""
 EXIT_STORE_FAILED = 3
-"""A store failed: the study storage or tracking store (damaged file, unreachable, not MLflow) or the output's
-folder or disk (read-only, full). Nothing was promoted and nothing stored was removed; the message names the
-store and what to do. Distinct from 1 so a scheduled job can tell "needs a person" from "nothing fits"."""
+"""A store failed (the study storage, the tracking store, the output's folder or disk): it needs a person.
+Nothing was promoted and nothing stored was removed."""
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C, SIGTERM or SIGHUP (a closed terminal); the study resumes on the next run."""
 
@@ -64,11 +54,7 @@ def exit_code_of(err: RecomputeError) -> int:
 
 
 class StoreFailure(TunerError):
-    """A store a command reads or writes failed: the study storage, the tracking store, or the output folder.
-
-    The CLI prints the message alone (no traceback) and exits `EXIT_STORE_FAILED`; `tuner._stores.store_failure`
-    makes one from what a store raised.
-    """
+    """A store a command reads or writes failed (`tuner._stores.store_failure` makes one from what it raised)."""
 
     exit_code: ClassVar[int] = EXIT_STORE_FAILED
 

@@ -1,19 +1,8 @@
 """A small, configurable Llama-style decoder for planning and tests.
 
-`LlamaLike` has what matters for activation memory in current decoder LLMs: pre-norm blocks with
-RMSNorm, grouped-query attention through ``scaled_dot_product_attention``, optional rotary
-position embeddings, a SwiGLU MLP, untied embeddings and an LM head. Its blocks live at
-``layers.0`` ... ``layers.{n_layers-1}``, which `lightning_recompute.find_layers` finds with
-``layers="auto"``.
-
-Built under ``torch.device("meta")`` it costs no memory at any size, which is how the planner
-sizes a 7B-class model on a laptop (`llama_7b`, `lightning_recompute.profile.profile_meta`).
-
-On the meta device ``F.scaled_dot_product_attention`` has no fused kernel and falls back to the
-math decomposition, which materialises the (batch, heads, seq, seq) score matrix that no GPU
-run with a fused kernel ever holds. So on meta the attention calls the flash-attention kernel
-directly (it has a meta implementation, forward and backward), i.e. it models what a GPU picks
-for bf16/fp16. Everywhere else it is the ordinary ``F.scaled_dot_product_attention``.
+`LlamaLike` has what matters for activation memory in decoder LLMs: pre-norm RMSNorm blocks,
+grouped-query attention, optional rotary embeddings, a SwiGLU MLP, untied embeddings and an LM head;
+its blocks are ``layers.N``. Built on the meta device it costs no memory at any size (`llama_7b`).
 """
 
 from __future__ import annotations
@@ -120,7 +109,8 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if x.device.type == "meta":
-            # See the module docstring: model the fused kernel a GPU runs, not the math fallback.
+            # SDPA on meta falls back to the math path, which holds the full score matrix no fused GPU
+            # kernel holds: call the flash kernel (it has a meta implementation) to model what a GPU runs.
             y = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -158,9 +148,8 @@ class LlamaBlock(nn.Module):
 class LlamaLike(nn.Module):
     """A Llama-style decoder: ``tok_embeddings`` -> ``layers.N`` -> ``norm`` -> ``output``.
 
-    ``forward(idx)`` returns logits; ``loss((idx, targets))`` the mean next-token cross-entropy,
-    which is what `lightning_recompute.profile.profile_model` calls by default for a plain module with a
-    ``loss`` method.
+    ``forward(idx)`` returns logits; ``loss((idx, targets))`` the mean next-token cross-entropy (what
+    `lightning_recompute.profile.profile_model` calls for a plain module).
     """
 
     def __init__(self, cfg: LlamaConfig | None = None, **overrides: Any) -> None:
@@ -178,8 +167,7 @@ class LlamaLike(nn.Module):
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
         half = (self.cfg.dim // self.cfg.n_heads) // 2
-        # Computed per call rather than kept as a buffer: it is tiny, and a buffer would have to be
-        # materialised separately when the model is built on the meta device.
+        # Per call, not a buffer: a buffer would need materialising when the model is built on meta.
         inv = 1.0 / (10000.0 ** (torch.arange(half, device=device, dtype=torch.float32) / half))
         ang = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv)
         return ang.cos().to(dtype), ang.sin().to(dtype)

@@ -1,29 +1,18 @@
 """One tuning session, the loop only: study -> trials -> tracking -> decision -> policy file.
 
-`tune` is what ``recompute-tune RECIPE`` runs. It opens the study (`tuner._search`), has it set up
-once (profile and plan: `tuner._search.planner_seeds`), asks, runs (`tuner._trials`) and tells trials,
-records each in MLflow (`tuner._tracking`), and hands the best feasible one to `tuner._decision` (the
-race and the evidence gate). What workers sharing the study agree on is `tuner._workers`'. It returns
-a `tuner.summary.SessionSummary` and reports progress through callbacks, so the CLI only parses
-arguments and prints.
-
-Interrupts (`tuner._interrupts`): the first Ctrl-C lets the trial in flight finish, records it,
-and stops; the second kills the trial (its process group) and records it as interrupted. Either
-way the in-flight Optuna trial is told (FAIL, and a seed goes back in the queue), the MLflow
-session run is ended as KILLED, and the next run of the same recipe resumes the study. Setting
-up (profiling) and the evidence gate are stopped by the first Ctrl-C: nothing is promoted from an
-interrupted confirmation.
+`tune` opens the study (`tuner._search`), has it set up once (profile and plan), asks, runs
+(`tuner._trials`) and tells trials, records each in MLflow (`tuner._tracking`), and hands the best to
+`tuner._decision` (the race and the gate); workers sharing a study agree through `tuner._workers`.
+Ctrl-C (`tuner._interrupts`) ends the session run KILLED and leaves the study to resume.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
@@ -58,18 +47,11 @@ from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
-    from tuner._search import SearchSpace, TuningStudy
     from tuner._tracking import Tracker
     from tuner._trials import TrialResult
-    from tuner._workers import Presence
     from tuner.recipe import Recipe
-    from tuner.summary import SessionSummary
 
 __all__ = ["tune"]
-
-
-_log = logging.getLogger(__name__)
-
 
 MAX_UNMEASURED_IN_A_ROW = 25
 """Proposals in a row that are duplicates or skipped before the session decides the space is exhausted."""
@@ -78,9 +60,6 @@ POLL_S = 1.0
 """How often a session waiting on other workers' trials looks at the study again."""
 
 Notify = Callable[[str], None]
-
-
-# ---------------------------------------------------------------------------------------------- tune
 
 
 def tune(
@@ -96,23 +75,15 @@ def tune(
     """Run one tuning session of ``recipe`` and decide whether to promote its best policy.
 
     Args:
-        recipe: a loaded recipe (`tuner.recipe._load`).
-        n_trials: how many trials the *study* should have measured when this session stops
-            (default: the recipe's ``search.n_trials``); a resumed study only runs the rest.
-        search_only: search, then report the best without the gate or a promotion (workers
-            sharing a study; the last run gates).
-        use_planner: profile the model and plan when this session sets the study up (seeds
-            from the planner, planner-predicted hopeless candidates skipped). Without it the
-            study is seeded with the baselines only; a profile already in the study is still used.
-        on_trial: called after every trial with what the CLI prints.
-        on_note: called with one-line progress notes.
-        handle_signals: install the Ctrl-C handling described in the module docstring.
+        n_trials: trials the *study* should have measured when this session stops (default: the
+            recipe's ``search.n_trials``); a resumed study only runs the rest.
+        search_only: report the best without the gate or a promotion.
+        use_planner: profile and plan when this session sets the study up (else: baselines only).
+        on_trial: called after every trial; on_note: with one-line progress notes.
+        handle_signals: install the Ctrl-C handling (`tuner._interrupts`).
 
-    Returns:
-        The summary; its ``exit_code`` is what ``recompute-tune`` exits with.
-
-    Raises:
-        RecomputeError: the recipe cannot be tuned as written (layers not found, study clash ...).
+    Returns the summary; its ``exit_code`` is what ``recompute-tune`` exits with. Raises
+    `RecomputeError` when the recipe cannot be tuned as written.
     """
     if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
         raise RecomputeError(f"n_trials: must be a positive integer, got {n_trials!r}")
@@ -127,7 +98,7 @@ def tune(
 
 @dataclass(frozen=True)
 class _Where:
-    """What a session tunes for, found before it opens anything: the device, its budget, the space, the study's name."""
+    """What a session tunes for, found before it opens anything."""
 
     device: str
     budget: int
@@ -139,7 +110,6 @@ class _Where:
         from tuner._preflight import check_settings
         from tuner._trials import device_info
 
-        # Before anything is measured: a path or URI that cannot work fails now, not after the search.
         check_settings(recipe, output=not search_only)
         device, total = device_info(recipe)
         layers = inspect_layers(recipe)
@@ -159,8 +129,6 @@ class _Where:
 
 @dataclass(frozen=True)
 class _Options:
-    """How `tune` was asked to run (its keyword arguments)."""
-
     n_trials: int
     search_only: bool
     use_planner: bool
@@ -168,11 +136,7 @@ class _Options:
 
 
 class _TuningSession:
-    """The state of one `tune` call (kept off module level: several may run in one process).
-
-    The loop only: set the study up, ask / run / tell trials, then hand the best to `tuner._decision`.
-    Workers sharing the study are `tuner._workers`' concern; the decision, `tuner._decision`'s.
-    """
+    """The state of one `tune` call (kept off module level: several may run in one process)."""
 
     def __init__(
         self, recipe: Recipe, where: _Where, options: _Options, notify: Notify, interrupts: Interrupts
@@ -189,10 +153,8 @@ class _TuningSession:
         self.predict: Predictor | None = None
         self.ran = 0
         self.grace = grace_s()
-        self.jitter = random.Random()
-        """The random pause after standing down (unseeded: two workers must not draw the same)."""
+        self.jitter = random.Random()  # unseeded: two workers must not draw the same pause
         self.data_noted = False
-        """Whether the session said that the data module's batches vary (once, at the first trial that saw it)."""
 
     @property
     def study(self) -> TuningStudy | None:
@@ -203,7 +165,6 @@ class _TuningSession:
         return self.presence.tracker
 
     def _tracker(self) -> Tracker:
-        """The session's tracker; only called once `run` has opened it."""
         if self.tracker is None:
             raise RuntimeError("the tracker is used before the session opened it")
         return self.tracker
@@ -211,8 +172,6 @@ class _TuningSession:
     def note(self, message: str) -> None:
         self.notes.append(message)
         self.notify(message)
-
-    # -------------------------------------------------------------- the flow
 
     def run(self) -> SessionSummary:
         recipe, where = self.recipe, self.where
@@ -229,23 +188,10 @@ class _TuningSession:
                 device=where.device,
             )
             heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
-            self.seeding = _set_up_study(
-                self.presence.study,
-                where.name,
-                recipe,
-                where.space,
-                where.budget,
-                use_planner=self.options.use_planner,
-                presence=self.presence,
-                grace_s=self.grace,
-                notify=self.notify,
-                note=self.note,
-            )
+            self.seeding = self._set_up(self.presence.study)
             self.predict = self.seeding.predictor()
             self.interrupts.phase = "between"
-            self.presence.tracker, self.session_run_id = _open_session_run(
-                recipe, where.name, self.grace, self.notify, self.note
-            )
+            self._open_session_run()
             stop_reason = self._search()
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped after the current trial")
@@ -264,8 +210,64 @@ class _TuningSession:
             for heartbeat in heartbeats:
                 heartbeat.stop()
 
+    def _set_up(self, study: TuningStudy) -> PlannerSeeds:
+        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it.
+
+        Returns the seeding: its predictor serves the whole session; its seeds are empty when another
+        session set the study up.
+        """
+        recipe, name, space, budget, note = self.recipe, self.where.name, self.where.space, self.where.budget, self.note
+        if not join_setup(study, name, self.grace, self.notify, note):
+            stored = study.setup.profile()
+            seeding = (
+                plan_seeds(recipe, space, budget, stored=stored)
+                if stored
+                else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
+            )
+            seeding.seeds = []
+            if seeding.note:
+                note(seeding.note)
+            self.notify(f"study {name} resumed: {study.ran_count()} trials run so far")
+            return seeding
+        self.presence.setting_up = True
+        try:
+            kill_point("profiling")  # a test hook; see tuner._liveness
+            if self.options.use_planner:
+                self.notify("profiling the model and planning ...")
+                seeding = plan_seeds(recipe, space, budget)
+            else:
+                seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
+            if seeding.profile is not None:
+                study.setup.store_profile(seeding.profile.to_dict())
+            if seeding.note:
+                study.setup.store_planner_note(seeding.note)
+                note(seeding.note)
+            enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
+        except BaseException:
+            study.setup.abandon()
+            raise
+        finally:
+            self.presence.setting_up = False
+        self.notify(f"study {name} created; seeded {', '.join(enqueued) or 'nothing'}")
+        return seeding
+
+    def _open_session_run(self) -> None:
+        """Open the tracker and this session's run (resumed when an interrupted or dead session left one)."""
+        from tuner._trials import clean_stale_trial_dirs
+
+        recipe = self.recipe
+        tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
+        # End KILLED a dead session's run first, so this session resumes it instead of opening another.
+        end_dead_session_runs(tracker, self.where.name, self.grace, self.note)
+        for done in tracker.registry.clean_leftovers(recipe.output, self.grace):
+            self.note(done)
+        self.session_run_id = tracker.sessions.start_session(recipe, study_name=self.where.name, resume=True)
+        self.presence.tracker = tracker
+        for folder in clean_stale_trial_dirs():
+            self.notify(f"removed {folder}: its tuning process is gone")
+
     def _finish_failed(self, err: BaseException) -> None:
-        """Leave nothing running after an unexpected error: the trial told FAIL, the session run FAILED."""
+        """Leave nothing running after an unexpected error."""
         why = f"session failed: {type(err).__name__}: {err}"
         presence = self.presence
         with contextlib.suppress(Exception):
@@ -285,8 +287,7 @@ class _TuningSession:
         assert study is not None
         n_trials, started, timeout = self.options.n_trials, time.monotonic(), self.recipe.search.timeout_s
         unmeasured = 0
-        # Waiting on other workers' trials ends at the latest when each could have timed out and
-        # been found dead: a live worker's trial ends by its deadline, a dead one's is reaped.
+        # By then every other worker's trial has ended by its deadline or been reaped as dead.
         wait_limit = self.recipe.trial.timeout_s + self.grace + 60.0
         waiting_since: float | None = None
         while True:
@@ -301,8 +302,7 @@ class _TuningSession:
             if unmeasured >= MAX_UNMEASURED_IN_A_ROW:
                 return f"search space exhausted: {unmeasured} proposals in a row were duplicates or skipped"
             if others_fill(study, n_trials, self.grace):
-                # Other workers' trials in flight make up n_trials: wait for them rather than run
-                # a surplus one. If one of them dies its candidate comes back, and this worker runs it.
+                # Others' trials in flight make up n_trials: wait rather than run a surplus one.
                 if waiting_since is None:
                     waiting_since = time.monotonic()
                     self.notify("n_trials are measured or being measured by other workers; waiting for them ...")
@@ -315,13 +315,12 @@ class _TuningSession:
             unmeasured = 0 if ran == "measured" else unmeasured + 1
             kill_point("between" if ran == "measured" else "")  # a test hook; see tuner._liveness
             if ran == "stood down":
-                # Another worker asked at the same moment and may have stood down too: a random
-                # pause makes one of the two ask first next time.
+                # Another worker may have stood down too: a random pause makes one of them ask first.
                 self.interrupts.stop.wait(self.jitter.uniform(0.0, POLL_S))
 
     def _one_trial(self, study: TuningStudy) -> Literal["measured", "not measured", "stood down"]:
         """One proposal: measured, not measured (a duplicate, or skipped on the planner's prediction), or
-        stood down for another worker's trial asked at the same moment."""
+        stood down for another worker's trial."""
         from tuner._trials import TrialResult, run_trial
 
         proposal = study.ask(session_run_id=self.session_run_id)
@@ -329,7 +328,6 @@ class _TuningSession:
         device = self.where.device
         stand_down = stand_down_reason(study, proposal, self.options.n_trials, self.grace)
         if stand_down is not None:
-            # A seed goes back in the queue, as for an interrupted trial.
             self._log(proposal, TrialResult.skipped(stand_down, device=device), stand_down)
             self._event(study.tell_interrupted(proposal, stand_down).number)
             return "stood down"
@@ -358,7 +356,6 @@ class _TuningSession:
         return "measured"
 
     def _say_data(self, result: TrialResult) -> None:
-        """Say once that the data module's batches vary, and which batch the trials measure."""
         if self.data_noted or not result.batches or not result.batches.get("varies"):
             return
         from tuner._trials.batches import BatchScan
@@ -382,9 +379,17 @@ class _TuningSession:
         self.presence.in_flight = None
         if self.options.on_trial is None or self.study is None:
             return
-        self.options.on_trial(_trial_event(self.study, number, self.options.n_trials, self.where))
-
-    # -------------------------------------------------------------- endings
+        records = self.study.records()
+        self.options.on_trial(
+            TrialEvent(
+                record=next(r for r in records if r.number == number),
+                best=best_of(records),
+                ran=sum(1 for r in records if r.ran),
+                n_trials=self.options.n_trials,
+                budget_bytes=self.where.budget,
+                layer_names=self.where.space.layer_names,
+            )
+        )
 
     def _summary(
         self, status: str, exit_code: int, race: RaceResult | None = None, chosen: str | None = None
@@ -408,11 +413,24 @@ class _TuningSession:
 
     def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
         if self.tracker is not None and self.session_run_id is not None:
-            # A worker that died mid-trial had its trial reaped once its trial's heartbeat was past the
-            # grace period, but its session run's heartbeat may still have been within it then: end it
-            # now, so that no session run is left RUNNING that no process runs.
+            # A dead worker's session run may have outlived its reaped trial's grace period: end it now.
             end_dead_session_runs(self.tracker, self.where.name, self.grace, self.note)
-            _close_session_run(self.tracker, summary, status, study=self.where.name, budget_bytes=self.where.budget)
+            sessions = self.tracker.sessions
+            sessions.note_session(
+                [
+                    f"study {self.where.name} ({summary.storage})",
+                    f"search space {summary.search_space}",
+                    f"status {summary.status}",
+                    *summary.notes,
+                ]
+            )
+            sessions.finish_session(
+                status=status,
+                best=None if summary.best is None else summary.best.to_dict(),
+                trials_table=[r.to_dict() for r in summary.records],
+                baselines={k: v.to_dict() for k, v in summary.baselines.items()},
+                budget_bytes=self.where.budget,
+            )
 
     def _finish_interrupted(self, how: str) -> SessionSummary:
         # Handlers stay installed: a further Ctrl-C during this bookkeeping only sets the flag.
@@ -426,14 +444,17 @@ class _TuningSession:
         return summary
 
     def _finish(self, summary: SessionSummary) -> SessionSummary:
-        """Make the output file hold the good policy (restored from MLflow when it does not, and said so)
-        and close the session run."""
-        _reconcile_policy_file(self._tracker(), self.recipe.output, summary, self.note)  # notes: summary.notes
+        """Make the output file hold the good policy (restored from MLflow, and said so) and close the run."""
+        tracker, output = self._tracker(), self.recipe.output
+        restored = tracker.registry.restore_file(output)
+        if restored is not None:
+            self.note(f"policy file: {restored}")
+        if summary.policy_path is None and tracker.registry.current_good() is not None:
+            summary.policy_path = output
         self._finish_tracking("FINISHED", summary)
         return summary
 
     def _decide(self) -> SessionSummary:
-        """Gate the best feasible trial against the current good policy (`tuner._decision`); promote or keep."""
         study = self.study
         if not self.options.search_only and study is not None:
             timeout = float(self.recipe.trial.timeout_s) + 60.0
@@ -471,134 +492,3 @@ class _TuningSession:
         summary.evidence = dict(decision.evidence)
         summary.decision_run_id = decision.decision_run_id
         return self._finish(summary)
-
-
-def _trial_event(study: TuningStudy, number: int, n_trials: int, where: _Where) -> TrialEvent:
-    """What ``on_trial`` hears after trial ``number``: its record, the best so far and the count ran."""
-    records = study.records()
-    return TrialEvent(
-        record=next(r for r in records if r.number == number),
-        best=best_of(records),
-        ran=sum(1 for r in records if r.ran),
-        n_trials=n_trials,
-        budget_bytes=where.budget,
-        layer_names=where.space.layer_names,
-    )
-
-
-# -------------------------------------------------------------------------------- setup
-# A study's setup, once for all its workers: profile the model, plan, store the profile and seed the study.
-
-Say = Callable[[str], None]
-
-
-def _set_up_study(
-    study: TuningStudy,
-    name: str,
-    recipe: Recipe,
-    space: SearchSpace,
-    budget_bytes: int,
-    *,
-    use_planner: bool,
-    presence: Presence,
-    grace_s: float,
-    notify: Say,
-    note: Say,
-) -> PlannerSeeds:
-    """Set ``study`` up, or join it; the planner's predictions and notes either way.
-
-    Args:
-        study: the study, just opened; name: its name (for the messages).
-        recipe, space, budget_bytes: what the planner plans for.
-        use_planner: profile and plan (else the study is seeded with the baselines only).
-        presence: the worker's heartbeat state; it holds the setup while this worker sets it up.
-        grace_s: how long another host's worker may stay silent before it counts as dead.
-        notify: progress (printed, not kept); note: a decision along the way (kept).
-
-    Returns:
-        The seeding: its predictor serves the whole session; its seeds are empty when the study was
-        set up by another session (they are already in the study).
-    """
-    if not join_setup(study, name, grace_s, notify, note):
-        stored = study.setup.profile()
-        seeding = (
-            plan_seeds(recipe, space, budget_bytes, stored=stored)
-            if stored
-            else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
-        )
-        seeding.seeds = []  # the study was seeded by the session that set it up
-        if seeding.note:
-            note(seeding.note)
-        notify(f"study {name} resumed: {study.ran_count()} trials run so far")
-        return seeding
-    presence.setting_up = True
-    try:
-        kill_point("profiling")  # a test hook; see tuner._liveness
-        if use_planner:
-            notify("profiling the model and planning ...")
-            seeding = plan_seeds(recipe, space, budget_bytes)
-        else:
-            seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
-        if seeding.profile is not None:
-            study.setup.store_profile(seeding.profile.to_dict())
-        if seeding.note:
-            study.setup.store_planner_note(seeding.note)
-            note(seeding.note)
-        enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
-    except BaseException:
-        study.setup.abandon()
-        raise
-    finally:
-        presence.setting_up = False
-    notify(f"study {name} created; seeded {', '.join(enqueued) or 'nothing'}")
-    return seeding
-
-
-# -------------------------------------------------------------------------------- session_run
-# The session's MLflow run, opened and closed, and the policy file reconciled with what MLflow records.
-
-
-def _open_session_run(recipe: Recipe, study: str, grace_s: float, notify: Say, note: Say) -> tuple[Tracker, str]:
-    """The tracker and this session's run (resumed when an interrupted or dead session of ``study`` left one)."""
-    from tuner._trials import clean_stale_trial_dirs
-
-    tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
-    # A session SIGKILLed earlier left its session run RUNNING: end it KILLED first, so this
-    # session resumes it (one study, one session run) instead of opening another.
-    end_dead_session_runs(tracker, study, grace_s, note)
-    for done in tracker.registry.clean_leftovers(recipe.output, grace_s):
-        note(done)
-    run_id = tracker.sessions.start_session(recipe, study_name=study, resume=True)
-    for folder in clean_stale_trial_dirs():
-        notify(f"removed {folder}: its tuning process is gone")
-    return tracker, run_id
-
-
-def _reconcile_policy_file(tracker: Tracker, output: Path, summary: SessionSummary, note: Say) -> None:
-    """Make ``output`` hold the good policy (restored from MLflow when it does not, and said so), and
-    point ``summary`` at it when there is a good policy."""
-    restored = tracker.registry.restore_file(output)
-    if restored is not None:
-        note(f"policy file: {restored}")
-    if summary.policy_path is None and tracker.registry.current_good() is not None:
-        summary.policy_path = output
-
-
-def _close_session_run(
-    tracker: Tracker, summary: SessionSummary, status: str, *, study: str, budget_bytes: int
-) -> None:
-    """End the session run ``status`` (FINISHED, KILLED) with the session's notes, trials table and baselines."""
-    notes = [
-        f"study {study} ({summary.storage})",
-        f"search space {summary.search_space}",
-        f"status {summary.status}",
-        *summary.notes,
-    ]
-    tracker.sessions.note_session(notes)
-    tracker.sessions.finish_session(
-        status=status,
-        best=None if summary.best is None else summary.best.to_dict(),
-        trials_table=[r.to_dict() for r in summary.records],
-        baselines={k: v.to_dict() for k, v in summary.baselines.items()},
-        budget_bytes=budget_bytes,
-    )

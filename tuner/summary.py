@@ -1,9 +1,5 @@
-"""What a tuning session reports: each trial as it finishes (`TrialEvent`), and the session's `SessionSummary`.
-
-The CLI prints these and ``--format json`` dumps `SessionSummary.to_dict`; `summarize` builds a summary from
-the study's records and the race, and `training_change` says what a training job must set for the good
-policy to fit.
-"""
+"""What a tuning session reports: each trial as it finishes (`TrialEvent`), and the session's `SessionSummary`
+(`summarize` builds it; ``--format json`` dumps its `to_dict`)."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ class TrialEvent:
     best: TrialRecord | None
     """The best feasible trial of the study so far (any worker's)."""
     ran: int
-    """Trials run in the study so far (`TrialRecord.ran`: what ``n_trials`` counts)."""
+    """Trials run in the study so far (what ``n_trials`` counts)."""
     n_trials: int
     budget_bytes: int
     layer_names: tuple[str, ...]
@@ -42,7 +38,7 @@ class TrialEvent:
 
 @dataclass
 class SessionSummary:
-    """What a tuning session did and decided; the CLI prints it, ``--format json`` dumps `to_dict`."""
+    """What a tuning session did and decided."""
 
     recipe: str
     study: str
@@ -62,8 +58,7 @@ class SessionSummary:
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
     """Baseline name (``none``, ``full``, ``selective``, ``every_2nd_full``) -> its trial."""
     gains: dict[str, float | None] = field(default_factory=dict)
-    """Baseline name -> the race winner's throughput over the baseline's, minus 1, from the race's
-    estimation rounds (``None``: not raced against it; single trials are never compared)."""
+    """Baseline name -> the race winner's throughput over the baseline's, minus 1 (``None``: not raced)."""
     race: RaceResult | None = None
     """The race before the gate (``None``: not run; its ``reason`` says why when skipped or failed)."""
     chosen: bool = False
@@ -82,11 +77,9 @@ class SessionSummary:
     data_batch_size: int | None = None
     """The batch size of the recipe's data module (what ``micro_batch`` ``None`` means)."""
     confidence: float = 0.95
-    """The recipe's race confidence: the level the report states its intervals at (their coverage is at least
-    this: order statistics move in whole ranks)."""
+    """The recipe's race confidence: the level the report states its intervals at."""
     tuned_for: TunedFor | None = None
-    """What the good policy in `policy_path` was tuned for (``None``: no good policy, or one
-    promoted before the tuner recorded it)."""
+    """What the good policy in `policy_path` was tuned for (``None``: unknown)."""
 
     @property
     def training_change(self) -> str | None:
@@ -95,7 +88,6 @@ class SessionSummary:
 
     @property
     def mlflow_command(self) -> str:
-        """The command that browses this session in MLflow."""
         return f"mlflow ui --backend-store-uri {self.tracking_uri}"
 
     def vs_figures(self) -> dict[str, dict[str, Any]]:
@@ -163,12 +155,8 @@ class SessionSummary:
 
 
 def training_change(tuned: TunedFor | None) -> str | None:
-    """What a training job with the recipe's data must set for a policy tuned as ``tuned`` to fit.
-
-    The batch a job feeds the model per step must not exceed the tuned micro-batch; gradient
-    accumulation keeps the data's global batch (8 at micro-batch 4: ``batch_size=4,
-    accumulate_grad_batches=2``).
-    """
+    """What a training job with the recipe's data must set for a policy tuned as ``tuned`` to fit: a batch
+    no larger than the tuned micro-batch, with gradient accumulation keeping the data's global batch."""
     if tuned is None or tuned.micro_batch is None:
         return None
     mb, data = tuned.micro_batch, tuned.data_batch_size
@@ -207,16 +195,15 @@ def summarize(
 ) -> SessionSummary:
     """The summary of a session of ``recipe`` on the study ``source`` (named ``study``) as it ends.
 
-    ``chosen`` is the fingerprint the race chose (or the good policy a race chose before): its trial, if
-    one ran it, is the summary's best. ``notes`` is kept as the very list (later notes still reach it).
+    ``chosen``: the fingerprint the race chose; its trial, if one ran it, is the best. ``notes`` is kept
+    as the very list (later notes still reach it).
     """
     records = source.records() if source is not None else []
     best = source.best() if source is not None else None
     if chosen is not None:
         best = next((r for r in records if r.ran and r.fingerprint == chosen), best)
     base = baselines(records)
-    # "vs" figures come from the race's estimation rounds only: two single trials minutes apart
-    # compare the machine's moments as much as the policies.
+    # "vs" figures come from the race only: two single trials minutes apart compare the machine's moments.
     gains: dict[str, float | None] = {}
     for name, rec in base.items():
         iv = race.vs.get(rec.fingerprint) if race is not None and race.ok else None
@@ -236,7 +223,6 @@ def summarize(
         best=best,
         baselines=base,
         gains=gains,
-        policy_path=None,
         tracking_uri=recipe.tracking.uri,
         experiment=str(recipe.tracking.experiment),
         session_run_id=session_run_id,
