@@ -43,11 +43,8 @@ def gate_lease(
 ) -> Iterator[bool]:
     """Hold ``study_name``'s gate lease for the ``with`` block; yields whether another process held it first.
 
-    ``on_wait`` is told once who holds the lease when this process has to wait; ``cancel`` (Ctrl-C) ends the wait.
-
-    Raises:
-        GateLeaseTimeout: another live holder kept the lease past ``wait_s``.
-        KeyboardInterrupt: ``cancel`` was set while waiting.
+    ``on_wait`` is told once who holds the lease when this process has to wait; ``cancel`` (Ctrl-C) ends the wait
+    with `KeyboardInterrupt`, and another live holder past ``wait_s`` with `GateLeaseTimeout`.
     """
     name = lease_name(study_name)
     deadline = time.monotonic() + wait_s

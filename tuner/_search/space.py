@@ -39,12 +39,8 @@ class LayerInfo:
 
 
 def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
-    """The recipe's layers and their kinds, from a model built on the meta device (or on the CPU when it cannot
-    be: it loads weights, or calls ``.item()`` in ``__init__``).
-
-    Raises:
-        RecomputeError: the model cannot be built, or the recipe's ``layers`` match nothing.
-    """
+    """The recipe's layers and their kinds, from a model built on the meta device (or on the CPU when it loads
+    weights or calls ``.item()``); a `RecomputeError` when it cannot be built or ``layers`` match nothing."""
     import torch
 
     from tuner.recipe import build_model

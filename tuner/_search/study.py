@@ -233,14 +233,9 @@ class TuningStudy:
         recipe_fingerprint: str | None = None,
         device: str | None = None,
     ) -> TuningStudy:
-        """Create the study, or load it when it exists (resume; another worker).
-
-        Only one process can create a study of a name, which is how workers agree on who seeds it. The creator's
-        sampler is seeded with ``seed``; a joining session draws from a stream of its own.
-
-        Raises:
-            RecomputeError: the existing study was created for another search space or budget.
-        """
+        """Create the study, or load it (resume; another worker): a `RecomputeError` if it was created for another
+        space or budget. Only one process can create a study of a name, which is how workers agree on who seeds it;
+        the creator's sampler is seeded with ``seed``, a joining session's from a stream of its own."""
         store = open_storage(storage) if isinstance(storage, str) else storage
         # Constraints are set on each trial (`_constrain`): Optuna 5 deprecates TPESampler's constraints_func.
         sampler = optuna.samplers.TPESampler(seed=seed)

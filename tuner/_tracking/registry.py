@@ -101,13 +101,8 @@ class PolicyRegistry:
         return self._good_policy(run_id) if run_id else None
 
     def restore_file(self, output_path: str | Path) -> str | None:
-        """Make ``output_path`` (what training jobs read) hold the current good policy; what was wrong with it.
-
-        ``None``: it already matched, or there is no good policy (the file is not the tuner's yet).
-
-        Raises:
-            TrackingError: the good run or its artifact is gone.
-        """
+        """Make ``output_path`` (what training jobs read) hold the current good policy; what was wrong with it, or
+        ``None`` when it matched or there is no good policy. A `TrackingError` when the good run or artifact is gone."""
         good = self.current_good()
         if good is None:
             return None
@@ -148,12 +143,7 @@ class PolicyRegistry:
         evidence: Mapping[str, Any],
     ) -> str:
         """Make ``policy`` the good policy: write ``output_path`` atomically and record it; the decision run id.
-
-        The good run becomes ``source_run_id`` (the run that measured the policy), or the decision run itself.
-
-        Raises:
-            TrackingError: the source run holds a different policy.
-        """
+        The good run is ``source_run_id`` (a `TrackingError` if it measured another policy), or the decision run."""
         previous = self._good_run_id()
         if source_run_id is not None:
             self._ensure_run_policy(source_run_id, policy)
@@ -190,11 +180,8 @@ class PolicyRegistry:
     ) -> GoodPolicy:
         """Restore the good policy before the current one (file and record); the restored one. Rollbacks stack.
 
-        ``vet`` is called with the policy to restore before anything changes; raising refuses the rollback.
-
-        Raises:
-            TrackingError: there is no earlier good policy, the good-run tag no longer matches the history
-                (edited by hand), or the earlier run's artifact was changed after it was logged.
+        ``vet`` is called with the policy to restore before anything changes; raising refuses the rollback. A
+        `TrackingError` when there is none, or the good-run tag or the earlier artifact was edited by hand.
         """
         current = self._good_run_id()
         stack = self._good_stack()

@@ -54,11 +54,8 @@ _STATUSES = {
 
 
 class SessionLog:
-    """The session run of one study and the runs nested in it, recorded through ``store``.
-
-    `session` (or `Tracker` as a context manager) ends the run FINISHED, KILLED on Ctrl-C, FAILED on an
-    exception; it never stays RUNNING.
-    """
+    """The session run of one study and the runs nested in it. `session` (or `Tracker` as a context manager) ends
+    the run FINISHED, KILLED on Ctrl-C, FAILED on an exception; it never stays RUNNING."""
 
     def __init__(self, store: TrackingClient) -> None:
         self.store = store
@@ -67,11 +64,8 @@ class SessionLog:
         self._study: str | None = None
 
     def start_session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> str:
-        """Open the session run for ``study_name``; its run id.
-
-        With ``resume``, the study's latest session run is reused when it was interrupted or crashed (KILLED,
-        FAILED), so one study keeps one session run. A RUNNING one belongs to another worker: this one gets its own.
-        """
+        """Open the session run for ``study_name``; its run id. With ``resume``, the study's latest session run is
+        reused when it was interrupted or crashed (`_resumable_session`), so one study keeps one session run."""
         from mlflow.entities import Param
 
         from tuner._liveness import Owner

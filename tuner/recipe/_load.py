@@ -28,11 +28,7 @@ from tuner.recipe._schema import (
 
 
 def load(path: str | os.PathLike[str]) -> Recipe:
-    """Read and validate a recipe file.
-
-    Raises:
-        RecipeError: the file is missing, not YAML, or invalid; every problem is listed.
-    """
+    """Read and validate a recipe file; a `RecipeError` lists every problem (missing, not YAML, invalid)."""
     p = Path(path).expanduser().resolve()
     try:
         # Bounded first (size, content, nesting, aliases), then parsed again refusing duplicate keys.
