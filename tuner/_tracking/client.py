@@ -188,13 +188,12 @@ class TrackingClient:
         params: Sequence[Any] = (),
         metrics: Mapping[str, float] | None = None,
         tags: Mapping[str, str] | None = None,
-        step: int = 0,
     ) -> None:
         """Log params, metrics and tags to ``run_id`` in batches MLflow accepts (keys and tags clipped)."""
         from mlflow.entities import Metric, RunTag
 
         ts = now_ms()
-        ms = [Metric(param_key(k), float(v), ts, step) for k, v in (metrics or {}).items()]
+        ms = [Metric(param_key(k), float(v), ts, 0) for k, v in (metrics or {}).items()]
         ts_list = [RunTag(k, clip_tag(v)) for k, v in (tags or {}).items()]
         params = list(params)
         # MLflow caps a batch at 100 params/tags and 1000 metrics (a 126-layer model has more).

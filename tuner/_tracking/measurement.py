@@ -172,26 +172,21 @@ def _result_tags(r: Mapping[str, Any], reason: str | None) -> dict[str, str]:
     return tags
 
 
+_MEASURED = ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s")
+
+
 def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
-    metrics: dict[str, float] = {}
-    if finite(r.get("compile_s")) is not None:
-        metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
-    for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
-        v = finite(r.get(key))
-        if v is not None:
-            metrics[f"measured_{key}"] = v
-    for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
-        metrics[rank_peak_metric(rank)] = float(peak)
+    figures = {
+        COMPILE_SECONDS_METRIC: r.get("compile_s"),
+        **{f"measured_{k}": r.get(k) for k in _MEASURED},
+        "wall_s": r.get("wall_s") or None,  # a zero wall time is not logged
+        "device_total_bytes": r.get("device_total_bytes"),
+        **{f"predicted_{k}": v for k, v in (prediction or {}).items()},
+    }
+    metrics = {k: float(v) for k, v in figures.items() if finite(v) is not None}
+    metrics.update({rank_peak_metric(rank): float(peak) for rank, peak in enumerate(r.get("rank_peak_bytes") or ())})
     metrics.update(_noise_metrics(r.get("step_times_s") or ()))
     metrics.update(machine_metrics(r.get("machine") or {}))
-    wall = finite(r.get("wall_s")) or 0.0
-    if wall:
-        metrics["wall_s"] = wall
-    if finite(r.get("device_total_bytes")) is not None:
-        metrics["device_total_bytes"] = float(r["device_total_bytes"])
-    for key, value in (prediction or {}).items():
-        if finite(value) is not None:
-            metrics[f"predicted_{key}"] = float(value)
     return metrics
 
 
