@@ -1,25 +1,10 @@
 """The Optuna study: its name, the search space, seeding, constraints, ask/tell.
 
-One study per recipe and hardware, kept in the recipe's storage, so a session that stops (Ctrl-C,
-a crash, a finished ``n_trials``) resumes where it was, and several ``recompute-tune`` processes
-against one storage share the work. The parent process owns every trial: it asks Optuna for a
-candidate (`TuningStudy.ask`), decides whether to run it (a duplicate of a policy already
-measured is not; one the planner predicts far over budget is not), and tells Optuna what
-happened (`tell_result`, `tell_skipped`, `tell_duplicate`, `tell_interrupted`). Everything a
-session later reports (the trials table, the best feasible trial, the baselines) is read back
-from the trials' user attributes, so it covers every worker that shared the study.
-
-The search space depends on the model: where every layer is alike (one class, same parameter
-shapes), which layer gets which mode matters much less than *how many* do, so the space is a
-count of layers per mode plus a placement (first / last / spread) from which the per-layer policy
-is built deterministically. Where layers differ, each layer gets its own categorical choice.
-
-Modules: `tuner._search.space` (layers and the space), `tuner._search.seeds` (baselines),
-`tuner._search.study` (`TuningStudy`, its records and the skip rule), `tuner._search.setup_state`
-(`StudySetup`: the study's setup shared by its workers), `tuner._search.study` (`InFlight`: running
-trials, alive or reaped), `tuner._search.attrs` (the study's user-attribute keys), `tuner._search.lease`
-(one evidence gate at a time per study).
-Storage is opened by `tuner._stores`.
+One study per recipe and hardware, in the recipe's storage, so a stopped session resumes and several workers
+share the work. The parent process owns every trial: it asks for a candidate (`TuningStudy.ask`), decides
+whether to run it (not a duplicate, not predicted far over budget) and tells Optuna what happened; reports are
+read back from the trials' user attributes, so they cover every worker. Alike layers are searched as counts per
+mode plus a placement; unlike layers each get a choice (`tuner._search.space`).
 """
 
 from __future__ import annotations

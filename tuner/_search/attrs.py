@@ -1,37 +1,23 @@
-"""The keys of the study's user attributes: the study's own record, shared by every worker.
-
-These names are the store layout: a study written by an earlier version resumes only while they
-stay the same. `tuner._search.study.TuningStudy` is the only reader and writer; the session goes
-through its methods.
-"""
+"""The keys of the study's and its trials' user attributes: the store layout (a study written by an earlier
+version resumes only while they stay the same). `tuner._search.study` is their only reader and writer."""
 
 from __future__ import annotations
-
-__all__ = ["StudyAttr", "TrialAttr"]
 
 
 class StudyAttr:
     """Keys of ``study.user_attrs``: what the session that created the study recorded once."""
 
-    SEARCH_SPACE = "search_space"
-    """`SearchSpace.signature` of the creator: a session with another space may not join."""
-    BUDGET_BYTES = "budget_bytes"
-    """The budget limit the study was tuned for: a session with another may not join."""
+    SEARCH_SPACE = "search_space"  # `SearchSpace.signature`: a session with another space may not join
+    BUDGET_BYTES = "budget_bytes"  # a session with another budget limit may not join
     RECIPE = "recipe"
     RECIPE_FINGERPRINT = "recipe_fingerprint"
     DEVICE = "device"
     SEEDED = "seeded"
-    """Seeding happened, once, by the session that set the study up."""
-    ABANDONED = "setup_abandoned"
-    """The creator was stopped before seeding: a waiting worker takes the setup over."""
-    PROFILE = "profile"
-    """`Profile.to_dict` of the model: resumed and joining sessions predict with the same figures."""
+    ABANDONED = "setup_abandoned"  # the creator stopped before seeding: a waiting worker takes the setup over
+    PROFILE = "profile"  # `Profile.to_dict`: joining sessions predict with the same figures
     PLANNER_NOTE = "planner_note"
-    """Why the planner made no predictions, or what it could not do."""
-    SETUP_OWNER = "setup_owner"
-    """`tuner._liveness.Owner.to_dict` of the session setting the study up: a dead one is taken over."""
+    SETUP_OWNER = "setup_owner"  # `tuner._liveness.Owner.to_dict` of the session setting the study up
     SETUP_HEARTBEAT = "setup_heartbeat"
-    """The setting-up session's last heartbeat (``time.time()``)."""
 
 
 class TrialAttr:
@@ -55,17 +41,11 @@ class TrialAttr:
     THROUGHPUT_UNIT = "throughput_unit"
     PEAK_BYTES = "peak_bytes"
     STEP_TIME_S = "step_time_s"
-    NOISE_REL = "step_time_mad_rel"
-    """The trial's step times' median absolute deviation over their median (absent in older studies)."""
+    NOISE_REL = "step_time_mad_rel"  # absent in older studies
     WALL_S = "wall_s"
     DUPLICATE_OF = "duplicate_of"
-    OWNER = "owner"
-    """`tuner._liveness.Owner.to_dict` of the session running the trial."""
+    OWNER = "owner"  # `tuner._liveness.Owner.to_dict` of the session running the trial
     HEARTBEAT = "heartbeat"
-    """The owner's last heartbeat while the trial runs (``time.time()``)."""
-    SESSION_RUN = "session_run_id"
-    """The MLflow session run of the owner: where the trial's run goes if the owner dies."""
-    CLAIMED = "claimed"
-    """Set when the trial's worker has decided to measure it (`TuningStudy.claim`)."""
-    RETRY_OF = "retry_of"
-    """The number of the trial whose owner died, for a candidate enqueued again."""
+    SESSION_RUN = "session_run_id"  # the owner's MLflow session run: where the trial's run goes if it dies
+    CLAIMED = "claimed"  # the trial's worker decided to measure it (`TuningStudy.claim`)
+    RETRY_OF = "retry_of"  # for a candidate enqueued again: the trial whose owner died

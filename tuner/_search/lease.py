@@ -1,21 +1,9 @@
-"""The gate lease: at most one process at a time runs the evidence gate of a study.
+"""The gate lease: at most one process at a time runs the evidence gate of a study (docs/CLUSTER.md).
 
-Workers sharing a study finish together; each would gate the same winner and each promote it,
-so the history would hold the same promotion twice and a rollback would restore the policy it
-rolls back from. The gate therefore runs under a lease, and a worker that waited for it
-re-reads the good policy before gating: the winner another worker just promoted is then
-``unchanged`` and nothing is recorded twice.
-
-The lease is a companion study, ``<study>::gate-lease``, in the study's own Optuna storage.
-Creating a study of a given name is atomic in every Optuna storage (RDB storages: a unique
-constraint, inside a transaction; journal storage: the first record of that name in the log
-wins, and the writer of a later one gets ``DuplicatedStudyError``), so exactly one process
-holds it; deleting the study releases it. Neither Optuna study attributes nor MLflow tags can
-be compared-and-set atomically: both are read-then-write.
-
-The holder writes who it is (host, process id, since when) into the lease study's user
-attributes. A waiter breaks a lease whose holder was on its own host and is no longer alive
-(killed mid-gate); it cannot tell that for another host, and waits out its deadline instead.
+The lease is a companion study, ``<study>::gate-lease``, in the study's own storage: creating a study of a name
+is atomic in every Optuna storage (study attributes and MLflow tags are only read-then-write), so exactly one
+process holds it, and deleting it releases it. The holder records its host, pid and start; a waiter breaks a
+lease whose holder died on its own host, and waits out its deadline for another host's.
 """
 
 from __future__ import annotations
@@ -32,8 +20,6 @@ import optuna
 
 from tuner.exits import Declined
 
-__all__ = ["GateLeaseTimeout", "gate_lease", "lease_name"]
-
 _HOST, _PID, _SINCE = "host", "pid", "since"
 
 
@@ -42,7 +28,6 @@ class GateLeaseTimeout(Declined):
 
 
 def lease_name(study_name: str) -> str:
-    """The name of ``study_name``'s lease study."""
     return f"{study_name}::gate-lease"
 
 
@@ -58,17 +43,8 @@ def gate_lease(
 ) -> Iterator[bool]:
     """Hold ``study_name``'s gate lease for the ``with`` block; yields whether another process held it first.
 
-    Args:
-        storage: the study's Optuna storage.
-        study_name: the study whose gate this is.
-        wait_s: how long to wait for another holder before giving up.
-        poll_s: how often to look again while waiting.
-        on_wait: told once, with who holds the lease, when this process has to wait.
-        cancel: set (the user's Ctrl-C) ends the wait.
-
-    Raises:
-        GateLeaseTimeout: another live holder kept the lease past ``wait_s``.
-        KeyboardInterrupt: ``cancel`` was set while waiting.
+    ``on_wait`` is told once who holds the lease when this process has to wait; ``cancel`` (Ctrl-C) ends the wait
+    with `KeyboardInterrupt`, and another live holder past ``wait_s`` with `GateLeaseTimeout`.
     """
     name = lease_name(study_name)
     deadline = time.monotonic() + wait_s

@@ -1,9 +1,5 @@
-"""What the planner gives a tuning session: seeds for the study, and a predictor for skipping.
-
-The planner only steers the search (seeds, skipping candidates predicted far over budget); a
-session without it still measures every trial, so a planner that cannot be built is a note in
-`PlannerSeeds`, not an error.
-"""
+"""What the planner gives a tuning session: seeds for the study, and a predictor for skipping. It only steers
+the search, so a planner that cannot be built is a note in `PlannerSeeds`, not an error."""
 
 from __future__ import annotations
 
@@ -21,17 +17,6 @@ if TYPE_CHECKING:
     from lightning_recompute.planner.sharding import Sharding
     from lightning_recompute.profile import Profile
     from tuner.recipe import Recipe
-
-__all__ = [
-    "PLANNER_FRONT_SEEDS",
-    "PROFILE_REPEATS",
-    "PlannerSeeds",
-    "front_points",
-    "kind_picks",
-    "plan_seeds",
-    "planned_from",
-    "planner_seeds",
-]
 
 _log = logging.getLogger(__name__)
 
@@ -70,12 +55,9 @@ class PlannerSeeds:
 def planner_seeds(
     planner: Planner, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
 ) -> tuple[list[Seed], list[str]]:
-    """The planner's pick at the budget (per micro-batch size), each kind of recomputation's own pick
-    (`kind_picks`), and a few points of its front under the budget, each policy once.
-
-    Only the pick gets a compiled twin (where compile is searched): the planner predicts eager steps,
-    so the other seeds would double the trials on guesses of the same quality.
-    """
+    """The planner's pick at the budget (per micro-batch size), each kind's own pick (`kind_picks`), and a few
+    points of its front under the budget, each policy once. Only the pick gets a compiled twin: the planner
+    predicts eager steps, so twins of the others would double the trials on guesses of the same quality."""
     seeds: list[Seed] = []
     notes: list[str] = []
     sizes: list[int | None] = list(space.micro_batches) if space.micro_batches else [None]
@@ -88,8 +70,6 @@ def planner_seeds(
             continue
         seeds.append(Seed(f"planner:budget{at}", dict(pick.modes), mb))
         if space.compile_searched:
-            # The planner predicts eager steps only (compiling every mode's blocks to profile them
-            # would cost a compilation each); compile is measured by trials, starting here.
             seeds.append(Seed(f"planner:budget{at}+compile", dict(pick.modes), mb, compile=True))
         taken = [dict(pick.modes)]
         for kind, only in kind_picks(planner, budget_bytes, modes, mb):
@@ -121,24 +101,12 @@ def front_points(
 def kind_picks(
     planner: Planner, budget_bytes: int, modes: Sequence[str], micro_batch: int | None
 ) -> list[tuple[str, PlannedPolicy]]:
-    """For each kind of recomputation in ``modes``, the planner's pick at the budget using that kind alone
-    (with ``none`` on the other layers): ``[(kind, pick)]``, kinds with no fitting policy left out.
+    """For each mode of ``modes`` but ``none``, the planner's pick at the budget using that mode alone (``none``
+    elsewhere): ``[(kind, pick)]``, kinds with no fitting policy left out; empty when ``none`` is not searched
+    (a kind alone is then a uniform policy, which the baselines measure).
 
-    A kind is each mode of ``modes`` but ``none``: ``offload`` and each ``selective:<family>`` too, so a
-    recipe searching them all gets up to one seed per mode and micro-batch size, labelled
-    ``planner:<mode>-only`` (``planner:selective:attn-only@mb8``).
-
-    Why each is seeded, not only the fastest prediction: the planner ranks kinds (``full`` against
-    ``selective``) by `PROFILE_REPEATS` timed steps each, and those move with the machine. On
-    ``bench/decision_quality.py``'s ``gpt4`` the profile's pick was a selective policy (``ss..``, once
-    ``ssss``) rather than ``FF..`` (the fastest) in 8 and 5 of 30 profiles in two runs of
-    `bench/seed_coverage.py`; then no seed measured ``FF..``, and in 3 of 10 tuning sessions no trial did.
-    Within one kind the ranking is steadier (which layers, not how each is recomputed). No threshold on the
-    predicted gap can tell which kinds are worth a trial: beside a busy neighbour a profile put ``FF..`` 45%
-    behind ``ss..`` (the first run, committed in 7f4f3b1). Each kind costs at most one trial.
-
-    Empty when ``none`` is not searched: a kind alone is then a uniform policy, which the baselines
-    already measure.
+    Each kind is seeded, not only the fastest prediction: the planner ranks kinds by `PROFILE_REPEATS` timed
+    steps, which move with the machine (bench/seed_coverage.py), and each kind costs at most one trial.
     """
     if "none" not in modes:
         return []
@@ -156,16 +124,9 @@ def kind_picks(
 def plan_seeds(
     recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: dict[str, Any] | None = None
 ) -> PlannerSeeds:
-    """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds.
-
-    The profile is one device's, measured whole: a mode that does not fit with every layer in it is
-    profiled a group of layers at a time (`lightning_recompute.profile.Profile.split`). For a multi-rank recipe the
-    planner plans one rank of it (`lightning_recompute.planner.sharding`); the study stores the measured profile.
-    The note says which profile the planner planned from.
-
-    Never raises for the planner's own failure (only for Ctrl-C): the note says why there are no
-    predictions, and the session seeds from the baselines only.
-    """
+    """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds; for a
+    multi-rank recipe it plans one rank (`lightning_recompute.planner.sharding`). Never raises for the planner's
+    own failure (only for Ctrl-C): the note says why there are no predictions."""
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
     from lightning_recompute.profile import Profile
     from tuner._trials import profile_recipe
@@ -198,7 +159,6 @@ def plan_seeds(
 
 
 def planned_from(profile: Profile, sharding: Sharding | None) -> str:
-    """Which profile the planner planned from, in words."""
     words = f"planner: planned from a profile of one {profile.device} device at micro-batch {profile.micro_batch}"
     for mode, steps in profile.split.items():
         words += f" ({mode} did not fit with every layer in it: profiled in {steps} steps, a group of layers each)"

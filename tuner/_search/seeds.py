@@ -11,13 +11,12 @@ from tuner._search.space import SearchSpace
 
 
 class Source(str, enum.Enum):
-    """Where a trial's policy came from. A trial's label (``baseline:full``, ``planner:front2``, stored as
-    the trial's ``seed`` attribute since the first studies) says it; `of` reads it, in this one place."""
+    """Where a trial's policy came from, as its label (``baseline:full``, ``planner:front2``; the trial's
+    ``seed`` attribute) says; `of` reads it, in this one place."""
 
     BASELINE = "baseline"
     PLANNER = "planner"
-    SEARCH = "search"
-    """Sampled by Optuna's sampler (no label)."""
+    SEARCH = "search"  # sampled (no label)
 
     @classmethod
     def of(cls, label: str | None) -> Source:
@@ -34,14 +33,10 @@ def pick_of(label: str | None) -> str:
 class Seed:
     """A candidate enqueued before sampling starts: a baseline or a planner suggestion."""
 
-    name: str
-    """``baseline:full``, ``planner:budget`` ...: how the table and MLflow label it."""
+    name: str  # baseline:full, planner:budget ...: how the table and MLflow label it
     modes: Mapping[str, str]
-    """Per-layer modes."""
-    micro_batch: int | None = None
-    """Micro-batch size (``None``: the first searched, or the data module's own)."""
-    compile: bool | None = None
-    """Whether the layers are compiled (``None``: the first choice of ``search.compile``)."""
+    micro_batch: int | None = None  # None: the first searched, or the data module's own
+    compile: bool | None = None  # None: the first choice of search.compile
 
 
 BASELINES = ("none", "full", "selective", "every_2nd_full")
@@ -49,11 +44,7 @@ BASELINES = ("none", "full", "selective", "every_2nd_full")
 
 
 def baseline_seeds(space: SearchSpace) -> list[Seed]:
-    """No recompute, full on every layer, selective on every layer, full on every 2nd layer.
-
-    A baseline whose mode the recipe does not search is left out: it could not be compared at
-    the same settings.
-    """
+    """No recompute, full, selective, full on every 2nd layer: those whose modes the recipe searches."""
     names = space.layer_names
     mb = space.micro_batches[0] if space.micro_batches else None
     seeds = []

@@ -1,6 +1,5 @@
-"""The search space: the recipe's layers and what makes them alike, and how the study's parameters
-become a policy and a micro-batch size (counts + placement for alike layers, one choice per layer
-otherwise)."""
+"""The search space: the recipe's layers and what makes them alike, and how the study's parameters become a
+policy and a micro-batch size (counts + placement for alike layers, one choice per layer otherwise)."""
 
 from __future__ import annotations
 
@@ -26,10 +25,8 @@ _log = logging.getLogger(__name__)
 PLACEMENTS = ("first", "last", "spread")
 """Where a grouped space puts the layers of each mode: at the front, at the back, or evenly spaced."""
 
-
-# Memory saved per layer, weakest first (`lightning_recompute.modes.ModeSpec.saving`): the mode left
-# on the layers no count claims ("fill") is the weakest mode searched, and placement hands out
-# positions to the strongest first.
+# Modes by memory saved, weakest first: the weakest searched fills the layers no count claims, and placement
+# hands out positions to the strongest first.
 _STRENGTH = BY_MEMORY_SAVED
 
 
@@ -37,21 +34,13 @@ _STRENGTH = BY_MEMORY_SAVED
 class LayerInfo:
     """One layer the policy decides: its module path and what makes it alike or unlike the others."""
 
-    name: str
-    """Module path, as `lightning_recompute.find_layers` names it."""
-    kind: str
-    """Class and parameter shapes, hashed: layers of equal kind cost the same to keep or recompute."""
+    name: str  # module path, as `lightning_recompute.find_layers` names it
+    kind: str  # class and parameter shapes, hashed: layers of equal kind cost the same
 
 
 def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
-    """The recipe's layers and their kinds, from a model built on the meta device (no memory).
-
-    A model that cannot be built on the meta device (it loads weights, or calls ``.item()`` in
-    ``__init__``) is built on the CPU instead.
-
-    Raises:
-        RecomputeError: the model cannot be built, or the recipe's ``layers`` match nothing.
-    """
+    """The recipe's layers and their kinds, from a model built on the meta device (or on the CPU when it loads
+    weights or calls ``.item()``); a `RecomputeError` when it cannot be built or ``layers`` match nothing."""
     import torch
 
     from tuner.recipe import build_model
@@ -84,22 +73,15 @@ def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
 class SearchSpace:
     """What the study samples, and how its parameters become a policy and a micro-batch size.
 
-    ``grouped`` spaces have the parameters ``n_<mode>`` (how many layers take each mode other than
-    the fill mode) and ``placement``; per-layer spaces have one ``layer.<path>`` parameter per layer.
-    Both have ``micro_batch`` when several sizes are searched.
+    ``grouped`` spaces have ``n_<mode>`` (layers taking each mode but the fill mode) and ``placement``; per-layer
+    ones a ``layer.<path>`` per layer. ``micro_batch`` and ``compile`` are parameters when several are searched.
     """
 
-    layer_names: tuple[str, ...]
-    """The layers, in model order."""
-    modes: tuple[str, ...]
-    """The modes a layer may take (the recipe's ``search.modes``)."""
+    layer_names: tuple[str, ...]  # in model order
+    modes: tuple[str, ...]  # the recipe's search.modes
     grouped: bool
-    """Whether the space is counts + placement (alike layers) rather than one choice per layer."""
-    micro_batches: tuple[int, ...] | None = None
-    """Micro-batch sizes searched; ``None`` keeps the data module's own."""
-    compile_choices: tuple[bool, ...] = (False,)
-    """Whether the policy compiles its layers (``RecomputePolicy.compile``): the recipe's
-    ``search.compile``; a ``compile`` parameter when both are searched."""
+    micro_batches: tuple[int, ...] | None = None  # None keeps the data module's own
+    compile_choices: tuple[bool, ...] = (False,)  # the recipe's search.compile
 
     def __post_init__(self) -> None:
         if not self.layer_names:
@@ -128,10 +110,7 @@ class SearchSpace:
 
     @property
     def compile_searched(self) -> bool:
-        """Whether the study has a ``compile`` parameter (both choices searched)."""
         return len(self.compile_choices) > 1
-
-    # -------------------------------------------------------------- structure
 
     @property
     def fill_mode(self) -> str:
@@ -142,11 +121,6 @@ class SearchSpace:
     def counted_modes(self) -> tuple[str, ...]:
         """Modes with an ``n_<mode>`` parameter, strongest first (the order placement hands out layers)."""
         return tuple(sorted((m for m in self.modes if m != self.fill_mode), key=_STRENGTH.index, reverse=True))
-
-    @property
-    def kind(self) -> str:
-        """``grouped`` or ``per-layer``."""
-        return "grouped" if self.grouped else "per-layer"
 
     def describe(self) -> str:
         """One line for logs, e.g. ``grouped: n_full, n_selective in 0..4, placement (first/last/spread)``."""
@@ -184,7 +158,7 @@ class SearchSpace:
     def signature(self) -> dict[str, Any]:
         """What a study created for this space records, to refuse resuming it with another space."""
         out: dict[str, Any] = {
-            "kind": self.kind,
+            "kind": "grouped" if self.grouped else "per-layer",
             "layers": list(self.layer_names),
             "modes": list(self.modes),
             "micro_batches": list(self.micro_batches or ()),
@@ -194,24 +168,10 @@ class SearchSpace:
             out["compile"] = list(self.compile_choices)
         return out
 
-    # -------------------------------------------------------------- params <-> policy
-
     def policy(self, modes: Mapping[str, str], compile_layers: bool = False) -> RecomputePolicy:
-        """The canonical policy of a per-layer mode map: one explicit entry per layer, in model order.
-
-        Every policy the tuner builds goes through here, so equal decisions have equal fingerprints.
-        """
+        """The canonical policy of a per-layer mode map (one entry per layer, in model order): every policy the
+        tuner builds goes through here, so equal decisions have equal fingerprints."""
         return RecomputePolicy.from_modes({name: str(modes[name]) for name in self.layer_names}, compile=compile_layers)
-
-    def compiles(self, params: Mapping[str, Any]) -> bool:
-        """Whether a parameter set compiles the layers."""
-        return bool(params.get("compile", self.compile_choices[0]))
-
-    def micro_batch(self, params: Mapping[str, Any]) -> int | None:
-        """The micro-batch size a parameter set asks for (``None``: the data module's own)."""
-        if not self.micro_batches:
-            return None
-        return int(params.get("micro_batch", self.micro_batches[0]))
 
     def modes_of(self, params: Mapping[str, Any]) -> dict[str, str]:
         """The per-layer modes a parameter set stands for (deterministic)."""
@@ -236,28 +196,22 @@ class SearchSpace:
         return dict(zip(names, out, strict=False))
 
     def decode(self, params: Mapping[str, Any]) -> tuple[RecomputePolicy, int | None]:
-        """The policy and micro-batch size of a parameter set."""
-        return self.policy(self.modes_of(params), self.compiles(params)), self.micro_batch(params)
+        """The policy and micro-batch size (``None``: the data module's own) of a parameter set."""
+        compiles = bool(params.get("compile", self.compile_choices[0]))
+        mb = int(params.get("micro_batch", self.micro_batches[0])) if self.micro_batches else None
+        return self.policy(self.modes_of(params), compiles), mb
 
     def encode(
         self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
     ) -> dict[str, Any] | None:
-        """Parameters that `decode` to exactly ``modes`` (and ``micro_batch``); ``None`` if the space has none.
-
-        A grouped space cannot express every arrangement (e.g. ``F.sF``); the caller decides what
-        to do with such a policy (see `nearest`). ``compile_layers`` ``None`` is the first choice searched.
-        """
-        if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
-            return None
-        params = self._compile_param(compile_layers)
+        """Parameters that `decode` to exactly ``modes`` (and ``micro_batch``); ``None`` if the space has none (a
+        grouped space cannot express every arrangement: see `nearest`). ``compile_layers`` ``None``: the first
+        choice searched."""
+        params = self._fixed(modes, micro_batch, compile_layers)
         if params is None:
             return None
-        if self.micro_batches and len(self.micro_batches) > 1:
-            mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
-            if mb not in self.micro_batches:
-                return None
-            params["micro_batch"] = mb
-        elif micro_batch is not None and self.micro_batches and int(micro_batch) != self.micro_batches[0]:
+        sizes = self.micro_batches or ()
+        if micro_batch is not None and len(sizes) == 1 and int(micro_batch) != sizes[0]:
             return None
         want = {n: str(modes[n]) for n in self.layer_names}
         if not self.grouped:
@@ -271,32 +225,32 @@ class SearchSpace:
                 return candidate
         return None
 
-    def _compile_param(self, compile_layers: bool | None) -> dict[str, Any] | None:
-        """``{"compile": ...}`` when searched, ``{}`` when not, ``None`` when the choice is outside the space."""
+    def nearest(
+        self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
+    ) -> dict[str, Any] | None:
+        """`encode`, or in a grouped space the same per-mode counts placed first: alike layers cost alike, so
+        keeping a planner's counts keeps its predicted memory and time."""
+        exact = self.encode(modes, micro_batch, compile_layers)
+        if exact is not None or not self.grouped:
+            return exact
+        params = self._fixed(modes, micro_batch, compile_layers)
+        if params is None:
+            return None
+        counts = {f"n_{m}": sum(1 for v in modes.values() if str(v) == m) for m in self.counted_modes}
+        return {**counts, "placement": "first", **params}
+
+    def _fixed(
+        self, modes: Mapping[str, str], micro_batch: int | None, compile_layers: bool | None
+    ) -> dict[str, Any] | None:
+        """The ``compile`` and ``micro_batch`` parameters of a candidate (those searched); ``None`` when it is
+        outside the space."""
+        if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
+            return None
         if compile_layers is None:
             compile_layers = self.compile_choices[0]
         if compile_layers not in self.compile_choices:
             return None
-        return {"compile": compile_layers} if self.compile_searched else {}
-
-    def nearest(
-        self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
-    ) -> dict[str, Any] | None:
-        """`encode`, or in a grouped space the same per-mode counts placed first.
-
-        Alike layers cost alike, so a planner's choice is mostly in its counts; keeping those
-        keeps its predicted memory and time, whatever the arrangement.
-        """
-        exact = self.encode(modes, micro_batch, compile_layers)
-        if exact is not None or not self.grouped:
-            return exact
-        if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
-            return None
-        compile_param = self._compile_param(compile_layers)
-        if compile_param is None:
-            return None
-        counts = {f"n_{m}": sum(1 for v in modes.values() if str(v) == m) for m in self.counted_modes}
-        params = {**counts, "placement": "first", **compile_param}
+        params: dict[str, Any] = {"compile": compile_layers} if self.compile_searched else {}
         if self.micro_batches and len(self.micro_batches) > 1:
             mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
             if mb not in self.micro_batches:
@@ -306,12 +260,8 @@ class SearchSpace:
 
 
 def _spread(free: Sequence[int], n: int) -> list[int]:
-    """``n`` of the ``free`` positions, evenly spaced from the first.
-
-    The stride is ceil(len/n), so half the layers are exactly every 2nd layer (torchtitan's
-    "every k-th block" choice is in the space); when that stride would run past the end, even
-    fractional spacing is used instead.
-    """
+    """``n`` of the ``free`` positions, evenly spaced from the first: a stride of ceil(len/n), so half the layers
+    are every 2nd layer, or even fractional spacing when that stride would run past the end."""
     m = len(free)
     if n <= 0:
         return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -9,7 +10,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -22,7 +23,6 @@ from lightning_recompute.units import format_bytes
 from tuner._liveness import Owner, dead_reason
 from tuner._search.attrs import StudyAttr, TrialAttr
 from tuner._search.seeds import Seed, Source, pick_of
-from tuner._search.setup_state import StudySetup
 from tuner._search.space import SearchSpace
 from tuner._stores import open_storage
 
@@ -33,22 +33,14 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-
 FAR_OVER_BUDGET = 1.25
-"""A candidate the planner predicts above this multiple of the budget is recorded as skipped, not run.
-Below it, the prediction's error (the planner is a model) could still hide a policy that fits."""
-
-
-# ---------------------------------------------------------------------------------------------- naming
+"""A candidate the planner predicts above this multiple of the budget is skipped, not run; below it the
+prediction's error could still hide a policy that fits."""
 
 
 def study_name(recipe: Recipe, device: str) -> str:
-    """The study of ``recipe`` on ``device``: the recipe's ``study.name``, or name + hardware + fingerprint.
-
-    The recipe fingerprint is part of the derived name because it covers what a trial measures
-    (model, data, budget, modes): two recipes that differ there must not share trials, while one
-    whose ``n_trials`` grew continues its study.
-    """
+    """The recipe's ``study.name``, or name + hardware + fingerprint (what a trial measures: recipes that differ
+    there must not share trials, while one whose ``n_trials`` grew continues its study)."""
     if recipe.study.name:
         return recipe.study.name
     hardware = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown-device"
@@ -60,17 +52,9 @@ CONSTRAINT = "peak_minus_budget"
 
 
 def peak_constraint(trial: FrozenTrial) -> tuple[float]:
-    """The trial's memory constraint: measured (or, for a skipped trial, predicted) peak minus the budget.
-
-    Positive means infeasible, so Optuna never reports an over-budget trial as the best one. A
-    trial without a figure is infeasible too: a policy whose memory is unknown cannot be promised
-    to fit.
-    """
+    """Measured (or, skipped, predicted) peak minus the budget: positive is infeasible, and so is unknown."""
     value = trial.constraints.get(CONSTRAINT, trial.user_attrs.get(TrialAttr.PEAK_OVER))
     return (float(value) if value is not None else math.inf,)
-
-
-# ---------------------------------------------------------------------------------------------- the study
 
 
 @dataclass
@@ -80,14 +64,9 @@ class Proposal:
     trial: optuna.Trial
     policy: RecomputePolicy
     micro_batch: int | None
-    label: str | None
-    """Where the trial came from when it was enqueued (``baseline:full``, ``planner:budget``), else ``None``
-    (sampled; `Source`)."""
-    duplicate_of: FrozenTrial | None = None
-    """A trial of the same policy and micro-batch already measured, failed, or claimed for measuring."""
-    contended_by: FrozenTrial | None = None
-    """Another worker's trial of the same candidate, asked at the same moment and not yet claimed: neither
-    worker can know whether the other measures it, so this one stands down (`TuningStudy.ask`)."""
+    label: str | None  # the seed's name (``baseline:full``, ``planner:budget``); None: sampled
+    duplicate_of: FrozenTrial | None = None  # a trial of the same candidate measured, failed, or claimed
+    contended_by: FrozenTrial | None = None  # another worker's unclaimed trial of it: this one stands down
     prediction: Prediction | None = None
 
     @property
@@ -106,18 +85,12 @@ def _candidate_key(policy: RecomputePolicy, micro_batch: int | None) -> str:
 RecordOutcome = Literal[
     "ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped", "duplicate", "interrupted", "abandoned"
 ]
-"""What became of a trial of the study: a `tuner._trials.Outcome` (what a trial that ran, or was skipped on the
-planner's prediction, ended as), or ``duplicate`` (a re-proposal, never run again), ``interrupted`` (stopped by
-the user) or ``abandoned`` (its owner died mid-trial)."""
+"""A `tuner._trials.Outcome`, or ``duplicate`` (never run again), ``interrupted`` (by the user) or ``abandoned``
+(its owner died mid-trial)."""
 
-RAN: tuple[RecordOutcome, ...] = ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")
-"""Outcomes of a trial that ran its policy to an end (`TrialRecord.ran`; what ``n_trials`` counts)."""
-
-MEASURED: tuple[RecordOutcome, ...] = ("ok", "over_budget")
-"""Outcomes of a trial that produced memory and speed figures (`TrialRecord.measured`)."""
-
-NOT_EVIDENCE: tuple[RecordOutcome, ...] = ("duplicate", "interrupted", "abandoned")
-"""Outcomes of trials that never measured their candidate: neither a duplicate's original nor a seed's."""
+RAN: tuple[RecordOutcome, ...] = ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")  # n_trials counts
+MEASURED: tuple[RecordOutcome, ...] = ("ok", "over_budget")  # with memory and speed figures
+NOT_EVIDENCE: tuple[RecordOutcome, ...] = ("duplicate", "interrupted", "abandoned")  # never measured the candidate
 
 
 @dataclass(frozen=True)
@@ -125,33 +98,25 @@ class TrialRecord:
     """One finished trial of the study, as its user attributes describe it (any worker's)."""
 
     number: int
-    state: str
-    """Optuna's state name: COMPLETE, FAIL, PRUNED (RUNNING/WAITING are not records)."""
+    state: str  # Optuna's: COMPLETE, FAIL, PRUNED
     outcome: RecordOutcome
-    """ok / over_budget / oom / timeout / error / nonfinite / skipped, or duplicate / interrupted / abandoned (never
-    run)."""
     policy: RecomputePolicy | None
     fingerprint: str
     short: str
     micro_batch: int | None
-    label: str | None
-    """Where the trial came from (`Source.of` reads it): ``baseline:full``, ``planner:budget`` ...; ``None``:
-    sampled."""
+    label: str | None  # where the trial came from (`Source.of` reads it); None: sampled
     throughput: float | None = None
     throughput_unit: str = ""
     peak_bytes: int | None = None
     step_time_s: float | None = None
-    noise_rel: float | None = None
-    """The trial's noise: MAD of its step times over their median (``None``: too few steps, or an older study)."""
-    wall_s: float | None = None
-    """Seconds the trial took, its process's start to its end (``None``: it did not run)."""
+    noise_rel: float | None = None  # MAD of its step times over their median (None: too few, or an older study)
+    wall_s: float | None = None  # its process's start to its end (None: it did not run)
     predicted_peak_bytes: int | None = None
     predicted_step_time_s: float | None = None
     reason: str | None = None
     run_id: str | None = None
     duplicate_of: int | None = None
-    feasible: bool = False
-    """Measured and within the budget limit."""
+    feasible: bool = False  # measured and within the budget limit
 
     @property
     def source(self) -> Source:
@@ -176,59 +141,51 @@ class TrialRecord:
             policy=RecomputePolicy.from_dict(a[TrialAttr.POLICY]) if a.get(TrialAttr.POLICY) else None,
             fingerprint=str(a.get(TrialAttr.FINGERPRINT, "")),
             short=str(a.get(TrialAttr.SHORT, "")),
-            micro_batch=a.get(TrialAttr.MICRO_BATCH),
-            label=a.get(TrialAttr.SEED),
-            throughput=a.get(TrialAttr.THROUGHPUT),
             throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
-            peak_bytes=a.get(TrialAttr.PEAK_BYTES),
-            step_time_s=a.get(TrialAttr.STEP_TIME_S),
-            noise_rel=a.get(TrialAttr.NOISE_REL),
-            wall_s=a.get(TrialAttr.WALL_S),
-            predicted_peak_bytes=a.get(TrialAttr.PREDICTED_PEAK_BYTES),
-            predicted_step_time_s=a.get(TrialAttr.PREDICTED_STEP_TIME_S),
-            reason=a.get(TrialAttr.REASON),
-            run_id=a.get(TrialAttr.RUN_ID),
-            duplicate_of=a.get(TrialAttr.DUPLICATE_OF),
             feasible=outcome == "ok" and peak_over is not None and float(peak_over) <= 0,
+            **{name: a.get(key) for name, key in _RECORD_ATTRS.items()},
         )
 
     @property
     def ran(self) -> bool:
-        """Whether this trial ran the policy to an outcome: measured, or oom / timeout / error / nonfinite
-        (duplicates, skips, interruptions and abandoned trials did not). What ``n_trials`` counts."""
+        """Whether this trial ran the policy to an outcome (`RAN`): what ``n_trials`` counts."""
         return self.outcome in RAN
 
     @property
     def measured(self) -> bool:
-        """Whether this trial produced memory and speed figures (``ok`` or ``over_budget``), as
-        `tuner._trials.TrialResult.measured` means it; a trial can have `ran` without being measured."""
+        """Whether this trial produced memory and speed figures (``ok`` or ``over_budget``)."""
         return self.outcome in MEASURED
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types for the trials table (``policy`` as the policy-file mapping)."""
-        return {
-            "number": self.number,
-            "state": self.state,
-            "outcome": self.outcome,
-            "policy": None if self.policy is None else self.policy.to_dict(),
-            "policy_fingerprint": self.fingerprint,
-            "policy_short": self.short,
-            "micro_batch": self.micro_batch,
-            "seed": self.label,  # the trials table's column since the first studies (trials.csv, JSON)
-            "source": self.source.value,
-            "throughput": self.throughput,
-            "throughput_unit": self.throughput_unit,
-            "peak_bytes": self.peak_bytes,
-            "step_time_s": self.step_time_s,
-            "noise_rel": self.noise_rel,
-            "wall_s": self.wall_s,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_step_time_s": self.predicted_step_time_s,
-            "reason": self.reason,
-            "run_id": self.run_id,
-            "duplicate_of": self.duplicate_of,
-            "feasible": self.feasible,
-        }
+        """A row of the trials table (``trials.json``, ``trials.csv``): plain types, the policy as its file's mapping,
+        the label as ``seed`` (the column's name since the first studies) followed by ``source``."""
+        row: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "policy" and value is not None:
+                value = value.to_dict()
+            row[_ROW_KEYS.get(field.name, field.name)] = value
+            if field.name == "label":
+                row["source"] = self.source.value
+        return row
+
+
+_RECORD_ATTRS: Mapping[str, str] = {
+    "micro_batch": TrialAttr.MICRO_BATCH,
+    "label": TrialAttr.SEED,
+    "throughput": TrialAttr.THROUGHPUT,
+    "peak_bytes": TrialAttr.PEAK_BYTES,
+    "step_time_s": TrialAttr.STEP_TIME_S,
+    "noise_rel": TrialAttr.NOISE_REL,
+    "wall_s": TrialAttr.WALL_S,
+    "predicted_peak_bytes": TrialAttr.PREDICTED_PEAK_BYTES,
+    "predicted_step_time_s": TrialAttr.PREDICTED_STEP_TIME_S,
+    "reason": TrialAttr.REASON,
+    "run_id": TrialAttr.RUN_ID,
+    "duplicate_of": TrialAttr.DUPLICATE_OF,
+}
+"""`TrialRecord` fields read from the trial's user attribute of that key as they are."""
+_ROW_KEYS = {"fingerprint": "policy_fingerprint", "short": "policy_short", "label": "seed"}
 
 
 def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
@@ -238,15 +195,11 @@ def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
 
 
 class TuningStudy:
-    """An Optuna study driven by ask/tell from the tuning session.
+    """An Optuna study driven by ask/tell from the tuning session; build one with `open`.
 
-    Build one with `open`. Outcomes map to Optuna states so the sampler learns the right thing:
-    a measured trial is COMPLETE with its throughput (an over-budget one too, made infeasible by
-    the constraint, so TPE learns where the memory wall is); oom / timeout / error are FAIL; a
-    candidate skipped on the planner's prediction is PRUNED; a re-proposal of a policy already
-    measured is COMPLETE with the earlier figures (no second measurement, and the sampler is not
-    misled into thinking the region bad); an interrupted trial is FAIL, and if it was a seed it is
-    enqueued again for the next session.
+    Outcomes map to states so the sampler learns the right thing: measured is COMPLETE (over budget too, made
+    infeasible by the constraint, so TPE learns where the memory wall is); oom / timeout / error / interrupted
+    are FAIL; skipped on the planner's prediction is PRUNED; a duplicate takes its original's state and value.
     """
 
     def __init__(
@@ -259,19 +212,13 @@ class TuningStudy:
         storage: optuna.storages.BaseStorage | None = None,
     ) -> None:
         self.study = study
-        self.storage = storage
-        """The storage the study lives in (for `tuner._search.lease`); ``None`` when not known."""
+        self.storage = storage  # for `tuner._search.lease`; None when not known
         self.space = space
         self.budget_bytes = int(budget_bytes)
-        self.created = created
-        """Whether this process created the study (and so seeds it)."""
+        self.created = created  # this process created the study, and so seeds it
         self.setup = StudySetup(study)
-        """Who sets the study up, whether it is seeded, the profile and planner note it stored."""
         self.in_flight = InFlight(study, space)
-        """The study's running trials (any worker's): heartbeats, which are alive, the dead ones reaped."""
         self._distributions = space.distributions()
-
-    # -------------------------------------------------------------- opening, seeding
 
     @classmethod
     def open(
@@ -286,19 +233,11 @@ class TuningStudy:
         recipe_fingerprint: str | None = None,
         device: str | None = None,
     ) -> TuningStudy:
-        """Create the study, or load it when it exists (resume; another worker).
-
-        Only one process can create a study of a given name (Optuna refuses the second), which
-        is how concurrent workers agree on who seeds it. The creator's TPE sampler is seeded with
-        ``seed`` (a fresh study replays exactly); a session that loads the study draws from a
-        stream of its own, derived from ``seed``, the host and the process.
-
-        Raises:
-            RecomputeError: the existing study was created for another search space or budget.
-        """
+        """Create the study, or load it (resume; another worker): a `RecomputeError` if it was created for another
+        space or budget. Only one process can create a study of a name, which is how workers agree on who seeds it;
+        the creator's sampler is seeded with ``seed``, a joining session's from a stream of its own."""
         store = open_storage(storage) if isinstance(storage, str) else storage
-        # Constraints are set on each trial before it is told (`_constrain`): Optuna 5 deprecates
-        # TPESampler's constraints_func in favour of Trial.set_constraint, which TPE reads the same way.
+        # Constraints are set on each trial (`_constrain`): Optuna 5 deprecates TPESampler's constraints_func.
         sampler = optuna.samplers.TPESampler(seed=seed)
         try:
             study = optuna.create_study(storage=store, study_name=name, direction="maximize", sampler=sampler)
@@ -315,9 +254,7 @@ class TuningStudy:
                 if value is not None:
                     study.set_user_attr(key, value)
         except optuna.exceptions.DuplicatedStudyError:
-            # A session joining (or resuming) the study samples from its own stream: with the
-            # recipe's seed, two workers looking at the same history would propose the same
-            # candidates in lockstep and spend their time on duplicates.
+            # With the recipe's seed, workers on the same history would propose the same candidates in lockstep.
             joined_seed = int(
                 hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8], 16
             )
@@ -340,11 +277,7 @@ class TuningStudy:
 
     def seed(self, seeds: Sequence[Seed]) -> list[str]:
         """Enqueue those of ``seeds`` the study does not hold yet, mark it seeded; the names enqueued.
-
-        Call it once per study (the creator, or a session taking over an abandoned setup): a
-        resumed session must not seed again. Seeds already present (a planner candidate equal to
-        a baseline; a seed another worker enqueued) are not enqueued twice.
-        """
+        Once per study: by the creator, or a session taking over an abandoned setup."""
         present = {
             t.user_attrs.get(TrialAttr.SEED_KEY) or t.user_attrs.get(TrialAttr.CANDIDATE_KEY)
             for t in self.study.get_trials(deepcopy=False)
@@ -370,21 +303,13 @@ class TuningStudy:
         self.setup.mark_seeded()
         return enqueued
 
-    # -------------------------------------------------------------- ask
-
     def ask(self, *, session_run_id: str | None = None) -> Proposal:
-        """The next candidate (an enqueued seed first), with `Proposal.duplicate_of` filled in.
+        """The next candidate (an enqueued seed first), with `Proposal.duplicate_of` and ``contended_by`` filled in.
 
-        The candidate's key (policy fingerprint and micro-batch) is written to the trial before
-        the other trials are read, so of two workers proposing the same candidate at once the
-        later reader always sees the earlier trial. A trial of the same candidate still running
-        is a duplicate's original once its worker has `claim`-ed it; before that it may be
-        standing down itself, so this proposal is `Proposal.contended_by` it and stands down too
-        (a seed goes back in the queue). Trial numbers cannot settle who measures: they do not
-        follow the order of asking (an enqueued seed keeps the number it got when enqueued).
-        The trial records its owner (this process) and ``session_run_id``, so that if this process
-        dies another one can fail the trial, record it in MLflow and retry its candidate
-        (`InFlight.reap_dead`).
+        The candidate's key is written to the trial before the others are read, so of two workers proposing it at
+        once the later reader sees the earlier trial; an unclaimed running one may be standing down itself, so
+        both stand down (trial numbers do not follow the order of asking). The owner and ``session_run_id`` let
+        another process fail the trial and retry it if this one dies (`InFlight.reap_dead`).
         """
         trial = self.study.ask(fixed_distributions=self._distributions)
         policy, mb = self.space.decode(trial.params)
@@ -404,11 +329,8 @@ class TuningStudy:
         return proposal
 
     def claim(self, proposal: Proposal) -> None:
-        """Mark the proposal as measured by this worker: others asking its candidate now are its duplicates.
-
-        Called once the proposal has passed every check that could make it stand down (the session's
-        ``n_trials`` slot and `Proposal.contended_by`), and before it runs.
-        """
+        """Mark the proposal as measured by this worker (once nothing can make it stand down, before it runs):
+        others asking its candidate now are its duplicates."""
         proposal.trial.set_user_attr(TrialAttr.CLAIMED, True)
 
     def _find_duplicate(self, key: str, number: int) -> tuple[FrozenTrial | None, FrozenTrial | None]:
@@ -432,8 +354,6 @@ class TuningStudy:
             ):
                 finished = t
         return finished, (None if finished is not None else contender)
-
-    # -------------------------------------------------------------- tell
 
     def tell_result(
         self, proposal: Proposal, result: TrialResult, *, run_id: str | None = None, reason: str | None = None
@@ -464,12 +384,8 @@ class TuningStudy:
         return self.study.tell(t, state=TrialState.PRUNED)
 
     def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
-        """Record a re-proposal without measuring it again.
-
-        A duplicate of a finished trial takes that trial's state and figures; one of a trial
-        still running elsewhere is FAIL (its figures are not known yet, and FAIL trials are not
-        what the sampler learns from).
-        """
+        """Record a re-proposal without measuring it again: its original's state and value, or FAIL while the
+        original still runs."""
         original = proposal.duplicate_of
         if original is None:
             raise RecomputeError(f"trial {proposal.number}: not a duplicate")
@@ -479,8 +395,7 @@ class TuningStudy:
         t.set_user_attr(TrialAttr.DUPLICATE_OF, original.number)
         if original.state == TrialState.RUNNING:
             return self.study.tell(t, state=TrialState.FAIL)
-        # Only the constraint is copied: the figures stay with the trial that measured them, so
-        # the trials table and the Pareto plot show each measurement once.
+        # Only the constraint is copied: the table and the plot show each measurement once.
         if original.state in (TrialState.COMPLETE, TrialState.PRUNED):
             self._constrain(t, original.user_attrs.get(TrialAttr.PEAK_OVER))
         if original.state == TrialState.COMPLETE and original.value is not None:
@@ -500,8 +415,7 @@ class TuningStudy:
 
     @staticmethod
     def _constrain(trial: optuna.Trial, peak_over: float | None) -> None:
-        # Unknown memory counts as infeasible (see `peak_constraint`); kept as a user attribute
-        # too, where the trials table reads it.
+        # Unknown memory counts as infeasible; the user attribute is what the trials table reads.
         value = math.inf if peak_over is None else float(peak_over)
         trial.set_user_attr(TrialAttr.PEAK_OVER, None if peak_over is None else value)
         trial.set_constraint(CONSTRAINT, value)
@@ -516,8 +430,6 @@ class TuningStudy:
         pred = proposal.prediction
         t.set_user_attr(TrialAttr.PREDICTED_PEAK_BYTES, None if pred is None else pred.peak_bytes)
         t.set_user_attr(TrialAttr.PREDICTED_STEP_TIME_S, None if pred is None else pred.step_time_s)
-
-    # -------------------------------------------------------------- reading back
 
     def records(self) -> list[TrialRecord]:
         """Every finished trial of the study (all workers, all sessions), in trial order."""
@@ -554,12 +466,6 @@ def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: fl
     return None
 
 
-# -------------------------------------------------------------------------------- in_flight
-# The study's running trials, any worker's: their heartbeats, which are alive, and the dead ones reaped.
-
-_log = logging.getLogger(__name__)
-
-
 @dataclass(frozen=True)
 class AbandonedTrial:
     """A trial whose owner died, failed by `InFlight.reap_dead`: what its MLflow record needs."""
@@ -568,12 +474,10 @@ class AbandonedTrial:
     policy: RecomputePolicy
     micro_batch: int | None
     reason: str
-    session_run_id: str | None
-    """The dead owner's MLflow session run (``None``: it had none yet)."""
+    session_run_id: str | None  # the dead owner's MLflow session run, if it had one yet
 
 
 def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
-    """Why ``trial``'s owner is dead, or ``None`` while it may be alive (`tuner._liveness.dead_reason`)."""
     beat = trial.user_attrs.get(TrialAttr.HEARTBEAT)
     since = trial.datetime_start.timestamp() if trial.datetime_start is not None else None
     owner = Owner.from_dict(trial.user_attrs.get(TrialAttr.OWNER))
@@ -581,14 +485,13 @@ def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
 
 
 class InFlight:
-    """The running trials of ``study`` (an Optuna study searching ``space``)."""
+    """The study's running trials, any worker's: heartbeats, which are alive, the dead ones reaped."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace) -> None:
         self.study = study
         self.space = space
 
     def running(self) -> list[FrozenTrial]:
-        """Trials Optuna holds as running (this or another worker's)."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
 
     def running_alive(self, grace_s: float) -> int:
@@ -596,18 +499,12 @@ class InFlight:
         return sum(1 for t in self.running() if _dead(t, grace_s) is None)
 
     def beat(self, proposal: Proposal) -> None:
-        """The heartbeat of a trial this process runs."""
         proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
 
     def reap_dead(self, grace_s: float) -> list[AbandonedTrial]:
-        """Fail every RUNNING trial whose owner is dead, enqueue its candidate again; those this call failed.
-
-        A trial is dead when `tuner._liveness.dead_reason` says so for its recorded owner and
-        heartbeat (a trial without an owner, from an older version, after ``grace_s`` from its
-        start). Its record says ``abandoned`` and why; it is FAIL in Optuna, and its candidate is
-        enqueued again (a seed keeps its name), so the next ask measures it. Of several processes
-        reaping at once, only the one whose state change wins reports (and re-enqueues) the trial.
-        """
+        """Fail (outcome ``abandoned``) every RUNNING trial whose owner is dead and enqueue its candidate again
+        (a seed keeps its name); those this call failed. Of several processes reaping at once, only the one whose
+        state change wins reports and re-enqueues the trial."""
         storage = self.study._storage  # Optuna's public Study has no way to fail another process's trial
         out: list[AbandonedTrial] = []
         for t in self.running():
@@ -643,3 +540,72 @@ class InFlight:
             )
             _log.info("trial %d: %s; failed and its candidate enqueued again", t.number, why)
         return out
+
+
+class StudySetup:
+    """The study's setup as its workers share it, in its user attributes: who sets it up (a dead owner's setup
+    is taken over), whether it is seeded, and the profile and planner note every worker predicts with."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+
+    def own(self) -> None:
+        """Record this process as the one setting the study up."""
+        self.study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
+        self.beat()
+
+    def beat(self) -> None:
+        self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
+
+    def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
+        """Wait for the setting-up process to seed the study; whether it did (not when it gave up, died
+        (`owner_dead`) or ``timeout_s`` passed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            attrs = self.study.user_attrs
+            if attrs.get(StudyAttr.SEEDED):
+                return True
+            if attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
+                return False
+            if self.owner_dead(grace_s) is not None:
+                return False
+            time.sleep(poll_s)
+
+    def owner_dead(self, grace_s: float) -> str | None:
+        """Why the session setting the study up is dead, or ``None`` (alive, done, or not recorded)."""
+        attrs = self.study.user_attrs
+        if attrs.get(StudyAttr.SEEDED):
+            return None
+        owner = Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER))
+        if owner is None:
+            return None  # an older version's study, or the creator has not recorded itself yet
+        beat = attrs.get(StudyAttr.SETUP_HEARTBEAT)
+        return dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s)
+
+    @property
+    def seeded(self) -> bool:
+        return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
+
+    def mark_seeded(self) -> None:
+        """Waiting workers go on, and no session seeds the study again."""
+        self.study.set_user_attr(StudyAttr.SEEDED, True)
+
+    def abandon(self) -> None:
+        """Say that this process stopped setting up the study, so no other worker waits for it."""
+        if not self.study.user_attrs.get(StudyAttr.SEEDED):
+            self.study.set_user_attr(StudyAttr.ABANDONED, True)
+
+    def profile(self) -> dict[str, Any] | None:
+        """The model's profile (`Profile.to_dict`) the setting-up session stored, if any."""
+        return self.study.user_attrs.get(StudyAttr.PROFILE)
+
+    def store_profile(self, profile: Mapping[str, Any]) -> None:
+        self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
+
+    def planner_note(self) -> str | None:
+        """Why the setting-up session had no planner, or what its planner could not do."""
+        note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
+        return None if note is None else str(note)
+
+    def store_planner_note(self, note: str) -> None:
+        self.study.set_user_attr(StudyAttr.PLANNER_NOTE, note)

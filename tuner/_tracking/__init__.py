@@ -1,38 +1,38 @@
 """MLflow records of tuning: session runs, trial runs, and the good-policy decisions.
 
-Layout (one experiment per recipe; everything the tuner decides can be read back from MLflow):
+Layout (one experiment per recipe; every name is in `tuner._tracking.names`):
 
-- **session run** (tag ``recompute.kind=session``, ``recompute.study=<study>``): the recipe
-  (``recipe.yaml`` + its settings as ``recipe.*`` params), and at the end the best policy
-  (``best_policy.yaml``, ``best.json``), the trials table (``trials.json``, ``trials.csv``),
-  the baselines (``baselines.json``) and the Pareto plot (``pareto.png``); a markdown summary as
-  the run's description.
-- **trial run**, nested in the session (``recompute.kind=trial``, ``recompute.outcome=<outcome>``):
-  one ``layer.<path>`` param per layer (its mode), ``micro_batch``, ``policy_fingerprint``,
-  ``trial_number``; ``measured_*`` and ``predicted_*`` metrics; ``policy.yaml``.
-- **confirmation run** (``recompute.kind=confirmation``): the evidence gate's long run, same shape.
-- **decision run** (``recompute.kind=decision``, ``recompute.decision=promote|reject|rollback``):
-  ``recompute.reason``, ``recompute.previous_good_run_id``, ``recompute.new_good_run_id``,
-  ``recompute.decision_seq``; artifacts ``policy.yaml`` and ``evidence.json``.
-- the **experiment tag** ``recompute.good_run_id`` names the run holding the current good policy
-  (what `lightning_recompute.mlflow_policy.load_good_policy` reads); that run carries
-  ``recompute.good=true``.
+- **session run** (``recompute.kind=session``, ``recompute.study``): the recipe (``recipe.yaml``, ``recipe.*``
+  params); at the end ``best_policy.yaml``, ``best.json``, ``trials.json``, ``trials.csv``, ``baselines.json``,
+  ``pareto.png`` and a markdown summary as its description.
+- **trial run**, nested in it (``recompute.kind=trial``, ``recompute.outcome``): a ``layer.<path>`` param per
+  layer, ``micro_batch``, ``policy_fingerprint``, ``trial_number``; ``measured_*``/``predicted_*`` metrics;
+  ``policy.yaml``. A **confirmation run** (the gate's) has the same shape.
+- **decision run** (``recompute.kind=decision``, ``recompute.decision=promote|reject|rollback``): reason,
+  previous and new good run, ``recompute.decision_seq``; ``policy.yaml`` and ``evidence.json``.
+- the experiment tag ``recompute.good_run_id`` names the run holding the good policy (what
+  `lightning_recompute.mlflow_policy.load_good_policy` reads); that run carries ``recompute.good=true``.
 
-Every call names its run by id through `mlflow.MlflowClient`; nothing uses MLflow's global
-active run, so a resumed session, a gate run after it, and several workers in one process or many
-do not step on each other.
-
-Modules: `tuner._tracking.names` (every tag, param and artifact name), `tuner._tracking.client` (the
-shared MLflow client), `tuner._tracking.sessions` (session and trial runs), `tuner._tracking.registry`
-(the good policy: promote, reject, rollback, history), `tuner._tracking.report` (CSV,
-markdown), `tuner._tracking.tracker` (`Tracker`: its `sessions` and `registry` sharing one `TrackingClient`).
+Every call names its run by id, never MLflow's global active run, so resumed sessions, gates and several
+workers do not step on each other.
 """
 
 from __future__ import annotations
 
-from tuner._tracking.client import DEFAULT_TRACKING_URI, ExperimentNotFound, TrackingError, artifact_location_for
-from tuner._tracking.registry import Decision, GoodPolicy
-from tuner._tracking.tracker import Tracker, open_tracker
+import logging
+import time
+from types import TracebackType
+
+from tuner._stores import sqlite_setup_lock
+from tuner._tracking.client import (
+    DEFAULT_TRACKING_URI,
+    ExperimentNotFound,
+    TrackingClient,
+    TrackingError,
+    artifact_location_for,
+)
+from tuner._tracking.registry import Decision, GoodPolicy, PolicyRegistry
+from tuner._tracking.sessions import SessionLog
 
 __all__ = [
     "DEFAULT_TRACKING_URI",
@@ -44,3 +44,50 @@ __all__ = [
     "artifact_location_for",
     "open_tracker",
 ]
+
+_log = logging.getLogger(__name__)
+
+
+class Tracker:
+    """The experiment's records: ``sessions`` (`SessionLog`) and ``registry`` (`PolicyRegistry`) sharing one
+    client (``store``); a decision made while a session is open nests in its run. As a context manager the
+    session run always ends: FINISHED, KILLED on Ctrl-C, FAILED on an exception."""
+
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str,
+        *,
+        artifact_location: str | None = None,
+        create: bool = True,
+    ) -> None:
+        self.store = TrackingClient(tracking_uri, experiment, artifact_location=artifact_location, create=create)
+        self.sessions = SessionLog(self.store)
+        self.registry = PolicyRegistry(self.store, self.sessions)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.sessions.__exit__(exc_type, exc, tb)
+
+
+def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Tracker:
+    """The `Tracker` of ``experiment``, opened under the SQLite setup lock (two workers migrating a new database
+    at once fail on each other's tables), retried for stores the lock cannot cover."""
+    from alembic.util.exc import CommandError
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    for attempt in range(1, attempts + 1):
+        try:
+            with sqlite_setup_lock(tracking_uri):
+                return Tracker(tracking_uri, experiment)
+        except (CommandError, MlflowException, SQLAlchemyError) as err:
+            if attempt == attempts:
+                raise
+            _log.info("opening the MLflow store failed (%s); retrying", err)
+            time.sleep(0.5 * attempt)
+    raise AssertionError("unreachable")  # the loop returns or raises

@@ -1,9 +1,5 @@
-"""A measurement's MLflow run: a trial's or a confirmation's, and the record of a trial whose owner died.
-
-`SessionLog` decides where a run nests (the session run, a dead owner's); this module writes it: the
-tags, params, metrics and artifacts every measurement run has, so a trial run and the confirmation run
-of the gate have one shape (a promoted confirmation run is a self-contained good run).
-"""
+"""A measurement's MLflow run (a trial's or a confirmation's, one shape), and the record of a trial whose owner
+died; `SessionLog` decides where each nests."""
 
 from __future__ import annotations
 
@@ -12,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
-from tuner._tracking.client import TrackingClient, clip_tag, finite, now_ms, param_key
+from lightning_recompute.units import jsonable
+from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, finite, now_ms, param_key
 from tuner._tracking.names import (
     COMPILE_PARAM,
     COMPILE_SECONDS_METRIC,
@@ -35,15 +32,11 @@ from tuner._tracking.names import (
     TRIAL_NUMBER_PARAM,
     rank_peak_metric,
 )
-from tuner._tracking.report import layer_modes, result_dict
 
 if TYPE_CHECKING:
     from tuner._trials import TrialResult
 
-__all__ = ["log_abandoned_run", "log_measurement_run", "machine_metrics"]
-
-_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")
-"""Outcomes whose run ends FAILED (the others, measured or skipped, end FINISHED)."""
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")  # their runs end FAILED, so the UI shows them red
 
 
 def log_measurement_run(
@@ -63,26 +56,14 @@ def log_measurement_run(
     evidence: Mapping[str, Any] | None = None,
     study: str | None = None,
 ) -> str:
-    """Record one measurement (a trial, a confirmation) as a finished run; its id.
-
-    Tags say what it was (``kind``), how it ended and why; params its layer modes, micro-batch and
-    fingerprint (and ``extra_params``); metrics what it measured, its noise, its machine and the
-    planner's ``prediction``; artifacts its ``policy.yaml``, the worker's stderr tail when it failed,
-    and ``evidence`` when given. The run spans the measurement's own wall time, ends FAILED for a
-    failed outcome and nests in ``parent`` (with ``study``'s tag) when given.
-    """
+    """Record one measurement as a finished run spanning its wall time; its id. Artifacts: ``policy.yaml``, the
+    worker's stderr tail when it failed, ``evidence`` when given."""
     from mlflow.entities import Metric
 
     r = result_dict(result)
     outcome = str(r["outcome"])
     wall = finite(r.get("wall_s")) or 0.0
-    tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
-    if parent is not None:
-        tags[PARENT] = parent
-        if study:
-            tags[STUDY] = study
-    if layer_names:
-        tags[POLICY_SHORT] = policy.short(layer_names)
+    tags = _tags(kind, outcome, policy, layer_names, parent, study)
     tags.update(_result_tags(r, reason))
     tags.update(extra_tags or {})
     # The run's span in the UI is the trial's own wall time, not the time it took to log it.
@@ -116,18 +97,43 @@ def log_measurement_run(
 def _params(
     policy: RecomputePolicy, layer_names: Sequence[str] | None, micro_batch: int | None, extra: Mapping[str, str]
 ) -> list[Any]:
-    """A measurement run's params: one per layer (its mode), the micro-batch, the fingerprint, ``extra``."""
     from mlflow.entities import Param
 
     params = [Param(param_key(f"layer.{name}"), mode) for name, mode in layer_modes(policy, layer_names).items()]
-    params += [
-        Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
-        Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
-        *(Param(k, v) for k, v in extra.items()),
-    ]
+    params += [*_policy_params(policy, micro_batch), *(Param(k, v) for k, v in extra.items())]
     if policy.compile:
         params.append(Param(COMPILE_PARAM, "true"))
     return params
+
+
+def _policy_params(policy: RecomputePolicy, micro_batch: int | None) -> list[Any]:
+    from mlflow.entities import Param
+
+    mb = "default" if micro_batch is None else str(micro_batch)
+    return [Param(MICRO_BATCH_PARAM, mb), Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint())]
+
+
+def _tags(
+    kind: str,
+    outcome: str,
+    policy: RecomputePolicy,
+    layer_names: Sequence[str] | None,
+    parent: str | None,
+    study: str | None,
+) -> dict[str, str]:
+    tags = {KIND: kind, OUTCOME: outcome, FINGERPRINT: policy.fingerprint()}
+    if parent is not None:
+        tags[PARENT] = parent
+        if study:
+            tags[STUDY] = study
+    if layer_names:
+        tags[POLICY_SHORT] = policy.short(layer_names)
+    return tags
+
+
+def short_name(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> str:
+    """How run names show a policy: its short form over the layers, else its fingerprint."""
+    return policy.short(layer_names) if layer_names else policy.fingerprint()
 
 
 def log_abandoned_run(
@@ -141,40 +147,20 @@ def log_abandoned_run(
     parent: str,
     study: str | None,
 ) -> str:
-    """Record a trial whose owner died mid-trial: a FAILED run nested in ``parent``, outcome ``abandoned``."""
     from mlflow.entities import Param
 
-    tags = {
-        KIND: "trial",
-        OUTCOME: "abandoned",
-        REASON: clip_tag(reason),
-        ERROR: clip_tag(reason),
-        FINGERPRINT: policy.fingerprint(),
-        PARENT: parent,
-    }
-    if study:
-        tags[STUDY] = study
-    if layer_names:
-        tags[POLICY_SHORT] = policy.short(layer_names)
-    name = policy.short(layer_names) if layer_names else policy.fingerprint()
-    run = store.client.create_run(store.experiment_id, tags=tags, run_name=f"trial {number} {name}")
-    run_id = run.info.run_id
+    tags = {**_tags("trial", "abandoned", policy, layer_names, parent, study), REASON: clip_tag(reason)}
+    tags[ERROR] = clip_tag(reason)
+    run_name = f"trial {number} {short_name(policy, layer_names)}"
+    run_id = store.client.create_run(store.experiment_id, tags=tags, run_name=run_name).info.run_id
     try:
-        store.log_batch(
-            run_id,
-            params=[
-                Param(MICRO_BATCH_PARAM, "default" if micro_batch is None else str(micro_batch)),
-                Param(POLICY_FINGERPRINT_PARAM, policy.fingerprint()),
-                Param(TRIAL_NUMBER_PARAM, str(number)),
-            ],
-        )
+        store.log_batch(run_id, params=[*_policy_params(policy, micro_batch), Param(TRIAL_NUMBER_PARAM, str(number))])
     finally:
         store.client.set_terminated(run_id, "FAILED")
     return run_id
 
 
 def _result_tags(r: Mapping[str, Any], reason: str | None) -> dict[str, str]:
-    """A measurement run's tags from its result: device, throughput unit, why it ended and its error."""
     tags: dict[str, str] = {}
     for key, tag in (("device", DEVICE), ("throughput_unit", THROUGHPUT_UNIT)):
         if r.get(key):
@@ -186,27 +172,21 @@ def _result_tags(r: Mapping[str, Any], reason: str | None) -> dict[str, str]:
     return tags
 
 
+_MEASURED = ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s")
+
+
 def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
-    """A measurement run's metrics: what it measured, its noise and machine, and the planner's prediction."""
-    metrics: dict[str, float] = {}
-    if finite(r.get("compile_s")) is not None:
-        metrics[COMPILE_SECONDS_METRIC] = float(r["compile_s"])
-    for key in ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s"):
-        v = finite(r.get(key))
-        if v is not None:
-            metrics[f"measured_{key}"] = v
-    for rank, peak in enumerate(r.get("rank_peak_bytes") or ()):
-        metrics[rank_peak_metric(rank)] = float(peak)
+    figures = {
+        COMPILE_SECONDS_METRIC: r.get("compile_s"),
+        **{f"measured_{k}": r.get(k) for k in _MEASURED},
+        "wall_s": r.get("wall_s") or None,  # a zero wall time is not logged
+        "device_total_bytes": r.get("device_total_bytes"),
+        **{f"predicted_{k}": v for k, v in (prediction or {}).items()},
+    }
+    metrics = {k: float(v) for k, v in figures.items() if finite(v) is not None}
+    metrics.update({rank_peak_metric(rank): float(peak) for rank, peak in enumerate(r.get("rank_peak_bytes") or ())})
     metrics.update(_noise_metrics(r.get("step_times_s") or ()))
     metrics.update(machine_metrics(r.get("machine") or {}))
-    wall = finite(r.get("wall_s")) or 0.0
-    if wall:
-        metrics["wall_s"] = wall
-    if finite(r.get("device_total_bytes")) is not None:
-        metrics["device_total_bytes"] = float(r["device_total_bytes"])
-    for key, value in (prediction or {}).items():
-        if finite(value) is not None:
-            metrics[f"predicted_{key}"] = float(value)
     return metrics
 
 
@@ -230,3 +210,18 @@ def machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
     if isinstance(machine.get("gpu_processes"), list):
         out[f"{MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
     return out
+
+
+def result_dict(result: TrialResult) -> dict[str, Any]:
+    """A TrialResult (or anything with its field names) as a mapping."""
+    d = jsonable(result)
+    if not isinstance(d, dict) or "outcome" not in d:
+        raise TrackingError(f"result: expected a TrialResult with an 'outcome', got {type(result).__name__}")
+    return d
+
+
+def layer_modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
+    """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
+    if layer_names:
+        return {name: policy.choice_for(name) for name in layer_names}
+    return {pattern: mode.value for pattern, mode in policy.layers}

@@ -1,61 +1,74 @@
 """The good-policy registry: promote, reject, roll back, and read back the decision history.
 
-The experiment tag ``recompute.good_run_id`` names the run whose ``policy.yaml`` is the current
-good policy; every change to it is a decision run, so the history is MLflow's alone."""
+The experiment tag ``recompute.good_run_id`` names the run whose ``policy.yaml`` is the good policy; every change
+to it is a decision run, so the history is MLflow's alone. The policy file is written only once the decision run
+holds its new good run, and a failure puts the file and the record back as they were.
+"""
 
 from __future__ import annotations
 
+import enum
 import json
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_recompute.atomic import atomic_write
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
-from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, int_or_none
-from tuner._tracking.decision_runs import DecisionKind, decision_seq, finish_decision_run, start_decision_run, tag_int
+from tuner._liveness import kill_point
+from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, finite
 from tuner._tracking.names import (
     DECISION,
     DECISION_ENDED_BY,
+    DECISION_SEQ,
+    EVIDENCE_JSON,
     FINGERPRINT,
+    GOOD,
     KIND,
     NEW_GOOD,
     OWNER,
+    PARENT,
     PREVIOUS_GOOD,
+    PROMOTED,
     PROMOTED_AT,
     REASON,
     REJECT_REASON,
     REJECTED,
+    ROLLED_BACK,
     SOURCE_RUN,
     TUNED_MICRO_BATCH,
 )
+from tuner._tracking.sessions import dead_owner
 
 if TYPE_CHECKING:
     from tuner._tracking.sessions import SessionLog
 
 
+class DecisionKind(str, enum.Enum):
+    """What a decision run decided; its value is the run's ``recompute.decision`` tag."""
+
+    PROMOTE = "promote"
+    REJECT = "reject"
+    ROLLBACK = "rollback"
+
+
 @dataclass(frozen=True)
 class GoodPolicy:
-    """The policy the experiment currently holds as good, and the evidence it was promoted on."""
+    """The policy the experiment holds as good (the run whose ``policy.yaml`` it is), and its figures."""
 
     run_id: str
-    """The run whose ``policy.yaml`` is the good policy (the experiment tag ``recompute.good_run_id``)."""
     policy: RecomputePolicy
-    """The policy itself."""
     fingerprint: str
-    """``policy.fingerprint()``."""
     throughput: float | None
-    """Measured throughput of that run (its ``measured_throughput`` metric), if it has one."""
     peak_bytes: int | None
-    """Measured peak memory of that run, if it has one."""
-    promoted_at: datetime | None
-    """When it became the good policy (promotion or rollback), UTC."""
-    micro_batch: int | None = None
-    """The micro-batch it was measured with (``None``: the data module's own)."""
+    promoted_at: datetime | None  # UTC, by promotion or rollback
+    micro_batch: int | None = None  # None: the data module's own
 
 
 @dataclass(frozen=True)
@@ -63,60 +76,33 @@ class Decision:
     """One promotion, rejection or rollback, as recorded in its decision run."""
 
     run_id: str
-    """The decision run."""
     kind: DecisionKind
-    """What was decided."""
-    seq: int
-    """Position in the experiment's decision history (1, 2, ...)."""
+    seq: int  # position in the experiment's decision history (1, 2, ...)
     at: datetime
-    """When, UTC."""
     reason: str
-    """Why, in words."""
-    fingerprint: str | None
-    """The fingerprint of the policy decided about (promoted, rejected, or restored)."""
+    fingerprint: str | None  # of the policy promoted, rejected or restored
     previous_good_run_id: str | None
-    """The good run before the decision."""
-    new_good_run_id: str | None
-    """The good run after it (equal to the previous one for a rejection)."""
-    source_run_id: str | None
-    """The trial or confirmation run the decision is about."""
-    micro_batch: int | None = None
-    """The micro-batch the decided policy was tuned for (``None``: not recorded, as in decisions
-    made before the tuner recorded it)."""
+    new_good_run_id: str | None  # the previous one for a rejection
+    source_run_id: str | None  # the trial or confirmation run decided about
+    micro_batch: int | None = None  # tuned for; None in decisions recorded before the tuner kept it
 
 
 class PolicyRegistry:
-    """The experiment's good policy and the decisions that moved it (promote, reject, rollback).
-
-    Args:
-        store: the experiment's client (shared with the `SessionLog` of the same `Tracker`).
-        sessions: a decision made while its session run is open nests in that run.
-    """
+    """The experiment's good policy and the decisions that moved it; a decision made while ``sessions`` has its
+    session run open nests in that run."""
 
     def __init__(self, store: TrackingClient, sessions: SessionLog | None = None) -> None:
         self.store = store
         self.sessions = sessions
 
-    # ------------------------------------------------------------------ the good policy
-
     def current_good(self) -> GoodPolicy | None:
         """The experiment's current good policy, or ``None`` before the first promotion."""
-        exp = self.store.client.get_experiment(self.store.experiment_id)
-        run_id = exp.tags.get(GOOD_RUN_TAG)
+        run_id = self._good_run_id()
         return self._good_policy(run_id) if run_id else None
 
     def restore_file(self, output_path: str | Path) -> str | None:
-        """Make ``output_path`` hold the current good policy; what was wrong with it, or ``None``.
-
-        The file is what training jobs read, so it must match the good policy's fingerprint. When
-        it is missing, unreadable, not a policy, or a different policy, the good run's
-        ``policy.yaml`` artifact is written over it atomically, and the returned line says what
-        was found and what was restored. ``None``: it already matched, or there is no good policy
-        to restore (the file is then left alone: it is not the tuner's yet).
-
-        Raises:
-            TrackingError: the good run or its artifact is gone.
-        """
+        """Make ``output_path`` (what training jobs read) hold the current good policy; what was wrong with it, or
+        ``None`` when it matched or there is no good policy. A `TrackingError` when the good run or artifact is gone."""
         good = self.current_good()
         if good is None:
             return None
@@ -128,22 +114,10 @@ class PolicyRegistry:
         return f"{out} {found}; restored the good policy {good.fingerprint} from MLflow run {good.run_id}"
 
     def end_dead_decisions(self, grace_s: float) -> list[str]:
-        """End KILLED every RUNNING decision run whose owner is dead (SIGKILLed mid-decision); their ids.
-
-        Such a run is not history (only FINISHED decisions are), but left RUNNING it reads in the
-        MLflow UI as a decision still being made. A run without an owner tag (an older version's)
-        is judged by its start time against ``grace_s``; a decision takes seconds.
-        """
-        from tuner._liveness import Owner, dead_reason
-
+        """End KILLED every RUNNING decision run whose owner is dead (killed mid-decision); their ids."""
         ended = []
         for run in self.store.search(f"tags.`{KIND}` = 'decision' and attributes.status = 'RUNNING'"):
-            t = run.data.tags
-            try:
-                owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
-            except (ValueError, TypeError, KeyError):
-                owner = None
-            why = dead_reason(owner, None, grace=grace_s, since=run.info.start_time / 1000.0)
+            why = dead_owner(run, grace_s, beats=False)
             if why is None:
                 continue
             self.store.client.set_tag(run.info.run_id, DECISION_ENDED_BY, clip_tag(why))
@@ -152,12 +126,7 @@ class PolicyRegistry:
         return ended
 
     def clean_leftovers(self, output_path: str | Path, grace_s: float) -> tuple[str, ...]:
-        """End the decision runs of dead processes and remove their temporary policy files; what was done.
-
-        A ``rollback`` or promotion SIGKILLed mid-decision leaves its decision run RUNNING and,
-        inside the atomic write, a ``.policy.yaml.*.tmp`` file; every later ``tune`` and
-        ``rollback`` calls this first.
-        """
+        """End dead processes' decision runs and remove their temporary policy files; what was done."""
         done = [f"decision run {run_id} of a dead process ended KILLED" for run_id in self.end_dead_decisions(grace_s)]
         done += [
             f"removed {tmp}: a temporary file of a killed write" for tmp in remove_stale_temps(output_path, grace_s)
@@ -174,32 +143,12 @@ class PolicyRegistry:
         evidence: Mapping[str, Any],
     ) -> str:
         """Make ``policy`` the good policy: write ``output_path`` atomically and record it; the decision run id.
-
-        The good run becomes ``source_run_id`` (the confirmation or trial run that measured the
-        policy; it must hold the same policy), or the decision run itself when there is none. If
-        recording fails after the file was written, the file is put back as it was.
-
-        Raises:
-            TrackingError: the source run holds a different policy.
-        """
+        The good run is ``source_run_id`` (a `TrackingError` if it measured another policy), or the decision run."""
         previous = self._good_run_id()
-        good_run = source_run_id
         if source_run_id is not None:
             self._ensure_run_policy(source_run_id, policy)
-        decision_id = start_decision_run(
-            self.store,
-            DecisionKind.PROMOTE,
-            policy,
-            reason=reason,
-            evidence=evidence,
-            previous=previous,
-            source_run_id=source_run_id,
-            parent_run_id=self._open_session(),
-        )
-        good_run = good_run or decision_id
-        finish_decision_run(
-            self.store, decision_id, policy, output_path, previous=previous, new=good_run, rolled_back=False
-        )
+        decision_id = self._start(DecisionKind.PROMOTE, policy, reason, evidence, previous, source_run_id)
+        self._finish(decision_id, policy, output_path, previous=previous, new=source_run_id or decision_id)
         return decision_id
 
     def reject(
@@ -212,16 +161,7 @@ class PolicyRegistry:
     ) -> str:
         """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id."""
         previous = self._good_run_id()
-        decision_id = start_decision_run(
-            self.store,
-            DecisionKind.REJECT,
-            policy,
-            reason=reason,
-            evidence=evidence,
-            previous=previous,
-            source_run_id=source_run_id,
-            parent_run_id=self._open_session(),
-        )
+        decision_id = self._start(DecisionKind.REJECT, policy, reason, evidence, previous, source_run_id)
         self.store.client.set_tag(decision_id, NEW_GOOD, previous or "")
         if source_run_id is not None:
             self.store.set_tags(source_run_id, {REJECTED: "true", REJECT_REASON: clip_tag(reason)})
@@ -238,19 +178,10 @@ class PolicyRegistry:
         output_path: str | Path,
         vet: Callable[[GoodPolicy], None] | None = None,
     ) -> GoodPolicy:
-        """Restore the good policy before the current one (file and MLflow record); the restored one.
+        """Restore the good policy before the current one (file and record); the restored one. Rollbacks stack.
 
-        Rollbacks stack: promote A, promote B, promote C, rollback, rollback leaves A.
-
-        Args:
-            output_path: the policy file to write.
-            vet: called with the policy to restore before anything changes; raising refuses the
-                rollback (``rollback`` checks it against the recipe's current budget).
-
-        Raises:
-            TrackingError: there is no earlier good policy, the experiment's good-run tag no
-                longer matches the recorded history (someone edited it by hand), or the earlier
-                run's artifact was changed after it was logged.
+        ``vet`` is called with the policy to restore before anything changes; raising refuses the rollback. A
+        `TrackingError` when there is none, or the good-run tag or the earlier artifact was edited by hand.
         """
         current = self._good_run_id()
         stack = self._good_stack()
@@ -269,19 +200,15 @@ class PolicyRegistry:
         restored = self._good_policy(target)
         if vet is not None:
             vet(restored)
-        decision_id = start_decision_run(
-            self.store,
+        decision_id = self._start(
             DecisionKind.ROLLBACK,
             restored.policy,
-            reason=f"rolled back from run {current} to run {target}",
-            evidence={"rolled_back_run_id": current, "restored_run_id": target},
-            previous=current,
-            source_run_id=target,
-            parent_run_id=self._open_session(),
+            f"rolled back from run {current} to run {target}",
+            {"rolled_back_run_id": current, "restored_run_id": target},
+            current,
+            target,
         )
-        finish_decision_run(
-            self.store, decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True
-        )
+        self._finish(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
         return self._good_policy(target)
 
     def history(self) -> list[Decision]:
@@ -297,20 +224,108 @@ class PolicyRegistry:
                 Decision(
                     run_id=run.info.run_id,
                     kind=kind,
-                    seq=decision_seq(t),
+                    seq=_decision_seq(t),
                     at=datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc),
                     reason=t.get(REASON, ""),
                     fingerprint=t.get(FINGERPRINT),
                     previous_good_run_id=t.get(PREVIOUS_GOOD) or None,
                     new_good_run_id=t.get(NEW_GOOD) or None,
                     source_run_id=t.get(SOURCE_RUN) or None,
-                    micro_batch=tag_int(t.get(TUNED_MICRO_BATCH)),
+                    micro_batch=_tag_int(t.get(TUNED_MICRO_BATCH)),
                 )
             )
         return out
 
-    def _open_session(self) -> str | None:
-        return self.sessions.open_run_id if self.sessions is not None else None
+    def _start(
+        self,
+        kind: DecisionKind,
+        policy: RecomputePolicy,
+        reason: str,
+        evidence: Mapping[str, Any],
+        previous: str | None,
+        source_run_id: str | None,
+    ) -> str:
+        """Open a decision run holding ``policy`` and ``evidence``, numbered after the last; its id. Its owner tag
+        lets a later session end it if this process dies mid-decision; it ends FAILED if its artifacts fail."""
+        from tuner._liveness import Owner
+
+        store = self.store
+        seq = 1 + max((_decision_seq(r.data.tags) for r in store.search(f"tags.`{KIND}` = 'decision'")), default=0)
+        tags = {
+            KIND: "decision",
+            DECISION: kind.value,
+            DECISION_SEQ: str(seq),
+            REASON: clip_tag(reason),
+            PREVIOUS_GOOD: previous or "",
+            FINGERPRINT: policy.fingerprint(),
+        }
+        if source_run_id:
+            tags[SOURCE_RUN] = source_run_id
+        tags[OWNER] = json.dumps(Owner.me().to_dict())
+        if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
+            tags[TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
+        parent = self.sessions.open_run_id if self.sessions is not None else None
+        if parent:
+            tags[PARENT] = parent
+        run = store.client.create_run(store.experiment_id, tags=tags, run_name=f"{kind.value} {policy.fingerprint()}")
+        run_id = run.info.run_id
+        try:
+            store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            store.log_json(run_id, EVIDENCE_JSON, evidence)
+        except BaseException:
+            store.client.set_terminated(run_id, "FAILED")
+            raise
+        return run_id
+
+    def _finish(
+        self,
+        decision_id: str,
+        policy: RecomputePolicy,
+        output_path: str | Path,
+        *,
+        previous: str | None,
+        new: str,
+        rolled_back: bool = False,
+    ) -> None:
+        """Write the file, then move the experiment's record; undo both if the record fails."""
+        store = self.store
+        out = Path(output_path)
+        old_bytes = out.read_bytes() if out.exists() else None
+        try:
+            store.client.set_tag(decision_id, NEW_GOOD, new)
+            kill_point("rollback" if rolled_back else "")  # test hooks; see tuner._liveness
+            policy.save(out)
+            kill_point("after_write")
+            now = datetime.now(timezone.utc).isoformat()
+            store.set_tags(new, {GOOD: "true", PROMOTED_AT: now, PROMOTED: "true"})
+            if previous and previous != new:
+                prev_tags = {GOOD: "false"}
+                if rolled_back:
+                    prev_tags[ROLLED_BACK] = "true"
+                store.set_tags(previous, prev_tags)
+            store.client.set_experiment_tag(store.experiment_id, GOOD_RUN_TAG, new)
+        except BaseException:
+            # A file that says B while MLflow says A is worse than either. Each undo is best effort (the store
+            # may be what failed); the original error is the one worth raising.
+            try:
+                if old_bytes is not None:
+                    atomic_write(out, old_bytes)
+                elif out.exists():
+                    out.unlink()
+            finally:
+                with suppress(Exception):
+                    if previous:
+                        store.client.set_experiment_tag(store.experiment_id, GOOD_RUN_TAG, previous)
+                with suppress(Exception):
+                    if new != previous:
+                        store.client.set_tag(new, GOOD, "false")
+                with suppress(Exception):
+                    if previous and previous != new:
+                        store.client.set_tag(previous, GOOD, "true")
+                with suppress(Exception):
+                    store.client.set_terminated(decision_id, "FAILED")
+            raise
+        store.client.set_terminated(decision_id, "FINISHED")
 
     def _good_run_id(self) -> str | None:
         return self.store.client.get_experiment(self.store.experiment_id).tags.get(GOOD_RUN_TAG) or None
@@ -323,9 +338,7 @@ class PolicyRegistry:
                 f"promote the policy together with the run that measured it"
             )
         if held is None or (policy.tuned_for is not None and held.tuned_for != policy.tuned_for):
-            # A run logged by other means (a hand-made run, an older tuner), or one whose file
-            # lacks what the policy was tuned for: the good run's artifact is what "mlflow:"
-            # training jobs read, so it must be the promoted file, tuned_for included.
+            # A run logged by other means, or whose file lacks tuned_for: "mlflow:" training jobs read it.
             self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
 
     def _good_policy(self, run_id: str) -> GoodPolicy:
@@ -345,8 +358,7 @@ class PolicyRegistry:
         m, p, t = run.data.metrics, run.data.params, run.data.tags
         recorded = t.get(FINGERPRINT)
         if recorded and policy.fingerprint() != recorded:
-            # The check the plugin's "mlflow:" loader makes: restoring an edited artifact would put a
-            # policy nobody measured into the file training jobs read.
+            # The plugin's "mlflow:" loader checks the same: an edited artifact is a policy nobody measured.
             raise TrackingError(
                 f"experiment {self.store.experiment!r}: good run {run_id}: artifact {POLICY_ARTIFACT!r} "
                 f"has fingerprint {policy.fingerprint()}, but the run recorded {recorded} (tag {FINGERPRINT}); "
@@ -355,20 +367,20 @@ class PolicyRegistry:
                 f"a policy again"
             )
         at = t.get(PROMOTED_AT)
-        mb = p.get("micro_batch")
+        peak = finite(m.get("measured_peak_bytes"))
         return GoodPolicy(
             run_id=run_id,
             policy=policy,
             fingerprint=policy.fingerprint(),
             throughput=m.get("measured_throughput"),
-            peak_bytes=int_or_none(m.get("measured_peak_bytes")),
+            peak_bytes=None if peak is None else int(peak),
             promoted_at=datetime.fromisoformat(at) if at else None,
-            micro_batch=int(mb) if mb and mb.isdigit() else None,
+            micro_batch=_tag_int(p.get("micro_batch")),
         )
 
     def _decision_runs(self) -> list[Any]:
         runs = self.store.search(f"tags.`{KIND}` = 'decision' and attributes.status = 'FINISHED'")
-        return sorted(runs, key=lambda r: (decision_seq(r.data.tags), r.info.start_time))
+        return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
 
     def _good_stack(self) -> list[str]:
         """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
@@ -383,7 +395,6 @@ class PolicyRegistry:
 
 
 def _run_policy(store: TrackingClient, run_id: str) -> RecomputePolicy | None:
-    """The ``policy.yaml`` of a run, or ``None`` when it has none."""
     names = {f.path for f in store.client.list_artifacts(run_id)}
     if POLICY_ARTIFACT not in names:
         return None
@@ -393,13 +404,8 @@ def _run_policy(store: TrackingClient, run_id: str) -> RecomputePolicy | None:
 
 
 def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Path]:
-    """Remove the temporary files of atomic writes to ``output_path`` left by a killed writer; those removed.
-
-    `lightning_recompute.atomic.atomic_write` writes ``.<name>.<random>.tmp`` beside the file and
-    renames it over the file; a writer SIGKILLed in between leaves it forever. A write takes
-    milliseconds, so one older than ``older_than_s`` (the liveness grace period) has no live
-    writer; a younger one may be another worker's write in progress and is left alone.
-    """
+    """Remove the ``.<name>.<random>.tmp`` files a killed `lightning_recompute.atomic.atomic_write` left beside
+    ``output_path``; those removed. A younger one than ``older_than_s`` may be a write in progress."""
     out = Path(output_path)
     removed = []
     now = time.time()
@@ -415,10 +421,7 @@ def remove_stale_temps(output_path: str | Path, older_than_s: float) -> list[Pat
 
 def _file_state(path: Path, good: RecomputePolicy) -> str | None:
     """What is wrong with the policy file at ``path`` for the good policy ``good``; ``None`` if nothing.
-
-    The file's ``tuned_for`` counts like its layers: training jobs read it to warn when they run at
-    another batch size, so a hand-edited one (micro_batch 4 -> 64) silences that warning.
-    """
+    Its ``tuned_for`` counts too: training jobs warn from it when they run at another batch size."""
     from lightning_recompute.errors import PolicyError
 
     fingerprint = good.fingerprint()
@@ -440,3 +443,12 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
         )
         return f"held the good policy {fingerprint} with another tuned_for: {clip_tag(changed, 500)}"
     return None
+
+
+def _decision_seq(tags: Mapping[str, str]) -> int:
+    """A decision run's position in the history; 0 when its tag (editable in the UI) is not a number."""
+    return _tag_int(tags.get(DECISION_SEQ)) or 0
+
+
+def _tag_int(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() else None

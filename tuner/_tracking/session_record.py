@@ -1,19 +1,18 @@
-"""What a session run holds when it ends, and its race: the artifacts, tags and metrics MLflow shows.
-
-`SessionLog` opens, resumes and closes the session run; this module writes its record: the trials
-table (``trials.json``, ``trials.csv``), the baselines, the Pareto plot, the best policy and its
-figures, the session's Markdown note, and the race (``race.json``, its words as tags, its "vs"
-intervals as metrics).
-"""
+"""What a session run holds when it ends (trials table, baselines, Pareto plot, best policy, markdown note), and
+its race (``race.json``, its words as tags, its "vs" intervals as metrics)."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.policy import RecomputePolicy
+from lightning_recompute.units import format_bytes, jsonable
 from tuner._tracking.client import TrackingClient, clip_tag, finite
 from tuner._tracking.measurement import machine_metrics
 from tuner._tracking.names import (
@@ -30,12 +29,9 @@ from tuner._tracking.names import (
     TRIALS_CSV,
     TRIALS_JSON,
 )
-from tuner._tracking.report import session_markdown, trials_csv
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
-
-__all__ = ["write_race", "write_session_record"]
 
 
 def write_session_record(
@@ -47,8 +43,8 @@ def write_session_record(
     baselines: Mapping[str, Mapping[str, Any]],
     budget_bytes: int | None,
 ) -> None:
-    """Write the session's summary artifacts, tags and metrics on ``run_id`` (ending as ``final``);
-    the arguments are `SessionLog.finish_session`'s."""
+    """Write the session's summary on ``run_id`` (ending as ``final``); the arguments are
+    `SessionLog.finish_session`'s."""
     rows = [dict(r) for r in trials_table]
     store.log_json(run_id, TRIALS_JSON, rows)
     store.client.log_text(run_id, trials_csv(rows), TRIALS_CSV)
@@ -84,7 +80,7 @@ def write_session_record(
             if finite(best.get(key)) is not None:
                 metrics[f"best_{key}"] = float(best[key])
     store.log_batch(run_id, metrics=metrics)
-    tags[NOTE] = clip_tag(session_markdown(store.experiment, final, best, rows, baselines, budget_bytes))
+    tags[NOTE] = clip_tag(_markdown(store.experiment, final, best, rows, baselines, budget_bytes))
     store.set_tags(run_id, tags)
 
 
@@ -116,5 +112,57 @@ def write_race(store: TrackingClient, run_id: str, race: RaceResult) -> None:
 
 
 def _metric_key(label: str) -> str:
-    """A label (``baseline full``) as an MLflow metric name part (``baseline_full``)."""
+    """A label (``baseline full``) as a metric name part (``baseline_full``)."""
     return "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"
+
+
+def _markdown(
+    experiment: str,
+    status: str,
+    best: Mapping[str, Any] | None,
+    rows: Sequence[Mapping[str, Any]],
+    baselines: Mapping[str, Mapping[str, Any]],
+    budget_bytes: int | None,
+) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
+    lines = [f"**Tuning session {status.lower()}** for experiment `{experiment}`", ""]
+    lines.append(f"- budget limit: {format_bytes(budget_bytes)}")
+    lines.append(f"- trials: {len(rows)} (" + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ")")
+    if best is not None:
+        lines.append(
+            f"- best: trial {best.get('number', '?')}, throughput {best.get('throughput', '?')}, "
+            f"peak {format_bytes(best.get('peak_bytes'))} (`best_policy.yaml`)"
+        )
+    else:
+        lines.append("- best: none within the budget")
+    for name, b in baselines.items():
+        lines.append(
+            f"- baseline {name}: throughput {b.get('throughput', '?')}, peak {format_bytes(b.get('peak_bytes'))}"
+            + (f", {b['outcome']}" if b.get("outcome") else "")
+        )
+    lines += ["", "Artifacts: `pareto.png`, `trials.csv`, `trials.json`, `recipe.yaml`."]
+    return "\n".join(lines)
+
+
+def trials_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` (trial rows) as CSV: every key any row has is a column, nested values as JSON."""
+    columns: list[str] = []
+    for r in rows:
+        columns += [k for k in r if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: _cell(r.get(k)) for k in columns})
+    return buf.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    # Nested values (a policy mapping) as JSON, so a spreadsheet cell can be parsed back.
+    if value is None:
+        return ""
+    if isinstance(value, (Mapping, list, tuple)):
+        return json.dumps(jsonable(value), separators=(",", ":"))
+    return value

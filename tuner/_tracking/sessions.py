@@ -1,5 +1,5 @@
-"""Session and trial runs: the session run of a study (resumed after an interruption), one nested
-run per trial or confirmation, and the session's summary artifacts when it ends."""
+"""Session and trial runs: the session run of a study (resumed after an interruption), one nested run per trial
+or confirmation, the session's summary when it ends, and dead workers' session runs ended."""
 
 from __future__ import annotations
 
@@ -8,20 +8,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.units import jsonable
-from tuner._tracking.client import (
-    TrackingClient,
-    TrackingError,
-    clip_tag,
-    param_key,
-)
-from tuner._tracking.dead_sessions import end_dead_sessions
-from tuner._tracking.measurement import log_abandoned_run, log_measurement_run
+from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, param_key
+from tuner._tracking.measurement import log_abandoned_run, log_measurement_run, short_name
 from tuner._tracking.names import (
     HEARTBEAT,
     IN_JOB,
@@ -33,6 +27,7 @@ from tuner._tracking.names import (
     RECIPE_NAME,
     RECIPE_YAML,
     RESUMES,
+    SESSION_ENDED_BY,
     SESSION_NOTES,
     SOURCE_RUN,
     STUDY,
@@ -47,9 +42,6 @@ if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
 
-_S = TypeVar("_S", bound="SessionLog")
-
-
 _STATUSES = {
     "finished": "FINISHED",
     "ok": "FINISHED",
@@ -59,18 +51,11 @@ _STATUSES = {
     "failed": "FAILED",
     "error": "FAILED",
 }
-# Trial outcomes that mean the trial itself broke; their runs end FAILED so the UI shows them red.
 
 
 class SessionLog:
-    """The session run of one study and the runs nested in it, recorded through ``store``.
-
-    Use it as a context manager (or `session`) so the session run always ends: FINISHED on a
-    normal exit, KILLED on Ctrl-C, FAILED on an exception, and never stays RUNNING.
-
-    Args:
-        store: the experiment's client (shared with the `PolicyRegistry` of the same `Tracker`).
-    """
+    """The session run of one study and the runs nested in it. `session` (or `Tracker` as a context manager) ends
+    the run FINISHED, KILLED on Ctrl-C, FAILED on an exception; it never stays RUNNING."""
 
     def __init__(self, store: TrackingClient) -> None:
         self.store = store
@@ -78,25 +63,14 @@ class SessionLog:
         self._session_open = False
         self._study: str | None = None
 
-    # ------------------------------------------------------------------ session lifecycle
-
-    @property
-    def session_run_id(self) -> str | None:
-        """The current session run (``None`` before `start_session`)."""
-        return self._session_run_id
-
     def start_session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> str:
-        """Open the session run for ``study_name``; its run id.
-
-        With ``resume``, the most recent session run of the same study is reused when it was
-        interrupted (KILLED after Ctrl-C, FAILED after a crash), so one study keeps one session run
-        however often it is resumed; its status is set back to RUNNING. A session run that is
-        still RUNNING belongs to another worker on the same study, and this one gets its own.
-        """
+        """Open the session run for ``study_name``; its run id. With ``resume``, the study's latest session run is
+        reused when it was interrupted or crashed (`_resumable_session`), so one study keeps one session run."""
         from mlflow.entities import Param
 
-        if self._session_open:
-            raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
+        from tuner._liveness import Owner
+
+        self._ensure_closed()
         run_id = _resumable_session(self.store, study_name) if resume else None
         if run_id is not None:
             run = self.store.client.get_run(run_id)
@@ -115,52 +89,40 @@ class SessionLog:
 
         params = _recipe_params(recipe, study_name)
         logged = run.data.params
-        # Params are write-once in MLflow; on resume log only new ones and name what changed
-        # (e.g. n_trials extended) in a tag instead of failing the resumed session.
+        # Params are write-once in MLflow: on resume log only new ones and name what changed in a tag.
         new = [Param(k, v) for k, v in params.items() if k not in logged]
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
         self.store.log_batch(run_id, params=new)
         if changed:
             self.store.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
-        from tuner._liveness import Owner
-
-        # Who runs this session, and a first heartbeat: another process ends the run KILLED once
-        # this owner is dead (`end_dead_sessions`).
+        # The owner and a first heartbeat: another process ends the run KILLED once this owner is dead.
         tags = {
-            RECIPE_NAME: str(getattr(recipe, "name", "")),
+            RECIPE_NAME: str(recipe.name),
             OWNER: json.dumps(Owner.me().to_dict()),
             HEARTBEAT: repr(time.time()),
+            RECIPE_FINGERPRINT: str(recipe.fingerprint()),
         }
-        fingerprint = getattr(recipe, "fingerprint", None)
-        if callable(fingerprint):
-            tags[RECIPE_FINGERPRINT] = str(fingerprint())
         self.store.set_tags(run_id, tags)
-        to_dict = getattr(recipe, "to_dict", None)
-        if callable(to_dict):
-            self.store.client.log_text(run_id, yaml.safe_dump(jsonable(to_dict()), sort_keys=False), RECIPE_YAML)
+        self.store.client.log_text(run_id, yaml.safe_dump(jsonable(recipe.to_dict()), sort_keys=False), RECIPE_YAML)
         return run_id
 
     def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
         """Open the session run of a tuning inside a training job (`AutoRecompute`); its run id.
 
-        The layout is a tuning session's (trial runs nest in it, `log_race` and `finish_session` write
-        the same records), without a recipe or a study: ``name`` stands for the study, ``params`` say
-        what was tuned (budget, candidates, race plan), and the run nests under the job's own run
-        (``parent_run_id``, e.g. its ``MLFlowLogger``'s) when there is one. Never resumed: a job that
-        restarts from a checkpoint keeps its decision and does not tune again.
+        A tuning session's layout without a recipe or study (``name`` stands for the study), nested under the
+        job's own run when there is one; never resumed.
         """
-        if self._session_open:
-            raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
+        from mlflow.entities import Param
+
         from tuner._liveness import Owner
 
+        self._ensure_closed()
         tags = {KIND: "session", STUDY: name, IN_JOB: "true", OWNER: json.dumps(Owner.me().to_dict())}
         if parent_run_id is not None:
             tags[PARENT] = parent_run_id
         run = self.store.client.create_run(self.store.experiment_id, run_name=f"in-job {name}", tags=tags)
         run_id = run.info.run_id
         self._session_run_id, self._session_open, self._study = run_id, True, name
-        from mlflow.entities import Param
-
         self.store.log_batch(run_id, params=[Param(param_key(k), clip_tag(v, 500)) for k, v in params.items()])
         return run_id
 
@@ -176,24 +138,15 @@ class SessionLog:
     ) -> str:
         """Record one trial as a finished run nested in the session; its run id.
 
-        Args:
-            number: the Optuna trial number.
-            policy: the policy the trial ran.
-            layer_names: the model's layers (one ``layer.<path>`` param each); ``None`` logs the
-                policy's own pattern entries instead.
-            micro_batch: the micro-batch size (``None``: the data module's own).
-            result: the `tuner._trials.TrialResult`.
-            prediction: the planner's prediction; every numeric entry becomes a ``predicted_<key>``
-                metric (``peak_bytes``, ``step_time_s``...).
-            reason: why the trial ended as it did, when the caller knows better than the result
-                (a planner skip, an Optuna constraint).
+        ``layer_names`` ``None`` logs the policy's own pattern entries instead of one param per layer; each
+        numeric entry of ``prediction`` becomes a ``predicted_<key>`` metric; ``reason`` overrides the result's.
         """
         session = self._require_session()
         return log_measurement_run(
             self.store,
             study=self._study,
             kind="trial",
-            run_name=f"trial {number} {policy.short(layer_names) if layer_names else policy.fingerprint()}",
+            run_name=f"trial {number} {short_name(policy, layer_names)}",
             parent=session,
             policy=policy,
             layer_names=layer_names,
@@ -219,23 +172,31 @@ class SessionLog:
         reason: str,
         session_run_id: str | None,
     ) -> str:
-        """Record a trial whose owner died mid-trial: a FAILED run, outcome ``abandoned``, with why; its id.
-
-        The run is nested in the dead owner's session run (``session_run_id``) when it had one,
-        else in this session's, so the dead session's record holds what it was doing.
-        """
+        """Record a trial whose owner died mid-trial (FAILED, outcome ``abandoned``) in the dead owner's session
+        run when it had one, else in this one; its id."""
         parent = session_run_id or self._require_session()
         return log_abandoned_run(
             self.store, number, policy, layer_names, micro_batch, reason=reason, parent=parent, study=self._study
         )
 
     def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
-        """End KILLED every RUNNING session run of ``study_name`` whose owner is dead; their ids.
-
-        Its nested runs still RUNNING end FAILED. A session run without an owner tag (an older
-        version's) is judged by its start time against ``grace_s``, like another host's.
-        """
-        return end_dead_sessions(self.store, study_name, grace_s, own_run_id=self._session_run_id)
+        """End KILLED every RUNNING session run of ``study_name`` whose owner is dead, its nested RUNNING runs
+        FAILED; their ids."""
+        quoted = study_name.replace("'", "\\'")
+        ended = []
+        for run in self.store.search(
+            f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}' and attributes.status = 'RUNNING'"
+        ):
+            run_id = run.info.run_id
+            why = None if run_id == self._session_run_id else dead_owner(run, grace_s, beats=True)
+            if why is None:
+                continue
+            self.store.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
+            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.store.client.set_terminated(child.info.run_id, "FAILED")
+            self.store.client.set_terminated(run_id, "KILLED")
+            ended.append(run_id)
+        return ended
 
     def log_confirmation(
         self,
@@ -247,17 +208,14 @@ class SessionLog:
         source_run_id: str | None = None,
         evidence: Mapping[str, Any] | None = None,
     ) -> str:
-        """Record the evidence gate's confirmation run (nested in the session when one is open); its id.
-
-        The run has the trial runs' shape (params, metrics, ``policy.yaml``) plus ``evidence.json``,
-        so a promoted confirmation run is a self-contained good run.
-        """
-        run_id = log_measurement_run(
+        """Record the gate's confirmation run (nested in the session when one is open); its id. It has a trial
+        run's shape plus ``evidence.json``, so a promoted confirmation run is a self-contained good run."""
+        return log_measurement_run(
             self.store,
             study=self._study,
             kind="confirmation",
-            run_name=f"confirm {policy.short(layer_names) if layer_names else policy.fingerprint()}",
-            parent=self._session_run_id if self._session_open else None,
+            run_name=f"confirm {short_name(policy, layer_names)}",
+            parent=self.open_run_id,
             policy=policy,
             layer_names=layer_names,
             micro_batch=micro_batch,
@@ -268,7 +226,6 @@ class SessionLog:
             extra_tags={SOURCE_RUN: source_run_id} if source_run_id else None,
             evidence=evidence,
         )
-        return run_id
 
     def finish_session(
         self,
@@ -279,30 +236,25 @@ class SessionLog:
         baselines: Mapping[str, Mapping[str, Any]],
         budget_bytes: int | None,
     ) -> None:
-        """Write the session's summary artifacts and end its run with ``status``.
+        """Write the session's summary (`write_session_record`) and end its run with ``status``.
 
         Args:
             status: FINISHED, KILLED or FAILED (also: finished/ok, interrupted/killed, failed/error).
-            best: the best trial, or ``None`` when nothing was feasible: a mapping with ``policy``
-                (a `RecomputePolicy` or its dict) and any of ``run_id``, ``number``, ``throughput``,
-                ``peak_bytes``, ``micro_batch``. Logged as ``best_policy.yaml`` and ``best.json``.
-            trials_table: rows as `tuner._search.TrialRecord.to_dict` builds them (the study's records,
-                which cover trials logged before a resume and other workers' trials); logged as
-                ``trials.json`` and ``trials.csv`` and drawn on the Pareto plot.
-            baselines: name -> row (``none``, ``full``...) drawn and labelled on the Pareto plot.
-            budget_bytes: the memory limit (after the margin), drawn on the plot.
+            best: the best trial (``policy``, as a `RecomputePolicy` or its dict, and any of ``run_id``,
+                ``number``, ``throughput``, ``peak_bytes``, ``micro_batch``), ``None`` when nothing was feasible.
+            trials_table: `tuner._search.TrialRecord.to_dict` rows of the whole study.
+            baselines: name -> row, labelled on the Pareto plot.
+            budget_bytes: the memory limit, drawn on the plot.
         """
         run_id = self._require_session()
         final = _status(status)
         try:
             write_session_record(self.store, run_id, final, best, trials_table, baselines, budget_bytes)
         finally:
-            # Whatever failed above, the run must not stay RUNNING.
             self.close(final)
 
     def log_race(self, race: RaceResult) -> None:
-        """Record the race on the session run: ``race.json`` (every entrant's per-round times, the
-        standing, the intervals), its winner and words as tags, its figures as metrics."""
+        """Record the race on the session run (`write_race`)."""
         write_race(self.store, self._require_session(), race)
 
     def close(self, status: str = "KILLED") -> None:
@@ -324,16 +276,10 @@ class SessionLog:
         run_id = self.start_session(recipe, study_name=study_name, resume=resume)
         try:
             yield run_id
-        except KeyboardInterrupt:
-            self.close("KILLED")
-            raise
-        except BaseException:
-            self.close("FAILED")
+        except BaseException as err:
+            self.__exit__(type(err), err, None)
             raise
         self.close("FINISHED")
-
-    def __enter__(self: _S) -> _S:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -354,37 +300,48 @@ class SessionLog:
         """The session run while it is open, else ``None``: the run a decision made now nests in."""
         return self._session_run_id if self._session_open else None
 
+    def _ensure_closed(self) -> None:
+        if self._session_open:
+            raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
+
     def _require_session(self) -> str:
         if not self._session_open or self._session_run_id is None:
             raise TrackingError("no open session: call start_session() (or use Tracker.session()) first")
         return self._session_run_id
 
 
+def dead_owner(run: Any, grace_s: float, *, beats: bool) -> str | None:
+    """Why a RUNNING run's owner (its owner tag, and heartbeat tag with ``beats``) is dead, or ``None``; a run
+    without an owner tag (an older version's) is judged by its start time against ``grace_s``."""
+    from tuner._liveness import Owner, dead_reason
+
+    t = run.data.tags
+    try:
+        owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
+        beat = float(t[HEARTBEAT]) if beats and HEARTBEAT in t else None
+    except (ValueError, TypeError):
+        owner, beat = None, None
+    return dead_reason(owner, beat, grace=grace_s, since=run.info.start_time / 1000.0)
+
+
 def _resumable_session(store: TrackingClient, study_name: str) -> str | None:
-    """The session run of ``study_name`` to resume: the latest, when it was interrupted or crashed."""
+    """The study's latest session run when it was interrupted or crashed; a RUNNING one is another worker's,
+    and sharing it would let whichever finishes first close it under the other's trials."""
     quoted = study_name.replace("'", "\\'")
     runs = store.search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
     if not runs:
         return None
     latest = max(runs, key=lambda r: r.info.start_time)
-    # Only an interrupted (KILLED) or crashed (FAILED) session is picked up again. A RUNNING
-    # one belongs to a worker that is still tuning the same study: sharing its run would let
-    # whichever worker finishes first close it under the other's trials, so this worker
-    # opens a session run of its own.
     return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
 
 
 def _recipe_params(recipe: Recipe, study_name: str) -> dict[str, str]:
-    """The session run's params: the study name and the recipe's keys, flattened, without its locations."""
+    """The study name and the recipe's keys, flattened; not its locations (tracking, study, output), which move
+    with a checkout and are not what a trial measured."""
     params = {STUDY_NAME_PARAM: study_name}
-    to_dict = getattr(recipe, "to_dict", None)
-    data = jsonable(to_dict()) if callable(to_dict) else {}
-    # Locations (tracking, study storage, output) are tags-worthy at most: they move with a
-    # checkout and are not what a trial measured.
-    for key, value in _flatten(data, "recipe").items():
-        if key.split(".")[1] in ("tracking", "study", "output"):
-            continue
-        params[param_key(key)] = clip_tag(value, 500)
+    for key, value in _flatten(jsonable(recipe.to_dict()), "recipe").items():
+        if key.split(".")[1] not in ("tracking", "study", "output"):
+            params[param_key(key)] = clip_tag(value, 500)
     return params
 
 
@@ -401,7 +358,7 @@ def _status(status: str) -> str:
 
 
 def _flatten(data: Any, prefix: str) -> dict[str, str]:
-    """Nested mappings as ``prefix.key.subkey -> text`` (lists as JSON), for ``recipe.*`` params."""
+    """Nested mappings as ``prefix.key.subkey -> text`` (lists as JSON)."""
     if isinstance(data, Mapping) and data:
         out: dict[str, str] = {}
         for k, v in data.items():

@@ -13,20 +13,14 @@ if TYPE_CHECKING:
 
 
 def build_model(recipe: Recipe) -> L.LightningModule:
-    """A fresh instance of the recipe's LightningModule.
-
-    Raises:
-        RecipeError: the class's constructor refused the recipe's ``model.init_args``.
-    """
+    """A fresh instance of the recipe's LightningModule; a `RecipeError` when its constructor refuses the
+    recipe's ``model.init_args``."""
     return _instantiate(recipe, "model", recipe.model)
 
 
 def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.LightningDataModule:
-    """A fresh instance of the recipe's LightningDataModule; ``micro_batch`` overrides its ``batch_size``.
-
-    Raises:
-        RecipeError: ``micro_batch`` is given and the data module takes no ``batch_size`` argument.
-    """
+    """A fresh instance of the recipe's LightningDataModule; ``micro_batch`` overrides its ``batch_size`` (a
+    `RecipeError` when it takes none)."""
     if micro_batch is None:
         return _instantiate(recipe, "data", recipe.data)
     if not accepts(recipe.data.import_class(), "batch_size"):
@@ -41,12 +35,8 @@ def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.Lightn
 
 
 def _instantiate(recipe: Recipe, key: str, component: Component, **overrides: Any) -> Any:
-    """``component``'s instance; the user's constructor refusing its arguments is a `RecipeError`.
-
-    The recipe's checks compare ``init_args`` with the signature; only the constructor itself
-    knows which values it accepts. Running out of memory is not the recipe's fault: it propagates
-    as itself, for the trial to classify.
-    """
+    """``component``'s instance; the user's constructor refusing its arguments is a `RecipeError` (running out of
+    memory is not the recipe's fault: it propagates, for the trial to classify)."""
     import torch
 
     try:
@@ -61,12 +51,8 @@ def _instantiate(recipe: Recipe, key: str, component: Component, **overrides: An
 
 
 def data_batch_size(recipe: Recipe) -> int | None:
-    """The batch size the recipe's data module uses when the tuner does not override it.
-
-    Read from ``data.init_args.batch_size``, else the constructor's default; ``None`` when the data
-    module has no ``batch_size`` argument with an integer value. Nothing is instantiated: this is
-    the batch a training job with the recipe's data runs at, which the tuned micro-batch replaces.
-    """
+    """The batch size the recipe's data module runs at untuned (``data.init_args.batch_size``, else the
+    constructor's default), without instantiating it; ``None`` when it has no positive integer one."""
     given = recipe.data.init_args.get("batch_size")
     if given is None:
         try:

@@ -45,8 +45,7 @@ def check_component(key: str, section: Any, base_name: str, errors: list[str]) -
 
 def init_signature(cls: type) -> inspect.Signature:
     """The signature of ``cls.__init__`` (``self`` included), as the recipe's ``init_args`` fill it."""
-    # Read off the class object: mypy's "unsound __init__ access" is about instances, and
-    # inspect.signature(cls) would fold in a metaclass __call__ or __new__ the recipe does not fill.
+    # Not inspect.signature(cls): it would fold in a metaclass __call__ or __new__ the recipe does not fill.
     init = cast(Any, cls).__init__
     return inspect.signature(init)
 
@@ -85,26 +84,32 @@ def accepts(cls: type, name: str) -> bool:
 def default_data(parsed: RecipeFile, classes: Mapping[str, type | None]) -> Component:
     """The data component, with synthetic tokens matched to the reference model's vocabulary and context."""
     data = parsed.data or Component(REFERENCE_DATA)
-    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
-
-    model_cls, data_cls = classes.get("model"), classes.get("data", SyntheticTokens)
-    if parsed.data is None:
-        data_cls = SyntheticTokens
-    if not (_is_sub(model_cls, ReferenceGPT) and _is_sub(data_cls, SyntheticTokens)):
+    model_args = _reference_model_args(parsed, classes)
+    if model_args is None:
         return data
-    model_args = {**_defaults(ReferenceGPT), **parsed.model.init_args}
     filled = dict(data.init_args)
     for arg in ("vocab_size", "seq_len"):
         filled.setdefault(arg, model_args.get(arg))
     return Component(data.class_path, filled)
 
 
-def _is_sub(cls: type | None, base: type) -> bool:
-    return isinstance(cls, type) and issubclass(cls, base)
+def _data_class(parsed: RecipeFile, classes: Mapping[str, type | None]) -> type | None:
+    from lightning_recompute.reference import SyntheticTokens
+
+    return classes.get("data") if parsed.data is not None else SyntheticTokens
 
 
-def _defaults(cls: type) -> dict[str, Any]:
-    return {n: p.default for n, p in init_signature(cls).parameters.items() if p.default is not p.empty}
+def _reference_model_args(parsed: RecipeFile, classes: Mapping[str, type | None]) -> dict[str, Any] | None:
+    """The reference model's arguments, defaults included, when it reads synthetic tokens; else ``None``."""
+    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
+
+    model_cls, data_cls = classes.get("model"), _data_class(parsed, classes)
+    if not (isinstance(model_cls, type) and issubclass(model_cls, ReferenceGPT)):
+        return None
+    if not (isinstance(data_cls, type) and issubclass(data_cls, SyntheticTokens)):
+        return None
+    sig = init_signature(ReferenceGPT).parameters.items()
+    return {**{n: p.default for n, p in sig if p.default is not p.empty}, **parsed.model.init_args}
 
 
 def cross_check(parsed: RecipeFile, data: Component, classes: Mapping[str, type | None], errors: list[str]) -> None:
@@ -134,16 +139,14 @@ def cross_check(parsed: RecipeFile, data: Component, classes: Mapping[str, type 
         errors.append(
             f"data.init_args.batch_size: {clip(repr(batch_size))} is not a batch size (valid: a positive integer)"
         )
-    data_cls = classes.get("data") if parsed.data is not None else _reference_data_class()
+    data_cls = _data_class(parsed, classes)
     if parsed.search.micro_batch_sizes and data_cls is not None and not accepts(data_cls, "batch_size"):
         errors.append(
             f"search.micro_batch_sizes: {data.class_path} takes no batch_size argument, so micro-batch sizes "
             f"cannot be tuned (valid: null, or a data module with a batch_size argument)"
         )
-    from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
-
-    if _is_sub(classes.get("model"), ReferenceGPT) and _is_sub(data_cls, SyntheticTokens):
-        model_args = {**_defaults(ReferenceGPT), **parsed.model.init_args}
+    model_args = _reference_model_args(parsed, classes)
+    if model_args is not None:
         for arg in ("vocab_size", "seq_len"):
             mine, theirs = data.init_args.get(arg), model_args.get(arg)
             if isinstance(mine, int) and isinstance(theirs, int) and mine > theirs:
@@ -171,12 +174,6 @@ def check_strategy(parsed: RecipeFile, classes: Mapping[str, type | None], error
                 f"self.device_mesh), and {parsed.model.class_path} does not override configure_model "
                 f"(valid for it: auto, ddp, or fsdp on cuda)"
             )
-
-
-def _reference_data_class() -> type:
-    from lightning_recompute.reference import SyntheticTokens
-
-    return SyntheticTokens
 
 
 def describe_error(err: Mapping[str, Any]) -> str:

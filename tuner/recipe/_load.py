@@ -28,18 +28,12 @@ from tuner.recipe._schema import (
 
 
 def load(path: str | os.PathLike[str]) -> Recipe:
-    """Read and validate a recipe file.
-
-    Raises:
-        RecipeError: the file is missing, not YAML, or invalid; every problem is listed.
-    """
+    """Read and validate a recipe file; a `RecipeError` lists every problem (missing, not YAML, invalid)."""
     p = Path(path).expanduser().resolve()
     try:
-        # Bounded: size, binary/UTF-16 content, nesting depth and alias expansion are refused
-        # before anything is built, so a hostile file costs neither memory nor the stack.
+        # Bounded first (size, content, nesting, aliases), then parsed again refusing duplicate keys.
         text = read_text(p, what="recipe file")
         parse_document(text, source=str(p))
-        # The shape is safe now; parse again refusing duplicate keys (YAML keeps the last silently).
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except DocumentError as err:
         raise RecipeError([_without_path(str(err), p)], p) from None
@@ -51,7 +45,6 @@ def load(path: str | os.PathLike[str]) -> Recipe:
 
 
 def _without_path(message: str, path: Path) -> str:
-    """A `DocumentError` message without its leading path: `RecipeError` names the file already."""
     prefix = f"{path}: "
     return message[len(prefix) :] if message.startswith(prefix) else message
 
@@ -74,16 +67,11 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> Recipe:
-    """Validate a recipe given as the file structure.
+    """Validate a recipe given as the file structure; a `RecipeError` lists every problem at once.
 
-    ``source`` (the file it came from) names the recipe in errors, gives the default name, and is
-    the folder relative paths resolve against; without it they resolve against the working
-    directory. The recipe's folder and the working directory are put on ``sys.path`` so a
-    ``class_path`` can name a module beside the recipe, as LightningCLI does for the working
-    directory.
-
-    Raises:
-        RecipeError: every problem in the recipe, at once.
+    ``source`` (the file it came from) names the recipe in errors, gives the default name, and is the folder
+    relative paths resolve against (else the working directory). Both folders go on ``sys.path``, so a
+    ``class_path`` can name a module beside the recipe.
     """
     src = None if source is None else Path(source).expanduser().resolve()
     if not isinstance(data, Mapping):
@@ -109,26 +97,20 @@ def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = N
 
     name = parsed.name or (src.stem if src is not None else "recipe")
     tracking, study, output = _places(parsed, name, folder, src)
+    as_parsed = ("model", "trainer", "layers", "budget", "search", "trial", "race")
     return Recipe(
         source=src,
         name=name,
-        model=parsed.model,
         data=data_component,
-        trainer=parsed.trainer,
-        layers=parsed.layers,
-        budget=parsed.budget,
-        search=parsed.search,
-        trial=parsed.trial,
-        race=parsed.race,
         tracking=tracking,
         study=study,
         output=output,
+        **{key: getattr(parsed, key) for key in as_parsed},
     )
 
 
 def _parse(raw: dict[str, Any], errors: list[str]) -> tuple[RecipeFile | None, dict[str, type | None]]:
-    """The file's schema validated (``None`` when it fails) and its components' classes imported and
-    checked; every problem is added to ``errors``."""
+    """The file validated (``None`` when it fails) and its components' classes checked; problems go to ``errors``."""
     parsed: RecipeFile | None = None
     try:
         parsed = FILE_ADAPTER.validate_python(raw)
@@ -152,8 +134,8 @@ def _parse(raw: dict[str, Any], errors: list[str]) -> tuple[RecipeFile | None, d
 def _places(
     parsed: RecipeFile, name: str, folder: Path, src: Path | None
 ) -> tuple[TrackingSettings, StudySettings, Path]:
-    """Where the recipe tracks, keeps its study and writes its policy: ``$VARS`` expanded, relative
-    paths against ``folder``, and no two of them the same file."""
+    """Where the recipe tracks, keeps its study and writes its policy: ``$VARS`` expanded, relative paths against
+    ``folder``, and the policy file none of the stores' files."""
     errors: list[str] = []
     raw_paths = {
         "tracking.uri": parsed.tracking.uri,
@@ -191,11 +173,7 @@ _VARIABLE = re.compile(r"\$(?:\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-
 
 
 def _expand_vars(key: str, value: str, errors: list[str]) -> str:
-    """``value`` with ``$VAR`` and ``${VAR}`` replaced from the environment; an unset one is an error.
-
-    ``output: ${HOME}/policies/p.yaml`` used to make a folder literally named ``${HOME}``; a
-    recipe shared between machines or run from a scheduler names paths this way.
-    """
+    """``value`` with ``$VAR`` and ``${VAR}`` replaced from the environment; an unset one is an error."""
     missing = []
 
     def lookup(match: re.Match[str]) -> str:
@@ -215,12 +193,11 @@ def _expand_vars(key: str, value: str, errors: list[str]) -> str:
     return out
 
 
-_SQLITE_COMPANIONS = ("", "-journal", "-wal", "-shm", ".lock")
-"""The files SQLite (and the tuner's setup lock, `tuner._stores.sqlite_setup_lock`) keep beside a database."""
+_SQLITE_COMPANIONS = ("", "-journal", "-wal", "-shm", ".lock")  # .lock: `tuner._stores.sqlite_setup_lock`
 
 
 def _store_files(url: str) -> list[Path]:
-    """The local files a store at ``url`` keeps (a SQLite database or an Optuna journal, with their companions)."""
+    """The local files of a store at ``url`` (a SQLite database or an Optuna journal, with their companions)."""
     if url.startswith("sqlite:///"):
         rest = url[len("sqlite:///") :]
         if not rest or rest == ":memory:":
@@ -232,12 +209,8 @@ def _store_files(url: str) -> list[Path]:
 
 
 def _output_clash(output: Path, stores: Mapping[str, str]) -> str | None:
-    """Why ``output`` cannot be the policy file: it is one of the stores' own files; ``None`` when it is not.
-
-    Every promotion writes the policy file atomically over whatever is there, so an ``output``
-    naming ``optuna.db`` or ``mlflow.db`` replaced the database with a YAML file: every trial
-    and decision lost. Paths are compared after following symbolic links.
-    """
+    """Why ``output`` cannot be the policy file (a promotion would write over one of the stores' own files);
+    ``None`` when it can. Paths are compared after following symbolic links."""
     target = os.path.realpath(output)
     for key, url in stores.items():
         for path in _store_files(url):

@@ -1,9 +1,6 @@
-"""The profile of a recipe's model on one batch of its data: measured here, or on the meta device.
-
-This runs in whatever process calls it. The tuning session calls it directly on CPU and through
-the trial worker (`tuner._trials.runner.profile_recipe`) on an accelerator, where a CUDA context
-in the tuning process would hold memory every trial then lacks.
-"""
+"""The profile of a recipe's model on one batch of its data: measured here, or on the meta device. On an
+accelerator the session calls it through a trial worker (`tuner._trials.runner.profile_recipe`), so that no CUDA
+context in the tuning process holds memory every trial then lacks."""
 
 from __future__ import annotations
 
@@ -21,10 +18,8 @@ from lightning_recompute.profile.model import Profile
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
-__all__ = ["PRECISION_DTYPES", "profile_recipe_here", "profile_recipe_meta", "recipe_layout"]
-
 PRECISION_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
-"""Trainer precisions that keep the parameters in another dtype than float32 (the ``-true`` ones)."""
+"""Trainer precisions that keep the parameters in another dtype than float32."""
 
 
 def _first_batch(recipe: Recipe, micro_batch: int | None) -> Any:
@@ -47,8 +42,7 @@ def profile_recipe_here(recipe: Recipe, micro_batch: int | None, repeats: int) -
     if recipe.trainer.accelerator in ("cuda", "auto") and torch.cuda.is_available():
         device = "cuda"
     model = model.to(device=device, dtype=PRECISION_DTYPES.get(recipe.trainer.precision))
-    # Time the profile under the trials' conditions: a recipe that pins trial threads
-    # (trial.env OMP_NUM_THREADS) would otherwise be predicted at another speed than it runs.
+    # Time the profile under the trials' conditions: a recipe may pin trial threads (trial.env OMP_NUM_THREADS).
     threads = recipe.trial.env.get("OMP_NUM_THREADS")
     previous = torch.get_num_threads()
     if threads is not None and str(threads).isdigit() and int(threads) > 0:

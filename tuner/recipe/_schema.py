@@ -25,18 +25,14 @@ from lightning_recompute.units import format_bytes as _format_bytes
 from lightning_recompute.units import jsonable, parse_bytes
 
 PREDICTION_SPAN = 0.05
-"""Predicted step times within this fraction of the fastest prediction are the planner's fastest: its
-cost model cannot rank them closer, and policies of the same cost (``FF..`` and ``F.F.``) predict
-alike. `tuner._decision` takes the faster trials among them."""
+"""Predicted step times within this fraction of the fastest are the planner's fastest: its cost model cannot rank
+them closer. `tuner._decision` takes the faster trials among them."""
 
 RACE_PLAN_ENV = "RECOMPUTE_TUNE_RACE_PLAN"
-"""A JSON object of `RacePlan` fields that replace the race's constants: short races for tests and benchmarks
-on a CPU, not a user setting."""
+"""A JSON object of `RacePlan` fields replacing the race's constants: short races for tests and benchmarks."""
 
-REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"
-"""The model a recipe trains when it names none."""
-REFERENCE_DATA = "lightning_recompute.reference.SyntheticTokens"
-"""The data a recipe uses when it names none."""
+REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"  # when a recipe names no model
+REFERENCE_DATA = "lightning_recompute.reference.SyntheticTokens"  # when it names no data
 
 PRECISIONS = (
     "transformer-engine",
@@ -48,9 +44,8 @@ PRECISIONS = (
     "32-true",
     "64-true",
 )
-"""Lightning's ``Trainer(precision=...)`` values (its short aliases ``32``, ``16``, ``bf16``, ``64`` are
-accepted and written in the long form). Kept literal here so loading a recipe does not import
-Lightning; a test checks the list against Lightning's own."""
+"""Lightning's ``Trainer(precision=...)`` values, literal so loading a recipe does not import Lightning (a test
+checks them against Lightning's own); its short aliases are accepted and written in the long form."""
 _PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
@@ -65,8 +60,6 @@ class RecipeError(RecomputeError, ValueError):
         lines = "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(f"{where}: {len(self.errors)} {noun}:\n{lines}")
 
-
-# ---------------------------------------------------------------------------------------------- schema
 
 _SCHEMA = ConfigDict(extra="forbid")
 _Int = Annotated[int, Strict()]  # YAML gives real ints; `true` or "8" for an integer is a mistake, not a 1 or an 8
@@ -83,11 +76,7 @@ class Component:
     )
 
     def import_class(self) -> type:
-        """The class named by `class_path` (imports its module).
-
-        Raises:
-            RecipeError: the module or the class cannot be imported.
-        """
+        """The class named by `class_path` (imports its module); a `RecipeError` when it cannot."""
         cls, problem = resolve_class(self.class_path)
         if cls is None:
             raise RecipeError([f"class_path: {problem}"])
@@ -112,7 +101,6 @@ def _precision(value: Any) -> str:
 
 
 STRATEGIES = ("auto", "ddp", "fsdp", "model_parallel")
-"""The strategy names a recipe's ``trainer.strategy`` takes (or a class_path/init_args mapping)."""
 StrategyName = Literal["auto", "ddp", "fsdp", "model_parallel"]
 
 
@@ -174,7 +162,7 @@ class TrainerSettings:
         return self.strategy if isinstance(self.strategy, str) else self.strategy.class_path
 
     def describe_ranks(self) -> str | None:
-        """``"2 ranks per trial (ddp)"``-style text for a multi-device trial; ``None`` for one device."""
+        """``"2 ranks per trial (ddp)..."`` for a multi-device trial; ``None`` for one device."""
         if self.devices == 1:
             return None
         how = self.strategy_name
@@ -240,15 +228,11 @@ class Budget:
 
     @property
     def is_fraction(self) -> bool:
-        """Whether the budget is relative to the device's memory."""
         return isinstance(self.value, float)
 
     def limit_bytes(self, device_total_bytes: int | None) -> int:
-        """The most bytes a trial's peak may reach: the budget, less the margin.
-
-        Raises:
-            RecomputeError: the budget is a fraction and the device's memory is unknown (CPU).
-        """
+        """The most bytes a trial's peak may reach: the budget, less the margin. A fraction of a device of unknown
+        memory (CPU) is a `RecomputeError`."""
         if self.is_fraction:
             if device_total_bytes is None:
                 raise RecomputeError(
@@ -288,7 +272,7 @@ RETIRED_RACE_KEYS = (
     "disputes",
     "tie_margin",
 )
-"""``race`` keys of earlier recipes that are now constants of `RacePlan`: a recipe that sets them still loads."""
+"""``race`` keys of earlier recipes, now constants of `RacePlan`: a recipe that sets them still loads."""
 
 
 def _race_override(text: str) -> dict[str, Any]:
@@ -330,8 +314,7 @@ if TYPE_CHECKING:  # a Literal must be spelled out for a type checker; the names
     ModeName = str
 else:
     ModeName = Literal[MODE_NAMES]
-"""A mode a recipe may search: one of `lightning_recompute.modes.MODE_NAMES`, in its order (the JSON Schema's
-enum and the ``valid:`` list of an error)."""
+"""One of `lightning_recompute.modes.MODE_NAMES`, in its order (the JSON Schema's enum and an error's ``valid:``)."""
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -371,9 +354,7 @@ def _env_values(value: Any) -> Any:
 
 
 _SCAN_BATCHES = 64
-"""The default ``trial.scan_batches``: enough to see a last partial batch and the spread of variable-length
-data, few enough that collating them costs little beside a trial. Left out of the recipe's fingerprint at
-this value, so studies from before the setting existed resume."""
+"""The default ``trial.scan_batches``; left out of the recipe's fingerprint at this value, so older studies resume."""
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -528,7 +509,6 @@ class RecipeFile:
 
 
 FILE_ADAPTER = TypeAdapter(RecipeFile)
-"""Validates a whole recipe file (a mapping) into a `RecipeFile`."""
 SECTIONS: dict[str, type] = {
     "model": Component,
     "data": Component,
@@ -543,44 +523,27 @@ SECTIONS: dict[str, type] = {
 """The recipe's top-level keys and the class each section validates into."""
 
 
-# ---------------------------------------------------------------------------------------------- the recipe
-
-
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A validated recipe with every default filled in and every path absolute."""
 
-    source: Path | None
-    """The recipe file; ``None`` for a recipe built from a mapping alone."""
+    source: Path | None  # None for a recipe built from a mapping alone
     name: str
-    """The recipe's name (default: the file's stem)."""
     model: Component
-    """The LightningModule to tune."""
     data: Component
-    """The LightningDataModule feeding it."""
     trainer: TrainerSettings
-    """Trainer settings of every trial."""
-    layers: str | tuple[str, ...]
-    """Which modules are layers (`lightning_recompute.layers.LayerSpec`)."""
+    layers: str | tuple[str, ...]  # `lightning_recompute.layers.LayerSpec`
     budget: Budget
-    """The memory budget."""
     search: SearchSettings
-    """The search."""
     trial: TrialSettings
-    """One trial's length."""
     race: RaceSettings
-    """The race before the gate."""
-    tracking: TrackingSettings
-    """MLflow tracking; ``experiment`` is always set."""
-    study: StudySettings
-    """Optuna storage; ``storage`` is always set, ``name`` may be ``None`` (derived from the hardware)."""
+    tracking: TrackingSettings  # experiment always set
+    study: StudySettings  # storage always set; name None: derived from the hardware
     output: Path
-    """The policy file written on promotion."""
 
     def race_plan(self, *, search_s: float | None = None) -> RacePlan:
-        """The race's plan: the recipe's knobs on `RacePlan`'s constants, warmed up as long as the recipe's
-        trials (at least one step), with its budget for a search whose trials took ``search_s`` seconds
-        (`RacePlan.within`). `RACE_PLAN_ENV` overrides any field, for tests and benchmarks."""
+        """The recipe's knobs on `RacePlan`'s constants, warmed up like its trials, within its budget for a search
+        whose trials took ``search_s`` seconds; `RACE_PLAN_ENV` overrides any field."""
         r = self.race
         plan = RacePlan(
             confidence=r.confidence, leaders=r.leaders, share=r.share, warmup_steps=max(1, self.trial.warmup_steps)
@@ -597,28 +560,16 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as the file structure (plain types; `from_dict` of it gives an equal recipe)."""
-        return {
-            "name": self.name,
-            "model": dataclasses.asdict(self.model),
-            "data": dataclasses.asdict(self.data),
-            "trainer": dataclasses.asdict(self.trainer),
-            "layers": self.layers if isinstance(self.layers, str) else list(self.layers),
-            "budget": dataclasses.asdict(self.budget),
-            "search": jsonable(dataclasses.asdict(self.search)),
-            "trial": dataclasses.asdict(self.trial),
-            "race": dataclasses.asdict(self.race),
-            "tracking": dataclasses.asdict(self.tracking),
-            "study": dataclasses.asdict(self.study),
-            "output": str(self.output),
-        }
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+        d.update({key: dataclasses.asdict(d[key]) for key in SECTIONS})
+        d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
+        d["search"] = jsonable(d["search"])
+        d["output"] = str(self.output)
+        return d
 
     def fingerprint(self) -> str:
-        """What the recipe measures, as a short hash.
-
-        Covers the model, data, trainer, layers, budget, the modes and micro-batch sizes searched
-        and the trial length; not the name, the output or storage locations, nor the number of
-        trials or time limits, so a study can be resumed after extending it or moving its results.
-        """
+        """What the recipe measures, as a short hash: not its name, locations, number of trials or time limits, so
+        a study resumes after extending it or moving its results."""
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
         keep["trial"] = {k: v for k, v in d["trial"].items() if (k, v) != ("scan_batches", _SCAN_BATCHES)}
