@@ -17,7 +17,7 @@ from tests.helpers import REPO
 from tuner import session
 from tuner._search.seeds import Source
 from tuner._tracking import open_tracker
-from tuner._tracking.decision_runs import DecisionKind
+from tuner._tracking.registry import DecisionKind
 from tuner.recipe import load
 
 OLD = REPO / "tests" / "data" / "store-6d8500e"
