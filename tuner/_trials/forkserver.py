@@ -430,7 +430,7 @@ def serve(preload: Sequence[str]) -> int:
         if parent_gone:
             _kill_unreaped(pid)
         else:
-            _kill_group(pid)
+            kill_group(pid)
         _, status = os.waitpid(pid, 0)
         if parent_gone:
             return 0
@@ -438,14 +438,14 @@ def serve(preload: Sequence[str]) -> int:
     return 0
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
 
 def _kill_unreaped(pid: int) -> None:
     """The worker's group, and the worker itself in case it has not made its group yet (it is not reaped: its pid)."""
-    _kill_group(pid)
+    kill_group(pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
 
