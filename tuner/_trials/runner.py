@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -209,20 +209,12 @@ def run_race(
     plan: RacePlan | None = None,
     timeout_s: float | None = None,
 ) -> RaceResult:
-    """Race ``entrants`` (a policy and why it races) interleaved on one model, in one subprocess.
+    """Race ``entrants`` (a policy and its labels) interleaved on one model, in one subprocess.
 
-    How: `lightning_recompute.race.engine`. Never raises for what the race does: a worker that fails
-    gives a ``failed`` result with the reason.
-
-    Args:
-        recipe: the recipe (model, data, trainer; ``race`` for the plan unless ``plan`` is given).
-        entrants: ``(policy, labels)``; equal policies are raced once, their labels merged.
-        layer_names: the model's layers, for each policy's glyphs (the tie-break reads them).
-        references: the policies the winner's "vs" figures are about (entrants too).
-        micro_batch: the micro-batch every entrant runs at (``None``: the data module's).
-        budget_bytes: an entrant peaking over it is out of the race.
-        plan: how long and how sure (default: from ``recipe.race``).
-        timeout_s: the worker's deadline (default: a trial's timeout plus twice the race's time).
+    How: `lightning_recompute.race.engine`. Equal policies race once, their labels merged; ``references``
+    (entrants too) are what the winner's "vs" figures are about; ``layer_names`` give each policy's glyphs;
+    an entrant peaking over ``budget_bytes`` is out. ``plan`` defaults to ``recipe.race``, ``timeout_s`` to a
+    trial's timeout plus twice the race's time. A worker that fails gives a ``failed`` result, never raises.
     """
     from lightning_recompute.race import RaceResult
 
@@ -587,33 +579,30 @@ def trial_processes(folder: Path) -> list[int]:
     return sorted(found)
 
 
-def _pids_in_session(session: int) -> list[int]:
-    """Processes whose session id is ``session`` (empty where ``/proc`` is unreadable)."""
+def _pids(matches: Callable[[Path], bool]) -> list[int]:
+    """The processes whose ``/proc`` entry ``matches`` (none where it is unreadable)."""
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
-            # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
-            fields = stat[stat.rindex(")") + 2 :].split()
-        except (OSError, ValueError):
-            continue
-        if len(fields) > 3 and fields[3] == str(session):
-            pids.append(int(entry.name))
+        with contextlib.suppress(OSError, ValueError):
+            if matches(entry):
+                pids.append(int(entry.name))
     return pids
+
+
+def _pids_in_session(session: int) -> list[int]:
+    def in_session(entry: Path) -> bool:
+        stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
+        # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return len(fields) > 3 and fields[3] == str(session)
+
+    return _pids(in_session)
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
-    """Processes of this user whose environment sets ``name=value`` (empty where ``/proc`` is unreadable)."""
+    """Processes of this user whose environment sets ``name=value``."""
     needle = f"{name}={value}".encode()
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
+    return _pids(lambda entry: needle in (entry / "environ").read_bytes().split(b"\0"))
 
 
 def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:

@@ -304,22 +304,21 @@ def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any])
 
 @dataclass(frozen=True)
 class _NumericsRuns:
-    """How the numerics check takes its three runs: in this one process, or as this rank of N."""
+    """How the numerics check takes its three runs: in this one process, or as this rank of N.
+
+    ``one_step`` runs a step on a batch with or without the policy; ``batch`` is ``None`` on ranks (each
+    run loads its own data); ``halves``: whether a size where no recompute runs out of memory is halved
+    here (on ranks the parent does it); ``where`` says where, from the size compared and those skipped;
+    ``gradients`` names them (``parameter`` or ``local``); ``device`` is the device type once run.
+    """
 
     one_step: Callable[[Any, bool], _Step]
-    """One training step on a batch, with or without the policy."""
     batch: Any
-    """The batch compared (``None`` on ranks: each run loads its own part of the data)."""
     size: int | None
-    """The micro-batch compared first."""
     halves: bool
-    """Whether a micro-batch where no recompute runs out of memory is halved here (on ranks the parent does)."""
     where: Callable[[int | None, list[int]], str]
-    """Where the comparison ran, in words, from the micro-batch compared and the sizes that did not fit."""
     gradients: str
-    """Which gradients are compared, in words: ``parameter``, or this rank's ``local`` ones."""
     device: Callable[[], str]
-    """The type of the device the runs used, once they have run."""
 
 
 def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
@@ -581,14 +580,18 @@ def _runs_that_fit(
             k //= 2
 
 
+def _pairs(a: _Step, b: _Step) -> list[tuple[str, Any, Any]]:
+    """``(name, a's tensor, b's tensor)`` for the loss and everything else ``a`` holds."""
+    return [("loss", a[0], b[0]), *((name, ga, b[1].get(name)) for name, ga in a[1].items())]
+
+
 def _all_close(a: _Step, b: _Step) -> bool:
     """Loss and every gradient of ``b`` within the compiled-layer tolerance of ``a``'s."""
     import torch
 
     from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 
-    pairs = [(a[0], b[0]), *((ga, b[1].get(name)) for name, ga in a[1].items())]
-    for x, y in pairs:
+    for _, x, y in _pairs(a, b):
         if x is None or y is None:
             if (x is None) != (y is None):
                 return False
@@ -647,9 +650,8 @@ def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
     """The largest absolute difference of loss and gradients, and every differing ``(diff, name)``."""
     import torch
 
-    pairs = [("loss", a[0], b[0]), *((name, ga, b[1].get(name)) for name, ga in a[1].items())]
     differing: list[tuple[float, str]] = []
-    for name, x, y in pairs:
+    for name, x, y in _pairs(a, b):
         if x is None or y is None:
             if (x is None) != (y is None):
                 differing.append((float("inf"), name))
