@@ -216,8 +216,7 @@ class ForkServer:
         """Kill the server now (a worker of it follows) and never use it again."""
         self._broken = True
         if self._proc.poll() is None:  # not yet reaped: its pid is still its own
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
+            kill_group(self._proc.pid)
         self._proc.wait()
 
     def _release_files(self) -> None:
