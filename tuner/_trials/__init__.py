@@ -1,16 +1,9 @@
-"""Measurements in a fresh subprocess: trials, numerics checks, device queries and profiles.
+"""Measurements in a fresh subprocess: trials, races, numerics checks, device queries and profiles.
 
-One child protocol serves them all: the parent (`tuner._trials.runner`) writes a JSON spec (one of
-`tuner._trials.protocol`'s typed, versioned kinds), runs
-``python -m tuner._trials.worker SPEC.json RESULT.json`` in its own process group with a deadline,
-and reads one JSON result that the child (`tuner._trials.worker`) writes atomically. Whatever the
-model does (run out of memory, crash, hang) ends that process only. A multi-rank trial
-(``trainer.devices`` > 1) is the same command: Lightning starts ranks 1..N-1 from it, in its process
-group, each writes its own result, and the parent merges them (`merge_ranks`).
-
-The parent-side names below load `tuner._trials.runner` on first use (PEP 562): the child imports
-this package too, and every second it spends importing the parent side is a second of its
-deadline gone before it arms its hang report.
+The parent (`tuner._trials.runner`) writes a spec (`tuner._trials.protocol`), runs the child
+(`tuner._trials.worker`) in its own process group with a deadline, and reads the one result it writes:
+whatever the model does ends that process only. The names below load the runner on first use (PEP 562),
+so that the child, which imports this package too, spends none of its deadline importing the parent side.
 """
 
 from __future__ import annotations

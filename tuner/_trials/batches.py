@@ -1,21 +1,10 @@
-"""The largest batch a data module yields: found by scanning its first batches, and served to every step a
-trial or a race measures when the batches vary.
+"""The largest batch a data module yields, found by scanning its first batches and served to every measured step.
 
-A trial measures a few steps. With a data module whose batches vary (dynamic padding, variable sequence
-lengths, a last partial batch first after shuffling), the first few batches say little about the step
-that peaks: a trial measured on 1- and 8-sample batches passed a budget that the 16-sample batch later
-in the epoch exceeds. So the worker scans the loader's first batches (the recipe's ``trial.scan_batches``;
-a whole epoch when it is shorter) before the fit:
-
-- every batch the same size (the common case): the loader is handed to Lightning unchanged, and the
-  trial measures exactly what it did before, samplers and all;
-- batches that vary: every step of the fit gets a copy of the largest batch found (most tensor
-  elements, then most samples), so "fits the budget" holds for the largest batch, and every policy
-  is timed on the same batch. `BatchScan` says which batch that was, how many were scanned, and
-  whether the scan saw the whole epoch (if not, a larger batch may come later; the session says so).
-
-Lightning has no hook that measures a chosen batch; replacing ``train_dataloader`` on the instance is
-the narrowest place (the model, the data module's other hooks and the trainer stay the user's).
+With batches that vary (dynamic padding, a last partial batch), a trial's few steps say little about the
+step that peaks. So the worker scans the loader's first ``trial.scan_batches`` batches before the fit:
+when they are all the same size the loader reaches Lightning unchanged; when they vary, every step gets a
+copy of the largest (most tensor elements, then most samples). docs/TUNER.md, "What a session does".
+Replacing ``train_dataloader`` on the instance is the narrowest place: Lightning has no hook for this.
 """
 
 from __future__ import annotations
@@ -111,8 +100,7 @@ _END = object()
 
 
 class LargestBatch:
-    """An endless iterable of copies of one batch (a copy per step: a training step that edits its batch in
-    place must not change the next step's)."""
+    """An endless iterable of copies of one batch (a step that edits its batch in place must not change the next)."""
 
     def __init__(self, batch: Any) -> None:
         self.batch = batch
@@ -128,8 +116,7 @@ class LargestBatch:
 def serve_largest(datamodule: Any, limit: int) -> Callable[[], BatchScan | None]:
     """Make ``datamodule.train_dataloader`` scan its loader and, when batches vary, serve the largest batch.
 
-    Returns a function that gives the scan once the trainer has asked for the loader (``None`` before,
-    or for an empty loader).
+    Returns a function giving the scan once the trainer has asked for the loader (``None`` before, or if empty).
     """
     original = datamodule.train_dataloader
     found: list[BatchScan | None] = [None]

@@ -1,55 +1,17 @@
-"""A warm process that forks trial workers: torch and Lightning imported once per tuning process, not once per trial.
+"""A warm process that forks trial workers, so that torch and Lightning are imported once per tuning process.
 
-``python -m tuner._trials.worker`` pays for an interpreter and for importing torch and Lightning
-(3-5 s on a 2-core CPU, more on a loaded one) before its first step, against trials of 5-10 s:
-a session with a race spends a third of its wall in imports. `ForkServer` starts one process that
-imports them and then forks each worker from it. The forked child becomes what a fresh worker
-would be: its own session and process group, the trial's environment, the log as its stdout and
-stderr, standard input from ``/dev/null``; then it runs `tuner._trials.worker.main` on the same
-``SPEC.json RESULT.json`` and exits with its status. The worker protocol is unchanged: spec and
-result files, a log, a deadline, one ``killpg`` for the whole group.
+`ForkServer` starts one process that imports `PRELOAD`, then forks each worker from it; the child becomes
+what ``python -m tuner._trials.worker`` would be (its own session and process group, the trial's
+environment, the log as stdout and stderr) and runs `tuner._trials.worker.main`. Not ``multiprocessing``'s
+forkserver: its children re-import the parent's ``__main__``, write to the parent's terminal and hide the
+exit status behind pickling. Only one-rank CPU workers are forked, in the server's environment and folder
+(a process that loaded CUDA must not fork; libraries read some variables once, at load). Why, and what it
+saves: docs/TUNER.md, "What a session does" (forked trial processes).
 
-Why not ``multiprocessing``'s forkserver: its children re-import the parent's ``__main__`` (a
-user's script without a main guard would run again in every trial), their output goes to the
-parent's terminal rather than the trial's log, and a trial's process group and exit status would
-sit behind its pickling layer. What is needed here is a fork and a wait.
-
-`runner` forks only where the child is exactly what ``python -m tuner._trials.worker`` would be:
-
-- **CPU only.** A process that loaded the CUDA driver must not fork (the child's CUDA state is
-  undefined), and the server cannot know whether an import did. GPU trials also run long enough
-  that an import is a small share of them.
-- **One rank.** Lightning starts ranks 1..N-1 by running the worker's command line again; a forked
-  child has none to run.
-- **The server's environment and working directory.** Libraries read some variables once, at
-  import or library load (``OMP_NUM_THREADS``, ``LD_PRELOAD``, ``MALLOC_CONF``...), so a trial
-  whose environment differs (other than the per-trial variables) gets a server started with it.
-
-**On by default; ``RECOMPUTE_TUNE_FORK_SERVER=0`` turns it off.** A tuner exists to measure what
-the job will see, so a forked worker must step as fast as a fresh one. Measured on this project's
-2-core CPU (`bench/fork_warm_up.py`: a small, dispatch-bound model, where a per-operator cost shows
-most; 24 processes of each kind, taking turns, `bench/results/fork_warm_up.txt`): fresh interpreters
-ran a median of 164.3 us a step, children of the server 166.7 us (0.99x paired by round, 0.59..1.61),
-and both were bimodal to the same degree (6 fresh and 4 forked processes over 1.25x the fresh
-median, in spells that spanned kinds): the machine's slow moments, not the fork. An earlier,
-smaller probe (6 fresh, 12 forked) had seen forks slower and kept this off; the larger run did not
-reproduce it. Forking saves a session the imports: the quickstart with the race takes 0.96x the
-wall of the tuner before the race, against 1.60x with fresh workers (`bench/session_wall.py`).
-
-The server's request and reply protocol: one JSON object per line. The client writes
-``{"argv": [...], "env": {...}, "log": PATH}`` to the server's stdin; the server replies
-``{"pid": PID}`` once the child is forked and ``{"pid": PID, "returncode": R}`` once it has exited
-(``R`` as ``subprocess`` reports it: negative for a signal). One worker at a time. The server
-ends, killing a worker still running, when the process that started it is gone (`serve` says how it
-knows); a worker follows its server (``PR_SET_PDEATHSIG``, as a fresh worker follows the tuner).
-
-What still differs from a fresh interpreter, none of it part of a measurement: forked workers share
-the server's string hash seed and numpy's global random state (fresh ones draw their own; Python's
-``random`` is reseeded at fork, and a trial seeds what it trains with); ``__main__`` is this module;
-and on the way out a forked worker runs its atexit handlers and flushes its streams but does not
-wait for its non-daemon threads (the server kills its group next anyway). Forking is safe because
-importing torch and Lightning runs no parallel region: the OpenMP thread pool a parallel region
-creates would not survive a fork, so nothing added to `PRELOAD` may run one at import.
+The server's protocol is one JSON object per line: ``{"argv", "env", "log"}`` or ``{"kill": PID}`` in,
+``{"pid"}`` once forked and ``{"pid", "returncode"}`` once exited out, one worker at a time. Forked
+workers share the server's hash seed and numpy's global random state, and nothing in `PRELOAD` may start
+an OpenMP pool at import (it would not survive a fork).
 """
 
 from __future__ import annotations
@@ -84,8 +46,7 @@ __all__ = [
 ]
 
 FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
-"""``0`` (or ``off``, ``false``, ``no``): every worker is a fresh interpreter. Anything else, or unset
-(the default): one-rank CPU workers are forked from the fork server."""
+"""``0`` (or ``off``, ``false``, ``no``): every worker is a fresh interpreter; otherwise one-rank CPU workers fork."""
 
 PRELOAD = (
     "torch",
@@ -125,24 +86,21 @@ class Forked:
     def kill_group(self) -> None:
         """SIGKILL the worker and its process group.
 
-        While it may run, the server does it: only the server knows whether it has reaped the
-        worker yet, so only it can kill that pid without risking another process that reuses it.
-        Once the worker has exited, the server has already killed what was left in its group. With
-        the server gone, the worker went with it, and what it started is killed by its group.
+        While the server lives, it does it: only it knows whether it has reaped the worker, so only it
+        can kill that pid without risking a process that reuses it (after the exit it has killed the
+        group already). With the server gone, the worker went with it; its group is killed here.
         """
         if self._server.alive:
             if self.returncode is None:
                 self._server.kill(self.pid)
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        kill_group(self.pid)
 
 
 class ForkServer:
-    """A server process started with ``env`` in ``cwd``, forking workers on request.
+    """A server process started with ``env`` in ``cwd``, forking workers on request, one at a time.
 
     Raises `ForkServerError` when the server does not come up (its output's tail says why).
-    One worker runs at a time; `spawn` says when another one is running.
     """
 
     def __init__(self, env: Mapping[str, str], cwd: str, preload: Sequence[str] = PRELOAD) -> None:
@@ -151,8 +109,7 @@ class ForkServer:
         self._busy = threading.Lock()
         self._buffer = b""
         self._broken = False
-        # Its output (import warnings, a traceback if it fails): a file, as a pipe could fill and
-        # block it, and an unlinked one, so that nothing is left behind whatever ends this process.
+        # Its output: a file, as a pipe could fill and block it; unlinked, so that nothing is left behind.
         self._log, path = tempfile.mkstemp(prefix="recompute-forkserver-", suffix=".log")
         os.unlink(path)
         try:
@@ -189,9 +146,8 @@ class ForkServer:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> Forked | None:
         """Fork a worker running ``tuner._trials.worker.main(argv)`` with ``env``, its output to ``log_path``.
 
-        ``None`` while another worker of this server runs (a second thread measuring at the same
-        time): the server runs one at a time. `ForkServerError` if the server does not answer; it
-        is then ended (with any worker it forked), so no reply of it is ever read out of turn.
+        ``None`` while another worker of this server runs. `ForkServerError` if the server does not
+        answer; it is then ended, so that no reply of it is ever read out of turn.
         """
         if not self._busy.acquire(blocking=False):
             return None
@@ -226,8 +182,7 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
             except (ForkServerError, OSError, ValueError):
-                # The server died or garbled its reply: the worker is ended with it (it follows the
-                # server), and the status it had is unknown. Read as killed; its result file decides.
+                # The server died or garbled its reply, and the worker with it: read as killed; its result decides.
                 try:
                     self._abandon()
                 finally:
@@ -238,10 +193,9 @@ class ForkServer:
                 return int(reply["returncode"])
 
     def close(self) -> None:
-        """End the server: closing its stdin ends its loop (and a worker still running); killed if it lingers.
+        """End the server (and a worker still running) by closing its stdin; killed if it lingers.
 
-        Its reply pipe is kept open while another thread still waits on a worker of it (this
-        process exiting with a trial in a daemon thread): that thread reads the end of the pipe.
+        The reply pipe stays open while another thread waits on a worker of it: that thread reads its end.
         """
         with contextlib.suppress(OSError, ValueError):
             if self._proc.stdin is not None:
@@ -262,8 +216,7 @@ class ForkServer:
         """Kill the server now (a worker of it follows) and never use it again."""
         self._broken = True
         if self._proc.poll() is None:  # not yet reaped: its pid is still its own
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
+            kill_group(self._proc.pid)
         self._proc.wait()
 
     def _release_files(self) -> None:
@@ -304,8 +257,7 @@ class ForkServer:
 
 
 SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
-"""In the server's environment, the pid of the process that started it (and that it follows). A forked
-worker's ``/proc`` environment is the server's, so this is how a worker is known as a forked one."""
+"""In the server's environment (and so in a forked worker's ``/proc`` one), the pid of the process it follows."""
 _OFF = frozenset({"0", "off", "false", "no"})
 _ON = frozenset({"", "1", "on", "true", "yes"})
 _warned: set[str] = set()  # values of the variable already warned about, once each
@@ -345,12 +297,9 @@ def fork(
 ) -> Forked | None:
     """Fork a worker from this process's fork server for ``env`` and ``cwd``; ``None``: start a fresh interpreter.
 
-    ``child_env`` is the worker's environment, with ``parent_env`` set to the server's pid (the
-    parent the worker follows). The server is started on first use, kept for the next worker, and
-    replaced for another environment or folder, never while a worker of it runs. ``None`` where
-    ``RECOMPUTE_TUNE_FORK_SERVER`` is off, where a server for this environment would not start
-    (logged once), while a worker of the server runs (another thread measuring), and where the
-    server does not answer (logged).
+    ``child_env`` is the worker's environment, with ``parent_env`` set to the server's pid. The server
+    is started on first use and replaced for another environment or folder, never while a worker of it
+    runs. ``None`` where forking is off, the server would not start or does not answer, or is busy.
     """
     if not forking(env):
         return None
@@ -402,15 +351,10 @@ _PARENT_POLL_S = 1.0
 def serve(preload: Sequence[str]) -> int:
     """The server's loop: import ``preload``, then fork one worker per request until its parent is gone.
 
-    Its parent (the pid in ``RECOMPUTE_TUNE_FORK_SERVER_PARENT``) is gone when the server's stdin
-    ends or its parent pid is no longer that one, checked every second (every 50 ms while a worker
-    runs where ``pidfd_open`` is missing). Both, because a fork of the parent (a data-loader
-    worker, say) may hold the stdin pipe open after the parent died. Not ``PR_SET_PDEATHSIG``: that
-    follows the *thread* that started the server, and a tuning process may start it from a thread
-    that ends long before the session does. A worker still running then is killed with its group.
+    Gone: its stdin ends, or its parent pid changes (a fork of the parent may hold stdin open). Not
+    ``PR_SET_PDEATHSIG``: that follows the *thread* that started the server, which may end first.
     """
-    # Replies go to a copy of stdout; stdout itself becomes stderr, so nothing an import prints can
-    # be taken for a reply.
+    # Replies go to a copy of stdout; stdout becomes stderr, so nothing an import prints is taken for a reply.
     replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     parent = os.environ.get(SERVER_PARENT_ENV, "")
@@ -424,13 +368,11 @@ def serve(preload: Sequence[str]) -> int:
             _child(request, replies)  # never returns
         replies.write(json.dumps({"pid": pid}) + "\n")
         parent_gone = not requests.wait_for_exit(pid)
-        # The worker has exited (or is being killed): kill what it left in its group (data-loader
-        # workers, compile helpers), then reap it. Until it is reaped its pid cannot be reused,
-        # so the group killed is its own.
+        # Kill what the worker left in its group, then reap it: until then its pid, so the group, is its own.
         if parent_gone:
             _kill_unreaped(pid)
         else:
-            _kill_group(pid)
+            kill_group(pid)
         _, status = os.waitpid(pid, 0)
         if parent_gone:
             return 0
@@ -438,14 +380,14 @@ def serve(preload: Sequence[str]) -> int:
     return 0
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
 
 def _kill_unreaped(pid: int) -> None:
-    """The worker's group, and the worker itself in case it has not made its group yet (it is not reaped: its pid)."""
-    _kill_group(pid)
+    """The worker's group, and the worker itself in case it has not made its group yet."""
+    kill_group(pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
 
@@ -471,10 +413,8 @@ class _Requests:
                 return None
 
     def wait_for_exit(self, pid: int) -> bool:
-        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``).
-
-        A kill request for it meanwhile kills it (and its group) at once.
-        """
+        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``);
+        a kill request for it meanwhile kills it at once."""
         try:
             exited = os.pidfd_open(pid)  # readable once the process has exited (Linux 5.3)
         except (AttributeError, OSError):
@@ -558,8 +498,7 @@ def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        # What an interpreter does on its way out (atexit handlers, Python's and C's streams
-        # flushed), then leave without unwinding into the server's frames.
+        # What an interpreter does on its way out, then leave without unwinding into the server's frames.
         with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):

@@ -1,9 +1,6 @@
-"""Recognising an out-of-memory failure, on both sides of the trial protocol.
-
-The child classifies the exception it caught (`is_oom_error`); the parent classifies what a
-child that died left in its output (`OOM_MARKERS`), and, for a child killed by SIGKILL, asks
-the kernel whether its out-of-memory killer did it (`oom_kill_count`, `kernel_log_oom_kill`):
-a SIGKILL is also what ``kill -9``, a scheduler or a container runtime send.
+"""Recognising an out-of-memory failure: the child's exception (`is_oom_error`), a dead child's output
+(`OOM_MARKERS`), and whether the kernel's out-of-memory killer sent a SIGKILL (`oom_evidence`), which
+``kill -9``, schedulers and container runtimes send too.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ def is_oom_error(err: BaseException) -> bool:
 def _cgroup_files() -> list[Path]:
     """The files holding this process's cgroup ``oom_kill`` counter, most specific first (v2, then v1).
 
-    Inside a container ``/proc/self/cgroup`` names a path outside its namespace view, so the
-    mount's root is tried after the named path.
+    Inside a container ``/proc/self/cgroup`` names a path outside its view: the mount's root comes next.
     """
     try:
         lines = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()

@@ -1,38 +1,24 @@
 """The parent/child protocol of the trial worker: one typed spec per kind of measurement, as JSON.
 
-The parent (`tuner._trials.runner`) builds a spec, writes its `Spec.to_dict` as ``SPEC.json`` and
-runs ``python -m tuner._trials.worker SPEC.json RESULT.json``; the child (`tuner._trials.worker`)
-reads it back with `parse_spec`. The kinds, all listed in `SPEC_TYPES`:
-
-- ``trial`` (`TrialSpec`): a real Lightning ``Trainer`` with `RecomputeCallback` runs warm-up plus
-  measured steps; the result holds every step's time, peak memory, samples and tokens.
-- ``numerics`` (`NumericsSpec`): loss, gradients, every parameter and buffer and the eval-mode loss of
-  one training step with and without the policy, in deterministic mode, against the spread of two runs
-  without it (`NumericsPayload`).
-- ``device`` (`DeviceSpec`): the name and total memory of the device an accelerator selects.
-- ``profile`` (`ProfileSpec`): the recipe's per-layer cost profile (`tuner.recipe._profile`).
-- ``race`` (`RaceSpec`): several policies measured in turn on one model in one fit (`lightning_recompute.race.engine`).
-
-The ``RANKED_KINDS`` run on the recipe's ``trainer.devices`` ranks (`Spec.ranks`), each rank
-writing its own result (`rank_result_path`) that the parent merges.
-
-Every spec and `NumericsPayload` carry the protocol ``version``: a child given a version or a kind it
-does not know fails with a `ProtocolError` naming it and what it supports. A mapping without a
-``version`` is version 1 (the keys a spec had before the field existed). Recipes and policies travel
-as their own ``to_dict`` forms and are built in the child: this module imports the standard library
-only, so the child parses its spec without spending its deadline on imports.
+The parent (`tuner._trials.runner`) writes a spec's `Spec.to_dict` as ``SPEC.json`` and runs
+``python -m tuner._trials.worker SPEC.json RESULT.json``; the child reads it back with `parse_spec`.
+The kinds are `SPEC_TYPES`; the `RANKED_KINDS` run on the recipe's ``trainer.devices`` ranks, each
+writing its own result (`rank_result_path`). A version or kind the child does not know is a
+`ProtocolError` naming it; a mapping without a ``version`` is version 1. Recipes and policies travel
+as their own ``to_dict`` forms and are built in the child.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 __all__ = [
     "KINDS",
+    "PARENT_PID_ENV",
     "PROTOCOL_VERSION",
     "RANKED_KINDS",
     "SPEC_TYPES",
@@ -54,80 +40,61 @@ PROTOCOL_VERSION = 1
 """The version this parent writes."""
 SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
 """The versions this child reads."""
+PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"
+"""In a worker's environment, the pid of its parent (the tuner, or the fork server): it ends when that dies."""
 
 
 class ProtocolError(ValueError):
     """A spec or result the other side cannot read: unknown version or kind, a missing, unknown or mistyped key."""
 
 
+_M = TypeVar("_M", bound="_Message")
 _S = TypeVar("_S", bound="Spec")
 
 
-def _check_version(what: str, version: Any) -> int:
+def _check_version(what: str, version: Any) -> None:
     if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
         raise ProtocolError(
             f"{what}: protocol version {version!r} is not supported; this worker reads version(s) "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
-    return int(version)
 
 
-def _fields_of(cls: type, data: Mapping[str, Any], what: str, envelope: frozenset[str]) -> dict[str, Any]:
-    """``data``'s values for ``cls``'s fields, converted by their annotations; unknown or missing keys are errors."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields) - envelope)
-    if unknown:
-        raise ProtocolError(f"{what}: unknown key(s) {unknown}; valid: {sorted(fields)}")
-    missing = sorted(
-        name
-        for name, f in fields.items()
-        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    )
-    if missing:
-        raise ProtocolError(f"{what}: missing key(s) {missing}")
-    values = {}
-    for name in fields.keys() & data.keys():
-        convert = _CONVERT[str(fields[name].type)]
+def problems(err: ValidationError) -> str:
+    """What pydantic found wrong, one ``key: problem`` after another."""
+    return "; ".join(_problem(e) for e in err.errors())
+
+
+def _problem(err: Mapping[str, Any]) -> str:
+    where = ".".join(map(str, err["loc"]))
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return f"{where}: unknown key"
+    if err["type"] in ("missing", "missing_argument"):
+        return f"{where}: missing key"
+    return f"{where} = {err['input']!r:.80}: {err['msg']}"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = PROTOCOL_VERSION
+
+    @classmethod
+    def _parse(cls: type[_M], data: Mapping[str, Any], what: str, envelope: tuple[str, ...]) -> _M:
+        """``data`` less its ``envelope`` keys, validated; a `ProtocolError` naming every problem."""
         try:
-            values[name] = convert(data[name])
-        except (TypeError, ValueError, AttributeError, ProtocolError) as err:
-            raise ProtocolError(f"{what}: {name} = {data[name]!r:.80}: {err}") from err
-    return values
+            return cls.model_validate({k: v for k, v in data.items() if k not in envelope})
+        except ValidationError as err:
+            raise ProtocolError(f"{what}: {problems(err)}") from None
 
 
-def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda value: None if value is None else convert(value)
-
-
-def _mapping(value: Any) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"expected a mapping, got {type(value).__name__}")
-    return dict(value)
-
-
-def _strings(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise TypeError(f"expected a list of strings, got {type(value).__name__}")
-    return tuple(str(v) for v in value)
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready: tuples as lists, nested dataclasses as their ``to_dict``."""
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    to_dict = getattr(value, "to_dict", None)
-    return to_dict() if callable(to_dict) else value
-
-
-@dataclass(frozen=True, kw_only=True)
-class Spec:
+class Spec(_Message):
     """What every spec carries. A concrete kind names itself in ``kind`` and is listed in `SPEC_TYPES`."""
 
     kind: ClassVar[str] = ""
     ranked: ClassVar[bool] = False
     """Whether the kind runs on the recipe's ``trainer.devices`` ranks (`RANKED_KINDS`)."""
 
-    version: int = PROTOCOL_VERSION
     deadline: float | None = None
     """When (``time.time()``) the parent kills the worker; the worker dumps its stacks just before."""
     sys_path: tuple[str, ...] = ()
@@ -144,21 +111,17 @@ class Spec:
         return 1
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only (JSON-ready), ``kind`` included."""
-        return {"kind": self.kind, **{f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}}
+        """JSON-ready, ``kind`` included."""
+        return {"kind": self.kind, **self.model_dump()}
 
     @classmethod
     def from_dict(cls: type[_S], data: Mapping[str, Any]) -> _S:
-        """The inverse of `to_dict`. ``kind`` may be left out; a missing ``version`` is version 1.
-
-        Raises:
-            ProtocolError: an unsupported version, another kind, unknown or missing keys, a value of the wrong type.
-        """
+        """The inverse of `to_dict`; ``kind`` may be left out. `ProtocolError` for what it cannot read."""
         what = f"{cls.kind} spec"
         _check_version(what, data.get("version", 1))
         if data.get("kind", cls.kind) != cls.kind:
             raise ProtocolError(f"{what}: kind is {data['kind']!r}")
-        return cls(**_fields_of(cls, data, what, frozenset({"kind"})))
+        return cls._parse(data, what, ("kind",))
 
     @classmethod
     def of(cls: type[_S], spec: Spec | Mapping[str, Any]) -> _S:
@@ -170,7 +133,6 @@ class Spec:
         return cls.from_dict(spec)
 
 
-@dataclass(frozen=True, kw_only=True)
 class _RecipeSpec(Spec):
     """A measurement of a recipe's model: the recipe, where it came from, and the micro-batch."""
 
@@ -187,12 +149,9 @@ class _RecipeSpec(Spec):
 
     @property
     def ranks(self) -> int:
-        if not self.ranked:
-            return 1
-        return int(self.recipe.get("trainer", {}).get("devices", 1))
+        return int(self.recipe.get("trainer", {}).get("devices", 1)) if self.ranked else 1
 
 
-@dataclass(frozen=True, kw_only=True)
 class TrialSpec(_RecipeSpec):
     """Warm-up plus measured training steps of the recipe's model under a policy."""
 
@@ -204,7 +163,6 @@ class TrialSpec(_RecipeSpec):
     measure_steps: int
 
 
-@dataclass(frozen=True, kw_only=True)
 class NumericsSpec(_RecipeSpec):
     """One training step's loss, gradients and state under a policy against two runs without it."""
 
@@ -214,40 +172,26 @@ class NumericsSpec(_RecipeSpec):
     """`lightning_recompute.RecomputePolicy.to_dict`."""
 
 
-@dataclass(frozen=True, kw_only=True)
 class ProfileSpec(_RecipeSpec):
-    """The recipe's per-layer cost profile, each layer measured ``repeats`` times."""
+    """The recipe's per-layer cost profile (`tuner.recipe._profile`), each layer measured ``repeats`` times."""
 
     kind: ClassVar[str] = "profile"
     repeats: int
 
 
-@dataclass(frozen=True)
-class RaceEntrant:
+class RaceEntrant(BaseModel):
     """One policy in a race: its key (the policy's fingerprint), the policy, and its glyphs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     key: str
     policy: dict[str, Any]
     """`lightning_recompute.RecomputePolicy.to_dict`."""
     short: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "policy": self.policy, "short": self.short}
 
-    @classmethod
-    def from_dict(cls, data: Any) -> RaceEntrant:
-        return cls(**_fields_of(cls, _mapping(data), "race entrant", frozenset()))
-
-
-def _entrants(value: Any) -> tuple[RaceEntrant, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"expected a list of entrants, got {type(value).__name__}")
-    return tuple(RaceEntrant.from_dict(e) for e in value)
-
-
-@dataclass(frozen=True, kw_only=True)
 class RaceSpec(_RecipeSpec):
-    """Several policies raced in turn on one model in one fit."""
+    """Several policies raced in turn on one model in one fit (`lightning_recompute.race.engine`)."""
 
     kind: ClassVar[str] = "race"
     entrants: tuple[RaceEntrant, ...]
@@ -255,11 +199,10 @@ class RaceSpec(_RecipeSpec):
     """Keys of the entrants the winner's "vs" figures are about."""
     budget_bytes: int | None = None
     """An entrant peaking over it is out of the race."""
-    plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    plan: dict[str, Any] = Field(default_factory=dict)
     """`lightning_recompute.race.RacePlan.to_dict`."""
 
 
-@dataclass(frozen=True, kw_only=True)
 class DeviceSpec(Spec):
     """The name and total memory of the device ``accelerator`` selects."""
 
@@ -280,11 +223,7 @@ RANKED_KINDS: tuple[str, ...] = tuple(kind for kind, cls in SPEC_TYPES.items() i
 
 
 def parse_spec(data: Any) -> Spec:
-    """The spec a parent wrote (`Spec.to_dict`), as its kind's class.
-
-    Raises:
-        ProtocolError: not a mapping, an unsupported version, an unknown kind, or a malformed spec of its kind.
-    """
+    """The spec a parent wrote (`Spec.to_dict`), as its kind's class; `ProtocolError` for what it cannot read."""
     if not isinstance(data, Mapping):
         raise ProtocolError(f"a spec is a JSON object, got {type(data).__name__}")
     kind = data.get("kind")
@@ -300,14 +239,9 @@ def rank_result_path(result_path: Path, rank: int) -> Path:
     return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
 
 
-# ---------------------------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, kw_only=True)
-class NumericsPayload:
+class NumericsPayload(_Message):
     """A ``numerics`` worker's measurement (its result's ``outcome`` is ``ok``)."""
 
-    version: int = PROTOCOL_VERSION
     equal: bool
     """Loss and every gradient equal to the run without recompute (bitwise, or within a stated tolerance)."""
     max_abs_diff: float
@@ -321,32 +255,13 @@ class NumericsPayload:
 
     def to_dict(self) -> dict[str, Any]:
         """The worker's result: ``outcome`` ``ok`` and every field (JSON-ready)."""
-        return {"outcome": "ok", **dataclasses.asdict(self)}
+        return {"outcome": "ok", **self.model_dump()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NumericsPayload:
-        """The inverse of `to_dict`; the result's ``outcome`` and ``rank`` are read past, a missing ``version`` is 1.
-
-        Raises:
-            ProtocolError: an unsupported version, an outcome other than ``ok``, unknown or missing keys.
-        """
+        """The inverse of `to_dict`, past the result's ``outcome`` and ``rank``; `ProtocolError` if unreadable."""
         what = "numerics result"
         _check_version(what, data.get("version", 1))
         if data.get("outcome", "ok") != "ok":
             raise ProtocolError(f"{what}: outcome {data['outcome']!r} carries no measurement")
-        return cls(**_fields_of(cls, data, what, frozenset({"outcome", "rank"})))
-
-
-_CONVERT: dict[str, Callable[[Any], Any]] = {
-    "int": int,
-    "float": float,
-    "bool": bool,
-    "str": str,
-    "int | None": _optional(int),
-    "float | None": _optional(float),
-    "str | None": _optional(str),
-    "dict[str, Any]": _mapping,
-    "tuple[str, ...]": _strings,
-    "tuple[RaceEntrant, ...]": _entrants,
-}
-"""How a JSON value becomes a field's value, by the field's annotation (every annotation used above)."""
+        return cls._parse(data, what, ("outcome", "rank"))

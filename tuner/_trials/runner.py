@@ -1,15 +1,9 @@
 """Parent side of the child protocol: run one measurement in a fresh subprocess and classify what happened.
 
-Every measurement (`run_trial`, `check_numerics`, the CUDA part of `device_info`, and
-`profile_recipe` on an accelerator) runs
-``python -m tuner._trials.worker SPEC.json RESULT.json`` in a new session, so an out-of-memory error, a
-segfault, an ``abort()`` or a hang in the user's model ends that process only: the tuning session
-kills the whole process group at the deadline and carries on. Trial failures are results
-(``oom``, ``timeout``, ``error``), never exceptions; the search treats them as data.
-
-A one-rank CPU worker is forked from a warm fork server (`tuner._trials.forkserver`) instead of
-started as a fresh interpreter: the same session, environment and log, without importing torch and
-Lightning again for every trial (``RECOMPUTE_TUNE_FORK_SERVER=0`` turns it off).
+Each measurement runs ``python -m tuner._trials.worker SPEC.json RESULT.json`` in its own session, so
+whatever the model does (run out of memory, crash, hang) ends that process only, and its whole group is
+killed at the deadline. Trial failures are results (``oom``, ``timeout``, ``error``), never exceptions.
+One-rank CPU workers are forked from a warm fork server instead (`tuner._trials.forkserver`).
 """
 
 from __future__ import annotations
@@ -27,10 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
@@ -39,6 +35,7 @@ from tuner._trials import forkserver
 from tuner._trials.forkserver import SERVER_PARENT_ENV, Forked
 from tuner._trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
 from tuner._trials.protocol import (
+    PARENT_PID_ENV,
     RANKED_KINDS,
     DeviceSpec,
     NumericsPayload,
@@ -49,6 +46,7 @@ from tuner._trials.protocol import (
     RaceSpec,
     Spec,
     TrialSpec,
+    problems,
     rank_result_path,
 )
 from tuner.recipe import Recipe
@@ -56,21 +54,6 @@ from tuner.recipe import Recipe
 if TYPE_CHECKING:
     from lightning_recompute.profile import Profile
     from lightning_recompute.race import RacePlan, RaceResult, Spread
-
-__all__ = [
-    "NumericsResult",
-    "Outcome",
-    "TrialResult",
-    "check_numerics",
-    "clean_stale_trial_dirs",
-    "device_info",
-    "merge_ranks",
-    "profile_recipe",
-    "run_race",
-    "run_trial",
-    "summarize_steps",
-    "trial_processes",
-]
 
 Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped"]
 """What became of a trial: measured and within budget; measured above the budget; out of memory;
@@ -84,11 +67,7 @@ _DIR_PREFIX = "recompute-trial-"
 _OWNER_FILE = "owner.json"
 _WORKER_FILE = "worker.json"
 TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
-"""Set in a worker's environment to its trial folder: every process the worker starts inherits it,
-which is how `clean_stale_trial_dirs` finds a dead owner's leftover processes (`trial_processes`)."""
-PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"
-"""The pid of the worker's parent (the tuning process, or the fork server that forked it), in the
-worker's environment: the worker ends itself when that parent dies."""
+"""The worker's trial folder, in its environment and so in everything it starts (`trial_processes`)."""
 _NUMERICS_TIMEOUT_S = 600.0
 _DEVICE_TIMEOUT_S = 120.0
 
@@ -97,47 +76,42 @@ _DEVICE_TIMEOUT_S = 120.0
 class TrialResult:
     """What one trial measured, or why it measured nothing."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")  # `from_dict` refuses unknown keys
+
     outcome: Outcome
-    """``ok`` / ``over_budget`` / ``oom`` / ``timeout`` / ``error`` / ``nonfinite`` / ``skipped``."""
     peak_bytes: int | None = None
     """Peak device memory over every step, warm-up included (a real job goes through those too)."""
     step_time_s: float | None = None
     """Median wall-clock seconds of the measured steps (warm-up excluded)."""
     samples_per_s: float | None = None
-    """Samples per measured step over `step_time_s`."""
     tokens_per_s: float | None = None
-    """Tokens per measured step over `step_time_s`; ``None`` when the batch holds no token ids."""
+    """``None`` when the batch holds no token ids."""
     throughput: float | None = None
     """`tokens_per_s` when the batch has tokens, else `samples_per_s`: the search's objective."""
     throughput_unit: str = "samples/s"
-    """``tokens/s`` or ``samples/s``."""
     step_times_s: tuple[float, ...] = ()
     """Every measured step's seconds, in order."""
     wall_s: float = 0.0
     """Seconds the whole subprocess took, startup included."""
     compile_s: float | None = None
-    """Seconds torch.compile spent on the policy's layers (in warm-up, outside the timed steps);
-    ``None`` when the policy does not compile."""
+    """Seconds torch.compile spent on the policy's layers (in warm-up); ``None`` when it does not compile."""
     error: str | None = None
     """One line saying what went wrong (``None`` for ``ok``)."""
     stderr_tail: str | None = None
     """The end of the worker's output when it failed or was killed."""
     device: str = ""
-    """Device name (``cpu``, ``NVIDIA H100 80GB HBM3``)."""
     device_total_bytes: int | None = None
-    """The device's total memory; ``None`` on CPU."""
+    """``None`` on CPU."""
     rank_peak_bytes: tuple[int, ...] = ()
-    """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum); empty for one device."""
+    """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum)."""
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The machine while the trial ran (`race.machine.machine_state`: load, clocks, other GPU processes)."""
+    """The machine while the trial ran (`race.machine.machine_state`)."""
     batches: dict[str, Any] | None = None
-    """The scan of the data module's first batches (`tuner._trials.batches.BatchScan.to_dict`): when they vary,
-    every measured step used the largest. ``None``: not measured."""
+    """The scan of the data module's first batches (`tuner._trials.batches.BatchScan`); ``None``: not measured."""
 
     @property
     def noise(self) -> Spread | None:
-        """The spread of the measured step times (``None`` without any): a single trial's figure is one
-        sample, and this says how loud the machine was while it was taken."""
+        """The spread of the measured step times: how loud the machine was (``None`` without any)."""
         from lightning_recompute.race.stats import spread
 
         return spread(self.step_times_s) if self.step_times_s else None
@@ -157,18 +131,10 @@ class TrialResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
         """The inverse of `to_dict`; unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise RecomputeError(f"trial result: unknown key(s) {unknown}; valid: {sorted(names)}")
-        if data.get("outcome") not in get_args(Outcome):
-            raise RecomputeError(
-                f"trial result: outcome {data.get('outcome')!r}; valid: {', '.join(get_args(Outcome))}"
-            )
-        values = dict(data)
-        values["step_times_s"] = tuple(values.get("step_times_s", ()))
-        values["rank_peak_bytes"] = tuple(int(v) for v in values.get("rank_peak_bytes", ()))
-        return cls(**values)
+        try:
+            return TypeAdapter(cls).validate_python(data)
+        except ValidationError as err:
+            raise RecomputeError(f"trial result: {problems(err)}") from None
 
     @classmethod
     def skipped(cls, reason: str, *, device: str = "", device_total_bytes: int | None = None) -> TrialResult:
@@ -181,19 +147,15 @@ class NumericsResult:
     """Whether a policy changes one training step's loss, gradients or module state."""
 
     equal: bool
-    """Loss and every parameter gradient equal to training without recomputation: bitwise, or, on an
-    accelerator whose kernels differ between two identical runs, within that spread."""
+    """Equal to training without recomputation: bitwise, or within the spread of two runs without it."""
     max_abs_diff: float
-    """The largest absolute difference from the run without recomputation (0.0 when bitwise equal)."""
+    """The largest absolute difference from the run without recomputation."""
     detail: str
     """What was compared (at which micro-batch), or what differed and where."""
     baseline_spread: float = 0.0
     """The largest absolute difference between two runs without recomputation (0.0: reproducible)."""
     micro_batch: int | None = None
     """The micro-batch compared: the requested one, or a smaller one where no recompute fits."""
-
-
-# ---------------------------------------------------------------------------------------------- API
 
 
 def run_trial(
@@ -206,16 +168,10 @@ def run_trial(
     timeout_s: float | None = None,
     budget_bytes: int | None = None,
 ) -> TrialResult:
-    """Train ``recipe``'s model under ``policy`` for warm-up plus measured steps, in a subprocess.
+    """Train ``recipe``'s model under ``policy`` for warm-up plus measured steps (default: ``recipe.trial``).
 
-    The defaults come from ``recipe.trial``. Never raises for what the trial does: an
-    out-of-memory error is ``oom``, passing ``timeout_s`` is ``timeout`` (the process group is
-    killed), any other failure is ``error`` with the tail of the worker's output, and a peak above
-    ``budget_bytes`` is ``over_budget`` (with its measurements).
-
-    A ``KeyboardInterrupt`` (or any exception) in the parent while waiting kills the trial's
-    process group and propagates: a caller wanting "finish the current trial, then stop" handles
-    SIGINT itself rather than letting it interrupt this call.
+    Never raises for what the trial does: an outcome says it, and a peak above ``budget_bytes`` is
+    ``over_budget``. Any exception in the parent while waiting (Ctrl-C) kills the trial and propagates.
     """
     warmup = recipe.trial.warmup_steps if warmup_steps is None else int(warmup_steps)
     measure = recipe.trial.measure_steps if measure_steps is None else int(measure_steps)
@@ -226,27 +182,17 @@ def run_trial(
         **_recipe_fields(recipe, micro_batch), policy=policy.to_dict(), warmup_steps=warmup, measure_steps=measure
     )
     run = _run_worker(spec, limit, recipe.trial.env)
-    if run.timed_out:
-        return TrialResult(
-            outcome="timeout",
-            wall_s=run.wall_s,
-            error=f"no result within {limit:g} s; the trial's process group was killed",
-            stderr_tail=run.tail,
-            **_device_fields(recipe, run.result),
-        )
     res = run.result
-    if res is not None and res.get("outcome") == "ok":
+    outcome: Outcome
+    if run.timed_out:
+        outcome, error = "timeout", f"no result within {limit:g} s; the trial's process group was killed"
+    elif res is not None and res.get("outcome") == "ok":
         try:
             return _measured(res, wall_s=run.wall_s, budget_bytes=budget_bytes)
         except (KeyError, TypeError, ValueError) as err:
-            return TrialResult(
-                outcome="error",
-                wall_s=run.wall_s,
-                error=f"malformed worker result: {err!r}",
-                stderr_tail=run.tail,
-                **_device_fields(recipe, res),
-            )
-    outcome, error = _classify_failure(run)
+            outcome, error = "error", f"malformed worker result: {err!r}"
+    else:
+        outcome, error = _classify_failure(run)
     return TrialResult(
         outcome=outcome, wall_s=run.wall_s, error=error, stderr_tail=run.tail, **_device_fields(recipe, res)
     )
@@ -263,21 +209,12 @@ def run_race(
     plan: RacePlan | None = None,
     timeout_s: float | None = None,
 ) -> RaceResult:
-    """Race ``entrants`` (a policy and why it races) interleaved on one model, in one subprocess.
+    """Race ``entrants`` (a policy and its labels) interleaved on one model, in one subprocess.
 
-    See `lightning_recompute.race.engine` for how. Entrants are keyed by their policy's fingerprint; ``references``
-    (entrants too) are what the winner's "vs" figures are about. Never raises for what the race does:
-    a worker that fails gives a ``failed`` result with the reason.
-
-    Args:
-        recipe: the recipe (model, data, trainer; ``race`` for the plan unless ``plan`` is given).
-        entrants: ``(policy, labels)``; equal policies are raced once, their labels merged.
-        layer_names: the model's layers, for each policy's glyphs (the tie-break reads them).
-        references: the policies the winner is compared with in the estimation phase.
-        micro_batch: the micro-batch every entrant runs at (``None``: the data module's).
-        budget_bytes: an entrant peaking over it is out of the race.
-        plan: how long and how sure (default: from ``recipe.race``).
-        timeout_s: the worker's deadline (default: a trial's timeout plus twice the race's time).
+    How: `lightning_recompute.race.engine`. Equal policies race once, their labels merged; ``references``
+    (entrants too) are what the winner's "vs" figures are about; ``layer_names`` give each policy's glyphs;
+    an entrant peaking over ``budget_bytes`` is out. ``plan`` defaults to ``recipe.race``, ``timeout_s`` to a
+    trial's timeout plus twice the race's time. A worker that fails gives a ``failed`` result, never raises.
     """
     from lightning_recompute.race import RaceResult
 
@@ -316,22 +253,14 @@ def check_numerics(
 ) -> NumericsResult:
     """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged.
 
-    In a subprocess, with ``torch.use_deterministic_algorithms`` on (and cuBLAS's deterministic
-    workspace on CUDA): the model is built three times from the same seed (no recompute, with
-    ``policy``, no recompute again); each runs one forward and backward in train mode (dropout
-    active) on the same fixed batch, with the same RNG seed before each. Loss, every parameter
-    gradient, every ``state_dict`` entry after the step (parameters and buffers: BatchNorm's
-    statistics) and the loss of the batch in eval mode afterwards must be bitwise equal to the first
-    run; on an accelerator where the two runs without recompute already differ (kernels with no
-    deterministic implementation), the policy may differ by no more than they do. On CPU bitwise is
-    the rule. When no recompute runs out of memory at ``micro_batch``, the check runs on the first
-    half of the batch, then a quarter, down to one sample, and says which it compared. A failure to
-    run the check is reported as not equal, with the reason.
+    In a subprocess, in deterministic mode: one step without recompute, with ``policy`` and without
+    again, compared bitwise, or off CPU within the two baselines' spread (`tuner._trials.worker._numerics`).
+    Where no recompute runs out of memory, the batch is halved down to one sample. A check that cannot
+    run is not equal, with the reason. The rules: docs/TUNER.md, "What the gate guarantees".
     """
     limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
-    # cuBLAS reads this when its handle is created: it must be in the environment the process starts with.
-    # Only on CUDA: on the CPU it would mean nothing, and an environment unlike the trials' would
-    # cost the fork server a restart (it forks only into the environment it started with).
+    # cuBLAS reads this when its handle is created, so it must be in the starting environment. Not on the
+    # CPU: an environment unlike the trials' would cost the fork server a restart.
     cublas = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if recipe.trainer.accelerator != "cpu" else {}
     env = {**cublas, **recipe.trial.env}
     if recipe.trainer.devices > 1:
@@ -363,11 +292,10 @@ def check_numerics(
 def _numerics_on_ranks(
     recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None, limit: float, env: Mapping[str, str]
 ) -> tuple[_WorkerRun, list[int]]:
-    """The numerics check on the recipe's N ranks, halving the micro-batch while a rank runs out of memory.
+    """The numerics check on N ranks, one launch per micro-batch, halved while a rank runs out of memory.
 
-    One rank's out-of-memory error ends every rank (the worker's ranks cannot agree to retry
-    together), so the halving the single-device worker does in-process happens here, one launch
-    per size, all within ``limit`` seconds. Returns the last run and the sizes that did not fit.
+    Halved here, not in the worker: one rank's out-of-memory error ends every rank. Returns the last
+    run and the sizes that did not fit.
     """
     from tuner.recipe._build import data_batch_size
 
@@ -387,9 +315,8 @@ def _numerics_on_ranks(
 def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: int = 3) -> Profile:
     """The per-layer cost profile of ``recipe``'s model on its device.
 
-    On CPU it runs here. On an accelerator it runs in the worker, like a trial (same protocol,
-    same environment, deadline twice a trial's): a CUDA context created in the tuning process
-    would hold device memory that every trial then lacks.
+    On CPU it runs here; on an accelerator in the worker (deadline twice a trial's): a CUDA context in
+    the tuning process would hold device memory that every trial then lacks.
 
     Raises:
         RecomputeError: the profile could not be taken (the message says why).
@@ -400,7 +327,7 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
         from lightning_recompute.meter import CPU_MEMORY_LIMIT
         from tuner.recipe._profile import profile_recipe_here
 
-        # Here rather than in a worker, but on the device a worker would see: the recipe's cap on the CPU.
+        # On the device a worker would see: the recipe's cap on the CPU.
         cap = recipe.trial.env.get(CPU_MEMORY_LIMIT)
         before = os.environ.get(CPU_MEMORY_LIMIT)
         if cap is not None:
@@ -427,8 +354,8 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
     """The device a trial of ``recipe`` runs on: ``("cpu", None)`` or ``(name, total bytes)``.
 
-    CUDA is queried in a subprocess (once per accelerator setting, then cached): initialising CUDA
-    in the tuning process would hold a context's worth of device memory that trials then lack.
+    CUDA is queried in a subprocess, once per accelerator setting, so that the tuning process holds no
+    CUDA context.
 
     Raises:
         RecomputeError: the accelerator names a device this machine cannot use.
@@ -436,9 +363,6 @@ def device_info(recipe: Recipe) -> tuple[str, int | None]:
     if recipe.trainer.accelerator == "cpu":
         return "cpu", None
     return _probe_device(recipe.trainer.accelerator)
-
-
-# ---------------------------------------------------------------------------------------------- internals
 
 
 @functools.cache
@@ -452,7 +376,7 @@ def _probe_device(accelerator: str) -> tuple[str, int | None]:
 
 
 def _recipe_fields(recipe: Recipe, micro_batch: int | None) -> dict[str, Any]:
-    """The fields every spec about ``recipe`` carries (`tuner._trials.protocol`'s recipe specs)."""
+    """The fields every spec about ``recipe`` carries."""
     return {
         "recipe": recipe.to_dict(),
         "source": None if recipe.source is None else str(recipe.source),
@@ -481,36 +405,33 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
     with tempfile.TemporaryDirectory(prefix=_DIR_PREFIX) as tmp:
         folder = Path(tmp)
         spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.log"
-        # Whose folder this is: if this process is SIGKILLed, the next run on this host removes
-        # the folder (and anything the worker left running) once this owner is dead.
+        # Whose folder this is: once this owner is dead, the next run here removes it (`clean_stale_trial_dirs`).
         (folder / _OWNER_FILE).write_text(json.dumps(Owner.me().to_dict()), encoding="utf-8")
         base_env = _worker_env(env or {})
-        if _forkable(spec):
+        fork = _forkable(spec)
+        if fork:
             # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
             forkserver.warm(base_env, os.getcwd())
         start = time.monotonic()
-        spec = dataclasses.replace(spec, deadline=time.time() + timeout_s)
+        spec = spec.model_copy(update={"deadline": time.time() + timeout_s})
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         kills_before = oom_kill_count()
-        proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, fork=_forkable(spec))
+        proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, fork=fork)
         timed_out = False
         try:
             kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner._liveness
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-        except BaseException:
-            _kill_group(proc)
-            raise
         finally:
             # Also reaps anything the worker left behind (data-loader workers, compile helpers).
             _kill_group(proc)
         wall = time.monotonic() - start
-        ranks = spec.ranks
-        if ranks == 1:
+        if spec.ranks == 1:
             result = _read_result(result_path)
         else:
-            result = merge_ranks(spec.kind, [_read_result(rank_result_path(result_path, r)) for r in range(ranks)])
+            paths = [rank_result_path(result_path, r) for r in range(spec.ranks)]
+            result = merge_ranks(spec.kind, [_read_result(p) for p in paths])
         killed = not timed_out and proc.returncode == -signal.SIGKILL
         return _WorkerRun(
             returncode=proc.returncode,
@@ -527,9 +448,7 @@ def _start_worker(
 ) -> subprocess.Popen[bytes] | Forked:
     """Start the worker on ``argv``: forked from the fork server if ``fork`` and it can, else a fresh interpreter.
 
-    Its pid (its process group and session too) and how it started are written to the trial folder,
-    so that `trial_processes` finds what it leaves running after this process is SIGKILLed: a forked
-    worker's ``/proc`` environment is the server's, without the trial folder's variable.
+    Its pid and how it started go to the trial folder, for `trial_processes` to find what it leaves running.
     """
     env = {**base_env, TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())}
     proc: subprocess.Popen[bytes] | Forked | None = None
@@ -556,32 +475,25 @@ def _start_worker(
 
 
 def _forkable(spec: Spec) -> bool:
-    """Whether a forked worker is exactly a fresh one for ``spec``: one rank, on the CPU, on Linux.
-
-    Why each: `tuner._trials.forkserver`.
-    """
+    """Whether a forked worker is exactly a fresh one for ``spec`` (why: `tuner._trials.forkserver`)."""
     return sys.platform.startswith("linux") and spec.runs_on == "cpu" and spec.ranks == 1
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return None  # written atomically, so this means something else wrote there
+        return None  # none, or (written atomically) something else wrote there
     return data if isinstance(data, dict) else None
 
 
 def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """One result from the per-rank results of a multi-rank run (``None``: a rank missing, no failure said why).
 
-    A rank that ran out of memory makes the whole run ``oom``, even if other ranks were then killed
-    waiting for it in a collective and wrote nothing; another failure makes it ``error``; each names
-    its rank. A trial's steps merge step by step (the ranks step together): the time is the
-    slowest rank's, the peak the highest, samples and tokens the sum over ranks (so throughput is
-    global), and ``rank_peak_bytes`` keeps each rank's peak. A numerics check is equal only if it is
-    on every rank.
+    A rank out of memory makes the run ``oom`` (others killed waiting for it wrote nothing), another
+    failure ``error``, naming the rank. A trial's steps merge step by step: the slowest rank's time,
+    the highest peak, the sum of samples and tokens (throughput is global), and each rank's peak
+    (``rank_peak_bytes``). A numerics check is equal only if it is on every rank.
     """
     failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None and rep.get("outcome") != "ok"]
     if failed:
@@ -623,15 +535,10 @@ def _merge_steps(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, A
 
 
 def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
-    """Remove the trial folders of dead owners on this host (and end what their workers left); the folders removed.
+    """Remove the trial folders of dead owners on this host, ending what their workers left; the folders removed.
 
-    A tuning process that was SIGKILLed cannot remove its ``recompute-trial-*`` folder. Only a
-    folder whose recorded owner ran on this host and is gone is touched, never a live worker's
-    (nor one without an owner record: it may be being created). Processes still running with
-    the folder in their environment (``RECOMPUTE_TUNE_TRIAL_DIR``: the worker's own children,
-    data-loader workers say) are killed first; this is read from ``/proc`` (Linux), elsewhere the
-    folder is removed only. A forked worker's processes are found by their session instead
-    (`trial_processes`).
+    A SIGKILLed tuning process cannot remove its own. Only a folder whose recorded owner ran on this host
+    and is gone is touched, never one without an owner record (it may be being created).
     """
     root = Path(tmp_root) if tmp_root is not None else Path(tempfile.gettempdir())
     removed = []
@@ -653,12 +560,11 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
 
 
 def trial_processes(folder: Path) -> list[int]:
-    """The processes still running for the trial folder ``folder`` (Linux; elsewhere none are found).
+    """The processes still running for the trial folder ``folder`` (read from ``/proc``; elsewhere none).
 
-    A fresh worker, and everything it started, has the folder in its environment. A forked worker's
-    ``/proc`` environment is the fork server's instead: it and everything it started are in the
-    session whose id is the pid the folder records, with the folder owner's pid as the server's
-    parent in their environment (both, so that a reused pid alone names nobody).
+    A fresh worker and what it started have the folder in their environment. A forked worker's ``/proc``
+    environment is the fork server's: those are the processes in the session the folder records whose
+    server parent is the folder's owner (both, so that a reused pid alone names nobody).
     """
     found = set(_pids_with_env(TRIAL_DIR_ENV, str(folder)))
     try:
@@ -673,33 +579,30 @@ def trial_processes(folder: Path) -> list[int]:
     return sorted(found)
 
 
-def _pids_in_session(session: int) -> list[int]:
-    """Processes whose session id is ``session`` (read from ``/proc``; empty where it is unreadable)."""
+def _pids(matches: Callable[[Path], bool]) -> list[int]:
+    """The processes whose ``/proc`` entry ``matches`` (none where it is unreadable)."""
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
-            # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
-            fields = stat[stat.rindex(")") + 2 :].split()
-        except (OSError, ValueError):
-            continue
-        if len(fields) > 3 and fields[3] == str(session):
-            pids.append(int(entry.name))
+        with contextlib.suppress(OSError, ValueError):
+            if matches(entry):
+                pids.append(int(entry.name))
     return pids
+
+
+def _pids_in_session(session: int) -> list[int]:
+    def in_session(entry: Path) -> bool:
+        stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
+        # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return len(fields) > 3 and fields[3] == str(session)
+
+    return _pids(in_session)
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
-    """Processes of this user whose environment sets ``name=value`` (empty where /proc is unreadable)."""
+    """Processes of this user whose environment sets ``name=value``."""
     needle = f"{name}={value}".encode()
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
+    return _pids(lambda entry: needle in (entry / "environ").read_bytes().split(b"\0"))
 
 
 def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -716,8 +619,7 @@ def _kill_group(proc: subprocess.Popen[bytes] | Forked) -> None:
     if isinstance(proc, Forked):
         proc.kill_group()
     else:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may already be gone
-            os.killpg(proc.pid, signal.SIGKILL)
+        forkserver.kill_group(proc.pid)
     proc.wait()
 
 
@@ -725,13 +627,12 @@ def _tail(path: Path) -> str:
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - 4 * _TAIL_CHARS))
+            fh.seek(max(0, fh.tell() - 4 * _TAIL_CHARS))
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    # faulthandler ends a crash report with one line listing ~100 C extension modules: noise
-    # that would push the traceback out of the tail.
+    # faulthandler ends a crash report with a line listing ~100 C extension modules: it would push the
+    # traceback out of the tail.
     lines = [line for line in text.splitlines() if not line.startswith("Extension modules:")]
     return "\n".join(lines)[-_TAIL_CHARS:]
 
@@ -749,11 +650,13 @@ def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
         return "oom", "out of memory (the worker died before writing a result)"
     code = run.returncode
     if code is not None and code < 0:
-        sig = _signal_name(-code)
+        try:
+            sig = signal.Signals(-code).name
+        except ValueError:
+            sig = f"signal {-code}"
         if -code == signal.SIGKILL:
-            # Nobody here sent it (a timeout is handled before this); the kernel's out-of-memory
-            # killer sends it, but so do `kill -9`, schedulers and container runtimes. Calling every
-            # one `oom` marked a policy as not fitting for the rest of the study: oom only on record.
+            # Not ours (a timeout is handled before this). The kernel's out-of-memory killer sends it, but so
+            # do `kill -9`, schedulers and container runtimes: oom only where the kernel records it.
             evidence = run.oom
             if evidence is not None and evidence.found is not None:
                 return "oom", f"the worker was killed by signal {-code} ({sig}) for out of memory: {evidence.found}"
@@ -771,13 +674,6 @@ def _crash_summary(tail: str) -> str:
             frame = next((f.strip() for f in lines[i + 1 :] if f.strip().startswith("File ")), "")
             return f"{line.strip()}{' at ' + frame if frame else ''}"
     return _last_lines(tail, 1) or "no output"
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
 
 
 def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None) -> TrialResult:
@@ -801,11 +697,9 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
 def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
     """Peak memory and median speed from per-step records ``{seconds, peak_bytes, samples, tokens}``.
 
-    The warm-up steps count for memory (a real job runs them too; the optimizer state appears in
-    the first) but not for time (lazy initialisation and allocator growth are one-off costs).
-    When some steps after the warm-up were measured without the memory meter (``peak_bytes``
-    None; the CPU worker does this), only those are timed: the CPU meter's own cost would
-    otherwise be part of the figure.
+    Warm-up steps count for memory (a real job runs them too) but not for time (one-off costs). Where
+    some steps after the warm-up ran without the memory meter (``peak_bytes`` None: the CPU worker),
+    only those are timed, so that the meter's own cost is no part of the figure.
 
     Raises:
         ValueError: no step after the warm-up.
@@ -813,9 +707,7 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
     measured = list(steps[warmup_steps:])
     if not measured:
         raise ValueError(f"{len(steps)} step(s) recorded, none after {warmup_steps} warm-up step(s)")
-    unmetered = [s for s in measured if s.get("peak_bytes") is None]
-    if unmetered:
-        measured = unmetered
+    measured = [s for s in measured if s.get("peak_bytes") is None] or measured
     times = [float(s["seconds"]) for s in measured]
     step_time = statistics.median(times)
     peaks = [int(s["peak_bytes"]) for s in steps if s.get("peak_bytes") is not None]
@@ -839,6 +731,5 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
 def _device_fields(recipe: Recipe, res: Mapping[str, Any] | None) -> dict[str, Any]:
     if res is not None and "device" in res:
         return {"device": str(res["device"]), "device_total_bytes": res.get("device_total_bytes")}
-    if recipe.trainer.accelerator == "cpu":
-        return {"device": "cpu", "device_total_bytes": None}
-    return {"device": "", "device_total_bytes": None}  # unknown; probing now would cost a subprocess
+    # Unknown off the CPU: probing now would cost a subprocess.
+    return {"device": "cpu" if recipe.trainer.accelerator == "cpu" else "", "device_total_bytes": None}

@@ -1,27 +1,17 @@
 """Child side of the trial protocol: ``python -m tuner._trials.worker SPEC.json RESULT.json``.
 
-Runs in a fresh process that `tuner._trials` starts, so whatever the model does (run out of
-memory, crash the interpreter, hang) stays in this process. It only measures: it never writes to
-MLflow or Optuna storage (only the parent does, docs/ARCHITECTURE.md). It writes one JSON result, atomically,
-and exits 0 when it has a measurement (including "this configuration ran out of memory"), nonzero
-otherwise. The parent classifies what this process did, including the cases where it could not
-write anything.
-
-The spec kinds and their fields are `tuner._trials.protocol`'s (`SPEC_TYPES`); `_HANDLERS` maps each
-to what runs it here. A spec of a protocol version or kind this worker does not know is an ``error``
-result that names it.
-
-With ``trainer.devices`` N > 1, ``trial`` and ``numerics`` run on N ranks: this process is rank 0,
-and Lightning's launcher starts ranks 1..N-1 by running this same command (``LOCAL_RANK`` set) in
-this process group. Each rank writes its own ``RESULT.rank<r>.json``; rank 0 exits once all have
-(or at the deadline), and the parent merges them (`tuner._trials.runner.merge_ranks`).
+Runs in a fresh process (or one forked from the fork server), so whatever the model does stays here.
+It only measures (only the parent writes to MLflow or Optuna, docs/ARCHITECTURE.md): one JSON result,
+written atomically, and exit 0 when it has a measurement (out of memory included), nonzero otherwise.
+The spec kinds are `tuner._trials.protocol`'s; `_HANDLERS` runs each. With ``trainer.devices`` N > 1,
+``trial`` and ``numerics`` run on N ranks: this process is rank 0, Lightning starts ranks 1..N-1 by
+running this same command, and each rank writes its own ``RESULT.rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import dataclasses
 import faulthandler
 import gc
 import json
@@ -40,6 +30,7 @@ from lightning_recompute.atomic import atomic_write
 from tuner._trials.batches import BatchScan, serve_largest
 from tuner._trials.oom import is_oom_error
 from tuner._trials.protocol import (
+    PARENT_PID_ENV,
     DeviceSpec,
     NumericsPayload,
     NumericsSpec,
@@ -57,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["die_with_parent", "main"]
 
+_RANK_POLL_S = 0.05
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the spec in ``argv[0]``, write the result to ``argv[1]``; the process exit status."""
@@ -64,10 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 2:
         print("usage: python -m tuner._trials.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
-    die_with_parent(os.environ.get(_PARENT_PID_ENV))
-    # Ranks 1..N-1 of a multi-rank trial are this same command, started by Lightning from this
-    # process with a copy of its environment: they follow this process, not the tuner.
-    os.environ[_PARENT_PID_ENV] = str(os.getpid())
+    die_with_parent(os.environ.get(PARENT_PID_ENV))
+    # Ranks 1..N-1 are this same command, started by Lightning from this process: they follow this one.
+    os.environ[PARENT_PID_ENV] = str(os.getpid())
     try:
         spec = parse_spec(json.loads(Path(args[0]).read_text(encoding="utf-8")))
     except ProtocolError as err:
@@ -79,9 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = _local_rank() if ranks > 1 else 0
     result_path = rank_result_path(Path(args[1]), rank) if ranks > 1 else Path(args[1])
     _arm_hang_report(spec.deadline)
-    for entry in spec.sys_path:
-        # Where the parent could import the user's class_path from (the recipe's folder, its
-        # working directory); -m put only this process's cwd there.
+    for entry in spec.sys_path:  # where the parent could import the user's class_path from
         if entry not in sys.path:
             sys.path.append(entry)
     try:
@@ -93,21 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_atomic(
             result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec.runs_on)}
         )
-        # An OOM is a measurement (this configuration does not fit), not a failure of the worker.
-        # Except on ranks 1..N-1: there a nonzero status is what makes Lightning's process observer
-        # in rank 0 kill every rank at once, rather than rank 0 waiting in a collective for a rank
-        # that is gone until the tuner's deadline. The tuner reads this rank's file either way.
+        # An OOM is a measurement, not a failure of the worker; except on ranks 1..N-1, where a nonzero
+        # status makes Lightning kill every rank at once rather than rank 0 wait in a collective.
         return 0 if oom and rank == 0 else 1
     _write_atomic(result_path, {**payload, "rank": rank})
     if rank == 0 and ranks > 1:
-        # The tuner kills the whole process group once this process exits: wait for the other
-        # ranks' results first (each rank writes its own, after its own last step).
+        # The tuner kills the whole group once this process exits: wait for the other ranks' results.
         _await_ranks(Path(args[1]), ranks, spec.deadline)
     return 0
-
-
-_PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"  # tuner._trials.runner.PARENT_PID_ENV; importing it would pull the runner
-_RANK_POLL_S = 0.05
 
 
 def _local_rank() -> int:
@@ -124,28 +107,20 @@ def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
         time.sleep(_RANK_POLL_S)
 
 
-# ---------------------------------------------------------------------------------------------- kinds
-
-
 def _steps(accelerator: str, compiled: bool, warmup: int, measure: int) -> tuple[int, int, range | None]:
-    """How many steps a trial runs, how many of them come before the timed ones, and which are metered
-    (``None``: the meter reads the allocator, every step)."""
+    """How many steps a trial runs, how many come before the timed ones, and which are metered (``None``: all)."""
     steps = warmup + measure
     memory_steps = None
     if accelerator == "cpu":
-        # The CPU storage ledger costs a Python call per op, more for policies that run more ops
-        # (recomputation): timing metered steps would rank policies by the meter's cost. So the
-        # warm-up and every measured step are metered, as on an accelerator (a model that keeps
-        # more memory each step, or a batch that varies, shows on the step where it peaks; metering
-        # only the first step after warm-up promoted a leaking model), and as many steps again are
-        # timed after them with the meter off.
+        # The CPU meter costs a Python call per op, more for policies that recompute more: every step
+        # up to the measured ones is metered (a leak shows where it peaks), and as many again are timed
+        # after them with the meter off.
         memory_steps = range(warmup + measure)
         steps += measure
-    skipped = steps - measure  # steps before the timed ones
+    skipped = steps - measure
     if compiled and memory_steps is not None:
-        # Dynamo runs a compiled layer eagerly while the CPU ledger's dispatch mode is on, so the
-        # metered steps above compile nothing: the first unmetered step would compile inside the
-        # timing. One more unmetered warm-up step compiles first.
+        # Dynamo runs compiled layers eagerly under the meter: one more unmetered warm-up step compiles
+        # them outside the timing.
         steps += 1
         skipped += 1
     return steps, skipped, memory_steps
@@ -154,7 +129,8 @@ def _steps(accelerator: str, compiled: bool, warmup: int, measure: int) -> tuple
 def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
-    from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
+    from lightning_recompute import RecomputeCallback, RecomputePolicy
+    from lightning_recompute.race.machine import machine_state
     from tuner.recipe import build_datamodule, build_model, from_dict
 
     spec = TrialSpec.of(spec)
@@ -170,21 +146,8 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     batches = serve_largest(datamodule, recipe.trial.scan_batches)
     callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
     losses = _loss_log()
-    trainer = L.Trainer(
-        accelerator=recipe.trainer.accelerator,
-        devices=recipe.trainer.devices,
-        strategy=_strategy(recipe),
-        precision=_precision(recipe.trainer.precision),
-        max_steps=steps,
-        max_epochs=-1,  # a short data module cycles rather than ending the trial early
-        limit_train_batches=steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        **QUIET_TRAINER,
-        callbacks=[callback, losses],
-    )
-    from lightning_recompute.race.machine import machine_state
-
+    # max_epochs=-1: a short data module cycles rather than ending the trial early.
+    trainer = _trainer(recipe, steps, [callback, losses], max_epochs=-1)
     machine = machine_state(recipe.trainer.accelerator)
     trainer.fit(model, datamodule=datamodule)
     records = list(callback.records)
@@ -192,7 +155,6 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup}, measured {measure})")
     nonfinite = losses.first_nonfinite()
     if nonfinite is not None:
-        # Speed and memory measured on nan or inf are not evidence for a policy: its own outcome.
         step, value = nonfinite
         why = (
             f"the training loss was {value} at step {step} of {steps}; a trial measured on a non-finite loss is not "
@@ -214,7 +176,6 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _batches(found: BatchScan | None) -> dict[str, Any]:
-    """The ``batches`` entry of a result: the data scan, when there was one."""
     return {} if found is None else {"batches": found.to_dict()}
 
 
@@ -249,13 +210,41 @@ def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
     return {**result, **_batches(batches()), **_device(recipe.trainer.accelerator)}
 
 
+def _trainer(recipe: Any, steps: int, callbacks: list[Any], **kwargs: Any) -> Any:
+    """A quiet ``Trainer`` for ``steps`` training steps on the recipe's devices and strategy, no validation."""
+    import lightning as L
+
+    from lightning_recompute import QUIET_TRAINER
+
+    strategy = recipe.trainer.strategy
+    if strategy == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # FSDP2 over every rank: Lightning's default makes all ranks one tensor-parallel group, which
+        # leaves fully_shard unsharded and feeds every rank the same samples.
+        strategy = ModelParallelStrategy(data_parallel_size=recipe.trainer.world_size, tensor_parallel_size=1)
+    elif not isinstance(strategy, str):  # a str is one of Lightning's registry names
+        strategy = strategy.instantiate()
+    return L.Trainer(
+        accelerator=recipe.trainer.accelerator,
+        devices=recipe.trainer.devices,
+        strategy=strategy,
+        precision=_precision(recipe.trainer.precision),
+        max_steps=steps,
+        limit_train_batches=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
 def _loss_log() -> Any:
     """A callback keeping each training step's loss as a Python float.
 
-    A float, not the tensor: a kept tensor would stay allocated into the next metered step and
-    raise its peak. It runs after `RecomputeCallback` (later in the callback list), which has
-    already timed the step, so reading the value to the host does not count in the step's time.
-    Defined in a function: the worker imports Lightning only when a trial needs it.
+    A float: a kept tensor would stay allocated into the next metered step. It runs after
+    `RecomputeCallback` has timed the step. Defined in a function: Lightning is imported only when needed.
     """
     import math
 
@@ -286,10 +275,9 @@ def _loss_log() -> Any:
 
 
 def _compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (dynamo, AOTAutograd, inductor; forward and backward).
+    """Seconds this process has spent in torch.compile so far (every phase, forward and backward).
 
-    torch has no public counter of compile time; ``torch._dynamo.utils.calculate_time_spent`` is
-    what ``TORCH_LOGS`` prints from, and ``total_wall_time`` its sum of every compilation phase.
+    torch has no public counter: ``calculate_time_spent`` is what ``TORCH_LOGS`` prints from.
     """
     from torch._dynamo import utils as dynamo_utils
 
@@ -301,8 +289,7 @@ def _compile_seconds() -> float:
 
 _Step = tuple[Any, dict[str, Any]]
 """One training step's ``(loss, {what: tensor or None})`` on the host: every parameter's gradient
-(``gradient of <name>``), every parameter and buffer of the ``state_dict`` after the step (``<name>``)
-and, in one process, the loss of the same batch in eval mode afterwards (`EVAL_LOSS`)."""
+(``gradient of <name>``), every ``state_dict`` entry after the step and, in one process, `EVAL_LOSS`."""
 
 EVAL_LOSS = "eval-mode loss"
 """The key of a step's loss recomputed in eval mode after the step: what BatchNorm's statistics change."""
@@ -319,35 +306,27 @@ def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any])
 class _NumericsRuns:
     """How the numerics check takes its three runs: in this one process, or as this rank of N.
 
-    The rest (deterministic mode, halving the batch, the comparison and its words) is `_numerics`'s, shared.
+    ``one_step`` runs a step on a batch with or without the policy; ``batch`` is ``None`` on ranks (each
+    run loads its own data); ``halves``: whether a size where no recompute runs out of memory is halved
+    here (on ranks the parent does it); ``where`` says where, from the size compared and those skipped;
+    ``gradients`` names them (``parameter`` or ``local``); ``device`` is the device type once run.
     """
 
     one_step: Callable[[Any, bool], _Step]
-    """One training step's ``(loss, gradients)`` on a batch, with or without the policy."""
     batch: Any
-    """The batch compared (``None`` on ranks: each run loads its own part of the data)."""
     size: int | None
-    """The micro-batch compared first: ``batch``'s samples, or the spec's micro-batch on ranks."""
     halves: bool
-    """Whether a micro-batch where no recompute runs out of memory is halved here; on ranks the parent
-    halves it (one rank's out-of-memory error ends every rank), so the error propagates."""
     where: Callable[[int | None, list[int]], str]
-    """Where the comparison ran, in words, from the micro-batch compared and the sizes that ran out of memory."""
     gradients: str
-    """Which gradients are compared, in words: ``parameter``, or this rank's ``local`` ones."""
     device: Callable[[], str]
-    """The type of the device the runs used (``cpu``, ``cuda``), once they have run."""
 
 
 def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     """Loss and gradients of one training step under the policy against two runs without it.
 
-    Three runs on the same weights, batch and RNG seed, in deterministic mode: no recompute, the
-    policy, and no recompute again. The two baselines measure what the hardware's kernels alone
-    change between identical runs (their spread: zero on CPU and with deterministic kernels); a
-    correct recomputation differs from the baseline by no more than that (`_compare`). On one
-    device the runs take the recipe's micro-batch in this process (`_one_process_runs`), on N ranks
-    one `Trainer` step each under the recipe's strategy (`_rank_runs`).
+    Three runs on the same weights, batch and seed, in deterministic mode: no recompute, the policy, no
+    recompute again; the two baselines' spread is what the kernels alone change (`_compare`). The
+    rules: docs/TUNER.md, "What the gate guarantees".
     """
     import torch
 
@@ -372,7 +351,7 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
         where=runs.where(compared, skipped),
         gradients=runs.gradients,
     )
-    return dataclasses.replace(verdict, micro_batch=compared, **_device(recipe.trainer.accelerator)).to_dict()
+    return verdict.model_copy(update={"micro_batch": compared, **_device(recipe.trainer.accelerator)}).to_dict()
 
 
 def _compare(
@@ -408,7 +387,6 @@ def _compare(
             f"(rtol {COMPILED_RTOL:g}, atol {COMPILED_ATOL:g})"
         )
     elif spread > 0 and not on_cpu and diff <= spread:
-        # The kernels themselves are not reproducible here: the policy is held to their spread.
         detail = (
             f"max abs diff {diff:.3g} {where}, within the spread {spread:.3g} of two runs without recompute "
             f"(nondeterministic kernels)"
@@ -431,8 +409,8 @@ def _compare(
 
 
 def _what_is_compared(compared: Mapping[str, Any], gradients: str) -> str:
-    """The tensors of a step in words: ``loss, 12 parameter gradients, 12 parameters, 6 buffers and the eval-mode
-    loss``."""
+    """The tensors of a step in words: ``loss, 12 parameter gradients, 12 parameters, 6 buffers and the
+    eval-mode loss``."""
     grads = sum(k.startswith("gradient of ") for k in compared)
     params = len([k for k in compared if not k.startswith("gradient of ") and f"gradient of {k}" in compared])
     buffers = len(compared) - grads - params - (EVAL_LOSS in compared)
@@ -445,9 +423,8 @@ def _what_is_compared(compared: Mapping[str, Any], gradients: str) -> str:
 def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
     """The runs in this process with Fabric on one device, on the data module's first batch.
 
-    When no recompute does not fit at the recipe's micro-batch (the reason to recompute), they run
-    on the first half, quarter, ... of the same batch, down to one sample: a recomputation bug
-    shows at any batch size, so a smaller one that fits still proves it absent.
+    Where no recompute does not fit, they run on the first half, quarter, ... of the batch: a
+    recomputation bug shows at any batch size.
     """
     import torch
     from lightning.fabric import Fabric
@@ -502,8 +479,8 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _Num
 
 
 def _capped(device: Any, *tracked: Any) -> Any:
-    """The step under the capped CPU's ledger (`lightning_recompute.meter.CPU_MEMORY_LIMIT`), so that the runs
-    without recompute run out of memory there as on a GPU; a no-op on other devices or without a cap."""
+    """The step under the capped CPU's ledger (`lightning_recompute.meter.CPU_MEMORY_LIMIT`), so that no
+    recompute runs out of memory there as on a GPU; a no-op on other devices or without a cap."""
     from contextlib import nullcontext
 
     from lightning_recompute.meter import StorageMeter, cpu_memory_limit
@@ -516,18 +493,14 @@ def _capped(device: Any, *tracked: Any) -> Any:
 
 
 def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
-    """The runs as this rank of N: each one `Trainer` step in this same process group, with the same seeds.
+    """The runs as this rank of N: each one `Trainer` step in this process group, with the same seeds.
 
-    What is compared, bitwise on CPU, is what this rank holds after backward: under DDP the
-    all-reduced gradients (equal on every rank), under ModelParallel (FSDP2) this rank's
-    reduce-scattered gradient shards (`DTensor.to_local`), and under FSDP1 its flat-parameter
-    shards; the loss is this rank's own micro-batch's. The tuner merges the ranks: the policy is
-    equal only if it is on every rank. A micro-batch that runs out of memory is halved by the tuner
-    (one rank's OOM ends every rank), not here.
+    Compared is what this rank holds after backward: DDP's all-reduced gradients, FSDP2's local
+    gradient shards (`DTensor.to_local`), FSDP1's flat-parameter shards; the parent merges the ranks.
     """
     import lightning as L
 
-    from lightning_recompute import QUIET_TRAINER, RecomputeCallback
+    from lightning_recompute import RecomputeCallback
     from tuner.recipe import build_datamodule, build_model
 
     seed = recipe.search.seed
@@ -538,19 +511,7 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRu
         model = build_model(recipe)
         capture = _capture_step(seed)
         callbacks: list[L.Callback] = [RecomputeCallback(policy, layers=recipe.layers)] if with_policy else []
-        callbacks.append(capture)
-        trainer = L.Trainer(
-            accelerator=recipe.trainer.accelerator,
-            devices=recipe.trainer.devices,
-            strategy=_strategy(recipe),
-            precision=_precision(recipe.trainer.precision),
-            max_steps=1,
-            limit_train_batches=1,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            **QUIET_TRAINER,
-            callbacks=callbacks,
-        )
+        trainer = _trainer(recipe, 1, [*callbacks, capture])
         trainer.fit(model, datamodule=build_datamodule(recipe, micro_batch))
         if capture.step is None:
             raise RuntimeError("the numerics run ended before its first backward")
@@ -565,11 +526,8 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRu
 
 
 def _capture_step(seed: int) -> Any:
-    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients and
-    state after the step.
-
-    Defined in a function: the worker imports Lightning only when a check needs it.
-    """
+    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients
+    and state after the step."""
     import lightning as L
     import torch
 
@@ -589,8 +547,8 @@ def _capture_step(seed: int) -> Any:
         def on_train_batch_end(
             self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
         ) -> None:
-            # After the step, and after `RecomputeCallback` stopped metering it (it comes first in the callbacks):
-            # the host copies are no part of the step, and on a capped CPU they would run it out of memory.
+            # After `RecomputeCallback` stopped metering the step: on a capped CPU the host copies would
+            # run it out of memory.
             grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
             self.step = (self.loss, _state_after(pl_module, grads, _local))
 
@@ -622,14 +580,18 @@ def _runs_that_fit(
             k //= 2
 
 
+def _pairs(a: _Step, b: _Step) -> list[tuple[str, Any, Any]]:
+    """``(name, a's tensor, b's tensor)`` for the loss and everything else ``a`` holds."""
+    return [("loss", a[0], b[0]), *((name, ga, b[1].get(name)) for name, ga in a[1].items())]
+
+
 def _all_close(a: _Step, b: _Step) -> bool:
     """Loss and every gradient of ``b`` within the compiled-layer tolerance of ``a``'s."""
     import torch
 
     from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 
-    pairs = [(a[0], b[0]), *((ga, b[1].get(name)) for name, ga in a[1].items())]
-    for x, y in pairs:
+    for _, x, y in _pairs(a, b):
         if x is None or y is None:
             if (x is None) != (y is None):
                 return False
@@ -688,9 +650,8 @@ def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
     """The largest absolute difference of loss and gradients, and every differing ``(diff, name)``."""
     import torch
 
-    pairs = [("loss", a[0], b[0]), *((name, ga, b[1].get(name)) for name, ga in a[1].items())]
     differing: list[tuple[float, str]] = []
-    for name, x, y in pairs:
+    for name, x, y in _pairs(a, b):
         if x is None or y is None:
             if (x is None) != (y is None):
                 differing.append((float("inf"), name))
@@ -707,8 +668,7 @@ def _profile(spec: ProfileSpec | Mapping[str, Any]) -> dict[str, Any]:
 
     spec = ProfileSpec.of(spec)
     recipe = from_dict(spec.recipe, source=spec.source)
-    profile = profile_recipe_here(recipe, spec.micro_batch, spec.repeats)
-    return {"outcome": "ok", "profile": profile.to_dict()}
+    return {"outcome": "ok", "profile": profile_recipe_here(recipe, spec.micro_batch, spec.repeats).to_dict()}
 
 
 def _device_kind(spec: DeviceSpec | Mapping[str, Any]) -> dict[str, Any]:
@@ -722,24 +682,8 @@ def _local(grad: Any) -> Any:
     return local.detach().cpu().clone()
 
 
-def _strategy(recipe: Any) -> Any:
-    """The ``Trainer(strategy=...)`` argument of the recipe's ``trainer.strategy``."""
-    strategy = recipe.trainer.strategy
-    if strategy == "model_parallel":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        # FSDP2 over every rank: Lightning's own default makes all ranks one tensor-parallel group
-        # (data_parallel_size = num_nodes), which leaves a fully_shard on the data-parallel mesh
-        # unsharded and feeds every rank the same samples. Tensor parallelism: the mapping form.
-        return ModelParallelStrategy(data_parallel_size=recipe.trainer.world_size, tensor_parallel_size=1)
-    if isinstance(strategy, str):
-        return strategy  # auto, ddp, fsdp: Lightning's registry names
-    return strategy.instantiate()
-
-
 def _precision(value: str) -> _PRECISION_INPUT:
-    # The recipe validated ``value`` against this very list (`tuner.recipe._schema.PRECISIONS`, checked
-    # against Lightning's by a test); its schema keeps it a str so loading a recipe needs no Lightning.
+    # The recipe checked ``value`` against Lightning's list; its schema keeps a str so that loading needs no Lightning.
     return cast("_PRECISION_INPUT", value)
 
 
@@ -762,29 +706,21 @@ def _device_or_empty(accelerator: str) -> dict[str, Any]:
         return {}
 
 
-# ---------------------------------------------------------------------------------------------- plumbing
-
-
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCHDOG_POLL_S = 1.0
 
 
 def die_with_parent(parent: str | None) -> None:
-    """End this process when ``parent``, the process that started it, dies (it would otherwise run on, orphaned).
+    """End this process when ``parent`` (the tuner, or the fork server) dies, rather than run on orphaned.
 
-    ``parent`` is the tuning process for a fresh worker and the fork server for a forked one (the
-    server itself follows the tuning process otherwise: `tuner._trials.forkserver.serve`).
-
-    On Linux the kernel does it: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``. The parent may have died
-    before that call, so the parent pid is checked once more after it. Elsewhere (or if prctl is
-    refused) a watchdog thread polls the parent pid and kills this process's group.
+    On Linux the kernel does it (``PR_SET_PDEATHSIG``), with the parent checked once more after the call
+    in case it died before; elsewhere (or if prctl is refused) a watchdog thread polls the parent pid.
     """
     if not parent or not parent.isdigit():
         return  # started by hand, not by the tuner: nobody to follow
     expected = int(parent)
     if expected == os.getpid():
-        # `main` called again in the process that set the variable (a test, the GPU check's in-process
-        # numerics): no process is its own parent, and the check below would end it.
+        # `main` called again in the process that set the variable (a test, an in-process numerics check).
         return
     armed = False
     if sys.platform.startswith("linux"):
@@ -809,11 +745,8 @@ def die_with_parent(parent: str | None) -> None:
 
 
 def _arm_hang_report(deadline: float | None) -> None:
-    """Dump every thread's stack to stderr just before the parent's deadline.
-
-    The parent kills a hung trial without asking; this makes the stderr tail it keeps say where
-    the trial was stuck. ``PYTHONFAULTHANDLER`` (set by the parent) does the same for crashes.
-    """
+    """Dump every thread's stack to stderr just before the parent's deadline: the log then says where a
+    hung trial was stuck."""
     if deadline is None:
         return
     remaining = float(deadline) - time.time() - 1.0
@@ -840,13 +773,12 @@ _HANDLERS: dict[type[Spec], Callable[[Any], dict[str, Any]]] = {
     ProfileSpec: _profile,
     RaceSpec: _race,
 }
-"""What runs each kind of spec in `tuner._trials.protocol.SPEC_TYPES` (a test holds them to the same kinds)."""
+"""What runs each kind of spec in `tuner._trials.protocol.SPEC_TYPES`."""
 
 
 if __name__ == "__main__":
     status = main()
-    # The result is written. Interpreter shutdown would still walk every object torch and Lightning
-    # made (a median 1.2 s of a 12.3 s quickstart trial on a 2-core machine, paid by every trial, race
-    # and gate run); frozen, they are left to the process's exit like its memory.
+    # The result is written; frozen, the objects torch and Lightning made are left to the process's exit
+    # rather than walked by interpreter shutdown, a cost every worker would pay.
     gc.freeze()
     sys.exit(status)

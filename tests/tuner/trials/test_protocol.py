@@ -82,13 +82,16 @@ def test_the_wire_keys_are_those_a_spec_had_before_it_was_typed() -> None:
         ({"kind": "bogus"}, "unknown spec kind 'bogus'; valid: trial, numerics, device, profile, race"),
         ({"accelerator": "cpu"}, "unknown spec kind None; valid: trial, numerics, device, profile, race"),
         (["trial"], "a spec is a JSON object, got list"),
-        ({"kind": "device", "accelerator": "cpu", "gpus": 1}, "device spec: unknown key(s) ['gpus']"),
-        ({"kind": "numerics", "recipe": RECIPE}, "numerics spec: missing key(s) ['policy']"),
+        ({"kind": "device", "accelerator": "cpu", "gpus": 1}, "device spec: gpus: unknown key"),
+        ({"kind": "numerics", "recipe": RECIPE}, "numerics spec: policy: missing key"),
         ({"kind": "profile", "recipe": RECIPE, "repeats": "x"}, "profile spec: repeats = 'x'"),
-        ({"kind": "profile", "recipe": [], "repeats": 1}, "profile spec: recipe = []: expected a mapping, got list"),
+        (
+            {"kind": "profile", "recipe": [], "repeats": 1},
+            "profile spec: recipe = []: Input should be a valid dictionary",
+        ),
         (
             {"kind": "race", "recipe": RECIPE, "entrants": [{"key": "a"}]},
-            "race spec: entrants = [{'key': 'a'}]: race entrant: missing key(s) ['policy', 'short']",
+            "race spec: entrants.0.policy: missing key; entrants.0.short: missing key",
         ),
     ],
 )
@@ -153,7 +156,7 @@ def test_a_worker_given_a_spec_it_cannot_read_writes_an_error_naming_it(
 
     # main() sets it to this process's pid for its ranks. setenv, not delenv: deleting an unset variable
     # records nothing to undo, and the pid left behind once ended this process in a later in-process main().
-    monkeypatch.setenv(worker._PARENT_PID_ENV, "")
+    monkeypatch.setenv(P.PARENT_PID_ENV, "")
     spec, result = tmp_path / "spec.json", tmp_path / "result.json"
     spec.write_text(json.dumps(data), encoding="utf-8")
     assert worker.main([str(spec), str(result)]) == 1
@@ -169,7 +172,7 @@ def test_a_worker_run_in_the_process_that_started_workers_does_not_take_itself_f
 
     # What main() leaves in os.environ for the ranks it may start: this process's own pid. A second
     # main() in the same process must not read that as "my parent died" and exit.
-    monkeypatch.setenv(worker._PARENT_PID_ENV, str(os.getpid()))
+    monkeypatch.setenv(P.PARENT_PID_ENV, str(os.getpid()))
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
     worker.die_with_parent(str(os.getpid()))
