@@ -306,7 +306,7 @@ class SessionLog:
 
     def _require_session(self) -> str:
         if not self._session_open or self._session_run_id is None:
-            raise TrackingError("no open session: call start_session() (or use Tracker.session()) first")
+            raise TrackingError("no open session: call start_session() (or use session()) first")
         return self._session_run_id
 
 
