@@ -10,7 +10,7 @@ as their own ``to_dict`` forms and are built in the child.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -60,18 +60,24 @@ def _check_version(what: str, version: Any) -> None:
         )
 
 
-def problems(err: ValidationError) -> str:
-    """What pydantic found wrong, one ``key: problem`` after another."""
-    return "; ".join(_problem(e) for e in err.errors())
-
-
-def _problem(err: Mapping[str, Any]) -> str:
-    where = ".".join(map(str, err["loc"]))
-    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        return f"{where}: unknown key"
-    if err["type"] in ("missing", "missing_argument"):
-        return f"{where}: missing key"
-    return f"{where} = {err['input']!r:.80}: {err['msg']}"
+def problems(err: ValidationError, valid: Iterable[str] = ()) -> str:
+    """What pydantic found wrong, as a spec's reader words it: unknown keys (and the ``valid`` ones),
+    missing keys, then each bad value."""
+    unknown, missing, values = [], [], []
+    for e in err.errors():
+        where = ".".join(map(str, e["loc"]))
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            unknown.append(where)
+        elif e["type"] in ("missing", "missing_argument"):
+            missing.append(where)
+        else:
+            values.append(f"{where} = {e['input']!r:.80}: {e['msg']}")
+    out = []
+    if unknown:
+        out.append(f"unknown key(s) {sorted(unknown)}" + (f"; valid: {sorted(valid)}" if valid else ""))
+    if missing:
+        out.append(f"missing key(s) {sorted(missing)}")
+    return "; ".join(out + values)
 
 
 class _Message(BaseModel):
@@ -85,7 +91,7 @@ class _Message(BaseModel):
         try:
             return cls.model_validate({k: v for k, v in data.items() if k not in envelope})
         except ValidationError as err:
-            raise ProtocolError(f"{what}: {problems(err)}") from None
+            raise ProtocolError(f"{what}: {problems(err, cls.model_fields)}") from None
 
 
 class Spec(_Message):

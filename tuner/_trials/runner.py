@@ -24,9 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
@@ -46,7 +44,6 @@ from tuner._trials.protocol import (
     RaceSpec,
     Spec,
     TrialSpec,
-    problems,
     rank_result_path,
 )
 from tuner.recipe import Recipe
@@ -75,8 +72,6 @@ _DEVICE_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class TrialResult:
     """What one trial measured, or why it measured nothing."""
-
-    __pydantic_config__ = ConfigDict(extra="forbid")  # `from_dict` refuses unknown keys
 
     outcome: Outcome
     peak_bytes: int | None = None
@@ -131,10 +126,18 @@ class TrialResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
         """The inverse of `to_dict`; unknown keys are an error."""
-        try:
-            return TypeAdapter(cls).validate_python(data)
-        except ValidationError as err:
-            raise RecomputeError(f"trial result: {problems(err)}") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise RecomputeError(f"trial result: unknown key(s) {unknown}; valid: {sorted(names)}")
+        if data.get("outcome") not in get_args(Outcome):
+            raise RecomputeError(
+                f"trial result: outcome {data.get('outcome')!r}; valid: {', '.join(get_args(Outcome))}"
+            )
+        values = dict(data)
+        values["step_times_s"] = tuple(values.get("step_times_s", ()))
+        values["rank_peak_bytes"] = tuple(int(v) for v in values.get("rank_peak_bytes", ()))
+        return cls(**values)
 
     @classmethod
     def skipped(cls, reason: str, *, device: str = "", device_total_bytes: int | None = None) -> TrialResult:

@@ -82,8 +82,8 @@ def test_the_wire_keys_are_those_a_spec_had_before_it_was_typed() -> None:
         ({"kind": "bogus"}, "unknown spec kind 'bogus'; valid: trial, numerics, device, profile, race"),
         ({"accelerator": "cpu"}, "unknown spec kind None; valid: trial, numerics, device, profile, race"),
         (["trial"], "a spec is a JSON object, got list"),
-        ({"kind": "device", "accelerator": "cpu", "gpus": 1}, "device spec: gpus: unknown key"),
-        ({"kind": "numerics", "recipe": RECIPE}, "numerics spec: policy: missing key"),
+        ({"kind": "device", "accelerator": "cpu", "gpus": 1}, "device spec: unknown key(s) ['gpus']; valid: ["),
+        ({"kind": "numerics", "recipe": RECIPE}, "numerics spec: missing key(s) ['policy']"),
         ({"kind": "profile", "recipe": RECIPE, "repeats": "x"}, "profile spec: repeats = 'x'"),
         (
             {"kind": "profile", "recipe": [], "repeats": 1},
@@ -91,7 +91,7 @@ def test_the_wire_keys_are_those_a_spec_had_before_it_was_typed() -> None:
         ),
         (
             {"kind": "race", "recipe": RECIPE, "entrants": [{"key": "a"}]},
-            "race spec: entrants.0.policy: missing key; entrants.0.short: missing key",
+            "race spec: missing key(s) ['entrants.0.policy', 'entrants.0.short']",
         ),
     ],
 )
