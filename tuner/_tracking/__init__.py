@@ -1,13 +1,13 @@
 """MLflow records of tuning: session runs, trial runs, and the good-policy decisions.
 
-Layout (one experiment per recipe; every name is in `tuner._tracking.names`):
+Layout (one experiment per recipe; the names are in `tuner._tracking.names` and `lightning_recompute.mlflow_policy`):
 
 - **session run** (``recompute.kind=session``, ``recompute.study``): the recipe (``recipe.yaml``, ``recipe.*``
   params); at the end ``best_policy.yaml``, ``best.json``, ``trials.json``, ``trials.csv``, ``baselines.json``,
   ``pareto.png`` and a markdown summary as its description.
 - **trial run**, nested in it (``recompute.kind=trial``, ``recompute.outcome``): a ``layer.<path>`` param per
   layer, ``micro_batch``, ``policy_fingerprint``, ``trial_number``; ``measured_*``/``predicted_*`` metrics;
-  ``policy.yaml``. A **confirmation run** (the gate's) has the same shape.
+  ``policy.yaml``. A **confirmation run** (the gate's, ``recompute.kind=confirmation``) has the same shape.
 - **decision run** (``recompute.kind=decision``, ``recompute.decision=promote|reject|rollback``): reason,
   previous and new good run, ``recompute.decision_seq``; ``policy.yaml`` and ``evidence.json``.
 - the experiment tag ``recompute.good_run_id`` names the run holding the good policy (what
@@ -71,7 +71,7 @@ class Tracker:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.sessions.__exit__(exc_type, exc, tb)
+        self.sessions.end(exc)
 
 
 def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Tracker:

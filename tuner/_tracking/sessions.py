@@ -7,7 +7,6 @@ import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -277,16 +276,15 @@ class SessionLog:
         try:
             yield run_id
         except BaseException as err:
-            self.__exit__(type(err), err, None)
+            self.end(err)
             raise
-        self.close("FINISHED")
+        self.end(None)
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is None:
+    def end(self, err: BaseException | None) -> None:
+        """`close` as the way the session ended: FINISHED, KILLED by Ctrl-C, FAILED by another exception."""
+        if err is None:
             self.close("FINISHED")
-        elif issubclass(exc_type, KeyboardInterrupt):
+        elif isinstance(err, KeyboardInterrupt):
             self.close("KILLED")
         else:
             self.close("FAILED")
