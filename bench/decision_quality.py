@@ -253,6 +253,8 @@ def extract(s: dict[str, Any]) -> dict[str, Any]:
         out["race_tied"] = [short.get(k) for k in race.get("tied") or ()]
         # Who raced: a promotion short of the truth's best is a measuring miss only if the best was raced.
         out["race_field"] = sorted(x for x in short.values() if x)
+        # Entrants the race could not tell from its winner.
+        out["race_unresolved"] = [short.get(k) for k in race.get("unresolved") or ()]
     return out
 
 
@@ -273,6 +275,9 @@ def grade(row: dict[str, Any], t: dict[str, Any]) -> dict[str, Any]:
     if row.get("vs_full") is not None and true_rel is not None:
         true_gain = 1.0 / true_rel - 1.0  # full's time over the promoted's, less 1
         out.update(true_gain=true_gain, covered=row["vs_full"]["low"] <= true_gain <= row["vs_full"]["high"])
+        if row.get("vs_full_processes"):  # rows of results from when the winner was raced in several processes
+            first = row["vs_full_processes"][0]
+            out["covered_one_process"] = first["low"] <= true_gain <= first["high"]
     return out
 
 

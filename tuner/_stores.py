@@ -90,7 +90,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     if url.startswith("sqlite:///"):
-        with sqlite_setup_lock(url):  # a long lock timeout: workers on one file wait for each other's writes
+        with sqlite_setup_lock(url):
+            # A long lock timeout: workers on one file wait for each other's writes.
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
     try:
         return _open_server_storage(url)

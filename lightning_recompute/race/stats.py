@@ -3,7 +3,7 @@
 Why these and not a t-test on step times: steps share the machine's moment, so rounds are the unit; within
 a round a spell of load slows every candidate, so candidates are compared by per-round ``log(time_b / time_a)``;
 load comes in spells, so the median of those, with its distribution-free order-statistics interval (coverage at
-least the confidence whatever the distribution; a bootstrap covered 85% at a nominal 95%); and looking after
+least the confidence whatever the distribution, where a bootstrap's falls short on few rounds); and looking after
 every round inflates false separations, so a race stops early only after `RacePlan.min_rounds` and at the
 stricter `RacePlan.stop_confidence`.
 """

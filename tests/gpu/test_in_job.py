@@ -48,7 +48,7 @@ def _capped(device: Device, limit: int, monkeypatch: pytest.MonkeyPatch) -> Iter
         device.release()
 
 
-@pytest.mark.slow  # 30 steps, four times over: ~10-25 s on a CPU
+@pytest.mark.slow  # 30 steps, four times over
 def test_in_job_runs_a_step_out_of_memory_again_and_trains_as_a_plain_run(
     device: Device, figures: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

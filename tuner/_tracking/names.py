@@ -1,4 +1,5 @@
-"""Every MLflow tag, param, metric and artifact name the tuner writes: the store layout, in one place.
+"""The MLflow tag, param, metric and artifact names the tuner writes (the good run's tag and the policy
+artifact are the plugin's: `lightning_recompute.mlflow_policy`).
 
 People filter on these in ``mlflow ui`` and the plugin reads some (`lightning_recompute.mlflow_policy`);
 records of an earlier version stay readable only while they stay the same.
@@ -71,7 +72,7 @@ MACHINE_METRIC_PREFIX = "machine_"  # machine_load_1m, machine_gpu_sm_mhz ...: t
 COMPILE_SECONDS_METRIC = "compile_s"  # torch.compile time in the warm-up steps, for trials that compile
 
 # ---------------------------------------------------------------------------------------------- artifacts
-# Also ``pareto.png`` (`tuner._plots.pareto_plot`) and ``policy.yaml`` (POLICY_ARTIFACT).
+# Also ``pareto.png`` (`tuner._plots.pareto_plot`) and ``policy.yaml`` (`lightning_recompute.mlflow_policy`).
 
 RECIPE_YAML = "recipe.yaml"
 TRIALS_JSON = "trials.json"
