@@ -133,6 +133,7 @@ def profile(model: torch.nn.Module, batch: Any, rounds: int) -> Profile:
         repeats=rounds,
         clock=CLOCK,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+        free_grads_at_batch_start=False,  # Lightning's order, as the measured steps (`one_step`)
     )
 
 
