@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_recompute import RecomputeCallback, RecomputePolicy
 from lightning_recompute.auto.candidates import Candidate, find_candidates
-from lightning_recompute.auto.record import record_decision
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.meter import cpu_memory_limit
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.race import RacePlan, RaceResult
-from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.schedule import RaceSchedule, RoundReport, Turn
 from lightning_recompute.sources import as_policy
 from lightning_recompute.units import format_bytes, parse_bytes
@@ -127,7 +124,7 @@ class AutoRecompute(RecomputeCallback):
             raise RecomputeError("AutoRecompute candidates: an empty list; give at least one policy, or None")
         self.limit_bytes = int(self.budget_bytes * (1.0 - margin))
         self.output = None if output is None else Path(output)
-        self.tracking_uri, self.experiment, self.name = tracking_uri, experiment, name
+        self.tracking_uri, self.experiment, self.name = tracking_uri, experiment, name or ""
         self.max_candidates, self.modes, self.plan = max_candidates, tuple(modes), plan or AUTO_PLAN
         self.catch_oom, self.profile_repeats = catch_oom, profile_repeats
         self.candidates: list[Candidate] = []
@@ -144,19 +141,18 @@ class AutoRecompute(RecomputeCallback):
         """Sets the random generators and buffers back to the step's start (with ``catch_oom``)."""
         self._retried = False
         self._guarded: Callable[..., Any] | None = None
-        self._began = 0.0
-        self._machine_before: dict[str, Any] = {}
-        self._world = 1
-        self._on_cuda = False
+
+    @property
+    def summary(self) -> str:
+        """The decision in words, as logged (empty before it)."""
+        return "" if self.decision is None else self.decision.summary
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._world = int(trainer.world_size)
-        self._on_cuda = pl_module.device.type == "cuda"
-        accumulating = int(trainer.accumulate_grad_batches) > 1
+        accumulating, ranks = int(trainer.accumulate_grad_batches) > 1, int(trainer.world_size)
         if self.catch_oom is None:
-            self.catch_oom = (self._on_cuda or cpu_memory_limit() is not None) and self._world == 1 and not accumulating
-        elif self.catch_oom and self._world > 1:
+            self.catch_oom = _meters_every_step(pl_module) and ranks == 1 and not accumulating
+        elif self.catch_oom and ranks > 1:
             raise RecomputeError(
                 "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
                 "collective would hang the job); leave it None or False"
@@ -222,8 +218,6 @@ class AutoRecompute(RecomputeCallback):
         super().teardown(trainer, pl_module, stage)
 
     def _start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
-        self._began = time.perf_counter()
-        self._machine_before = machine_state(pl_module.device.type)
         # Found on rank 0 and sent to every rank; a failure there reaches every rank (on one rank: raised as is).
         payload: tuple[list[Candidate], list[str]] | str | None = None
         if trainer.is_global_zero:
@@ -254,9 +248,9 @@ class AutoRecompute(RecomputeCallback):
             references=[self.candidates[0].key],
             plan=self.plan,
             budget_bytes=self.limit_bytes,
-            # A capped CPU runs out of memory only in metered steps (lightning_recompute.meter).
-            meter_every_step=self._on_cuda or cpu_memory_limit() is not None,
-            agree=agree_across_ranks if self._world > 1 else None,
+            meter_every_step=_meters_every_step(pl_module),
+            agree=agree_across_ranks if trainer.world_size > 1 else None,
+            device=pl_module.device.type,
         )
         if self.catch_oom:
             self._install_retry(pl_module)
@@ -281,13 +275,7 @@ class AutoRecompute(RecomputeCallback):
             winner = min(peaks, key=peaks.__getitem__) if peaks else self.candidates[0].key
             self.notes.append(f"no candidate stayed within the limit; training on the least peak measured ({winner})")
         chosen = {c.key: c for c in self.candidates}[trainer.strategy.broadcast(winner, src=0)]
-        result = dataclasses.replace(
-            schedule.result({c.key: (c.label,) for c in self.candidates}),
-            wall_s=time.perf_counter() - self._began,
-            machine_before=self._machine_before,
-            machine_after=machine_state(pl_module.device.type),
-        )
-        self.race_result = result
+        self.race_result = result = schedule.result({c.key: (c.label,) for c in self.candidates})
         words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]
         if result.ok and result.stop:
             words.append(f"{result.select_rounds} selection rounds: {result.stop}")
@@ -298,13 +286,15 @@ class AutoRecompute(RecomputeCallback):
         self._after_tuning(pl_module)
         rank_zero_info(f"AutoRecompute: {self.decision.summary}")
         if trainer.is_global_zero:
+            from lightning_recompute.auto.record import record_decision
+
             record_decision(self, result, trainer, pl_module)
 
     def _after_tuning(self, pl_module: L.LightningModule) -> None:
         self._turn = None
         self._stop_retrying(pl_module)
         # CUDA's allocator statistics are free; the CPU ledger costs a Python call per op, so it stays off.
-        self.memory_steps = None if self._on_cuda else frozenset()
+        self.memory_steps = None if pl_module.device.type == "cuda" else frozenset()
 
     def _install_retry(self, pl_module: L.LightningModule) -> None:
         """Wrap the module's ``optimizer_step`` (Lightning has no hook that may retry a step) so that a step whose
@@ -368,6 +358,11 @@ class AutoRecompute(RecomputeCallback):
             self.decision = AutoDecision.from_dict(state_dict["auto_decision"])
         else:
             rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
+
+
+def _meters_every_step(pl_module: L.LightningModule) -> bool:
+    """On CUDA, where it is free, and on the capped CPU, which runs out of memory only in metered steps."""
+    return pl_module.device.type == "cuda" or cpu_memory_limit() is not None
 
 
 def _step_start(module: L.LightningModule) -> Callable[[], None]:

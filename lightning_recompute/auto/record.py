@@ -7,45 +7,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_recompute import RecomputePolicy
-from lightning_recompute.auto.candidates import Candidate
-from lightning_recompute.layers import LayerSpec
-from lightning_recompute.race import RacePlan, RaceResult
+from lightning_recompute.auto.callback import AutoRecompute
+from lightning_recompute.race import RaceResult
 from lightning_recompute.tuned_for import TunedFor
-
-if TYPE_CHECKING:
-    from lightning_recompute.auto.callback import AutoRecompute
 
 __all__ = ["JobTuning", "record_decision"]
 
 _log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class JobTuning:
-    """What a job's tuning decided, as the service's record (`tuner._job_record`) reads it."""
-
-    policy: RecomputePolicy
-    summary: str
-    candidates: Sequence[Candidate]
-    notes: Sequence[str]
-    budget_bytes: int
-    limit_bytes: int
-    modes: Sequence[str]
-    plan: RacePlan
-    layers: LayerSpec
-    name: str
-    """The session's name in MLflow (the study tag)."""
+JobTuning = AutoRecompute
+"""What the service's record (`tuner._job_record`) reads once the job decided: the callback itself."""
 
 
 def record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -84,19 +63,8 @@ def record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, p
                 "install it with `pip install 'lightning-recompute[tune]'`"
             )
             return
-        tuning = JobTuning(
-            policy=policy,
-            summary=auto.decision.summary,
-            candidates=tuple(auto.candidates),
-            notes=tuple(auto.notes),
-            budget_bytes=auto.budget_bytes,
-            limit_bytes=auto.limit_bytes,
-            modes=auto.modes,
-            plan=auto.plan,
-            layers=auto.layers,
-            name=auto.name or f"auto-{type(pl_module).__name__}",
-        )
-        auto.record_run_id = recorder(tuning, trainer, pl_module, race, device, target)
+        auto.name = auto.name or f"auto-{type(pl_module).__name__}"
+        auto.record_run_id = recorder(auto, trainer, pl_module, race, device, target)
     except Exception as err:  # noqa: BLE001 - the record is a by-product; the job must train on
         _log.debug("AutoRecompute record failed", exc_info=True)
         rank_zero_warn(f"AutoRecompute: the MLflow record was not written ({type(err).__name__}: {err})")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,7 +9,6 @@ import lightning as L
 import torch
 
 from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
-from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.schedule import RaceSchedule, Turn
 
@@ -66,7 +63,7 @@ def race(
     kwargs = dict(trainer_kwargs or {})
     accelerator = str(kwargs.pop("accelerator", "cpu"))
     on_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
-    schedule = RaceSchedule(entrants, references, plan, budget_bytes, meter_every_step=on_cuda)
+    schedule = RaceSchedule(entrants, references, plan, budget_bytes, meter_every_step=on_cuda, device=accelerator)
     per_round = len(entrants) * (plan.steps + 1)
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -79,9 +76,5 @@ def race(
         **QUIET_TRAINER,
         **kwargs,
     )
-    before = machine_state(accelerator)
-    began = time.perf_counter()
     trainer.fit(model, datamodule=datamodule)
-    wall_s = time.perf_counter() - began
-    after = machine_state(accelerator)
-    return dataclasses.replace(schedule.result(), wall_s=wall_s, machine_before=before, machine_after=after).to_dict()
+    return schedule.result().to_dict()

@@ -89,12 +89,9 @@ def recompute_strength(short: str) -> tuple[int, int]:
 
 def tie_break(tied: Sequence[str], peaks: Mapping[str, int | None], shorts: Mapping[str, str]) -> str:
     """Of tied entrants, the lowest peak, then the least recomputation, then the first given (the leader)."""
-
-    def key(k: str) -> tuple[float, tuple[int, int], int]:
-        peak = peaks.get(k)
-        return (math.inf if peak is None else float(peak), recompute_strength(shorts.get(k, "")), tied.index(k))
-
-    return min(tied, key=key)
+    return min(
+        tied, key=lambda k: (math.inf if (p := peaks.get(k)) is None else p, recompute_strength(shorts.get(k, "")))
+    )
 
 
 def verdict(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_recompute import RecomputePolicy
+from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.result import RaceEntrant, RaceResult, Stop
 from lightning_recompute.race.rule import Standing, stand, verdict
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     from lightning_recompute import RecomputeCallback, StepRecord
 
-__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "Agree", "RaceSchedule", "RoundReport", "Stop", "Turn"]
+__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "RaceSchedule", "RoundReport", "Stop", "Turn"]
 
 ESTIMATE_SHARE = 0.4
 """Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
@@ -55,10 +56,6 @@ class RoundReport:
     elapsed_s: float
 
 
-Agree = Callable[[RoundReport], RoundReport]
-"""What several processes racing together take from each one's `RoundReport` (rank 0's times, the largest peak)."""
-
-
 @dataclass
 class _Entrant:
     key: str
@@ -81,8 +78,10 @@ class RaceSchedule:
         budget_bytes: an entrant whose metered peak exceeds it is out.
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
-        agree: what several processes racing together take from each one's round (``None``: one process);
-            with it an entrant over the limit is out at the round's end, so no rank skips a turn.
+        agree: what several processes racing together take from each one's round (rank 0's times, the largest
+            peak; ``None``: one process); with it an entrant over the limit is out at the round's end, so no rank
+            skips a turn.
+        device: whose state (`machine_state`) the result records, from now to the race's end.
     """
 
     def __init__(
@@ -94,7 +93,8 @@ class RaceSchedule:
         *,
         meter_every_step: bool = False,
         clock: Callable[[], float] = time.perf_counter,
-        agree: Agree | None = None,
+        agree: Callable[[RoundReport], RoundReport] | None = None,
+        device: str = "cpu",
     ) -> None:
         self.order = [k for k, _, _ in entrants]
         if not self.order or len(set(self.order)) != len(self.order):
@@ -120,6 +120,7 @@ class RaceSchedule:
         self.tokens: int | None = None
         self.samples: int | None = None
         self.over = False
+        self.device, self.machine_before, self.began = device, machine_state(device), time.perf_counter()
 
     def next_turn(self) -> Turn | None:
         """The next step's turn, or ``None`` when the race is over (and stays over)."""
@@ -345,4 +346,7 @@ class RaceSchedule:
             estimate_rounds=len(self.estimate_rounds),
             tokens_per_step=self.tokens,
             samples_per_step=self.samples,
+            wall_s=time.perf_counter() - self.began,
+            machine_before=self.machine_before,
+            machine_after=machine_state(self.device),
         )
