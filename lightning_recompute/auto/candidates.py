@@ -158,8 +158,8 @@ def find_candidates(
     baselines = [Candidate(p, p.short(names), f"baseline:{m}") for m, p in uniform.items()]
     strategy = type(trainer.strategy).__name__
     if strategy not in PROFILED_STRATEGIES:
-        note = f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
-        return baselines, [note]
+        sharded = f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
+        return baselines, [sharded]
     try:
         profile = profile_in_job(
             trainer,

@@ -172,10 +172,7 @@ class RaceResult:
     def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
         """The inverse of `to_dict`; unknown keys (from older records) are ignored."""
         values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        values["entrants"] = {
-            k: RaceEntrant(**{f: tuple(v) if isinstance(v, list) else v for f, v in e.items()})
-            for k, e in data.get("entrants", {}).items()
-        }
+        values["entrants"] = {k: _entrant(e) for k, e in data.get("entrants", {}).items()}
         for name in ("behind", "vs"):
             values[name] = {k: Interval.from_dict(v) for k, v in data.get(name, {}).items()}
         values["tied"] = tuple(data.get("tied", ()))
@@ -200,3 +197,8 @@ class RaceResult:
             for k, e in race.entrants.items()
         }
         return dataclasses.replace(race, entrants=entrants)
+
+
+def _entrant(data: Mapping[str, Any]) -> RaceEntrant:
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return RaceEntrant(**fields)

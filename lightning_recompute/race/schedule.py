@@ -20,7 +20,7 @@ from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.result import RaceEntrant, RaceResult, Stop
 from lightning_recompute.race.rule import Standing, stand, verdict
-from lightning_recompute.race.stats import paired_ratio
+from lightning_recompute.race.stats import Interval, paired_ratio
 
 if TYPE_CHECKING:
     import lightning as L
@@ -312,7 +312,7 @@ class RaceSchedule:
     def result(self, labels: Mapping[str, Sequence[str]] | None = None) -> RaceResult:
         """The race as a `RaceResult` (``ok``), each entrant with its ``labels`` and its policy."""
         standing, win = self.standing, self.winner
-        vs = {}
+        vs: dict[str, Interval] = {}
         for ref in self.alive(self.references) if win is not None else ():
             pairs = [(r[win], r[ref]) for r in self.estimate_rounds if win in r and ref in r]
             if ref != win and len(pairs) >= 2:
