@@ -6,26 +6,25 @@ Every tuning step is a training step; see docs/AUTO.md.
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Sequence
+import gc
+import itertools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy, StepRecord
-from lightning_recompute.auto.candidates import Candidate, shared_candidates
-from lightning_recompute.auto.record import JobTuning, record_decision
-from lightning_recompute.auto.retry import StepRetry
+from lightning_recompute import RecomputeCallback, RecomputePolicy
+from lightning_recompute.auto.candidates import Candidate, find_candidates
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.meter import cpu_memory_limit
 from lightning_recompute.modes import Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.race import RacePlan, RaceResult
-from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.schedule import RaceSchedule, RoundReport, Turn
 from lightning_recompute.sources import as_policy
 from lightning_recompute.units import format_bytes, parse_bytes
@@ -39,17 +38,15 @@ AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimat
 
 @dataclasses.dataclass(frozen=True)
 class AutoDecision:
-    """What the job settled on, kept in the callback's checkpoint state."""
+    """What the job settled on (`Candidate.label`: where it came from; the summary as logged), kept in the
+    callback's checkpoint state."""
 
     policy: RecomputePolicy
     short: str
     label: str
-    """Where the policy came from (`Candidate.label`)."""
     summary: str
-    """The decision in words, as logged."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (the checkpoint's form)."""
         return {"policy": self.policy.to_dict(), "short": self.short, "label": self.label, "summary": self.summary}
 
     @classmethod
@@ -57,25 +54,6 @@ class AutoDecision:
         return cls(
             RecomputePolicy.from_dict(data["policy"]), str(data["short"]), str(data["label"]), str(data["summary"])
         )
-
-
-@dataclasses.dataclass
-class _StepTotals:
-    """One optimizer step's measurements, summed over its micro-batches."""
-
-    global_step: int = -1
-    seconds: float = 0.0
-    peak_bytes: int | None = None
-    samples: int = 0
-    tokens: int | None = None
-
-    def add(self, record: StepRecord) -> None:
-        self.seconds += record.seconds
-        if record.peak_bytes is not None:
-            self.peak_bytes = max(self.peak_bytes or 0, record.peak_bytes)
-        self.samples += record.samples
-        if record.tokens is not None:
-            self.tokens = (self.tokens or 0) + record.tokens
 
 
 class AutoRecompute(RecomputeCallback):
@@ -140,20 +118,15 @@ class AutoRecompute(RecomputeCallback):
             raise RecomputeError(f"AutoRecompute max_candidates: must be an integer >= 2, got {max_candidates!r}")
         if not isinstance(profile_repeats, int) or profile_repeats < 1:
             raise RecomputeError(f"AutoRecompute profile_repeats: must be a positive integer, got {profile_repeats!r}")
+        # Read now: a bad policy is an error at construction, not on rank 0 alone at the first batch.
+        self.given = None if candidates is None else [as_policy(c) for c in candidates]
+        if self.given == []:
+            raise RecomputeError("AutoRecompute candidates: an empty list; give at least one policy, or None")
         self.limit_bytes = int(self.budget_bytes * (1.0 - margin))
         self.output = None if output is None else Path(output)
-        self.tracking_uri = tracking_uri
-        self.experiment = experiment
-        # Read now: a bad policy is an error at construction, not on rank 0 alone at the first batch.
-        self.given = [as_policy(c) for c in candidates] if candidates is not None else None
-        if self.given is not None and not self.given:
-            raise RecomputeError("AutoRecompute candidates: an empty list; give at least one policy, or None")
-        self.max_candidates = max_candidates
-        self.modes = tuple(modes)
-        self.plan = plan or AUTO_PLAN
-        self.catch_oom = catch_oom
-        self.profile_repeats = profile_repeats
-        self.name = name
+        self.tracking_uri, self.experiment, self.name = tracking_uri, experiment, name or ""
+        self.max_candidates, self.modes, self.plan = max_candidates, tuple(modes), plan or AUTO_PLAN
+        self.catch_oom, self.profile_repeats = catch_oom, profile_repeats
         self.candidates: list[Candidate] = []
         self.notes: list[str] = []
         """What the tuning noticed (planner notes, a dropped candidate, an out-of-memory retry)."""
@@ -163,23 +136,23 @@ class AutoRecompute(RecomputeCallback):
         self.tuning_steps = 0
         self.record_run_id: str | None = None
         self._turn: Turn | None = None
-        self._totals = _StepTotals()
-        self._retry: StepRetry | None = None
-        self._retry_step = -1
-        self._oom: str | None = None
-        self._began = 0.0
-        self._machine_before: dict[str, Any] = {}
-        self._world = 1
-        self._on_cuda = False
+        self._turn_step = -1
+        self._rewind: Callable[[], None] | None = None
+        """Sets the random generators and buffers back to the step's start (with ``catch_oom``)."""
+        self._retried = False
+        self._guarded: Callable[..., Any] | None = None
+
+    @property
+    def summary(self) -> str:
+        """The decision in words, as logged (empty before it)."""
+        return "" if self.decision is None else self.decision.summary
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._world = int(trainer.world_size)
-        self._on_cuda = pl_module.device.type == "cuda"
-        accumulating = int(trainer.accumulate_grad_batches) > 1
+        accumulating, ranks = int(trainer.accumulate_grad_batches) > 1, int(trainer.world_size)
         if self.catch_oom is None:
-            self.catch_oom = (self._on_cuda or cpu_memory_limit() is not None) and self._world == 1 and not accumulating
-        elif self.catch_oom and self._world > 1:
+            self.catch_oom = _meters_every_step(pl_module) and ranks == 1 and not accumulating
+        elif self.catch_oom and ranks > 1:
             raise RecomputeError(
                 "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
                 "collective would hang the job); leave it None or False"
@@ -194,7 +167,7 @@ class AutoRecompute(RecomputeCallback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.decision is not None:  # restored from a checkpoint: no tuning again
             self.switch_policy(pl_module, self.decision.policy)
-            self._after_tuning()
+            self._after_tuning(pl_module)
             rank_zero_info(f"AutoRecompute: resuming with the policy decided before: {self.decision.summary}")
 
     def on_train_batch_start(
@@ -203,33 +176,36 @@ class AutoRecompute(RecomputeCallback):
         if self.decision is None:
             if self.schedule is None:
                 self._start(trainer, pl_module, batch)
-            if self._retry is not None and self._turn is not None and trainer.global_step != self._retry_step:
-                self._retry.mark(pl_module)
-                self._retry_step = trainer.global_step
+            if self.catch_oom and self.decision is None:  # (catch_oom refuses gradient accumulation)
+                self._rewind = _step_start(pl_module)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self.decision is not None or self.schedule is None or self._turn is None:
+        turn, schedule = self._turn, self.schedule
+        if self.decision is not None or schedule is None or turn is None:
             return
-        turn = self._turn
-        if self._oom is not None:
-            self._oom = None
-            self._totals = _StepTotals(trainer.global_step)
+        if self._retried:  # the step ran again under another candidate: its time is no one's
+            self._retried = False
             self._advance(trainer, pl_module)
             return
-        record = self.records[-1]
-        expected = self.schedule.entrants[turn.key].policy.fingerprint()
-        if record.policy != expected:
-            raise RuntimeError(f"AutoRecompute: step {record.step} ran policy {record.policy}, its turn was {expected}")
-        step = self._totals
-        step.add(record)
-        if trainer.global_step == step.global_step:
+        schedule.check(turn, self.records[-1])
+        if trainer.global_step == self._turn_step:
             return  # gradient accumulation: the optimizer step is not over; switch only between steps
+        # One optimizer step: its micro-batches' times added, the largest peak kept.
+        step = list(itertools.takewhile(lambda r: r.step == self._turn_step, reversed(self.records)))[::-1]
+        peaks = [r.peak_bytes for r in step if r.peak_bytes is not None]
+        tokens = [r.tokens for r in step if r.tokens is not None]
         self.tuning_steps += 1
-        self.schedule.record(turn, step.seconds, step.peak_bytes, tokens=step.tokens, samples=step.samples or None)
+        schedule.record(
+            turn,
+            sum(r.seconds for r in step),
+            max(peaks) if peaks else None,
+            tokens=sum(tokens) if tokens else None,
+            samples=sum(r.samples for r in step) or None,
+        )
         self._advance(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -238,25 +214,24 @@ class AutoRecompute(RecomputeCallback):
             self._settle(trainer, pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._stop_retrying()
+        self._stop_retrying(pl_module)
         super().teardown(trainer, pl_module, stage)
 
     def _start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
-        self._began = time.perf_counter()
-        self._machine_before = machine_state(pl_module.device.type)
-        self.candidates, notes = shared_candidates(
-            trainer,
-            pl_module,
-            batch,
-            given=self.given,
-            layers=self.layers,
-            modes=self.modes,
-            limit_bytes=self.limit_bytes,
-            max_candidates=self.max_candidates,
-            free_grads_at_batch_start=self.grad_freeing is not None and self.grad_freeing.enabled,
-            repeats=self.profile_repeats,
-        )
-        self.notes.extend(notes)
+        # Found on rank 0 and sent to every rank; a failure there reaches every rank (on one rank: raised as is).
+        payload: tuple[list[Candidate], list[str]] | str | None = None
+        if trainer.is_global_zero:
+            try:
+                payload = find_candidates(self, trainer, pl_module, batch)
+            except Exception as err:  # sent to every rank and raised there
+                if trainer.world_size == 1:
+                    raise
+                payload = f"{type(err).__name__}: {err}"
+        payload = trainer.strategy.broadcast(payload, src=0)
+        if not isinstance(payload, tuple):
+            raise RecomputeError(f"AutoRecompute: finding candidates on rank 0 failed: {payload}")
+        self.candidates = payload[0]
+        self.notes.extend(payload[1])
         for note in self.notes:
             rank_zero_info(f"AutoRecompute: {note}")
         lines = [
@@ -273,90 +248,87 @@ class AutoRecompute(RecomputeCallback):
             references=[self.candidates[0].key],
             plan=self.plan,
             budget_bytes=self.limit_bytes,
-            # A capped CPU runs out of memory only in metered steps (lightning_recompute.meter).
-            meter_every_step=self._on_cuda or cpu_memory_limit() is not None,
-            agree=agree_across_ranks if self._world > 1 else None,
+            meter_every_step=_meters_every_step(pl_module),
+            agree=agree_across_ranks if trainer.world_size > 1 else None,
+            device=pl_module.device.type,
         )
         if self.catch_oom:
-            self._retry = StepRetry(lambda err: self._after_oom(pl_module, err))
-            self._retry.install(pl_module)
+            self._install_retry(pl_module)
         self._advance(trainer, pl_module)
 
     def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self.schedule is not None
-        turn = self.schedule.next_turn()
-        self._turn = turn
-        if turn is None:
+        self._turn = self.schedule.next_turn()
+        self._turn_step = trainer.global_step
+        if self._turn is None:
             self._settle(trainer, pl_module)
-            return
-        if turn.key != self.policy.fingerprint():
-            self.switch_policy(pl_module, self.schedule.entrants[turn.key].policy)
-        self.memory_steps = frozenset({trainer.global_step}) if turn.metered else frozenset()
-        self._totals = _StepTotals(trainer.global_step)
+        else:
+            self.schedule.put_on(self._turn, self, trainer, pl_module)
 
     def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Switch to the race's winner for the rest of training, say so, and record it."""
         assert self.schedule is not None
-        schedule = self.schedule
-        by_key = {c.key: c for c in self.candidates}
-        winner = schedule.winner
+        schedule, winner = self.schedule, self.schedule.winner
         if winner is None or schedule.entrants[winner].out is not None:
             # Nothing raced to a decision (every candidate out): train on the least measured peak.
             peaks = {k: e.peak_bytes for k, e in schedule.entrants.items() if e.peak_bytes is not None}
             winner = min(peaks, key=peaks.__getitem__) if peaks else self.candidates[0].key
             self.notes.append(f"no candidate stayed within the limit; training on the least peak measured ({winner})")
-        chosen = by_key[trainer.strategy.broadcast(winner, src=0)]
-        result = RaceResult.from_worker(
-            {
-                **schedule.result(),
-                "wall_s": time.perf_counter() - self._began,
-                "machine_before": self._machine_before,
-                "machine_after": machine_state(pl_module.device.type),
-            },
-            {c.key: (c.label,) for c in self.candidates},
-            {c.key: c.policy.to_dict() for c in self.candidates},
-        )
-        self.race_result = result
+        chosen = {c.key: c for c in self.candidates}[trainer.strategy.broadcast(winner, src=0)]
+        self.race_result = result = schedule.result({c.key: (c.label,) for c in self.candidates})
         words = [f"settled on {chosen.short} ({chosen.label}) after {self.tuning_steps} tuning steps"]
         if result.ok and result.stop:
             words.append(f"{result.select_rounds} selection rounds: {result.stop}")
         words += [*result.decision_lines(), *result.headlines()]
         words += [f"out: {e.short}: {e.out}" for e in result.entrants.values() if e.out]
-        summary = "; ".join(words)
-        self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, summary)
+        self.decision = AutoDecision(chosen.policy, chosen.short, chosen.label, "; ".join(words))
         self.switch_policy(pl_module, chosen.policy)
-        self._after_tuning()
-        self._stop_retrying()
-        rank_zero_info(f"AutoRecompute: {summary}")
+        self._after_tuning(pl_module)
+        rank_zero_info(f"AutoRecompute: {self.decision.summary}")
         if trainer.is_global_zero:
-            tuning = JobTuning(
-                policy=chosen.policy,
-                summary=summary,
-                candidates=tuple(self.candidates),
-                race=result,
-                notes=tuple(self.notes),
-                budget_bytes=self.budget_bytes,
-                limit_bytes=self.limit_bytes,
-                modes=self.modes,
-                plan=self.plan,
-                layers=self.layers,
-                micro_batch=self.records[-1].samples if self.records else None,
-                name=self.name or f"auto-{type(pl_module).__name__}",
-                output=self.output,
-                tracking_uri=self.tracking_uri,
-                experiment=self.experiment,
-            )
-            self.record_run_id = record_decision(tuning, trainer, pl_module)
+            from lightning_recompute.auto.record import record_decision
 
-    def _stop_retrying(self) -> None:
-        if self._retry is not None:
-            self._retry.remove()
-            self._retry = None
+            record_decision(self, result, trainer, pl_module)
 
-    def _after_tuning(self) -> None:
+    def _after_tuning(self, pl_module: L.LightningModule) -> None:
         self._turn = None
+        self._stop_retrying(pl_module)
         # CUDA's allocator statistics are free; the CPU ledger costs a Python call per op, so it stays off.
-        self.memory_steps = None if self._on_cuda else frozenset()
+        self.memory_steps = None if pl_module.device.type == "cuda" else frozenset()
+
+    def _install_retry(self, pl_module: L.LightningModule) -> None:
+        """Wrap the module's ``optimizer_step`` (Lightning has no hook that may retry a step) so that a step whose
+        closure runs out of memory runs again from its start under the safest candidate left. An error in the
+        optimizer's update, after the closure, is not retried (some parameters may be updated already)."""
+        original = pl_module.optimizer_step
+
+        def guarded(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+            ran: list[bool] = []
+
+            def closure() -> Any:
+                out = optimizer_closure()
+                ran.append(True)
+                return out
+
+            try:
+                return original(epoch, batch_idx, optimizer, closure if optimizer_closure is not None else None)
+            except torch.OutOfMemoryError as err:
+                if ran or self._rewind is None or not self._after_oom(pl_module, err):
+                    raise
+            # Out of the except block, whose traceback holds the failed step's activations.
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._rewind()
+            return original(epoch, batch_idx, optimizer, optimizer_closure)
+
+        pl_module.__dict__["optimizer_step"] = self._guarded = guarded
+
+    def _stop_retrying(self, pl_module: L.LightningModule) -> None:
+        if self._guarded is not None and pl_module.__dict__.get("optimizer_step") is self._guarded:
+            del pl_module.__dict__["optimizer_step"]
+        self._guarded = None
 
     def _after_oom(self, pl_module: L.LightningModule, err: BaseException) -> bool:
         """Drop the candidate that ran out of memory and put on the safest left; ``False``: none left."""
@@ -365,31 +337,49 @@ class AutoRecompute(RecomputeCallback):
             return False
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         schedule.knock_out(turn.key, f"out of memory: {first_line[:200]}")
-        left = schedule.alive()
-        if not left:
+        if not schedule.alive():
             return False
-        safest = left[0]
+        safest = schedule.entrants[schedule.alive()[0]]
         note = (
             f"{schedule.entrants[turn.key].short} ran out of memory in a step; it is out, and the same batch ran "
-            f"again from the same random state under {schedule.entrants[safest].short}"
+            f"again from the same random state under {safest.short}"
         )
         self.notes.append(note)
         rank_zero_warn(f"AutoRecompute: {note}")
-        self.switch_policy(pl_module, schedule.entrants[safest].policy, retry=True)
-        self._oom = note
+        self.switch_policy(pl_module, safest.policy, retry=True)
+        self._retried = True
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["auto_decision"] = None if self.decision is None else self.decision.to_dict()
-        return state
+        return {**super().state_dict(), "auto_decision": None if self.decision is None else self.decision.to_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        decided = state_dict.get("auto_decision")
-        if decided is not None:
-            self.decision = AutoDecision.from_dict(decided)
+        if state_dict.get("auto_decision") is not None:
+            self.decision = AutoDecision.from_dict(state_dict["auto_decision"])
         else:
             rank_zero_info("AutoRecompute: the checkpoint was written before a decision; tuning starts again")
+
+
+def _meters_every_step(pl_module: L.LightningModule) -> bool:
+    """On CUDA, where it is free, and on the capped CPU, which runs out of memory only in metered steps."""
+    return pl_module.device.type == "cuda" or cpu_memory_limit() is not None
+
+
+def _step_start(module: L.LightningModule) -> Callable[[], None]:
+    """What sets back what a step changes besides parameters: the random generators and the buffers."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(module.device) if module.device.type == "cuda" else None
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+
+    def rewind() -> None:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, module.device)
+        with torch.no_grad():
+            for live, before in buffers:
+                live.copy_(before)
+
+    return rewind
 
 
 def agree_across_ranks(report: RoundReport) -> RoundReport:
@@ -401,12 +391,5 @@ def agree_across_ranks(report: RoundReport) -> RoundReport:
         return report
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dataclasses.asdict(report))
-    peaks: dict[str, int | None] = {}
-    for g in gathered:
-        for k, v in g["peaks"].items():
-            if v is not None:
-                peaks[k] = max(peaks.get(k) or 0, int(v))
-            else:
-                peaks.setdefault(k, None)
-    first = gathered[0]
-    return RoundReport(times=dict(first["times"]), peaks=peaks, elapsed_s=float(first["elapsed_s"]))
+    peaks = {k: max((p for g in gathered if (p := g["peaks"].get(k)) is not None), default=None) for k in report.peaks}
+    return RoundReport(times=dict(gathered[0]["times"]), peaks=peaks, elapsed_s=float(gathered[0]["elapsed_s"]))

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib.metadata import entry_points
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,75 +15,41 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_recompute import RecomputePolicy
-from lightning_recompute.auto.candidates import Candidate
-from lightning_recompute.layers import LayerSpec
-from lightning_recompute.race import RacePlan, RaceResult
+from lightning_recompute.auto.callback import AutoRecompute
+from lightning_recompute.race import RaceResult
 from lightning_recompute.tuned_for import TunedFor
 
-__all__ = ["JobTuning", "record_decision", "tracking_target"]
+__all__ = ["JobTuning", "record_decision"]
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_EXPERIMENT = "auto-recompute"
+JobTuning = AutoRecompute
+"""What the service's record (`tuner._job_record`) reads once the job decided: the callback itself."""
 
 
-@dataclass(frozen=True)
-class JobTuning:
-    """What a job's tuning decided and measured: everything the record is made of."""
-
-    policy: RecomputePolicy
-    summary: str
-    candidates: Sequence[Candidate]
-    race: RaceResult
-    notes: Sequence[str]
-    budget_bytes: int
-    limit_bytes: int
-    modes: Sequence[str]
-    plan: RacePlan
-    layers: LayerSpec
-    micro_batch: int | None
-    """Samples in the job's last tuning batch (the policy's ``tuned_for.micro_batch``)."""
-    name: str
-    """The session's name in MLflow (the study tag)."""
-    output: Path | None
-    tracking_uri: str | None
-    experiment: str | None
-
-
-def tracking_target(auto: JobTuning, trainer: L.Trainer) -> tuple[str, str, str | None] | None:
-    """Where the record goes: ``(tracking URI, experiment, parent run)``, or ``None`` for nowhere."""
-    if auto.tracking_uri is not None:
-        return auto.tracking_uri, auto.experiment or DEFAULT_EXPERIMENT, None
-    for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger):
-            client = logger.experiment
-            experiment = auto.experiment or client.get_experiment(logger.experiment_id).name
-            return client.tracking_uri, experiment, logger.run_id
-    return None
-
-
-def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
-    """Write the policy file (when asked) and the MLflow record (when there is a store); the session run's id."""
-    race = auto.race
+def record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Write the policy file (when asked) and the MLflow record (when there is a store); its run's id in `auto`."""
+    assert auto.decision is not None
     device = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu"
-    peak = race.entrants[auto.policy.fingerprint()].peak_bytes
-    tuned = TunedFor(
-        micro_batch=auto.micro_batch,
-        data_batch_size=auto.micro_batch,
-        peak_bytes=peak,
-        limit_bytes=auto.limit_bytes,
-        device=device,
-    )
-    policy = auto.policy.with_tuned_for(tuned)
+    micro_batch = auto.records[-1].samples if auto.records else None  # the last tuning step's
+    policy = auto.decision.policy
     if auto.output is not None:
+        peak = race.entrants[policy.fingerprint()].peak_bytes
+        tuned = TunedFor(micro_batch, micro_batch, peak_bytes=peak, limit_bytes=auto.limit_bytes, device=device)
         try:
-            policy.save(auto.output)
+            policy.with_tuned_for(tuned).save(auto.output)
         except OSError as err:
             rank_zero_warn(f"AutoRecompute: could not write the policy file {auto.output}: {err}")
-    target = tracking_target(auto, trainer)
+    target: tuple[str, str, str | None] | None = None
+    if auto.tracking_uri is not None:
+        target = auto.tracking_uri, auto.experiment or "auto-recompute", None
+    for logger in trainer.loggers if target is None else ():
+        if isinstance(logger, MLFlowLogger):
+            experiment = auto.experiment or logger.experiment.get_experiment(logger.experiment_id).name
+            target = logger.experiment.tracking_uri, experiment, logger.run_id
+            break
     if target is None:
-        return None
+        return
     try:
         # The service's writer, through an entry point: the library imports neither it nor its dependencies.
         recorder: Any = None
@@ -99,9 +62,9 @@ def record_decision(auto: JobTuning, trainer: L.Trainer, pl_module: L.LightningM
                 "AutoRecompute: the race is not recorded in MLflow: the record is written by the tuning service, "
                 "install it with `pip install 'lightning-recompute[tune]'`"
             )
-            return None
-        return recorder(auto, trainer, pl_module, race, device, target)
+            return
+        auto.name = auto.name or f"auto-{type(pl_module).__name__}"
+        auto.record_run_id = recorder(auto, trainer, pl_module, race, device, target)
     except Exception as err:  # noqa: BLE001 - the record is a by-product; the job must train on
         _log.debug("AutoRecompute record failed", exc_info=True)
         rank_zero_warn(f"AutoRecompute: the MLflow record was not written ({type(err).__name__}: {err})")
-        return None

@@ -1,11 +1,7 @@
-"""The race itself: candidate policies measured in turn on one model in one Lightning fit (in a trial worker).
-
-`RecomputeCallback.switch_policy` puts each turn's policy on between steps; the schedule is `race.schedule`.
-"""
+"""The race itself: candidate policies measured in turn on one model in one Lightning fit (in a trial worker)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,45 +9,39 @@ import lightning as L
 import torch
 
 from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
-from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.schedule import RaceSchedule, Turn
 
-__all__ = ["race"]
+__all__ = ["RacePlan", "race"]
 
 
-class _Race(L.Callback):
-    """Runs the schedule's turns in a fit (placed after `RecomputeCallback`, whose `StepRecord` it reads)."""
+class _Race(RecomputeCallback):
+    """Runs the schedule's turns in a fit, one step each."""
 
-    def __init__(self, recompute: RecomputeCallback, schedule: RaceSchedule) -> None:
-        self.recompute = recompute
+    def __init__(self, schedule: RaceSchedule, layers: Any) -> None:
+        super().__init__(schedule.entrants[schedule.order[0]].policy, layers=layers, memory_steps=frozenset())
         self.schedule = schedule
-        self.current: Turn | None = None
-        self.active = schedule.order[0]
+        self.turn: Turn | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._advance(trainer, pl_module)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        record = self.recompute.records[-1]
-        turn = self.current
-        if turn is not None and turn.phase != "warmup":
-            expected = self.schedule.entrants[turn.key].policy.fingerprint()
-            if record.policy != expected:
-                raise RuntimeError(f"race: step {record.step} ran policy {record.policy}, but the turn was {expected}")
-            self.schedule.record(turn, record.seconds, record.peak_bytes, tokens=record.tokens, samples=record.samples)
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        r = self.records[-1]
+        if self.turn is not None:
+            self.schedule.check(self.turn, r)
+            self.schedule.record(self.turn, r.seconds, r.peak_bytes, tokens=r.tokens, samples=r.samples)
         self._advance(trainer, pl_module)
 
     def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        turn = self.schedule.next_turn()
-        self.current = turn
-        if turn is None:
+        self.turn = self.schedule.next_turn()
+        if self.turn is None:
             trainer.should_stop = True
-            return
-        if turn.key != self.active:
-            self.recompute.switch_policy(pl_module, self.schedule.entrants[turn.key].policy)
-            self.active = turn.key
-        self.recompute.memory_steps = frozenset({trainer.global_step}) if turn.metered else frozenset()
+        else:
+            self.schedule.put_on(self.turn, self, trainer, pl_module)
 
 
 def race(
@@ -65,55 +55,28 @@ def race(
     layers: Any = "auto",
     trainer_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Race ``entrants`` (``(key, policy, short)``, at least one) on ``model`` and return what happened.
+    """Race ``entrants`` (``(key, policy, short)``, keys unique) on ``model``, trained in place on ``datamodule``
+    (a finite one is cycled), and return the `RaceResult` as a dict.
 
-    Args:
-        model: the LightningModule, freshly built; it is trained in place.
-        datamodule: its data (a finite one is cycled).
-        entrants: the candidates, each with a unique key and its glyphs.
-        references: keys of the entrants the winner's "vs" figures are about.
-        plan: how long and how sure (`RacePlan`).
-        budget_bytes: an entrant whose metered peak exceeds it is out at once.
-        layers: which modules are layers, as for `RecomputeCallback`.
-        trainer_kwargs: more ``Trainer`` arguments (accelerator, precision, strategy).
-
-    Returns:
-        The JSON-ready race record (`RaceSchedule.result`) with the outcome, wall time, machine state and plan.
+    ``references`` are the keys the winner's "vs" figures are about; an entrant whose metered peak exceeds
+    ``budget_bytes`` is out at once; ``trainer_kwargs`` are more ``Trainer`` arguments (accelerator, precision).
     """
     plan = plan or RacePlan()
     kwargs = dict(trainer_kwargs or {})
     accelerator = str(kwargs.pop("accelerator", "cpu"))
-    schedule = RaceSchedule(
-        entrants,
-        references,
-        plan,
-        budget_bytes,
-        meter_every_step=accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()),
-    )
-    recompute = RecomputeCallback(entrants[0][1], layers=layers, memory_steps=frozenset())
-    racer = _Race(recompute, schedule)
+    on_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+    schedule = RaceSchedule(entrants, references, plan, budget_bytes, meter_every_step=on_cuda, device=accelerator)
     per_round = len(entrants) * (plan.steps + 1)
-    bound = plan.warmup_steps + per_round * (plan.max_rounds + plan.estimate_rounds) + 1
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
-        max_steps=bound,
+        max_steps=plan.warmup_steps + per_round * (plan.max_rounds + plan.estimate_rounds) + 1,
         max_epochs=-1,  # a short data module cycles
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[recompute, racer],
+        callbacks=[_Race(schedule, layers)],
         **QUIET_TRAINER,
         **kwargs,
     )
-    before = machine_state(accelerator)
-    began = time.perf_counter()
     trainer.fit(model, datamodule=datamodule)
-    out = schedule.result()
-    out.update(
-        outcome="ok",
-        wall_s=time.perf_counter() - began,
-        machine_before=before,
-        machine_after=machine_state(accelerator),
-        plan=plan.to_dict(),
-    )
-    return out
+    return schedule.result().to_dict()

@@ -9,51 +9,30 @@ from typing import Any
 
 __all__ = ["machine_state"]
 
-_CPUFREQ = Path("/sys/devices/system/cpu")
-
 
 def machine_state(device: str = "cpu") -> dict[str, Any]:
-    """The load average, the mean current CPU clock, and on CUDA the device's clocks and other processes.
-
-    Keys, each only where readable: ``load_1m``, ``load_5m``, ``cpu_count``, ``cpu_mhz``; on ``cuda``
-    ``gpu_sm_mhz``, ``gpu_utilization``, ``gpu_processes``.
-    """
+    """``cpu_count`` and, each only where readable, ``load_1m``, ``load_5m``, ``cpu_mhz`` (the mean current
+    clock) and on ``cuda`` ``gpu_sm_mhz``, ``gpu_utilization``, ``gpu_processes`` (the others on the device)."""
     state: dict[str, Any] = {"cpu_count": os.cpu_count()}
     with contextlib.suppress(OSError, AttributeError):
-        one, five, _ = os.getloadavg()
-        state["load_1m"], state["load_5m"] = round(one, 2), round(five, 2)
-    mhz = _cpu_mhz()
-    if mhz is not None:
-        state["cpu_mhz"] = mhz
-    if device.startswith("cuda"):
-        state.update(_gpu_state())
-    return state
-
-
-def _cpu_mhz() -> float | None:
-    values = []
-    for path in _CPUFREQ.glob("cpu[0-9]*/cpufreq/scaling_cur_freq"):
+        state["load_1m"], state["load_5m"] = (round(x, 2) for x in os.getloadavg()[:2])
+    mhz = []
+    for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_cur_freq"):
         with contextlib.suppress(OSError, ValueError):
-            values.append(int(path.read_text().strip()) / 1000.0)
-    return round(sum(values) / len(values), 1) if values else None
-
-
-def _gpu_state() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    try:
+            mhz.append(int(path.read_text().strip()) / 1000.0)
+    if mhz:
+        state["cpu_mhz"] = round(sum(mhz) / len(mhz), 1)
+    if device.startswith("cuda"):
         import torch
 
-        if not torch.cuda.is_available():
-            return out
-        # torch.cuda.clock_rate / utilization / list_gpu_processes need pynvml; without it they raise.
-        with contextlib.suppress(Exception):
-            out["gpu_sm_mhz"] = int(torch.cuda.clock_rate())
-        with contextlib.suppress(Exception):
-            out["gpu_utilization"] = int(torch.cuda.utilization())
-        with contextlib.suppress(Exception):
-            listing = torch.cuda.list_gpu_processes().splitlines()[1:]
-            mine = f"process {os.getpid():>10}"
-            out["gpu_processes"] = [line.strip() for line in listing if line.strip() and mine not in line]
-    except ImportError:
-        pass
-    return out
+        if torch.cuda.is_available():
+            # torch.cuda.clock_rate / utilization / list_gpu_processes need pynvml; without it they raise.
+            with contextlib.suppress(Exception):
+                state["gpu_sm_mhz"] = int(torch.cuda.clock_rate())
+            with contextlib.suppress(Exception):
+                state["gpu_utilization"] = int(torch.cuda.utilization())
+            with contextlib.suppress(Exception):
+                mine = f"process {os.getpid():>10}"
+                listing = torch.cuda.list_gpu_processes().splitlines()[1:]
+                state["gpu_processes"] = [line.strip() for line in listing if line.strip() and mine not in line]
+    return state

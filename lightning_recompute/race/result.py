@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_recompute.race.schedule import Stop
 from lightning_recompute.race.stats import Interval
 
-__all__ = ["RaceEntrant", "RaceResult", "format_gain"]
+__all__ = ["RaceEntrant", "RaceResult", "Stop", "format_gain"]
 
-RaceOutcome = Literal["ok", "failed", "skipped"]
+
+class Stop(str, enum.Enum):
+    """Why the selection stopped (`RaceResult.stopped`; the words with the figures: `RaceResult.stop`)."""
+
+    SEPARATED = "separated"
+    ONE_LEFT = "one_left"
+    NONE_LEFT = "none_left"
+    MOST_ROUNDS = "most_rounds"
+    TIME = "time"
+    BUDGET = "budget"
+    ENDED = "ended"
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,7 @@ class RaceEntrant:
     """Why it raced: ``trial 12``, ``planner``, ``baseline full``, ``good`` ..."""
     peak_bytes: int | None = None
     out: str | None = None
-    """Why it left the race (over the limit), or ``None``."""
+    """Why it left the race (over the limit, out of memory), or ``None``."""
     dropped: str | None = None
     """Why the selection stopped racing it (beaten with confidence), or ``None``."""
     select_s: tuple[float | None, ...] = ()
@@ -55,16 +66,15 @@ def format_gain(interval: Interval) -> str:
 
 @dataclass(frozen=True)
 class RaceResult:
-    """A race's outcome: ``ok`` with a winner, or why there was none."""
+    """A race's outcome: ``ok`` with a winner, or why there was none (``failed``, ``skipped``: ``reason``)."""
 
-    outcome: RaceOutcome
-    """``ok``, ``failed`` or ``skipped`` (``reason`` says why)."""
+    outcome: Literal["ok", "failed", "skipped"]
     reason: str | None = None
     entrants: dict[str, RaceEntrant] = field(default_factory=dict)
     winner: str | None = None
-    """Key of the entrant chosen: the leader, or of those tied with it the most headroom, then least recomputation."""
+    """The leader, or of those tied with it the most headroom, then least recomputation."""
     leader: str | None = None
-    """Key of the fastest entrant by the selection rounds."""
+    """The fastest entrant by the selection rounds."""
     tied: tuple[str, ...] = ()
     """The leader and every entrant within noise of it."""
     unresolved: tuple[str, ...] = ()
@@ -104,35 +114,27 @@ class RaceResult:
 
     def calibrated(self, trials: Mapping[str, float | None]) -> RaceResult:
         """This result with `trial_scale` from ``trials`` (fingerprint -> a trial's throughput)."""
-        ratios = []
-        for key in self.entrants:
-            raced, trial = self.throughput(key), trials.get(key)
-            if raced and trial:
-                ratios.append(trial / raced)
+        ratios = [trial / raced for k in self.entrants if (raced := self.throughput(k)) and (trial := trials.get(k))]
         return dataclasses.replace(self, trial_scale=min(ratios) if ratios else None)
-
-    def is_tie(self) -> bool:
-        return len(self.tied) > 1
 
     def tie_line(self) -> str | None:
         """``tie within noise: ...; chose ... (...)`` when the selection ended in a tie."""
-        if not self.is_tie() or self.winner is None:
+        if len(self.tied) < 2 or self.winner is None:
             return None
         from lightning_recompute.race.rule import recompute_strength
 
-        chose = self.winner
-        names = ", ".join(self.entrants[k].short for k in self.tied)
-        win = self.entrants[chose]
-        others = [self.entrants[k] for k in self.tied if k != chose]
+        win = self.entrants[self.winner]
+        others = [self.entrants[k] for k in self.tied if k != self.winner]
         peaks = [e.peak_bytes for e in others if e.peak_bytes is not None]
         if win.peak_bytes is not None and peaks and win.peak_bytes < min(peaks):
             why = "the most memory headroom"
-        elif chose == self.leader:
+        elif self.winner == self.leader:
             why = "the leader"
         else:
             same = [e for e in others if e.peak_bytes == win.peak_bytes]
             less = all(recompute_strength(win.short) < recompute_strength(e.short) for e in same)
             why = "the most memory headroom, then " + ("the least recomputation" if less else "the race's order")
+        names = ", ".join(self.entrants[k].short for k in self.tied)
         return f"tie within noise between {names}; chose {win.short} ({why})"
 
     def unresolved_line(self) -> str | None:
@@ -140,14 +142,12 @@ class RaceResult:
         if not self.unresolved or self.leader is None:
             return None
         lead = self.entrants[self.leader].short
-        parts = []
-        for k in self.unresolved:
-            iv = self.behind.get(k)
-            if iv is not None:
-                parts.append(
-                    f"{self.entrants[k].short} {(1 / iv.ratio - 1) * 100:+.1f}% "
-                    f"({(1 / iv.high - 1) * 100:+.1f}..{(1 / iv.low - 1) * 100:+.1f}%)"
-                )
+        parts = [
+            f"{self.entrants[k].short} {(1 / iv.ratio - 1) * 100:+.1f}% "
+            f"({(1 / iv.high - 1) * 100:+.1f}..{(1 / iv.low - 1) * 100:+.1f}%)"
+            for k in self.unresolved
+            if (iv := self.behind.get(k)) is not None
+        ]
         return (
             f"not separated from {lead} with confidence, nor seen within the tie margin of it: {', '.join(parts)}; "
             f"{lead} leads on its median"
@@ -161,50 +161,23 @@ class RaceResult:
         if self.winner is None:
             return []
         win = self.entrants[self.winner]
-        lines = []
-        for key, iv in self.vs.items():
-            ref = self.entrants[key]
-            lines.append(f"{win.short} vs {ref.label} {ref.short}: {format_gain(iv)}")
-        return lines
+        refs = {k: self.entrants[k] for k in self.vs}
+        return [f"{win.short} vs {refs[k].label} {refs[k].short}: {format_gain(iv)}" for k, iv in self.vs.items()]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready); `from_dict` of it is an equal result."""
-        d = dataclasses.asdict(self)
-        d["behind"] = {k: v.to_dict() for k, v in self.behind.items()}
-        d["vs"] = {k: v.to_dict() for k, v in self.vs.items()}
-        d["entrants"] = {
-            k: {
-                **dataclasses.asdict(e),
-                "labels": list(e.labels),
-                "select_s": list(e.select_s),
-                "estimate_s": list(e.estimate_s),
-            }
-            for k, e in self.entrants.items()
-        }
-        d["tied"] = list(self.tied)
-        d["unresolved"] = list(self.unresolved)
-        return d
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
         """The inverse of `to_dict`; unknown keys (from older records) are ignored."""
         values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        values["entrants"] = {
-            k: RaceEntrant(
-                **{
-                    **e,
-                    "labels": tuple(e.get("labels", ())),
-                    "select_s": tuple(e.get("select_s", ())),
-                    "estimate_s": tuple(e.get("estimate_s", ())),
-                }
-            )
-            for k, e in data.get("entrants", {}).items()
-        }
-        values["behind"] = {k: Interval.from_dict(v) for k, v in data.get("behind", {}).items()}
-        values["vs"] = {k: Interval.from_dict(v) for k, v in data.get("vs", {}).items()}
+        values["entrants"] = {k: _entrant(e) for k, e in data.get("entrants", {}).items()}
+        for name in ("behind", "vs"):
+            values[name] = {k: Interval.from_dict(v) for k, v in data.get(name, {}).items()}
         values["tied"] = tuple(data.get("tied", ()))
-        values["stopped"] = Stop(data["stopped"]) if data.get("stopped") else None
         values["unresolved"] = tuple(data.get("unresolved", ()))
+        values["stopped"] = Stop(data["stopped"]) if data.get("stopped") else None
         return cls(**values)
 
     @classmethod
@@ -214,38 +187,18 @@ class RaceResult:
         labels: Mapping[str, Sequence[str]],
         policies: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> RaceResult:
-        """The result of a race's worker payload, with each entrant's labels and policy (fingerprint -> dict)."""
-        sel, est = res.get("selection", {}), res.get("estimate", {})
+        """The result of a race's worker payload (`to_dict`), with each entrant's labels and policy (fingerprint ->
+        dict)."""
+        race = cls.from_dict(res)
         entrants = {
-            k: RaceEntrant(
-                key=k,
-                short=str(e["short"]),
-                labels=tuple(labels.get(k, ())),
-                peak_bytes=e.get("peak_bytes"),
-                out=e.get("out"),
-                dropped=e.get("dropped"),
-                select_s=tuple(e.get("select_s", ())),
-                estimate_s=tuple(e.get("estimate_s", ())),
-                policy=dict(policies[k]) if policies is not None and k in policies else None,
+            k: dataclasses.replace(
+                e, labels=tuple(labels.get(k, ())), policy=dict(policies[k]) if policies and k in policies else e.policy
             )
-            for k, e in res.get("entrants", {}).items()
+            for k, e in race.entrants.items()
         }
-        return cls(
-            outcome="ok",
-            entrants=entrants,
-            winner=sel.get("winner"),
-            leader=sel.get("leader") or sel.get("winner"),
-            tied=tuple(sel.get("tied", ())),
-            unresolved=tuple(sel.get("unresolved", ())),
-            behind={k: Interval.from_dict(v) for k, v in sel.get("behind", {}).items()},
-            vs={k: Interval.from_dict(v) for k, v in est.get("vs", {}).items()},
-            stop=str(sel.get("stop", "")),
-            stopped=Stop(sel["stopped"]) if sel.get("stopped") else None,
-            select_rounds=int(sel.get("rounds", 0)),
-            estimate_rounds=int(est.get("rounds", 0)),
-            tokens_per_step=res.get("tokens_per_step"),
-            samples_per_step=res.get("samples_per_step"),
-            wall_s=float(res.get("wall_s", 0.0)),
-            machine_before=dict(res.get("machine_before", {})),
-            machine_after=dict(res.get("machine_after", {})),
-        )
+        return dataclasses.replace(race, entrants=entrants)
+
+
+def _entrant(data: Mapping[str, Any]) -> RaceEntrant:
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return RaceEntrant(**fields)

@@ -17,30 +17,28 @@ TIE_MARGIN = 0.03
 
 @dataclass(frozen=True)
 class Standing:
-    """The state of a race after some rounds."""
+    """The state of a race after some rounds: every other entrant's time over the leader's (above 1: slower).
+
+    An interval whose coverage is below ``confidence`` beats nobody and ties with nobody.
+    """
 
     leader: str
     behind: dict[str, Interval]
-    """Every other entrant's time over the leader's (above 1: slower), with its interval."""
     confidence: float = 0.95
-    """The confidence asked for: an interval whose coverage is below it beats nobody."""
     tie_margin: float = TIE_MARGIN
     """How far behind the leader the upper end of an unseparated entrant's interval may be for a tie."""
 
     def beaten(self) -> list[str]:
-        """Entrants slower than the leader with at least the confidence asked for."""
-        return [k for k, iv in self.behind.items() if iv.low > 1.0 and iv.confidence >= self.confidence]
+        """Entrants slower than the leader with the confidence asked for."""
+        return [k for k, iv in self.behind.items() if iv.confidence >= self.confidence and iv.low > 1.0]
 
     def tied(self) -> list[str]:
-        """Entrants not beaten whose interval's upper end, at the confidence asked for, is within `tie_margin`.
-
-        The interval, not the median: a tie claims the two train equally fast, which the race must have measured.
-        """
-        beaten = set(self.beaten())
+        """Entrants not beaten whose interval's upper end is within `tie_margin`: the interval, not the median,
+        since a tie claims the two train equally fast, which the race must have measured."""
         return [
             k
             for k, iv in self.behind.items()
-            if k not in beaten and iv.high <= 1.0 + self.tie_margin and iv.confidence >= self.confidence
+            if iv.confidence >= self.confidence and iv.low <= 1.0 and iv.high <= 1.0 + self.tie_margin
         ]
 
     def unresolved(self) -> list[str]:
@@ -71,35 +69,29 @@ def stand(
             rel[k].append(math.log(times[k]) - mean)
     scored = [k for k in entrants if rel[k]]
     leader = min(scored, key=lambda k: (statistics.median(rel[k]), entrants.index(k))) if scored else entrants[0]
-    behind: dict[str, Interval] = {}
+    behind = {}
     for k in entrants:
-        if k == leader:
-            continue
-        pairs = [(t[leader], t[k]) for t in rounds if leader in t and k in t]
-        a, b = [p[0] for p in pairs], [p[1] for p in pairs]
-        behind[k] = paired_ratio(a, b, confidence=confidence)
+        if k != leader:
+            pairs = [(t[leader], t[k]) for t in rounds if leader in t and k in t]
+            behind[k] = paired_ratio([a for a, _ in pairs], [b for _, b in pairs], confidence=confidence)
     return Standing(leader=leader, behind=behind, confidence=confidence, tie_margin=tie_margin)
 
 
 _STRENGTH = {s.glyph: s.recompute for s in MODES}
 """How much a layer's mode recomputes, by its glyph (`ModeSpec.recompute`)."""
-_UNKNOWN_STRENGTH = max(_STRENGTH.values())
 _FULL = next(s.glyph for s in MODES if s.name == Mode.FULL.value)
 
 
 def recompute_strength(short: str) -> tuple[int, int]:
     """How much a policy recomputes, from its glyphs: (layers recomputed in full, total strength)."""
-    return short.count(_FULL), sum(_STRENGTH.get(g, _UNKNOWN_STRENGTH) for g in short)
+    return short.count(_FULL), sum(_STRENGTH.get(g, max(_STRENGTH.values())) for g in short)
 
 
 def tie_break(tied: Sequence[str], peaks: Mapping[str, int | None], shorts: Mapping[str, str]) -> str:
     """Of tied entrants, the lowest peak, then the least recomputation, then the first given (the leader)."""
-
-    def key(k: str) -> tuple[float, tuple[int, int], int]:
-        peak = peaks.get(k)
-        return (math.inf if peak is None else float(peak), recompute_strength(shorts.get(k, "")), tied.index(k))
-
-    return min(tied, key=key)
+    return min(
+        tied, key=lambda k: (math.inf if (p := peaks.get(k)) is None else p, recompute_strength(shorts.get(k, "")))
+    )
 
 
 def verdict(

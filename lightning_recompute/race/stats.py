@@ -10,7 +10,6 @@ stricter `RacePlan.stop_confidence`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -30,15 +29,6 @@ class Spread:
     """Median absolute deviation over the median (0: every value equal)."""
     ci_rel: float
     """Relative width of the median's 95% interval; ``inf`` when the sample is too small for one."""
-
-    def to_dict(self) -> dict[str, float | int]:
-        """Plain types (JSON-ready; ``inf`` as ``None``)."""
-        return {
-            "n": self.n,
-            "median": self.median,
-            "mad_rel": self.mad_rel,
-            "ci_rel": None if math.isinf(self.ci_rel) else self.ci_rel,  # type: ignore[dict-item]
-        }
 
 
 def spread(values: Sequence[float]) -> Spread:
@@ -93,12 +83,9 @@ class Interval:
         """``a``'s throughput over ``b``'s, less 1, with the interval: ``(gain, low, high)``."""
         return self.ratio - 1.0, self.low - 1.0, self.high - 1.0
 
-    def to_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Interval:
-        """The inverse of `to_dict`; unknown keys (older records) are ignored."""
+        """From `dataclasses.asdict` of one; unknown keys (older records) are ignored."""
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 

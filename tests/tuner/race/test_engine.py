@@ -69,13 +69,12 @@ def _race(monkeypatch: pytest.MonkeyPatch, base: dict[RecomputePolicy, float], *
 
 def test_a_faster_policy_wins_with_confidence_and_the_figures_are_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
     out, clock, _ = _race(monkeypatch, {FULL: 0.13, ONE: 0.10, TWO: 0.115}, references=[FULL.fingerprint()])
-    sel = out["selection"]
-    assert sel["leader"] == sel["winner"] == ONE.fingerprint() and sel["tied"] == [ONE.fingerprint()]
-    assert sel["stop"].startswith("leader separated from every other entrant at 99%")
-    assert 8 <= sel["rounds"] < 12  # 99% needs 8 rounds of order statistics; it stops as soon as it may
-    vs = out["estimate"]["vs"][FULL.fingerprint()]
+    assert out["leader"] == out["winner"] == ONE.fingerprint() and out["tied"] == [ONE.fingerprint()]
+    assert out["stop"].startswith("leader separated from every other entrant at 99%")
+    assert 8 <= out["select_rounds"] < 12  # 99% needs 8 rounds of order statistics; it stops as soon as it may
+    vs = out["vs"][FULL.fingerprint()]
     assert vs["low"] <= 1.3 <= vs["high"] and vs["ratio"] == pytest.approx(1.3, rel=0.01)
-    assert out["estimate"]["rounds"] == 8
+    assert out["estimate_rounds"] == 8
     # Rotation: each round starts one place later (settle + 2 timed steps per turn).
     first_round = clock.order[1 : 1 + 9 : 3]
     second_round = clock.order[10 : 10 + 9 : 3]
@@ -86,11 +85,10 @@ def test_a_faster_policy_wins_with_confidence_and_the_figures_are_interleaved(mo
 def test_identical_policies_tie_and_the_tie_goes_to_the_most_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
     # An A/A race: three policies the clock makes exactly as fast, under the same load.
     out, _, _ = _race(monkeypatch, {NONE: 0.1, ONE: 0.1, FULL: 0.1})
-    sel = out["selection"]
-    assert sorted(sel["tied"]) == sorted(p.fingerprint() for p in (NONE, ONE, FULL))
-    assert sel["stop"] == "12 rounds (the most allowed)"
+    assert sorted(out["tied"]) == sorted(p.fingerprint() for p in (NONE, ONE, FULL))
+    assert out["stop"] == "12 rounds (the most allowed)"
     peaks = {k: e["peak_bytes"] for k, e in out["entrants"].items()}
-    assert sel["winner"] == FULL.fingerprint() == min(peaks, key=peaks.__getitem__)
+    assert out["winner"] == FULL.fingerprint() == min(peaks, key=peaks.__getitem__)
 
 
 def test_an_entrant_over_the_limit_is_out_at_once_and_never_runs_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,7 +99,7 @@ def test_an_entrant_over_the_limit_is_out_at_once_and_never_runs_again(monkeypat
     none = out["entrants"][NONE.fingerprint()]
     assert none["out"] is not None and "over the limit" in none["out"]
     assert clock.order.count(NONE.fingerprint()) == 2  # its warm-up step and the metered step that put it out
-    assert out["selection"]["winner"] == ONE.fingerprint()
+    assert out["winner"] == ONE.fingerprint()
 
 
 def test_every_race_step_is_a_training_step(monkeypatch: pytest.MonkeyPatch, quiet_trainer: Any) -> None:
@@ -123,6 +121,6 @@ def test_an_entrant_beaten_with_confidence_stops_costing_rounds(monkeypatch: pyt
     full = out["entrants"][FULL.fingerprint()]
     assert full["dropped"] is not None and full["dropped"].startswith("beaten by F.. at 99% after")
     ran = [t for t in full["select_s"] if t is not None]
-    assert len(ran) < out["selection"]["rounds"] == 12  # dropped early; the tied two raced on
+    assert len(ran) < out["select_rounds"] == 12  # dropped early; the tied two raced on
     assert clock.order.count(FULL.fingerprint()) < clock.order.count(ONE.fingerprint())
-    assert sorted(out["selection"]["tied"]) == sorted([ONE.fingerprint(), TWO.fingerprint()])
+    assert sorted(out["tied"]) == sorted([ONE.fingerprint(), TWO.fingerprint()])

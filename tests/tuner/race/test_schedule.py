@@ -92,7 +92,7 @@ def test_knock_out_and_finish_end_the_race_on_what_it_has() -> None:
     assert schedule.winner == ONE.fingerprint()
     assert schedule.stop_reason == "the job ended after 2 selection rounds"
     assert schedule.stopped is Stop.ENDED
-    assert schedule.result()["entrants"][NONE.fingerprint()]["out"] == "out of memory: simulated"
+    assert schedule.result().entrants[NONE.fingerprint()].out == "out of memory: simulated"
 
 
 def test_a_race_budget_stops_the_selection_early_enough_to_leave_the_estimation_its_rounds() -> None:
