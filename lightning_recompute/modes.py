@@ -12,20 +12,6 @@ from typing import Any
 
 from lightning_recompute.errors import PolicyError, clip
 
-__all__ = [
-    "ATTENTION_KERNELS",
-    "BY_MEMORY_SAVED",
-    "DEFAULT_SAVE_OPS",
-    "FAMILY_NAMES",
-    "MODES",
-    "MODE_NAMES",
-    "SAVE_FAMILIES",
-    "UNKNOWN_GLYPH",
-    "Mode",
-    "ModeSpec",
-    "spec",
-]
-
 
 class Mode(str, enum.Enum):
     """What a layer keeps between its forward and its backward."""
@@ -41,20 +27,6 @@ class Mode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-    @classmethod
-    def parse_choice(cls, value: Any, *, where: str) -> tuple[Mode, str | None]:
-        """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``)."""
-        if isinstance(value, str) and ":" in value:
-            base, _, family = value.strip().partition(":")
-            mode = cls.parse(base, where=where)
-            if mode is not Mode.SELECTIVE or not family.strip():
-                raise PolicyError(
-                    f"{where}: {clip(repr(value))}: only selective takes a save-list family, written "
-                    f"selective:<family> (e.g. selective:attn)"
-                )
-            return mode, family.strip()
-        return cls.parse(value, where=where), None
 
     @classmethod
     def parse(cls, value: Any, *, where: str) -> Mode:
@@ -112,6 +84,10 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", *ATTENTION_KERNELS
 """What plain ``selective`` keeps; not ``aten.bmm`` (eager attention's scores, cheapest to recompute per byte)."""
 
 
+def _attn_and(role: str) -> tuple[str, ...]:
+    return (*ATTENTION_KERNELS, f"aten.mm:{role}", f"aten.addmm:{role}")
+
+
 MODES: tuple[ModeSpec, ...] = (
     ModeSpec(Mode.NONE, None, glyph=".", saving=0, recompute=0, label="none"),
     ModeSpec(Mode.SELECTIVE, None, glyph="s", saving=1, recompute=2, label="sel", save=DEFAULT_SAVE_OPS),
@@ -121,24 +97,10 @@ MODES: tuple[ModeSpec, ...] = (
     # The save-list families (see docs/PLUGIN.md, 'Save-list families'); attn: only the attention kernels.
     ModeSpec(Mode.SELECTIVE, "attn", glyph="a", saving=4, recompute=2, label="attn", save=ATTENTION_KERNELS),
     # attn+wide: plus the widening GEMMs (fused QKV, MLP up/gate).
-    ModeSpec(
-        Mode.SELECTIVE,
-        "attn+wide",
-        glyph="w",
-        saving=2,
-        recompute=2,
-        label="attn+wide",
-        save=(*ATTENTION_KERNELS, "aten.mm:wide", "aten.addmm:wide"),
-    ),
+    ModeSpec(Mode.SELECTIVE, "attn+wide", glyph="w", saving=2, recompute=2, label="attn+wide", save=_attn_and("wide")),
     # attn+narrow: plus the narrowing GEMMs (the most FLOPs behind each byte kept).
     ModeSpec(
-        Mode.SELECTIVE,
-        "attn+narrow",
-        glyph="n",
-        saving=3,
-        recompute=2,
-        label="attn+narrow",
-        save=(*ATTENTION_KERNELS, "aten.mm:narrow", "aten.addmm:narrow"),
+        Mode.SELECTIVE, "attn+narrow", glyph="n", saving=3, recompute=2, label="attn+narrow", save=_attn_and("narrow")
     ),
 )
 """Every mode a layer can take, in canonical order (the planner breaks ties by it)."""
