@@ -1,8 +1,4 @@
-"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs.
-
-Applied in ``setup``, or in ``on_fit_start`` for models built in ``configure_model`` (see docs/PLUGIN.md,
-'Sharded strategies').
-"""
+"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs (docs/PLUGIN.md)."""
 
 from __future__ import annotations
 
@@ -39,17 +35,12 @@ from lightning_recompute.tuned_for import batch_advice
 class StepRecord:
     """What the callback measured for one training batch."""
 
-    step: int
-    """``trainer.global_step`` before the batch."""
-    seconds: float
-    """Wall-clock time of the batch, device work included."""
-    peak_bytes: int | None
-    """Peak device tensor memory during the batch (``None`` when not measured)."""
+    step: int  # trainer.global_step before the batch
+    seconds: float  # device work included
+    peak_bytes: int | None  # None: not measured
     samples: int
-    tokens: int | None
-    """Tokens in the batch (``None`` without a sequence dimension)."""
-    policy: str | None = None
-    """Fingerprint of the policy the batch ran under."""
+    tokens: int | None  # None: no sequence dimension
+    policy: str | None = None  # the fingerprint of the policy the batch ran under
 
     @property
     def samples_per_s(self) -> float:
@@ -109,7 +100,7 @@ class RecomputeCallback(L.Callback):
         self._meter: MemoryMeter | None = None
         self._timer: StepTimer | None = None
         self._step: int | None = None  # the global step of the batch running
-        self._metering = False
+        self._metering: MemoryMeter | None = None  # the meter, on a step it measures
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -147,11 +138,8 @@ class RecomputeCallback(L.Callback):
         rank_zero_info(self.grad_freeing.describe())
 
     def switch_policy(self, pl_module: L.LightningModule, policy: PolicyLike, *, retry: bool = False) -> AppliedPolicy:
-        """Put ``policy`` on the model in place of the current one, for the batches that follow.
-
-        Call it between batches; ``retry=True`` allows it mid-batch for a step about to be run again from its start.
-        A `RecomputeError` while a batch runs (without ``retry``); a `PolicyError` for an invalid policy.
-        """
+        """Put ``policy`` on the model for the batches that follow: between batches, or with ``retry=True``
+        mid-batch for a step about to be run again from its start."""
         if self._step is not None and not retry:
             raise RecomputeError("RecomputeCallback.switch_policy: called while a batch runs; call it between batches")
         new = as_policy(policy)
@@ -215,13 +203,12 @@ class RecomputeCallback(L.Callback):
         if self._timer is None:
             return
         self._step = trainer.global_step
-        self._metering = self._meter is not None and (self.memory_steps is None or self._step in self.memory_steps)
-        if self._meter is not None and self._metering:
-            if isinstance(self._meter, StorageMeter):
-                # The CPU ledger only sees storages created while it runs: count what already lives.
-                self._meter.track(pl_module, *trainer.optimizers, batch)
-                self._meter.start()
-            self._meter.reset_peak()
+        measured = self.memory_steps is None or self._step in self.memory_steps
+        self._metering = self._meter if measured else None
+        if self._metering is not None:
+            # The CPU ledger only sees storages created while it runs: count what already lives.
+            self._metering.track(pl_module, *trainer.optimizers, batch)
+            self._metering.start()
         self._timer.start()
 
     def on_train_batch_end(
@@ -230,10 +217,9 @@ class RecomputeCallback(L.Callback):
         if self._timer is None or self._step is None:
             return
         seconds = self._timer.stop()
-        peak = None
-        if self._meter is not None and self._metering:
-            peak = self._meter.peak_bytes
-            self._meter.stop()
+        peak = None if self._metering is None else self._metering.peak_bytes
+        if self._metering is not None:
+            self._metering.stop()
         if seconds is None:
             return
         record = StepRecord(

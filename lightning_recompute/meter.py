@@ -1,9 +1,5 @@
-"""Peak-memory and step-time meters with one interface for CUDA, CPU and the meta device.
-
-On CUDA the allocator's statistics; on CPU and meta `StorageMeter`, an exact ledger of live storages
-(a dispatch mode records fresh outputs, a ``weakref.finalize`` takes them off; DTensors count their inner
-tensors, and in-place ``UntypedStorage.resize_``, which FSDP2 uses, is watched). ``RECOMPUTE_CPU_MEMORY_LIMIT``
-caps a started CPU meter: an allocation over it raises ``torch.OutOfMemoryError``, as on CUDA.
+"""Peak-memory and step-time meters with one interface for CUDA (the allocator's statistics), CPU and meta
+(`StorageMeter`, an exact ledger of live storages; ``RECOMPUTE_CPU_MEMORY_LIMIT`` caps it as a GPU's memory would).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ def cpu_memory_limit() -> int | None:
 
 
 class MemoryMeter:
-    """Current and peak bytes of tensor memory on one device while the meter is entered (`start` .. `stop`)."""
+    """Current and peak bytes of tensor memory on one device, measured from `start` (which resets the peak)."""
 
     device: torch.device
 
@@ -53,7 +49,6 @@ class MemoryMeter:
         """Stop measuring (readings stay available)."""
 
     def reset_peak(self) -> None:
-        """Make the peak equal to the current level (call at the start of each step)."""
         raise NotImplementedError
 
     def track(self, *objs: Any) -> None:
@@ -65,7 +60,6 @@ class MemoryMeter:
 
     @property
     def peak_bytes(self) -> int:
-        """Highest ``current_bytes`` since `start` or the last `reset_peak`."""
         raise NotImplementedError
 
 
@@ -90,9 +84,8 @@ class CudaMemoryMeter(MemoryMeter):
 
 
 class StorageMeter(MemoryMeter):
-    """Exact accounting of live tensor storage bytes on a device without allocator statistics.
-
-    Costs a Python call per op: use it to measure, not in every step of a long run.
+    """Live tensor storage bytes, exactly: a dispatch mode records fresh outputs, a ``weakref.finalize`` takes
+    them off, DTensors count their inner tensors, in-place ``resize_`` (FSDP2) is watched. A Python call per op.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, limit: int | None = None) -> None:
@@ -110,6 +103,7 @@ class StorageMeter(MemoryMeter):
         self._mode = _LedgerMode(self)
         self._mode.__enter__()
         _ResizeWatch.add(self)
+        self.reset_peak()
 
     def stop(self) -> None:
         if self._mode is not None:
