@@ -1,8 +1,5 @@
-"""Applying a `RecomputePolicy` to a model's layers, and taking it off again.
-
-Each non-``none`` layer gets an instance-level ``forward`` (non-reentrant checkpoint for ``full``, with
-selective-checkpoint contexts for ``selective``, host-memory saved-tensor hooks for ``offload``). Not a
-wrapper module: module paths, hooks and ``state_dict`` keys stay exactly as they were.
+"""Applying a `RecomputePolicy` to a model's layers as instance-level ``forward``s (not wrapper modules, so module
+paths, hooks and ``state_dict`` keys stay as they were), and taking it off again.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ COMPILED_RTOL, COMPILED_ATOL = 1e-4, 1e-5
 
 @dataclass(frozen=True)
 class AppliedPolicy:
-    """What `apply_policy` did: the policy, and the mode it gave each layer (module paths, in order)."""
+    """What `apply_policy` did: the policy, and the mode it gave each layer."""
 
     policy: RecomputePolicy
     modes: Mapping[str, Mode]
@@ -93,9 +90,7 @@ class _RecomputedForward:
 
 
 class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks that move a layer's activations (not its weights, unlike ``save_on_cpu``)
-    to host memory until backward.
-    """
+    """Moves a layer's activations (not its weights, unlike ``save_on_cpu``) to host memory until backward."""
 
     def __init__(self, module: nn.Module, *, device_type: str, pin_memory: bool) -> None:
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -122,14 +117,8 @@ def applied_policy(model: nn.Module) -> AppliedPolicy | None:
 
 
 def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto") -> AppliedPolicy:
-    """Apply ``policy`` (anything `as_policy` takes) to the ``layers`` of ``model``, in place; applying again
-    replaces the previous policy. Parameter names and ``state_dict`` keys never change. Under FSDP or
-    ModelParallel call it in ``configure_model`` before sharding; `RecomputeCallback` calls it otherwise.
-
-    Raises:
-        PolicyError: the policy is invalid, or one of its patterns matches no layer.
-        LayerDiscoveryError: the layers could not be found.
-        IncompatibleModelError: the model already carries activation checkpointing from elsewhere.
+    """Apply ``policy`` (anything `as_policy` takes) to the ``layers`` of ``model``, in place, in place of any
+    policy applied before; an `IncompatibleModelError` if the model carries activation checkpointing already.
     """
     policy = as_policy(policy)
     _refuse_foreign_checkpointing(model)
@@ -173,9 +162,8 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
 
 
 class CompiledCall:
-    """A layer's compiled call, run eagerly under a dispatch mode: dynamo called under one (the CPU ledger,
-    ``FlopCounterMode``) would run the frame eagerly and never compile it afterwards.
-    """
+    """A layer's compiled call, run eagerly under a dispatch mode (the CPU ledger, ``FlopCounterMode``), under
+    which dynamo would run the frame eagerly and never compile it afterwards."""
 
     def __init__(self, module: nn.Module) -> None:
         self.eager = module._call_impl

@@ -264,7 +264,6 @@ class StepTimer:
         self.device = torch.device(device)
         self._start: float | None = None
         self._events: tuple[Any, Any] | None = None
-        self.last_seconds: float | None = None
 
     def start(self) -> None:
         synchronize(self.device)
@@ -281,10 +280,9 @@ class StepTimer:
             begin, end = self._events
             end.record()
             end.synchronize()
-            self.last_seconds = begin.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
-            self._events = None
+            seconds = begin.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
         else:
             synchronize(self.device)
-            self.last_seconds = perf_counter() - self._start
-        self._start = None
-        return self.last_seconds
+            seconds = perf_counter() - self._start
+        self._start, self._events = None, None
+        return seconds

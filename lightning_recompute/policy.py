@@ -31,18 +31,14 @@ _TOP_LEVEL_KEYS = ("version", "layers", "selective", "compile", "tuned_for")
 class RecomputePolicy:
     """An immutable, ordered layer-pattern -> mode map, identified across processes by `fingerprint`."""
 
+    # (pattern, mode) in priority order, a pattern a module path or glob; a mode given as selective:<family>
+    # has its family moved to `families`.
     layers: tuple[tuple[str, Mode], ...] = ()
-    """``(pattern, mode)`` pairs in priority order; a pattern is a module path or an `fnmatch` glob. A mode
-    may be given by name, ``selective:<family>`` included (its family then goes to ``families``)."""
-    selective_save: tuple[str, ...] | None = None
-    """Ops whose outputs ``selective`` keeps; ``None``: `DEFAULT_SAVE_OPS`."""
+    selective_save: tuple[str, ...] | None = None  # what selective keeps; None: DEFAULT_SAVE_OPS
     families: tuple[tuple[str, str], ...] = ()
-    """``(pattern, family)`` for ``layers`` entries in mode ``selective:<family>`` (`SAVE_FAMILIES`)."""
-    compile: bool = False
-    """Whether `apply_policy` also compiles every layer (not bitwise; see docs/PLUGIN.md)."""
+    compile: bool = False  # compile every layer too (not bitwise)
     version: int = field(default=POLICY_VERSION)
-    tuned_for: TunedFor | None = field(default=None, compare=False)
-    """What the tuner measured the policy at; provenance only (not in ``==``, ``hash`` or `fingerprint`)."""
+    tuned_for: TunedFor | None = field(default=None, compare=False)  # provenance only: not in ==, hash, fingerprint
 
     def __post_init__(self) -> None:
         if self.version != POLICY_VERSION:

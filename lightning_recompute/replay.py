@@ -1,10 +1,5 @@
-"""What a recomputed layer's replay sees and leaves: its buffers and its KV caches, as the forward had them.
-
-A replay runs the forward again in backward. Buffers (`BufferState`) are copied before the forward and
-swapped in for the replay; cache objects (`CacheState`, found by `CACHE_ARGUMENTS`) are recorded shallowly
-and restored around it, so both change once and gradients stay bitwise equal. Python-level side effects
-cannot be put back; a reassigned attribute gets a `SideEffectWarning`. See docs/PLUGIN.md, 'Models' and
-'Side effects'. Nothing here runs without grad, nor inside a compiled graph (`Replay`).
+"""What a recomputed layer's replay in backward sees and leaves: its buffers and KV caches as the forward had
+them, so both change once and gradients stay bitwise equal (docs/PLUGIN.md, 'Models' and 'Side effects').
 """
 
 from __future__ import annotations
@@ -93,9 +88,8 @@ class SideEffectWarning(UserWarning):
 
 
 class BufferState:
-    """A copy of every buffer of a layer (its submodules' included), taken before its forward, for the replay.
-
-    Every buffer: BatchNorm writes its statistics without bumping their version, and comparing values would sync a GPU.
+    """A copy of every buffer of a layer (its submodules' included), taken before its forward, for the replay:
+    every one, since BatchNorm writes its statistics without bumping their version, and comparing would sync a GPU.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -108,16 +102,12 @@ class BufferState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held from the forward to the replay."""
         return sum(t.untyped_storage().nbytes() for _, _, t in self._before)
 
     @contextlib.contextmanager
     def swapped_in(self, *, copy: bool) -> Iterator[None]:
-        """The earlier values as the buffers, the live ones put back after (also when the replay stops early).
-
-        With ``copy``, copies of them, so a second replay (``retain_graph``) starts from them too; selective
-        recomputation allows one backward only.
-        """
+        """The earlier values as the buffers (with ``copy``, copies, so a second replay under ``retain_graph``
+        starts from them too; selective recomputation allows one backward only), the live ones put back after."""
         # Every copy first: an out-of-memory error must leave no buffer swapped.
         values = [before.clone() if copy else before for _, _, before in self._before]
         live = [(owner, name, owner._buffers.get(name)) for owner, name, _ in self._before]
@@ -148,11 +138,9 @@ def _reassigned(ids: list[tuple[str, nn.Module, dict[str, int]]]) -> str | None:
 
 
 class Replay:
-    """The function `torch.utils.checkpoint.checkpoint` runs for one call of a recomputed layer.
-
-    Its first call is the forward, any later call a replay on the state from before the forward. Under
-    ``torch.compile`` the state is recorded at the first call only when the checkpoint runs eagerly
-    (``record_now`` false): the compiled graph's recomputation writes nothing.
+    """What `checkpoint` runs for one call of a recomputed layer: first the forward, then replays on the state
+    from before it. Under ``torch.compile`` (``record_now`` false) the state is recorded at the first call, if
+    the checkpoint runs eagerly: the compiled graph's recomputation writes nothing.
     """
 
     def __init__(

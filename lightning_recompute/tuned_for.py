@@ -17,14 +17,10 @@ from lightning_recompute.errors import PolicyError, clip
 class TunedFor:
     """The conditions a policy was tuned under (the policy file's ``tuned_for:`` section)."""
 
-    micro_batch: int | None = None
-    """Samples per training batch, per device, the policy was measured at."""
-    data_batch_size: int | None = None
-    """The recipe's data batch size: the global batch a job at `micro_batch` keeps by accumulation."""
-    peak_bytes: int | None = None
-    """Peak device memory of the run the policy was promoted on."""
-    limit_bytes: int | None = None
-    """The memory limit that peak had to fit under (the budget less its margin)."""
+    micro_batch: int | None = None  # samples per training batch, per device
+    data_batch_size: int | None = None  # the global batch a job at micro_batch keeps by accumulation
+    peak_bytes: int | None = None  # of the run the policy was promoted on
+    limit_bytes: int | None = None  # the budget less its margin
     device: str | None = None
     recipe: str | None = None
     recipe_fingerprint: str | None = None
