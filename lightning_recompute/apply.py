@@ -84,7 +84,7 @@ class _RecomputedForward:
             warned=self.warned,
             record_now=not torch.compiler.is_compiling(),
         )
-        extra = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
         # preserve_rng_state replays the forward's RNG state, so dropout masks are identical.
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
@@ -181,7 +181,7 @@ def _refuse_foreign_checkpointing(model: nn.Module) -> None:
         from torch.distributed._composable.contract import _get_registry
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
     except ImportError:  # PyTorch built without distributed: neither can be on the model
-        _get_registry, ActivationWrapper = None, None  # type: ignore[assignment]
+        _get_registry, ActivationWrapper = None, None  # type: ignore[assignment,misc]
     for path, module in model.named_modules():
         where = path or type(model).__name__
         if ActivationWrapper is not None and isinstance(module, ActivationWrapper):

@@ -48,6 +48,7 @@ class RecomputePolicy:
         given = dict(self.families)  # the first entry of a pattern takes its family
         layers: list[tuple[str, Mode]] = []
         families: dict[str, str] = {}
+        choice: Any  # a Mode, or the name of one
         for i, entry in enumerate(self.layers):
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and entry[0].strip()):
                 raise PolicyError(f"layers[{i}]: expected a (pattern, mode) pair, got {clip(repr(entry))}")
