@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_recompute.errors import IncompatibleModelError
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
-from lightning_recompute.replay import CacheArguments, Replay
+from lightning_recompute.replay import Replay, cache_positions, caches_in
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 from lightning_recompute.sources import as_policy
 
@@ -50,7 +50,7 @@ class _RecomputedForward:
     ) -> None:
         self.module, self.name, self.mode, self.context_fn = module, name, mode, context_fn
         self.previous = module.__dict__.get("forward")  # an instance forward installed before us, kept to restore
-        self.cache_args = CacheArguments.of(self.previous or type(module).forward, bound=self.previous is not None)
+        self.cache_positions = cache_positions(self.previous or type(module).forward, bound=self.previous is not None)
         self.warned = warned  # what `apply_policy`'s layers warned of: a layer's replay, offload on CPU ("")
 
     def _inner(self, *args: Any, **kwargs: Any) -> Any:
@@ -78,7 +78,7 @@ class _RecomputedForward:
         fn = Replay(
             self._inner,
             self.module,
-            self.cache_args.caches(args, kwargs),
+            caches_in(self.cache_positions, args, kwargs),
             selective=self.context_fn is not None,
             where=self.name,
             warned=self.warned,

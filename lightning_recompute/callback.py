@@ -59,21 +59,10 @@ _SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 class RecomputeCallback(L.Callback):
-    """Apply a per-layer recompute policy to the LightningModule and log its memory and speed.
-
-    Logs ``recompute/peak_memory_bytes``, ``recompute/step_time_s``, ``recompute/samples_per_s`` and
-    ``recompute/tokens_per_s`` each step, and keeps them in `records` (see docs/PLUGIN.md, 'The callback').
-
-    Args:
-        policy: a `RecomputePolicy`, a policy mapping, a policy file path, or ``"mlflow:<experiment>[@<uri>]"``.
-        layers: ``"auto"``, module paths, globs, classes or ``"class:Name"`` strings.
-        measure_memory: measure each step's peak (on CPU a ledger costing a Python call per op).
-        memory_steps: measure memory only on these global steps (``None``: every step).
-        max_records: how many `StepRecord` to keep (oldest dropped first).
-        strict_batch_size: raise `BatchSizeError` instead of warning when a batch is larger than the
-            policy's ``tuned_for.micro_batch``.
-        free_grads_at_batch_start: free the previous step's gradients at batch start; ``None``: where that
-            cannot change training (see docs/PLUGIN.md, 'Gradients freed at batch start').
+    """Apply a per-layer recompute policy (anything `as_policy` takes) to the LightningModule and log its memory
+    and speed each step, keeping the last ``max_records`` in `records` (docs/PLUGIN.md, 'The callback').
+    ``memory_steps``: the global steps whose peak is measured (``None``: every step); ``strict_batch_size``:
+    raise `BatchSizeError` instead of warning when a batch is larger than the policy's ``tuned_for.micro_batch``.
     """
 
     def __init__(

@@ -1,7 +1,5 @@
-"""Freeing the previous step's gradients at batch start: when that cannot change training, and doing it.
-
-Lightning zeroes gradients after ``training_step``, so they stay alive through the forward; freeing them at
-batch start gives that memory to activations (docs/PLUGIN.md, 'Gradients freed at batch start').
+"""Freeing the previous step's gradients at batch start, where that cannot change training: Lightning zeroes them
+after ``training_step``, so they stay alive through the forward (docs/PLUGIN.md, 'Gradients freed at batch start').
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ class GradFreeing:
 
 
 def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1) -> tuple[list[str], list[str]]:
-    """What in ``module`` (and the accumulation setting) stands against freeing: ``(hard, soft)``.
-
-    Hard: freeing would change training. Soft: a user hook that might read the gradients (``True`` overrides).
-    """
+    """What stands against freeing: ``(hard, soft)``, hard would change training, soft (a user hook that might
+    read the gradients) the flag ``True`` overrides."""
     hard: list[str] = []
     soft: list[str] = []
     if not module.automatic_optimization:

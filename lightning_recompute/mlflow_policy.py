@@ -28,11 +28,7 @@ _SQLITE = "sqlite:///"
 
 
 def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
-    """The id of the run holding the current good policy of ``experiment``.
-
-    Raises:
-        PolicyError: the experiment does not exist, is deleted, or has no good policy yet.
-    """
+    """The id of the run holding the current good policy of ``experiment``."""
     client, where = _client(experiment, tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -49,13 +45,8 @@ def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
 
 
 def load_good_policy(experiment: str, tracking_uri: str | None = None) -> RecomputePolicy:
-    """The current good policy of ``experiment`` (``tracking_uri``: MLflow's default when ``None``), as the
-    tuner last promoted or rolled back to it.
-
-    Raises:
-        PolicyError: the store, experiment, good-run tag, run or artifact is missing; the artifact is not a
-            valid policy; or its fingerprint differs from the run's `FINGERPRINT_TAG` (untagged runs load unchecked).
-    """
+    """The current good policy of ``experiment``, as the tuner last promoted or rolled back to it; a `PolicyError`
+    when missing, invalid, or not the fingerprint its run recorded in `FINGERPRINT_TAG` (untagged runs load)."""
     from unittest import mock
 
     from mlflow.exceptions import MlflowException

@@ -1,7 +1,5 @@
-"""The recompute modes, declared once: every mode a layer can take and what the code needs of each.
-
-Adding a save-list family is one `ModeSpec` in `MODES` plus its line in ``tests/plugin/test_modes.py``.
-A module of its own because it must load without torch (policy files, the recipe schema read it).
+"""The recompute modes, declared once (without torch: policy files and the recipe schema read them); adding a
+save-list family is one `ModeSpec` in `MODES` plus its line in ``tests/plugin/test_modes.py``.
 """
 
 from __future__ import annotations

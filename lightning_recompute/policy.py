@@ -1,7 +1,5 @@
-"""`RecomputePolicy`: which layers keep, recompute or offload their activations.
-
-An ordered map from a layer path or glob to a mode; the first matching entry decides, and an unmatched
-layer keeps everything. The file format is the tuner's contract with the plugin (docs/PLUGIN.md, 'The policy file').
+"""`RecomputePolicy`: an ordered map from a layer path or glob to a mode (the first match decides; an unmatched
+layer keeps everything), and its file, the tuner's contract with the plugin (docs/PLUGIN.md, 'The policy file').
 """
 
 from __future__ import annotations
@@ -231,8 +229,7 @@ class RecomputePolicy:
     def describe(self, layer_names: Sequence[str] | None = None) -> str:
         """A readable table: per pattern, or per layer when ``layer_names`` is given."""
         if layer_names is None:
-            families = dict(self.families)
-            rows = [(p, _choice(m, families.get(p))) for p, m in self.layers] or [("*", "none (no entries)")]
+            rows = list(self._behaviour_dict()["layers"].items()) or [("*", "none (no entries)")]
         else:
             rows = [(n, self.choice_for(n)) for n in layer_names]
         header = "pattern" if layer_names is None else "layer"

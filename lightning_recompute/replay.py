@@ -8,7 +8,6 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,31 +17,25 @@ CACHE_ARGUMENTS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value"
 """Names a layer's cache object goes by, across transformers releases and model families."""
 
 
-@dataclass(frozen=True)
-class CacheArguments:
-    """Where a layer's forward takes its cache object: by keyword always, by position where its signature says."""
+def cache_positions(forward: Callable[..., Any], *, bound: bool) -> dict[str, int]:
+    """Where ``forward`` (taking ``self`` first unless ``bound``) takes a cache object by position, if it can."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[0 if bound else 1 :]
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name: i for i, p in enumerate(params) if p.name in CACHE_ARGUMENTS and p.kind in kinds}
 
-    positions: dict[str, int]
 
-    @classmethod
-    def of(cls, forward: Callable[..., Any], *, bound: bool) -> CacheArguments:
-        """Inspect ``forward`` (a function taking ``self`` first unless ``bound``)."""
-        try:
-            params = list(inspect.signature(forward).parameters.values())[0 if bound else 1 :]
-        except (TypeError, ValueError):  # builtins and some C extensions have no signature
-            params = []
-        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        return cls({p.name: i for i, p in enumerate(params) if p.name in CACHE_ARGUMENTS and p.kind in kinds})
-
-    def caches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """The cache objects in this call's arguments (``None`` and plain values left out)."""
-        found = []
-        for name in CACHE_ARGUMENTS:
-            position = self.positions.get(name, len(args))
-            value = kwargs[name] if name in kwargs else args[position] if position < len(args) else None
-            if value is not None and not isinstance(value, (bool, int, float, str, torch.Tensor)):
-                found.append(value)
-        return found
+def caches_in(positions: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The cache objects in a call's arguments, by keyword or at ``positions`` (``None`` and plain values left out)."""
+    found = []
+    for name in CACHE_ARGUMENTS:
+        position = positions.get(name, len(args))
+        value = kwargs[name] if name in kwargs else args[position] if position < len(args) else None
+        if value is not None and not isinstance(value, (bool, int, float, str, torch.Tensor)):
+            found.append(value)
+    return found
 
 
 class CacheState:

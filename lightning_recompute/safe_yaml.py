@@ -1,7 +1,5 @@
-"""Bounded reading of YAML/JSON documents that come from outside: policy files, recipes, artifacts.
-
-``yaml.safe_load`` alone still allows alias bombs, stack-overflowing nesting and raw decode errors;
-`load_document` refuses them within `DocumentLimits`, as one `DocumentError` naming the file.
+"""Bounded reading of YAML/JSON from outside (policy files, recipes, artifacts): ``yaml.safe_load`` alone allows
+alias bombs, stack-overflowing nesting and raw decode errors; here each is one `DocumentError` naming the file.
 """
 
 from __future__ import annotations
@@ -33,12 +31,9 @@ _BOMS = {"UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "UTF-16": (codecs
 class DocumentLimits:
     """What `load_document` accepts. The defaults are far above any real policy or recipe."""
 
-    max_bytes: int = 1 << 20
-    """Largest file read, in bytes (a policy for 10,000 layers is about 400 KB)."""
-    max_depth: int = 64
-    """Deepest nesting of mappings and sequences (a policy nests 3 deep, a recipe about 6)."""
-    max_alias_nodes: int = 10_000
-    """Most nodes that YAML aliases may add when expanded, counting aliases inside anchors."""
+    max_bytes: int = 1 << 20  # a policy for 10,000 layers is about 400 KB
+    max_depth: int = 64  # of mappings and sequences; a policy nests 3 deep, a recipe about 6
+    max_alias_nodes: int = 10_000  # nodes YAML aliases may add when expanded, aliases inside anchors counted
 
 
 DEFAULT_LIMITS = DocumentLimits()
@@ -107,10 +102,8 @@ def read_text(path: str | os.PathLike[str], *, what: str = "file", limits: Docum
 
 
 def _check_yaml_shape(text: str, source: str, limits: DocumentLimits) -> None:
-    """Refuse deep nesting and alias expansion from the event stream, before anything is built.
-
-    Each anchor's expanded size is known when it ends, so an alias costs O(1) and a bomb fails at once.
-    """
+    """Refuse deep nesting and alias expansion from the event stream, before anything is built (each anchor's
+    expanded size is known when it ends, so an alias costs O(1) and a bomb fails at once)."""
     frames: list[tuple[str | None, list[int]]] = []  # open collections: (anchor, [expanded size])
     sizes: dict[str, int] = {}  # closed anchors -> expanded size
     added = 0  # nodes added by aliases so far

@@ -1,8 +1,5 @@
-"""Op-level selective recomputation: which ops' outputs ``selective`` keeps.
-
-Built on PyTorch's `create_selective_checkpoint_contexts`: the listed ops' outputs are cached in forward,
-every other op is recomputed. A weight matmul entry may be qualified by shape (``aten.mm:wide``), since
-op names cannot tell GEMMs apart; see docs/PLUGIN.md, 'Save-list families'.
+"""Which ops' outputs ``selective`` keeps (`create_selective_checkpoint_contexts`); a weight matmul entry may be
+qualified by shape (``aten.mm:wide``), as op names cannot tell GEMMs apart (docs/PLUGIN.md, 'Save-list families').
 """
 
 from __future__ import annotations
@@ -70,11 +67,8 @@ def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]
 def resolve_save_ops(
     names: Sequence[str] | None, *, where: str = "selective.save", family: str | None = None
 ) -> frozenset[Any]:
-    """The ops named by ``names`` (``None``: the defaults) or by the save-list ``family``.
-
-    Elements are `OpOverload` (always saved) or ``(OpOverload, role)`` (saved for that matmul shape role).
-    Attention kernels a PyTorch build lacks are skipped from the defaults and the families.
-    """
+    """The ops named by ``names`` (``None``: the defaults) or ``family``: `OpOverload` (always saved) or
+    ``(OpOverload, role)`` (saved for that matmul shape); attention kernels a PyTorch build lacks are skipped."""
     if family is not None:
         if family not in SAVE_FAMILIES:
             raise PolicyError(
@@ -90,10 +84,8 @@ def resolve_save_ops(
 
 
 def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for `checkpoint` that saves ``save_ops`` and recomputes the rest.
-
-    An attention kernel running with dropout is recomputed even when listed: caching it would skip its RNG draw.
-    """
+    """A ``context_fn`` for `checkpoint` that saves ``save_ops`` and recomputes the rest (an attention kernel
+    running with dropout too: caching it would skip its RNG draw)."""
     qualified = any(isinstance(e, tuple) for e in save_ops)
 
     def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

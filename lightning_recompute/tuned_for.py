@@ -1,7 +1,5 @@
-"""`TunedFor`: what a policy was tuned for (the policy file's optional ``tuned_for:`` section).
-
-A policy fits its budget only at the micro-batch it was measured at; `RecomputeCallback` compares ``micro_batch``
-with the training batches (`batch_advice`). See docs/PLUGIN.md, 'The policy file'.
+"""`TunedFor`: what a policy was tuned for (the policy file's ``tuned_for:``), which `RecomputeCallback` compares
+with the training batches: a policy fits its budget only at the micro-batch it was measured at.
 """
 
 from __future__ import annotations
