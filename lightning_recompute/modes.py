@@ -14,14 +14,10 @@ from lightning_recompute.errors import PolicyError, clip
 class Mode(str, enum.Enum):
     """What a layer keeps between its forward and its backward."""
 
-    NONE = "none"
-    """Keep every activation (what PyTorch does without recomputation)."""
-    SELECTIVE = "selective"
-    """Keep the outputs of expensive ops (matmuls, attention kernels); recompute the cheap ones."""
-    FULL = "full"
-    """Keep only the layer's inputs; recompute the whole layer during backward."""
-    OFFLOAD = "offload"
-    """Keep every activation, but in host memory until backward needs it (CUDA only)."""
+    NONE = "none"  # keep every activation, as PyTorch does without recomputation
+    SELECTIVE = "selective"  # keep the outputs of expensive ops (matmuls, attention kernels), recompute the rest
+    FULL = "full"  # keep only the layer's inputs; recompute the whole layer during backward
+    OFFLOAD = "offload"  # keep every activation, in host memory until backward needs it (CUDA only)
 
     def __str__(self) -> str:
         return self.value
@@ -44,19 +40,13 @@ class Mode(str, enum.Enum):
 class ModeSpec:
     """One mode a layer can take, as the policy file writes it, and what the code needs of it."""
 
-    mode: Mode
-    """The plugin mode that runs it (`Mode.SELECTIVE` for every save-list family)."""
+    mode: Mode  # what runs it (SELECTIVE for every save-list family)
     family: str | None
-    glyph: str
-    """One character for the mode in `RecomputePolicy.short`."""
-    saving: int
-    """Rank by memory saved per layer, 0 the least (the search space's order)."""
-    recompute: int
-    """How much the mode recomputes (0 nothing); the race's tie-break prefers the least."""
-    label: str
-    """The mode's column name in the planner's table of plans."""
-    save: tuple[str, ...] | None = None
-    """The ops whose outputs a selective mode keeps; ``None`` for the modes that are not selective."""
+    glyph: str  # one character for the mode in `RecomputePolicy.short`
+    saving: int  # rank by memory saved per layer, 0 the least (the search space's order)
+    recompute: int  # how much the mode recomputes (0 nothing); the race's tie-break prefers the least
+    label: str  # the mode's column in the planner's table of plans
+    save: tuple[str, ...] | None = None  # the ops whose outputs a selective mode keeps
 
     @property
     def name(self) -> str:

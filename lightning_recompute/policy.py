@@ -64,7 +64,12 @@ class RecomputePolicy:
         if self.selective_save is not None:
             from lightning_recompute.selective import resolve_save_ops  # imports torch
 
-            object.__setattr__(self, "selective_save", tuple(self.selective_save))
+            save = self.selective_save
+            if isinstance(save, str) or not isinstance(save, Iterable):
+                raise PolicyError(
+                    f"key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
+                )
+            object.__setattr__(self, "selective_save", tuple(str(s) for s in save))
             resolve_save_ops(self.selective_save, where="selective.save")  # raises PolicyError
         if not isinstance(self.compile, bool):
             raise PolicyError(f"key 'compile' must be true or false, got {clip(repr(self.compile))}")
@@ -118,23 +123,17 @@ class RecomputePolicy:
             raise PolicyError(
                 f"{source}: key 'layers' must map layer paths or globs to modes, got {type(raw_layers).__name__}"
             )
-        selective, save = data.get("selective"), None
-        if selective is not None:
-            if not isinstance(selective, Mapping) or set(selective) - {"save"}:
-                raise PolicyError(
-                    f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
-                )
-            save = selective.get("save")
-            if save is not None and (isinstance(save, str) or not isinstance(save, Iterable)):
-                raise PolicyError(
-                    f"{source}: key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
-                )
+        selective = {} if data.get("selective") is None else data["selective"]
+        if not isinstance(selective, Mapping) or set(selective) - {"save"}:
+            raise PolicyError(
+                f"{source}: key 'selective' must be a mapping with the single key 'save' (a list of op names)"
+            )
         layers: Any = tuple((str(p), m) for p, m in raw_layers.items())  # parsed by __post_init__
         try:
             raw_tuned = data.get("tuned_for")
             return cls(
                 layers=layers,
-                selective_save=None if save is None else tuple(str(s) for s in save),
+                selective_save=selective.get("save"),
                 compile=data.get("compile", False),
                 version=data["version"],
                 tuned_for=None if raw_tuned is None else TunedFor.from_dict(raw_tuned),

@@ -1,7 +1,4 @@
-"""The peak memory of one real training step under a policy: a short Lightning fit, metered by the callback.
-
-The one way the tuner's trials, benchmarks and tests ask it, so the answers cannot drift apart.
-"""
+"""The peak memory of one real training step under a policy, the one way trials, benchmarks and tests ask it."""
 
 from __future__ import annotations
 
@@ -38,10 +35,6 @@ def step_peak(
     of step ``step`` (by default the first with optimizer state, as trials meter) as the callback's meter counts
     them. ``data`` is a LightningDataModule, the train DataLoader, or a list of batches (kept alive, so counted);
     ``layers`` and ``free_grads_at_batch_start`` are as for `RecomputeCallback`.
-
-    Raises:
-        ValueError: ``step`` is negative.
-        RuntimeError: the fit stopped before step ``step``.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")

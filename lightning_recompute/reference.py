@@ -1,7 +1,4 @@
-"""A GPT-style reference model and a synthetic-token data module, small enough to train on a laptop CPU.
-
-``attention="eager"`` materialises the (seq x seq) attention matrix; ``widths`` makes a heterogeneous stack.
-"""
+"""A GPT-style reference model (``attention="eager"`` materialises the seq x seq matrix) and synthetic tokens."""
 
 from __future__ import annotations
 
