@@ -31,40 +31,25 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.sources import as_policy
     from lightning_recompute.tuned_for import TunedFor
 
-# Public name -> the module that defines it.
+# The module that defines each public name.
 _EXPORTS: dict[str, str] = {
-    "AutoRecompute": "auto",
-    "AppliedPolicy": "apply",
-    "applied_policy": "apply",
-    "apply_policy": "apply",
-    "remove_policy": "apply",
-    "RecomputeCallback": "callback",
-    "StepRecord": "callback",
-    "BatchSizeError": "errors",
-    "BatchSizeWarning": "errors",
-    "DocumentError": "errors",
-    "IncompatibleModelError": "errors",
-    "LayerDiscoveryError": "errors",
-    "PolicyError": "errors",
-    "RecomputeError": "errors",
-    "GradFreeing": "grads",
-    "free_gradients": "grads",
-    "LayerSpec": "layers",
-    "find_layers": "layers",
-    "layer_names": "layers",
-    "CudaMemoryMeter": "meter",
-    "MemoryMeter": "meter",
-    "StepTimer": "meter",
-    "StorageMeter": "meter",
-    "memory_meter": "meter",
-    "Mode": "modes",
-    "PolicyLike": "policy",
-    "RecomputePolicy": "policy",
-    "DEFAULT_SAVE_OPS": "modes",
-    "as_policy": "sources",
-    "QUIET_TRAINER": "probe",
-    "step_peak": "probe",
-    "TunedFor": "tuned_for",
+    name: module
+    for module, names in {
+        "auto": "AutoRecompute",
+        "apply": "AppliedPolicy applied_policy apply_policy remove_policy",
+        "callback": "RecomputeCallback StepRecord",
+        "errors": "BatchSizeError BatchSizeWarning DocumentError IncompatibleModelError LayerDiscoveryError "
+        "PolicyError RecomputeError",
+        "grads": "GradFreeing free_gradients",
+        "layers": "LayerSpec find_layers layer_names",
+        "meter": "CudaMemoryMeter MemoryMeter StepTimer StorageMeter memory_meter",
+        "modes": "DEFAULT_SAVE_OPS Mode",
+        "policy": "PolicyLike RecomputePolicy",
+        "probe": "QUIET_TRAINER step_peak",
+        "sources": "as_policy",
+        "tuned_for": "TunedFor",
+    }.items()
+    for name in names.split()
 }
 
 __all__ = [

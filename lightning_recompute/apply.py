@@ -1,8 +1,5 @@
-"""Applying a `RecomputePolicy` to a model's layers, and taking it off again.
-
-Each non-``none`` layer gets an instance-level ``forward`` (non-reentrant checkpoint for ``full``, with
-selective-checkpoint contexts for ``selective``, host-memory saved-tensor hooks for ``offload``). Not a
-wrapper module: module paths, hooks and ``state_dict`` keys stay exactly as they were.
+"""Applying a `RecomputePolicy` to a model's layers as instance-level ``forward``s (not wrapper modules, so module
+paths, hooks and ``state_dict`` keys stay as they were), and taking it off again.
 """
 
 from __future__ import annotations
@@ -19,19 +16,9 @@ from torch.utils.checkpoint import checkpoint
 from lightning_recompute.errors import IncompatibleModelError
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
-from lightning_recompute.replay import CacheArguments, Replay
+from lightning_recompute.replay import Replay, cache_positions, caches_in
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
 from lightning_recompute.sources import as_policy
-
-__all__ = [
-    "COMPILED_ATOL",
-    "COMPILED_RTOL",
-    "AppliedPolicy",
-    "CompiledCall",
-    "applied_policy",
-    "apply_policy",
-    "remove_policy",
-]
 
 _STATE_ATTR = "_lightning_recompute_applied"
 _COMPILED_ATTR = "_lightning_recompute_compiled"
@@ -42,7 +29,7 @@ COMPILED_RTOL, COMPILED_ATOL = 1e-4, 1e-5
 
 @dataclass(frozen=True)
 class AppliedPolicy:
-    """What `apply_policy` did: the policy, and the mode it gave each layer (module paths, in order)."""
+    """What `apply_policy` did: the policy, and the mode it gave each layer."""
 
     policy: RecomputePolicy
     modes: Mapping[str, Mode]
@@ -55,44 +42,16 @@ class AppliedPolicy:
         return self.policy.describe(self.layers)
 
 
-class _OffloadNotice:
-    """Warns once per `apply_policy` call that ``offload`` does nothing for tensors already in host memory."""
-
-    def __init__(self) -> None:
-        self.warned = False
-
-    def warn(self) -> None:
-        if not self.warned:
-            self.warned = True
-            warnings.warn(
-                "lightning_recompute: mode 'offload' has no effect on CPU: activations already live in host "
-                "memory, so these layers run exactly as with mode 'none'.",
-                UserWarning,
-                stacklevel=3,
-            )
-
-
 class _RecomputedForward:
     """The instance ``forward`` of a recomputed layer; an object, not a closure, so the model pickles."""
 
     def __init__(
-        self,
-        module: nn.Module,
-        mode: Mode,
-        previous: Callable[..., Any] | None,
-        context_fn: Callable[[], Any] | None,
-        offload_notice: _OffloadNotice | None,
-        cache_args: CacheArguments | None = None,
-        name: str = "",
+        self, module: nn.Module, name: str, mode: Mode, context_fn: Callable[[], Any] | None, warned: set[str]
     ) -> None:
-        self.module = module
-        self.name = name
-        self.warned: set[str] = set()  # layers whose replay's side-effect warning was given
-        self.mode = mode
-        self.previous = previous  # an instance forward someone else installed before us, kept to restore
-        self.context_fn = context_fn
-        self.offload_notice = offload_notice
-        self.cache_args = cache_args
+        self.module, self.name, self.mode, self.context_fn = module, name, mode, context_fn
+        self.previous = module.__dict__.get("forward")  # an instance forward installed before us, kept to restore
+        self.cache_positions = cache_positions(self.previous or type(module).forward, bound=self.previous is not None)
+        self.warned = warned  # what `apply_policy`'s layers warned of: a layer's replay, offload on CPU ("")
 
     def _inner(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -104,30 +63,34 @@ class _RecomputedForward:
             return self._inner(*args, **kwargs)
         if self.mode is Mode.OFFLOAD:
             on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
-            if not on_cuda and not any(p.is_cuda for p in self.module.parameters()):
-                if self.offload_notice is not None:
-                    self.offload_notice.warn()
-                return self._inner(*args, **kwargs)
-            with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
-                return self._inner(*args, **kwargs)
-        extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
+            if on_cuda or any(p.is_cuda for p in self.module.parameters()):
+                with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
+                    return self._inner(*args, **kwargs)
+            if "" not in self.warned:
+                self.warned.add("")
+                warnings.warn(
+                    "lightning_recompute: mode 'offload' has no effect on CPU: activations already live in host "
+                    "memory, so these layers run exactly as with mode 'none'.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return self._inner(*args, **kwargs)
         fn = Replay(
             self._inner,
             self.module,
-            self.cache_args.caches(args, kwargs) if self.cache_args is not None else [],
+            caches_in(self.cache_positions, args, kwargs),
             selective=self.context_fn is not None,
             where=self.name,
             warned=self.warned,
             record_now=not torch.compiler.is_compiling(),
         )
+        extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
         # preserve_rng_state replays the forward's RNG state, so dropout masks are identical.
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 class _OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Saved-tensor hooks that move a layer's activations (not its weights, unlike ``save_on_cpu``)
-    to host memory until backward.
-    """
+    """Moves a layer's activations (not its weights, unlike ``save_on_cpu``) to host memory until backward."""
 
     def __init__(self, module: nn.Module, *, device_type: str, pin_memory: bool) -> None:
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -154,48 +117,24 @@ def applied_policy(model: nn.Module) -> AppliedPolicy | None:
 
 
 def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto") -> AppliedPolicy:
-    """Apply ``policy`` to the layers of ``model``, in place; applying again replaces the previous policy.
-
-    Parameter names and ``state_dict`` keys never change. Under FSDP or ModelParallel call it in
-    ``configure_model`` before sharding; `RecomputeCallback` calls it otherwise.
-
-    Args:
-        model: the module whose layers to treat (a LightningModule or any ``nn.Module``).
-        policy: anything `as_policy` takes.
-        layers: which modules are layers (see `lightning_recompute.layers.LayerSpec`).
-
-    Raises:
-        PolicyError: the policy is invalid, or one of its patterns matches no layer.
-        LayerDiscoveryError: the layers could not be found.
-        IncompatibleModelError: the model already carries activation checkpointing from elsewhere.
+    """Apply ``policy`` (anything `as_policy` takes) to the ``layers`` of ``model``, in place, in place of any
+    policy applied before; an `IncompatibleModelError` if the model carries activation checkpointing already.
     """
     policy = as_policy(policy)
     _refuse_foreign_checkpointing(model)
     remove_policy(model)
     found = find_layers(model, layers)
     modes = policy.resolve([name for name, _ in found])
-    # One context function per save list in use, shared by its layers.
-    selective_fns: dict[str | None, Callable[[], Any]] = {}
-    for name, mode in modes.items():
-        family = policy.family_for(name) if mode is Mode.SELECTIVE else None
-        if mode is Mode.SELECTIVE and family not in selective_fns:
-            save = resolve_save_ops(policy.selective_save, family=family, where=f"layers.{name}")
-            selective_fns[family] = selective_context_fn(save)
-    notice = _OffloadNotice()
+    context_fns: dict[str | None, Callable[[], Any]] = {}  # one per save list in use, shared by its layers
+    warned: set[str] = set()
     for name, module in found:
-        mode = modes[name]
-        if mode is Mode.NONE:
-            continue
-        previous = module.__dict__.get("forward")
-        module.forward = _RecomputedForward(
-            module,
-            mode,
-            previous=previous,
-            context_fn=selective_fns[policy.family_for(name)] if mode is Mode.SELECTIVE else None,
-            offload_notice=notice,
-            cache_args=CacheArguments.of(previous or type(module).forward, bound=previous is not None),
-            name=name,
-        )
+        mode, family = modes[name], policy.family_for(name)
+        if mode is Mode.SELECTIVE and family not in context_fns:
+            save = resolve_save_ops(policy.selective_save, family=family, where=f"layers.{name}")
+            context_fns[family] = selective_context_fn(save)
+        if mode is not Mode.NONE:
+            context_fn = context_fns[family] if mode is Mode.SELECTIVE else None
+            module.forward = _RecomputedForward(module, name, mode, context_fn, warned)
     if policy.compile:
         # Each layer's call, around its recompute wrapper (torchtitan's order), as nn.Module.compile does.
         for _, module in found:
@@ -223,9 +162,8 @@ def remove_policy(model: nn.Module) -> RecomputePolicy | None:
 
 
 class CompiledCall:
-    """A layer's compiled call, run eagerly under a dispatch mode: dynamo called under one (the CPU ledger,
-    ``FlopCounterMode``) would run the frame eagerly and never compile it afterwards.
-    """
+    """A layer's compiled call, run eagerly under a dispatch mode (the CPU ledger, ``FlopCounterMode``), under
+    which dynamo would run the frame eagerly and never compile it afterwards."""
 
     def __init__(self, module: nn.Module) -> None:
         self.eager = module._call_impl
@@ -240,25 +178,19 @@ class CompiledCall:
 def _refuse_foreign_checkpointing(model: nn.Module) -> None:
     """Two recompute mechanisms on one layer recompute it twice (or fight over saved tensors)."""
     try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-
-        wrappers: tuple[type, ...] = (ActivationWrapper,)
-    except ImportError:  # PyTorch built without distributed
-        wrappers = ()
-    try:
         from torch.distributed._composable.contract import _get_registry
-    except ImportError:
-        _get_registry = None  # type: ignore[assignment]
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+    except ImportError:  # PyTorch built without distributed: neither can be on the model
+        _get_registry, ActivationWrapper = None, None  # type: ignore[assignment,misc]
     for path, module in model.named_modules():
         where = path or type(model).__name__
-        if isinstance(module, wrappers):
+        if ActivationWrapper is not None and isinstance(module, ActivationWrapper):
             raise IncompatibleModelError(
                 f"module {where!r} is a {type(module).__name__} (torch checkpoint_wrapper, e.g. from a strategy's "
                 f"activation_checkpointing_policy or apply_activation_checkpointing); remove that wrapping or do "
                 f"not use lightning_recompute on this model"
             )
-        registry = _get_registry(module) if _get_registry is not None else None
-        if registry and "checkpoint" in registry:
+        if _get_registry is not None and "checkpoint" in (_get_registry(module) or {}):
             raise IncompatibleModelError(
                 f"module {where!r} has torch.distributed._composable.checkpoint applied; remove it or do not use "
                 f"lightning_recompute on this model"

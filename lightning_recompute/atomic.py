@@ -7,14 +7,10 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write"]
-
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and an ``os.replace``.
-
-    The file keeps the permissions of the one it replaces, or ``0666 & ~umask`` when new (not ``mkstemp``'s 0600).
-    """
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace``, keeping the permissions of the file
+    it replaces (``0666 & ~umask`` when new, not ``mkstemp``'s 0600)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,8 +1,4 @@
-"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs.
-
-Applied in ``setup``, or in ``on_fit_start`` for models built in ``configure_model`` (see docs/PLUGIN.md,
-'Sharded strategies').
-"""
+"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs (docs/PLUGIN.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils._pytree import tree_flatten
 
-from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy
+from lightning_recompute.apply import AppliedPolicy, CompiledCall, applied_policy, apply_policy
 from lightning_recompute.errors import (
     BatchSizeError,
     BatchSizeWarning,
@@ -34,25 +30,17 @@ from lightning_recompute.policy import PolicyLike
 from lightning_recompute.sources import as_policy
 from lightning_recompute.tuned_for import batch_advice
 
-__all__ = ["RecomputeCallback", "StepRecord"]
-
 
 @dataclass(frozen=True)
 class StepRecord:
     """What the callback measured for one training batch."""
 
-    step: int
-    """``trainer.global_step`` before the batch."""
-    seconds: float
-    """Wall-clock time of the batch, device work included."""
-    peak_bytes: int | None
-    """Peak device tensor memory during the batch (``None`` when not measured)."""
+    step: int  # trainer.global_step before the batch
+    seconds: float  # device work included
+    peak_bytes: int | None  # None: not measured
     samples: int
-    """Samples in the batch."""
-    tokens: int | None
-    """Tokens in the batch (``None`` without a sequence dimension)."""
-    policy: str | None = None
-    """Fingerprint of the policy the batch ran under."""
+    tokens: int | None  # None: no sequence dimension
+    policy: str | None = None  # the fingerprint of the policy the batch ran under
 
     @property
     def samples_per_s(self) -> float:
@@ -71,21 +59,10 @@ _SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 class RecomputeCallback(L.Callback):
-    """Apply a per-layer recompute policy to the LightningModule and log its memory and speed.
-
-    Logs ``recompute/peak_memory_bytes``, ``recompute/step_time_s``, ``recompute/samples_per_s`` and
-    ``recompute/tokens_per_s`` each step, and keeps them in `records` (see docs/PLUGIN.md, 'The callback').
-
-    Args:
-        policy: a `RecomputePolicy`, a policy mapping, a policy file path, or ``"mlflow:<experiment>[@<uri>]"``.
-        layers: ``"auto"``, module paths, globs, classes or ``"class:Name"`` strings.
-        measure_memory: measure each step's peak (on CPU a ledger costing a Python call per op).
-        memory_steps: measure memory only on these global steps (``None``: every step).
-        max_records: how many `StepRecord` to keep (oldest dropped first).
-        strict_batch_size: raise `BatchSizeError` instead of warning when a batch is larger than the
-            policy's ``tuned_for.micro_batch``.
-        free_grads_at_batch_start: free the previous step's gradients at batch start; ``None``: where that
-            cannot change training (see docs/PLUGIN.md, 'Gradients freed at batch start').
+    """Apply a per-layer recompute policy (anything `as_policy` takes) to the LightningModule and log its memory
+    and speed each step, keeping the last ``max_records`` in `records` (docs/PLUGIN.md, 'The callback').
+    ``memory_steps``: the global steps whose peak is measured (``None``: every step); ``strict_batch_size``:
+    raise `BatchSizeError` instead of warning when a batch is larger than the policy's ``tuned_for.micro_batch``.
     """
 
     def __init__(
@@ -99,20 +76,20 @@ class RecomputeCallback(L.Callback):
         free_grads_at_batch_start: bool | None = None,
     ) -> None:
         self.policy = as_policy(policy)
-        self.strict_batch_size = strict_batch_size
-        self._batch_warned = False
         self.layers = layers
         self.measure_memory = measure_memory
         self.memory_steps = None if memory_steps is None else frozenset(int(s) for s in memory_steps)
         self.records: deque[StepRecord] = deque(maxlen=max_records)
+        self.strict_batch_size = strict_batch_size
+        self.free_grads_at_batch_start = free_grads_at_batch_start
         self.applied: AppliedPolicy | None = None
+        self.grad_freeing: GradFreeing | None = None
+        self._batch_checked = False
         self._deferred = False
         self._meter: MemoryMeter | None = None
         self._timer: StepTimer | None = None
-        self._step: int | None = None
-        self._metering = False
-        self.free_grads_at_batch_start = free_grads_at_batch_start
-        self.grad_freeing: GradFreeing | None = None
+        self._step: int | None = None  # the global step of the batch running
+        self._metering: MemoryMeter | None = None  # the meter, on a step it measures
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -125,19 +102,17 @@ class RecomputeCallback(L.Callback):
         try:
             find_layers(pl_module, self.layers)
         except LayerDiscoveryError:
-            if is_overridden("configure_model", pl_module):
-                # The layers may not exist yet: configure_model runs after this hook.
-                self._deferred = True
-                return
-            raise
+            if not is_overridden("configure_model", pl_module):
+                raise
+            self._deferred = True  # the layers may not exist yet: configure_model runs after this hook
+            return
         self.applied = apply_policy(pl_module, self.policy, self.layers)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._deferred:
             self._finish_deferred(trainer, pl_module)
-        device = pl_module.device
-        self._timer = StepTimer(device)
-        self._meter = memory_meter(device) if self.measure_memory else None
+        self._timer = StepTimer(pl_module.device)
+        self._meter = memory_meter(pl_module.device) if self.measure_memory else None
         if isinstance(self._meter, StorageMeter) and _compiled(pl_module):
             # Inductor allocates outside the dispatcher, where the CPU ledger watches: report no figure.
             self._meter = None
@@ -152,14 +127,8 @@ class RecomputeCallback(L.Callback):
         rank_zero_info(self.grad_freeing.describe())
 
     def switch_policy(self, pl_module: L.LightningModule, policy: PolicyLike, *, retry: bool = False) -> AppliedPolicy:
-        """Put ``policy`` on the model in place of the current one, for the batches that follow.
-
-        Call it between batches; ``retry=True`` allows it mid-batch for a step about to be run again from its start.
-
-        Raises:
-            RecomputeError: called while a batch runs (without ``retry``).
-            PolicyError: the policy is invalid or matches no layer.
-        """
+        """Put ``policy`` on the model for the batches that follow: between batches, or with ``retry=True``
+        mid-batch for a step about to be run again from its start."""
         if self._step is not None and not retry:
             raise RecomputeError("RecomputeCallback.switch_policy: called while a batch runs; call it between batches")
         new = as_policy(policy)
@@ -190,24 +159,14 @@ class RecomputeCallback(L.Callback):
     def _check_batch_size(self, trainer: L.Trainer, batch: Any) -> bool:
         """Warn (or raise) when ``batch`` exceeds the tuned micro-batch; whether checking is over."""
         tuned = self.policy.tuned_for
-        if tuned is None or tuned.micro_batch is None:
-            return True
-        try:
-            seen = int(extract_batch_size(batch))
-        except (MisconfigurationException, RecursionError):
-            return True  # no tensor to count samples in: nothing to compare, now or later
+        if tuned is None or tuned.micro_batch is None or (seen := _batch_size(batch)) is None:
+            return True  # nothing to compare, now or later
         if seen <= tuned.micro_batch:
             return False
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        global_batch = seen * accumulate
+        global_batch = seen * int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         size, steps = batch_advice(tuned.micro_batch, global_batch)
-        figures = []
-        if tuned.peak_bytes is not None:
-            figures.append(f"peak {tuned.peak_bytes / 2**20:.2f} MiB")
-        if tuned.limit_bytes is not None:
-            figures.append(f"limit {tuned.limit_bytes / 2**20:.2f} MiB")
         where = f" on {tuned.device}" if tuned.device else ""
-        measured = f" ({', '.join(figures)}{where})" if figures else where
+        measured = f" ({tuned.figures()}{where})" if tuned.figures() else where
         message = (
             f"RecomputeCallback: policy {self.policy.fingerprint()} was tuned for micro-batch {tuned.micro_batch}"
             f"{measured}, but this job trains at batch size {seen}: its activations grow with the batch, so it "
@@ -223,26 +182,22 @@ class RecomputeCallback(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._batch_warned:
+        if not self._batch_checked:
             # Every batch until one is too large: with variable lengths the first can be the smallest.
-            self._batch_warned = self._check_batch_size(trainer, batch)
+            self._batch_checked = self._check_batch_size(trainer, batch)
         # Before the meter starts; StochasticWeightAveraging's extra epoch skips backward (`_skip_backward`).
-        if (
-            self.grad_freeing is not None
-            and self.grad_freeing.enabled
-            and not getattr(trainer.fit_loop, "_skip_backward", False)
-        ):
+        freeing = self.grad_freeing is not None and self.grad_freeing.enabled
+        if freeing and not getattr(trainer.fit_loop, "_skip_backward", False):
             free_gradients(trainer.optimizers)
         if self._timer is None:
             return
         self._step = trainer.global_step
-        self._metering = self._meter is not None and (self.memory_steps is None or self._step in self.memory_steps)
-        if self._meter is not None and self._metering:
-            if isinstance(self._meter, StorageMeter):
-                # The CPU ledger only sees storages created while it runs: count what already lives.
-                self._meter.track(pl_module, *trainer.optimizers, batch)
-                self._meter.start()
-            self._meter.reset_peak()
+        measured = self.memory_steps is None or self._step in self.memory_steps
+        self._metering = self._meter if measured else None
+        if self._metering is not None:
+            # The CPU ledger only sees storages created while it runs: count what already lives.
+            self._metering.track(pl_module, *trainer.optimizers, batch)
+            self._metering.start()
         self._timer.start()
 
     def on_train_batch_end(
@@ -251,29 +206,25 @@ class RecomputeCallback(L.Callback):
         if self._timer is None or self._step is None:
             return
         seconds = self._timer.stop()
-        peak = None
-        if self._meter is not None and self._metering:
-            peak = self._meter.peak_bytes
-            self._meter.stop()
+        peak = None if self._metering is None else self._metering.peak_bytes
+        if self._metering is not None:
+            self._metering.stop()
         if seconds is None:
             return
         record = StepRecord(
-            step=self._step,
-            seconds=seconds,
-            peak_bytes=peak,
-            samples=_samples(batch),
-            tokens=_tokens(batch),
-            policy=self.policy.fingerprint(),
+            self._step, seconds, peak, _batch_size(batch) or 1, _tokens(batch), policy=self.policy.fingerprint()
         )
         self._step = None
         self.records.append(record)
-        metrics = {"recompute/step_time_s": record.seconds, "recompute/samples_per_s": record.samples_per_s}
-        if record.tokens_per_s is not None:
-            metrics["recompute/tokens_per_s"] = record.tokens_per_s
-        if record.peak_bytes is not None:
-            metrics["recompute/peak_memory_bytes"] = float(record.peak_bytes)
+        metrics = {
+            "recompute/step_time_s": record.seconds,
+            "recompute/samples_per_s": record.samples_per_s,
+            "recompute/tokens_per_s": record.tokens_per_s,
+            "recompute/peak_memory_bytes": None if peak is None else float(peak),
+        }
         for name, value in metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=record.samples)
+            if value is not None:
+                pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=record.samples)
 
     def _stop_meter(self) -> None:
         if self._meter is not None:
@@ -281,14 +232,12 @@ class RecomputeCallback(L.Callback):
         self._step = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # A step that raised (an OOM, a KeyboardInterrupt) never reached on_train_batch_end.
-        self._stop_meter()
+        self._stop_meter()  # a step that raised (an OOM, a KeyboardInterrupt) never reached on_train_batch_end
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop_meter()
         if isinstance(self._meter, StorageMeter):
-            # Detach the ledger's finalizers from storages that outlive the run (parameters).
-            self._meter.close()
+            self._meter.close()  # detach the ledger's finalizers from storages that outlive the run (parameters)
         self._meter = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -304,14 +253,12 @@ class RecomputeCallback(L.Callback):
 
 
 def _compiled(model: torch.nn.Module) -> bool:
-    """Whether ``model`` or one of its modules runs through torch.compile."""
+    """Whether ``model`` or one of its modules runs through torch.compile (a policy's ``compile: true`` aside:
+    its `CompiledCall` runs eagerly while the ledger is on)."""
     if getattr(model, "_compiler_ctx", None) is not None:  # Lightning unwrapped a torch.compile(model) given to fit
         return True
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from lightning_recompute.apply import CompiledCall
-
-    # Layers compiled by a policy's ``compile: true`` run eagerly while the ledger is on (`CompiledCall`).
     return any(
         isinstance(m, OptimizedModule)
         or not isinstance(getattr(m, "_compiled_call_impl", None), (type(None), CompiledCall))
@@ -319,17 +266,16 @@ def _compiled(model: torch.nn.Module) -> bool:
     )
 
 
-def _samples(batch: Any) -> int:
+def _batch_size(batch: Any) -> int | None:
     try:
         return int(extract_batch_size(batch))
     except (MisconfigurationException, RecursionError):  # what Lightning raises for tensor-free or cyclic batches
-        return 1
+        return None
 
 
 def _tokens(batch: Any) -> int | None:
     """Tokens in a batch: the first integer tensor shaped (batch, seq, ...) holds token ids."""
-    flat, _ = tree_flatten(batch)
-    for value in flat:
+    for value in tree_flatten(batch)[0]:
         if (
             isinstance(value, torch.Tensor)
             and value.ndim >= 2

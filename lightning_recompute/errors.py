@@ -2,18 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "CLIP_CHARS",
-    "BatchSizeError",
-    "BatchSizeWarning",
-    "DocumentError",
-    "IncompatibleModelError",
-    "LayerDiscoveryError",
-    "PolicyError",
-    "RecomputeError",
-    "clip",
-]
-
 CLIP_CHARS = 200
 """How much of an offending value an error message echoes."""
 
@@ -48,6 +36,4 @@ class BatchSizeWarning(UserWarning):
 
 def clip(text: str, limit: int = CLIP_CHARS) -> str:
     """``text`` cut to ``limit`` characters, with a note of its full length when cut (values may be huge)."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

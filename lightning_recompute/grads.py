@@ -1,7 +1,5 @@
-"""Freeing the previous step's gradients at batch start: when that cannot change training, and doing it.
-
-Lightning zeroes gradients after ``training_step``, so they stay alive through the forward; freeing them at
-batch start gives that memory to activations (docs/PLUGIN.md, 'Gradients freed at batch start').
+"""Freeing the previous step's gradients at batch start, where that cannot change training: Lightning zeroes them
+after ``training_step``, so they stay alive through the forward (docs/PLUGIN.md, 'Gradients freed at batch start').
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_recompute.errors import RecomputeError
-
-__all__ = ["GradFreeing", "decide_grad_freeing", "free_gradients", "module_blockers"]
 
 FLAG = "free_grads_at_batch_start"
 
@@ -35,10 +31,8 @@ class GradFreeing:
 
 
 def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1) -> tuple[list[str], list[str]]:
-    """What in ``module`` (and the accumulation setting) stands against freeing: ``(hard, soft)``.
-
-    Hard: freeing would change training. Soft: a user hook that might read the gradients (``True`` overrides).
-    """
+    """What stands against freeing: ``(hard, soft)``, hard would change training, soft (a user hook that might
+    read the gradients) the flag ``True`` overrides."""
     hard: list[str] = []
     soft: list[str] = []
     if not module.automatic_optimization:
@@ -62,27 +56,26 @@ def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1)
 def decide_grad_freeing(
     flag: bool | None, trainer: L.Trainer, module: L.LightningModule, callback: L.Callback
 ) -> GradFreeing:
-    """Whether ``callback`` frees gradients at batch start under ``trainer``, given its ``flag``.
-
-    Raises:
-        RecomputeError: ``flag`` is ``True`` where freeing would change training.
+    """Whether ``callback`` frees gradients at batch start under ``trainer``, given its ``flag``; a
+    `RecomputeError` when ``flag`` is ``True`` where freeing would change training.
     """
     if flag is False:
         return GradFreeing(False, f"{FLAG}=False")
     hard, soft = module_blockers(module, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
-    strategy = type(trainer.strategy).__name__
-    if strategy == "DeepSpeedStrategy":
+    if type(trainer.strategy).__name__ == "DeepSpeedStrategy":
         hard.append("DeepSpeedStrategy: its engine keeps and zeroes gradients in its own partitioned buffers")
     callbacks: list[L.Callback] = list(getattr(trainer, "callbacks", []))
     after = callbacks[callbacks.index(callback) + 1 :] if callback in callbacks else []
-    for cb in callbacks:
-        if cb is not callback and is_overridden("on_before_zero_grad", cb, parent=L.Callback):
-            soft.append(f"callback {type(cb).__name__}.on_before_zero_grad may read the gradients")
-    for cb in after:
-        if type(cb).__name__ not in _SAFE_BATCH_START and is_overridden("on_train_batch_start", cb, parent=L.Callback):
-            soft.append(
-                f"callback {type(cb).__name__}.on_train_batch_start runs after this one and may read the gradients"
-            )
+    soft += [
+        f"callback {type(cb).__name__}.on_before_zero_grad may read the gradients"
+        for cb in callbacks
+        if cb is not callback and is_overridden("on_before_zero_grad", cb, parent=L.Callback)
+    ]
+    soft += [
+        f"callback {type(cb).__name__}.on_train_batch_start runs after this one and may read the gradients"
+        for cb in after
+        if type(cb).__name__ not in _SAFE_BATCH_START and is_overridden("on_train_batch_start", cb, parent=L.Callback)
+    ]
     if hard:
         if flag:
             raise RecomputeError(

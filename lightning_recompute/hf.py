@@ -7,21 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HFCausalLM"]
+from lightning_recompute.reference import TokenLM
 
 
-class HFCausalLM(L.LightningModule):
-    """A ``transformers`` causal LM built with ``AutoModelForCausalLM.from_config``.
-
-    Args:
-        model_type: the config's model type (``"llama"``, ``"gpt2"``, ``"qwen2"``, ...).
-        config: the config's fields; anything left out keeps the model type's default.
-        attn_implementation: ``"eager"``, ``"sdpa"`` or another implementation transformers knows.
-        learning_rate: AdamW learning rate.
+class HFCausalLM(TokenLM):
+    """A ``transformers`` causal LM built with ``AutoModelForCausalLM.from_config`` from ``model_type``
+    (``"llama"``, ``"gpt2"``, ...) and the ``config`` fields given (the model type's defaults for the rest).
     """
 
     def __init__(
@@ -40,7 +34,6 @@ class HFCausalLM(L.LightningModule):
         except ValueError as err:
             raise ValueError(f"model_type: {err}") from None
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
-        self.learning_rate = learning_rate
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The next-token logits, ``(batch, seq, vocab)``."""
@@ -50,14 +43,3 @@ class HFCausalLM(L.LightningModule):
         x, y = batch
         logits = self(x)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)

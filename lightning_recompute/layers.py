@@ -13,17 +13,13 @@ from torch import nn
 
 from lightning_recompute.errors import LayerDiscoveryError
 
-__all__ = ["LayerSpec", "find_layers", "layer_names"]
-
 LayerSpec = str | type | Sequence[str | type]
 """``"auto"``; or module paths / globs, module classes, or ``"class:Name"`` strings, alone or in a list."""
 
 
 def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str, nn.Module]]:
-    """The layers of ``model`` in module order, as ``(path, module)`` pairs.
-
-    Raises:
-        LayerDiscoveryError: nothing matched, naming what was asked and what exists.
+    """The layers of ``model`` in module order, as ``(path, module)`` pairs; a `LayerDiscoveryError` naming
+    what was asked and what exists when nothing matched.
     """
     if isinstance(layers, str) and layers == "auto":
         return _auto(model)
@@ -31,25 +27,16 @@ def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str,
     if not specs:
         raise LayerDiscoveryError("layers: an empty selection; pass 'auto', module paths, globs or classes")
     found: list[tuple[str, nn.Module]] = []
-    taken: list[str] = []
-    matched_any = {i: False for i in range(len(specs))}
+    hit: set[int] = set()
     for path, module in model.named_modules():
-        if not path:
-            continue
         # Outermost matches only: a sub-block recomputed inside a recomputed block runs three times.
-        if any(path.startswith(t + ".") for t in taken):
+        if not path or any(path.startswith(f"{taken}.") for taken, _ in found):
             continue
-        for i, spec in enumerate(specs):
-            if _spec_matches(spec, path, module):
-                matched_any[i] = True
-                found.append((path, module))
-                taken.append(path)
-                break
-    unmatched = [
-        s if isinstance(s, str) else f"class {s.__qualname__}"
-        for s, hit in zip(specs, matched_any.values(), strict=True)
-        if not hit
-    ]
+        i = next((i for i, spec in enumerate(specs) if _spec_matches(spec, path, module)), None)
+        if i is not None:
+            hit.add(i)
+            found.append((path, module))
+    unmatched = [s if isinstance(s, str) else f"class {s.__qualname__}" for i, s in enumerate(specs) if i not in hit]
     if unmatched:
         raise LayerDiscoveryError(
             f"layers: {unmatched} match no module of {type(model).__name__}; "
@@ -64,15 +51,13 @@ def layer_names(model: nn.Module, layers: LayerSpec = "auto") -> list[str]:
 
 
 def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    stacks: list[tuple[int, str, list[tuple[str, nn.Module]]]] = []
+    stacks: list[tuple[int, str, list[tuple[str, nn.Module]]]] = []  # (module order, path prefix, layers)
     for order, (path, module) in enumerate(model.named_modules()):
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
         children = list(module.named_children())
-        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
-            continue
-        prefix = f"{path}." if path else ""
-        stacks.append((order, prefix, [(prefix + name, child) for name, child in children]))
+        same_class = len(children) >= 2 and len({type(c) for _, c in children}) == 1
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and same_class:
+            prefix = f"{path}." if path else ""
+            stacks.append((order, prefix, [(prefix + name, child) for name, child in children]))
     # Longest first; among equals the outermost, so a stack nested in an equally long one is left out.
     stacks.sort(key=lambda s: (-len(s[2]), s[0]))
     chosen: list[tuple[int, str, list[tuple[str, nn.Module]]]] = []
@@ -80,31 +65,27 @@ def _auto(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if chosen and 2 * len(stack[2]) < len(chosen[0][2]):
             break
         # One stack inside another (or the same): recomputing both would nest checkpoints.
-        if any(stack[1].startswith(other[1]) or other[1].startswith(stack[1]) for other in chosen):
-            continue
-        chosen.append(stack)
-    chosen.sort(key=lambda s: s[0])  # module order
-    best = [layer for _, _, layers in chosen for layer in layers]
-    if not best:
+        if not any(stack[1].startswith(other[1]) or other[1].startswith(stack[1]) for other in chosen):
+            chosen.append(stack)
+    if not chosen:
         raise LayerDiscoveryError(
             f"layers='auto': no repeated blocks found in {type(model).__name__} (looked for an nn.ModuleList "
             f"or nn.Sequential of at least two modules of one class); pass layers= explicitly as module paths, "
             f"globs or classes. Candidate module paths include: {_candidates(model)}"
         )
-    return best
+    return [layer for _, _, layers in sorted(chosen, key=lambda s: s[0]) for layer in layers]  # module order
 
 
 def _spec_matches(spec: str | type, path: str, module: nn.Module) -> bool:
     if isinstance(spec, type):
         return isinstance(module, spec)
     if spec.startswith("class:"):
-        wanted = spec[len("class:") :]
         cls = type(module)
-        return wanted in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+        return spec[len("class:") :] in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
     return path == spec or fnmatch.fnmatchcase(path, spec)
 
 
 def _candidates(model: nn.Module, limit: int = 15) -> str:
     paths = [p for p, _ in model.named_modules() if p and p.count(".") <= 1]
-    shown = ", ".join(paths[:limit])
-    return shown + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "") if paths else "(none)"
+    more = f", ... ({len(paths) - limit} more)" if len(paths) > limit else ""
+    return ", ".join(paths[:limit]) + more if paths else "(none)"

@@ -6,17 +6,15 @@ imports them from here. Reading never writes: a missing local store is refused b
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from lightning_recompute.errors import PolicyError
 from lightning_recompute.policy import RecomputePolicy
-
-__all__ = ["FINGERPRINT_TAG", "GOOD_RUN_TAG", "POLICY_ARTIFACT", "good_run_id", "load_good_policy"]
 
 GOOD_RUN_TAG = "recompute.good_run_id"
 """Experiment tag: the id of the run whose policy is the current good one."""
@@ -26,17 +24,13 @@ FINGERPRINT_TAG = "recompute.policy_fingerprint"
 """Run tag: ``RecomputePolicy.fingerprint()`` of the policy the run measured or decided about."""
 
 _PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+_SQLITE = "sqlite:///"
 
 
 def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
-    """The id of the run holding the current good policy of ``experiment``.
-
-    Raises:
-        PolicyError: the experiment does not exist, is deleted, or has no good policy yet.
-    """
-    client = _client(experiment, tracking_uri)
+    """The id of the run holding the current good policy of ``experiment``."""
+    client, where = _client(experiment, tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    where = f"mlflow:{experiment} (tracking URI {client.tracking_uri})"
     if exp is None:
         raise PolicyError(f"{where}: no MLflow experiment named {experiment!r}; run `recompute-tune` on a recipe first")
     if exp.lifecycle_stage != "active":
@@ -51,21 +45,14 @@ def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
 
 
 def load_good_policy(experiment: str, tracking_uri: str | None = None) -> RecomputePolicy:
-    """The current good policy of ``experiment``, as the tuner last promoted (or rolled back to) it.
+    """The current good policy of ``experiment``, as the tuner last promoted or rolled back to it; a `PolicyError`
+    when missing, invalid, or not the fingerprint its run recorded in `FINGERPRINT_TAG` (untagged runs load)."""
+    from unittest import mock
 
-    Args:
-        experiment: the MLflow experiment the tuner logs to.
-        tracking_uri: the MLflow tracking URI; ``None`` uses MLflow's default.
-
-    Raises:
-        PolicyError: the store, experiment, good-run tag, run or artifact is missing; the artifact is not a
-            valid policy; or its fingerprint differs from the run's `FINGERPRINT_TAG` (untagged runs load unchecked).
-    """
     from mlflow.exceptions import MlflowException
 
-    client = _client(experiment, tracking_uri)
+    client, where = _client(experiment, tracking_uri)
     run_id = good_run_id(experiment, tracking_uri=client.tracking_uri)
-    where = f"mlflow:{experiment} (tracking URI {client.tracking_uri})"
     try:
         run = client.get_run(run_id)
     except MlflowException as err:
@@ -75,21 +62,20 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
     if run.info.lifecycle_stage != "active":
         raise PolicyError(f"{where}: tag {GOOD_RUN_TAG} names run {run_id}, which is deleted")
     moved = _moved_artifacts(client.tracking_uri, run.info.artifact_uri)
-    with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp:
+    # The user's setting of the progress bar, else none.
+    quiet = {_PROGRESS_BAR_ENV: os.environ.get(_PROGRESS_BAR_ENV, "false")}
+    with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp, mock.patch.dict(os.environ, quiet):
         try:
-            if moved is not None:
-                local = str(moved / POLICY_ARTIFACT)
-                if not Path(local).is_file():
-                    raise FileNotFoundError(local)
-            else:
-                with _no_progress_bar():
-                    local = client.download_artifacts(run_id, POLICY_ARTIFACT, tmp)
+            if moved is None:
+                local = Path(client.download_artifacts(run_id, POLICY_ARTIFACT, tmp))
+            elif not (local := moved / POLICY_ARTIFACT).is_file():
+                raise FileNotFoundError(local)
         except (MlflowException, OSError) as err:
             raise PolicyError(
                 f"{where}: good run {run_id} has no artifact {POLICY_ARTIFACT!r} ({type(err).__name__})"
             ) from None
         try:
-            policy = RecomputePolicy.load(Path(local))
+            policy = RecomputePolicy.load(local)
         except PolicyError as err:
             message = str(err).replace(str(local), POLICY_ARTIFACT)
             raise PolicyError(
@@ -109,63 +95,42 @@ def _moved_artifacts(tracking_uri: str, artifact_uri: str) -> Path | None:
     """A run's artifact folder beside its SQLite database, when the folder holding both was moved
     (MLflow records absolute paths); ``None``: not moved.
     """
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    recorded = artifact_uri[len("file://") :] if artifact_uri.startswith("file://") else artifact_uri
-    if "://" in recorded or ":" in recorded.split("/", 1)[0] or Path(recorded).exists():
+    recorded = artifact_uri.removeprefix("file://")
+    if not tracking_uri.startswith(_SQLITE) or "://" in recorded or ":" in recorded.split("/", 1)[0]:
         return None
     parts = Path(recorded).parts
-    if "mlartifacts" not in parts:
+    if Path(recorded).exists() or "mlartifacts" not in parts:
         return None
-    tail = parts[len(parts) - list(reversed(parts)).index("mlartifacts") :]
-    here = Path(tracking_uri[len("sqlite:///") :]).expanduser().resolve().parent / "mlartifacts" / Path(*tail)
+    tail = parts[len(parts) - parts[::-1].index("mlartifacts") :]
+    here = Path(tracking_uri[len(_SQLITE) :]).expanduser().resolve().parent.joinpath("mlartifacts", *tail)
     return here if here.is_dir() else None
 
 
-def _client(experiment: str, tracking_uri: str | None) -> Any:
-    # Imported here: mlflow is heavy, and only users of "mlflow:" policies need it.
-    import mlflow
+def _client(experiment: str, tracking_uri: str | None) -> tuple[Any, str]:
+    """An MLflow client, and how messages name the source; refuses a local store that does not exist."""
+    import mlflow  # here: heavy, and only users of "mlflow:" policies need it
 
     uri = tracking_uri or mlflow.get_tracking_uri()
+    where = f"mlflow:{experiment} (tracking URI {uri})"
     missing = _missing_local_store(uri)
     if missing is not None:
         raise PolicyError(
-            f"mlflow:{experiment} (tracking URI {uri}): {missing} does not exist; check the path "
-            f"(sqlite:///relative/path.db, sqlite:////absolute/path.db); reading a policy never creates a store"
+            f"{where}: {missing} does not exist; check the path (sqlite:///relative/path.db, "
+            f"sqlite:////absolute/path.db); reading a policy never creates a store"
         )
-    return mlflow.MlflowClient(tracking_uri=uri)
+    return mlflow.MlflowClient(tracking_uri=uri), where
 
 
 def _missing_local_store(uri: str) -> Path | None:
     """The local sqlite file or store folder ``uri`` names when it does not exist (MLflow would create it)."""
-    from urllib.parse import urlparse
-    from urllib.request import url2pathname
-
-    if uri.startswith("sqlite:///"):
+    if uri.startswith(_SQLITE):
         # sqlite:///rel.db is relative, sqlite:////abs.db absolute; SQLAlchemy keeps query options after "?".
-        name = uri[len("sqlite:///") :].split("?", 1)[0]
-        if not name or name == ":memory:":
-            return None
-        path = Path(name)
+        name = uri[len(_SQLITE) :].split("?", 1)[0]
+        path = None if name in ("", ":memory:") else Path(name)
+    elif (parsed := urlparse(uri)).scheme == "file":
+        path = Path(url2pathname(parsed.path))
+    elif parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):  # a bare path (C:\ on Windows)
+        path = Path(uri)
     else:
-        parsed = urlparse(uri)
-        if parsed.scheme == "file":
-            path = Path(url2pathname(parsed.path))
-        elif parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):  # a bare path (C:\ on Windows)
-            path = Path(uri)
-        else:
-            return None  # a server or another database: MLflow reports its own errors
-    return None if path.exists() else path
-
-
-@contextlib.contextmanager
-def _no_progress_bar() -> Iterator[None]:
-    """Hide MLflow's download progress bar, unless the user's environment asks for it."""
-    if _PROGRESS_BAR_ENV in os.environ:
-        yield
-        return
-    os.environ[_PROGRESS_BAR_ENV] = "false"
-    try:
-        yield
-    finally:
-        os.environ.pop(_PROGRESS_BAR_ENV, None)
+        return None  # a server or another database: MLflow reports its own errors
+    return None if path is None or path.exists() else path

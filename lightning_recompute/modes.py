@@ -1,7 +1,5 @@
-"""The recompute modes, declared once: every mode a layer can take and what the code needs of each.
-
-Adding a save-list family is one `ModeSpec` in `MODES` plus its line in ``tests/plugin/test_modes.py``.
-A module of its own because it must load without torch (policy files, the recipe schema read it).
+"""The recompute modes, declared once (without torch: policy files and the recipe schema read them); adding a
+save-list family is one `ModeSpec` in `MODES` plus its line in ``tests/plugin/test_modes.py``.
 """
 
 from __future__ import annotations
@@ -12,49 +10,17 @@ from typing import Any
 
 from lightning_recompute.errors import PolicyError, clip
 
-__all__ = [
-    "ATTENTION_KERNELS",
-    "BY_MEMORY_SAVED",
-    "DEFAULT_SAVE_OPS",
-    "FAMILY_NAMES",
-    "MODES",
-    "MODE_NAMES",
-    "SAVE_FAMILIES",
-    "UNKNOWN_GLYPH",
-    "Mode",
-    "ModeSpec",
-    "spec",
-]
-
 
 class Mode(str, enum.Enum):
     """What a layer keeps between its forward and its backward."""
 
-    NONE = "none"
-    """Keep every activation (what PyTorch does without recomputation)."""
-    SELECTIVE = "selective"
-    """Keep the outputs of expensive ops (matmuls, attention kernels); recompute the cheap ones."""
-    FULL = "full"
-    """Keep only the layer's inputs; recompute the whole layer during backward."""
-    OFFLOAD = "offload"
-    """Keep every activation, but in host memory until backward needs it (CUDA only)."""
+    NONE = "none"  # keep every activation, as PyTorch does without recomputation
+    SELECTIVE = "selective"  # keep the outputs of expensive ops (matmuls, attention kernels), recompute the rest
+    FULL = "full"  # keep only the layer's inputs; recompute the whole layer during backward
+    OFFLOAD = "offload"  # keep every activation, in host memory until backward needs it (CUDA only)
 
     def __str__(self) -> str:
         return self.value
-
-    @classmethod
-    def parse_choice(cls, value: Any, *, where: str) -> tuple[Mode, str | None]:
-        """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``)."""
-        if isinstance(value, str) and ":" in value:
-            base, _, family = value.strip().partition(":")
-            mode = cls.parse(base, where=where)
-            if mode is not Mode.SELECTIVE or not family.strip():
-                raise PolicyError(
-                    f"{where}: {clip(repr(value))}: only selective takes a save-list family, written "
-                    f"selective:<family> (e.g. selective:attn)"
-                )
-            return mode, family.strip()
-        return cls.parse(value, where=where), None
 
     @classmethod
     def parse(cls, value: Any, *, where: str) -> Mode:
@@ -74,19 +40,13 @@ class Mode(str, enum.Enum):
 class ModeSpec:
     """One mode a layer can take, as the policy file writes it, and what the code needs of it."""
 
-    mode: Mode
-    """The plugin mode that runs it (`Mode.SELECTIVE` for every save-list family)."""
+    mode: Mode  # what runs it (SELECTIVE for every save-list family)
     family: str | None
-    glyph: str
-    """One character for the mode in `RecomputePolicy.short`."""
-    saving: int
-    """Rank by memory saved per layer, 0 the least (the search space's order)."""
-    recompute: int
-    """How much the mode recomputes (0 nothing); the race's tie-break prefers the least."""
-    label: str
-    """The mode's column name in the planner's table of plans."""
-    save: tuple[str, ...] | None = None
-    """The ops whose outputs a selective mode keeps; ``None`` for the modes that are not selective."""
+    glyph: str  # one character for the mode in `RecomputePolicy.short`
+    saving: int  # rank by memory saved per layer, 0 the least (the search space's order)
+    recompute: int  # how much the mode recomputes (0 nothing); the race's tie-break prefers the least
+    label: str  # the mode's column in the planner's table of plans
+    save: tuple[str, ...] | None = None  # the ops whose outputs a selective mode keeps
 
     @property
     def name(self) -> str:
@@ -112,6 +72,10 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = ("aten.mm", "aten.addmm", *ATTENTION_KERNELS
 """What plain ``selective`` keeps; not ``aten.bmm`` (eager attention's scores, cheapest to recompute per byte)."""
 
 
+def _attn_and(role: str) -> tuple[str, ...]:
+    return (*ATTENTION_KERNELS, f"aten.mm:{role}", f"aten.addmm:{role}")
+
+
 MODES: tuple[ModeSpec, ...] = (
     ModeSpec(Mode.NONE, None, glyph=".", saving=0, recompute=0, label="none"),
     ModeSpec(Mode.SELECTIVE, None, glyph="s", saving=1, recompute=2, label="sel", save=DEFAULT_SAVE_OPS),
@@ -121,24 +85,10 @@ MODES: tuple[ModeSpec, ...] = (
     # The save-list families (see docs/PLUGIN.md, 'Save-list families'); attn: only the attention kernels.
     ModeSpec(Mode.SELECTIVE, "attn", glyph="a", saving=4, recompute=2, label="attn", save=ATTENTION_KERNELS),
     # attn+wide: plus the widening GEMMs (fused QKV, MLP up/gate).
-    ModeSpec(
-        Mode.SELECTIVE,
-        "attn+wide",
-        glyph="w",
-        saving=2,
-        recompute=2,
-        label="attn+wide",
-        save=(*ATTENTION_KERNELS, "aten.mm:wide", "aten.addmm:wide"),
-    ),
+    ModeSpec(Mode.SELECTIVE, "attn+wide", glyph="w", saving=2, recompute=2, label="attn+wide", save=_attn_and("wide")),
     # attn+narrow: plus the narrowing GEMMs (the most FLOPs behind each byte kept).
     ModeSpec(
-        Mode.SELECTIVE,
-        "attn+narrow",
-        glyph="n",
-        saving=3,
-        recompute=2,
-        label="attn+narrow",
-        save=(*ATTENTION_KERNELS, "aten.mm:narrow", "aten.addmm:narrow"),
+        Mode.SELECTIVE, "attn+narrow", glyph="n", saving=3, recompute=2, label="attn+narrow", save=_attn_and("narrow")
     ),
 )
 """Every mode a layer can take, in canonical order (the planner breaks ties by it)."""

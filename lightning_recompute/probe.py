@@ -1,7 +1,4 @@
-"""The peak memory of one real training step under a policy: a short Lightning fit, metered by the callback.
-
-The one way the tuner's trials, benchmarks and tests ask it, so the answers cannot drift apart.
-"""
+"""The peak memory of one real training step under a policy, the one way trials, benchmarks and tests ask it."""
 
 from __future__ import annotations
 
@@ -34,23 +31,10 @@ def step_peak(
     free_grads_at_batch_start: bool | None = None,
     accelerator: str = "cpu",
 ) -> int:
-    """Fit ``model`` for ``step + 1`` optimizer steps under ``policy`` and return the peak of step ``step``.
-
-    Args:
-        model: the LightningModule; it is trained in place.
-        data: a LightningDataModule, the train DataLoader, or a list of batches (kept alive, so counted).
-        policy: anything `RecomputeCallback` accepts as a policy.
-        step: the global step whose peak is returned (default: the first with optimizer state, as trials meter).
-        layers: which modules are layers, as for `RecomputeCallback`.
-        free_grads_at_batch_start: as for `RecomputeCallback`.
-        accelerator: the Trainer's accelerator (one device).
-
-    Returns:
-        The peak tensor bytes of that step on the device, as the callback's meter counts them.
-
-    Raises:
-        ValueError: ``step`` is negative.
-        RuntimeError: the fit stopped before step ``step``.
+    """Fit ``model`` (in place) for ``step + 1`` optimizer steps under ``policy`` and return the peak tensor bytes
+    of step ``step`` (by default the first with optimizer state, as trials meter) as the callback's meter counts
+    them. ``data`` is a LightningDataModule, the train DataLoader, or a list of batches (kept alive, so counted);
+    ``layers`` and ``free_grads_at_batch_start`` are as for `RecomputeCallback`.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -60,11 +44,9 @@ def step_peak(
     trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=step + 1, callbacks=[callback], **QUIET_TRAINER)
     if isinstance(data, L.LightningDataModule):
         trainer.fit(model, datamodule=data)
-    elif isinstance(data, DataLoader):
-        trainer.fit(model, train_dataloaders=data)
-    else:
-        # A list of batches is a map-style dataset.
-        trainer.fit(model, train_dataloaders=DataLoader(cast(Dataset[Any], data), batch_size=None))
+    else:  # a list of batches is a map-style dataset
+        loader = data if isinstance(data, DataLoader) else DataLoader(cast(Dataset[Any], data), batch_size=None)
+        trainer.fit(model, train_dataloaders=loader)
     peaks = [r.peak_bytes for r in callback.records if r.step == step and r.peak_bytes is not None]
     if not peaks:
         raise RuntimeError(f"the fit stopped after {trainer.global_step} steps, before step {step} was measured")

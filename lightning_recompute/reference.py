@@ -1,7 +1,4 @@
-"""A GPT-style reference model and a synthetic-token data module, small enough to train on a laptop CPU.
-
-``attention="eager"`` materialises the (seq x seq) attention matrix; ``widths`` makes a heterogeneous stack.
-"""
+"""A GPT-style reference model (``attention="eager"`` materialises the seq x seq matrix) and synthetic tokens."""
 
 from __future__ import annotations
 
@@ -13,9 +10,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
-__all__ = ["Block", "ReferenceGPT", "ShardedGPT", "SyntheticTokens"]
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class CausalSelfAttention(nn.Module):
@@ -70,20 +65,30 @@ class Block(nn.Module):
         return x if self.resize is None else self.resize(x)
 
 
-class ReferenceGPT(L.LightningModule):
-    """A small GPT for next-token prediction; its blocks live at ``blocks.0`` ... ``blocks.{n_layer-1}``.
+class TokenLM(L.LightningModule):
+    """Next-token prediction on ``(input_ids, targets)`` batches, with AdamW at ``hparams.learning_rate``."""
 
-    Args:
-        vocab_size: number of token ids.
-        seq_len: context length (position embeddings).
-        n_layer: number of blocks (ignored when ``widths`` is given).
-        n_embd: model width.
-        n_head: attention heads per block.
-        dropout: dropout probability (embeddings, attention, residuals).
-        attention: ``"eager"`` (materialised attention matrix) or ``"sdpa"``.
-        mlp_ratio: MLP hidden width over model width.
-        widths: per-block widths for a heterogeneous stack (one entry per block).
-        learning_rate: AdamW learning rate.
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])
+
+
+class ReferenceGPT(TokenLM):
+    """A small GPT; its blocks live at ``blocks.0`` ... ``blocks.{n_layer-1}``, of width ``n_embd``, or one
+    block per entry of ``widths`` (a heterogeneous stack). ``dropout`` applies to embeddings, attention and
+    residuals; ``mlp_ratio`` is the MLP's hidden width over the block's.
     """
 
     def __init__(
@@ -121,22 +126,6 @@ class ReferenceGPT(L.LightningModule):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams["learning_rate"])
-
 
 class ShardedGPT(ReferenceGPT):
     """`ReferenceGPT` for ``ModelParallelStrategy``: ``configure_model`` ``fully_shard``s each block, then the model.
@@ -156,28 +145,9 @@ class ShardedGPT(ReferenceGPT):
         fully_shard(self, mesh=data_parallel)
 
 
-class _RandomTokens(Dataset):
-    def __init__(self, vocab_size: int, seq_len: int, length: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, vocab_size, (length, seq_len + 1), generator=g)
-
-    def __len__(self) -> int:
-        return self.data.size(0)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        row = self.data[i]
-        return row[:-1], row[1:]
-
-
 class SyntheticTokens(L.LightningDataModule):
-    """Deterministic random token sequences ``(input, next-token target)``, each ``(batch, seq_len)``.
-
-    Args:
-        vocab_size: token ids are drawn from ``[0, vocab_size)``.
-        seq_len: tokens per sample.
-        batch_size: samples per batch.
-        num_batches: batches per epoch.
-        seed: generator seed; the same seed gives the same data.
+    """``num_batches`` batches of ``(input, next-token target)``, each ``(batch_size, seq_len)``, of token ids in
+    ``[0, vocab_size)`` drawn from ``seed`` (the validation data from ``seed + 1``).
     """
 
     def __init__(
@@ -188,8 +158,9 @@ class SyntheticTokens(L.LightningDataModule):
         self.num_batches, self.seed = num_batches, seed
 
     def _loader(self, seed: int) -> DataLoader:
-        ds = _RandomTokens(self.vocab_size, self.seq_len, self.batch_size * self.num_batches, seed)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False)
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, self.vocab_size, (self.batch_size * self.num_batches, self.seq_len + 1), generator=g)
+        return DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=self.batch_size, shuffle=False)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.seed)

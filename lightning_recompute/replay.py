@@ -1,64 +1,41 @@
-"""What a recomputed layer's replay sees and leaves: its buffers and its KV caches, as the forward had them.
-
-A replay runs the forward again in backward. Buffers (`BufferState`) are copied before the forward and
-swapped in for the replay; cache objects (`CacheState`, found by `CACHE_ARGUMENTS`) are recorded shallowly
-and restored around it, so both change once and gradients stay bitwise equal. Python-level side effects
-cannot be put back; a reassigned attribute gets a `SideEffectWarning`. See docs/PLUGIN.md, 'Models' and
-'Side effects'. Nothing here runs without grad, nor inside a compiled graph (`Replay`).
+"""What a recomputed layer's replay in backward sees and leaves: its buffers and KV caches as the forward had
+them, so both change once and gradients stay bitwise equal (docs/PLUGIN.md, 'Models' and 'Side effects').
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CACHE_ARGUMENTS", "BufferState", "CacheArguments", "CacheState", "Replay", "SideEffectWarning"]
-
 CACHE_ARGUMENTS: tuple[str, ...] = ("cache", "past_key_values", "past_key_value", "layer_past")
 """Names a layer's cache object goes by, across transformers releases and model families."""
 
 
-@dataclass(frozen=True)
-class CacheArguments:
-    """Where a layer's forward takes its cache object: by keyword always, by position where its signature says."""
+def cache_positions(forward: Callable[..., Any], *, bound: bool) -> dict[str, int]:
+    """Where ``forward`` (taking ``self`` first unless ``bound``) takes a cache object by position, if it can."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[0 if bound else 1 :]
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name: i for i, p in enumerate(params) if p.name in CACHE_ARGUMENTS and p.kind in kinds}
 
-    positions: dict[str, int]
 
-    @classmethod
-    def of(cls, forward: Callable[..., Any], *, bound: bool) -> CacheArguments:
-        """Inspect ``forward`` (a function taking ``self`` first unless ``bound``)."""
-        try:
-            params = list(inspect.signature(forward).parameters.values())
-        except (TypeError, ValueError):  # builtins and some C extensions have no signature
-            params = []
-        if not bound and params:
-            params = params[1:]
-        positions = {
-            p.name: i
-            for i, p in enumerate(params)
-            if p.name in CACHE_ARGUMENTS and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        }
-        return cls(positions=positions)
-
-    def caches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """The cache objects in this call's arguments (``None`` values left out)."""
-        found = []
-        for name in CACHE_ARGUMENTS:
-            if name in kwargs:
-                value = kwargs[name]
-            elif 0 <= self.positions.get(name, -1) < len(args):
-                value = args[self.positions[name]]
-            else:
-                continue
-            if value is not None and not isinstance(value, (bool, int, float, str, torch.Tensor)):
-                found.append(value)
-        return found
+def caches_in(positions: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The cache objects in a call's arguments, by keyword or at ``positions`` (``None`` and plain values left out)."""
+    found = []
+    for name in CACHE_ARGUMENTS:
+        position = positions.get(name, len(args))
+        value = kwargs[name] if name in kwargs else args[position] if position < len(args) else None
+        if value is not None and not isinstance(value, (bool, int, float, str, torch.Tensor)):
+            found.append(value)
+    return found
 
 
 class CacheState:
@@ -93,12 +70,10 @@ class CacheState:
         for obj, saved in self._saved:
             if isinstance(obj, list):
                 obj[:] = saved
-            elif isinstance(obj, dict):
-                obj.clear()
-                obj.update(saved)
             else:
-                obj.__dict__.clear()
-                obj.__dict__.update(saved)
+                target = obj if isinstance(obj, dict) else obj.__dict__
+                target.clear()
+                target.update(saved)
 
 
 class SideEffectWarning(UserWarning):
@@ -106,9 +81,8 @@ class SideEffectWarning(UserWarning):
 
 
 class BufferState:
-    """A copy of every buffer of a layer (its submodules' included), taken before its forward, for the replay.
-
-    Every buffer: BatchNorm writes its statistics without bumping their version, and comparing values would sync a GPU.
+    """A copy of every buffer of a layer (its submodules' included), taken before its forward, for the replay:
+    every one, since BatchNorm writes its statistics without bumping their version, and comparing would sync a GPU.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -121,54 +95,45 @@ class BufferState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held from the forward to the replay."""
         return sum(t.untyped_storage().nbytes() for _, _, t in self._before)
 
-    def swapped_in(self, *, copy: bool) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
-        """Put the earlier values in as the buffers; returns the live buffers, for `swap_back`.
-
-        With ``copy``, copies of them, so a second replay (``retain_graph``) starts from them too; selective
-        recomputation allows one backward only.
-        """
+    @contextlib.contextmanager
+    def swapped_in(self, *, copy: bool) -> Iterator[None]:
+        """The earlier values as the buffers (with ``copy``, copies, so a second replay under ``retain_graph``
+        starts from them too; selective recomputation allows one backward only), the live ones put back after."""
         # Every copy first: an out-of-memory error must leave no buffer swapped.
         values = [before.clone() if copy else before for _, _, before in self._before]
         live = [(owner, name, owner._buffers.get(name)) for owner, name, _ in self._before]
-        for (owner, name, _), value in zip(self._before, values, strict=True):
-            owner._buffers[name] = value
-        return live
+        try:
+            for (owner, name, _), value in zip(self._before, values, strict=True):
+                owner._buffers[name] = value
+            yield
+        finally:
+            for owner, name, tensor in live:
+                owner._buffers[name] = tensor
 
-    @staticmethod
-    def swap_back(live: list[tuple[nn.Module, str, torch.Tensor | None]]) -> None:
-        for owner, name, tensor in live:
-            owner._buffers[name] = tensor
 
-
-class _Attributes:
+def _attribute_ids(module: nn.Module) -> list[tuple[str, nn.Module, dict[str, int]]]:
     """Which object each attribute of a layer's modules holds, to tell whether a replay reassigned one."""
+    return [(path, owner, {k: id(v) for k, v in owner.__dict__.items()}) for path, owner in module.named_modules()]
 
-    def __init__(self, module: nn.Module) -> None:
-        self._ids = [
-            (path, owner, {k: id(v) for k, v in owner.__dict__.items()}) for path, owner in module.named_modules()
-        ]
 
-    def reassigned(self) -> str | None:
-        """The first attribute reassigned or added since the record (``"attn.calls"``), or ``None``.
+def _reassigned(ids: list[tuple[str, nn.Module, dict[str, int]]]) -> str | None:
+    """The first attribute reassigned or added since `_attribute_ids` (``"attn.calls"``), or ``None``.
 
-        Tensors are left out: derived from parameters and buffers (``spectral_norm`` reassigns ``weight`` every call).
-        """
-        for path, owner, ids in self._ids:
-            for key, value in owner.__dict__.items():
-                if ids.get(key) != id(value) and not isinstance(value, torch.Tensor):
-                    return f"{path}.{key}" if path else key
-        return None
+    Tensors are left out: derived from parameters and buffers (``spectral_norm`` reassigns ``weight`` every call).
+    """
+    for path, owner, before in ids:
+        for key, value in owner.__dict__.items():
+            if before.get(key) != id(value) and not isinstance(value, torch.Tensor):
+                return f"{path}.{key}" if path else key
+    return None
 
 
 class Replay:
-    """The function `torch.utils.checkpoint.checkpoint` runs for one call of a recomputed layer.
-
-    Its first call is the forward, any later call a replay on the state from before the forward. Under
-    ``torch.compile`` the state is recorded at the first call only when the checkpoint runs eagerly
-    (``record_now`` false): the compiled graph's recomputation writes nothing.
+    """What `checkpoint` runs for one call of a recomputed layer: first the forward, then replays on the state
+    from before it. Under ``torch.compile`` (``record_now`` false) the state is recorded at the first call, if
+    the checkpoint runs eagerly: the compiled graph's recomputation writes nothing.
     """
 
     def __init__(
@@ -200,28 +165,22 @@ class Replay:
             return self.fn(*args, **kwargs)
         buffers, before = self.state
         now = CacheState(self.caches)
-        live: list[tuple[nn.Module, str, torch.Tensor | None]] = []
-        attributes = _Attributes(self.module) if self.where not in self.warned else None
+        ids = _attribute_ids(self.module) if self.where not in self.warned else None
         try:
             before.restore()
-            live = buffers.swapped_in(copy=not self.selective)
-            return self.fn(*args, **kwargs)
+            with buffers.swapped_in(copy=not self.selective):
+                return self.fn(*args, **kwargs)
         finally:
-            # Also when checkpoint's early stop interrupts the replay.
-            BufferState.swap_back(live)
-            now.restore()
-            changed = attributes.reassigned() if attributes is not None else None
+            now.restore()  # also when checkpoint's early stop interrupts the replay
+            changed = _reassigned(ids) if ids is not None else None
             if changed is not None:
-                self._warn(changed)
-
-    def _warn(self, changed: str) -> None:
-        self.warned.add(self.where)
-        warnings.warn(
-            f"lightning_recompute: layer {self.where!r} is recomputed, and its forward reassigned "
-            f"{changed!r} again when replayed in backward: Python-level state a forward changes "
-            f"changes twice under recomputation. Keep such state in a buffer (register_buffer, "
-            f"updated in place or reassigned), which recomputation restores; see docs/PLUGIN.md, "
-            f"'Side effects'.",
-            SideEffectWarning,
-            stacklevel=3,
-        )
+                self.warned.add(self.where)
+                warnings.warn(
+                    f"lightning_recompute: layer {self.where!r} is recomputed, and its forward reassigned "
+                    f"{changed!r} again when replayed in backward: Python-level state a forward changes "
+                    f"changes twice under recomputation. Keep such state in a buffer (register_buffer, "
+                    f"updated in place or reassigned), which recomputation restores; see docs/PLUGIN.md, "
+                    f"'Side effects'.",
+                    SideEffectWarning,
+                    stacklevel=2,
+                )

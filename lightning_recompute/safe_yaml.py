@@ -1,7 +1,5 @@
-"""Bounded reading of YAML/JSON documents that come from outside: policy files, recipes, artifacts.
-
-``yaml.safe_load`` alone still allows alias bombs, stack-overflowing nesting and raw decode errors;
-`load_document` refuses them within `DocumentLimits`, as one `DocumentError` naming the file.
+"""Bounded reading of YAML/JSON from outside (policy files, recipes, artifacts): ``yaml.safe_load`` alone allows
+alias bombs, stack-overflowing nesting and raw decode errors; here each is one `DocumentError` naming the file.
 """
 
 from __future__ import annotations
@@ -19,54 +17,34 @@ import yaml
 
 from lightning_recompute.errors import DocumentError, clip
 
-__all__ = ["DEFAULT_LIMITS", "DocumentLimits", "load_document", "parse_document", "read_text"]
-
 # libyaml when PyYAML was built with it: faster, same results.
 _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 # A JSON string literal, or one bracket: what the JSON depth scan needs to see.
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
-_BOMS = (
-    (codecs.BOM_UTF32_LE, "UTF-32"),
-    (codecs.BOM_UTF32_BE, "UTF-32"),
-    (codecs.BOM_UTF16_LE, "UTF-16"),
-    (codecs.BOM_UTF16_BE, "UTF-16"),
-)
+# UTF-32's little-endian mark starts with UTF-16's: test it first.
+_BOMS = {"UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)}
 
 
 @dataclass(frozen=True)
 class DocumentLimits:
     """What `load_document` accepts. The defaults are far above any real policy or recipe."""
 
-    max_bytes: int = 1 << 20
-    """Largest file read, in bytes (a policy for 10,000 layers is about 400 KB)."""
-    max_depth: int = 64
-    """Deepest nesting of mappings and sequences (a policy nests 3 deep, a recipe about 6)."""
-    max_alias_nodes: int = 10_000
-    """Most nodes that YAML aliases may add when expanded, counting aliases inside anchors."""
+    max_bytes: int = 1 << 20  # a policy for 10,000 layers is about 400 KB
+    max_depth: int = 64  # of mappings and sequences; a policy nests 3 deep, a recipe about 6
+    max_alias_nodes: int = 10_000  # nodes YAML aliases may add when expanded, aliases inside anchors counted
 
 
 DEFAULT_LIMITS = DocumentLimits()
 
 
 def load_document(path: str | os.PathLike[str], *, what: str = "file", limits: DocumentLimits = DEFAULT_LIMITS) -> Any:
-    """The data in a YAML file (or a JSON one, by its ``.json`` suffix), read within ``limits``.
-
-    Args:
-        path: the file; only a regular file is read.
-        what: what the file is, for messages ("policy file", "recipe").
-        limits: size, nesting and alias-expansion bounds.
-
-    Returns:
-        The parsed document: plain dicts, lists and scalars; ``None`` for an empty file.
-
-    Raises:
-        DocumentError: missing, unreadable, not a regular file, too large, not UTF-8, malformed, nested too
-            deeply, or aliases expanding too far; the message starts with the path.
+    """The data in a regular YAML file (JSON by its ``.json`` suffix), ``None`` when empty; a `DocumentError`
+    starting with the path when it is missing, unreadable, over ``limits``, not UTF-8 or malformed.
     """
     p = Path(path)
-    text = _read_text(p, what, limits)
+    text = read_text(p, what=what, limits=limits)
     return parse_document(text, source=str(p), json_syntax=p.suffix.lower() == ".json", limits=limits)
 
 
@@ -92,34 +70,24 @@ def parse_document(
 
 
 def read_text(path: str | os.PathLike[str], *, what: str = "file", limits: DocumentLimits = DEFAULT_LIMITS) -> str:
-    """The UTF-8 text of a regular file within ``limits.max_bytes``: `load_document`'s reading step alone.
-
-    Raises:
-        DocumentError: as `load_document`, for everything before parsing.
-    """
-    return _read_text(Path(path), what, limits)
-
-
-def _read_text(path: Path, what: str, limits: DocumentLimits) -> str:
+    """The UTF-8 text of a regular file within ``limits.max_bytes``: `load_document`'s reading step alone."""
+    path = Path(path)
     try:
         # O_NONBLOCK: opening a FIFO without a writer would otherwise block before fstat can refuse it.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DocumentError(f"{path}: {what} is not a regular file")
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(limits.max_bytes + 1)
     except FileNotFoundError:
         raise DocumentError(f"{path}: {what} not found") from None
     except OSError as err:
         raise DocumentError(f"{path}: cannot read {what}: {err.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise DocumentError(f"{path}: {what} is not a regular file")
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            raw = fh.read(limits.max_bytes + 1)
-        except OSError as err:
-            raise DocumentError(f"{path}: cannot read {what}: {err.strerror}") from None
     if len(raw) > limits.max_bytes:
         raise DocumentError(f"{path}: {what} is larger than the limit of {limits.max_bytes} bytes")
-    for bom, encoding in _BOMS:
-        if raw.startswith(bom):
+    for encoding, boms in _BOMS.items():
+        if raw.startswith(boms):
             raise DocumentError(f"{path}: {what} is {encoding} text; save it as UTF-8")
     if b"\x00" in raw:
         raise DocumentError(
@@ -134,10 +102,8 @@ def _read_text(path: Path, what: str, limits: DocumentLimits) -> str:
 
 
 def _check_yaml_shape(text: str, source: str, limits: DocumentLimits) -> None:
-    """Refuse deep nesting and alias expansion from the event stream, before anything is built.
-
-    Each anchor's expanded size is known when it ends, so an alias costs O(1) and a bomb fails at once.
-    """
+    """Refuse deep nesting and alias expansion from the event stream, before anything is built (each anchor's
+    expanded size is known when it ends, so an alias costs O(1) and a bomb fails at once)."""
     frames: list[tuple[str | None, list[int]]] = []  # open collections: (anchor, [expanded size])
     sizes: dict[str, int] = {}  # closed anchors -> expanded size
     added = 0  # nodes added by aliases so far

@@ -1,8 +1,5 @@
-"""Op-level selective recomputation: which ops' outputs ``selective`` keeps.
-
-Built on PyTorch's `create_selective_checkpoint_contexts`: the listed ops' outputs are cached in forward,
-every other op is recomputed. A weight matmul entry may be qualified by shape (``aten.mm:wide``), since
-op names cannot tell GEMMs apart; see docs/PLUGIN.md, 'Save-list families'.
+"""Which ops' outputs ``selective`` keeps (`create_selective_checkpoint_contexts`); a weight matmul entry may be
+qualified by shape (``aten.mm:wide``), as op names cannot tell GEMMs apart (docs/PLUGIN.md, 'Save-list families').
 """
 
 from __future__ import annotations
@@ -15,10 +12,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_recompute.errors import PolicyError
-from lightning_recompute.modes import ATTENTION_KERNELS as _ATTENTION_KERNELS
-from lightning_recompute.modes import DEFAULT_SAVE_OPS, SAVE_FAMILIES
-
-__all__ = ["DEFAULT_SAVE_OPS", "MATMUL_ROLES", "SAVE_FAMILIES", "resolve_save_ops", "selective_context_fn"]
+from lightning_recompute.modes import ATTENTION_KERNELS, DEFAULT_SAVE_OPS, SAVE_FAMILIES
 
 MATMUL_ROLES: tuple[str, ...] = ("wide", "narrow")
 """Shape qualifiers of a weight matmul entry: ``wide`` when the output has more features than the input."""
@@ -26,7 +20,8 @@ MATMUL_ROLES: tuple[str, ...] = ("wide", "narrow")
 _QUALIFIABLE = ("mm", "addmm")
 
 
-def _lookup(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload | None:
+def _lookup(name: str) -> list[torch._ops.OpOverload] | None:
+    """The overloads ``aten.<op>`` or ``aten.<op>.<overload>`` names, or ``None``."""
     parts = name.strip().split(".")
     if len(parts) not in (2, 3) or parts[0] != "aten":
         return None
@@ -34,15 +29,13 @@ def _lookup(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload | 
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return None
     if len(parts) == 3:
-        return getattr(packet, parts[2], None)
-    return packet
+        op = getattr(packet, parts[2], None)
+        return None if op is None else [op]
+    return [getattr(packet, o) for o in packet.overloads()]
 
 
 def _dropout_index(op: Any) -> int | None:
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == "dropout_p":
-            return i
-    return None
+    return next((i for i, arg in enumerate(op._schema.arguments) if arg.name == "dropout_p"), None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -55,15 +48,14 @@ def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]
                 f"save-list entry {entry!r}: a ':' qualifier is only valid on aten.mm or aten.addmm, and is one of "
                 f"{', '.join(MATMUL_ROLES)} (e.g. aten.mm:wide)"
             )
-        op = _lookup(name)
-        if op is None:
+        overloads = _lookup(name)
+        if overloads is None:
             if name in optional:
                 continue  # a kernel this PyTorch build does not have (e.g. cuDNN attention on old releases)
             raise PolicyError(
                 f"unknown op {name!r}; expected an ATen op such as aten.mm, aten.addmm, aten.bmm "
                 f"or aten._scaled_dot_product_flash_attention (optionally with an overload, aten.mm.default)"
             )
-        overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(op, o) for o in op.overloads()]
         for ov in overloads:
             if torch.Tag.nondeterministic_seeded in ov.tags and _dropout_index(ov) is None:
                 # Caching a random op would skip its RNG draw during recompute and shift every later one.
@@ -75,17 +67,14 @@ def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]
 def resolve_save_ops(
     names: Sequence[str] | None, *, where: str = "selective.save", family: str | None = None
 ) -> frozenset[Any]:
-    """The ops named by ``names`` (``None``: the defaults) or by the save-list ``family``.
-
-    Elements are `OpOverload` (always saved) or ``(OpOverload, role)`` (saved for that matmul shape role).
-    """
+    """The ops named by ``names`` (``None``: the defaults) or ``family``: `OpOverload` (always saved) or
+    ``(OpOverload, role)`` (saved for that matmul shape); attention kernels a PyTorch build lacks are skipped."""
     if family is not None:
         if family not in SAVE_FAMILIES:
             raise PolicyError(
                 f"{where}: unknown save-list family {family!r}; valid families are: {', '.join(SAVE_FAMILIES)}"
             )
-        # Attention kernels a PyTorch build lacks are skipped, as in the default list.
-        return _resolve(SAVE_FAMILIES[family], frozenset(_ATTENTION_KERNELS))
+        return _resolve(SAVE_FAMILIES[family], frozenset(ATTENTION_KERNELS))
     if names is None:
         return _resolve(DEFAULT_SAVE_OPS, frozenset(DEFAULT_SAVE_OPS))
     try:
@@ -94,23 +83,9 @@ def resolve_save_ops(
         raise PolicyError(f"{where}: {err}") from None
 
 
-def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    # Fused attention kernels are tagged random for their dropout; with dropout_p == 0 they draw nothing.
-    if torch.Tag.nondeterministic_seeded not in op.tags:
-        return False
-    i = _dropout_index(op)
-    if i is None:
-        return True
-    p = kwargs.get("dropout_p", args[i] if len(args) > i else 0.0)
-    return float(p) != 0.0
-
-
 def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, Any]]:
-    """A ``context_fn`` for `checkpoint` that saves ``save_ops`` and recomputes the rest.
-
-    An attention kernel running with dropout is recomputed even when listed: caching it would skip its RNG draw.
-    """
-
+    """A ``context_fn`` for `checkpoint` that saves ``save_ops`` and recomputes the rest (an attention kernel
+    running with dropout too: caching it would skip its RNG draw)."""
     qualified = any(isinstance(e, tuple) for e in save_ops)
 
     def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -121,6 +96,14 @@ def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, An
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy_fn)
+
+
+def _draws_random(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # Fused attention kernels are tagged random for their dropout; with dropout_p == 0 they draw nothing.
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    i = _dropout_index(op)
+    return i is None or float(kwargs.get("dropout_p", args[i] if len(args) > i else 0.0)) != 0.0
 
 
 def _matmul_role(op: Any, args: tuple[Any, ...]) -> str | None:

@@ -8,17 +8,11 @@ from collections.abc import Mapping
 from lightning_recompute.errors import PolicyError, clip
 from lightning_recompute.policy import PolicyLike, RecomputePolicy
 
-__all__ = ["MLFLOW_PREFIX", "as_policy"]
-
 MLFLOW_PREFIX = "mlflow:"
 
 
 def as_policy(policy: PolicyLike) -> RecomputePolicy:
-    """The `RecomputePolicy` that ``policy`` names.
-
-    Raises:
-        PolicyError: the source holds no valid policy, or ``policy`` is of another type.
-    """
+    """The `RecomputePolicy` that ``policy`` names; a `PolicyError` when it holds none or is of another type."""
     if isinstance(policy, RecomputePolicy):
         return policy
     if isinstance(policy, Mapping):

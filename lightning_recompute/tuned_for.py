@@ -1,84 +1,68 @@
-"""`TunedFor`: what a policy was tuned for (the policy file's optional ``tuned_for:`` section).
-
-A policy fits its budget only at the micro-batch it was measured at; `RecomputeCallback` compares ``micro_batch``
-with the training batches (`batch_advice`). See docs/PLUGIN.md, 'The policy file'.
+"""`TunedFor`: what a policy was tuned for (the policy file's ``tuned_for:``), which `RecomputeCallback` compares
+with the training batches: a policy fits its budget only at the micro-batch it was measured at.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lightning_recompute.errors import PolicyError, clip
-
-__all__ = ["TunedFor", "batch_advice"]
 
 
 @dataclass(frozen=True)
 class TunedFor:
     """The conditions a policy was tuned under (the policy file's ``tuned_for:`` section)."""
 
-    micro_batch: int | None = None
-    """Samples per training batch, per device, the policy was measured at."""
-    data_batch_size: int | None = None
-    """The recipe's data batch size: the global batch a job at `micro_batch` keeps by accumulation."""
-    peak_bytes: int | None = None
-    """Peak device memory of the run the policy was promoted on."""
-    limit_bytes: int | None = None
-    """The memory limit that peak had to fit under (the budget less its margin)."""
+    micro_batch: int | None = None  # samples per training batch, per device
+    data_batch_size: int | None = None  # the global batch a job at micro_batch keeps by accumulation
+    peak_bytes: int | None = None  # of the run the policy was promoted on
+    limit_bytes: int | None = None  # the budget less its margin
     device: str | None = None
     recipe: str | None = None
     recipe_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "data_batch_size", "peak_bytes", "limit_bytes"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise PolicyError(f"tuned_for.{name}: expected a positive integer, got {clip(repr(value))}")
-        for name in ("device", "recipe", "recipe_fingerprint"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise PolicyError(f"tuned_for.{name}: expected a string, got {clip(repr(value))}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.type == "int | None" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PolicyError(f"tuned_for.{f.name}: expected a positive integer, got {clip(repr(value))}")
+            if f.type == "str | None" and not isinstance(value, str):
+                raise PolicyError(f"tuned_for.{f.name}: expected a string, got {clip(repr(value))}")
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "policy") -> TunedFor:
-        """Parse the ``tuned_for:`` mapping; errors name ``source``, the key and the valid keys."""
+    def from_dict(cls, data: Any) -> TunedFor:
+        """Parse the ``tuned_for:`` mapping; errors name the key and the valid keys."""
         valid = [f.name for f in fields(cls)]
         if not isinstance(data, Mapping):
-            raise PolicyError(
-                f"{source}: key 'tuned_for' must be a mapping with keys {valid}, got {type(data).__name__}"
-            )
+            raise PolicyError(f"key 'tuned_for' must be a mapping with keys {valid}, got {type(data).__name__}")
         unknown = [k for k in data if k not in valid]
         if unknown:
-            raise PolicyError(f"{source}: tuned_for: unknown key(s) {clip(repr(unknown))}; valid keys are {valid}")
-        try:
-            return cls(**{str(k): v for k, v in data.items()})
-        except PolicyError as err:
-            raise PolicyError(f"{source}: {err}") from None
+            raise PolicyError(f"tuned_for: unknown key(s) {clip(repr(unknown))}; valid keys are {valid}")
+        return cls(**{str(k): v for k, v in data.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """The ``tuned_for:`` mapping; keys without a value are left out."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def figures(self) -> str:
+        """``peak 38.23 MiB, limit 45.60 MiB``: what was measured, as much as was recorded."""
+        return ", ".join(f"{k} {_mib(v)}" for k, v in (("peak", self.peak_bytes), ("limit", self.limit_bytes)) if v)
 
     def describe(self) -> str:
         """One line: ``tuned for micro-batch 4 (data batch 8) on cpu: peak 38.23 MiB of limit 45.60 MiB ...``."""
-        parts = [f"micro-batch {self.micro_batch if self.micro_batch is not None else 'not recorded'}"]
+        text = f"tuned for micro-batch {self.micro_batch if self.micro_batch is not None else 'not recorded'}"
         if self.data_batch_size is not None:
-            parts[0] += f" (data batch {self.data_batch_size})"
+            text += f" (data batch {self.data_batch_size})"
         if self.device:
-            parts.append(f"on {self.device}")
-        text = "tuned for " + " ".join(parts)
-        if self.peak_bytes is not None:
-            text += f": peak {_mib(self.peak_bytes)}"
-            if self.limit_bytes is not None:
-                text += f" of limit {_mib(self.limit_bytes)}"
-        elif self.limit_bytes is not None:
-            text += f": limit {_mib(self.limit_bytes)}"
+            text += f" on {self.device}"
+        if self.peak_bytes is not None or self.limit_bytes is not None:
+            text += f": {self.figures().replace(', limit', ' of limit')}"
         if self.recipe:
-            text += f"; recipe {self.recipe}"
-            if self.recipe_fingerprint:
-                text += f" ({self.recipe_fingerprint})"
+            text += f"; recipe {self.recipe}" + (f" ({self.recipe_fingerprint})" if self.recipe_fingerprint else "")
         return text
 
 

@@ -11,34 +11,16 @@ from typing import Any
 
 from lightning_recompute.errors import clip
 
-__all__ = ["format_bytes", "jsonable", "parse_bytes"]
-
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
+_UNITS = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    _UNITS.update({_prefix: 1000**_power, f"{_prefix}b": 1000**_power, f"{_prefix}ib": 1024**_power})
 
 
 def parse_bytes(value: int | float | str) -> int:
     """Bytes from a whole number or a size string: ``"20GiB"`` (1024-based), ``"20GB"`` (1000-based), ``"512 MiB"``.
 
-    Case-insensitive; a bare number is bytes; zero is refused.
-
-    Raises:
-        ValueError: not a size; the message lists the units understood.
+    Case-insensitive; a bare number is bytes; zero is refused. A `ValueError` listing the units understood otherwise.
     """
     if isinstance(value, bool):
         raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
@@ -50,14 +32,13 @@ def parse_bytes(value: int | float | str) -> int:
         if not math.isfinite(value) or value < 1 or value != int(value):
             raise ValueError(f"a number of bytes must be a positive whole number, got {value!r}")
         return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if not math.isfinite(n):  # "1e400MiB": a float overflows to inf, and int(inf) raises OverflowError
-                raise ValueError(f"{clip(repr(value))} is not a finite size")
-            if n >= 1:
-                return int(n)
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m and m.group(2).lower() in _UNITS:
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(n):  # "1e400MiB": a float overflows to inf, and int(inf) raises OverflowError
+            raise ValueError(f"{clip(repr(value))} is not a finite size")
+        if n >= 1:
+            return int(n)
     raise ValueError(
         f"{clip(repr(value))} is not a size (valid: a number of bytes, or a number with a unit: "
         f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based), e.g. 20GiB)"
@@ -68,12 +49,12 @@ def format_bytes(n: float | None) -> str:
     """Bytes in binary units with two decimals (``20.00 GiB``); ``None`` and non-finite numbers are ``n/a``."""
     if n is None or isinstance(n, bool) or not math.isfinite(n):
         return "n/a"
-    sign, n = ("-" if n < 0 else ""), abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")  # the loop returns at TiB
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for power, unit in enumerate(("KiB", "MiB", "GiB", "TiB"), start=1):
+        if abs(n) < 1024 ** (power + 1) or unit == "TiB":
+            break
+    return f"{n / 1024**power:.2f} {unit}"
 
 
 def format_seconds(s: float) -> str:
@@ -99,6 +80,4 @@ def jsonable(value: Any) -> Any:
         return None
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
+    return value.isoformat() if isinstance(value, datetime) else str(value)
