@@ -14,18 +14,6 @@ if TYPE_CHECKING:
     from tuner._search import Proposal, TuningStudy
     from tuner._tracking import Tracker
 
-__all__ = [
-    "SETUP_WAIT_S",
-    "Presence",
-    "end_dead_session_runs",
-    "join_setup",
-    "others_fill",
-    "reap",
-    "slot_taken",
-    "stand_down_reason",
-    "wait_for_running",
-]
-
 SETUP_WAIT_S = 600.0
 """How long a worker joining a new study waits for the worker that created it to profile and seed it."""
 
@@ -43,13 +31,10 @@ class Presence:
         self.in_flight: Proposal | None = None  # asked, not yet told
 
     def beat_study(self) -> None:
-        study = self.study
-        if study is None:
-            return
-        if self.setting_up:
+        study, proposal = self.study, self.in_flight
+        if study is not None and self.setting_up:
             study.setup.beat()
-        proposal = self.in_flight
-        if proposal is not None:
+        if study is not None and proposal is not None:
             with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
                 study.in_flight.beat(proposal)
 
@@ -59,18 +44,15 @@ class Presence:
 
 
 def join_setup(study: TuningStudy, name: str, grace_s: float, notify: Say, note: Say) -> bool:
-    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up.
-
-    Otherwise it waits (at most `SETUP_WAIT_S`) until the study is seeded.
-    """
+    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up (waited for
+    at most `SETUP_WAIT_S` until the study is seeded)."""
     if study.created:
         return True
     if not study.setup.seeded:
         notify(f"study {name} is being set up by another worker; waiting ...")
     if study.setup.wait_seeded(SETUP_WAIT_S, grace_s=grace_s):
         return False
-    dead = study.setup.owner_dead(grace_s)
-    note(f"taking over the study's setup: {dead or 'the worker setting it up gave up'}")
+    note(f"taking over the study's setup: {study.setup.owner_dead(grace_s) or 'the worker setting it up gave up'}")
     study.setup.own()
     return True
 
@@ -95,32 +77,35 @@ def reap(
 
 
 def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, note: Say) -> None:
-    """End KILLED the RUNNING session runs of ``study_name`` whose worker died, each noted."""
     for run_id in tracker.sessions.end_dead_sessions(study_name, grace_s):
         note(f"session run {run_id} of a dead worker ended KILLED")
 
 
+def _taken(study: TuningStudy, grace_s: float) -> int:
+    """The study's measured trials and its live trials in flight (this worker's asked one among them)."""
+    return study.ran_count() + study.in_flight.running_alive(grace_s)
+
+
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
     """Whether the study's measured trials and the live trials in flight already make up ``n_trials``."""
-    return study.ran_count() + study.in_flight.running_alive(grace_s) >= n_trials
+    return _taken(study, grace_s) >= n_trials
 
 
 def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
-    """Whether the study's measured trials and every live trial in flight, this worker's asked one among
-    them, exceed ``n_trials``: then this worker stands down.
+    """Whether this worker's asked trial is one past ``n_trials``: then it stands down.
 
     Every worker asks (its trial turns RUNNING) before it counts, so of two asking at once the later
     sees the earlier; both may stand down, and a random pause (`tuner.session`) lets one go first next
     time. Trial numbers cannot decide: an enqueued seed keeps the number it got when enqueued.
     """
-    return study.ran_count() + study.in_flight.running_alive(grace_s) > n_trials
+    return _taken(study, grace_s) > n_trials
 
 
 def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> str | None:
     """Why this worker must not run ``proposal``, just asked, for another worker's trial; ``None``: run it.
 
-    Past ``n_trials`` (`slot_taken`), or another worker asked the same candidate at the same moment and
-    has not claimed it yet: neither can know the other measures it, so both stand down.
+    Past ``n_trials``, or another worker asked the same candidate at the same moment and has not claimed it
+    yet: neither can know the other measures it, so both stand down.
     """
     if slot_taken(study, n_trials, grace_s):
         return "not run: other workers' trials make up n_trials"
@@ -136,12 +121,11 @@ def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event
     """Wait until no trial of the study runs, so every worker gates the same final winner; at most
     ``timeout_s`` (a dead worker's trial stays RUNNING until it is recovered), or until ``stop`` is set."""
     deadline = time.monotonic() + timeout_s
-    told = False
-    while (running := len(study.in_flight.running())) and time.monotonic() < deadline:
-        if not told:
-            notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
-            told = True
+    if running := len(study.in_flight.running()):
+        notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
+    while running and time.monotonic() < deadline:
         if stop.wait(1.0):
             return
+        running = len(study.in_flight.running())
     if running:
         note(f"{running} trial(s) of other workers still running after the wait; gating the best so far")
