@@ -17,8 +17,6 @@ from tuner._liveness import kill_point
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-__all__ = ["STOP_SIGNALS", "Interrupts", "Phase"]
-
 STOP_SIGNALS: tuple[signal.Signals, ...] = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -40,13 +38,13 @@ class Interrupts:
         self.presses += 1
         self.stop.set()
         kill = signum != signal.SIGINT or self.presses > 1 or self.phase in ("setup", "gate")
-        if self.phase == "trial" and not kill:
+        if self.phase == "between":
+            self._say("interrupt: stopping")
+        elif not kill:  # in a trial
             self._say("interrupt: finishing the current trial, then stopping (Ctrl-C again to kill it)")
-            return
-        if kill and self.phase != "between":
+        else:
             self._say("interrupt: stopping now")
             raise KeyboardInterrupt
-        self._say("interrupt: stopping")
 
     @contextlib.contextmanager
     def during(self, phase: Phase) -> Iterator[None]:

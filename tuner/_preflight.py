@@ -17,8 +17,6 @@ from tuner._stores import driver_missing, hide_password
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
-__all__ = ["SettingsError", "check_settings", "nodes_problem", "output_problem", "storage_problem", "tracking_problem"]
-
 CONNECT_TIMEOUT_S = 10.0
 """How long the check waits for a tracking server to accept a connection."""
 
@@ -45,29 +43,27 @@ class SettingsError(RecomputeError, ValueError):
 def check_settings(recipe: Recipe, *, output: bool = True) -> None:
     """Raise a `SettingsError` of every problem found (the policy path unless not ``output``,
     ``tracking.uri``, ``study.storage``, ``trainer.num_nodes``)."""
-    problems = [
-        problem
-        for problem in (
-            output_problem(recipe.output) if output else None,
-            tracking_problem(recipe.tracking.uri),
-            storage_problem(str(recipe.study.storage)),
-            nodes_problem(recipe),
-        )
-        if problem is not None
-    ]
-    if problems:
+    found = (
+        output_problem(recipe.output) if output else None,
+        tracking_problem(recipe.tracking.uri),
+        storage_problem(str(recipe.study.storage)),
+        nodes_problem(recipe),
+    )
+    if problems := [p for p in found if p is not None]:
         raise SettingsError(problems)
 
 
 def nodes_problem(recipe: Recipe) -> str | None:
     """Why the recipe's trials cannot run here, spanning several nodes; ``None`` when they run on one."""
     nodes = recipe.trainer.num_nodes
-    if nodes == 1:
-        return None
     return (
-        f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
-        f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
-        f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
+        None
+        if nodes == 1
+        else (
+            f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
+            f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
+            f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
+        )
     )
 
 
@@ -88,12 +84,10 @@ def output_problem(path: Path, key: str = "output") -> str | None:
     if not folder.is_dir():
         return f"{key}: {clip(str(folder))} is a file, so {shown} cannot be created under it"
     try:
-        fd, probe = tempfile.mkstemp(prefix=".recompute-write-test.", dir=folder)
+        tempfile.TemporaryFile(prefix=".recompute-write-test.", dir=folder).close()
     except OSError as err:
         why = err.strerror or str(err)
         return f"{key}: cannot create a file in {clip(str(folder))} ({why}), so {shown} cannot be written"
-    os.close(fd)
-    os.unlink(probe)
     return None
 
 
@@ -109,9 +103,29 @@ def tracking_problem(uri: str) -> str | None:
     known = set(_tracking_store_registry._registry)
     if base not in known:
         return f"tracking.uri: {shown} has an unknown scheme {scheme!r} (valid: {TRACKING_FORMS})"
-    if base in ("http", "https"):
-        return _server_problem("tracking.uri", uri, 443 if base == "https" else 80)
-    return None
+    if base not in ("http", "https"):
+        return None
+    # MLflow's own client retries a refused connection for minutes.
+    parts = urlsplit(uri)
+    try:
+        host, port = parts.hostname, parts.port or (443 if base == "https" else 80)
+    except ValueError:
+        return f"tracking.uri: {shown} has an invalid port (valid: {TRACKING_FORMS})"
+    if not host:
+        return f"tracking.uri: {shown} names no host (valid: {TRACKING_FORMS})"
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as err:
+        why = (
+            "timed out"
+            if isinstance(err, TimeoutError)
+            else (err.strerror or errno.errorcode.get(err.errno or 0, str(err)))
+        )
+        return (
+            f"tracking.uri: cannot reach the tracking server at {host}:{port} ({why}); start it "
+            f"(mlflow server --host {host} --port {port}) or correct the URI"
+        )
 
 
 def storage_problem(url: str) -> str | None:
@@ -124,8 +138,7 @@ def storage_problem(url: str) -> str | None:
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
     try:
-        parsed = make_url(url)
-        dialect = parsed.get_dialect()
+        dialect = make_url(url).get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError):
         return f"study.storage: {clip(repr(hide_password(url)))} is not a database URL (valid: {STORAGE_FORMS})"
     try:
@@ -133,29 +146,3 @@ def storage_problem(url: str) -> str | None:
     except ImportError as err:
         return driver_missing("study.storage", url, err)
     return None
-
-
-def _server_problem(key: str, uri: str, default_port: int) -> str | None:
-    """Whether the server of ``uri`` accepts a TCP connection within `CONNECT_TIMEOUT_S` (MLflow's own
-    client retries a refused connection for minutes)."""
-    parts = urlsplit(uri)
-    host = parts.hostname
-    if not host:
-        return f"{key}: {clip(repr(uri))} names no host (valid: {TRACKING_FORMS})"
-    try:
-        port = parts.port or default_port
-    except ValueError:
-        return f"{key}: {clip(repr(uri))} has an invalid port (valid: {TRACKING_FORMS})"
-    try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
-            return None
-    except OSError as err:
-        why = (
-            "timed out"
-            if isinstance(err, TimeoutError)
-            else (err.strerror or errno.errorcode.get(err.errno or 0, str(err)))
-        )
-        return (
-            f"{key}: cannot reach the tracking server at {host}:{port} ({why}); start it "
-            f"(mlflow server --host {host} --port {port}) or correct the URI"
-        )

@@ -3,6 +3,7 @@ the search, so a planner that cannot be built is a note in `PlannerSeeds`, not a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,6 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner._search import Predictor, SearchSpace, Seed
 
 if TYPE_CHECKING:
-    from lightning_recompute.planner.sharding import Sharding
     from lightning_recompute.profile import Profile
     from tuner.recipe import Recipe
 
@@ -38,9 +38,9 @@ class PlannerSeeds:
 
     def predictor(self) -> Predictor | None:
         """``(policy, micro_batch) -> Prediction``, or ``None`` without a planner."""
-        if self.planner is None:
-            return None
         planner = self.planner
+        if planner is None:
+            return None
 
         def predict(policy: RecomputePolicy, micro_batch: int | None) -> Prediction | None:
             try:
@@ -90,8 +90,8 @@ def front_points(
 ) -> list[PlannedPolicy]:
     """Up to `PLANNER_FRONT_SEEDS` fitting points of the planner's front, evenly over it, none of ``taken``
     (per-layer modes already seeded): alternatives the prediction error could reorder."""
-    front = [p for p in planner.pareto_front(list(modes), micro_batch=micro_batch) if p.peak_bytes <= budget_bytes]
-    front = [p for p in front if dict(p.modes) not in taken]
+    front = planner.pareto_front(list(modes), micro_batch=micro_batch)
+    front = [p for p in front if p.peak_bytes <= budget_bytes and dict(p.modes) not in taken]
     if not front:
         return []
     count = min(PLANNER_FRONT_SEEDS, len(front))
@@ -102,22 +102,15 @@ def kind_picks(
     planner: Planner, budget_bytes: int, modes: Sequence[str], micro_batch: int | None
 ) -> list[tuple[str, PlannedPolicy]]:
     """For each mode of ``modes`` but ``none``, the planner's pick at the budget using that mode alone (``none``
-    elsewhere): ``[(kind, pick)]``, kinds with no fitting policy left out; empty when ``none`` is not searched
-    (a kind alone is then a uniform policy, which the baselines measure).
-
-    Each kind is seeded, not only the fastest prediction: the planner ranks kinds by `PROFILE_REPEATS` timed
-    steps, which move with the machine (bench/seed_coverage.py), and each kind costs at most one trial.
+    elsewhere), kinds that do not fit left out; empty when ``none`` is not searched (a kind alone is then a
+    uniform policy, which the baselines measure). Each kind is seeded, not only the fastest prediction: the
+    planner ranks kinds by `PROFILE_REPEATS` timed steps, which move with the machine (bench/seed_coverage.py).
     """
-    if "none" not in modes:
-        return []
     out = []
-    for kind in modes:
-        if kind == "none":
-            continue
-        try:
-            out.append((kind, planner.solve(budget_bytes, modes=["none", kind], micro_batch=micro_batch)))
-        except BudgetError:
-            continue  # this kind alone does not fit the budget at this micro-batch
+    for kind in modes if "none" in modes else ():
+        if kind != "none":
+            with contextlib.suppress(BudgetError):  # this kind alone does not fit the budget at this micro-batch
+                out.append((kind, planner.solve(budget_bytes, modes=["none", kind], micro_batch=micro_batch)))
     return out
 
 
@@ -150,18 +143,14 @@ def plan_seeds(
     except Exception as err:  # noqa: BLE001 - the search works without predictions; say why there are none
         _log.debug("planning failed", exc_info=True)
         return PlannerSeeds(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")
-    notes.insert(0, planned_from(measured, sharding))
+    words = f"planner: planned from a profile of one {measured.device} device at micro-batch {measured.micro_batch}"
+    for mode, steps in measured.split.items():
+        words += f" ({mode} did not fit with every layer in it: profiled in {steps} steps, a group of layers each)"
+    if sharding is not None:
+        words += f", for one rank of {sharding.world_size} ({sharding.strategy})"
+    notes.insert(0, words)
     if recipe.trainer.precision.endswith("-mixed"):
         notes.append(
             f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions"
         )
     return PlannerSeeds(planner=planner, profile=measured, seeds=seeds, note="; ".join(notes))
-
-
-def planned_from(profile: Profile, sharding: Sharding | None) -> str:
-    words = f"planner: planned from a profile of one {profile.device} device at micro-batch {profile.micro_batch}"
-    for mode, steps in profile.split.items():
-        words += f" ({mode} did not fit with every layer in it: profiled in {steps} steps, a group of layers each)"
-    if sharding is not None:
-        words += f", for one rank of {sharding.world_size} ({sharding.strategy})"
-    return words
