@@ -34,8 +34,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 FAR_OVER_BUDGET = 1.25
-"""A candidate the planner predicts above this multiple of the budget is skipped, not run; below it the
-prediction's error could still hide a policy that fits."""
+"""Skip a candidate predicted above this multiple of the budget; below it the prediction's error could hide a fit."""
 
 CONSTRAINT = "peak_minus_budget"
 """The Optuna constraint of every told trial (``Trial.set_constraint``): peak minus the budget limit."""
@@ -44,8 +43,7 @@ _FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 
 
 def study_name(recipe: Recipe, device: str) -> str:
-    """The recipe's ``study.name``, or name + hardware + fingerprint (what a trial measures: recipes that differ
-    there must not share trials, while one whose ``n_trials`` grew continues its study)."""
+    """``study.name``, or name.hardware.fingerprint: recipes that measure differently never share trials."""
     if recipe.study.name:
         return recipe.study.name
     hardware = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown-device"
@@ -86,8 +84,7 @@ def _candidate_key(policy: RecomputePolicy, micro_batch: int | None) -> str:
 RecordOutcome = Literal[
     "ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped", "duplicate", "interrupted", "abandoned"
 ]
-"""A `tuner._trials.Outcome`, or ``duplicate`` (never run again), ``interrupted`` (by the user) or ``abandoned``
-(its owner died mid-trial)."""
+"""A `tuner._trials.Outcome`, or ``duplicate``, ``interrupted`` (by the user), ``abandoned`` (its owner died)."""
 
 RAN: tuple[RecordOutcome, ...] = ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")  # n_trials counts
 MEASURED: tuple[RecordOutcome, ...] = ("ok", "over_budget")  # with memory and speed figures
@@ -148,7 +145,6 @@ class TrialRecord:
 
     @property
     def ran(self) -> bool:
-        """Whether this trial ran the policy to an outcome (`RAN`): what ``n_trials`` counts."""
         return self.outcome in RAN
 
     @property
@@ -156,8 +152,7 @@ class TrialRecord:
         return self.outcome in MEASURED
 
     def to_dict(self) -> dict[str, Any]:
-        """A row of the trials table (``trials.json``, ``trials.csv``): the policy as its file's mapping, the label
-        as ``seed`` (the column's name since the first studies) followed by ``source``."""
+        """A row of ``trials.json`` and ``trials.csv``; the label is ``seed``, the column of the first studies."""
         row: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -173,7 +168,6 @@ _AS_STORED = (
     *("micro_batch", "label", "throughput", "peak_bytes", "step_time_s", "noise_rel", "wall_s"),
     *("predicted_peak_bytes", "predicted_step_time_s", "reason", "run_id", "duplicate_of"),
 )
-"""`TrialRecord` fields read from the trial's user attribute as they are: of their own name unless `_ATTR_OF`."""
 _ATTR_OF = {"label": TrialAttr.SEED, "noise_rel": TrialAttr.NOISE_REL, "run_id": TrialAttr.RUN_ID}
 _ROW_KEYS = {"fingerprint": "policy_fingerprint", "short": "policy_short", "label": "seed"}
 
@@ -185,12 +179,8 @@ def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
 
 
 class TuningStudy:
-    """An Optuna study driven by ask/tell from the tuning session; build one with `open`.
-
-    Outcomes map to states so the sampler learns the right thing: measured is COMPLETE (over budget too, made
-    infeasible by the constraint, so TPE learns where the memory wall is); oom / timeout / error / interrupted
-    are FAIL; skipped on the planner's prediction is PRUNED; a duplicate takes its original's state and value.
-    """
+    """An Optuna study driven by ask/tell; build one with `open`. Measured is COMPLETE (over budget too, infeasible
+    by the constraint, so TPE learns where the memory wall is), skipped PRUNED, the rest FAIL."""
 
     def __init__(
         self,
@@ -223,9 +213,7 @@ class TuningStudy:
         recipe_fingerprint: str | None = None,
         device: str | None = None,
     ) -> TuningStudy:
-        """Create the study, or load it (resume; another worker): a `RecomputeError` if it was created for another
-        space or budget. Only one process can create a study of a name, which is how workers agree on who seeds it;
-        the creator's sampler is seeded with ``seed``, a joining session's from a stream of its own."""
+        """Create the study, or load it; only one process can create a study of a name: it seeds the study."""
         store = open_storage(storage) if isinstance(storage, str) else storage
         # Constraints are set on each trial (`_constrain`): Optuna 5 deprecates TPESampler's constraints_func.
         sampler = optuna.samplers.TPESampler(seed=seed)
@@ -264,8 +252,7 @@ class TuningStudy:
         return cls(study, space, budget_bytes=budget_bytes, created=True, storage=store)
 
     def seed(self, seeds: Sequence[Seed]) -> list[str]:
-        """Enqueue those of ``seeds`` the study does not hold yet, mark it seeded; the names enqueued.
-        Once per study: by the creator, or a session taking over an abandoned setup."""
+        """Enqueue those of ``seeds`` the study does not hold yet and mark it seeded; the names enqueued."""
         present = {
             t.user_attrs.get(TrialAttr.SEED_KEY) or t.user_attrs.get(TrialAttr.CANDIDATE_KEY)
             for t in self.study.get_trials(deepcopy=False)
@@ -286,13 +273,8 @@ class TuningStudy:
         return enqueued
 
     def ask(self, *, session_run_id: str | None = None) -> Proposal:
-        """The next candidate (an enqueued seed first), with `Proposal.duplicate_of` and ``contended_by`` filled in.
-
-        The candidate's key is written to the trial before the others are read, so of two workers proposing it at
-        once the later reader sees the earlier trial; an unclaimed running one may be standing down itself, so
-        both stand down (trial numbers do not follow the order of asking). The owner and ``session_run_id`` let
-        another process fail the trial and retry it if this one dies (`InFlight.reap_dead`).
-        """
+        """The next candidate: its key is written before the others are read, so of two workers asking it at once
+        the later sees the earlier (trial numbers do not follow the order of asking)."""
         trial = self.study.ask(fixed_distributions=self._distributions)
         policy, mb = self.space.decode(trial.params)
         proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, label=trial.user_attrs.get(TrialAttr.SEED))
@@ -313,8 +295,7 @@ class TuningStudy:
         return proposal
 
     def claim(self, proposal: Proposal) -> None:
-        """Mark the proposal as measured by this worker (once nothing can make it stand down, before it runs):
-        others asking its candidate now are its duplicates."""
+        """Once nothing can make it stand down: others asking its candidate now are its duplicates."""
         proposal.trial.set_user_attr(TrialAttr.CLAIMED, True)
 
     def _find_duplicate(self, key: str, number: int) -> tuple[FrozenTrial | None, FrozenTrial | None]:
@@ -339,7 +320,7 @@ class TuningStudy:
     def tell_result(
         self, proposal: Proposal, result: TrialResult, *, run_id: str | None = None, reason: str | None = None
     ) -> FrozenTrial:
-        """Record a trial that ran: COMPLETE with its throughput when measured, FAIL otherwise."""
+        """COMPLETE with its throughput when measured, FAIL otherwise."""
         t = proposal.trial
         self._set_common(
             proposal,
@@ -361,7 +342,7 @@ class TuningStudy:
         return self.study.tell(t, state=TrialState.FAIL)
 
     def tell_skipped(self, proposal: Proposal, reason: str, *, run_id: str | None = None) -> FrozenTrial:
-        """Record a candidate not run (the planner predicts it far over budget) as PRUNED, with why."""
+        """PRUNED: the planner predicts it far over budget."""
         self._set_common(proposal, outcome="skipped", run_id=run_id, reason=reason)
         pred = proposal.prediction
         peak = None if pred is None else pred.peak_bytes
@@ -369,8 +350,7 @@ class TuningStudy:
         return self.study.tell(proposal.trial, state=TrialState.PRUNED)
 
     def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
-        """Record a re-proposal without measuring it again: its original's state and value, or FAIL while the
-        original still runs."""
+        """Its original's state and value, or FAIL while the original still runs."""
         original = proposal.duplicate_of
         if original is None:
             raise RecomputeError(f"trial {proposal.number}: not a duplicate")
@@ -389,7 +369,7 @@ class TuningStudy:
         return self.study.tell(t, state=original.state)
 
     def tell_interrupted(self, proposal: Proposal, reason: str) -> FrozenTrial:
-        """Record a trial stopped by the user (FAIL); a seed goes back in the queue for the next session."""
+        """FAIL; a seed goes back in the queue for the next session."""
         t = proposal.trial
         self._set_common(proposal, outcome="interrupted", run_id=None, reason=reason)
         frozen = self.study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
@@ -422,18 +402,16 @@ class TuningStudy:
             proposal.trial.set_user_attr(key, value)
 
     def records(self) -> list[TrialRecord]:
-        """Every finished trial of the study (all workers, all sessions), in trial order."""
         return [TrialRecord.from_trial(t) for t in self.study.get_trials(deepcopy=False, states=_FINISHED)]
 
     def best(self) -> TrialRecord | None:
         return best_of(self.records())
 
     def ran_count(self) -> int:
-        """Trials that ran a policy (`TrialRecord.ran`: what ``n_trials`` counts), all workers together."""
+        """What ``n_trials`` counts, all workers together."""
         return sum(1 for r in self.records() if r.ran)
 
     def waiting(self) -> list[FrozenTrial]:
-        """Enqueued trials not yet handed out."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
 
 
@@ -478,10 +456,8 @@ def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
 
 
 class InFlight:
-    """The study's running trials, any worker's: heartbeats, which are alive, the dead ones reaped.
-
-    Own heartbeats, not Optuna's: journal storage has none, and a same-host owner is judged by its pid at once.
-    """
+    """Any worker's running trials. Own heartbeats, not Optuna's: journal storage has none, and a same-host
+    owner is judged dead by its pid at once."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace) -> None:
         self.study = study
@@ -498,9 +474,8 @@ class InFlight:
         proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
 
     def reap_dead(self, grace_s: float) -> list[AbandonedTrial]:
-        """Fail (outcome ``abandoned``) every RUNNING trial whose owner is dead and enqueue its candidate again
-        (a seed keeps its name); those this call failed. Of several processes reaping at once, only the one whose
-        state change wins reports and re-enqueues the trial."""
+        """Fail every RUNNING trial whose owner is dead and enqueue its candidate again; of several processes
+        reaping at once, only the one whose state change wins reports and re-enqueues it."""
         storage = self.study._storage  # Optuna's public Study has no way to fail another process's trial
         out: list[AbandonedTrial] = []
         for t in self.running():
@@ -528,14 +503,12 @@ class InFlight:
 
 
 class StudySetup:
-    """The study's setup as its workers share it, in its user attributes: who sets it up (a dead owner's setup
-    is taken over), whether it is seeded, and the profile and planner note every worker predicts with."""
+    """Who sets the study up, whether it is seeded, and the profile and planner note every worker predicts with."""
 
     def __init__(self, study: optuna.Study) -> None:
         self.study = study
 
     def own(self) -> None:
-        """Record this process as the one setting the study up."""
         self.study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
         self.beat()
 
@@ -543,8 +516,7 @@ class StudySetup:
         self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
 
     def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
-        """Wait for the setting-up process to seed the study; whether it did (not when it gave up, died
-        (`owner_dead`) or ``timeout_s`` passed)."""
+        """Whether the setting-up process seeded the study (not when it gave up, died or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
         while not self.seeded:
             if self.study.user_attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
@@ -555,8 +527,7 @@ class StudySetup:
         return True
 
     def owner_dead(self, grace_s: float) -> str | None:
-        """Why the session setting the study up is dead, or ``None`` (alive, done, or not recorded: an older
-        version's study, or a creator that has not recorded itself yet)."""
+        """Why the session setting the study up is dead; ``None`` while alive, done, or not recorded yet."""
         attrs = self.study.user_attrs
         if attrs.get(StudyAttr.SEEDED) or Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER)) is None:
             return None
@@ -567,23 +538,19 @@ class StudySetup:
         return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
 
     def mark_seeded(self) -> None:
-        """Waiting workers go on, and no session seeds the study again."""
         self.study.set_user_attr(StudyAttr.SEEDED, True)
 
     def abandon(self) -> None:
-        """Say that this process stopped setting up the study, so no other worker waits for it."""
         if not self.seeded:
             self.study.set_user_attr(StudyAttr.ABANDONED, True)
 
     def profile(self) -> dict[str, Any] | None:
-        """The model's profile (`Profile.to_dict`) the setting-up session stored, if any."""
         return self.study.user_attrs.get(StudyAttr.PROFILE)
 
     def store_profile(self, profile: Mapping[str, Any]) -> None:
         self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
 
     def planner_note(self) -> str | None:
-        """Why the setting-up session had no planner, or what its planner could not do."""
         note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
         return None if note is None else str(note)
 
