@@ -54,7 +54,7 @@ def _read(path: str) -> str | None:
 
 
 def _stat(pid: int) -> list[str]:
-    """Fields 3 on of ``/proc/<pid>/stat`` (Linux; empty elsewhere or when it is gone)."""
+    """Fields 3 on of ``/proc/<pid>/stat``: empty when not Linux or gone."""
     stat = _read(f"/proc/{pid}/stat") or ""
     # The command name (field 2) may hold spaces and parentheses: split after its closing one.
     return stat[stat.rfind(")") + 2 :].split()
@@ -100,7 +100,6 @@ class Owner:
 
     @classmethod
     def from_dict(cls, data: Any) -> Owner | None:
-        """The owner recorded as `to_dict` wrote it; ``None`` for anything else (an older record)."""
         if not isinstance(data, Mapping) or not isinstance(data.get("pid"), int) or not data.get("host"):
             return None
         started, boot = data.get("started"), data.get("boot")
@@ -108,7 +107,6 @@ class Owner:
 
     @property
     def here(self) -> bool:
-        """Whether the owner runs on this host (a recorded boot id must match too)."""
         return self.host == socket.gethostname() and self.boot in (None, boot_id())
 
     def gone_here(self) -> str | None:
@@ -129,8 +127,7 @@ class Owner:
 def dead_reason(
     owner: Owner | None, heartbeat_at: float | None, *, grace: float, since: float | None = None
 ) -> str | None:
-    """Why the holder of something is dead, or ``None`` while it may be alive: ``heartbeat_at`` is its last beat
-    (``time.time()``), ``since`` when it took the thing (the silence's start without a beat)."""
+    """Why the holder of something is dead; ``since``: when it took it, the silence's start without a beat."""
     if owner is not None:
         gone = owner.gone_here()
         if gone is not None:

@@ -41,8 +41,7 @@ class SettingsError(RecomputeError, ValueError):
 
 
 def check_settings(recipe: Recipe, *, output: bool = True) -> None:
-    """Raise a `SettingsError` of every problem found (the policy path unless not ``output``,
-    ``tracking.uri``, ``study.storage``, ``trainer.num_nodes``)."""
+    """Raise a `SettingsError` of every problem found."""
     found = (
         output_problem(recipe.output) if output else None,
         tracking_problem(recipe.tracking.uri),
@@ -68,11 +67,8 @@ def nodes_problem(recipe: Recipe) -> str | None:
 
 
 def output_problem(path: Path, key: str = "output") -> str | None:
-    """Why the policy file cannot be written at ``path``, or ``None`` when it can; ``key`` names the setting.
-
-    A file is created and removed in the (nearest existing) folder: permission bits say nothing about
-    read-only mounts or immutable folders.
-    """
+    """Why the policy file cannot be written at ``path``: a file is made in the nearest existing folder, as
+    permission bits say nothing about read-only mounts or immutable folders."""
     shown = clip(str(path))
     if any(path == root or root in path.parents for root in _KERNEL_FILESYSTEMS):
         return f"{key}: {shown} is on a kernel filesystem, not storage (valid: a file path in a writable folder)"

@@ -123,11 +123,8 @@ _RESUME = "run the same command again (the study resumes from what it holds)"
 
 
 def store_failure(recipe: Recipe, err: BaseException) -> StoreFailure | None:
-    """The clear error for ``err`` when a store of ``recipe`` failed; ``None`` when it is something else.
-
-    The store is told by where the error arose (MLflow's code or Optuna's) or by the file it names; the
-    message names the recipe key, the store, the first line of the cause, and what to do.
-    """
+    """The clear error for ``err`` when a store of ``recipe`` failed, told by where it arose (MLflow's code or
+    Optuna's) or the file it names; ``None`` when it is something else."""
     if isinstance(err, StoreFailure):
         return err
     stores = {"study.storage": str(recipe.study.storage), "tracking.uri": recipe.tracking.uri}
@@ -178,7 +175,6 @@ def store_failure(recipe: Recipe, err: BaseException) -> StoreFailure | None:
 
 
 def _frames(err: BaseException) -> list[tuple[str, ...]]:
-    """The path parts of the file of each frame of ``err``'s traceback and of its causes'."""
     out, seen, cur = [], set(), err
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
@@ -222,7 +218,6 @@ def _key_of_file(recipe: Recipe, path: Path) -> str | None:
 
 
 def driver_missing(key: str, url: str, err: ImportError) -> str:
-    """The message for a database URL whose Python driver is not installed."""
     shown = clip(hide_password(url))
     if url.startswith("postgresql"):
         return f"{key}: {shown} needs psycopg: pip install 'lightning-recompute[postgres]'"
@@ -230,7 +225,6 @@ def driver_missing(key: str, url: str, err: ImportError) -> str:
 
 
 def hide_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for messages."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 

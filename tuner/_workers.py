@@ -1,6 +1,5 @@
-"""Workers sharing one study (docs/CLUSTER.md): heartbeats (`Presence`), who sets the study up
-(`join_setup`), dead workers' trials (`reap`), no surplus or doubled trials (`stand_down_reason`), and the
-wait for others' trials before the gate (`wait_for_running`)."""
+"""Workers sharing one study (docs/CLUSTER.md): heartbeats, who sets it up, dead workers' trials, no surplus or
+doubled trials, the wait for others' trials before the gate."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class Presence:
 
 
 def join_setup(study: TuningStudy, name: str, grace_s: float, notify: Say, note: Say) -> bool:
-    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up (waited for
-    at most `SETUP_WAIT_S` until the study is seeded)."""
+    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up."""
     if study.created:
         return True
     if not study.setup.seeded:
@@ -82,31 +80,23 @@ def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, not
 
 
 def _taken(study: TuningStudy, grace_s: float) -> int:
-    """The study's measured trials and its live trials in flight (this worker's asked one among them)."""
     return study.ran_count() + study.in_flight.running_alive(grace_s)
 
 
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
-    """Whether the study's measured trials and the live trials in flight already make up ``n_trials``."""
     return _taken(study, grace_s) >= n_trials
 
 
 def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
-    """Whether this worker's asked trial is one past ``n_trials``: then it stands down.
-
-    Every worker asks (its trial turns RUNNING) before it counts, so of two asking at once the later
-    sees the earlier; both may stand down, and a random pause (`tuner.session`) lets one go first next
-    time. Trial numbers cannot decide: an enqueued seed keeps the number it got when enqueued.
-    """
+    """Whether this worker's asked trial is one past ``n_trials``. Every worker asks (its trial turns RUNNING)
+    before it counts, so of two asking at once the later sees the earlier: trial numbers cannot decide, as an
+    enqueued seed keeps the number it got when enqueued."""
     return _taken(study, grace_s) > n_trials
 
 
 def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> str | None:
-    """Why this worker must not run ``proposal``, just asked, for another worker's trial; ``None``: run it.
-
-    Past ``n_trials``, or another worker asked the same candidate at the same moment and has not claimed it
-    yet: neither can know the other measures it, so both stand down.
-    """
+    """Why this worker must not run ``proposal``: past ``n_trials``, or another worker asked the same candidate
+    at the same moment and has not claimed it (neither can know the other measures it, so both stand down)."""
     if slot_taken(study, n_trials, grace_s):
         return "not run: other workers' trials make up n_trials"
     if proposal.duplicate_of is None and proposal.contended_by is not None:
@@ -118,8 +108,7 @@ def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, gra
 
 
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:
-    """Wait until no trial of the study runs, so every worker gates the same final winner; at most
-    ``timeout_s`` (a dead worker's trial stays RUNNING until it is recovered), or until ``stop`` is set."""
+    """Wait until no trial runs, so every worker gates the same winner (a dead worker's stays RUNNING: a timeout)."""
     deadline = time.monotonic() + timeout_s
     if running := len(study.in_flight.running()):
         notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")

@@ -38,11 +38,8 @@ def gate_lease(
     on_wait: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
 ) -> Iterator[bool]:
-    """Hold ``study_name``'s gate lease for the ``with`` block; yields whether another process held it first.
-
-    ``on_wait`` is told once who holds the lease when this process has to wait; ``cancel`` (Ctrl-C) ends the wait
-    with `KeyboardInterrupt`, and another live holder past ``wait_s`` with `GateLeaseTimeout`.
-    """
+    """Hold the gate lease for the ``with`` block; yields whether another process held it first. ``cancel``
+    (Ctrl-C) ends the wait with `KeyboardInterrupt`, a live holder past ``wait_s`` with `GateLeaseTimeout`."""
     name = lease_name(study_name)
     deadline = time.monotonic() + wait_s
     waited = False

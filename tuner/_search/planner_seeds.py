@@ -55,9 +55,8 @@ class PlannerSeeds:
 def planner_seeds(
     planner: Planner, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
 ) -> tuple[list[Seed], list[str]]:
-    """The planner's pick at the budget (per micro-batch size), each kind's own pick (`kind_picks`), and a few
-    points of its front under the budget, each policy once. Only the pick gets a compiled twin: the planner
-    predicts eager steps, so twins of the others would double the trials on guesses of the same quality."""
+    """The planner's pick at the budget per micro-batch size, each kind's pick, and a few points of its front.
+    Only the pick gets a compiled twin: the planner predicts eager steps, so more twins would be guesses."""
     seeds: list[Seed] = []
     notes: list[str] = []
     sizes: list[int | None] = list(space.micro_batches) if space.micro_batches else [None]
@@ -101,11 +100,8 @@ def front_points(
 def kind_picks(
     planner: Planner, budget_bytes: int, modes: Sequence[str], micro_batch: int | None
 ) -> list[tuple[str, PlannedPolicy]]:
-    """For each mode of ``modes`` but ``none``, the planner's pick at the budget using that mode alone (``none``
-    elsewhere), kinds that do not fit left out; empty when ``none`` is not searched (a kind alone is then a
-    uniform policy, which the baselines measure). Each kind is seeded, not only the fastest prediction: the
-    planner ranks kinds by `PROFILE_REPEATS` timed steps, which move with the machine (bench/seed_coverage.py).
-    """
+    """The pick using each mode alone (``none`` elsewhere; without ``none`` the baselines are those): each kind,
+    since the planner ranks kinds by `PROFILE_REPEATS` steps, which move with the machine (bench/seed_coverage.py)."""
     out = []
     for kind in modes if "none" in modes else ():
         if kind != "none":
@@ -117,9 +113,7 @@ def kind_picks(
 def plan_seeds(
     recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: dict[str, Any] | None = None
 ) -> PlannerSeeds:
-    """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds; for a
-    multi-rank recipe it plans one rank (`lightning_recompute.planner.sharding`). Never raises for the planner's
-    own failure (only for Ctrl-C): the note says why there are no predictions."""
+    """Profile the model (or reuse ``stored``) and plan one rank; the planner failing is a note, not an error."""
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
     from lightning_recompute.profile import Profile
     from tuner._trials import profile_recipe

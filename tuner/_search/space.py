@@ -35,8 +35,7 @@ class LayerInfo:
 
 
 def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
-    """The recipe's layers and their kinds, from a model built on the meta device (or on the CPU when it loads
-    weights or calls ``.item()``); a `RecomputeError` when it cannot be built or ``layers`` match nothing."""
+    """The recipe's layers and their kinds, from a model built on the meta device (on the CPU if that fails)."""
     import torch
 
     from tuner.recipe import build_model
@@ -67,11 +66,7 @@ def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the study samples, and how its parameters become a policy and a micro-batch size.
-
-    ``grouped`` spaces have ``n_<mode>`` (layers taking each mode but the fill mode) and ``placement``; per-layer
-    ones a ``layer.<path>`` per layer. ``micro_batch`` and ``compile`` are parameters when several are searched.
-    """
+    """``grouped``: ``n_<mode>`` per mode but the fill mode, and ``placement``; else ``layer.<path>`` per layer."""
 
     layer_names: tuple[str, ...]  # in model order
     modes: tuple[str, ...]  # the recipe's search.modes
@@ -160,12 +155,10 @@ class SearchSpace:
         return out
 
     def policy(self, modes: Mapping[str, str], compile_layers: bool = False) -> RecomputePolicy:
-        """The canonical policy of a per-layer mode map (one entry per layer, in model order): every policy the
-        tuner builds goes through here, so equal decisions have equal fingerprints."""
+        """Every policy the tuner builds goes through here, so equal decisions have equal fingerprints."""
         return RecomputePolicy.from_modes({name: str(modes[name]) for name in self.layer_names}, compile=compile_layers)
 
     def modes_of(self, params: Mapping[str, Any]) -> dict[str, str]:
-        """The per-layer modes a parameter set stands for (deterministic)."""
         names = self.layer_names
         if not self.grouped:
             return {n: str(params[f"layer.{n}"]) for n in names}
@@ -182,7 +175,6 @@ class SearchSpace:
         return dict(zip(names, out, strict=False))
 
     def decode(self, params: Mapping[str, Any]) -> tuple[RecomputePolicy, int | None]:
-        """The policy and micro-batch size (``None``: the data module's own) of a parameter set."""
         compiles = bool(params.get("compile", self.compile_choices[0]))
         mb = int(params.get("micro_batch", self.micro_batches[0])) if self.micro_batches else None
         return self.policy(self.modes_of(params), compiles), mb
@@ -190,9 +182,7 @@ class SearchSpace:
     def encode(
         self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
     ) -> dict[str, Any] | None:
-        """Parameters that `decode` to exactly ``modes`` (and ``micro_batch``); ``None`` if the space has none (a
-        grouped space cannot express every arrangement: see `nearest`). ``compile_layers`` ``None``: the first
-        choice searched."""
+        """Parameters that `decode` to exactly ``modes``; ``None`` if none do (a grouped space lacks some)."""
         params = self._fixed(modes, micro_batch, compile_layers)
         sizes = self.micro_batches or ()
         if params is None or (micro_batch is not None and len(sizes) == 1 and int(micro_batch) != sizes[0]):
@@ -222,8 +212,7 @@ class SearchSpace:
     def _fixed(
         self, modes: Mapping[str, str], micro_batch: int | None, compile_layers: bool | None
     ) -> dict[str, Any] | None:
-        """The ``compile`` and ``micro_batch`` parameters of a candidate (those searched); ``None`` when it is
-        outside the space."""
+        """The ``compile`` and ``micro_batch`` parameters of a candidate; ``None`` when it is outside the space."""
         compile_layers = self.compile_choices[0] if compile_layers is None else compile_layers
         if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
             return None
