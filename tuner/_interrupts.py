@@ -17,11 +17,9 @@ from tuner._liveness import kill_point
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-STOP_SIGNALS: tuple[signal.Signals, ...] = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),  # no SIGHUP on Windows
-)
+STOP_SIGNALS = tuple(
+    s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s
+)  # Windows: no HUP
 Phase = Literal["setup", "trial", "between", "gate"]
 
 

@@ -519,9 +519,8 @@ class StudySetup:
         """Whether the setting-up process seeded the study (not when it gave up, died or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
         while not self.seeded:
-            if self.study.user_attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
-                return False
-            if self.owner_dead(grace_s) is not None:
+            gone = self.study.user_attrs.get(StudyAttr.ABANDONED) or self.owner_dead(grace_s) is not None
+            if gone or time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
         return True
