@@ -91,16 +91,11 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         raise RecomputeError(driver_missing("study.storage", url, err)) from None
 
 
-class StorageUnavailable(StoreFailure):
-    """The study's database failed while a session was using it (a server stopped, a network cut)."""
-
-
 _NOTHING_CHANGED = "Nothing was promoted and the policy file is unchanged"
 
 
-def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
-    """The clear error for ``err`` when it is the study database failing (Optuna's and SQLAlchemy's
-    errors name neither the setting nor what to do), else ``None``."""
+def storage_failure(url: str, err: BaseException) -> StoreFailure | None:
+    """The study database failing mid-session (a server stopped, a network cut), named; else ``None``."""
     from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -108,7 +103,7 @@ def storage_failure(url: str, err: BaseException) -> StorageUnavailable | None:
         return None
     cause = err.__cause__ or err.__context__ or err
     lines = str(getattr(cause, "orig", None) or cause).strip().splitlines() or [type(cause).__name__]
-    return StorageUnavailable(
+    return StoreFailure(
         f"study.storage: the study database {clip(hide_password(url))} failed: {clip(lines[0])}. {_NOTHING_CHANGED}; "
         "once the database is reachable, run the same command again and the study resumes",
         "study.storage",

@@ -164,10 +164,9 @@ class TrialRecord:
         return row
 
 
-_AS_STORED = (
-    *("micro_batch", "label", "throughput", "peak_bytes", "step_time_s", "noise_rel", "wall_s"),
-    *("predicted_peak_bytes", "predicted_step_time_s", "reason", "run_id", "duplicate_of"),
-)
+_DERIVED = {"number", "state", "outcome", "policy", "fingerprint", "short", "throughput_unit", "feasible"}
+_AS_STORED = [f.name for f in dataclasses.fields(TrialRecord) if f.name not in _DERIVED]
+"""`TrialRecord` fields read from the trial's user attribute as they are: of their own name unless `_ATTR_OF`."""
 _ATTR_OF = {"label": TrialAttr.SEED, "noise_rel": TrialAttr.NOISE_REL, "run_id": TrialAttr.RUN_ID}
 _ROW_KEYS = {"fingerprint": "policy_fingerprint", "short": "policy_short", "label": "seed"}
 
