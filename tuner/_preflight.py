@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from lightning_recompute.errors import RecomputeError, clip
-from tuner._stores import driver_missing, hide_password
+from tuner._stores import storage_problem
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
@@ -27,7 +27,6 @@ TRACKING_FORMS = (
     "sqlite:///path/mlflow.db, postgresql://user@host/db, mysql://..., http(s)://host:port, "
     "file:///path/mlruns or databricks"
 )
-STORAGE_FORMS = "sqlite:///path/optuna.db, postgresql://user@host/db, mysql://user@host/db, or a path ending in .log"
 
 
 class SettingsError(RecomputeError, ValueError):
@@ -122,23 +121,3 @@ def tracking_problem(uri: str) -> str | None:
             f"tracking.uri: cannot reach the tracking server at {host}:{port} ({why}); start it "
             f"(mlflow server --host {host} --port {port}) or correct the URI"
         )
-
-
-def storage_problem(url: str) -> str | None:
-    """Why Optuna cannot store a study at ``url``, or ``None`` (the driver's import is checked, not the server)."""
-    if "://" not in url:
-        if url.endswith(".log"):
-            return None
-        return f"study.storage: {clip(repr(url))} is neither a database URL nor a journal file (valid: {STORAGE_FORMS})"
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-
-    try:
-        dialect = make_url(url).get_dialect()
-    except (ArgumentError, NoSuchModuleError, ValueError):
-        return f"study.storage: {clip(repr(hide_password(url)))} is not a database URL (valid: {STORAGE_FORMS})"
-    try:
-        dialect.import_dbapi()
-    except ImportError as err:
-        return driver_missing("study.storage", url, err)
-    return None

@@ -64,12 +64,10 @@ def sqlite_setup_lock(url: str) -> Iterator[None]:
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """Optuna storage for a database URL, or a journal file for a path ending in ``.log``."""
+    problem = storage_problem(url)
+    if problem is not None:
+        raise RecomputeError(problem)
     if "://" not in url:
-        if not url.endswith(".log"):
-            raise RecomputeError(
-                f"study.storage: {url!r} is neither a database URL nor a journal file "
-                f"(valid: sqlite:///optuna.db, postgresql://..., or a path ending in .log)"
-            )
         path = Path(url).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
@@ -79,16 +77,39 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
     from sqlalchemy.exc import IntegrityError, ProgrammingError
 
+    # Optuna's ``create_all`` checks, then creates: of two workers on an empty database the second
+    # fails with a unique violation, and its retry finds the schema complete.
+    for attempt in range(1, SCHEMA_RACE_ATTEMPTS):
+        with contextlib.suppress(IntegrityError, ProgrammingError):
+            return optuna.storages.RDBStorage(url)
+        time.sleep(0.2 * attempt + random.random() * 0.3)  # jitter: the racers must not collide again
+    return optuna.storages.RDBStorage(url)
+
+
+STORAGE_FORMS = "sqlite:///path/optuna.db, postgresql://user@host/db, mysql://user@host/db, or a path ending in .log"
+
+
+def storage_problem(url: str) -> str | None:
+    """Why Optuna cannot store a study at ``url``, or ``None`` (the driver's import is checked, not the server)."""
+    if "://" not in url:
+        if url.endswith(".log"):
+            return None
+        return f"study.storage: {clip(repr(url))} is neither a database URL nor a journal file (valid: {STORAGE_FORMS})"
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
     try:
-        # Optuna's ``create_all`` checks, then creates: of two workers on an empty database the second
-        # fails with a unique violation, and its retry finds the schema complete.
-        for attempt in range(1, SCHEMA_RACE_ATTEMPTS):
-            with contextlib.suppress(IntegrityError, ProgrammingError):
-                return optuna.storages.RDBStorage(url)
-            time.sleep(0.2 * attempt + random.random() * 0.3)  # jitter: the racers must not collide again
-        return optuna.storages.RDBStorage(url)
-    except ImportError as err:  # Optuna imports the database's driver when it opens the storage
-        raise RecomputeError(driver_missing("study.storage", url, err)) from None
+        dialect = make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError):
+        return f"study.storage: {clip(repr(hide_password(url)))} is not a database URL (valid: {STORAGE_FORMS})"
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        shown = clip(hide_password(url))
+        if url.startswith("postgresql"):
+            return f"study.storage: {shown} needs psycopg: pip install 'lightning-recompute[postgres]'"
+        return f"study.storage: {shown} needs a database driver that is not installed ({err})"
+    return None
 
 
 _NOTHING_CHANGED = "Nothing was promoted and the policy file is unchanged"
@@ -210,13 +231,6 @@ def _key_of_file(recipe: Recipe, path: Path) -> str | None:
             if key == "tracking.uri" and (db.parent / "mlartifacts") in here.parents:
                 return key
     return None
-
-
-def driver_missing(key: str, url: str, err: ImportError) -> str:
-    shown = clip(hide_password(url))
-    if url.startswith("postgresql"):
-        return f"{key}: {shown} needs psycopg: pip install 'lightning-recompute[postgres]'"
-    return f"{key}: {shown} needs a database driver that is not installed ({err})"
 
 
 def hide_password(url: str) -> str:
