@@ -177,27 +177,21 @@ def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
     return max(feasible, key=lambda r: (r.throughput or 0.0, -r.number)) if feasible else None
 
 
+@dataclass(eq=False)
 class TuningStudy:
     """An Optuna study driven by ask/tell; build one with `open`. Measured is COMPLETE (over budget too, infeasible
     by the constraint, so TPE learns where the memory wall is), skipped PRUNED, the rest FAIL."""
 
-    def __init__(
-        self,
-        study: optuna.Study,
-        space: SearchSpace,
-        *,
-        budget_bytes: int,
-        created: bool,
-        storage: optuna.storages.BaseStorage | None = None,
-    ) -> None:
-        self.study = study
-        self.storage = storage  # for `tuner._search.lease`; None when not known
-        self.space = space
-        self.budget_bytes = int(budget_bytes)
-        self.created = created  # this process created the study, and so seeds it
-        self.setup = StudySetup(study)
-        self.in_flight = InFlight(study, space)
-        self._distributions = space.distributions()
+    study: optuna.Study
+    space: SearchSpace
+    budget_bytes: int
+    created: bool  # this process created the study, and so seeds it
+    storage: optuna.storages.BaseStorage  # for `tuner._search.lease`
+
+    def __post_init__(self) -> None:
+        self.setup = StudySetup(self.study)
+        self.in_flight = InFlight(self.study, self.space)
+        self._distributions = self.space.distributions()
 
     @classmethod
     def open(
@@ -235,7 +229,7 @@ class TuningStudy:
                     f"study.name: study {name!r} was tuned for a budget limit of {stored_budget} bytes, this "
                     f"recipe's is {budget_bytes} (valid: another study.name for another budget)"
                 ) from None
-            return cls(study, space, budget_bytes=budget_bytes, created=False, storage=store)
+            return cls(study, space, int(budget_bytes), created=False, storage=store)
         # The owner first: a worker waiting for this setup takes it over once this owner is dead.
         StudySetup(study).own()
         attrs = {
@@ -248,7 +242,7 @@ class TuningStudy:
         for key, value in attrs.items():
             if value is not None:
                 study.set_user_attr(key, value)
-        return cls(study, space, budget_bytes=budget_bytes, created=True, storage=store)
+        return cls(study, space, int(budget_bytes), created=True, storage=store)
 
     def seed(self, seeds: Sequence[Seed]) -> list[str]:
         """Enqueue those of ``seeds`` the study does not hold yet and mark it seeded; the names enqueued."""
