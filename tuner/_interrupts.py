@@ -1,8 +1,5 @@
-"""Ctrl-C during a tuning session: finish the trial in flight on the first press, kill it on the second.
-
-SIGTERM and SIGHUP stop at once, as a second press does. `KeyboardInterrupt` is raised only in a trial,
-setup or the gate; between trials the loop is only asked to stop, so no Optuna or MLflow write is cut.
-"""
+"""Ctrl-C: the first press finishes the trial in flight, the second (or SIGTERM, SIGHUP) kills it; between
+trials the loop is only asked to stop, so no Optuna or MLflow write is cut."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Whether the process that owns a trial, a study's setup, a gate lease or a session run is still alive.
-
-A process records itself as an `Owner` on what it holds, and a `Heartbeat` refreshes a timestamp there.
-`dead_reason` decides: on the same host (name and boot id) the owner is dead once its pid is gone or
-recycled; on another host, once its heartbeat is older than the grace period (`grace_s`).
-"""
+"""Whether the `Owner` of a trial, a study's setup, a gate lease or a session run is alive: on its host, while
+its pid lives; elsewhere, while its `Heartbeat` is younger than the grace period."""
 
 from __future__ import annotations
 
@@ -61,7 +57,7 @@ def _stat(pid: int) -> list[str]:
 
 
 def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks (Linux), which tells a recycled pid; ``None`` if unknown."""
+    """Its start in clock ticks (Linux), which tells a recycled pid."""
     fields = _stat(pid)
     return fields[19] if len(fields) > 19 else None  # field 22 of the whole line: starttime
 

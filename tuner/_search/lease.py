@@ -1,10 +1,6 @@
-"""The gate lease: at most one process at a time runs the evidence gate of a study (docs/CLUSTER.md).
-
-The lease is a companion study, ``<study>::gate-lease``, in the study's own storage: creating a study of a name
-is atomic in every Optuna storage (study attributes and MLflow tags are only read-then-write), so exactly one
-process holds it, and deleting it releases it. The holder records itself (`Owner`) and since when; a waiter
-breaks a lease whose holder died on its own host, and waits out its deadline for another host's.
-"""
+"""The gate lease: one process at a time runs a study's gate (docs/CLUSTER.md). It is a companion study,
+``<study>::gate-lease``: creating a study of a name is atomic in every Optuna storage (study attributes and MLflow
+tags are only read-then-write). A lease whose holder died on this host is broken; another host's is waited for."""
 
 from __future__ import annotations
 
