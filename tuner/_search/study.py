@@ -216,7 +216,9 @@ class TuningStudy:
         except optuna.exceptions.DuplicatedStudyError:
             # With the recipe's seed, workers on the same history would propose the same candidates in lockstep.
             own = hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8]
-            study = optuna.load_study(study_name=name, storage=store, sampler=optuna.samplers.TPESampler(int(own, 16)))
+            study = optuna.load_study(
+                study_name=name, storage=store, sampler=optuna.samplers.TPESampler(seed=int(own, 16))
+            )
             stored = study.user_attrs.get(StudyAttr.SEARCH_SPACE)
             stored_budget = study.user_attrs.get(StudyAttr.BUDGET_BYTES)
             if stored is not None and stored != signature:
