@@ -138,27 +138,27 @@ def dead_reason(
     return f"owner died: no heartbeat from {who} for {silent:.0f} s (grace period {grace:g} s)"
 
 
-class Heartbeat(threading.Thread):
+class Heartbeat:
     """A daemon thread calling ``beat`` every ``interval`` seconds until `stop`; a failing beat is logged, never
     raised: a store hiccup must not end a trial."""
 
     def __init__(self, beat: Callable[[], None], interval: float | None = None) -> None:
-        super().__init__(name="recompute-heartbeat", daemon=True)
         self._beat = beat
         self._interval = heartbeat_s() if interval is None else interval
-        self._stopped = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="recompute-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        super().start()
+        self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._stopped.set()
-        if self.is_alive() and self is not threading.current_thread():
-            self.join(timeout=self._interval + 30.0)
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._interval + 30.0)
 
-    def run(self) -> None:
-        while not self._stopped.wait(self._interval):
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
             try:
                 self._beat()
             except Exception as err:  # noqa: BLE001 - see the class docstring

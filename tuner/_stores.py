@@ -191,7 +191,8 @@ def store_failure(recipe: Recipe, err: BaseException) -> StoreFailure | None:
 
 
 def _frames(err: BaseException) -> list[tuple[str, ...]]:
-    out, seen, cur = [], set(), err
+    out, seen = [], set()
+    cur: BaseException | None = err
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         tb = cur.__traceback__
