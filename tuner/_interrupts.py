@@ -1,8 +1,5 @@
-"""Ctrl-C during a tuning session: finish the trial in flight on the first press, kill it on the second.
-
-SIGTERM and SIGHUP stop at once, as a second press does. `KeyboardInterrupt` is raised only in a trial,
-setup or the gate; between trials the loop is only asked to stop, so no Optuna or MLflow write is cut.
-"""
+"""Ctrl-C: the first press finishes the trial in flight, the second (or SIGTERM, SIGHUP) kills it; between
+trials the loop is only asked to stop, so no Optuna or MLflow write is cut."""
 
 from __future__ import annotations
 
@@ -17,13 +14,9 @@ from tuner._liveness import kill_point
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-__all__ = ["STOP_SIGNALS", "Interrupts", "Phase"]
-
-STOP_SIGNALS: tuple[signal.Signals, ...] = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),  # no SIGHUP on Windows
-)
+STOP_SIGNALS = tuple(
+    s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s
+)  # Windows: no HUP
 Phase = Literal["setup", "trial", "between", "gate"]
 
 
@@ -40,13 +33,13 @@ class Interrupts:
         self.presses += 1
         self.stop.set()
         kill = signum != signal.SIGINT or self.presses > 1 or self.phase in ("setup", "gate")
-        if self.phase == "trial" and not kill:
+        if self.phase == "between":
+            self._say("interrupt: stopping")
+        elif not kill:  # in a trial
             self._say("interrupt: finishing the current trial, then stopping (Ctrl-C again to kill it)")
-            return
-        if kill and self.phase != "between":
+        else:
             self._say("interrupt: stopping now")
             raise KeyboardInterrupt
-        self._say("interrupt: stopping")
 
     @contextlib.contextmanager
     def during(self, phase: Phase) -> Iterator[None]:

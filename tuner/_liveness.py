@@ -1,13 +1,8 @@
-"""Whether the process that owns a trial, a study's setup or a session run is still alive.
-
-A process records itself as an `Owner` on what it holds, and a `Heartbeat` refreshes a timestamp there.
-`dead_reason` decides: on the same host (name and boot id) the owner is dead once its pid is gone or
-recycled; on another host, once its heartbeat is older than the grace period (`grace_s`).
-"""
+"""Whether the `Owner` of a trial, a study's setup, a gate lease or a session run is alive: on its host, while
+its pid lives; elsewhere, while its `Heartbeat` is younger than the grace period."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -19,19 +14,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "ENV",
-    "GRACE_S",
-    "HEARTBEAT_S",
-    "POINTS",
-    "Heartbeat",
-    "Owner",
-    "dead_reason",
-    "grace_s",
-    "heartbeat_s",
-    "kill_point",
-]
-
 _log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10.0
@@ -41,9 +23,7 @@ GRACE_S = 60.0
 
 
 def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+    raw = os.environ.get(name) or str(default)
     try:
         value = float(raw)
     except ValueError:
@@ -54,25 +34,36 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 def heartbeat_s() -> float:
-    """The heartbeat interval: ``RECOMPUTE_TUNE_HEARTBEAT_S`` or `HEARTBEAT_S`."""
     return _env_seconds("RECOMPUTE_TUNE_HEARTBEAT_S", HEARTBEAT_S)
 
 
 def grace_s() -> float:
-    """The grace period for owners on other hosts: ``RECOMPUTE_TUNE_GRACE_S`` or `GRACE_S`."""
+    """The grace period for owners on other hosts."""
     return _env_seconds("RECOMPUTE_TUNE_GRACE_S", GRACE_S)
 
 
-def process_start(pid: int) -> str | None:
-    """An identity of the process ``pid``'s start (Linux: its start time in clock ticks; it tells a
-    recycled pid); ``None`` if unknown."""
+def _read(path: str) -> str | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        return Path(path).read_text(encoding="utf-8", errors="replace").strip()
     except OSError:
         return None
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields 3 on of ``/proc/<pid>/stat``: empty when not Linux or gone."""
+    stat = _read(f"/proc/{pid}/stat") or ""
     # The command name (field 2) may hold spaces and parentheses: split after its closing one.
-    fields = stat[stat.rfind(")") + 2 :].split()
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def process_start(pid: int) -> str | None:
+    """Its start in clock ticks (Linux), which tells a recycled pid."""
+    fields = _stat(pid)
     return fields[19] if len(fields) > 19 else None  # field 22 of the whole line: starttime
+
+
+def boot_id() -> str | None:
+    return _read("/proc/sys/kernel/random/boot_id") or None
 
 
 def pid_alive(pid: int) -> bool:
@@ -83,24 +74,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # exists, owned by someone else
-    with contextlib.suppress(OSError):
-        state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
-        if state[state.rfind(")") + 2 :].startswith("Z"):
-            return False
-    return True
-
-
-def boot_id() -> str | None:
-    """This machine's boot id (Linux), which tells two machines of the same host name apart."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
+    return _stat(pid)[:1] != ["Z"]
 
 
 @dataclass(frozen=True)
 class Owner:
-    """A process holding something: its host (name and boot id), pid and start identity."""
+    """A process holding something: its host (name and boot id: two machines may share a name), pid and start."""
 
     host: str
     pid: int
@@ -109,29 +88,22 @@ class Owner:
 
     @classmethod
     def me(cls) -> Owner:
-        """This process."""
-        return cls(socket.gethostname(), os.getpid(), process_start(os.getpid()), boot_id())
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, process_start(pid), boot_id())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> Owner | None:
-        """The owner recorded as `to_dict` wrote it; ``None`` for anything else (an older record)."""
         if not isinstance(data, Mapping) or not isinstance(data.get("pid"), int) or not data.get("host"):
             return None
         started, boot = data.get("started"), data.get("boot")
-        return cls(
-            str(data["host"]),
-            int(data["pid"]),
-            None if started is None else str(started),
-            None if boot is None else str(boot),
-        )
+        return cls(str(data["host"]), data["pid"], *(None if v is None else str(v) for v in (started, boot)))
 
     @property
     def here(self) -> bool:
-        """Whether the owner runs on this host (a recorded boot id must match too)."""
-        return self.host == socket.gethostname() and (self.boot is None or self.boot == boot_id())
+        return self.host == socket.gethostname() and self.boot in (None, boot_id())
 
     def gone_here(self) -> str | None:
         """Why this same-host owner is dead, or ``None`` while it lives (or is on another host)."""
@@ -151,14 +123,7 @@ class Owner:
 def dead_reason(
     owner: Owner | None, heartbeat_at: float | None, *, grace: float, since: float | None = None
 ) -> str | None:
-    """Why the holder of something is dead, or ``None`` while it may be alive.
-
-    Args:
-        owner: the recorded owner (``None``: not recorded).
-        heartbeat_at: the owner's last heartbeat (``time.time()``), ``None`` if it never beat.
-        grace: seconds of silence after which an owner elsewhere (or unrecorded) counts as dead.
-        since: when the thing was taken, the silence's start without a heartbeat.
-    """
+    """Why the holder of something is dead; ``since``: when it took it, the silence's start without a beat."""
     if owner is not None:
         gone = owner.gone_here()
         if gone is not None:
@@ -166,20 +131,16 @@ def dead_reason(
         if owner.here:
             return None  # alive on this host: the pid is the proof, however late its heartbeat
     last = heartbeat_at if heartbeat_at is not None else since
-    if last is None:
+    silent = 0.0 if last is None else time.time() - last
+    if silent <= grace:
         return None
-    silent = time.time() - last
-    if silent > grace:
-        who = owner.describe() if owner is not None else "an unrecorded owner"
-        return f"owner died: no heartbeat from {who} for {silent:.0f} s (grace period {grace:g} s)"
-    return None
+    who = owner.describe() if owner is not None else "an unrecorded owner"
+    return f"owner died: no heartbeat from {who} for {silent:.0f} s (grace period {grace:g} s)"
 
 
 class Heartbeat:
-    """A daemon thread calling ``beat`` every ``interval`` seconds until `stop` (or the context ends).
-
-    A failing beat is logged, never raised: a store hiccup must not end a trial.
-    """
+    """A daemon thread calling ``beat`` every ``interval`` seconds until `stop`; a failing beat is logged, never
+    raised: a store hiccup must not end a trial."""
 
     def __init__(self, beat: Callable[[], None], interval: float | None = None) -> None:
         self._beat = beat
@@ -203,16 +164,8 @@ class Heartbeat:
             except Exception as err:  # noqa: BLE001 - see the class docstring
                 _log.info("heartbeat failed (%s); retrying in %g s", err, self._interval)
 
-    def __enter__(self) -> Heartbeat:
-        return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-# -------------------------------------------------------------------------------- killpoints
 # A test hook: ``RECOMPUTE_TUNE_TEST_KILL_AT=<point>`` makes `recompute-tune` SIGKILL itself at that point.
-
 ENV = "RECOMPUTE_TUNE_TEST_KILL_AT"
 POINTS = ("profiling", "trial", "between", "gate", "after_write", "rollback")
 

@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from lightning_recompute.errors import RecomputeError, clip
-from tuner._stores import driver_missing, hide_password
+from tuner._stores import storage_problem
 
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
-
-__all__ = ["SettingsError", "check_settings", "nodes_problem", "output_problem", "storage_problem", "tracking_problem"]
 
 CONNECT_TIMEOUT_S = 10.0
 """How long the check waits for a tracking server to accept a connection."""
@@ -29,7 +27,6 @@ TRACKING_FORMS = (
     "sqlite:///path/mlflow.db, postgresql://user@host/db, mysql://..., http(s)://host:port, "
     "file:///path/mlruns or databricks"
 )
-STORAGE_FORMS = "sqlite:///path/optuna.db, postgresql://user@host/db, mysql://user@host/db, or a path ending in .log"
 
 
 class SettingsError(RecomputeError, ValueError):
@@ -43,40 +40,34 @@ class SettingsError(RecomputeError, ValueError):
 
 
 def check_settings(recipe: Recipe, *, output: bool = True) -> None:
-    """Raise a `SettingsError` of every problem found (the policy path unless not ``output``,
-    ``tracking.uri``, ``study.storage``, ``trainer.num_nodes``)."""
-    problems = [
-        problem
-        for problem in (
-            output_problem(recipe.output) if output else None,
-            tracking_problem(recipe.tracking.uri),
-            storage_problem(str(recipe.study.storage)),
-            nodes_problem(recipe),
-        )
-        if problem is not None
-    ]
-    if problems:
+    """Raise a `SettingsError` of every problem found."""
+    found = (
+        output_problem(recipe.output) if output else None,
+        tracking_problem(recipe.tracking.uri),
+        storage_problem(str(recipe.study.storage)),
+        nodes_problem(recipe),
+    )
+    if problems := [p for p in found if p is not None]:
         raise SettingsError(problems)
 
 
 def nodes_problem(recipe: Recipe) -> str | None:
     """Why the recipe's trials cannot run here, spanning several nodes; ``None`` when they run on one."""
     nodes = recipe.trainer.num_nodes
-    if nodes == 1:
-        return None
     return (
-        f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
-        f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
-        f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
+        None
+        if nodes == 1
+        else (
+            f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
+            f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
+            f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
+        )
     )
 
 
 def output_problem(path: Path, key: str = "output") -> str | None:
-    """Why the policy file cannot be written at ``path``, or ``None`` when it can; ``key`` names the setting.
-
-    A file is created and removed in the (nearest existing) folder: permission bits say nothing about
-    read-only mounts or immutable folders.
-    """
+    """Why the policy file cannot be written at ``path``: a file is made in the nearest existing folder, as
+    permission bits say nothing about read-only mounts or immutable folders."""
     shown = clip(str(path))
     if any(path == root or root in path.parents for root in _KERNEL_FILESYSTEMS):
         return f"{key}: {shown} is on a kernel filesystem, not storage (valid: a file path in a writable folder)"
@@ -88,12 +79,10 @@ def output_problem(path: Path, key: str = "output") -> str | None:
     if not folder.is_dir():
         return f"{key}: {clip(str(folder))} is a file, so {shown} cannot be created under it"
     try:
-        fd, probe = tempfile.mkstemp(prefix=".recompute-write-test.", dir=folder)
+        tempfile.TemporaryFile(prefix=".recompute-write-test.", dir=folder).close()
     except OSError as err:
         why = err.strerror or str(err)
         return f"{key}: cannot create a file in {clip(str(folder))} ({why}), so {shown} cannot be written"
-    os.close(fd)
-    os.unlink(probe)
     return None
 
 
@@ -109,43 +98,16 @@ def tracking_problem(uri: str) -> str | None:
     known = set(_tracking_store_registry._registry)
     if base not in known:
         return f"tracking.uri: {shown} has an unknown scheme {scheme!r} (valid: {TRACKING_FORMS})"
-    if base in ("http", "https"):
-        return _server_problem("tracking.uri", uri, 443 if base == "https" else 80)
-    return None
-
-
-def storage_problem(url: str) -> str | None:
-    """Why Optuna cannot store a study at ``url``, or ``None`` (the driver's import is checked, not the server)."""
-    if "://" not in url:
-        if url.endswith(".log"):
-            return None
-        return f"study.storage: {clip(repr(url))} is neither a database URL nor a journal file (valid: {STORAGE_FORMS})"
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-
-    try:
-        parsed = make_url(url)
-        dialect = parsed.get_dialect()
-    except (ArgumentError, NoSuchModuleError, ValueError):
-        return f"study.storage: {clip(repr(hide_password(url)))} is not a database URL (valid: {STORAGE_FORMS})"
-    try:
-        dialect.import_dbapi()
-    except ImportError as err:
-        return driver_missing("study.storage", url, err)
-    return None
-
-
-def _server_problem(key: str, uri: str, default_port: int) -> str | None:
-    """Whether the server of ``uri`` accepts a TCP connection within `CONNECT_TIMEOUT_S` (MLflow's own
-    client retries a refused connection for minutes)."""
+    if base not in ("http", "https"):
+        return None
+    # MLflow's own client retries a refused connection for minutes.
     parts = urlsplit(uri)
-    host = parts.hostname
-    if not host:
-        return f"{key}: {clip(repr(uri))} names no host (valid: {TRACKING_FORMS})"
     try:
-        port = parts.port or default_port
+        host, port = parts.hostname, parts.port or (443 if base == "https" else 80)
     except ValueError:
-        return f"{key}: {clip(repr(uri))} has an invalid port (valid: {TRACKING_FORMS})"
+        return f"tracking.uri: {shown} has an invalid port (valid: {TRACKING_FORMS})"
+    if not host:
+        return f"tracking.uri: {shown} names no host (valid: {TRACKING_FORMS})"
     try:
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
             return None
@@ -156,6 +118,6 @@ def _server_problem(key: str, uri: str, default_port: int) -> str | None:
             else (err.strerror or errno.errorcode.get(err.errno or 0, str(err)))
         )
         return (
-            f"{key}: cannot reach the tracking server at {host}:{port} ({why}); start it "
+            f"tracking.uri: cannot reach the tracking server at {host}:{port} ({why}); start it "
             f"(mlflow server --host {host} --port {port}) or correct the URI"
         )

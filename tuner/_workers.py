@@ -1,6 +1,5 @@
-"""Workers sharing one study (docs/CLUSTER.md): heartbeats (`Presence`), who sets the study up
-(`join_setup`), dead workers' trials (`reap`), no surplus or doubled trials (`stand_down_reason`), and the
-wait for others' trials before the gate (`wait_for_running`)."""
+"""Workers sharing one study (docs/CLUSTER.md): heartbeats, who sets it up, dead workers' trials, no surplus or
+doubled trials, the wait for others' trials before the gate."""
 
 from __future__ import annotations
 
@@ -13,18 +12,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tuner._search import Proposal, TuningStudy
     from tuner._tracking import Tracker
-
-__all__ = [
-    "SETUP_WAIT_S",
-    "Presence",
-    "end_dead_session_runs",
-    "join_setup",
-    "others_fill",
-    "reap",
-    "slot_taken",
-    "stand_down_reason",
-    "wait_for_running",
-]
 
 SETUP_WAIT_S = 600.0
 """How long a worker joining a new study waits for the worker that created it to profile and seed it."""
@@ -43,13 +30,10 @@ class Presence:
         self.in_flight: Proposal | None = None  # asked, not yet told
 
     def beat_study(self) -> None:
-        study = self.study
-        if study is None:
-            return
-        if self.setting_up:
+        study, proposal = self.study, self.in_flight
+        if study is not None and self.setting_up:
             study.setup.beat()
-        proposal = self.in_flight
-        if proposal is not None:
+        if study is not None and proposal is not None:
             with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
                 study.in_flight.beat(proposal)
 
@@ -59,18 +43,14 @@ class Presence:
 
 
 def join_setup(study: TuningStudy, name: str, grace_s: float, notify: Say, note: Say) -> bool:
-    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up.
-
-    Otherwise it waits (at most `SETUP_WAIT_S`) until the study is seeded.
-    """
+    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up."""
     if study.created:
         return True
     if not study.setup.seeded:
         notify(f"study {name} is being set up by another worker; waiting ...")
     if study.setup.wait_seeded(SETUP_WAIT_S, grace_s=grace_s):
         return False
-    dead = study.setup.owner_dead(grace_s)
-    note(f"taking over the study's setup: {dead or 'the worker setting it up gave up'}")
+    note(f"taking over the study's setup: {study.setup.owner_dead(grace_s) or 'the worker setting it up gave up'}")
     study.setup.own()
     return True
 
@@ -95,33 +75,28 @@ def reap(
 
 
 def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, note: Say) -> None:
-    """End KILLED the RUNNING session runs of ``study_name`` whose worker died, each noted."""
     for run_id in tracker.sessions.end_dead_sessions(study_name, grace_s):
         note(f"session run {run_id} of a dead worker ended KILLED")
 
 
+def _taken(study: TuningStudy, grace_s: float) -> int:
+    return study.ran_count() + study.in_flight.running_alive(grace_s)
+
+
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
-    """Whether the study's measured trials and the live trials in flight already make up ``n_trials``."""
-    return study.ran_count() + study.in_flight.running_alive(grace_s) >= n_trials
+    return _taken(study, grace_s) >= n_trials
 
 
 def slot_taken(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
-    """Whether the study's measured trials and every live trial in flight, this worker's asked one among
-    them, exceed ``n_trials``: then this worker stands down.
-
-    Every worker asks (its trial turns RUNNING) before it counts, so of two asking at once the later
-    sees the earlier; both may stand down, and a random pause (`tuner.session`) lets one go first next
-    time. Trial numbers cannot decide: an enqueued seed keeps the number it got when enqueued.
-    """
-    return study.ran_count() + study.in_flight.running_alive(grace_s) > n_trials
+    """Whether this worker's asked trial is one past ``n_trials``. Every worker asks (its trial turns RUNNING)
+    before it counts, so of two asking at once the later sees the earlier: trial numbers cannot decide, as an
+    enqueued seed keeps the number it got when enqueued."""
+    return _taken(study, grace_s) > n_trials
 
 
 def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, grace_s: float) -> str | None:
-    """Why this worker must not run ``proposal``, just asked, for another worker's trial; ``None``: run it.
-
-    Past ``n_trials`` (`slot_taken`), or another worker asked the same candidate at the same moment and
-    has not claimed it yet: neither can know the other measures it, so both stand down.
-    """
+    """Why this worker must not run ``proposal``: past ``n_trials``, or another worker asked the same candidate
+    at the same moment and has not claimed it (neither can know the other measures it, so both stand down)."""
     if slot_taken(study, n_trials, grace_s):
         return "not run: other workers' trials make up n_trials"
     if proposal.duplicate_of is None and proposal.contended_by is not None:
@@ -133,15 +108,13 @@ def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, gra
 
 
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:
-    """Wait until no trial of the study runs, so every worker gates the same final winner; at most
-    ``timeout_s`` (a dead worker's trial stays RUNNING until it is recovered), or until ``stop`` is set."""
+    """Wait until no trial runs, so every worker gates the same winner (a dead worker's stays RUNNING: a timeout)."""
     deadline = time.monotonic() + timeout_s
-    told = False
-    while (running := len(study.in_flight.running())) and time.monotonic() < deadline:
-        if not told:
-            notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
-            told = True
+    if running := len(study.in_flight.running()):
+        notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
+    while running and time.monotonic() < deadline:
         if stop.wait(1.0):
             return
+        running = len(study.in_flight.running())
     if running:
         note(f"{running} trial(s) of other workers still running after the wait; gating the best so far")

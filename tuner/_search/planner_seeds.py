@@ -3,6 +3,7 @@ the search, so a planner that cannot be built is a note in `PlannerSeeds`, not a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,6 @@ from lightning_recompute.policy import RecomputePolicy
 from tuner._search import Predictor, SearchSpace, Seed
 
 if TYPE_CHECKING:
-    from lightning_recompute.planner.sharding import Sharding
     from lightning_recompute.profile import Profile
     from tuner.recipe import Recipe
 
@@ -38,9 +38,9 @@ class PlannerSeeds:
 
     def predictor(self) -> Predictor | None:
         """``(policy, micro_batch) -> Prediction``, or ``None`` without a planner."""
-        if self.planner is None:
-            return None
         planner = self.planner
+        if planner is None:
+            return None
 
         def predict(policy: RecomputePolicy, micro_batch: int | None) -> Prediction | None:
             try:
@@ -55,9 +55,8 @@ class PlannerSeeds:
 def planner_seeds(
     planner: Planner, space: SearchSpace, budget_bytes: int, modes: Sequence[str]
 ) -> tuple[list[Seed], list[str]]:
-    """The planner's pick at the budget (per micro-batch size), each kind's own pick (`kind_picks`), and a few
-    points of its front under the budget, each policy once. Only the pick gets a compiled twin: the planner
-    predicts eager steps, so twins of the others would double the trials on guesses of the same quality."""
+    """The planner's pick at the budget per micro-batch size, each kind's pick, and a few points of its front.
+    Only the pick gets a compiled twin: the planner predicts eager steps, so more twins would be guesses."""
     seeds: list[Seed] = []
     notes: list[str] = []
     sizes: list[int | None] = list(space.micro_batches) if space.micro_batches else [None]
@@ -90,8 +89,8 @@ def front_points(
 ) -> list[PlannedPolicy]:
     """Up to `PLANNER_FRONT_SEEDS` fitting points of the planner's front, evenly over it, none of ``taken``
     (per-layer modes already seeded): alternatives the prediction error could reorder."""
-    front = [p for p in planner.pareto_front(list(modes), micro_batch=micro_batch) if p.peak_bytes <= budget_bytes]
-    front = [p for p in front if dict(p.modes) not in taken]
+    front = planner.pareto_front(list(modes), micro_batch=micro_batch)
+    front = [p for p in front if p.peak_bytes <= budget_bytes and dict(p.modes) not in taken]
     if not front:
         return []
     count = min(PLANNER_FRONT_SEEDS, len(front))
@@ -101,32 +100,20 @@ def front_points(
 def kind_picks(
     planner: Planner, budget_bytes: int, modes: Sequence[str], micro_batch: int | None
 ) -> list[tuple[str, PlannedPolicy]]:
-    """For each mode of ``modes`` but ``none``, the planner's pick at the budget using that mode alone (``none``
-    elsewhere): ``[(kind, pick)]``, kinds with no fitting policy left out; empty when ``none`` is not searched
-    (a kind alone is then a uniform policy, which the baselines measure).
-
-    Each kind is seeded, not only the fastest prediction: the planner ranks kinds by `PROFILE_REPEATS` timed
-    steps, which move with the machine (bench/seed_coverage.py), and each kind costs at most one trial.
-    """
-    if "none" not in modes:
-        return []
+    """The pick using each mode alone (``none`` elsewhere; without ``none`` the baselines are those): each kind,
+    since the planner ranks kinds by `PROFILE_REPEATS` steps, which move with the machine (bench/seed_coverage.py)."""
     out = []
-    for kind in modes:
-        if kind == "none":
-            continue
-        try:
-            out.append((kind, planner.solve(budget_bytes, modes=["none", kind], micro_batch=micro_batch)))
-        except BudgetError:
-            continue  # this kind alone does not fit the budget at this micro-batch
+    for kind in modes if "none" in modes else ():
+        if kind != "none":
+            with contextlib.suppress(BudgetError):  # this kind alone does not fit the budget at this micro-batch
+                out.append((kind, planner.solve(budget_bytes, modes=["none", kind], micro_batch=micro_batch)))
     return out
 
 
 def plan_seeds(
     recipe: Recipe, space: SearchSpace, budget_bytes: int, stored: dict[str, Any] | None = None
 ) -> PlannerSeeds:
-    """Profile the recipe's model (or reuse ``stored``, the study's profile) and build the planner's seeds; for a
-    multi-rank recipe it plans one rank (`lightning_recompute.planner.sharding`). Never raises for the planner's
-    own failure (only for Ctrl-C): the note says why there are no predictions."""
+    """Profile the model (or reuse ``stored``) and plan one rank; the planner failing is a note, not an error."""
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
     from lightning_recompute.profile import Profile
     from tuner._trials import profile_recipe
@@ -150,18 +137,14 @@ def plan_seeds(
     except Exception as err:  # noqa: BLE001 - the search works without predictions; say why there are none
         _log.debug("planning failed", exc_info=True)
         return PlannerSeeds(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")
-    notes.insert(0, planned_from(measured, sharding))
+    words = f"planner: planned from a profile of one {measured.device} device at micro-batch {measured.micro_batch}"
+    for mode, steps in measured.split.items():
+        words += f" ({mode} did not fit with every layer in it: profiled in {steps} steps, a group of layers each)"
+    if sharding is not None:
+        words += f", for one rank of {sharding.world_size} ({sharding.strategy})"
+    notes.insert(0, words)
     if recipe.trainer.precision.endswith("-mixed"):
         notes.append(
             f"planner: profiled without autocast; {recipe.trainer.precision} trials may differ from predictions"
         )
     return PlannerSeeds(planner=planner, profile=measured, seeds=seeds, note="; ".join(notes))
-
-
-def planned_from(profile: Profile, sharding: Sharding | None) -> str:
-    words = f"planner: planned from a profile of one {profile.device} device at micro-batch {profile.micro_batch}"
-    for mode, steps in profile.split.items():
-        words += f" ({mode} did not fit with every layer in it: profiled in {steps} steps, a group of layers each)"
-    if sharding is not None:
-        words += f", for one rank of {sharding.world_size} ({sharding.strategy})"
-    return words

@@ -31,26 +31,19 @@ def pick_of(label: str | None) -> str:
 
 @dataclass(frozen=True)
 class Seed:
-    """A candidate enqueued before sampling starts: a baseline or a planner suggestion."""
-
     name: str  # baseline:full, planner:budget ...: how the table and MLflow label it
     modes: Mapping[str, str]
     micro_batch: int | None = None  # None: the first searched, or the data module's own
     compile: bool | None = None  # None: the first choice of search.compile
 
 
-BASELINES = ("none", "full", "selective", "every_2nd_full")
-"""The baselines every study measures (those whose modes the recipe searches)."""
-
-
 def baseline_seeds(space: SearchSpace) -> list[Seed]:
     """No recompute, full, selective, full on every 2nd layer: those whose modes the recipe searches."""
     names = space.layer_names
     mb = space.micro_batches[0] if space.micro_batches else None
-    seeds = []
-    for mode in ("none", "full", "selective"):
-        if mode in space.modes:
-            seeds.append(Seed(f"baseline:{mode}", {n: mode for n in names}, mb))
+    seeds = [
+        Seed(f"baseline:{m}", dict.fromkeys(names, m), mb) for m in ("none", "full", "selective") if m in space.modes
+    ]
     if "full" in space.modes and "none" in space.modes and len(names) > 1:
         every = RecomputePolicy.every_kth(names, 2, "full").resolve(names)
         seeds.append(Seed("baseline:every_2nd_full", {n: m.value for n, m in every.items()}, mb))

@@ -25,10 +25,6 @@ _log = logging.getLogger(__name__)
 PLACEMENTS = ("first", "last", "spread")
 """Where a grouped space puts the layers of each mode: at the front, at the back, or evenly spaced."""
 
-# Modes by memory saved, weakest first: the weakest searched fills the layers no count claims, and placement
-# hands out positions to the strongest first.
-_STRENGTH = BY_MEMORY_SAVED
-
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -39,8 +35,7 @@ class LayerInfo:
 
 
 def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
-    """The recipe's layers and their kinds, from a model built on the meta device (or on the CPU when it loads
-    weights or calls ``.item()``); a `RecomputeError` when it cannot be built or ``layers`` match nothing."""
+    """The recipe's layers and their kinds, from a model built on the meta device (on the CPU if that fails)."""
     import torch
 
     from tuner.recipe import build_model
@@ -71,24 +66,13 @@ def inspect_layers(recipe: Recipe) -> list[LayerInfo]:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the study samples, and how its parameters become a policy and a micro-batch size.
-
-    ``grouped`` spaces have ``n_<mode>`` (layers taking each mode but the fill mode) and ``placement``; per-layer
-    ones a ``layer.<path>`` per layer. ``micro_batch`` and ``compile`` are parameters when several are searched.
-    """
+    """``grouped``: ``n_<mode>`` per mode but the fill mode, and ``placement``; else ``layer.<path>`` per layer."""
 
     layer_names: tuple[str, ...]  # in model order
     modes: tuple[str, ...]  # the recipe's search.modes
     grouped: bool
     micro_batches: tuple[int, ...] | None = None  # None keeps the data module's own
     compile_choices: tuple[bool, ...] = (False,)  # the recipe's search.compile
-
-    def __post_init__(self) -> None:
-        if not self.layer_names:
-            raise RecomputeError("layers: the model has no layers to decide a policy for")
-        unknown = [m for m in self.modes if m not in _STRENGTH]
-        if unknown or not self.modes:
-            raise RecomputeError(f"search.modes: {list(self.modes)} (valid: one or more of {', '.join(_STRENGTH)})")
 
     @classmethod
     def for_layers(
@@ -115,18 +99,20 @@ class SearchSpace:
     @property
     def fill_mode(self) -> str:
         """The mode of layers no count claims: ``none`` when searched, else the weakest mode searched."""
-        return min(self.modes, key=_STRENGTH.index)
+        return min(self.modes, key=BY_MEMORY_SAVED.index)
 
     @property
     def counted_modes(self) -> tuple[str, ...]:
         """Modes with an ``n_<mode>`` parameter, strongest first (the order placement hands out layers)."""
-        return tuple(sorted((m for m in self.modes if m != self.fill_mode), key=_STRENGTH.index, reverse=True))
+        return tuple(sorted((m for m in self.modes if m != self.fill_mode), key=BY_MEMORY_SAVED.index, reverse=True))
+
+    @property
+    def micro_batch_searched(self) -> bool:
+        return len(self.micro_batches or ()) > 1
 
     def describe(self) -> str:
         """One line for logs, e.g. ``grouped: n_full, n_selective in 0..4, placement (first/last/spread)``."""
-        mb = (
-            f"; micro_batch in {list(self.micro_batches)}" if self.micro_batches and len(self.micro_batches) > 1 else ""
-        )
+        mb = f"; micro_batch in {list(self.micro_batches or ())}" if self.micro_batch_searched else ""
         if self.compile_searched:
             mb += "; compile in [false, true]"
         elif self.compile_choices[0]:
@@ -149,7 +135,7 @@ class SearchSpace:
         else:
             for name in self.layer_names:
                 dists[f"layer.{name}"] = CategoricalDistribution(self.modes)
-        if self.micro_batches and len(self.micro_batches) > 1:
+        if self.micro_batches and self.micro_batch_searched:
             dists["micro_batch"] = CategoricalDistribution(self.micro_batches)
         if self.compile_searched:
             dists["compile"] = CategoricalDistribution(self.compile_choices)
@@ -169,34 +155,26 @@ class SearchSpace:
         return out
 
     def policy(self, modes: Mapping[str, str], compile_layers: bool = False) -> RecomputePolicy:
-        """The canonical policy of a per-layer mode map (one entry per layer, in model order): every policy the
-        tuner builds goes through here, so equal decisions have equal fingerprints."""
+        """Every policy the tuner builds goes through here, so equal decisions have equal fingerprints."""
         return RecomputePolicy.from_modes({name: str(modes[name]) for name in self.layer_names}, compile=compile_layers)
 
     def modes_of(self, params: Mapping[str, Any]) -> dict[str, str]:
-        """The per-layer modes a parameter set stands for (deterministic)."""
         names = self.layer_names
         if not self.grouped:
             return {n: str(params[f"layer.{n}"]) for n in names}
         out = [self.fill_mode] * len(names)
-        placement = str(params.get("placement", "first"))
-        if placement not in PLACEMENTS:
-            raise RecomputeError(f"placement: {placement!r} (valid: {', '.join(PLACEMENTS)})")
-        free = list(range(len(names)))
-        if placement == "last":
-            free.reverse()
+        placement = params.get("placement", "first")
+        free = list(range(len(names)))[:: -1 if placement == "last" else 1]
         for mode in self.counted_modes:
             # Counts past the layers left are clipped: the strongest mode claims layers first.
             n = min(int(params.get(f"n_{mode}", 0)), len(free))
             picked = _spread(free, n) if placement == "spread" else free[:n]
             for i in picked:
                 out[i] = mode
-            taken = set(picked)
-            free = [i for i in free if i not in taken]
+            free = [i for i in free if i not in picked]
         return dict(zip(names, out, strict=False))
 
     def decode(self, params: Mapping[str, Any]) -> tuple[RecomputePolicy, int | None]:
-        """The policy and micro-batch size (``None``: the data module's own) of a parameter set."""
         compiles = bool(params.get("compile", self.compile_choices[0]))
         mb = int(params.get("micro_batch", self.micro_batches[0])) if self.micro_batches else None
         return self.policy(self.modes_of(params), compiles), mb
@@ -204,26 +182,18 @@ class SearchSpace:
     def encode(
         self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
     ) -> dict[str, Any] | None:
-        """Parameters that `decode` to exactly ``modes`` (and ``micro_batch``); ``None`` if the space has none (a
-        grouped space cannot express every arrangement: see `nearest`). ``compile_layers`` ``None``: the first
-        choice searched."""
+        """Parameters that `decode` to exactly ``modes``; ``None`` if none do (a grouped space lacks some)."""
         params = self._fixed(modes, micro_batch, compile_layers)
-        if params is None:
-            return None
         sizes = self.micro_batches or ()
-        if micro_batch is not None and len(sizes) == 1 and int(micro_batch) != sizes[0]:
+        if params is None or (micro_batch is not None and len(sizes) == 1 and int(micro_batch) != sizes[0]):
             return None
-        want = {n: str(modes[n]) for n in self.layer_names}
         if not self.grouped:
-            return {**{f"layer.{n}": want[n] for n in self.layer_names}, **params}
-        counts = {f"n_{m}": sum(1 for v in want.values() if v == m) for m in self.counted_modes}
+            return {**{f"layer.{n}": str(modes[n]) for n in self.layer_names}, **params}
         if not self.counted_modes:
             return params
-        for placement in PLACEMENTS:
-            candidate = {**counts, "placement": placement, **params}
-            if self.modes_of(candidate) == want:
-                return candidate
-        return None
+        want = {n: str(modes[n]) for n in self.layer_names}
+        candidates = ({**self._counts(modes), "placement": p, **params} for p in PLACEMENTS)
+        return next((c for c in candidates if self.modes_of(c) == want), None)
 
     def nearest(
         self, modes: Mapping[str, str], micro_batch: int | None = None, compile_layers: bool | None = None
@@ -231,31 +201,28 @@ class SearchSpace:
         """`encode`, or in a grouped space the same per-mode counts placed first: alike layers cost alike, so
         keeping a planner's counts keeps its predicted memory and time."""
         exact = self.encode(modes, micro_batch, compile_layers)
-        if exact is not None or not self.grouped:
-            return exact
         params = self._fixed(modes, micro_batch, compile_layers)
-        if params is None:
-            return None
-        counts = {f"n_{m}": sum(1 for v in modes.values() if str(v) == m) for m in self.counted_modes}
-        return {**counts, "placement": "first", **params}
+        if exact is not None or not self.grouped or params is None:
+            return exact
+        return {**self._counts(modes), "placement": "first", **params}
+
+    def _counts(self, modes: Mapping[str, str]) -> dict[str, int]:
+        return {f"n_{m}": sum(1 for v in modes.values() if str(v) == m) for m in self.counted_modes}
 
     def _fixed(
         self, modes: Mapping[str, str], micro_batch: int | None, compile_layers: bool | None
     ) -> dict[str, Any] | None:
-        """The ``compile`` and ``micro_batch`` parameters of a candidate (those searched); ``None`` when it is
-        outside the space."""
+        """The ``compile`` and ``micro_batch`` parameters of a candidate; ``None`` when it is outside the space."""
+        compile_layers = self.compile_choices[0] if compile_layers is None else compile_layers
         if set(modes) != set(self.layer_names) or any(str(m) not in self.modes for m in modes.values()):
             return None
-        if compile_layers is None:
-            compile_layers = self.compile_choices[0]
         if compile_layers not in self.compile_choices:
             return None
         params: dict[str, Any] = {"compile": compile_layers} if self.compile_searched else {}
-        if self.micro_batches and len(self.micro_batches) > 1:
-            mb = self.micro_batches[0] if micro_batch is None else int(micro_batch)
-            if mb not in self.micro_batches:
+        if self.micro_batches and self.micro_batch_searched:
+            params["micro_batch"] = self.micro_batches[0] if micro_batch is None else int(micro_batch)
+            if params["micro_batch"] not in self.micro_batches:
                 return None
-            params["micro_batch"] = mb
         return params
 
 

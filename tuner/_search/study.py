@@ -34,21 +34,20 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 FAR_OVER_BUDGET = 1.25
-"""A candidate the planner predicts above this multiple of the budget is skipped, not run; below it the
-prediction's error could still hide a policy that fits."""
+"""Skip a candidate predicted above this multiple of the budget; below it the prediction's error could hide a fit."""
+
+CONSTRAINT = "peak_minus_budget"
+"""The Optuna constraint of every told trial (``Trial.set_constraint``): peak minus the budget limit."""
+
+_FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 
 
 def study_name(recipe: Recipe, device: str) -> str:
-    """The recipe's ``study.name``, or name + hardware + fingerprint (what a trial measures: recipes that differ
-    there must not share trials, while one whose ``n_trials`` grew continues its study)."""
+    """``study.name``, or name.hardware.fingerprint: recipes that measure differently never share trials."""
     if recipe.study.name:
         return recipe.study.name
     hardware = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown-device"
     return f"{recipe.name}.{hardware}.{recipe.fingerprint()[:8]}"
-
-
-CONSTRAINT = "peak_minus_budget"
-"""The Optuna constraint of every told trial (``Trial.set_constraint``): peak minus the budget limit."""
 
 
 def peak_constraint(trial: FrozenTrial) -> tuple[float]:
@@ -85,8 +84,7 @@ def _candidate_key(policy: RecomputePolicy, micro_batch: int | None) -> str:
 RecordOutcome = Literal[
     "ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped", "duplicate", "interrupted", "abandoned"
 ]
-"""A `tuner._trials.Outcome`, or ``duplicate`` (never run again), ``interrupted`` (by the user) or ``abandoned``
-(its owner died mid-trial)."""
+"""A `tuner._trials.Outcome`, or ``duplicate``, ``interrupted`` (by the user), ``abandoned`` (its owner died)."""
 
 RAN: tuple[RecordOutcome, ...] = ("ok", "over_budget", "oom", "timeout", "error", "nonfinite")  # n_trials counts
 MEASURED: tuple[RecordOutcome, ...] = ("ok", "over_budget")  # with memory and speed figures
@@ -129,7 +127,6 @@ class TrialRecord:
 
     @classmethod
     def from_trial(cls, t: FrozenTrial) -> TrialRecord:
-        """The record of a finished Optuna trial, read from its user attributes."""
         a = t.user_attrs
         peak_over = a.get(TrialAttr.PEAK_OVER)
         # Written by `TuningStudy` (or `InFlight.reap_dead`), so one of RecordOutcome's.
@@ -143,48 +140,34 @@ class TrialRecord:
             short=str(a.get(TrialAttr.SHORT, "")),
             throughput_unit=str(a.get(TrialAttr.THROUGHPUT_UNIT) or ""),
             feasible=outcome == "ok" and peak_over is not None and float(peak_over) <= 0,
-            **{name: a.get(key) for name, key in _RECORD_ATTRS.items()},
+            **{name: a.get(_ATTR_OF.get(name, name)) for name in _AS_STORED},
         )
 
     @property
     def ran(self) -> bool:
-        """Whether this trial ran the policy to an outcome (`RAN`): what ``n_trials`` counts."""
         return self.outcome in RAN
 
     @property
     def measured(self) -> bool:
-        """Whether this trial produced memory and speed figures (``ok`` or ``over_budget``)."""
         return self.outcome in MEASURED
 
     def to_dict(self) -> dict[str, Any]:
-        """A row of the trials table (``trials.json``, ``trials.csv``): plain types, the policy as its file's mapping,
-        the label as ``seed`` (the column's name since the first studies) followed by ``source``."""
+        """A row of ``trials.json`` and ``trials.csv``; the label is ``seed``, the column of the first studies."""
         row: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "policy" and value is not None:
-                value = value.to_dict()
-            row[_ROW_KEYS.get(field.name, field.name)] = value
+            row[_ROW_KEYS.get(field.name, field.name)] = (
+                value.to_dict() if isinstance(value, RecomputePolicy) else value
+            )
             if field.name == "label":
                 row["source"] = self.source.value
         return row
 
 
-_RECORD_ATTRS: Mapping[str, str] = {
-    "micro_batch": TrialAttr.MICRO_BATCH,
-    "label": TrialAttr.SEED,
-    "throughput": TrialAttr.THROUGHPUT,
-    "peak_bytes": TrialAttr.PEAK_BYTES,
-    "step_time_s": TrialAttr.STEP_TIME_S,
-    "noise_rel": TrialAttr.NOISE_REL,
-    "wall_s": TrialAttr.WALL_S,
-    "predicted_peak_bytes": TrialAttr.PREDICTED_PEAK_BYTES,
-    "predicted_step_time_s": TrialAttr.PREDICTED_STEP_TIME_S,
-    "reason": TrialAttr.REASON,
-    "run_id": TrialAttr.RUN_ID,
-    "duplicate_of": TrialAttr.DUPLICATE_OF,
-}
-"""`TrialRecord` fields read from the trial's user attribute of that key as they are."""
+_DERIVED = {"number", "state", "outcome", "policy", "fingerprint", "short", "throughput_unit", "feasible"}
+_AS_STORED = [f.name for f in dataclasses.fields(TrialRecord) if f.name not in _DERIVED]
+"""`TrialRecord` fields read from the trial's user attribute as they are: of their own name unless `_ATTR_OF`."""
+_ATTR_OF = {"label": TrialAttr.SEED, "noise_rel": TrialAttr.NOISE_REL, "run_id": TrialAttr.RUN_ID}
 _ROW_KEYS = {"fingerprint": "policy_fingerprint", "short": "policy_short", "label": "seed"}
 
 
@@ -194,31 +177,21 @@ def best_of(records: Sequence[TrialRecord]) -> TrialRecord | None:
     return max(feasible, key=lambda r: (r.throughput or 0.0, -r.number)) if feasible else None
 
 
+@dataclass(eq=False)
 class TuningStudy:
-    """An Optuna study driven by ask/tell from the tuning session; build one with `open`.
+    """An Optuna study driven by ask/tell; build one with `open`. Measured is COMPLETE (over budget too, infeasible
+    by the constraint, so TPE learns where the memory wall is), skipped PRUNED, the rest FAIL."""
 
-    Outcomes map to states so the sampler learns the right thing: measured is COMPLETE (over budget too, made
-    infeasible by the constraint, so TPE learns where the memory wall is); oom / timeout / error / interrupted
-    are FAIL; skipped on the planner's prediction is PRUNED; a duplicate takes its original's state and value.
-    """
+    study: optuna.Study
+    space: SearchSpace
+    budget_bytes: int
+    created: bool  # this process created the study, and so seeds it
+    storage: optuna.storages.BaseStorage  # for `tuner._search.lease`
 
-    def __init__(
-        self,
-        study: optuna.Study,
-        space: SearchSpace,
-        *,
-        budget_bytes: int,
-        created: bool,
-        storage: optuna.storages.BaseStorage | None = None,
-    ) -> None:
-        self.study = study
-        self.storage = storage  # for `tuner._search.lease`; None when not known
-        self.space = space
-        self.budget_bytes = int(budget_bytes)
-        self.created = created  # this process created the study, and so seeds it
-        self.setup = StudySetup(study)
-        self.in_flight = InFlight(study, space)
-        self._distributions = space.distributions()
+    def __post_init__(self) -> None:
+        self.setup = StudySetup(self.study)
+        self.in_flight = InFlight(self.study, self.space)
+        self._distributions = self.space.distributions()
 
     @classmethod
     def open(
@@ -233,51 +206,48 @@ class TuningStudy:
         recipe_fingerprint: str | None = None,
         device: str | None = None,
     ) -> TuningStudy:
-        """Create the study, or load it (resume; another worker): a `RecomputeError` if it was created for another
-        space or budget. Only one process can create a study of a name, which is how workers agree on who seeds it;
-        the creator's sampler is seeded with ``seed``, a joining session's from a stream of its own."""
+        """Create the study, or load it; only one process can create a study of a name: it seeds the study."""
         store = open_storage(storage) if isinstance(storage, str) else storage
         # Constraints are set on each trial (`_constrain`): Optuna 5 deprecates TPESampler's constraints_func.
         sampler = optuna.samplers.TPESampler(seed=seed)
+        signature = space.signature()
         try:
             study = optuna.create_study(storage=store, study_name=name, direction="maximize", sampler=sampler)
-            created = True
-            # Recorded first: a worker waiting for this setup takes it over once this owner is dead.
-            StudySetup(study).own()
-            study.set_user_attr(StudyAttr.SEARCH_SPACE, space.signature())
-            study.set_user_attr(StudyAttr.BUDGET_BYTES, int(budget_bytes))
-            for key, value in (
-                (StudyAttr.RECIPE, recipe),
-                (StudyAttr.RECIPE_FINGERPRINT, recipe_fingerprint),
-                (StudyAttr.DEVICE, device),
-            ):
-                if value is not None:
-                    study.set_user_attr(key, value)
         except optuna.exceptions.DuplicatedStudyError:
             # With the recipe's seed, workers on the same history would propose the same candidates in lockstep.
-            joined_seed = int(
-                hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8], 16
+            own = hashlib.sha256(f"{seed}:{socket.gethostname()}:{os.getpid()}".encode()).hexdigest()[:8]
+            study = optuna.load_study(
+                study_name=name, storage=store, sampler=optuna.samplers.TPESampler(seed=int(own, 16))
             )
-            sampler = optuna.samplers.TPESampler(seed=joined_seed)
-            study = optuna.load_study(study_name=name, storage=store, sampler=sampler)
-            created = False
             stored = study.user_attrs.get(StudyAttr.SEARCH_SPACE)
-            if stored is not None and stored != space.signature():
+            stored_budget = study.user_attrs.get(StudyAttr.BUDGET_BYTES)
+            if stored is not None and stored != signature:
                 raise RecomputeError(
                     f"study.name: study {name!r} was created for another search space ({stored}); this recipe "
-                    f"searches {space.signature()} (valid: another study.name, or the recipe that created it)"
+                    f"searches {signature} (valid: another study.name, or the recipe that created it)"
                 ) from None
-            stored_budget = study.user_attrs.get(StudyAttr.BUDGET_BYTES)
             if stored_budget is not None and int(stored_budget) != int(budget_bytes):
                 raise RecomputeError(
                     f"study.name: study {name!r} was tuned for a budget limit of {stored_budget} bytes, this "
                     f"recipe's is {budget_bytes} (valid: another study.name for another budget)"
                 ) from None
-        return cls(study, space, budget_bytes=budget_bytes, created=created, storage=store)
+            return cls(study, space, int(budget_bytes), created=False, storage=store)
+        # The owner first: a worker waiting for this setup takes it over once this owner is dead.
+        StudySetup(study).own()
+        attrs = {
+            StudyAttr.SEARCH_SPACE: signature,
+            StudyAttr.BUDGET_BYTES: int(budget_bytes),
+            StudyAttr.RECIPE: recipe,
+            StudyAttr.RECIPE_FINGERPRINT: recipe_fingerprint,
+            StudyAttr.DEVICE: device,
+        }
+        for key, value in attrs.items():
+            if value is not None:
+                study.set_user_attr(key, value)
+        return cls(study, space, int(budget_bytes), created=True, storage=store)
 
     def seed(self, seeds: Sequence[Seed]) -> list[str]:
-        """Enqueue those of ``seeds`` the study does not hold yet, mark it seeded; the names enqueued.
-        Once per study: by the creator, or a session taking over an abandoned setup."""
+        """Enqueue those of ``seeds`` the study does not hold yet and mark it seeded; the names enqueued."""
         present = {
             t.user_attrs.get(TrialAttr.SEED_KEY) or t.user_attrs.get(TrialAttr.CANDIDATE_KEY)
             for t in self.study.get_trials(deepcopy=False)
@@ -287,50 +257,40 @@ class TuningStudy:
         for s in seeds:
             params = self.space.nearest(s.modes, s.micro_batch, s.compile)
             if params is None:
-                _log.info(
-                    "seed %s is outside the search space (modes %s); not enqueued",
-                    s.name,
-                    sorted(set(s.modes.values())),
-                )
+                _log.info("seed %s is outside the search space (modes %s)", s.name, sorted(set(s.modes.values())))
                 continue
-            policy, mb = self.space.decode(params)
-            key = _candidate_key(policy, mb)
-            if key in present:
-                continue  # e.g. a planner candidate equal to a baseline: measure it once
-            present.add(key)
-            self.study.enqueue_trial(params, user_attrs={TrialAttr.SEED: s.name, TrialAttr.SEED_KEY: key})
-            enqueued.append(s.name)
+            key = _candidate_key(*self.space.decode(params))
+            if key not in present:  # e.g. a planner candidate equal to a baseline: measure it once
+                present.add(key)
+                self.study.enqueue_trial(params, user_attrs={TrialAttr.SEED: s.name, TrialAttr.SEED_KEY: key})
+                enqueued.append(s.name)
         self.setup.mark_seeded()
         return enqueued
 
     def ask(self, *, session_run_id: str | None = None) -> Proposal:
-        """The next candidate (an enqueued seed first), with `Proposal.duplicate_of` and ``contended_by`` filled in.
-
-        The candidate's key is written to the trial before the others are read, so of two workers proposing it at
-        once the later reader sees the earlier trial; an unclaimed running one may be standing down itself, so
-        both stand down (trial numbers do not follow the order of asking). The owner and ``session_run_id`` let
-        another process fail the trial and retry it if this one dies (`InFlight.reap_dead`).
-        """
+        """The next candidate: its key is written before the others are read, so of two workers asking it at once
+        the later sees the earlier (trial numbers do not follow the order of asking)."""
         trial = self.study.ask(fixed_distributions=self._distributions)
         policy, mb = self.space.decode(trial.params)
-        seed_name = trial.user_attrs.get(TrialAttr.SEED)
-        proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, label=seed_name)
-        key = proposal.key
-        trial.set_user_attr(TrialAttr.CANDIDATE_KEY, key)
-        trial.set_user_attr(TrialAttr.POLICY, policy.to_dict())
-        trial.set_user_attr(TrialAttr.FINGERPRINT, policy.fingerprint())
-        trial.set_user_attr(TrialAttr.SHORT, policy.short(self.space.layer_names))
-        trial.set_user_attr(TrialAttr.MICRO_BATCH, mb)
-        trial.set_user_attr(TrialAttr.WORKER, f"{socket.gethostname()}:{os.getpid()}")
-        trial.set_user_attr(TrialAttr.OWNER, Owner.me().to_dict())
-        trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
-        trial.set_user_attr(TrialAttr.SESSION_RUN, session_run_id)
-        proposal.duplicate_of, proposal.contended_by = self._find_duplicate(key, trial.number)
+        proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, label=trial.user_attrs.get(TrialAttr.SEED))
+        attrs = {
+            TrialAttr.CANDIDATE_KEY: proposal.key,
+            TrialAttr.POLICY: policy.to_dict(),
+            TrialAttr.FINGERPRINT: policy.fingerprint(),
+            TrialAttr.SHORT: policy.short(self.space.layer_names),
+            TrialAttr.MICRO_BATCH: mb,
+            TrialAttr.WORKER: f"{socket.gethostname()}:{os.getpid()}",
+            TrialAttr.OWNER: Owner.me().to_dict(),
+            TrialAttr.HEARTBEAT: time.time(),
+            TrialAttr.SESSION_RUN: session_run_id,
+        }
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        proposal.duplicate_of, proposal.contended_by = self._find_duplicate(proposal.key, trial.number)
         return proposal
 
     def claim(self, proposal: Proposal) -> None:
-        """Mark the proposal as measured by this worker (once nothing can make it stand down, before it runs):
-        others asking its candidate now are its duplicates."""
+        """Once nothing can make it stand down: others asking its candidate now are its duplicates."""
         proposal.trial.set_user_attr(TrialAttr.CLAIMED, True)
 
     def _find_duplicate(self, key: str, number: int) -> tuple[FrozenTrial | None, FrozenTrial | None]:
@@ -338,18 +298,15 @@ class TuningStudy:
         finished: FrozenTrial | None = None
         contender: FrozenTrial | None = None
         for t in self.study.get_trials(deepcopy=False):
-            if t.number == number or t.user_attrs.get(TrialAttr.CANDIDATE_KEY) != key:
-                continue
-            outcome = t.user_attrs.get(TrialAttr.OUTCOME)
-            if outcome in NOT_EVIDENCE:
-                continue  # never measured: not evidence about this candidate
+            a = t.user_attrs
+            if t.number == number or a.get(TrialAttr.CANDIDATE_KEY) != key or a.get(TrialAttr.OUTCOME) in NOT_EVIDENCE:
+                continue  # another candidate, or one never measured: not evidence about this candidate
             if t.state == TrialState.RUNNING:
-                if t.user_attrs.get(TrialAttr.CLAIMED):
+                if a.get(TrialAttr.CLAIMED):
                     return t, None
                 contender = contender or t
-                continue
             # Prefer a measured trial to a skipped or failed one as the figures to reuse.
-            if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and (
+            elif t.state in _FINISHED and (
                 finished is None or (t.state == TrialState.COMPLETE and finished.state != TrialState.COMPLETE)
             ):
                 finished = t
@@ -358,41 +315,45 @@ class TuningStudy:
     def tell_result(
         self, proposal: Proposal, result: TrialResult, *, run_id: str | None = None, reason: str | None = None
     ) -> FrozenTrial:
-        """Record a trial that ran: COMPLETE with its throughput when measured, FAIL otherwise."""
+        """COMPLETE with its throughput when measured, FAIL otherwise."""
         t = proposal.trial
-        self._set_common(proposal, outcome=result.outcome, run_id=run_id, reason=reason or result.error)
-        for key, value in (
-            (TrialAttr.THROUGHPUT, result.throughput),
-            (TrialAttr.THROUGHPUT_UNIT, result.throughput_unit),
-            (TrialAttr.PEAK_BYTES, result.peak_bytes),
-            (TrialAttr.STEP_TIME_S, result.step_time_s),
-            (TrialAttr.WALL_S, result.wall_s),
-            (TrialAttr.NOISE_REL, None if result.noise is None else result.noise.mad_rel),
-        ):
-            t.set_user_attr(key, value)
+        self._set_common(
+            proposal,
+            outcome=result.outcome,
+            run_id=run_id,
+            reason=reason or result.error,
+            **{
+                TrialAttr.THROUGHPUT: result.throughput,
+                TrialAttr.THROUGHPUT_UNIT: result.throughput_unit,
+                TrialAttr.PEAK_BYTES: result.peak_bytes,
+                TrialAttr.STEP_TIME_S: result.step_time_s,
+                TrialAttr.WALL_S: result.wall_s,
+                TrialAttr.NOISE_REL: None if result.noise is None else result.noise.mad_rel,
+            },
+        )
         if result.measured and result.throughput is not None:
             self._constrain(t, None if result.peak_bytes is None else result.peak_bytes - self.budget_bytes)
             return self.study.tell(t, float(result.throughput))
         return self.study.tell(t, state=TrialState.FAIL)
 
     def tell_skipped(self, proposal: Proposal, reason: str, *, run_id: str | None = None) -> FrozenTrial:
-        """Record a candidate not run (the planner predicts it far over budget) as PRUNED, with why."""
-        t = proposal.trial
+        """PRUNED: the planner predicts it far over budget."""
         self._set_common(proposal, outcome="skipped", run_id=run_id, reason=reason)
         pred = proposal.prediction
-        self._constrain(t, None if pred is None or pred.peak_bytes is None else pred.peak_bytes - self.budget_bytes)
-        return self.study.tell(t, state=TrialState.PRUNED)
+        peak = None if pred is None else pred.peak_bytes
+        self._constrain(proposal.trial, None if peak is None else peak - self.budget_bytes)
+        return self.study.tell(proposal.trial, state=TrialState.PRUNED)
 
     def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
-        """Record a re-proposal without measuring it again: its original's state and value, or FAIL while the
-        original still runs."""
+        """Its original's state and value, or FAIL while the original still runs."""
         original = proposal.duplicate_of
         if original is None:
             raise RecomputeError(f"trial {proposal.number}: not a duplicate")
         t = proposal.trial
         reason = f"same policy and micro-batch as trial {original.number}"
-        self._set_common(proposal, outcome="duplicate", run_id=run_id, reason=reason)
-        t.set_user_attr(TrialAttr.DUPLICATE_OF, original.number)
+        self._set_common(
+            proposal, outcome="duplicate", run_id=run_id, reason=reason, **{TrialAttr.DUPLICATE_OF: original.number}
+        )
         if original.state == TrialState.RUNNING:
             return self.study.tell(t, state=TrialState.FAIL)
         # Only the constraint is copied: the table and the plot show each measurement once.
@@ -403,14 +364,13 @@ class TuningStudy:
         return self.study.tell(t, state=original.state)
 
     def tell_interrupted(self, proposal: Proposal, reason: str) -> FrozenTrial:
-        """Record a trial stopped by the user (FAIL); a seed goes back in the queue for the next session."""
+        """FAIL; a seed goes back in the queue for the next session."""
         t = proposal.trial
         self._set_common(proposal, outcome="interrupted", run_id=None, reason=reason)
         frozen = self.study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
         if proposal.label is not None:
-            self.study.enqueue_trial(
-                dict(t.params), user_attrs={TrialAttr.SEED: proposal.label, TrialAttr.SEED_KEY: proposal.key}
-            )
+            attrs = {TrialAttr.SEED: proposal.label, TrialAttr.SEED_KEY: proposal.key}
+            self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
         return frozen
 
     @staticmethod
@@ -420,32 +380,33 @@ class TuningStudy:
         trial.set_user_attr(TrialAttr.PEAK_OVER, None if peak_over is None else value)
         trial.set_constraint(CONSTRAINT, value)
 
+    @staticmethod
     def _set_common(
-        self, proposal: Proposal, *, outcome: RecordOutcome, run_id: str | None, reason: str | None
+        proposal: Proposal, *, outcome: RecordOutcome, run_id: str | None, reason: str | None, **more: Any
     ) -> None:
-        t = proposal.trial
-        t.set_user_attr(TrialAttr.OUTCOME, outcome)
-        t.set_user_attr(TrialAttr.RUN_ID, run_id)
-        t.set_user_attr(TrialAttr.REASON, reason)
         pred = proposal.prediction
-        t.set_user_attr(TrialAttr.PREDICTED_PEAK_BYTES, None if pred is None else pred.peak_bytes)
-        t.set_user_attr(TrialAttr.PREDICTED_STEP_TIME_S, None if pred is None else pred.step_time_s)
+        attrs = {
+            TrialAttr.OUTCOME: outcome,
+            TrialAttr.RUN_ID: run_id,
+            TrialAttr.REASON: reason,
+            TrialAttr.PREDICTED_PEAK_BYTES: None if pred is None else pred.peak_bytes,
+            TrialAttr.PREDICTED_STEP_TIME_S: None if pred is None else pred.step_time_s,
+            **more,
+        }
+        for key, value in attrs.items():
+            proposal.trial.set_user_attr(key, value)
 
     def records(self) -> list[TrialRecord]:
-        """Every finished trial of the study (all workers, all sessions), in trial order."""
-        finished = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-        return [TrialRecord.from_trial(t) for t in self.study.get_trials(deepcopy=False, states=finished)]
+        return [TrialRecord.from_trial(t) for t in self.study.get_trials(deepcopy=False, states=_FINISHED)]
 
     def best(self) -> TrialRecord | None:
-        """The measured, within-budget trial of highest throughput; ``None`` when there is none."""
         return best_of(self.records())
 
     def ran_count(self) -> int:
-        """Trials that ran a policy (`TrialRecord.ran`: what ``n_trials`` counts), all workers together."""
+        """What ``n_trials`` counts, all workers together."""
         return sum(1 for r in self.records() if r.ran)
 
     def waiting(self) -> list[FrozenTrial]:
-        """Enqueued trials not yet handed out."""
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
 
 
@@ -455,15 +416,13 @@ Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]
 
 def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: float = FAR_OVER_BUDGET) -> str | None:
     """Why a candidate should not be run, or ``None`` when it should."""
-    if prediction is None or prediction.peak_bytes is None:
+    peak = None if prediction is None else prediction.peak_bytes
+    if peak is None or peak <= factor * budget_bytes:
         return None
-    if prediction.peak_bytes > factor * budget_bytes:
-        return (
-            f"planner predicts a peak of {format_bytes(prediction.peak_bytes)} ({prediction.peak_bytes} bytes),"
-            f" more than {factor:g}x the budget "
-            f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
-        )
-    return None
+    return (
+        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {factor:g}x the budget "
+        f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
+    )
 
 
 @dataclass(frozen=True)
@@ -477,15 +436,23 @@ class AbandonedTrial:
     session_run_id: str | None  # the dead owner's MLflow session run, if it had one yet
 
 
+def _owner_dead(
+    attrs: Mapping[str, Any], owner_key: str, beat_key: str, grace_s: float, since: float | None = None
+) -> str | None:
+    """Why the owner recorded in ``attrs`` (a trial's or the study's) is dead, or ``None``."""
+    beat = attrs.get(beat_key)
+    owner = Owner.from_dict(attrs.get(owner_key))
+    return dead_reason(owner, None if beat is None else float(beat), grace=grace_s, since=since)
+
+
 def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
-    beat = trial.user_attrs.get(TrialAttr.HEARTBEAT)
     since = trial.datetime_start.timestamp() if trial.datetime_start is not None else None
-    owner = Owner.from_dict(trial.user_attrs.get(TrialAttr.OWNER))
-    return dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s, since=since)
+    return _owner_dead(trial.user_attrs, TrialAttr.OWNER, TrialAttr.HEARTBEAT, grace_s, since)
 
 
 class InFlight:
-    """The study's running trials, any worker's: heartbeats, which are alive, the dead ones reaped."""
+    """Any worker's running trials. Own heartbeats, not Optuna's: journal storage has none, and a same-host
+    owner is judged dead by its pid at once."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace) -> None:
         self.study = study
@@ -502,55 +469,41 @@ class InFlight:
         proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
 
     def reap_dead(self, grace_s: float) -> list[AbandonedTrial]:
-        """Fail (outcome ``abandoned``) every RUNNING trial whose owner is dead and enqueue its candidate again
-        (a seed keeps its name); those this call failed. Of several processes reaping at once, only the one whose
-        state change wins reports and re-enqueues the trial."""
+        """Fail every RUNNING trial whose owner is dead and enqueue its candidate again; of several processes
+        reaping at once, only the one whose state change wins reports and re-enqueues it."""
         storage = self.study._storage  # Optuna's public Study has no way to fail another process's trial
         out: list[AbandonedTrial] = []
         for t in self.running():
             why = _dead(t, grace_s)
             if why is None:
                 continue
-            a = t.user_attrs
             try:
-                abandoned: RecordOutcome = "abandoned"
-                storage.set_trial_user_attr(t._trial_id, TrialAttr.OUTCOME, abandoned)
+                storage.set_trial_user_attr(t._trial_id, TrialAttr.OUTCOME, "abandoned")
                 storage.set_trial_user_attr(t._trial_id, TrialAttr.REASON, why)
-                won = storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                if not storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+                    continue
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # another process reaped it (or its owner finished it) first
-            if not won:
-                continue
-            attrs: dict[str, Any] = {TrialAttr.RETRY_OF: t.number}
-            key = a.get(TrialAttr.CANDIDATE_KEY)
-            if key is not None:
-                attrs[TrialAttr.SEED_KEY] = key
-            if a.get(TrialAttr.SEED) is not None:
-                attrs[TrialAttr.SEED] = a[TrialAttr.SEED]
-            self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
+            a = t.user_attrs
+            attrs = {
+                TrialAttr.RETRY_OF: t.number,
+                TrialAttr.SEED_KEY: a.get(TrialAttr.CANDIDATE_KEY),
+                TrialAttr.SEED: a.get(TrialAttr.SEED),
+            }
+            self.study.enqueue_trial(dict(t.params), user_attrs={k: v for k, v in attrs.items() if v is not None})
             policy, mb = self.space.decode(t.params)
-            out.append(
-                AbandonedTrial(
-                    number=t.number,
-                    policy=policy,
-                    micro_batch=mb,
-                    reason=why,
-                    session_run_id=a.get(TrialAttr.SESSION_RUN),
-                )
-            )
+            out.append(AbandonedTrial(t.number, policy, mb, why, a.get(TrialAttr.SESSION_RUN)))
             _log.info("trial %d: %s; failed and its candidate enqueued again", t.number, why)
         return out
 
 
 class StudySetup:
-    """The study's setup as its workers share it, in its user attributes: who sets it up (a dead owner's setup
-    is taken over), whether it is seeded, and the profile and planner note every worker predicts with."""
+    """Who sets the study up, whether it is seeded, and the profile and planner note every worker predicts with."""
 
     def __init__(self, study: optuna.Study) -> None:
         self.study = study
 
     def own(self) -> None:
-        """Record this process as the one setting the study up."""
         self.study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
         self.beat()
 
@@ -558,52 +511,40 @@ class StudySetup:
         self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
 
     def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
-        """Wait for the setting-up process to seed the study; whether it did (not when it gave up, died
-        (`owner_dead`) or ``timeout_s`` passed)."""
+        """Whether the setting-up process seeded the study (not when it gave up, died or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            attrs = self.study.user_attrs
-            if attrs.get(StudyAttr.SEEDED):
-                return True
-            if attrs.get(StudyAttr.ABANDONED) or time.monotonic() >= deadline:
-                return False
-            if self.owner_dead(grace_s) is not None:
+        while not self.seeded:
+            gone = self.study.user_attrs.get(StudyAttr.ABANDONED) or self.owner_dead(grace_s) is not None
+            if gone or time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
+        return True
 
     def owner_dead(self, grace_s: float) -> str | None:
-        """Why the session setting the study up is dead, or ``None`` (alive, done, or not recorded)."""
+        """Why the session setting the study up is dead; ``None`` while alive, done, or not recorded yet."""
         attrs = self.study.user_attrs
-        if attrs.get(StudyAttr.SEEDED):
+        if attrs.get(StudyAttr.SEEDED) or Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER)) is None:
             return None
-        owner = Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER))
-        if owner is None:
-            return None  # an older version's study, or the creator has not recorded itself yet
-        beat = attrs.get(StudyAttr.SETUP_HEARTBEAT)
-        return dead_reason(owner, float(beat) if beat is not None else None, grace=grace_s)
+        return _owner_dead(attrs, StudyAttr.SETUP_OWNER, StudyAttr.SETUP_HEARTBEAT, grace_s)
 
     @property
     def seeded(self) -> bool:
         return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
 
     def mark_seeded(self) -> None:
-        """Waiting workers go on, and no session seeds the study again."""
         self.study.set_user_attr(StudyAttr.SEEDED, True)
 
     def abandon(self) -> None:
-        """Say that this process stopped setting up the study, so no other worker waits for it."""
-        if not self.study.user_attrs.get(StudyAttr.SEEDED):
+        if not self.seeded:
             self.study.set_user_attr(StudyAttr.ABANDONED, True)
 
     def profile(self) -> dict[str, Any] | None:
-        """The model's profile (`Profile.to_dict`) the setting-up session stored, if any."""
         return self.study.user_attrs.get(StudyAttr.PROFILE)
 
     def store_profile(self, profile: Mapping[str, Any]) -> None:
         self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
 
     def planner_note(self) -> str | None:
-        """Why the setting-up session had no planner, or what its planner could not do."""
         note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
         return None if note is None else str(note)
 
