@@ -167,8 +167,7 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
     take it, and the components set (``model``, ``data``); a `RecomputeError` when neither takes it."""
     import dataclasses
 
-    from tuner.recipe._checks import accepts
-    from tuner.recipe._schema import Component
+    from tuner.recipe._schema import Component, accepts
 
     changes: dict[str, Component] = {}
     for key in ("model", "data"):
@@ -187,7 +186,7 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
 
 def _seq_len_of(recipe: Recipe, seq_arg: str) -> int | None:
     """The recipe's own sequence length: ``seq_arg`` in the data's, else the model's init args or defaults."""
-    from tuner.recipe._checks import init_signature
+    from tuner.recipe._schema import init_signature
 
     for component in (recipe.data, recipe.model):
         value = component.init_args.get(seq_arg)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import clip
-from tuner.recipe._checks import accepts, init_signature
-from tuner.recipe._schema import Component, Recipe, RecipeError
+from tuner.recipe._schema import Component, Recipe, RecipeError, accepts, init_signature
 
 if TYPE_CHECKING:
     import lightning as L

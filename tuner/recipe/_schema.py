@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, WithJsonSchema
 from pydantic.dataclasses import dataclass as schema_dataclass
@@ -602,6 +602,21 @@ def resolve_class(class_path: str) -> tuple[type | None, str]:
     if not inspect.isclass(obj):
         return None, f"{class_path!r} is a {type(obj).__name__}, not a class"
     return obj, ""
+
+
+def init_signature(cls: type) -> inspect.Signature:
+    """The signature of ``cls.__init__`` (``self`` included), as the recipe's ``init_args`` fill it."""
+    # Not inspect.signature(cls): it would fold in a metaclass __call__ or __new__ the recipe does not fill.
+    return inspect.signature(cast(Any, cls).__init__)
+
+
+def accepts(cls: type, name: str) -> bool:
+    """Whether ``cls.__init__`` takes a keyword ``name`` (or ``**kwargs``); ``True`` when it cannot be read."""
+    try:
+        params = init_signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def suggest(word: str, choices: Any) -> str:
