@@ -438,35 +438,19 @@ class StudySettings:
     )
 
 
-_Layers = Annotated[
-    str | tuple[str, ...],
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-            ],
-            "default": "auto",
-        }
-    ),
-]
+_NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 def _layers_value(value: Any) -> Any:
-    if isinstance(value, str):
-        if not value.strip():
-            raise ValueError("an empty layer selection (valid: 'auto', module paths, globs, or 'class:Name')")
-        return value
-    if isinstance(value, (list, tuple)):
-        if not value or not all(isinstance(v, str) and v.strip() for v in value):
-            raise ValueError(
-                f"{clip(repr(value))}: a list of layers must hold non-empty strings "
-                "(module paths, globs, or 'class:Name')"
-            )
-        return tuple(value)
-    raise ValueError(
-        f"{clip(repr(value))} is not a layer selection (valid: 'auto', module paths, globs, or 'class:Name')"
-    )
+    """One error naming the valid forms, rather than one per member of the union."""
+    value = tuple(value) if isinstance(value, list) else value
+    items = value if isinstance(value, tuple) else (value,)
+    if not items or not all(isinstance(v, str) and v.strip() for v in items):
+        raise ValueError(
+            f"{clip(repr(value))} is not a layer selection (valid: 'auto', or module paths, globs, or 'class:Name', "
+            "as a string or a non-empty list)"
+        )
+    return value
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -489,7 +473,9 @@ class RecipeFile:
         "the reference model's vocab_size and seq_len.",
     )
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Trainer settings of every trial.")
-    layers: Annotated[_Layers, BeforeValidator(_layers_value)] = Field(
+    layers: Annotated[
+        _NonEmpty | Annotated[tuple[_NonEmpty, ...], Field(min_length=1)], BeforeValidator(_layers_value)
+    ] = Field(
         default="auto",
         description="Which modules are layers: 'auto' (the longest stack of same-class blocks), module paths, "
         "globs, or 'class:Name'.",
