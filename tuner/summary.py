@@ -23,14 +23,12 @@ __all__ = ["SessionSummary", "TrialEvent", "summarize", "training_change"]
 
 @dataclass(frozen=True)
 class TrialEvent:
-    """What the CLI prints for one trial as it finishes."""
+    """What the CLI prints for one trial as it finishes: the trial just told to Optuna (measured, skipped or
+    duplicate), the best feasible trial of the study so far (any worker's), and the trials run so far."""
 
     record: TrialRecord
-    """The trial just told to Optuna (measured, skipped or duplicate)."""
     best: TrialRecord | None
-    """The best feasible trial of the study so far (any worker's)."""
     ran: int
-    """Trials run in the study so far (what ``n_trials`` counts)."""
     n_trials: int
     budget_bytes: int
     layer_names: tuple[str, ...]
@@ -38,7 +36,13 @@ class TrialEvent:
 
 @dataclass
 class SessionSummary:
-    """What a tuning session did and decided."""
+    """What a tuning session did and decided. ``records``: every finished trial of the study, all sessions and
+    workers; ``baselines``: each baseline's trial; ``gains``: the race winner's throughput over each baseline's,
+    minus 1 (``None``: not raced); ``race``: the race before the gate (``None``: not run); ``chosen``: `best`
+    is the race's winner (or the good policy a race chose before), not merely the fastest single trial;
+    ``reasons``: the gate's, or why there was nothing to gate; ``policy_path``: the file written or holding
+    the current good policy, ``tuned_for`` what that was tuned for; ``data_batch_size``: what ``micro_batch``
+    ``None`` means; ``confidence``: the level the report states its intervals at."""
 
     recipe: str
     study: str
@@ -53,33 +57,22 @@ class SessionSummary:
     exit_code: int
     trials_this_session: int = 0
     records: list[TrialRecord] = field(default_factory=list)
-    """Every finished trial of the study, all sessions and workers."""
     best: TrialRecord | None = None
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
-    """Baseline name (``none``, ``full``, ``selective``, ``every_2nd_full``) -> its trial."""
     gains: dict[str, float | None] = field(default_factory=dict)
-    """Baseline name -> the race winner's throughput over the baseline's, minus 1 (``None``: not raced)."""
     race: RaceResult | None = None
-    """The race before the gate (``None``: not run; its ``reason`` says why when skipped or failed)."""
     chosen: bool = False
-    """`best` is the race's winner (or the good policy a race chose before), not merely the fastest single trial."""
     reasons: list[str] = field(default_factory=list)
-    """The gate's reasons, or why there was nothing to gate."""
     evidence: dict[str, Any] = field(default_factory=dict)
     policy_path: Path | None = None
-    """The policy file written (on promotion) or holding the current good policy."""
     tracking_uri: str = ""
     experiment: str = ""
     session_run_id: str | None = None
     decision_run_id: str | None = None
     notes: list[str] = field(default_factory=list)
-    """What the session decided along the way (planner unavailable, space exhausted ...)."""
     data_batch_size: int | None = None
-    """The batch size of the recipe's data module (what ``micro_batch`` ``None`` means)."""
     confidence: float = 0.95
-    """The recipe's race confidence: the level the report states its intervals at."""
     tuned_for: TunedFor | None = None
-    """What the good policy in `policy_path` was tuned for (``None``: unknown)."""
 
     @property
     def training_change(self) -> str | None:
