@@ -196,15 +196,12 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 def _stdout_to_stderr() -> Iterator[None]:
     """Send stdout to stderr: ``sys.stdout``, and file descriptor 1 (native code and child processes)."""
     sys.stdout.flush()
-    saved: int | None = None
     try:
         os.fstat(2)
-        saved = os.dup(1)
+        saved: int | None = os.dup(1)
         os.dup2(2, 1)
     except OSError:  # a descriptor closed (a daemon's): Python's level only
-        if saved is not None:
-            os.close(saved)
-            saved = None
+        saved = None
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
