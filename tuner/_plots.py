@@ -21,7 +21,7 @@ _OTHER = ("tab:gray", ".", "other")
 
 def _point(row: Mapping[str, Any]) -> Point | None:
     """``(peak_bytes, throughput)`` of a trials-table row, or ``None`` when it measured nothing."""
-    values = [row.get("peak_bytes"), row.get("throughput")]
+    values: list[Any] = [row.get("peak_bytes"), row.get("throughput")]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
         return None
     return float(values[0]), float(values[1])

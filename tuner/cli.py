@@ -299,7 +299,8 @@ def _report(s: SessionSummary) -> str:
         names = s.layer_names
         layers = f"{names[0]} .. {names[-1]}" if len(names) > 2 else ", ".join(names)
         lines.append(f"  one glyph per layer ({layers}): {glyphs}")
-        speed = raced.throughput(won if entrant is not None else best.fingerprint) if raced is not None else None
+        key = won if won is not None and entrant is not None else best.fingerprint
+        speed = raced.throughput(key) if raced is not None else None
         source = "in the race" if speed is not None else "its single trial"
         peak = entrant.peak_bytes if entrant is not None else best.peak_bytes
         lines.append(
