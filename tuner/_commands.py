@@ -21,45 +21,38 @@ if TYPE_CHECKING:
 __all__ = ["HistorySummary", "PlanSummary", "SeqLenSummary", "history", "max_seq_len", "plan", "rollback"]
 
 
+def _row(p: PlannedPolicy | None) -> dict[str, Any]:
+    keys = ("policy", "short", "peak_bytes", "step_time_s", "micro_batch")
+    if p is None:
+        return dict.fromkeys(keys)
+    return dict(
+        zip(keys, (p.policy.to_dict(), p.short(), p.peak_bytes, p.step_time_s, p.prediction.micro_batch), strict=True)
+    )
+
+
 @dataclass
 class PlanSummary:
-    """What ``recompute-tune plan`` shows: the predicted front and the policy chosen for a budget."""
+    """What ``recompute-tune plan`` shows: the predicted front (by increasing peak) and the fastest policy
+    within the budget (``chosen``; else ``reason``), written to ``written`` with ``--write``."""
 
     recipe: str
     device: str
     budget_bytes: int
     layer_names: tuple[str, ...]
     front: list[PlannedPolicy]
-    """By increasing predicted peak."""
     profile: Profile
     chosen: PlannedPolicy | None = None
-    """The fastest predicted policy within the budget (``None`` when none fits)."""
     reason: str | None = None
-    """Why nothing was chosen."""
     written: Path | None = None
-    """Where the chosen policy was written (``--write``)."""
     exit_code: int = EXIT_OK
     sharding: str | None = None
     """``per rank, world size 64, fsdp`` when the front is per rank of a sharded or replicated run."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready); the profile is left out."""
-
-        def row(p: PlannedPolicy) -> dict[str, Any]:
-            return {
-                "policy": p.policy.to_dict(),
-                "short": p.short(),
-                "peak_bytes": p.peak_bytes,
-                "step_time_s": p.step_time_s,
-                "micro_batch": p.prediction.micro_batch,
-            }
-
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "profile"}
-        out["layer_names"] = list(self.layer_names)
-        out["front"] = [row(p) for p in self.front]
-        out["chosen"] = None if self.chosen is None else row(self.chosen)
-        out["written"] = None if self.written is None else str(self.written)
-        return out
+        skip = ("profile", "front", "chosen")
+        out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self) if f.name not in skip}
+        return {**out, "front": [_row(p) for p in self.front], "chosen": self.chosen and _row(self.chosen)}
 
 
 def plan(
@@ -71,19 +64,9 @@ def plan(
     world_size: int | None = None,
     strategy: str | None = None,
 ) -> PlanSummary:
-    """Profile the recipe's model and show the planner's front and its choice at ``budget``.
-
-    Args:
-        budget: bytes or a size (``"20GiB"``); default: the recipe's budget limit (after its margin).
-        write: write the chosen policy here (YAML, or JSON for ``.json``), atomically.
-        meta: profile on the meta device and estimate time for this accelerator (a key of
-            `lightning_recompute.profile.HARDWARE`): no hardware needed, nothing allocated.
-        world_size: plan one rank of this many data-parallel ranks (default: the recipe's); the budget is per rank.
-        strategy: ``ddp``, ``fsdp`` or ``model_parallel`` (default: the recipe's ``trainer.strategy``).
-
-    Raises:
-        RecomputeError: a bad budget, hardware, world size or strategy, or a model that cannot be profiled.
-    """
+    """Profile the recipe's model (measured, or on the meta device for ``meta``, a key of
+    `lightning_recompute.profile.HARDWARE`), per rank of ``world_size`` ranks under ``strategy`` (default: the
+    recipe's), and plan it for ``budget`` (default: the recipe's limit); ``write`` the chosen policy there."""
     from lightning_recompute.planner import BudgetError, Planner
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
     from tuner._preflight import output_problem
@@ -148,41 +131,34 @@ def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None
 
 @dataclass
 class SeqLenSummary:
-    """What ``recompute-tune plan --max-seq-len`` shows: per policy family, the longest sequence that fits."""
+    """What ``recompute-tune plan --max-seq-len`` shows: per policy family, the longest ``seq_arg`` (set on the
+    components ``set_on``) that fits, after ``profiles`` lengths profiled."""
 
     recipe: str
     device: str
     budget_bytes: int
     micro_batch: int
     seq_arg: str
-    """The constructor argument that sets the sequence length."""
     set_on: tuple[str, ...]
-    """The recipe components it is set on (``model``, ``data``)."""
     step: int
     cap: int
     fits: list[SeqLenFit]
     profiles: int
-    """How many lengths were profiled."""
     exit_code: int = EXIT_OK
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready)."""
-
-        def row(f: SeqLenFit) -> dict[str, Any]:
-            plan = f.plan
-            return {
+        out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self) if f.name != "fits"}
+        out["fits"] = [
+            {
                 "family": f.family,
                 "seq_len": f.seq_len,
                 "capped": f.capped,
-                "peak_bytes": None if plan is None else plan.peak_bytes,
-                "step_time_s": None if plan is None else plan.step_time_s,
                 "tokens_per_s": f.tokens_per_s,
-                "short": None if plan is None else plan.short(),
+                **_row(f.plan),
             }
-
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["set_on"] = list(self.set_on)
-        out["fits"] = [row(f) for f in self.fits]
+            for f in self.fits
+        ]
         return out
 
 
@@ -191,8 +167,7 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
     take it, and the components set (``model``, ``data``); a `RecomputeError` when neither takes it."""
     import dataclasses
 
-    from tuner.recipe._checks import accepts
-    from tuner.recipe._schema import Component
+    from tuner.recipe._schema import Component, accepts
 
     changes: dict[str, Component] = {}
     for key in ("model", "data"):
@@ -211,7 +186,7 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
 
 def _seq_len_of(recipe: Recipe, seq_arg: str) -> int | None:
     """The recipe's own sequence length: ``seq_arg`` in the data's, else the model's init args or defaults."""
-    from tuner.recipe._checks import init_signature
+    from tuner.recipe._schema import init_signature
 
     for component in (recipe.data, recipe.model):
         value = component.init_args.get(seq_arg)
@@ -233,13 +208,8 @@ def max_seq_len(
     cap: int = 2**20,
 ) -> SeqLenSummary:
     """Per policy family (each searched mode on every layer, and the planner's best mix), the longest
-    sequence length that fits the budget, and the predicted step time there.
-
-    ``seq_arg`` is set on the model and data that take it; every probed length is profiled (measured,
-    or on the meta device with ``meta``) and planned (`lightning_recompute.planner.seqlen` bisects).
-    Raises `RecomputeError` when no component takes ``seq_arg``, it does not change the batch, the
-    budget or hardware is invalid, or a length cannot be profiled.
-    """
+    sequence length that fits the budget: ``seq_arg`` set on the model and data that take it, every probed
+    length profiled (measured, or on the meta device with ``meta``) and planned."""
     from lightning_recompute.planner.seqlen import longest_fits
     from tuner._trials import profile_recipe
     from tuner.recipe._profile import profile_recipe_meta
@@ -286,43 +256,31 @@ def max_seq_len(
 
 @dataclass
 class HistorySummary:
-    """What ``recompute-tune history`` shows: every decision, and the good policy now."""
+    """What ``recompute-tune history`` shows: every decision, oldest first, and the good policy now (or why it
+    cannot be read); ``missing``: the SQLite tracking database that does not exist yet."""
 
     experiment: str
     tracking_uri: str
     decisions: list[Decision]
-    """Oldest first."""
     current: GoodPolicy | None = None
-    """``None`` before the first promotion."""
     missing: Path | None = None
-    """The SQLite tracking database that does not exist (nothing tuned yet); ``None`` when it does."""
     current_problem: str | None = None
-    """Why the good policy cannot be read (its run or artifact gone or changed); the decisions still show."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (JSON-ready)."""
         return {f.name: jsonable(getattr(self, f.name)) for f in fields(self)}
 
 
 def history(recipe: Recipe) -> HistorySummary:
-    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone.
-
-    Reading creates nothing: without the SQLite tracking database the history is empty (`missing` says
-    where it looked). Raises `RecomputeError` when ``tracking.uri`` is no store MLflow can open.
-    """
-    missing = _missing_tracking_database(recipe)
-    if missing is not None:
-        return HistorySummary(
-            experiment=str(recipe.tracking.experiment), tracking_uri=recipe.tracking.uri, decisions=[], missing=missing
-        )
+    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone;
+    reading creates nothing (no database: an empty history)."""
+    tracker = _tracker(recipe)
+    summary = HistorySummary(str(recipe.tracking.experiment), recipe.tracking.uri, [])
+    if isinstance(tracker, Path):
+        summary.missing = tracker
+        return summary
     from tuner._tracking import TrackingError
 
-    tracker = _existing_tracker(recipe)
-    summary = HistorySummary(
-        experiment=str(recipe.tracking.experiment),
-        tracking_uri=recipe.tracking.uri,
-        decisions=tracker.registry.history(),
-    )
+    summary.decisions = tracker.registry.history()
     try:
         summary.current = tracker.registry.current_good()
     except TrackingError as err:  # an edited artifact must not hide the record of decisions
@@ -332,80 +290,61 @@ def history(recipe: Recipe) -> HistorySummary:
 
 @dataclass(frozen=True)
 class RollbackSummary:
-    """What ``recompute-tune rollback`` did."""
+    """What ``recompute-tune rollback`` did: the good policy now, whether it moved back, what was repaired in
+    the policy file or cleaned up after a killed command, and how its peak compares with the budget now."""
 
     good: GoodPolicy
-    """The good policy now (the restored earlier one, or the current one when nothing was rolled back)."""
     rolled_back: bool
-    """Whether the record moved back to an earlier good policy."""
     file_note: str | None
-    """What was wrong with the policy file before (missing, corrupt, another policy) and was repaired."""
     cleaned: tuple[str, ...] = ()
-    """What a killed earlier command left and this one cleaned up (a decision run, temporary files), in words."""
     budget_note: str | None = None
-    """How the restored policy's measured peak compares with the recipe's budget now (``None``: nothing restored)."""
 
 
 def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSummary:
-    """Restore the previous good policy (MLflow record and ``recipe.output``).
-
-    First the file is made to match the current good policy; with only one good policy recorded, that
-    repair is the whole rollback. An earlier policy whose measured peak is over the budget limit now is
-    refused unless ``allow_over_budget`` (docs/TUNER.md, "Rollback").
-
-    Raises:
-        SettingsError: ``tracking.uri`` or ``tracking.experiment`` names no store or experiment.
-        StoreFailure: a store failed.
-        Declined: no tracking database, or the earlier policy is over the budget (without ``allow_over_budget``).
-        TrackingError: nothing earlier and no repair, or an artifact changed after it was logged (a `Declined` too).
-    """
-    missing = _missing_tracking_database(recipe)
-    if missing is not None:
-        raise Declined(
-            f"nothing to roll back to: there is no tracking database at {missing} (tracking.uri); "
-            f"nothing has been tuned with this recipe there yet"
-        )
-
-    tracker = _existing_tracker(recipe)
+    """Restore the previous good policy (MLflow record and ``recipe.output``), after making the file match the
+    current one (with one good policy recorded, that repair is the whole rollback); an earlier policy over the
+    budget now is `Declined` unless ``allow_over_budget`` (docs/TUNER.md, "Rollback")."""
     from tuner._liveness import grace_s
 
-    cleaned = tracker.registry.clean_leftovers(recipe.output, grace_s())
-    note = tracker.registry.restore_file(recipe.output)
-    current = tracker.registry.current_good()
-    if note is not None and current is not None and not tracker.registry.can_roll_back():
+    tracker = _tracker(recipe)
+    if isinstance(tracker, Path):
+        raise Declined(
+            f"nothing to roll back to: there is no tracking database at {tracker} (tracking.uri); "
+            f"nothing has been tuned with this recipe there yet"
+        )
+    registry = tracker.registry
+    cleaned = registry.clean_leftovers(recipe.output, grace_s())
+    note = registry.restore_file(recipe.output)
+    current = registry.current_good()
+    if note is not None and current is not None and not registry.can_roll_back():
         return RollbackSummary(good=current, rolled_back=False, file_note=note, cleaned=cleaned)
-    notes: list[str] = []
+    budget_note: str | None = None
 
     def vet(candidate: GoodPolicy) -> None:
-        note, over = _against_budget(recipe, candidate)
+        nonlocal budget_note
+        budget_note, over = _against_budget(recipe, candidate)
         if over and not allow_over_budget:
             raise Declined(
-                f"rollback refused: {note}; nothing was changed. Training with it would likely run out of memory. "
-                f"Raise budget in {recipe.source or 'the recipe'} if it is meant to fit, or pass --allow-over-budget "
-                f"to restore it anyway"
+                f"rollback refused: {budget_note}; nothing was changed. Training with it would likely run out of "
+                f"memory. Raise budget in {recipe.source or 'the recipe'} if it is meant to fit, or pass "
+                f"--allow-over-budget to restore it anyway"
             )
-        notes.append(note)
 
-    restored = tracker.registry.rollback(output_path=recipe.output, vet=vet)
-    return RollbackSummary(
-        good=restored, rolled_back=True, file_note=note, cleaned=cleaned, budget_note=notes[0] if notes else None
-    )
+    restored = registry.rollback(output_path=recipe.output, vet=vet)
+    return RollbackSummary(restored, rolled_back=True, file_note=note, cleaned=cleaned, budget_note=budget_note)
 
 
 def _against_budget(recipe: Recipe, good: GoodPolicy) -> tuple[str, bool]:
     """How ``good``'s measured peak compares with ``recipe``'s budget limit now, in words, and whether it is over."""
     from lightning_recompute.units import format_bytes
+    from tuner._trials import device_info
 
     tuned = good.policy.tuned_for
     peak = good.peak_bytes if good.peak_bytes is not None else (tuned.peak_bytes if tuned is not None else None)
     what = f"run {good.run_id} ({good.fingerprint})"
     if peak is None:
         return f"{what} has no measured peak on record, so it is not checked against the budget", False
-    total = None
-    if recipe.budget.is_fraction:
-        from tuner._trials import device_info
-
-        total = device_info(recipe)[1]
+    total = device_info(recipe)[1] if recipe.budget.is_fraction else None
     limit = recipe.budget.limit_bytes(total)
     if peak > limit:
         return (
@@ -415,28 +354,21 @@ def _against_budget(recipe: Recipe, good: GoodPolicy) -> tuple[str, bool]:
     return f"{what} peaked at {format_bytes(peak)}, within the budget limit {format_bytes(limit)}", False
 
 
-def _existing_tracker(recipe: Recipe) -> Tracker:
-    """The recipe's `Tracker` for a command that reads or restores: it never creates the experiment
-    (a misspelt name is a `SettingsError`)."""
-    from tuner._preflight import SettingsError
+def _tracker(recipe: Recipe) -> Tracker | Path:
+    """The recipe's `Tracker` for a command that reads or restores, or its ``sqlite:///`` database that does
+    not exist (opening one would create it); never creates the experiment (a misspelt one is a `SettingsError`)."""
+    from tuner._preflight import SettingsError, tracking_problem
+
+    uri = recipe.tracking.uri
+    problem = tracking_problem(uri)
+    if problem is not None:
+        raise SettingsError([problem])
+    path = Path(uri[len("sqlite:///") :]).expanduser()
+    if uri.startswith("sqlite:///") and not uri.endswith(":memory:") and not path.exists():
+        return path
     from tuner._tracking import ExperimentNotFound, Tracker
 
     try:
-        return Tracker(recipe.tracking.uri, str(recipe.tracking.experiment), create=False)
+        return Tracker(uri, str(recipe.tracking.experiment), create=False)
     except ExperimentNotFound as err:
         raise SettingsError([str(err)]) from None
-
-
-def _missing_tracking_database(recipe: Recipe) -> Path | None:
-    """The recipe's ``sqlite:///`` tracking database when it does not exist, else ``None`` (opening one
-    creates it: a read-only command must not leave an empty database behind)."""
-    from tuner._preflight import SettingsError, tracking_problem
-
-    problem = tracking_problem(recipe.tracking.uri)
-    if problem is not None:
-        raise SettingsError([problem])
-    uri = recipe.tracking.uri
-    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
-        return None
-    path = Path(uri[len("sqlite:///") :]).expanduser()
-    return None if path.exists() else path

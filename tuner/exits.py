@@ -22,17 +22,11 @@ __all__ = [
     "exit_code_of",
 ]
 
-EXIT_OK = 0
-"""The output policy file holds the study's best feasible policy (promoted now, or already)."""
-EXIT_INFEASIBLE = 1
-"""Nothing promoted: no trial fitted the budget, the gate kept the current policy, or nothing to roll back to."""
-EXIT_BAD_INPUT = 2
-"""The recipe or an argument is invalid (the CLI prints every problem)."""
-EXIT_STORE_FAILED = 3
-"""A store failed (the study storage, the tracking store, the output's folder or disk): it needs a person.
-Nothing was promoted and nothing stored was removed."""
-EXIT_INTERRUPTED = 130
-"""Stopped by Ctrl-C, SIGTERM or SIGHUP (a closed terminal); the study resumes on the next run."""
+EXIT_OK = 0  # the output policy file holds the study's best feasible policy (promoted now, or already)
+EXIT_INFEASIBLE = 1  # nothing promoted: nothing fitted, the gate kept the current policy, nothing to roll back to
+EXIT_BAD_INPUT = 2  # the recipe or an argument is invalid
+EXIT_STORE_FAILED = 3  # a store failed: it needs a person; nothing promoted, nothing stored removed
+EXIT_INTERRUPTED = 130  # Ctrl-C, SIGTERM or SIGHUP; the study resumes on the next run
 
 
 class TunerError(RecomputeError):
@@ -42,23 +36,22 @@ class TunerError(RecomputeError):
 
 
 class Declined(TunerError):
-    """The command ran and changed nothing on purpose: nothing to roll back to, a rollback refused, another
-    worker's gate held the study past the wait."""
+    """The command ran and changed nothing on purpose (nothing to roll back to, a rollback refused, another
+    worker's gate held the study past the wait)."""
 
     exit_code: ClassVar[int] = EXIT_INFEASIBLE
 
 
-def exit_code_of(err: RecomputeError) -> int:
-    """The exit code a command ends with when it raises ``err``."""
-    return err.exit_code if isinstance(err, TunerError) else EXIT_BAD_INPUT
-
-
 class StoreFailure(TunerError):
-    """A store a command reads or writes failed (`tuner._stores.store_failure` makes one from what it raised)."""
+    """A store a command reads or writes failed; ``key`` is the recipe key naming it (``study.storage``,
+    ``tracking.uri``, ``output`` or ``disk``)."""
 
     exit_code: ClassVar[int] = EXIT_STORE_FAILED
 
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)
         self.key = key
-        """The recipe key naming the store: ``study.storage``, ``tracking.uri``, ``output`` (or ``disk``)."""
+
+
+def exit_code_of(err: RecomputeError) -> int:
+    return err.exit_code if isinstance(err, TunerError) else EXIT_BAD_INPUT

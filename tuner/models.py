@@ -19,26 +19,18 @@ __all__ = ["LlamaConfig", "LlamaLike", "llama_7b", "token_batch"]
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Dimensions of a `LlamaLike` model."""
+    """Dimensions of a `LlamaLike` model: ``n_kv_heads`` ``None`` is multi-head attention, ``ffn_dim`` ``None``
+    Llama's rule (2/3 of 4*dim, rounded up to a multiple of 256); ``rope`` off gives no position information."""
 
     vocab_size: int = 256
-    """Number of token ids."""
     dim: int = 64
-    """Model (residual stream) width."""
     n_layers: int = 4
-    """Number of decoder blocks."""
     n_heads: int = 4
-    """Attention (query) heads; ``dim`` must be divisible by it."""
     n_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention; ``None`` means ``n_heads`` (multi-head)."""
     ffn_dim: int | None = None
-    """SwiGLU hidden width; ``None`` means Llama's rule: 2/3 of 4*dim, rounded up to a multiple of 256."""
     max_seq_len: int = 4096
-    """Longest sequence the rotary table covers."""
     rope: bool = True
-    """Rotary position embeddings on queries and keys (``False``: no position information at all)."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -49,9 +41,7 @@ class LlamaConfig:
             raise ValueError(f"dim: {self.dim} is not divisible by n_heads={self.n_heads}")
         kv = self.kv_heads
         if not isinstance(kv, int) or kv < 1 or self.n_heads % kv:
-            raise ValueError(
-                f"n_kv_heads: must be a positive divisor of n_heads={self.n_heads}, got {self.n_kv_heads!r}"
-            )
+            raise ValueError(f"n_kv_heads: must be a positive divisor of n_heads={self.n_heads}, got {kv!r}")
         if self.rope and (self.dim // self.n_heads) % 2:
             raise ValueError(f"rope: the head dimension {self.dim // self.n_heads} must be even")
 
@@ -61,10 +51,7 @@ class LlamaConfig:
 
     @property
     def hidden(self) -> int:
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        h = int(2 * 4 * self.dim / 3)
-        return 256 * ((h + 255) // 256)
+        return self.ffn_dim if self.ffn_dim is not None else 256 * ((int(2 * 4 * self.dim / 3) + 255) // 256)
 
 
 class RMSNorm(nn.Module):
@@ -154,8 +141,7 @@ class LlamaLike(nn.Module):
 
     def __init__(self, cfg: LlamaConfig | None = None, **overrides: Any) -> None:
         super().__init__()
-        cfg = replace(cfg or LlamaConfig(), **overrides) if overrides else (cfg or LlamaConfig())
-        self.cfg = cfg
+        self.cfg = cfg = replace(cfg or LlamaConfig(), **overrides)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -188,7 +174,7 @@ class LlamaLike(nn.Module):
 def llama_7b(**overrides: Any) -> LlamaConfig:
     """Llama-2-7B's dimensions (32 layers, width 4096, 32 heads, SwiGLU 11008, vocab 32000)."""
     base = LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096)
-    return replace(base, **overrides) if overrides else base
+    return replace(base, **overrides)
 
 
 def token_batch(

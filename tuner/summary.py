@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +23,12 @@ __all__ = ["SessionSummary", "TrialEvent", "summarize", "training_change"]
 
 @dataclass(frozen=True)
 class TrialEvent:
-    """What the CLI prints for one trial as it finishes."""
+    """What the CLI prints for one trial as it finishes: the trial just told to Optuna (measured, skipped or
+    duplicate), the best feasible trial of the study so far (any worker's), and the trials run so far."""
 
     record: TrialRecord
-    """The trial just told to Optuna (measured, skipped or duplicate)."""
     best: TrialRecord | None
-    """The best feasible trial of the study so far (any worker's)."""
     ran: int
-    """Trials run in the study so far (what ``n_trials`` counts)."""
     n_trials: int
     budget_bytes: int
     layer_names: tuple[str, ...]
@@ -38,7 +36,13 @@ class TrialEvent:
 
 @dataclass
 class SessionSummary:
-    """What a tuning session did and decided."""
+    """What a tuning session did and decided. ``records``: every finished trial of the study, all sessions and
+    workers; ``baselines``: each baseline's trial; ``gains``: the race winner's throughput over each baseline's,
+    minus 1 (``None``: not raced); ``race``: the race before the gate (``None``: not run); ``chosen``: `best`
+    is the race's winner (or the good policy a race chose before), not merely the fastest single trial;
+    ``reasons``: the gate's, or why there was nothing to gate; ``policy_path``: the file written or holding
+    the current good policy, ``tuned_for`` what that was tuned for; ``data_batch_size``: what ``micro_batch``
+    ``None`` means; ``confidence``: the level the report states its intervals at."""
 
     recipe: str
     study: str
@@ -53,33 +57,22 @@ class SessionSummary:
     exit_code: int
     trials_this_session: int = 0
     records: list[TrialRecord] = field(default_factory=list)
-    """Every finished trial of the study, all sessions and workers."""
     best: TrialRecord | None = None
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
-    """Baseline name (``none``, ``full``, ``selective``, ``every_2nd_full``) -> its trial."""
     gains: dict[str, float | None] = field(default_factory=dict)
-    """Baseline name -> the race winner's throughput over the baseline's, minus 1 (``None``: not raced)."""
     race: RaceResult | None = None
-    """The race before the gate (``None``: not run; its ``reason`` says why when skipped or failed)."""
     chosen: bool = False
-    """`best` is the race's winner (or the good policy a race chose before), not merely the fastest single trial."""
     reasons: list[str] = field(default_factory=list)
-    """The gate's reasons, or why there was nothing to gate."""
     evidence: dict[str, Any] = field(default_factory=dict)
     policy_path: Path | None = None
-    """The policy file written (on promotion) or holding the current good policy."""
     tracking_uri: str = ""
     experiment: str = ""
     session_run_id: str | None = None
     decision_run_id: str | None = None
     notes: list[str] = field(default_factory=list)
-    """What the session decided along the way (planner unavailable, space exhausted ...)."""
     data_batch_size: int | None = None
-    """The batch size of the recipe's data module (what ``micro_batch`` ``None`` means)."""
     confidence: float = 0.95
-    """The recipe's race confidence: the level the report states its intervals at."""
     tuned_for: TunedFor | None = None
-    """What the good policy in `policy_path` was tuned for (``None``: unknown)."""
 
     @property
     def training_change(self) -> str | None:
@@ -95,22 +88,18 @@ class SessionSummary:
         ``rounds``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)``)."""
         from lightning_recompute.race import format_gain
 
-        out: dict[str, dict[str, Any]] = {}
-        if self.race is None or not self.race.ok:
-            return out
-        for name, rec in self.baselines.items():
-            iv = self.race.vs.get(rec.fingerprint)
-            if iv is not None:
-                gain, low, high = iv.gain()
-                out[name] = {
-                    "gain": gain,
-                    "low": low,
-                    "high": high,
-                    "rounds": iv.rounds,
-                    "confidence": iv.confidence,
-                    "text": format_gain(iv),
-                }
-        return out
+        race = self.race if self.race is not None and self.race.ok else None
+        ivs = {name: race.vs.get(rec.fingerprint) for name, rec in self.baselines.items()} if race else {}
+        return {
+            name: {
+                **dict(zip(("gain", "low", "high"), iv.gain(), strict=True)),
+                "rounds": iv.rounds,
+                "confidence": iv.confidence,
+                "text": format_gain(iv),
+            }
+            for name, iv in ivs.items()
+            if iv is not None
+        }
 
     @property
     def ranked(self) -> list[TrialRecord]:
@@ -119,39 +108,10 @@ class SessionSummary:
         return sorted(rows, key=lambda r: (not r.feasible, -(r.throughput or 0.0), r.number))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (JSON-ready)."""
-        return {
-            "recipe": self.recipe,
-            "study": self.study,
-            "storage": self.storage,
-            "device": self.device,
-            "budget_bytes": self.budget_bytes,
-            "layer_names": list(self.layer_names),
-            "search_space": self.search_space,
-            "status": self.status,
-            "exit_code": self.exit_code,
-            "trials_this_session": self.trials_this_session,
-            "best": None if self.best is None else self.best.to_dict(),
-            "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
-            "gains": dict(self.gains),
-            "vs": self.vs_figures(),
-            "race": None if self.race is None else self.race.to_dict(),
-            "chosen": self.chosen,
-            "reasons": list(self.reasons),
-            "evidence": jsonable(self.evidence),
-            "policy_path": None if self.policy_path is None else str(self.policy_path),
-            "tracking_uri": self.tracking_uri,
-            "experiment": self.experiment,
-            "mlflow_command": self.mlflow_command,
-            "session_run_id": self.session_run_id,
-            "decision_run_id": self.decision_run_id,
-            "trials": [r.to_dict() for r in self.records],
-            "notes": list(self.notes),
-            "data_batch_size": self.data_batch_size,
-            "confidence": self.confidence,
-            "tuned_for": None if self.tuned_for is None else self.tuned_for.to_dict(),
-            "training_change": self.training_change,
-        }
+        """Plain types (JSON-ready); the records as ``trials``."""
+        out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self) if f.name != "records"}
+        extra = {"vs": self.vs_figures(), "mlflow_command": self.mlflow_command, "trials": jsonable(self.records)}
+        return {**out, **extra, "training_change": self.training_change}
 
 
 def training_change(tuned: TunedFor | None) -> str | None:
@@ -202,13 +162,7 @@ def summarize(
     best = source.best() if source is not None else None
     if chosen is not None:
         best = next((r for r in records if r.ran and r.fingerprint == chosen), best)
-    base = baselines(records)
-    # "vs" figures come from the race only: two single trials minutes apart compare the machine's moments.
-    gains: dict[str, float | None] = {}
-    for name, rec in base.items():
-        iv = race.vs.get(rec.fingerprint) if race is not None and race.ok else None
-        gains[name] = iv.gain()[0] if iv is not None else None
-    return SessionSummary(
+    summary = SessionSummary(
         recipe=recipe.name,
         study=study,
         storage=str(recipe.study.storage),
@@ -221,8 +175,7 @@ def summarize(
         trials_this_session=ran,
         records=records,
         best=best,
-        baselines=base,
-        gains=gains,
+        baselines=baselines(records),
         tracking_uri=recipe.tracking.uri,
         experiment=str(recipe.tracking.experiment),
         session_run_id=session_run_id,
@@ -232,6 +185,10 @@ def summarize(
         chosen=chosen is not None and best is not None and best.fingerprint == chosen,
         confidence=recipe.race.confidence,
     )
+    # "vs" figures come from the race only: two single trials minutes apart compare the machine's moments.
+    figures = summary.vs_figures()
+    summary.gains = {name: figures.get(name, {}).get("gain") for name in summary.baselines}
+    return summary
 
 
 def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
@@ -245,10 +202,8 @@ def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
             continue
         if r.outcome == "duplicate" and r.duplicate_of in by_number:
             r = by_number[r.duplicate_of]
-        if r.outcome in ("interrupted", "abandoned"):
-            out.setdefault(name, r)
-            continue
-        if name not in out or out[name].outcome in ("interrupted", "abandoned"):
+        dead = ("interrupted", "abandoned")
+        if name not in out or (r.outcome not in dead and out[name].outcome in dead):
             out[name] = r
     return out
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import clip
-from tuner.recipe._checks import accepts, init_signature
-from tuner.recipe._schema import Component, Recipe, RecipeError
+from tuner.recipe._schema import Component, Recipe, RecipeError, accepts, init_signature
 
 if TYPE_CHECKING:
     import lightning as L
@@ -24,13 +23,8 @@ def build_datamodule(recipe: Recipe, micro_batch: int | None = None) -> L.Lightn
     if micro_batch is None:
         return _instantiate(recipe, "data", recipe.data)
     if not accepts(recipe.data.import_class(), "batch_size"):
-        raise RecipeError(
-            [
-                f"data.class_path: {recipe.data.class_path} takes no batch_size argument, "
-                "so micro-batch sizes cannot be tuned"
-            ],
-            recipe.source,
-        )
+        why = f"{recipe.data.class_path} takes no batch_size argument, so micro-batch sizes cannot be tuned"
+        raise RecipeError([f"data.class_path: {why}"], recipe.source)
     return _instantiate(recipe, "data", recipe.data, batch_size=micro_batch)
 
 
@@ -44,10 +38,8 @@ def _instantiate(recipe: Recipe, key: str, component: Component, **overrides: An
     except (MemoryError, torch.OutOfMemoryError):
         raise
     except Exception as err:
-        raise RecipeError(
-            [f"{key}.init_args: {component.class_path} refused them: {type(err).__name__}: {clip(str(err))}"],
-            recipe.source,
-        ) from err
+        why = f"{component.class_path} refused them: {type(err).__name__}: {clip(str(err))}"
+        raise RecipeError([f"{key}.init_args: {why}"], recipe.source) from err
 
 
 def data_batch_size(recipe: Recipe) -> int | None:

@@ -31,21 +31,25 @@ def _first_batch(recipe: Recipe, micro_batch: int | None) -> Any:
     return next(iter(data.train_dataloader()))
 
 
-def profile_recipe_here(recipe: Recipe, micro_batch: int | None, repeats: int) -> Profile:
-    """Measure ``recipe``'s model on its device (CUDA when the recipe asks for it and there is one)."""
+def _model(recipe: Recipe) -> nn.Module:
+    """The recipe's model in its trainer precision's parameter dtype."""
     from tuner.recipe import build_model
 
-    torch.manual_seed(recipe.search.seed)
     model = build_model(recipe)
+    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
+    return model.to(dtype=dtype) if dtype is not None else model
+
+
+def profile_recipe_here(recipe: Recipe, micro_batch: int | None, repeats: int) -> Profile:
+    """Measure ``recipe``'s model on its device (CUDA when the recipe asks for it and there is one)."""
+    torch.manual_seed(recipe.search.seed)
+    model = _model(recipe)
     batch = _first_batch(recipe, micro_batch)
-    device = "cpu"
-    if recipe.trainer.accelerator in ("cuda", "auto") and torch.cuda.is_available():
-        device = "cuda"
-    model = model.to(device=device, dtype=PRECISION_DTYPES.get(recipe.trainer.precision))
+    cuda = recipe.trainer.accelerator in ("cuda", "auto") and torch.cuda.is_available()
+    model = model.to("cuda" if cuda else "cpu")
     # Time the profile under the trials' conditions: a recipe may pin trial threads (trial.env OMP_NUM_THREADS).
-    threads = recipe.trial.env.get("OMP_NUM_THREADS")
-    previous = torch.get_num_threads()
-    if threads is not None and str(threads).isdigit() and int(threads) > 0:
+    threads, previous = str(recipe.trial.env.get("OMP_NUM_THREADS", "")), torch.get_num_threads()
+    if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     try:
         return profile_model(model, batch, recipe.layers, modes=list(recipe.search.modes), repeats=repeats)
@@ -55,32 +59,21 @@ def profile_recipe_here(recipe: Recipe, micro_batch: int | None, repeats: int) -
 
 def profile_recipe_meta(recipe: Recipe, micro_batch: int | None, hardware: str) -> Profile:
     """Profile ``recipe``'s model on the meta device, time estimated for ``hardware`` (a `HARDWARE` key)."""
-    from tuner.recipe import build_model
-
     batch = _first_batch(recipe, micro_batch)
-    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
-
-    def factory() -> nn.Module:
-        # Called under torch.device("meta") by profile_meta: parameters cost nothing.
-        model = build_model(recipe)
-        return model.to(dtype=dtype) if dtype is not None else model
-
-    return profile_meta(factory, batch, recipe.layers, modes=list(recipe.search.modes), hardware=hardware)
+    # The model is built under torch.device("meta") by profile_meta: parameters cost nothing.
+    return profile_meta(
+        lambda: _model(recipe), batch, recipe.layers, modes=list(recipe.search.modes), hardware=hardware
+    )
 
 
 def recipe_layout(recipe: Recipe, layer_names: list[str]) -> ParamLayout:
     """Which parameters each layer holds, from the recipe's model built on the meta device (free at any size)."""
-    from tuner.recipe import build_model
-
     try:
         with torch.device("meta"):
-            model = build_model(recipe)
+            model = _model(recipe)
     except Exception as err:  # the user's model: whatever its constructor raises on meta
         raise RecomputeError(
             f"model: {recipe.model.class_path} cannot be built on the meta device to read its parameter "
             f"shapes for sharded planning: {type(err).__name__}: {err}"
         ) from err
-    dtype = PRECISION_DTYPES.get(recipe.trainer.precision)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
     return ParamLayout.of_model(model, layer_names)

@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict, TypeAdapter, WithJsonSchema
 from pydantic.dataclasses import dataclass as schema_dataclass
@@ -90,10 +90,9 @@ class Component:
 def _precision(value: Any) -> str:
     """Lightning's precision names; its aliases (``32``, ``bf16``, ...) become the long form."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    text = _PRECISION_ALIASES.get(str(text), text)
     if text in PRECISIONS:
         return text
-    if text in _PRECISION_ALIASES:
-        return _PRECISION_ALIASES[text]
     raise ValueError(
         f"{clip(repr(value))} is not valid{suggest(str(value), PRECISIONS)} "
         f"(valid: {', '.join(PRECISIONS)}; aliases {', '.join(_PRECISION_ALIASES)})"
@@ -106,17 +105,13 @@ StrategyName = Literal["auto", "ddp", "fsdp", "model_parallel"]
 
 def _strategy(value: Any) -> Any:
     """A known strategy name, or a mapping left for `Component` to validate."""
-    if isinstance(value, str) and value not in STRATEGIES:
-        raise ValueError(
-            f"{clip(repr(value))} is not valid{suggest(value, STRATEGIES)} "
-            f"(valid: {', '.join(STRATEGIES)}, or {{class_path: ..., init_args: {{...}}}})"
-        )
-    if not isinstance(value, (str, Mapping, Component)):
-        raise ValueError(
-            f"{clip(repr(value))} is not a strategy (valid: {', '.join(STRATEGIES)}, "
-            f"or {{class_path: ..., init_args: {{...}}}})"
-        )
-    return value
+    if isinstance(value, (Mapping, Component)) or (isinstance(value, str) and value in STRATEGIES):
+        return value
+    what = f"valid{suggest(value, STRATEGIES)}" if isinstance(value, str) else "a strategy"
+    raise ValueError(
+        f"{clip(repr(value))} is not {what} (valid: {', '.join(STRATEGIES)}, "
+        "or {class_path: ..., init_args: {...}})"
+    )
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -165,9 +160,7 @@ class TrainerSettings:
         """``"2 ranks per trial (ddp)..."`` for a multi-device trial; ``None`` for one device."""
         if self.devices == 1:
             return None
-        how = self.strategy_name
-        if self.strategy == "auto":
-            how = "auto: Lightning runs DDP on several devices"
+        how = "auto: Lightning runs DDP on several devices" if self.strategy == "auto" else self.strategy_name
         return f"{self.devices} ranks per trial ({how}); peak = the highest rank's, throughput = all ranks'"
 
 
@@ -233,25 +226,18 @@ class Budget:
     def limit_bytes(self, device_total_bytes: int | None) -> int:
         """The most bytes a trial's peak may reach: the budget, less the margin. A fraction of a device of unknown
         memory (CPU) is a `RecomputeError`."""
-        if self.is_fraction:
-            if device_total_bytes is None:
-                raise RecomputeError(
-                    f"budget.value: {self.value:g} is a fraction of device memory, but this device reports no "
-                    f"total memory (CPU); give bytes instead, e.g. '20GiB'"
-                )
-            budget = self.value * device_total_bytes
-        else:
-            budget = float(self.value)
+        if self.is_fraction and device_total_bytes is None:
+            raise RecomputeError(
+                f"budget.value: {self.value:g} is a fraction of device memory, but this device reports no "
+                f"total memory (CPU); give bytes instead, e.g. '20GiB'"
+            )
+        budget = self.value * (device_total_bytes or 0) if self.is_fraction else float(self.value)
         return int(budget * (1.0 - self.margin))
 
     def describe(self, device_total_bytes: int | None = None) -> str:
         """``"80% of 79.19 GiB = 63.35 GiB, less 5% margin"``-style text for logs."""
-        if self.is_fraction:
-            base = f"{self.value:.0%} of device memory"
-            if device_total_bytes is not None:
-                base = f"{self.value:.0%} of {_format_bytes(device_total_bytes)}"
-        else:
-            base = _format_bytes(int(self.value))
+        of = "device memory" if device_total_bytes is None else _format_bytes(device_total_bytes)
+        base = f"{self.value:.0%} of {of}" if self.is_fraction else _format_bytes(int(self.value))
         try:
             limit = f" -> limit {_format_bytes(self.limit_bytes(device_total_bytes))}"
         except RecomputeError:
@@ -438,35 +424,19 @@ class StudySettings:
     )
 
 
-_Layers = Annotated[
-    str | tuple[str, ...],
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-            ],
-            "default": "auto",
-        }
-    ),
-]
+_NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 def _layers_value(value: Any) -> Any:
-    if isinstance(value, str):
-        if not value.strip():
-            raise ValueError("an empty layer selection (valid: 'auto', module paths, globs, or 'class:Name')")
-        return value
-    if isinstance(value, (list, tuple)):
-        if not value or not all(isinstance(v, str) and v.strip() for v in value):
-            raise ValueError(
-                f"{clip(repr(value))}: a list of layers must hold non-empty strings "
-                "(module paths, globs, or 'class:Name')"
-            )
-        return tuple(value)
-    raise ValueError(
-        f"{clip(repr(value))} is not a layer selection (valid: 'auto', module paths, globs, or 'class:Name')"
-    )
+    """One error naming the valid forms, rather than one per member of the union."""
+    value = tuple(value) if isinstance(value, list) else value
+    items = value if isinstance(value, tuple) else (value,)
+    if not items or not all(isinstance(v, str) and v.strip() for v in items):
+        raise ValueError(
+            f"{clip(repr(value))} is not a layer selection (valid: 'auto', or module paths, globs, or 'class:Name', "
+            "as a string or a non-empty list)"
+        )
+    return value
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -489,7 +459,9 @@ class RecipeFile:
         "the reference model's vocab_size and seq_len.",
     )
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Trainer settings of every trial.")
-    layers: Annotated[_Layers, BeforeValidator(_layers_value)] = Field(
+    layers: Annotated[
+        _NonEmpty | Annotated[tuple[_NonEmpty, ...], Field(min_length=1)], BeforeValidator(_layers_value)
+    ] = Field(
         default="auto",
         description="Which modules are layers: 'auto' (the longest stack of same-class blocks), module paths, "
         "globs, or 'class:Name'.",
@@ -602,6 +574,21 @@ def resolve_class(class_path: str) -> tuple[type | None, str]:
     if not inspect.isclass(obj):
         return None, f"{class_path!r} is a {type(obj).__name__}, not a class"
     return obj, ""
+
+
+def init_signature(cls: type) -> inspect.Signature:
+    """The signature of ``cls.__init__`` (``self`` included), as the recipe's ``init_args`` fill it."""
+    # Not inspect.signature(cls): it would fold in a metaclass __call__ or __new__ the recipe does not fill.
+    return inspect.signature(cast(Any, cls).__init__)
+
+
+def accepts(cls: type, name: str) -> bool:
+    """Whether ``cls.__init__`` takes a keyword ``name`` (or ``**kwargs``); ``True`` when it cannot be read."""
+    try:
+        params = init_signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def suggest(word: str, choices: Any) -> str:
