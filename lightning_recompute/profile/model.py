@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -50,13 +50,6 @@ class SegmentCost:
     static_peak: int = 0
     """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SegmentCost:
-        return cls(**d)
-
 
 @dataclass
 class LayerProfile:
@@ -79,27 +72,6 @@ class LayerProfile:
     def recompute_flops(self, mode: str) -> int:
         """FLOPs the backward spends beyond the backward under ``none``: the recomputation."""
         return max(0, self.bwd[mode].flops - self.bwd[Mode.NONE.value].flops) if Mode.NONE.value in self.bwd else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "group": self.group,
-            "param_bytes": self.param_bytes,
-            "net": self.net,
-            "fwd": {m: c.to_dict() for m, c in self.fwd.items()},
-            "bwd": {m: c.to_dict() for m, c in self.bwd.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LayerProfile:
-        return cls(
-            name=d["name"],
-            group=d["group"],
-            param_bytes=int(d["param_bytes"]),
-            net=int(d["net"]),
-            fwd={m: SegmentCost.from_dict(c) for m, c in d["fwd"].items()},
-            bwd={m: SegmentCost.from_dict(c) for m, c in d["bwd"].items()},
-        )
 
 
 @dataclass
@@ -154,53 +126,19 @@ class Profile:
         return None if seg is None else -seg.delta
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "torch_version": self.torch_version,
-            "device": self.device,
-            "hardware": self.hardware,
-            "time_source": self.time_source,
-            "micro_batch": self.micro_batch,
-            "modes": list(self.modes),
-            "base_bytes": self.base_bytes,
-            "param_bytes": self.param_bytes,
-            "grad_bytes": self.grad_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "batch_bytes": self.batch_bytes,
-            "timeline": list(self.timeline),
-            "fixed": {k: c.to_dict() for k, c in self.fixed.items()},
-            "layers": [layer.to_dict() for layer in self.layers],
-            "groups": {k: list(v) for k, v in self.groups.items()},
-            "notes": list(self.notes),
-            "free_grads_at_batch_start": self.free_grads_at_batch_start,
-            "split": dict(self.split),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         if d.get("version") != PROFILE_VERSION:
             raise ProfileError(f"profile: unsupported version {d.get('version')!r}; valid: {PROFILE_VERSION}")
-        return cls(
-            layers=[LayerProfile.from_dict(x) for x in d["layers"]],
-            timeline=list(d["timeline"]),
-            fixed={k: SegmentCost.from_dict(c) for k, c in d["fixed"].items()},
-            modes=list(d["modes"]),
-            base_bytes=int(d["base_bytes"]),
-            param_bytes=int(d["param_bytes"]),
-            grad_bytes=int(d["grad_bytes"]),
-            optimizer_bytes=int(d["optimizer_bytes"]),
-            batch_bytes=int(d["batch_bytes"]),
-            micro_batch=int(d["micro_batch"]),
-            device=d["device"],
-            time_source=d["time_source"],
-            hardware=d.get("hardware"),
-            groups={k: list(v) for k, v in d.get("groups", {}).items()},
-            notes=list(d.get("notes", [])),
-            free_grads_at_batch_start=bool(d.get("free_grads_at_batch_start", False)),
-            split={k: int(v) for k, v in d.get("split", {}).items()},
-            torch_version=d.get("torch_version", ""),
-            version=d["version"],
-        )
+
+        def costs(by_mode: dict[str, Any]) -> dict[str, SegmentCost]:
+            return {k: SegmentCost(**c) for k, c in by_mode.items()}
+
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["layers"] = [LayerProfile(**{**x, "fwd": costs(x["fwd"]), "bwd": costs(x["bwd"])}) for x in d["layers"]]
+        return cls(**{"torch_version": "", **kw, "fixed": costs(d["fixed"])})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
