@@ -21,12 +21,9 @@ class Tables:
     f: np.ndarray  # (L, M) forward transient
     b: np.ndarray  # (L, M) backward transient
     t: np.ndarray  # (L, M) forward + backward nanoseconds
-    net: np.ndarray  # (L,)
     fwd_c: np.ndarray  # (L,) constant of the forward constraint of layer i (plus A_{<i})
     bwd_c: np.ndarray  # (L,) constant of the backward constraint of layer i (plus A_{<=i})
     fixed_c: np.ndarray  # (L+1,) largest constant of fixed-segment constraints over A_{<p}; -inf-like if none
-    fixed_t: int  # nanoseconds of every fixed segment together
-    base: int
 
 
 def _frontier(tab: Tables, budget: int, by_peak: bool) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, ...]]]:
@@ -112,11 +109,9 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
     out = []
     for s in front:
         picks = []
-        k = s
         for layer in range(n, 0, -1):
-            _, _, _, parent, mode = history[layer][k]
+            _, _, _, s, mode = history[layer][s]
             picks.append(mode)
-            k = parent
         out.append(picks[::-1])
     return out
 
