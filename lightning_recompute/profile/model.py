@@ -31,24 +31,16 @@ class ProfileError(RecomputeError, ValueError):
 class SegmentCost:
     """What one segment of the step costs."""
 
-    delta: int = 0
-    """Live device bytes at the segment's end minus at its start."""
-    peak: int = 0
-    """Highest live bytes during the segment minus the level at its start (>= 0)."""
-    grad: int = 0
-    """Bytes of parameter gradients allocated (or, negative, freed) in the segment."""
+    delta: int = 0  # live device bytes at the segment's end minus at its start
+    peak: int = 0  # highest live bytes during the segment minus the level at its start (>= 0)
+    grad: int = 0  # bytes of parameter gradients allocated (or, negative, freed) in the segment
     seconds: float = 0.0
     flops: int = 0
-    traffic: int = 0
-    """Bytes read and written by ops without a FLOP formula (elementwise, norms, copies)."""
-    offload: int = 0
-    """Bytes copied to host memory in this segment's forward and back in its backward."""
-    scales: bool = True
-    """Whether the activation part grows with the micro-batch (false for the optimizer)."""
-    static_delta: int = 0
-    """Bytes of ``delta`` besides ``grad`` that do not grow with the micro-batch (sharding's buffers)."""
-    static_peak: int = 0
-    """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch."""
+    traffic: int = 0  # bytes read and written by ops without a FLOP formula (elementwise, norms, copies)
+    offload: int = 0  # bytes copied to host memory in this segment's forward and back in its backward
+    scales: bool = True  # whether the activation part grows with the micro-batch (false for the optimizer)
+    static_delta: int = 0  # bytes of delta besides grad that do not grow with the micro-batch (sharding's buffers)
+    static_peak: int = 0  # bytes of peak besides the gradients that do not grow with the micro-batch
 
 
 @dataclass
@@ -56,15 +48,11 @@ class LayerProfile:
     """One layer's costs, per mode."""
 
     name: str
-    group: str
-    """Signature (class, parameter shapes, input shape): layers of one group share time samples."""
+    group: str  # class, parameter shapes, input shape: layers of one group share time samples
     param_bytes: int
-    fwd: dict[str, SegmentCost]
-    """Per mode: the layer's forward (``delta`` = activation bytes kept, output included)."""
-    bwd: dict[str, SegmentCost]
-    """Per mode: the layer's backward, recomputation included."""
-    net: int
-    """Bytes the layer's forward plus backward leave behind; mode-independent."""
+    fwd: dict[str, SegmentCost]  # per mode: the forward (delta = activation bytes kept, output included)
+    bwd: dict[str, SegmentCost]  # per mode: the backward, recomputation included
+    net: int  # bytes the layer's forward plus backward leave behind; mode-independent
 
     def kept_bytes(self, mode: str) -> int:
         return self.fwd[mode].delta
@@ -79,28 +67,22 @@ class Profile:
     """The cost profile of one training step of one model at one micro-batch; JSON-serialisable."""
 
     layers: list[LayerProfile]
-    timeline: list[str]
-    """Segment keys in execution order: ``fwd:<i>``, ``bwd:<i>`` or ``fixed:<name>``."""
-    fixed: dict[str, SegmentCost]
-    """The segments no policy changes, by name."""
+    timeline: list[str]  # segment keys in execution order: fwd:<i>, bwd:<i> or fixed:<name>
+    fixed: dict[str, SegmentCost]  # the segments no policy changes, by name
     modes: list[str]
-    base_bytes: int
-    """Live device bytes when the step starts: parameters, optimizer state, the batch, buffers."""
+    base_bytes: int  # live device bytes when the step starts: parameters, optimizer state, the batch, buffers
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
     batch_bytes: int
     micro_batch: int
     device: str
-    time_source: str
-    """``measured`` or ``estimated: ...``."""
+    time_source: str  # "measured" or "estimated: ..."
     hardware: str | None = None
     groups: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    free_grads_at_batch_start: bool = False
-    """Whether the job frees the previous step's gradients at batch start (measured in Lightning's order)."""
-    split: dict[str, int] = field(default_factory=dict)
-    """The modes that did not fit with every layer in them, with the number of steps each was profiled in."""
+    free_grads_at_batch_start: bool = False  # whether the job frees the last step's gradients at batch start
+    split: dict[str, int] = field(default_factory=dict)  # modes that did not fit whole: steps each was profiled in
     torch_version: str = torch.__version__
     version: int = PROFILE_VERSION
 
@@ -111,13 +93,6 @@ class Profile:
     @property
     def estimated(self) -> bool:
         return self.time_source != "measured"
-
-    @property
-    def fixed_activation_bytes(self) -> int:
-        """Bytes the non-layer forward keeps (embedding outputs, logits, loss)."""
-        first_bwd = next((i for i, k in enumerate(self.timeline) if k.startswith("bwd:")), len(self.timeline))
-        keys = [k[len("fixed:") :] for k in self.timeline[:first_bwd] if k.startswith("fixed:")]
-        return sum(self.fixed[k].delta - self.fixed[k].grad for k in keys)
 
     @property
     def forward_grad_bytes(self) -> int | None:
