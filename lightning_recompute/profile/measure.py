@@ -231,9 +231,9 @@ def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch
     return found
 
 
-def _segments(events: list[Event], n_layers: int) -> list[tuple[str, list[Event]]]:
-    """Cut the events into keyed segments (see docs in `lightning_recompute.profile`), ends included."""
-    out: list[tuple[str, list[Event]]] = []
+def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
+    """The events cut into keyed segments (see `lightning_recompute.profile`) and what each cost."""
+    out: list[tuple[str, SegmentCost]] = []
     k = 0
     while k < len(events) - 1:
         kind, _, idx = events[k].label.partition(":")
@@ -251,7 +251,18 @@ def _segments(events: list[Event], n_layers: int) -> list[tuple[str, list[Event]
             key = f"bwd:{idx}"
         else:
             key = f"fixed:{events[k].label}->{events[end].label}"
-        out.append((key, events[k : end + 1]))
+        a, b = events[k], events[end]
+        cost = SegmentCost(
+            delta=b.level - a.level,
+            peak=max(0, max(e.peak for e in events[k + 1 : end + 1]) - a.level),
+            grad=b.grad - a.grad,
+            seconds=b.time - a.time,
+            flops=b.flops - a.flops,
+            traffic=b.traffic - a.traffic,
+            offload=b.offload - a.offload,
+            scales=key != "fixed:backward->optimizer",
+        )
+        out.append((key, cost))
         k = end
     seen = [key for key, _ in out if not key.startswith("fixed:")]
     if seen != [f"fwd:{i}" for i in range(n_layers)] + [f"bwd:{i}" for i in reversed(range(n_layers))]:
@@ -261,20 +272,6 @@ def _segments(events: list[Event], n_layers: int) -> list[tuple[str, list[Event]
             "each called once per step. Choose layers= that the model calls exactly once each"
         )
     return out
-
-
-def _cost(events: list[Event], scales: bool) -> SegmentCost:
-    a, b = events[0], events[-1]
-    return SegmentCost(
-        delta=b.level - a.level,
-        peak=max(0, max(e.peak for e in events[1:]) - a.level),
-        grad=b.grad - a.grad,
-        seconds=b.time - a.time,
-        flops=b.flops - a.flops,
-        traffic=b.traffic - a.traffic,
-        offload=b.offload - a.offload,
-        scales=scales,
-    )
 
 
 def check_modes(modes: Sequence[str] | None) -> list[str]:
@@ -316,10 +313,10 @@ class Metered:
 
         return {key: per_run[source(key)][key] for key in per_run[0]}
 
-    def segments(self, n_layers: int) -> list[tuple[str, list[Event]]]:
-        per_run = [_segments(rec.events, n_layers) for rec in self.runs]
-        picked = self.pick([dict(segs) for segs in per_run])
-        return [(key, picked[key]) for key, _ in per_run[0]]
+    def costs(self, n_layers: int) -> tuple[list[str], dict[str, SegmentCost]]:
+        """The step's segment keys in order, and each one's cost."""
+        per_run = [_costs(rec.events, n_layers) for rec in self.runs]
+        return [key for key, _ in per_run[0]], self.pick([dict(costs) for costs in per_run])
 
     def peaks(self) -> list[int]:
         """Each run's measured peak."""
@@ -461,15 +458,15 @@ class ProfilingRun:
         hardware: str | None = None,
     ) -> Profile:
         n = len(self.layers)
-        segs = {m: rec.segments(n) for m, rec in mem.items()}
-        keys = [k for k, _ in segs[NONE]]
-        for m, s in segs.items():
-            if [k for k, _ in s] != keys:
+        keys = mem[NONE].costs(n)[0]
+        by_mode: dict[str, dict[str, SegmentCost]] = {}
+        for m, rec in mem.items():
+            mode_keys, by_mode[m] = rec.costs(n)
+            if mode_keys != keys:
                 raise ProfileError(
                     f"the step's structure differs between mode none and mode {m} "
-                    f"({len(keys)} vs {len(s)} segments); the model must call the same layers in the same order"
+                    f"({len(keys)} vs {len(mode_keys)} segments); the model must call the same layers in the same order"
                 )
-        by_mode = {m: {k: _cost(ev, scales=k != "fixed:backward->optimizer") for k, ev in s} for m, s in segs.items()}
         rec0 = mem[NONE].runs[0]
         # Layers alike enough (class, parameter shapes, input shape) share time samples.
         groups: dict[str, list[str]] = {}
@@ -596,7 +593,7 @@ def profile_model(
                     run.apply(policy)
                     with Recorder(run, clock=clock) as rec:
                         run.step(rec)
-                    timed.append({k: ev[-1].time - ev[0].time for k, ev in _segments(rec.events, len(run.layers))})
+                    timed.append({k: c.seconds for k, c in _costs(rec.events, len(run.layers))})
                 if r > 0:
                     times[m].append(mem[m].pick(timed))
         return run.build(mem, times, "measured")
