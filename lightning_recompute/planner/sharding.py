@@ -7,7 +7,7 @@ What is modelled and what is not: docs/SHARDING.md, 'What the planner assumes'. 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -126,25 +126,26 @@ def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | Non
 
 
 def _strategy_name(declared: Any) -> str:
-    if isinstance(declared, str):
-        return declared
-    if isinstance(declared, Mapping) or hasattr(declared, "class_path"):
-        path = declared["class_path"] if isinstance(declared, Mapping) else declared.class_path
-        args = (declared.get("init_args") if isinstance(declared, Mapping) else declared.init_args) or {}
-        cls = str(path).rsplit(".", 1)[-1]
-        if cls not in _CLASS_STRATEGIES:
-            raise PlannerError(
-                f"trainer.strategy: the planner cannot predict {path}; it predicts "
-                f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
-            )
-        tp = args.get("tensor_parallel_size", 1)
-        if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
-            raise PlannerError(
-                f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
-                f"parallelism only (tensor_parallel_size: 1)"
-            )
-        return _CLASS_STRATEGIES[cls]
-    return str(declared)
+    """A recipe's ``trainer.strategy`` (a name, or a ``class_path`` with ``init_args``) as one of `STRATEGIES`."""
+    get: Callable[[str], Any] = (
+        declared.get if isinstance(declared, Mapping) else lambda key: getattr(declared, key, None)
+    )
+    path = None if isinstance(declared, str) else get("class_path")
+    if path is None:
+        return str(declared)
+    cls = str(path).rsplit(".", 1)[-1]
+    if cls not in _CLASS_STRATEGIES:
+        raise PlannerError(
+            f"trainer.strategy: the planner cannot predict {path}; it predicts "
+            f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
+        )
+    tp = (get("init_args") or {}).get("tensor_parallel_size", 1)
+    if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
+        raise PlannerError(
+            f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
+            f"parallelism only (tensor_parallel_size: 1)"
+        )
+    return _CLASS_STRATEGIES[cls]
 
 
 def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
