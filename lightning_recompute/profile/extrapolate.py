@@ -133,7 +133,6 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
     groups: dict[str, list[str]] = {}
     for layer in layers:
         groups.setdefault(layer.group, []).append(layer.name)
-    totals = ("base_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
     return replace(
         long,
         layers=layers,
@@ -141,7 +140,10 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
         fixed=fixed,
         groups=groups,
         notes=list(long.notes),
-        **{a: affine(getattr(long, a), getattr(short, a)) for a in totals},
+        base_bytes=affine(long.base_bytes, short.base_bytes),
+        param_bytes=affine(long.param_bytes, short.param_bytes),
+        grad_bytes=affine(long.grad_bytes, short.grad_bytes),
+        optimizer_bytes=affine(long.optimizer_bytes, short.optimizer_bytes),
     )
 
 

@@ -162,7 +162,8 @@ class Recorder:
         if isinstance(packed, torch.Tensor):
             return packed
         size, dtype, device = packed
-        self.offloaded += math.prod(size) * dtype.itemsize
+        # A scalar's size, not dtype.itemsize: TrafficMode counts the scalar, and the published estimates include it.
+        self.offloaded += math.prod(size) * torch.empty((), dtype=dtype).element_size()
         return torch.empty(size, dtype=dtype, device=device)
 
 

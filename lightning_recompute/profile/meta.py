@@ -116,7 +116,7 @@ def profile_meta(
 
     stack = stack_of(model, layers) if extrapolate else None
     prof, note = None, stack if isinstance(stack, str) else None
-    if stack is not None and note is None:
+    if isinstance(stack, tuple):
         # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
         prof, note = profile_stack(stack[0], stack[1], mode_list, run)
     if prof is None:
