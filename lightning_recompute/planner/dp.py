@@ -21,52 +21,52 @@ class Tables:
     f: np.ndarray  # (L, M) forward transient
     b: np.ndarray  # (L, M) backward transient
     t: np.ndarray  # (L, M) forward + backward nanoseconds
-    net: np.ndarray  # (L,)
     fwd_c: np.ndarray  # (L,) constant of the forward constraint of layer i (plus A_{<i})
     bwd_c: np.ndarray  # (L,) constant of the backward constraint of layer i (plus A_{<=i})
     fixed_c: np.ndarray  # (L+1,) largest constant of fixed-segment constraints over A_{<p}; -inf-like if none
-    fixed_t: int  # nanoseconds of every fixed segment together
-    base: int
+
+
+def _frontier(tab: Tables, budget: int, by_peak: bool) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, ...]]]:
+    """The DP over layers: states ``(A, cost)`` within ``budget``, pruned to the non-dominated, with back-pointers.
+
+    The cost is the time so far, or with ``by_peak`` the running maximum of the candidates (the peak so far).
+    """
+    n, nm = tab.a.shape
+    A = np.zeros(1, np.int64)
+    V = np.array([tab.fixed_c[0] if by_peak else 0], np.int64)
+    parents: list[tuple[np.ndarray, ...]] = []
+    for i in range(n + 1):
+        pre = tab.fixed_c[i] + A
+        idx = np.nonzero(pre <= budget)[0]
+        A, V = A[idx], np.maximum(V[idx], pre[idx]) if by_peak else V[idx]
+        if parents:  # fold the filter into the previous layer's back-pointers
+            parents[-1] = (parents[-1][0][idx], parents[-1][1][idx])
+        if i == n or A.size == 0:
+            break
+        cands = []
+        for j in range(nm):
+            a2 = A + tab.a[i, j]
+            c = np.maximum(tab.fwd_c[i] + A + tab.f[i, j], tab.bwd_c[i] + a2 + tab.b[i, j])
+            sel = np.nonzero(c <= budget)[0]
+            cost = np.maximum(V[sel], c[sel]) if by_peak else V[sel] + tab.t[i, j]
+            cands.append((a2[sel], cost, sel, np.full(sel.size, j, np.int64)))
+        A, V, P, M = (np.concatenate(x) for x in zip(*cands, strict=True))
+        order = np.lexsort((V, A))  # by A, then cost; stable, so generation order breaks exact ties
+        A, V, P, M = A[order], V[order], P[order], M[order]
+        keep = np.ones(A.size, bool)
+        keep[1:] = V[1:] < np.minimum.accumulate(V)[:-1]  # strictly cheaper than every state with no more memory
+        A, V = A[keep], V[keep]
+        parents.append((P[keep], M[keep]))
+    return A, V, parents
 
 
 def fastest_within(tab: Tables, budget: int) -> list[int] | None:
     """Least-time mode indices with every constraint <= budget, or None."""
-    n, nm = tab.a.shape
-    A = np.zeros(1, np.int64)
-    T = np.zeros(1, np.int64)
-    parents: list[tuple[np.ndarray, np.ndarray]] = []
-    for i in range(n):
-        keep = tab.fixed_c[i] + A <= budget
-        idx = np.nonzero(keep)[0]
-        A, T = A[idx], T[idx]
-        if parents:  # fold the filter into the previous layer's back-pointers
-            parents[-1] = (parents[-1][0][idx], parents[-1][1][idx])
-        cand_a, cand_t, cand_p, cand_m = [], [], [], []
-        for j in range(nm):
-            a2 = A + tab.a[i, j]
-            ok = (tab.fwd_c[i] + A + tab.f[i, j] <= budget) & (tab.bwd_c[i] + a2 + tab.b[i, j] <= budget)
-            sel = np.nonzero(ok)[0]
-            cand_a.append(a2[sel])
-            cand_t.append(T[sel] + tab.t[i, j])
-            cand_p.append(sel)
-            cand_m.append(np.full(sel.size, j, np.int64))
-        A, T = np.concatenate(cand_a), np.concatenate(cand_t)
-        P, M = np.concatenate(cand_p), np.concatenate(cand_m)
-        if A.size == 0:
-            return None
-        order = np.lexsort((T, A))  # by A, then T; stable, so generation order breaks exact ties
-        A, T, P, M = A[order], T[order], P[order], M[order]
-        best_before = np.minimum.accumulate(T)
-        keep = np.ones(A.size, bool)
-        keep[1:] = T[1:] < best_before[:-1]  # strictly faster than every state with no more memory
-        A, T, P, M = A[keep], T[keep], P[keep], M[keep]
-        parents.append((P, M))
-    keep = tab.fixed_c[n] + A <= budget
-    idx = np.nonzero(keep)[0]
-    if idx.size == 0:
+    A, _, parents = _frontier(tab, budget, by_peak=False)
+    if A.size == 0:
         return None
     # States are sorted by A with T strictly decreasing, so the last feasible one is the fastest.
-    k = int(idx[-1])
+    k = A.size - 1
     picks = []
     for P, M in reversed(parents):
         picks.append(int(M[k]))
@@ -76,23 +76,7 @@ def fastest_within(tab: Tables, budget: int) -> list[int] | None:
 
 def least_peak(tab: Tables) -> int:
     """The least predicted peak: the same DP with the running maximum as the cost."""
-    n, nm = tab.a.shape
-    A = np.zeros(1, np.int64)
-    C = np.array([tab.fixed_c[0]], np.int64)
-    for i in range(n):
-        C = np.maximum(C, tab.fixed_c[i] + A)
-        cand_a, cand_c = [], []
-        for j in range(nm):
-            a2 = A + tab.a[i, j]
-            cand_a.append(a2)
-            cand_c.append(np.maximum(C, np.maximum(tab.fwd_c[i] + A + tab.f[i, j], tab.bwd_c[i] + a2 + tab.b[i, j])))
-        A, C = np.concatenate(cand_a), np.concatenate(cand_c)
-        order = np.lexsort((C, A))
-        A, C = A[order], C[order]
-        keep = np.ones(A.size, bool)
-        keep[1:] = C[1:] < np.minimum.accumulate(C)[:-1]
-        A, C = A[keep], C[keep]
-    return int(np.min(np.maximum(C, tab.fixed_c[n] + A)))
+    return int(np.min(_frontier(tab, np.iinfo(np.int64).max, by_peak=True)[1]))
 
 
 def pareto_picks(tab: Tables) -> list[list[int]]:
@@ -125,11 +109,9 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
     out = []
     for s in front:
         picks = []
-        k = s
         for layer in range(n, 0, -1):
-            _, _, _, parent, mode = history[layer][k]
+            _, _, _, s, mode = history[layer][s]
             picks.append(mode)
-            k = parent
         out.append(picks[::-1])
     return out
 

@@ -6,6 +6,7 @@ as the sequence grows, so "fits" flips once. Profiles are cached per length and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,30 +38,12 @@ class SeqLenFit:
         return self.plan.prediction.micro_batch * self.seq_len / self.plan.step_time_s
 
 
-def _fit_at(profile: Profile, family: str, limit: int, modes: Sequence[str]) -> PlannedPolicy | None:
-    """``family``'s policy at this profile's length when it fits ``limit``, else ``None``."""
-    planner = Planner(profile)
-    if family == BEST_MIXED:
-        if planner.min_peak(modes) > limit:
-            return None
-        return planner.solve(limit, modes=modes)
-    mapping = dict.fromkeys(profile.layer_names, family)
-    plan = PlannedPolicy(RecomputePolicy.from_modes(mapping), mapping, planner.predict(mapping))
-    return plan if plan.peak_bytes <= limit else None
-
-
 def longest_fits(
     profile_at: Callable[[int], Profile], limit: int, *, modes: Sequence[str], start: int, step: int, cap: int
 ) -> list[SeqLenFit]:
-    """For each mode of ``modes`` (every layer in it) and for `BEST_MIXED`, the longest fitting length.
-
-    Args:
-        profile_at: the profile of the training step at a sequence length (called once per probed length).
-        limit: the memory budget in bytes.
-        modes: the modes searched (the uniform families, and what the best mix chooses from).
-        start: where the search starts; rounded to a multiple of ``step``.
-        step: the granularity: only multiples of it are probed and reported.
-        cap: the largest length searched.
+    """For each mode of ``modes`` (every layer in it) and for `BEST_MIXED`, the longest multiple of ``step`` up
+    to ``cap`` that fits ``limit`` bytes, searched from ``start``; ``profile_at(length)`` is called once per
+    probed length.
 
     Raises:
         PlannerError: ``step``, ``start`` or ``cap`` is not a positive length, or ``cap < step``.
@@ -70,23 +53,28 @@ def longest_fits(
             raise PlannerError(f"{name}: must be a positive sequence length, got {value!r}")
     if cap < step:
         raise PlannerError(f"cap: {cap} is below the step {step}; nothing to search")
-    cache: dict[int, Profile] = {}
 
-    def profile(units: int) -> Profile:
-        if units not in cache:
-            cache[units] = profile_at(units * step)
-        return cache[units]
+    @functools.cache
+    def planner_at(units: int) -> Planner:
+        return Planner(profile_at(units * step))
 
     top = cap // step
     first = min(max(1, round(start / step)), top)
     out = []
     for family in [*modes, BEST_MIXED]:
-        fits: dict[int, PlannedPolicy | None] = {}
 
-        def fit(units: int, family: str = family, fits: dict[int, PlannedPolicy | None] = fits) -> bool:
-            if units not in fits:
-                fits[units] = _fit_at(profile(units), family, limit, modes)
-            return fits[units] is not None
+        @functools.cache
+        def plan(units: int, family: str = family) -> PlannedPolicy | None:
+            """``family``'s policy at ``units`` steps when it fits ``limit``, else ``None``."""
+            planner = planner_at(units)
+            if family == BEST_MIXED:
+                return None if planner.min_peak(modes) > limit else planner.solve(limit, modes=modes)
+            mapping = dict.fromkeys(planner.names, family)
+            fit = PlannedPolicy(RecomputePolicy.from_modes(mapping), mapping, planner.predict(mapping))
+            return fit if fit.peak_bytes <= limit else None
+
+        def fit(units: int) -> bool:
+            return plan(units) is not None
 
         # Exponential search from the start for a bracket lo (fits, or 0) < hi (does not fit, or top + 1).
         if fit(first):
@@ -112,8 +100,5 @@ def longest_fits(
                 lo = mid
             else:
                 hi = mid
-        if lo == 0:
-            out.append(SeqLenFit(family, None, None))
-        else:
-            out.append(SeqLenFit(family, lo * step, fits[lo], capped=lo == top))
+        out.append(SeqLenFit(family, lo * step or None, plan(lo) if lo else None, capped=lo == top))
     return out

@@ -7,7 +7,7 @@ What is modelled and what is not: docs/SHARDING.md, 'What the planner assumes'. 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,24 +36,14 @@ class ParamGroup:
     itemsizes: tuple[int, ...]
     trainable: tuple[bool, ...]
 
-    def full_bytes(self, trainable_only: bool = False) -> int:
-        """Bytes of the parameters, unsharded and unpadded (with ``trainable_only``: their gradients)."""
-        return sum(
-            math.prod(s) * n
-            for s, n, t in zip(self.shapes, self.itemsizes, self.trainable, strict=True)
-            if t or not trainable_only
-        )
-
     def shard_bytes(self, world_size: int, trainable_only: bool = False) -> int:
-        """Bytes of rank 0's shards: each parameter chunked on dim 0, padded to ``ceil(d0 / W)`` rows."""
-        total = 0
-        for shape, size, trainable in zip(self.shapes, self.itemsizes, self.trainable, strict=True):
-            if trainable_only and not trainable:
-                continue
-            d0 = shape[0] if shape else 1
-            rest = math.prod(shape[1:]) if shape else 1
-            total += -(-d0 // world_size) * rest * size
-        return total
+        """Bytes of rank 0's shards (with ``trainable_only``: their gradients): each parameter chunked on dim 0,
+        padded to ``ceil(d0 / W)`` rows; world size 1: the parameters whole."""
+        return sum(
+            -(-(shape[0] if shape else 1) // world_size) * math.prod(shape[1:]) * size
+            for shape, size, trainable in zip(self.shapes, self.itemsizes, self.trainable, strict=True)
+            if trainable or not trainable_only
+        )
 
     def gathered_bytes(self, world_size: int) -> int:
         """Bytes of the unit's all-gather output, unsharded parameters or reduce-scatter input (padded)."""
@@ -75,22 +65,15 @@ class ParamLayout:
         if missing:
             raise PlannerError(f"layers: {missing} are not modules of {type(model).__name__}")
         owned: set[int] = set()
-        groups = []
-        for name in layer_names:
-            params = [p for p in modules[name].parameters() if id(p) not in owned]
-            owned.update(id(p) for p in params)
-            groups.append(_group(name, params))
-        root = [p for p in model.parameters() if id(p) not in owned]
-        return cls(tuple(groups), _group("", root))
 
+        def group(name: str, params: Iterable[nn.Parameter]) -> ParamGroup:
+            mine = [p for p in params if id(p) not in owned]
+            owned.update(map(id, mine))
+            shapes = tuple(tuple(p.shape) for p in mine)
+            return ParamGroup(name, shapes, tuple(p.element_size() for p in mine), tuple(p.requires_grad for p in mine))
 
-def _group(name: str, params: Sequence[nn.Parameter]) -> ParamGroup:
-    return ParamGroup(
-        name,
-        tuple(tuple(p.shape) for p in params),
-        tuple(p.element_size() for p in params),
-        tuple(p.requires_grad for p in params),
-    )
+        layers = tuple(group(name, modules[name].parameters()) for name in layer_names)
+        return cls(layers, group("", model.parameters()))
 
 
 @dataclass(frozen=True)
@@ -143,25 +126,26 @@ def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | Non
 
 
 def _strategy_name(declared: Any) -> str:
-    if isinstance(declared, str):
-        return declared
-    if isinstance(declared, Mapping) or hasattr(declared, "class_path"):
-        path = declared["class_path"] if isinstance(declared, Mapping) else declared.class_path
-        args = (declared.get("init_args") if isinstance(declared, Mapping) else declared.init_args) or {}
-        cls = str(path).rsplit(".", 1)[-1]
-        if cls not in _CLASS_STRATEGIES:
-            raise PlannerError(
-                f"trainer.strategy: the planner cannot predict {path}; it predicts "
-                f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
-            )
-        tp = args.get("tensor_parallel_size", 1)
-        if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
-            raise PlannerError(
-                f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
-                f"parallelism only (tensor_parallel_size: 1)"
-            )
-        return _CLASS_STRATEGIES[cls]
-    return str(declared)
+    """A recipe's ``trainer.strategy`` (a name, or a ``class_path`` with ``init_args``) as one of `STRATEGIES`."""
+    get: Callable[[str], Any] = (
+        declared.get if isinstance(declared, Mapping) else lambda key: getattr(declared, key, None)
+    )
+    path = None if isinstance(declared, str) else get("class_path")
+    if path is None:
+        return str(declared)
+    cls = str(path).rsplit(".", 1)[-1]
+    if cls not in _CLASS_STRATEGIES:
+        raise PlannerError(
+            f"trainer.strategy: the planner cannot predict {path}; it predicts "
+            f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
+        )
+    tp = (get("init_args") or {}).get("tensor_parallel_size", 1)
+    if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
+        raise PlannerError(
+            f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
+            f"parallelism only (tensor_parallel_size: 1)"
+        )
+    return _CLASS_STRATEGIES[cls]
 
 
 def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
@@ -175,7 +159,7 @@ def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> 
         return profile
     if sharding.strategy != "ddp":
         return _fsdp(profile, layout, sharding)
-    buckets = sum(g.full_bytes(trainable_only=True) for g in (*layout.layers, layout.root))
+    buckets = sum(g.shard_bytes(1, trainable_only=True) for g in (*layout.layers, layout.root))
     note = (
         f"{sharding.describe()}: one device's parameters, gradients and optimizer state, plus "
         f"{format_bytes(buckets)} of DDP gradient buckets"
@@ -203,12 +187,13 @@ def _adjust(c: SegmentCost, delta: int, peak: int, grad: int | None = None) -> S
 
 def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
     """``profile`` as rank 0 of FSDP2 sees it: sharded state in the base, the collectives placed."""
-    w = sharding.world_size
-    gathered = [g.gathered_bytes(w) for g in layout.layers]
+    w, n, order = sharding.world_size, len(profile.layers), profile.timeline
+    gathered = [g.gathered_bytes(w) for g in layout.layers]  # AG_i = U_i = RS_i
     root_gathered = layout.root.gathered_bytes(w)
+    shard_grads = [g.shard_bytes(w, trainable_only=True) for g in layout.layers]
+    root_shard_grads = layout.root.shard_bytes(w, trainable_only=True)
+    shard_grads_all = sum(shard_grads) + root_shard_grads
     shard_params = sum(g.shard_bytes(w) for g in (*layout.layers, layout.root))
-    shard_grads_all = sum(g.shard_bytes(w, trainable_only=True) for g in layout.layers)
-    shard_grads_all += layout.root.shard_bytes(w, trainable_only=True)
     full_grads = profile.grad_bytes
     ratio = shard_params / profile.param_bytes if profile.param_bytes else 0.0
     shard_optimizer = round(profile.optimizer_bytes * ratio)
@@ -222,34 +207,11 @@ def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
         + shard_optimizer
         + round(freed * shard_grads_all / full_grads if full_grads else 0)
     )
-    note = (
-        f"{sharding.describe()}: parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)}"
-        f" and optimizer state {format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered "
-        f"parameters up to {format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
-    )
-    return replace(
-        profile,
-        layers=_fsdp_layers(profile, layout, w),
-        fixed=_fsdp_fixed(profile, layout, w, shard_grads_all, ratio),
-        base_bytes=base,
-        param_bytes=shard_params,
-        grad_bytes=shard_grads_all,
-        optimizer_bytes=shard_optimizer,
-        device=f"{profile.device}, {sharding.describe()}",
-        notes=[*profile.notes, note],
-    )
-
-
-def _fsdp_layers(profile: Profile, layout: ParamLayout, w: int) -> list[LayerProfile]:
-    """Each layer's segments under FSDP2: its all-gather buffer, the neighbours' prefetch and reduce-scatter input."""
-    n = len(profile.layers)
-    gathered = [g.gathered_bytes(w) for g in layout.layers]  # AG_i = U_i = RS_i
-    shard_grads = [g.shard_bytes(w, trainable_only=True) for g in layout.layers]
-    root_gathered = layout.root.gathered_bytes(w)
 
     def ag(i: int) -> int:
         return root_gathered if i < 0 else gathered[i]
 
+    # Each layer: its all-gather buffer, the neighbours' prefetch and reduce-scatter input.
     layers: list[LayerProfile] = []
     for i, lp in enumerate(profile.layers):
         fwd, bwd = {}, {}
@@ -269,38 +231,20 @@ def _fsdp_layers(profile: Profile, layout: ParamLayout, w: int) -> list[LayerPro
             bwd[m] = _adjust(c, delta, peak, grad=shard_grads[i])
         net = fwd["none"].delta + bwd["none"].delta if "none" in fwd else lp.net
         layers.append(replace(lp, fwd=fwd, bwd=bwd, net=net, param_bytes=layout.layers[i].shard_bytes(w)))
-    return layers
 
-
-def _fsdp_fixed(
-    profile: Profile, layout: ParamLayout, w: int, shard_grads_all: int, ratio: float
-) -> dict[str, SegmentCost]:
-    """The fixed segments under FSDP2: the root's gathers, prefetch and reduce-scatter placed, sharded
-    gradients freed at zero_grad, the optimizer's temporaries shrunk by ``ratio``.
-    """
-    n = len(profile.layers)
-    gathered = [g.gathered_bytes(w) for g in layout.layers]
-    root_gathered = layout.root.gathered_bytes(w)
-    full_grads = profile.grad_bytes
-    fixed = dict(profile.fixed)
-    order = profile.timeline
-    first_fwd = order.index("fwd:0")
-    last_fwd = order.index(f"fwd:{n - 1}")
-    first_bwd = order.index(f"bwd:{n - 1}")
-    last_bwd = order.index("bwd:0")
-    root_grads = full_grads - sum(lp.bwd["none"].grad for lp in profile.layers if "none" in lp.bwd)
-
+    # The fixed segments: the root's gathers, prefetch and reduce-scatter placed.
     def fixed_between(a: int, b: int) -> list[str]:
         return [k[len("fixed:") :] for k in order[a:b] if k.startswith("fixed:")]
 
-    before = fixed_between(0, first_fwd)
-    after_fwd = fixed_between(last_fwd + 1, first_bwd)
-    after_bwd = fixed_between(last_bwd + 1, len(order))
+    before = fixed_between(0, order.index("fwd:0"))
+    after_fwd = fixed_between(order.index(f"fwd:{n - 1}") + 1, order.index(f"bwd:{n - 1}"))
+    after_bwd = fixed_between(order.index("bwd:0") + 1, len(order))
     if not (before and after_fwd and after_bwd):
         raise PlannerError(
             "profile: FSDP needs fixed segments before the first layer, between forward and backward, and "
             f"after the backward (the root's own work); this timeline has none of some: {order[:3]}..."
         )
+    fixed = dict(profile.fixed)
     # Gradients freed before the backward (zero_grad): the sharded gradients, not one device's.
     for key, c in fixed.items():
         if c.grad < 0 and c.scales:
@@ -311,22 +255,19 @@ def _fsdp_fixed(
             pure_free = c.delta == c.grad and c.peak == 0
             fixed[key] = _adjust(c, c.delta - c.grad + grad, 0 if pure_free else c.peak + grad - c.grad, grad)
     # The root's pre-forward gathers its parameters (kept) and its buffer (freed at unit 0's copy-out).
-    key = before[-1]
-    c = fixed[key]
-    fixed[key] = _adjust(c, c.delta + 2 * root_gathered, c.peak + 2 * root_gathered)
+    c = fixed[before[-1]]
+    fixed[before[-1]] = _adjust(c, c.delta + 2 * root_gathered, c.peak + 2 * root_gathered)
     # The root's post-forward frees the last unit's buffer (at ``output`` when the profile marks it).
     key = next((k for k in after_fwd if k.endswith("->output")), after_fwd[0])
     c = fixed[key]
     fixed[key] = _adjust(c, c.delta - gathered[-1], c.peak)
     # The root's pre-backward prefetches the last unit's parameters.
-    key = after_fwd[-1]
-    c = fixed[key]
-    fixed[key] = _adjust(c, c.delta + gathered[-1], c.peak + gathered[-1])
+    c = fixed[after_fwd[-1]]
+    fixed[after_fwd[-1]] = _adjust(c, c.delta + gathered[-1], c.peak + gathered[-1])
     # The root's post-backward: resharded, unit 0's reduce-scatter input released, its own allocated.
-    key = after_bwd[0]
-    c = fixed[key]
-    root_shard_grads = layout.root.shard_bytes(w, trainable_only=True)
-    fixed[key] = _adjust(
+    c = fixed[after_bwd[0]]
+    root_grads = full_grads - sum(lp.bwd["none"].grad for lp in profile.layers if "none" in lp.bwd)
+    fixed[after_bwd[0]] = _adjust(
         c,
         c.delta - root_gathered - gathered[0] - root_grads + root_shard_grads,
         max(c.peak, c.delta - gathered[0]),
@@ -336,4 +277,19 @@ def _fsdp_fixed(
     for key, c in fixed.items():
         if not c.scales:
             fixed[key] = _adjust(c, round(c.delta * ratio), round(c.peak * ratio), round(c.grad * ratio))
-    return fixed
+    note = (
+        f"{sharding.describe()}: parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)}"
+        f" and optimizer state {format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered "
+        f"parameters up to {format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
+    )
+    return replace(
+        profile,
+        layers=layers,
+        fixed=fixed,
+        base_bytes=base,
+        param_bytes=shard_params,
+        grad_bytes=shard_grads_all,
+        optimizer_bytes=shard_optimizer,
+        device=f"{profile.device}, {sharding.describe()}",
+        notes=[*profile.notes, note],
+    )

@@ -35,8 +35,7 @@ class LayerPrediction:
 
     name: str
     mode: str
-    kept_bytes: int
-    """Activation bytes it keeps from forward to backward (its output included)."""
+    kept_bytes: int  # activation bytes kept from forward to backward, its output included
     forward_seconds: float
     backward_seconds: float
     recompute_flops: int
@@ -50,13 +49,10 @@ class Prediction:
     peak_bytes: int
     step_time_s: float
     micro_batch: int
-    peak_at: str
-    """Where the peak is reached: a segment key such as ``bwd:0``."""
-    base_bytes: int
-    """Memory held before the step starts (batch scaled)."""
+    peak_at: str  # the segment key where the peak is reached (``bwd:0``)
+    base_bytes: int  # memory held before the step starts (batch scaled)
     layers: tuple[LayerPrediction, ...]
-    estimated: bool
-    """Time from FLOPs and a hardware table rather than measurement."""
+    estimated: bool  # time from FLOPs and a hardware table rather than measurement
 
     def figures(self) -> dict[str, float | int]:
         """The figures a trial records as ``predicted_*`` (``peak_bytes``, ``step_time_s``)."""
@@ -113,9 +109,23 @@ class Planner:
         """``free_grads_at_batch_start``: predict a job that frees gradients at batch start; ``None``: as profiled."""
         if not isinstance(profile, Profile):
             raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
-        self.profile = profile
-        self.names = profile.layer_names
-        self._check_timeline()
+        self.profile, self.names = profile, profile.layer_names
+        p = 0
+        for key in profile.timeline:
+            kind, _, rest = key.partition(":")
+            if kind == "fixed":
+                if rest not in profile.fixed:
+                    raise PlannerError(f"profile: timeline names fixed segment {rest!r}, which the profile lacks")
+                continue
+            if kind not in ("fwd", "bwd") or not rest.isdigit() or int(rest) >= len(profile.layers):
+                raise PlannerError(f"profile: malformed timeline entry {key!r}")
+            # The solver's prefix-sum form needs forward in order and backward in reverse.
+            if p != int(rest) + (kind == "bwd"):
+                raise PlannerError(
+                    f"profile: timeline entry {key!r} out of order; the planner needs the layers' forwards in order "
+                    f"and their backwards in reverse order"
+                )
+            p = int(rest) + (kind == "fwd")
         frees = profile.free_grads_at_batch_start if free_grads_at_batch_start is None else free_grads_at_batch_start
         if frees and profile.forward_grad_bytes is None:
             raise PlannerError(
@@ -126,38 +136,18 @@ class Planner:
         # Freed at batch start, the gradients leave the base level and zero_grad's segment frees nothing.
         self._freed_grads = (profile.forward_grad_bytes or 0) if frees else 0
 
-    def _check_timeline(self) -> None:
-        n = len(self.profile.layers)
-        p = 0
-        for key in self.profile.timeline:
-            kind, _, rest = key.partition(":")
-            if kind == "fixed":
-                if rest not in self.profile.fixed:
-                    raise PlannerError(f"profile: timeline names fixed segment {rest!r}, which the profile lacks")
-                continue
-            if kind not in ("fwd", "bwd") or not rest.isdigit() or int(rest) >= n:
-                raise PlannerError(f"profile: malformed timeline entry {key!r}")
-            i = int(rest)
-            # The solver's prefix-sum form needs forward in order and backward in reverse.
-            if (kind == "fwd" and p != i) or (kind == "bwd" and p != i + 1):
-                raise PlannerError(
-                    f"profile: timeline entry {key!r} out of order; the planner needs the layers' forwards in order "
-                    f"and their backwards in reverse order"
-                )
-            p = i + 1 if kind == "fwd" else i
-
     def _modes(self, modes: Sequence[str] | None) -> list[str]:
+        """``modes`` (default: the profile's) in the canonical order, which breaks ties."""
+        valid = self.profile.modes
         if modes is None:
-            return [m for m in ALL_MODES if m in self.profile.modes]
-        out = []
-        for m in modes:
-            name = m.value if isinstance(m, Mode) else str(m).strip().lower()
-            if name not in self.profile.modes:
-                raise PlannerError(f"modes: {m!r} is not in the profile; valid: {', '.join(self.profile.modes)}")
-            out.append(name)
+            return [m for m in ALL_MODES if m in valid]
+        out = [m.value if isinstance(m, Mode) else str(m).strip().lower() for m in modes]
+        for m, name in zip(modes, out, strict=True):
+            if name not in valid:
+                raise PlannerError(f"modes: {m!r} is not in the profile; valid: {', '.join(valid)}")
         if not out:
-            raise PlannerError(f"modes: empty; valid: {', '.join(self.profile.modes)}")
-        return [m for m in ALL_MODES if m in out]  # canonical order: it breaks ties
+            raise PlannerError(f"modes: empty; valid: {', '.join(valid)}")
+        return [m for m in ALL_MODES if m in out]
 
     def _scale(self, micro_batch: int | None) -> tuple[int, float]:
         mb = self.profile.micro_batch if micro_batch is None else micro_batch
@@ -192,95 +182,40 @@ class Planner:
         g = fwd.grad + bwd.grad + fwd.static_delta + bwd.static_delta
         return g + round((layer.net - g) * k)
 
-    def _tables(self, modes: list[str], k: float) -> Tables:
+    def _base(self, k: float) -> int:
+        return self.profile.base_bytes - self._freed_grads + round(self.profile.batch_bytes * (k - 1))
+
+    def _tables(self, modes: Sequence[str] | None, micro_batch: int | None) -> tuple[Tables, int]:
+        mlist, (mb, k) = self._modes(modes), self._scale(micro_batch)
         prof = self.profile
-        n, nm = len(prof.layers), len(modes)
-        a = np.zeros((n, nm), np.int64)
-        f = np.zeros((n, nm), np.int64)
-        b = np.zeros((n, nm), np.int64)
-        t = np.zeros((n, nm), np.int64)
+        n, nm = len(prof.layers), len(mlist)
+        a, f, b, t = (np.zeros((n, nm), np.int64) for _ in range(4))
         for i, layer in enumerate(prof.layers):
-            for j, m in enumerate(modes):
+            for j, m in enumerate(mlist):
                 fd, fp, fs = self._seg(layer.fwd[m], k)
                 _, bp, bs = self._seg(layer.bwd[m], k)
                 a[i, j], f[i, j], b[i, j], t[i, j] = fd, fp, bp, round((fs + bs) * 1e9)
         net = np.array([self._net(i, k) for i in range(n)], np.int64)
-        base = prof.base_bytes - self._freed_grads + round(prof.batch_bytes * (k - 1))
-        fwd_c = np.zeros(n, np.int64)
-        bwd_c = np.zeros(n, np.int64)
+        fwd_c, bwd_c = np.zeros(n, np.int64), np.zeros(n, np.int64)
         fixed_c = np.full(n + 1, _NEG, np.int64)
-        fixed_c[0] = base  # the level before the step is a candidate for the peak too
-        const, fixed_t, p = base, 0, 0  # the level is const + A_{<p}
+        fixed_c[0] = const = self._base(k)  # the level before the step is a candidate for the peak too
+        p = 0  # the level is const + A_{<p}
         for key in prof.timeline:
             kind, _, rest = key.partition(":")
             if kind == "fixed":
-                d, pk, s = self._fixed_seg(rest, k)
+                d, pk, _ = self._fixed_seg(rest, k)
                 fixed_c[p] = max(fixed_c[p], const + pk)
                 const += d
-                fixed_t += round(s * 1e9)
             elif kind == "fwd":
-                i = int(rest)
-                fwd_c[i] = const
-                p = i + 1
-            else:
-                # Layer i's backward starts at const + A_{<=i}; it leaves net_i in place of a_i.
-                i = int(rest)
-                bwd_c[i] = const
-                const += int(net[i])
-                p = i
-        return Tables(modes, a, f, b, t, net, fwd_c, bwd_c, fixed_c, fixed_t, base)
-
-    def _build(self, modes: Sequence[str] | None, micro_batch: int | None) -> tuple[Tables, int]:
-        mlist = self._modes(modes)
-        mb, k = self._scale(micro_batch)
-        return self._tables(mlist, k), mb
+                fwd_c[int(rest)], p = const, int(rest) + 1
+            else:  # layer i's backward starts at const + A_{<=i}; it leaves net_i in place of a_i
+                bwd_c[int(rest)], p = const, int(rest)
+                const += int(net[p])
+        return Tables(mlist, a, f, b, t, fwd_c, bwd_c, fixed_c), mb
 
     def predict(self, policy: PolicyLike | Mapping[str, str], micro_batch: int | None = None) -> Prediction:
-        """Predicted peak memory and step time of ``policy`` at ``micro_batch`` (default: the profiled one).
-
-        ``policy`` is anything `as_policy` takes, or a plain ``{layer path: mode}`` mapping.
-        """
-        modes = self._resolve(policy)
-        mb, _ = self._scale(micro_batch)
-        return self._predict(modes, mb)
-
-    def _predict(self, modes: list[str], mb: int) -> Prediction:
-        """`predict` for resolved per-layer modes: the timeline walk."""
-        k = mb / self.profile.micro_batch
-        prof = self.profile
-        level = base = prof.base_bytes - self._freed_grads + round(prof.batch_bytes * (k - 1))
-        peak, peak_at, total = level, "start", 0.0
-        bwd_peak: dict[int, int] = {}
-        for key in prof.timeline:
-            kind, _, rest = key.partition(":")
-            if kind == "fixed":
-                d, pk, s = self._fixed_seg(rest, k)
-                cand, level = level + pk, level + d
-            else:
-                i = int(rest)
-                layer, m = prof.layers[i], modes[i]
-                if kind == "fwd":
-                    d, pk, s = self._seg(layer.fwd[m], k)
-                    cand, level = level + pk, level + d
-                else:
-                    d_fwd = self._seg(layer.fwd[m], k)[0]
-                    _, pk, s = self._seg(layer.bwd[m], k)
-                    cand, level = level + pk, level + self._net(i, k) - d_fwd
-                    bwd_peak[i] = cand
-            total += round(s * 1e9)
-            if cand > peak:
-                peak, peak_at = cand, key
-        layers = []
-        for i, layer in enumerate(prof.layers):
-            m = modes[i]
-            fd, _, fs = self._seg(layer.fwd[m], k)
-            _, _, bs = self._seg(layer.bwd[m], k)
-            layers.append(
-                LayerPrediction(layer.name, m, fd, fs, bs, round(layer.recompute_flops(m) * k), bwd_peak.get(i, 0))
-            )
-        return Prediction(int(peak), total / 1e9, mb, peak_at, base, tuple(layers), prof.estimated)
-
-    def _resolve(self, policy: PolicyLike | Mapping[str, str]) -> list[str]:
+        """Predicted peak memory and step time of ``policy`` (anything `as_policy` takes, or a plain
+        ``{layer path: mode}`` mapping) at ``micro_batch`` (default: the profiled one)."""
         if isinstance(policy, Mapping) and "version" not in policy:
             policy = RecomputePolicy.from_modes(policy)
         resolved = as_policy(policy).resolve_choices(self.names)
@@ -291,7 +226,36 @@ class Planner:
                 f"policy: uses mode(s) {missing} that the profile did not measure;"
                 f" profiled: {', '.join(self.profile.modes)}"
             )
-        return modes
+        return self._predict(modes, self._scale(micro_batch)[0])
+
+    def _predict(self, modes: list[str], mb: int) -> Prediction:
+        """The timeline walk for resolved per-layer modes."""
+        k, prof = mb / self.profile.micro_batch, self.profile
+        level = base = self._base(k)
+        peak, peak_at, total = level, "start", 0.0
+        bwd_peak: dict[int, int] = {}
+        for key in prof.timeline:
+            kind, _, rest = key.partition(":")
+            if kind == "fixed":
+                d, pk, s = self._fixed_seg(rest, k)
+            elif kind == "fwd":
+                d, pk, s = self._seg(prof.layers[int(rest)].fwd[modes[int(rest)]], k)
+            else:
+                i = int(rest)
+                _, pk, s = self._seg(prof.layers[i].bwd[modes[i]], k)
+                d = self._net(i, k) - self._seg(prof.layers[i].fwd[modes[i]], k)[0]
+                bwd_peak[i] = level + pk
+            cand, level = level + pk, level + d
+            total += round(s * 1e9)
+            if cand > peak:
+                peak, peak_at = cand, key
+        layers = []
+        for i, (layer, m) in enumerate(zip(prof.layers, modes, strict=True)):
+            fd, _, fs = self._seg(layer.fwd[m], k)
+            bs = self._seg(layer.bwd[m], k)[2]
+            flops = round(layer.recompute_flops(m) * k)
+            layers.append(LayerPrediction(layer.name, m, fd, fs, bs, flops, bwd_peak.get(i, 0)))
+        return Prediction(int(peak), total / 1e9, mb, peak_at, base, tuple(layers), prof.estimated)
 
     def solve(
         self, budget_bytes: int | str, modes: Sequence[str] | None = None, micro_batch: int | None = None
@@ -308,7 +272,7 @@ class Planner:
                 budget = parse_bytes(budget_bytes)
             except ValueError as err:
                 raise PlannerError(f"budget_bytes: {err}") from None
-        tab, mb = self._build(modes, micro_batch)
+        tab, mb = self._tables(modes, micro_batch)
         picks = fastest_within(tab, budget)
         if picks is None:
             least = least_peak(tab)
@@ -318,19 +282,18 @@ class Planner:
                 budget_bytes=budget,
                 min_peak_bytes=least,
             )
-        return self._plan([tab.modes[j] for j in picks], mb)
+        return self._plan(tab, picks, mb)
 
     def min_peak(self, modes: Sequence[str] | None = None, micro_batch: int | None = None) -> int:
         """The least predicted peak any policy over ``modes`` reaches."""
-        tab, _ = self._build(modes, micro_batch)
-        return least_peak(tab)
+        return least_peak(self._tables(modes, micro_batch)[0])
 
     def pareto_front(self, modes: Sequence[str] | None = None, micro_batch: int | None = None) -> list[PlannedPolicy]:
         """Every policy not beaten on both peak and step time, by increasing peak (decreasing time)."""
-        tab, mb = self._build(modes, micro_batch)
-        return [self._plan([tab.modes[j] for j in picks], mb) for picks in pareto_picks(tab)]
+        tab, mb = self._tables(modes, micro_batch)
+        return [self._plan(tab, picks, mb) for picks in pareto_picks(tab)]
 
-    def _plan(self, modes: list[str], mb: int) -> PlannedPolicy:
-        mapping = dict(zip(self.names, modes, strict=False))
-        policy = RecomputePolicy.from_modes(mapping)
-        return PlannedPolicy(policy, mapping, self._predict(modes, mb))
+    def _plan(self, tab: Tables, picks: list[int], mb: int) -> PlannedPolicy:
+        modes = [tab.modes[j] for j in picks]
+        mapping = dict(zip(self.names, modes, strict=True))
+        return PlannedPolicy(RecomputePolicy.from_modes(mapping), mapping, self._predict(modes, mb))

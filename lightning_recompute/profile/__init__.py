@@ -18,9 +18,8 @@ on CPU is ``none``'s costs, and on meta it is emulated.
 
 from __future__ import annotations
 
-from lightning_recompute.profile.hardware import HARDWARE, Hardware
 from lightning_recompute.profile.measure import profile_model
-from lightning_recompute.profile.meta import profile_meta
+from lightning_recompute.profile.meta import HARDWARE, Hardware, profile_meta
 from lightning_recompute.profile.model import ALL_MODES, LayerProfile, Profile, ProfileError, SegmentCost
 
 __all__ = [

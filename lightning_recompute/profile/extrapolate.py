@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import fields
-from typing import Any
+from collections.abc import Callable
+from dataclasses import fields, replace
 
 from torch import nn
 
 from lightning_recompute.layers import LayerSpec, find_layers
-from lightning_recompute.profile.model import LayerProfile, Profile, SegmentCost
+from lightning_recompute.profile.model import LayerProfile, Profile, ProfileError, SegmentCost
 
 MIN_LAYERS = 13
 """Stacks shorter than this are stepped in full: the three cuts hold 12 layers between them."""
@@ -60,17 +58,6 @@ def _signature(module: nn.Module) -> tuple[object, ...]:
     return type(module), params, buffers
 
 
-@contextmanager
-def _first(container: nn.Module, k: int) -> Iterator[None]:
-    """The container with only its first ``k`` children, for the duration."""
-    saved = container._modules
-    container._modules = OrderedDict(list(saved.items())[:k])
-    try:
-        yield
-    finally:
-        container._modules = saved
-
-
 def profile_stack(
     container: nn.Module, names: list[str], modes: list[str], run: ProfileRun
 ) -> tuple[Profile | None, str]:
@@ -78,23 +65,23 @@ def profile_stack(
 
     ``(None, reason)`` where the 5-layer run is not what the 3- and 4-layer runs predict.
     """
-    cuts = {}
+    cuts, saved = {}, container._modules
     for k in _CUTS:
-        with _first(container, k):
-            try:
-                cuts[k] = run(names[:k], modes)
-            except Exception as err:  # noqa: BLE001 - e.g. a forward that indexes the stack by its config's depth
-                return None, f"the model does not run with its stack cut to {k} layers ({type(err).__name__}: {err})"
+        container._modules = OrderedDict(list(saved.items())[:k])  # the container with its first k children
+        try:
+            cuts[k] = run(names[:k], modes)
+        except Exception as err:  # noqa: BLE001 - e.g. a forward that indexes the stack by its config's depth
+            return None, f"the model does not run with its stack cut to {k} layers ({type(err).__name__}: {err})"
+        finally:
+            container._modules = saved
     short, long, check = (cuts[k] for k in _CUTS)
-    predicted = _assemble(short, long, names[: _CUTS[2]])
-    if isinstance(predicted, str):
-        return None, predicted
-    mismatch = _first_difference(predicted, check)
-    if mismatch is not None:
-        return None, f"the {_CUTS[2]}-layer run differs from what the 3- and 4-layer runs predict ({mismatch})"
-    prof = _assemble(short, long, names)
-    if isinstance(prof, str):
-        return None, prof
+    try:
+        mismatch = _first_difference(_assemble(short, long, names[: _CUTS[2]]), check)
+        if mismatch is not None:
+            return None, f"the {_CUTS[2]}-layer run differs from what the 3- and 4-layer runs predict ({mismatch})"
+        prof = _assemble(short, long, names)
+    except ProfileError as why:
+        return None, str(why)
     note = (
         f"meta: the {len(names)} identical layers {names[0]} .. {names[-1]} were profiled as cuts of 3, 4 "
         f"and 5 layers (inner layers copied, the rest extrapolated and checked; `profile.extrapolate`)"
@@ -102,12 +89,12 @@ def profile_stack(
     return prof, note
 
 
-def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile | str:
-    """The profile of a stack of ``len(names)`` layers from its 3- and 4-layer cuts; or why not."""
+def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
+    """The profile of a stack of ``len(names)`` layers from its 3- and 4-layer cuts; `ProfileError`: why not."""
     n, k3, k4 = len(names), len(short.layers), len(long.layers)
     expanded = _expand(long.timeline, n)
     if expanded is None:
-        return "a segment between layers names a layer out of order"
+        raise ProfileError("a segment between layers names a layer out of order")
 
     def affine(q4: int, q3: int) -> int:
         return q4 + (n - k4) * (q4 - q3)
@@ -119,14 +106,9 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile | str:
         return SegmentCost(**ints, scales=c4.scales)
 
     def end_layer(c4: LayerProfile, c3: LayerProfile, name: str) -> LayerProfile:
-        return LayerProfile(
-            name=name,
-            group=c4.group,
-            param_bytes=c4.param_bytes,
-            fwd={m: affine_cost(c4.fwd[m], c3.fwd[m]) for m in c4.fwd},
-            bwd={m: affine_cost(c4.bwd[m], c3.bwd[m]) for m in c4.bwd},
-            net=affine(c4.net, c3.net),
-        )
+        fwd = {m: affine_cost(c4.fwd[m], c3.fwd[m]) for m in c4.fwd}
+        bwd = {m: affine_cost(c4.bwd[m], c3.bwd[m]) for m in c4.bwd}
+        return replace(c4, name=name, fwd=fwd, bwd=bwd, net=affine(c4.net, c3.net))
 
     short_fixed = {
         _relabel(key, {k3 - 1: n - 1}): cost for key, cost in short.fixed.items() if _gap("fixed:" + key) is None
@@ -141,56 +123,44 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile | str:
             continue
         c3 = short_fixed.pop(name, None)
         if c3 is None:
-            return f"the segment {name} has no counterpart in the {k3}-layer run"
+            raise ProfileError(f"the segment {name} has no counterpart in the {k3}-layer run")
         fixed[name] = affine_cost(c4, c3)
     if short_fixed:
-        return f"the segments {sorted(short_fixed)} appear in the {k3}-layer run only"
+        raise ProfileError(f"the segments {sorted(short_fixed)} appear in the {k3}-layer run only")
     layers = [end_layer(long.layers[0], short.layers[0], names[0])]
-    for name in names[1:-1]:
-        layer = copy.deepcopy(long.layers[1])
-        layer.name = name
-        layers.append(layer)
+    layers += [replace(copy.deepcopy(long.layers[1]), name=name) for name in names[1:-1]]
     layers.append(end_layer(long.layers[-1], short.layers[-1], names[-1]))
     groups: dict[str, list[str]] = {}
     for layer in layers:
         groups.setdefault(layer.group, []).append(layer.name)
-    prof = copy.copy(long)
-    prof.layers = layers
-    prof.timeline = [key for key, _ in expanded]
-    prof.fixed = fixed
-    prof.groups = groups
-    prof.notes = list(long.notes)
-    for attr in ("base_bytes", "param_bytes", "grad_bytes", "optimizer_bytes"):
-        setattr(prof, attr, affine(getattr(long, attr), getattr(short, attr)))
-    return prof
+    return replace(
+        long,
+        layers=layers,
+        timeline=[key for key, _ in expanded],
+        fixed=fixed,
+        groups=groups,
+        notes=list(long.notes),
+        base_bytes=affine(long.base_bytes, short.base_bytes),
+        param_bytes=affine(long.param_bytes, short.param_bytes),
+        grad_bytes=affine(long.grad_bytes, short.grad_bytes),
+        optimizer_bytes=affine(long.optimizer_bytes, short.optimizer_bytes),
+    )
 
 
 def _first_difference(a: Profile, b: Profile) -> str | None:
-    """The first field in which two profiles differ, or None (notes and times left out)."""
-    da, db = _without_times(a.to_dict()), _without_times(b.to_dict())
-    da.pop("notes")
-    db.pop("notes")
+    """The first field in which two profiles differ, or None (notes left out; memory runs are untimed)."""
+    da, db = a.to_dict(), b.to_dict()
     for key in da:
-        if da[key] == db[key]:
+        if key == "notes" or da[key] == db[key]:
             continue
         if key == "layers":
-            for la, lb in zip(da[key], db[key], strict=True):
-                if la != lb:
-                    return f"layer {la['name']}"
+            return next(f"layer {la['name']}" for la, lb in zip(da[key], db[key], strict=True) if la != lb)
         if key == "fixed":
-            for name in sorted(set(da[key]) | set(db[key])):
-                if da[key].get(name) != db[key].get(name):
-                    return f"segment {name}"
+            return next(
+                f"segment {k}" for k in sorted(da[key].keys() | db[key].keys()) if da[key].get(k) != db[key].get(k)
+            )
         return key
     return None
-
-
-def _without_times(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _without_times(v) for k, v in d.items() if k != "seconds"}
-    if isinstance(d, list):
-        return [_without_times(v) for v in d]
-    return d
 
 
 def _relabel(key: str, indices: dict[int, int]) -> str:

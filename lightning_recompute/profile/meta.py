@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,10 +14,37 @@ from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
 from lightning_recompute.profile.extrapolate import profile_stack, stack_of
-from lightning_recompute.profile.hardware import HARDWARE
-from lightning_recompute.profile.measure import LossFn, ProfilingRun, Split, check_modes
+from lightning_recompute.profile.measure import LossFn, ProfilingRun, check_modes, least_kept
 from lightning_recompute.profile.model import Profile, ProfileError, SegmentCost
-from lightning_recompute.profile.recorder import Recorder
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Peak figures of one accelerator, for time estimates without the hardware."""
+
+    name: str
+    memory_bytes: int
+    flops: dict[str, float]
+    """Dense peak FLOP/s per dtype name (``bfloat16``, ``float16``, ``float32``)."""
+    hbm_bytes_per_s: float
+    host_bytes_per_s: float
+    """Host link bandwidth (PCIe or C2C), for ``offload`` copies."""
+
+
+_MIB = 1 << 20
+HARDWARE: dict[str, Hardware] = {
+    # Datasheet dense peaks; fp32 without TF32 (PyTorch's default); host: effective pinned-copy throughput.
+    "A100": Hardware(
+        "A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9
+    ),
+    "H100": Hardware(
+        "H100-SXM5-80GB", 81559 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 3.35e12, 50e9
+    ),
+    "H200": Hardware(
+        "H200-SXM-141GB", 143771 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 50e9
+    ),
+    "L4": Hardware("L4-24GB", 23034 * _MIB, {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12}, 300e9, 25e9),
+}
 
 
 def profile_meta(
@@ -41,14 +69,10 @@ def profile_meta(
     Args:
         model_factory: builds the model (called once, under the meta device).
         batch: one micro-batch (only shapes and dtypes are used).
-        layers: which modules are layers.
-        modes: modes to profile (default: the base modes).
-        optimizer: factory ``params -> optimizer`` (default: the model's ``configure_optimizers``, else AdamW).
-        loss_fn: ``(model, batch) -> scalar loss``.
+        layers, modes, optimizer, loss_fn, free_grads_at_batch_start: as for `profile_model`.
         hardware: a key of `HARDWARE`.
         mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
         bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
-        free_grads_at_batch_start: as for `profile_model`.
         extrapolate: profile a deep stack of identical layers from short cuts (`profile.extrapolate`).
     """
     if hardware not in HARDWARE:
@@ -70,7 +94,7 @@ def profile_meta(
         raise ProfileError(
             f"model_factory: built parameters on {elsewhere}, not on meta; do not pass device= to the layers it builds"
         )
-    mode_list = check_modes(modes, device)
+    mode_list = check_modes(modes)
     batch = tree_map(lambda t: torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t, batch)
     model.train()
     hw = HARDWARE[hardware]
@@ -81,44 +105,34 @@ def profile_meta(
         f"estimated: FLOPs / ({hw.name} {str(dtype)[6:]} peak x mfu {mfu}) + traffic / (HBM x {bandwidth_efficiency})"
     )
 
-    def estimate(c: SegmentCost) -> float:
-        return (
-            c.flops / (peak * mfu)
-            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
-            + c.offload / hw.host_bytes_per_s
-        )
-
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
         session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
         try:
             session.warm_up()
-            mem: dict[str, Recorder | Split] = {}
-            for m in run_modes:
-                mem[m] = session.memory_run(m, emulate_offload=(m == Mode.OFFLOAD.value))
+            mem = {m: session.metered(m, least_kept(run_modes)) for m in run_modes}
         finally:
             remove_policy(model)
-        return session.build(mem, None, source, hardware, estimate)
+        return session.build(mem, None, source, hardware)
 
-    prof: Profile | None = None
     stack = stack_of(model, layers) if extrapolate else None
-    note: str | None = None
-    if isinstance(stack, str):
-        note = f"meta: every layer stepped ({stack})"
-    elif stack is not None:
+    prof, note = None, stack if isinstance(stack, str) else None
+    if isinstance(stack, tuple):
         # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
         prof, note = profile_stack(stack[0], stack[1], mode_list, run)
-        if prof is not None:
-            for layer in prof.layers:
-                for c in (*layer.fwd.values(), *layer.bwd.values()):
-                    c.seconds = estimate(c)
-            for c in prof.fixed.values():
-                c.seconds = estimate(c)
-        else:
-            note = f"meta: every layer stepped ({note})"
     if prof is None:
         prof = run(layers, mode_list)
+        note = None if note is None else f"meta: every layer stepped ({note})"
     if note is not None:
         prof.notes.append(note)
+    segments: list[SegmentCost] = list(prof.fixed.values())
+    for layer in prof.layers:
+        segments += [*layer.fwd.values(), *layer.bwd.values()]
+    for c in segments:
+        c.seconds = (
+            c.flops / (peak * mfu)
+            + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
+            + c.offload / hw.host_bytes_per_s
+        )
     if Mode.OFFLOAD.value in mode_list:
         prof.notes.append(
             "offload: emulated on meta (saved tensors leave device memory in forward, return in backward)"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -31,31 +31,16 @@ class ProfileError(RecomputeError, ValueError):
 class SegmentCost:
     """What one segment of the step costs."""
 
-    delta: int = 0
-    """Live device bytes at the segment's end minus at its start."""
-    peak: int = 0
-    """Highest live bytes during the segment minus the level at its start (>= 0)."""
-    grad: int = 0
-    """Bytes of parameter gradients allocated (or, negative, freed) in the segment."""
+    delta: int = 0  # live device bytes at the segment's end minus at its start
+    peak: int = 0  # highest live bytes during the segment minus the level at its start (>= 0)
+    grad: int = 0  # bytes of parameter gradients allocated (or, negative, freed) in the segment
     seconds: float = 0.0
     flops: int = 0
-    traffic: int = 0
-    """Bytes read and written by ops without a FLOP formula (elementwise, norms, copies)."""
-    offload: int = 0
-    """Bytes copied to host memory in this segment's forward and back in its backward."""
-    scales: bool = True
-    """Whether the activation part grows with the micro-batch (false for the optimizer)."""
-    static_delta: int = 0
-    """Bytes of ``delta`` besides ``grad`` that do not grow with the micro-batch (sharding's buffers)."""
-    static_peak: int = 0
-    """Bytes of ``peak`` besides the gradients that do not grow with the micro-batch."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SegmentCost:
-        return cls(**d)
+    traffic: int = 0  # bytes read and written by ops without a FLOP formula (elementwise, norms, copies)
+    offload: int = 0  # bytes copied to host memory in this segment's forward and back in its backward
+    scales: bool = True  # whether the activation part grows with the micro-batch (false for the optimizer)
+    static_delta: int = 0  # bytes of delta besides grad that do not grow with the micro-batch (sharding's buffers)
+    static_peak: int = 0  # bytes of peak besides the gradients that do not grow with the micro-batch
 
 
 @dataclass
@@ -63,15 +48,11 @@ class LayerProfile:
     """One layer's costs, per mode."""
 
     name: str
-    group: str
-    """Signature (class, parameter shapes, input shape): layers of one group share time samples."""
+    group: str  # class, parameter shapes, input shape: layers of one group share time samples
     param_bytes: int
-    fwd: dict[str, SegmentCost]
-    """Per mode: the layer's forward (``delta`` = activation bytes kept, output included)."""
-    bwd: dict[str, SegmentCost]
-    """Per mode: the layer's backward, recomputation included."""
-    net: int
-    """Bytes the layer's forward plus backward leave behind; mode-independent."""
+    fwd: dict[str, SegmentCost]  # per mode: the forward (delta = activation bytes kept, output included)
+    bwd: dict[str, SegmentCost]  # per mode: the backward, recomputation included
+    net: int  # bytes the layer's forward plus backward leave behind; mode-independent
 
     def kept_bytes(self, mode: str) -> int:
         return self.fwd[mode].delta
@@ -80,55 +61,28 @@ class LayerProfile:
         """FLOPs the backward spends beyond the backward under ``none``: the recomputation."""
         return max(0, self.bwd[mode].flops - self.bwd[Mode.NONE.value].flops) if Mode.NONE.value in self.bwd else 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "group": self.group,
-            "param_bytes": self.param_bytes,
-            "net": self.net,
-            "fwd": {m: c.to_dict() for m, c in self.fwd.items()},
-            "bwd": {m: c.to_dict() for m, c in self.bwd.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LayerProfile:
-        return cls(
-            name=d["name"],
-            group=d["group"],
-            param_bytes=int(d["param_bytes"]),
-            net=int(d["net"]),
-            fwd={m: SegmentCost.from_dict(c) for m, c in d["fwd"].items()},
-            bwd={m: SegmentCost.from_dict(c) for m, c in d["bwd"].items()},
-        )
-
 
 @dataclass
 class Profile:
     """The cost profile of one training step of one model at one micro-batch; JSON-serialisable."""
 
     layers: list[LayerProfile]
-    timeline: list[str]
-    """Segment keys in execution order: ``fwd:<i>``, ``bwd:<i>`` or ``fixed:<name>``."""
-    fixed: dict[str, SegmentCost]
-    """The segments no policy changes, by name."""
+    timeline: list[str]  # segment keys in execution order: fwd:<i>, bwd:<i> or fixed:<name>
+    fixed: dict[str, SegmentCost]  # the segments no policy changes, by name
     modes: list[str]
-    base_bytes: int
-    """Live device bytes when the step starts: parameters, optimizer state, the batch, buffers."""
+    base_bytes: int  # live device bytes when the step starts: parameters, optimizer state, the batch, buffers
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
     batch_bytes: int
     micro_batch: int
     device: str
-    time_source: str
-    """``measured`` or ``estimated: ...``."""
+    time_source: str  # "measured" or "estimated: ..."
     hardware: str | None = None
     groups: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    free_grads_at_batch_start: bool = False
-    """Whether the job frees the previous step's gradients at batch start (measured in Lightning's order)."""
-    split: dict[str, int] = field(default_factory=dict)
-    """The modes that did not fit with every layer in them, with the number of steps each was profiled in."""
+    free_grads_at_batch_start: bool = False  # whether the job frees the last step's gradients at batch start
+    split: dict[str, int] = field(default_factory=dict)  # modes that did not fit whole: steps each was profiled in
     torch_version: str = torch.__version__
     version: int = PROFILE_VERSION
 
@@ -141,66 +95,25 @@ class Profile:
         return self.time_source != "measured"
 
     @property
-    def fixed_activation_bytes(self) -> int:
-        """Bytes the non-layer forward keeps (embedding outputs, logits, loss)."""
-        first_bwd = next((i for i, k in enumerate(self.timeline) if k.startswith("bwd:")), len(self.timeline))
-        keys = [k[len("fixed:") :] for k in self.timeline[:first_bwd] if k.startswith("fixed:")]
-        return sum(self.fixed[k].delta - self.fixed[k].grad for k in keys)
-
-    @property
     def forward_grad_bytes(self) -> int | None:
         """Gradient bytes alive through the forward in Lightning's order; ``None`` for an older profile."""
         seg = self.fixed.get(ZERO_GRAD_SEGMENT)
         return None if seg is None else -seg.delta
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "torch_version": self.torch_version,
-            "device": self.device,
-            "hardware": self.hardware,
-            "time_source": self.time_source,
-            "micro_batch": self.micro_batch,
-            "modes": list(self.modes),
-            "base_bytes": self.base_bytes,
-            "param_bytes": self.param_bytes,
-            "grad_bytes": self.grad_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "batch_bytes": self.batch_bytes,
-            "timeline": list(self.timeline),
-            "fixed": {k: c.to_dict() for k, c in self.fixed.items()},
-            "layers": [layer.to_dict() for layer in self.layers],
-            "groups": {k: list(v) for k, v in self.groups.items()},
-            "notes": list(self.notes),
-            "free_grads_at_batch_start": self.free_grads_at_batch_start,
-            "split": dict(self.split),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         if d.get("version") != PROFILE_VERSION:
             raise ProfileError(f"profile: unsupported version {d.get('version')!r}; valid: {PROFILE_VERSION}")
-        return cls(
-            layers=[LayerProfile.from_dict(x) for x in d["layers"]],
-            timeline=list(d["timeline"]),
-            fixed={k: SegmentCost.from_dict(c) for k, c in d["fixed"].items()},
-            modes=list(d["modes"]),
-            base_bytes=int(d["base_bytes"]),
-            param_bytes=int(d["param_bytes"]),
-            grad_bytes=int(d["grad_bytes"]),
-            optimizer_bytes=int(d["optimizer_bytes"]),
-            batch_bytes=int(d["batch_bytes"]),
-            micro_batch=int(d["micro_batch"]),
-            device=d["device"],
-            time_source=d["time_source"],
-            hardware=d.get("hardware"),
-            groups={k: list(v) for k, v in d.get("groups", {}).items()},
-            notes=list(d.get("notes", [])),
-            free_grads_at_batch_start=bool(d.get("free_grads_at_batch_start", False)),
-            split={k: int(v) for k, v in d.get("split", {}).items()},
-            torch_version=d.get("torch_version", ""),
-            version=d["version"],
-        )
+
+        def costs(by_mode: dict[str, Any]) -> dict[str, SegmentCost]:
+            return {k: SegmentCost(**c) for k, c in by_mode.items()}
+
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["layers"] = [LayerProfile(**{**x, "fwd": costs(x["fwd"]), "bwd": costs(x["bwd"])}) for x in d["layers"]]
+        return cls(**{"torch_version": "", **kw, "fixed": costs(d["fixed"])})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

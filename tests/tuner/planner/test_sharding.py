@@ -102,7 +102,7 @@ def test_padding_rule_rounds_dim_zero_up_per_parameter() -> None:
     assert group.shard_bytes(2) == 3 * 3 * 4 + 4 * 2 + 4
     assert group.gathered_bytes(2) == 2 * group.shard_bytes(2)
     assert group.shard_bytes(2, trainable_only=True) == 3 * 3 * 4 + 4
-    assert group.full_bytes() == 15 * 4 + 7 * 2 + 4
+    assert group.shard_bytes(1) == 15 * 4 + 7 * 2 + 4
     assert group.shard_bytes(64) == 1 * 3 * 4 + 1 * 2 + 4  # more ranks than rows: one padded row each
 
 
@@ -160,7 +160,7 @@ def test_layout_of_a_model_and_a_mismatched_layout() -> None:
         model = LlamaLike(cfg)
     layout = ParamLayout.of_model(model, ["layers.0", "layers.1"])
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert sum(g.full_bytes() for g in (*layout.layers, layout.root)) == total
+    assert sum(g.shard_bytes(1) for g in (*layout.layers, layout.root)) == total
     assert layout.root.shapes == ((64, 16), (16,), (64, 16))  # embedding, norm, head
     with pytest.raises(PlannerError, match="layers"):
         ParamLayout.of_model(model, ["layers.7"])
