@@ -1,6 +1,6 @@
 """How well the sharded planner predicts each rank's peak memory of a real 2-rank FSDP2 step.
 
-The planner side: one single-device profile of a small `tuner.models.LlamaLike` on CPU
+The planner side: one single-device profile of a small `bench/llama_like.py` `LlamaLike` on CPU
 (`lightning_recompute.profile.profile_model`), turned into one rank's profile at world size 2 by
 `lightning_recompute.planner.sharding.shard_profile` (strategy ``model_parallel``: FSDP2, every block its own
 ``fully_shard`` unit, the model the root unit), then `Planner.predict` for each policy.
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from llama_like import LlamaConfig, LlamaLike, token_batch
 
 from lightning_recompute import RecomputePolicy, StorageMeter, apply_policy
 from lightning_recompute.planner import Planner
@@ -46,7 +47,6 @@ from lightning_recompute.planner.sharding import ParamLayout, Sharding, shard_pr
 from lightning_recompute.policy import glyph
 from lightning_recompute.profile import profile_model
 from lightning_recompute.units import format_bytes
-from tuner.models import LlamaConfig, LlamaLike, token_batch
 
 WORLD = 2
 MODES = ("none", "selective", "full")

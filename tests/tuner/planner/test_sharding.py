@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.llama_like import LlamaConfig, LlamaLike
 from lightning_recompute.planner import Planner, PlannerError
 from lightning_recompute.planner.sharding import (
     STRATEGIES,
@@ -25,7 +26,6 @@ from lightning_recompute.planner.sharding import (
 from lightning_recompute.profile import LayerProfile, Profile, SegmentCost
 from tests.helpers import REPO
 from tuner.cli import build_parser, main
-from tuner.models import LlamaConfig, LlamaLike
 
 # --------------------------------------------------------------------------- a hand-computed profile
 
