@@ -102,34 +102,6 @@ class SessionLog:
             raise TrackingError("no open session: call start_session() (or use session()) first")
         return self.open_run_id
 
-    def log_trial(
-        self,
-        number: int,
-        policy: RecomputePolicy,
-        layer_names: Sequence[str] | None,
-        micro_batch: int | None,
-        result: TrialResult,
-        prediction: Mapping[str, Any] | None = None,
-        reason: str | None = None,
-    ) -> str:
-        """Record one trial as a finished run nested in the session; its run id.
-
-        ``layer_names`` ``None`` logs the policy's own pattern entries instead of one param per layer; each
-        numeric entry of ``prediction`` becomes a ``predicted_<key>`` metric; ``reason`` overrides the result's.
-        """
-        return self._measurement(
-            "trial",
-            f"trial {number} {short_name(policy, layer_names)}",
-            self._require_session(),
-            policy,
-            layer_names,
-            micro_batch,
-            result,
-            prediction=prediction,
-            reason=reason,
-            params={N.TRIAL_NUMBER_PARAM: str(number)},
-        )
-
     def log_confirmation(
         self,
         policy: RecomputePolicy,
@@ -142,41 +114,35 @@ class SessionLog:
     ) -> str:
         """Record the gate's confirmation run (nested in the session when one is open); its id. It has a trial
         run's shape plus ``evidence.json``, so a promoted confirmation run is a self-contained good run."""
-        return self._measurement(
-            "confirmation",
-            f"confirm {short_name(policy, layer_names)}",
-            self.open_run_id,
-            policy,
-            layer_names,
-            micro_batch,
-            result,
-            tags={N.SOURCE_RUN: source_run_id} if source_run_id else {},
-            evidence=evidence,
-        )
+        return self.log_trial(None, policy, layer_names, micro_batch, result, source=source_run_id, evidence=evidence)
 
-    def _measurement(
+    def log_trial(
         self,
-        kind: str,
-        run_name: str,
-        parent: str | None,
+        number: int | None,
         policy: RecomputePolicy,
         layer_names: Sequence[str] | None,
         micro_batch: int | None,
         result: TrialResult,
-        *,
         prediction: Mapping[str, Any] | None = None,
         reason: str | None = None,
-        params: Mapping[str, str] | None = None,
-        tags: Mapping[str, str] | None = None,
+        *,
+        source: str | None = None,
         evidence: Mapping[str, Any] | None = None,
     ) -> str:
-        """Record one measurement as a finished run spanning its own wall time (not the time logging took); its
-        id. Artifacts: ``policy.yaml``, the worker's stderr tail when it failed, ``evidence`` when given."""
+        """Record trial ``number`` (``None``: a confirmation, `log_confirmation`) as a finished run nested in the
+        session, spanning its own wall time (not the time logging took); its run id.
+
+        ``layer_names`` ``None`` logs the policy's own pattern entries instead of one param per layer; each
+        numeric entry of ``prediction`` becomes a ``predicted_<key>`` metric; ``reason`` overrides the result's.
+        Artifacts: ``policy.yaml``, the worker's stderr tail when it failed, ``evidence`` when given.
+        """
         from mlflow.entities import Param
 
+        parent = self.open_run_id if number is None else self._require_session()
         r = jsonable(result)
         if not isinstance(r, dict) or "outcome" not in r:
             raise TrackingError(f"result: expected a TrialResult with an 'outcome', got {type(result).__name__}")
+        kind, title = ("trial", f"trial {number}") if number is not None else ("confirmation", "confirm")
         all_tags = self._tags(kind, str(r["outcome"]), policy, layer_names, parent)
         for key, tag in (("device", N.DEVICE), ("throughput_unit", N.THROUGHPUT_UNIT)):
             if r.get(key):
@@ -185,15 +151,23 @@ class SessionLog:
             all_tags[N.REASON] = clip_tag(reason or r["error"])
         if r.get("error"):
             all_tags[N.ERROR] = clip_tag(r["error"])
-        all_tags.update(tags or {})
+        if source:
+            all_tags[N.SOURCE_RUN] = source
         start = int(time.time() * 1000) - int((finite(r.get("wall_s")) or 0.0) * 1000)
-        run = self.store.client.create_run(self.store.experiment_id, start_time=start, tags=all_tags, run_name=run_name)
+        run = self.store.client.create_run(
+            self.store.experiment_id,
+            start_time=start,
+            tags=all_tags,
+            run_name=f"{title} {short_name(policy, layer_names)}",
+        )
         run_id = run.info.run_id
         status = "FAILED" if r["outcome"] in _FAILED_OUTCOMES else "FINISHED"
         try:
             modes = layer_modes(policy, layer_names).items()
             all_params = [Param(param_key(f"layer.{name}"), mode) for name, mode in modes]
-            all_params += [*_policy_params(policy, micro_batch), *(Param(k, v) for k, v in (params or {}).items())]
+            all_params += _policy_params(policy, micro_batch)
+            if number is not None:
+                all_params.append(Param(N.TRIAL_NUMBER_PARAM, str(number)))
             if policy.compile:
                 all_params.append(Param(N.COMPILE_PARAM, "true"))
             metrics = _result_metrics(r, prediction)
