@@ -44,58 +44,54 @@ class SessionLog:
         """Open the session run for ``study_name``; its run id. With ``resume``, the study's latest session run is
         reused when it was interrupted or crashed (a RUNNING one is another worker's, and sharing it would let
         whichever finishes first close it under the other's trials), so one study keeps one session run."""
-        from mlflow.entities import Param
-
-        self._ensure_closed()
-        client = self.store.client
         runs = self.store.search(_session_filter(study_name)) if resume else []
         latest = max(runs, key=lambda r: r.info.start_time, default=None)
-        if latest is not None and latest.info.status in ("KILLED", "FAILED"):
-            run_id = latest.info.run_id
-            client.update_run(run_id, status="RUNNING")
-            client.set_tag(run_id, N.RESUMES, str(int(latest.data.tags.get(N.RESUMES, "0")) + 1))
-        else:
-            tags = {N.KIND: "session", N.STUDY: study_name}
-            run_id = client.create_run(
-                self.store.experiment_id, run_name=f"session {study_name}", tags=tags
-            ).info.run_id
-        self.open_run_id, self._study = run_id, study_name
         params = {N.STUDY_NAME_PARAM: study_name}
         for key, value in _flatten(jsonable(recipe.to_dict()), "recipe").items():
             # Not its locations (tracking, study, output): they move with a checkout and are not what a trial measured.
             if key.split(".")[1] not in ("tracking", "study", "output"):
-                params[param_key(key)] = clip_tag(value, 500)
-        # Params are write-once in MLflow: on resume log only new ones and name what changed in a tag.
-        logged = client.get_run(run_id).data.params
-        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
-        self.store.log_batch(run_id, params=[Param(k, v) for k, v in params.items() if k not in logged])
-        if changed:
-            client.set_tag(run_id, N.RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
+                params[key] = value
+        resumed = latest if latest is not None and latest.info.status in ("KILLED", "FAILED") else None
+        tags = {N.KIND: "session", N.STUDY: study_name}
+        run_id = self._open(f"session {study_name}", tags, study_name, params, resumed)
         # The owner and a first heartbeat: another process ends the run KILLED once this owner is dead.
         tags = {N.RECIPE_NAME: str(recipe.name), N.OWNER: _owner(), N.HEARTBEAT: repr(time.time())}
         self.store.log_batch(run_id, tags={**tags, N.RECIPE_FINGERPRINT: str(recipe.fingerprint())})
-        client.log_text(run_id, yaml.safe_dump(jsonable(recipe.to_dict()), sort_keys=False), N.RECIPE_YAML)
+        self.store.client.log_text(run_id, yaml.safe_dump(jsonable(recipe.to_dict()), sort_keys=False), N.RECIPE_YAML)
         return run_id
 
     def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
         """Open the session run of a tuning inside a training job (`AutoRecompute`); its run id: a tuning
         session's layout without a recipe or study (``name`` stands for the study), nested under the job's own
         run when there is one; never resumed."""
-        from mlflow.entities import Param
-
-        self._ensure_closed()
         tags = {N.KIND: "session", N.STUDY: name, N.IN_JOB: "true", N.OWNER: _owner()}
         if parent_run_id is not None:
             tags[N.PARENT] = parent_run_id
-        run = self.store.client.create_run(self.store.experiment_id, run_name=f"in-job {name}", tags=tags)
-        run_id = self.open_run_id = run.info.run_id
-        self._study = name
-        self.store.log_batch(run_id, params=[Param(param_key(k), clip_tag(v, 500)) for k, v in params.items()])
-        return run_id
+        return self._open(f"in-job {name}", tags, name, params)
 
-    def _ensure_closed(self) -> None:
+    def _open(
+        self, run_name: str, tags: dict[str, str], study: str, params: Mapping[str, str], resumed: Any = None
+    ) -> str:
+        from mlflow.entities import Param
+
         if self.open_run_id is not None:
             raise TrackingError(f"a session is already open in this tracker (run {self.open_run_id})")
+        client = self.store.client
+        if resumed is not None:
+            run_id = resumed.info.run_id
+            client.update_run(run_id, status="RUNNING")
+            client.set_tag(run_id, N.RESUMES, str(int(resumed.data.tags.get(N.RESUMES, "0")) + 1))
+        else:
+            run_id = client.create_run(self.store.experiment_id, run_name=run_name, tags=tags).info.run_id
+        self.open_run_id, self._study = run_id, study
+        # Params are write-once in MLflow: on resume log only new ones and name what changed in a tag.
+        logged = client.get_run(run_id).data.params
+        values = {param_key(k): clip_tag(v, 500) for k, v in params.items()}
+        self.store.log_batch(run_id, params=[Param(k, v) for k, v in values.items() if k not in logged])
+        changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
+        if changed:
+            client.set_tag(run_id, N.RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
+        return run_id
 
     def _require_session(self) -> str:
         if self.open_run_id is None:
