@@ -19,7 +19,6 @@ from tuner._decision import Stage, decide_best
 from tuner._interrupts import Interrupts
 from tuner._liveness import Heartbeat, grace_s, kill_point
 from tuner._search import (
-    Proposal,
     SearchSpace,
     TuningStudy,
     baseline_seeds,
@@ -280,14 +279,20 @@ class _TuningSession:
 
         proposal = study.ask(session_run_id=self.session_run_id)
         self.presence.in_flight = proposal
+
+        def log(result: TrialResult, reason: str | None) -> str:
+            pred = proposal.prediction.figures() if proposal.prediction is not None else None
+            layers, mb = list(self.space.layer_names), proposal.micro_batch
+            return self.tracker.sessions.log_trial(proposal.number, proposal.policy, layers, mb, result, pred, reason)
+
         stand_down = stand_down_reason(study, proposal, self.n_trials, self.grace)
         if stand_down is not None:
-            self._log(proposal, TrialResult.skipped(stand_down, device=self.device), stand_down)
+            log(TrialResult.skipped(stand_down, device=self.device), stand_down)
             self._event(study.tell_interrupted(proposal, stand_down).number)
             return "stood down"
         if proposal.duplicate_of is not None:
             reason = f"duplicate of trial {proposal.duplicate_of.number} (same policy and micro-batch)"
-            run_id = self._log(proposal, TrialResult.skipped(reason, device=self.device), reason)
+            run_id = log(TrialResult.skipped(reason, device=self.device), reason)
             self._event(study.tell_duplicate(proposal, run_id=run_id).number)
             return "not measured"
         study.claim(proposal)
@@ -295,7 +300,7 @@ class _TuningSession:
             proposal.prediction = self.predict(proposal.policy, proposal.micro_batch)
         skip = far_over_budget(proposal.prediction, self.budget)
         if skip is not None:
-            run_id = self._log(proposal, TrialResult.skipped(skip, device=self.device), skip)
+            run_id = log(TrialResult.skipped(skip, device=self.device), skip)
             self._event(study.tell_skipped(proposal, skip, run_id=run_id).number)
             return "not measured"
         with self.interrupts.during("trial"):
@@ -305,23 +310,10 @@ class _TuningSession:
 
             self.data_noted = True
             self.note(f"data: {BatchScan(**result.batches).describe()}")
-        run_id = self._log(proposal, result, None)
-        frozen = study.tell_result(proposal, result, run_id=run_id)
+        frozen = study.tell_result(proposal, result, run_id=log(result, None))
         self.ran += 1
         self._event(frozen.number)
         return "measured"
-
-    def _log(self, proposal: Proposal, result: TrialResult, reason: str | None) -> str | None:
-        pred = proposal.prediction.figures() if proposal.prediction is not None else None
-        return self.tracker.sessions.log_trial(
-            proposal.number,
-            proposal.policy,
-            list(self.space.layer_names),
-            proposal.micro_batch,
-            result,
-            pred,
-            reason=reason,
-        )
 
     def _event(self, number: int) -> None:
         self.presence.in_flight = None

@@ -270,8 +270,7 @@ class SessionLog:
             metrics.update(zip((f"race_vs_{name}_{x}" for x in ("gain", "low", "high")), iv.gain(), strict=True))
             tags[f"{N.RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
         metrics.update(machine_metrics(race.machine_before))
-        self.store.log_batch(run_id, metrics=metrics)
-        self.store.log_batch(run_id, tags=tags)
+        self.store.log_batch(run_id, metrics=metrics, tags=tags)
 
     def finish_session(
         self,
@@ -321,9 +320,8 @@ class SessionLog:
                 for key in ("throughput", "peak_bytes"):
                     if finite(best.get(key)) is not None:
                         metrics[f"best_{key}"] = float(best[key])
-            self.store.log_batch(run_id, metrics=metrics)
             tags[N.NOTE] = clip_tag(_markdown(self.store.experiment, final, best, rows, baselines, budget_bytes))
-            self.store.log_batch(run_id, tags=tags)
+            self.store.log_batch(run_id, metrics=metrics, tags=tags)
         finally:
             self.close(final)
 
