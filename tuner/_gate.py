@@ -94,13 +94,9 @@ def evaluate(
     settings: GateSettings | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
-    """Run the three checks on ``candidate`` (a bare policy: at the data module's micro-batch) against
-    ``current_good``; touches no file and no record.
-
-    ``budget_bytes`` ``None`` checks no budget; ``race`` is the session's race the candidate won, if any: the
-    confirmation is held against its figure, and the regression check reads it when the good policy raced
-    too; ``progress`` is told a line before each check that runs.
-    """
+    """Run the three checks on ``candidate`` (a bare policy: at the data's micro-batch) against ``current_good``;
+    touches no file and no record. ``race``: the session's race the candidate won, if any (the confirmation is
+    held against its figure; the regression check reads it when the good policy raced too)."""
     from tuner import _trials as trials
 
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
@@ -333,12 +329,9 @@ def decide(
     output_path: str | Path | None = None,
     **runners: Any,
 ) -> GateDecision:
-    """`evaluate` (``runners``: its other keywords) against the tracker's current good policy, then record it.
-
-    The confirmation run is logged (the good run on promotion: the longest measurement). A pass writes
-    ``output_path`` (default ``recipe.output``) and moves the good run; a failure is recorded as a
-    rejection and leaves the file alone; an unchanged candidate records nothing.
-    """
+    """`evaluate` (``runners``: its other keywords) against the current good policy, then record it: the
+    confirmation run (the good run on promotion), then a promotion writing ``output_path`` (default
+    ``recipe.output``) or a rejection leaving it alone; an unchanged candidate records nothing."""
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
     good = tracker.registry.current_good()
     decision = evaluate(cand, good, recipe=recipe, budget_bytes=budget_bytes, **runners)

@@ -70,18 +70,12 @@ def tune(
     on_note: Notify | None = None,
     handle_signals: bool = True,
 ) -> SessionSummary:
-    """Run one tuning session of ``recipe`` and decide whether to promote its best policy.
+    """Run one tuning session of ``recipe`` and decide whether to promote its best policy; the summary, whose
+    ``exit_code`` is what ``recompute-tune`` exits with (a `RecomputeError` when the recipe cannot be tuned).
 
-    Args:
-        n_trials: trials the *study* should have measured when this session stops (default: the
-            recipe's ``search.n_trials``); a resumed study only runs the rest.
-        search_only: report the best without the gate or a promotion.
-        use_planner: profile and plan when this session sets the study up (else: baselines only).
-        on_trial: called after every trial; on_note: with one-line progress notes.
-        handle_signals: install the Ctrl-C handling (`tuner._interrupts`).
-
-    Returns the summary; its ``exit_code`` is what ``recompute-tune`` exits with. Raises
-    `RecomputeError` when the recipe cannot be tuned as written.
+    ``n_trials``: the trials the *study* should have measured when this session stops (default: the recipe's
+    ``search.n_trials``; a resumed study only runs the rest); ``search_only``: report the best without the gate;
+    ``use_planner``: profile and plan when this session sets the study up (else: baselines only).
     """
     if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
         raise RecomputeError(f"n_trials: must be a positive integer, got {n_trials!r}")
@@ -182,11 +176,8 @@ class _TuningSession:
                 heartbeat.stop()
 
     def _set_up(self, study: TuningStudy) -> PlannerSeeds:
-        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it.
-
-        Returns the seeding: its predictor serves the whole session; its seeds are empty when another
-        session set the study up.
-        """
+        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it; the
+        seeding, whose predictor serves the whole session (its seeds are empty when another session set it up)."""
         recipe, name, space, budget = self.recipe, self.name, self.space, self.budget
         if not join_setup(study, name, self.grace, self.notify, self.note):
             stored = study.setup.profile()

@@ -125,13 +125,9 @@ class SessionLog:
         source: str | None = None,
         evidence: Mapping[str, Any] | None = None,
     ) -> str:
-        """Record trial ``number`` (``None``: a confirmation, `log_confirmation`) as a finished run nested in the
-        session, spanning its own wall time (not the time logging took); its run id.
-
-        ``layer_names`` ``None`` logs the policy's own pattern entries instead of one param per layer; each
-        numeric entry of ``prediction`` becomes a ``predicted_<key>`` metric; ``reason`` overrides the result's.
-        Artifacts: ``policy.yaml``, the worker's stderr tail when it failed, ``evidence`` when given.
-        """
+        """Record trial ``number`` (``None``: a confirmation) as a finished run nested in the session, spanning its
+        own wall time; its run id. ``layer_names`` ``None`` logs the policy's own patterns instead of its layers;
+        ``prediction``'s figures become ``predicted_*`` metrics; ``reason`` overrides the result's."""
         from mlflow.entities import Param
 
         parent = self.open_run_id if number is None else self._require_session()
@@ -281,15 +277,9 @@ class SessionLog:
         baselines: Mapping[str, Mapping[str, Any]],
         budget_bytes: int | None,
     ) -> None:
-        """Write the session's summary and end its run with ``status`` (FINISHED, KILLED or FAILED).
-
-        Args:
-            best: the best trial (``policy``, as a `RecomputePolicy` or its dict, and any of ``run_id``,
-                ``number``, ``throughput``, ``peak_bytes``, ``micro_batch``), ``None`` when nothing was feasible.
-            trials_table: `tuner._search.TrialRecord.to_dict` rows of the whole study.
-            baselines: name -> row, labelled on the Pareto plot.
-            budget_bytes: the memory limit, drawn on the plot.
-        """
+        """Write the session's summary and end its run with ``status`` (FINISHED, KILLED or FAILED). ``best``: the
+        best trial's row (its ``policy`` a `RecomputePolicy` or its dict), ``None`` when nothing was feasible;
+        ``trials_table``: `tuner._search.TrialRecord.to_dict` rows; ``baselines`` and ``budget_bytes`` are plotted."""
         from tuner._plots import pareto_plot
 
         run_id, final = self._require_session(), _status(status)
