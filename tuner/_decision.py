@@ -6,6 +6,7 @@ unraced: racing again would only re-roll the noise that race settled.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -69,10 +70,16 @@ def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy, *, new_tria
 
     recipe, settings = stage.recipe, GateSettings()
     wait_s = settings.longest_s(recipe) + 60.0
-    with gate_lease(study.storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop) as waited:
+    lease = (
+        gate_lease(study.storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop)
+        if study.storage is not None
+        else contextlib.nullcontext(False)
+    )
+    with lease as waited:
         good = stage.tracker.registry.current_good()
         records = study.records()
         race: RaceResult | None
+        chosen: str | None
         if (not new_trials or waited) and good is not None and good.micro_batch == best.micro_batch:
             why = "another worker decided while this one waited" if waited else "no new trial since the last decision"
             stage.note(f"race: not run: {why}; the current good policy stands")
@@ -147,7 +154,8 @@ def race_leaders(
     )
     if race.ok and race.winner is not None:
         race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
-        stage.notify(f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})")
+        won = race.entrants[race.winner].short if race.winner is not None else "?"
+        stage.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
         for said in (*race.decision_lines(), *race.headlines()):
             if said:
                 stage.notify(f"race: {said}")

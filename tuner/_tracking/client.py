@@ -166,14 +166,14 @@ class TrackingClient:
         ts = int(time.time() * 1000)
         ms = [Metric(param_key(k), float(v), ts, 0) for k, v in (metrics or {}).items()]
         steps = [Metric("step_time_s", float(s), ts, i) for i, s in enumerate(step_times) if finite(s) is not None]
-        for field, items, size in (
-            ("params", list(params), 100),
-            ("tags", [RunTag(k, clip_tag(v)) for k, v in (tags or {}).items()], 100),
-            ("metrics", ms, 1000),
-            ("metrics", steps, 1000),
-        ):
-            for i in range(0, len(items), size):
-                self.client.log_batch(run_id, **{field: items[i : i + size]})
+        params, tag_list = list(params), [RunTag(k, clip_tag(v)) for k, v in (tags or {}).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+        for i in range(0, len(tag_list), 100):
+            self.client.log_batch(run_id, tags=tag_list[i : i + 100])
+        for batch in (ms, steps):
+            for i in range(0, len(batch), 1000):
+                self.client.log_batch(run_id, metrics=batch[i : i + 1000])
 
     def log_json(self, run_id: str, name: str, data: Any) -> None:
         """Log ``data`` as the JSON artifact ``name`` of ``run_id`` (strict JSON: no NaN)."""

@@ -267,14 +267,17 @@ class PolicyRegistry:
                 elif out.exists():
                     out.unlink()
             finally:
-                for undo in (
-                    lambda: previous and client.set_experiment_tag(store.experiment_id, GOOD_RUN_TAG, previous),
-                    lambda: new != previous and client.set_tag(new, N.GOOD, "false"),
-                    lambda: previous and previous != new and client.set_tag(previous, N.GOOD, "true"),
-                    lambda: client.set_terminated(decision_id, "FAILED"),
-                ):
-                    with suppress(Exception):
-                        undo()
+                with suppress(Exception):
+                    if previous:
+                        client.set_experiment_tag(store.experiment_id, GOOD_RUN_TAG, previous)
+                with suppress(Exception):
+                    if new != previous:
+                        client.set_tag(new, N.GOOD, "false")
+                with suppress(Exception):
+                    if previous and previous != new:
+                        client.set_tag(previous, N.GOOD, "true")
+                with suppress(Exception):
+                    client.set_terminated(decision_id, "FAILED")
             raise
         client.set_terminated(decision_id, "FINISHED")
 
