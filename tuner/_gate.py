@@ -342,13 +342,10 @@ def decide(
     decision.evidence["tuned_for"] = policy.tuned_for.to_dict() if policy.tuned_for is not None else None
     source = cand.source_run_id
     if decision.confirmation is not None:
-        source = decision.confirmation_run_id = tracker.sessions.log_confirmation(
-            policy,
-            cand.layer_names,
-            cand.micro_batch,
-            decision.confirmation,
-            source_run_id=cand.source_run_id,
-            evidence=decision.evidence,
+        # A trial run's shape plus ``evidence.json``, so a promoted confirmation run is a self-contained good run.
+        conf, ev = decision.confirmation, decision.evidence
+        source = decision.confirmation_run_id = tracker.sessions.log_trial(
+            None, policy, cand.layer_names, cand.micro_batch, conf, source=cand.source_run_id, evidence=ev
         )
     said: dict[str, Any] = {"source_run_id": source, "reason": decision.reason, "evidence": decision.evidence}
     if decision.promoted:

@@ -77,7 +77,15 @@ class TrackingClient:
         self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None and not create:
-            raise ExperimentNotFound(self._not_found())
+            from tuner._stores import hide_password
+
+            names = sorted(e.name for e in self.client.search_experiments() if e.name != "Default")
+            valid = ", ".join(repr(n) for n in names) if names else "none yet"
+            raise ExperimentNotFound(
+                f"tracking.experiment: {clip_tag(repr(experiment), 200)} is not an experiment in "
+                f"{clip_tag(hide_password(self.tracking_uri), 200)} (valid: {clip_tag(valid, 1000)}); check the "
+                f"spelling, or tune the recipe first (`recompute-tune RECIPE` creates it)"
+            )
         if exp is None:
             location = artifact_location_for(self.tracking_uri, experiment)
             try:
@@ -95,17 +103,6 @@ class TrackingClient:
             )
         self._follow_a_moved_folder(exp)
         self.experiment_id = exp.experiment_id
-
-    def _not_found(self) -> str:
-        from tuner._stores import hide_password
-
-        names = sorted(e.name for e in self.client.search_experiments() if e.name != "Default")
-        valid = ", ".join(repr(n) for n in names) if names else "none yet"
-        return (
-            f"tracking.experiment: {clip_tag(repr(self.experiment), 200)} is not an experiment in "
-            f"{clip_tag(hide_password(self.tracking_uri), 200)} (valid: {clip_tag(valid, 1000)}); check the spelling, "
-            f"or tune the recipe first (`recompute-tune RECIPE` creates it)"
-        )
 
     def _follow_a_moved_folder(self, exp: Any) -> None:
         """Point a moved or copied results folder's records (experiment and run artifact locations) at its own

@@ -98,20 +98,6 @@ class SessionLog:
             raise TrackingError("no open session: call start_session() (or use session()) first")
         return self.open_run_id
 
-    def log_confirmation(
-        self,
-        policy: RecomputePolicy,
-        layer_names: Sequence[str] | None,
-        micro_batch: int | None,
-        result: TrialResult,
-        *,
-        source_run_id: str | None = None,
-        evidence: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Record the gate's confirmation run (nested in the session when one is open); its id. It has a trial
-        run's shape plus ``evidence.json``, so a promoted confirmation run is a self-contained good run."""
-        return self.log_trial(None, policy, layer_names, micro_batch, result, source=source_run_id, evidence=evidence)
-
     def log_trial(
         self,
         number: int | None,
@@ -125,9 +111,10 @@ class SessionLog:
         source: str | None = None,
         evidence: Mapping[str, Any] | None = None,
     ) -> str:
-        """Record trial ``number`` (``None``: a confirmation) as a finished run nested in the session, spanning its
-        own wall time; its run id. ``layer_names`` ``None`` logs the policy's own patterns instead of its layers;
-        ``prediction``'s figures become ``predicted_*`` metrics; ``reason`` overrides the result's."""
+        """Record trial ``number`` (``None``: the gate's confirmation, nested in the session when one is open) as a
+        finished run spanning its own wall time; its run id. ``layer_names`` ``None`` logs the policy's own
+        patterns instead of its layers; ``prediction``'s figures become ``predicted_*`` metrics; ``reason``
+        overrides the result's."""
         from mlflow.entities import Param
 
         parent = self.open_run_id if number is None else self._require_session()
