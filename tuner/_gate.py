@@ -46,11 +46,9 @@ class Candidate:
 class GateSettings:
     """How much evidence the gate asks for."""
 
-    confirm_factor: int = 3
-    """The confirmation run measures this many times a trial's ``measure_steps``."""
+    confirm_factor: int = 3  # the confirmation run measures this many times a trial's measure_steps
+    # How far below the race's figure a confirmation (another process, minutes later) may measure before it fails.
     confirm_slack: float = 0.25
-    """How far below the race's figure for the candidate a confirmation (another process, minutes later)
-    may measure before it fails."""
 
     def longest_s(self, recipe: Recipe) -> float:
         """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits
@@ -64,17 +62,13 @@ class GateDecision:
     """What the gate concluded, and on what evidence."""
 
     promoted: bool
-    reasons: list[str]
-    """When promoted: one line per passed check. Otherwise: why it failed (first the failed check)."""
-    evidence: dict[str, Any]
-    """Everything measured, JSON-ready: ``confirmation``, ``numerics``, ``regression``, ``settings``."""
-    unchanged: bool = False
-    """The candidate is already the current good policy: nothing was run, nothing is to be recorded."""
+    reasons: list[str]  # one line per passed check, or why it failed (the failed check first)
+    evidence: dict[str, Any]  # everything measured, JSON-ready (evidence.json)
+    unchanged: bool = False  # the candidate is already the good policy: nothing run, nothing to record
     confirmation: TrialResult | None = None
     decision_run_id: str | None = None  # the MLflow decision run (`decide` fills it in)
     confirmation_run_id: str | None = None  # the MLflow confirmation run (`decide` fills it in)
-    checks: dict[str, str] = field(default_factory=dict)
-    """Check name -> ``passed`` / ``failed`` / ``not run``."""
+    checks: dict[str, str] = field(default_factory=dict)  # check name -> passed / failed / not run
 
     @property
     def reason(self) -> str:
