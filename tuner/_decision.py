@@ -11,10 +11,11 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
+from tuner._gate import Candidate, GateDecision, GateSettings, decide
 from tuner._search import gate_lease
 from tuner._search.seeds import Source, pick_of
 from tuner.exits import EXIT_INFEASIBLE, EXIT_OK
@@ -22,21 +23,13 @@ from tuner.recipe._schema import PREDICTION_SPAN
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
-    from tuner._gate import Candidate, GateDecision
     from tuner._search import TrialRecord, TuningStudy
     from tuner._tracking import GoodPolicy, Tracker
     from tuner.recipe import Recipe
 
 __all__ = ["Decided", "Field", "candidate_of", "choose_field", "decide_best", "race_leaders"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 Say = Callable[[str], None]
-
-
-class Killable(Protocol):
-    """Wraps a measurement so that the first Ctrl-C stops it."""
-
-    def __call__(self, fn: _F, /) -> _F: ...
 
 
 @dataclass(frozen=True)
@@ -44,12 +37,8 @@ class Decided:
     """What `decide_best` decided."""
 
     decision: GateDecision
-    race: RaceResult | None
-    """The race before the gate (``None``: not run)."""
-    chosen: str | None
-    """Fingerprint of the race's winner, or of the good policy that stood without a race; ``None``: no race chose."""
-    waited: bool
-    """This worker waited for another worker's gate of the same study."""
+    race: RaceResult | None  # the race before the gate (None: not run)
+    chosen: str | None  # the race winner's fingerprint, or the good policy's that stood unraced; None: no race chose
 
     def status(self) -> tuple[str, int]:
         """The session's status and exit code."""
@@ -68,53 +57,40 @@ class Stage:
     study_name: str
     tracker: Tracker
     session_run_id: str | None
-    notify: Say
-    """Progress (printed, not kept)."""
-    note: Say
-    """A decision along the way (printed and kept in the session's notes)."""
-    killable: Killable
-    stop: threading.Event
-    """Set by a Ctrl-C: a wait for the lease ends."""
+    notify: Say  # progress (printed, not kept)
+    note: Say  # a decision along the way (printed and kept in the session's notes)
+    killable: Callable[[Callable[..., Any]], Callable[..., Any]]  # the first Ctrl-C stops what it wraps
+    stop: threading.Event  # set by a Ctrl-C: a wait for the lease ends
 
 
-def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, new_trials: bool) -> Decided:
+def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy, *, new_trials: bool) -> Decided:
     """Race the leaders of ``study`` and gate the winner (``best`` is its best feasible trial) under the lease;
     ``new_trials``: whether this session measured any trial."""
-    from tuner import _gate as gate
     from tuner._trials import check_numerics, run_race, run_trial
 
-    if best.policy is None:
-        raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
-    recipe = stage.recipe
-    settings = gate.GateSettings()
+    recipe, settings = stage.recipe, GateSettings()
     wait_s = settings.longest_s(recipe) + 60.0
-    storage = study.storage if study is not None else None
     lease = (
-        gate_lease(storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop)
-        if storage is not None
+        gate_lease(study.storage, stage.study_name, wait_s=wait_s, on_wait=stage.notify, cancel=stage.stop)
+        if study.storage is not None
         else contextlib.nullcontext(False)
     )
     with lease as waited:
         good = stage.tracker.registry.current_good()
-        records = study.records() if study is not None else []
+        records = study.records()
         race: RaceResult | None
         chosen: str | None
         if (not new_trials or waited) and good is not None and good.micro_batch == best.micro_batch:
             why = "another worker decided while this one waited" if waited else "no new trial since the last decision"
             stage.note(f"race: not run: {why}; the current good policy stands")
             race, chosen = None, good.fingerprint
-            candidate = gate.Candidate(
-                policy=good.policy,
-                micro_batch=good.micro_batch,
-                source_run_id=good.run_id,
-                layer_names=stage.layer_names,
-            )
+            candidate = Candidate(good.policy, good.micro_batch, good.run_id, stage.layer_names)
         else:
             race = race_leaders(stage, best, good, records, stage.killable(run_race))
             candidate = candidate_of(best, race, good, records, stage.layer_names)
             chosen = race.winner if race is not None and race.ok else None
         stage.notify(f"gate: {candidate.policy.short(stage.layer_names)} is the candidate")
-        decision = gate.decide(
+        decision = decide(
             stage.tracker,
             candidate,
             recipe=recipe,
@@ -129,7 +105,7 @@ def decide_best(stage: Stage, best: TrialRecord, study: TuningStudy | None, *, n
         )
     if waited and decision.unchanged:
         decision.reasons.append("another worker ran the gate for this study while this one waited")
-    return Decided(decision=decision, race=race, chosen=chosen, waited=bool(waited))
+    return Decided(decision=decision, race=race, chosen=chosen)
 
 
 def race_leaders(
@@ -198,8 +174,6 @@ def candidate_of(
     layer_names: tuple[str, ...],
 ) -> Candidate:
     """The gate's candidate: the race's winner, or without one the best single trial."""
-    from tuner import _gate as gate
-
     policy, source = best.policy, best.run_id
     if race is not None and race.ok:
         won = next((r for r in records if r.ran and r.fingerprint == race.winner), None)
@@ -209,7 +183,7 @@ def candidate_of(
             policy, source = good.policy, good.run_id
     if policy is None:
         raise RecomputeError(f"trial {best.number}: the study's record holds no policy to gate")
-    return gate.Candidate(policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=layer_names)
+    return Candidate(policy=policy, micro_batch=best.micro_batch, source_run_id=source, layer_names=layer_names)
 
 
 @dataclass
@@ -220,16 +194,11 @@ class Field:
     the fastest fitting baseline and full (the "vs" figures are about them) and the current good policy.
     """
 
-    entrants: list[tuple[RecomputePolicy, list[str]]] = field(default_factory=list)
-    """``(policy, labels)`` in order of entry (the leader by trial first)."""
-    references: list[RecomputePolicy] = field(default_factory=list)
-    """The baselines the winner is compared with."""
-    micro_batch: int | None = None
-    """The micro-batch every entrant runs at (the best trial's)."""
-    skipped: str | None = None
-    """Why no race is run (``None``: race)."""
-    notes: list[str] = field(default_factory=list)
-    """Candidates left out, and why."""
+    entrants: list[tuple[RecomputePolicy, list[str]]] = field(default_factory=list)  # (policy, labels), leader first
+    references: list[RecomputePolicy] = field(default_factory=list)  # the baselines the winner is compared with
+    micro_batch: int | None = None  # the micro-batch every entrant runs at (the best trial's)
+    skipped: str | None = None  # why no race is run (None: race)
+    notes: list[str] = field(default_factory=list)  # candidates left out, and why
 
     def has(self, fingerprint: str) -> bool:
         return any(p.fingerprint() == fingerprint for p, _ in self.entrants)
@@ -254,10 +223,11 @@ def choose_field(
 ) -> Field:
     """The race's field after a search whose best feasible trial is ``best``.
 
-    ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more race from
-    those the planner predicts fastest (`PREDICTION_SPAN`). Entrants run at ``best``'s micro-batch;
-    compiled policies are left out (switching a compiled layer's policy recompiles it, which would be
-    timed as the policy's cost).
+    ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more race from those the
+    planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first (a best policy that
+    one unlucky trial ranked below the leaders still races: `bench/decision_quality.py`). Entrants run at
+    ``best``'s micro-batch; compiled policies are left out (switching a compiled layer's policy recompiles it,
+    which would be timed as the policy's cost).
     """
     out = Field(micro_batch=best.micro_batch)
     if best.policy is None:
@@ -271,60 +241,20 @@ def choose_field(
         return out
     fitting = [r for r in records if r.feasible and r.measured and r.policy is not None and r.throughput]
     fitting.sort(key=lambda r: (-(r.throughput or 0.0), r.number))
-    left_compiled = left_batch = 0
-    taken = 0
-    for r in fitting:
-        assert r.policy is not None
-        if r.policy.compile:
-            left_compiled += 1
-            continue
-        if r.micro_batch != best.micro_batch:
-            left_batch += 1
-            continue
-        if taken < leaders and not out.has(r.fingerprint):
+    plain = [r for r in fitting if r.policy is not None and not r.policy.compile]
+    # `same`: fitting trials at the best's micro-batch, fastest first; the leaders race, one per policy.
+    same = [r for r in plain if r.micro_batch == best.micro_batch]
+    leading: dict[str, RecomputePolicy] = {}
+    for r in same:
+        if r.policy is not None and len(leading) < leaders and r.fingerprint not in leading:
+            leading[r.fingerprint] = r.policy
             out.add(r.policy, f"trial {r.number}")
-            taken += 1
-    same = [r for r in fitting if r.micro_batch == best.micro_batch and r.policy is not None and not r.policy.compile]
-    _add_references(out, same)
-    if good is not None:
-        _add_good(out, good, best, budget_bytes)
-    _add_predicted(out, same, predicted)  # last: the planner's pick, a baseline or the good policy is no extra
-    if left_compiled:
-        out.notes.append(f"{left_compiled} compiled trial(s) not raced (switching a compiled layer recompiles it)")
-    if left_batch:
-        out.notes.append(f"{left_batch} trial(s) at another micro-batch than the best not raced")
-    if len(out.entrants) < 2:
-        out.skipped = "only one candidate fits: nothing to race"
-    return out
-
-
-def _add_predicted(out: Field, same: Sequence[TrialRecord], count: int) -> None:
-    """Up to ``count`` trials of ``same`` (fitting, at the best's micro-batch) not yet in the field, from
-    those the planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first:
-    a best policy that one unlucky trial ranked below the leaders still races (`bench/decision_quality.py`).
-    """
-    rated = [
-        (r, p)
-        for r in same
-        if r.policy is not None and (p := r.predicted_step_time_s) is not None and math.isfinite(p) and p > 0
-    ]
-    if count <= 0 or not rated:
-        return
-    top = min(p for _, p in rated) * (1.0 + PREDICTION_SPAN)
-    near = [r for r, p in rated if p <= top and not out.has(r.fingerprint)]
-    for r in sorted(near, key=lambda r: (-(r.throughput or 0.0), r.number))[:count]:
-        assert r.policy is not None
-        out.add(r.policy, "planner prediction")
-
-
-def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
-    """The planner's pick, and the fastest baseline and full as the references of the winner's figures
-    (``same``: fitting trials at the best's micro-batch, fastest first)."""
+    # The planner's pick, and the fastest baseline and full as the references of the winner's figures.
     planner = [r for r in same if r.source is Source.PLANNER and pick_of(r.label).startswith("budget")]
     if planner and planner[0].policy is not None:
         out.add(planner[0].policy, "planner")
     baselines = [r for r in same if r.baseline is not None]
-    if baselines and (fastest := baselines[0].policy) is not None:  # `same` is sorted fastest first
+    if baselines and (fastest := baselines[0].policy) is not None:
         out.add(fastest, f"baseline {baselines[0].baseline or ''}")
         out.references.append(fastest)
     full = next((r for r in same if r.baseline == "full"), None)
@@ -335,16 +265,29 @@ def _add_references(out: Field, same: Sequence[TrialRecord]) -> None:
     ):
         out.add(full.policy, "baseline full")
         out.references.append(full.policy)
-
-
-def _add_good(out: Field, good: GoodPolicy, best: TrialRecord, budget_bytes: int | None) -> None:
-    """The current good policy as an entrant, unless it cannot race; a note says why not."""
-    fits = budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes
-    if not fits:
-        out.notes.append("the current good policy is over the budget limit: not raced")
-    elif good.micro_batch != best.micro_batch:
-        out.notes.append("the current good policy was tuned at another micro-batch: not raced")
-    elif good.policy.compile:
-        out.notes.append("the current good policy compiles its layers: not raced")
-    else:
-        out.add(good.policy, "good")
+    if good is not None:
+        if budget_bytes is not None and good.peak_bytes is not None and good.peak_bytes > budget_bytes:
+            out.notes.append("the current good policy is over the budget limit: not raced")
+        elif good.micro_batch != best.micro_batch:
+            out.notes.append("the current good policy was tuned at another micro-batch: not raced")
+        elif good.policy.compile:
+            out.notes.append("the current good policy compiles its layers: not raced")
+        else:
+            out.add(good.policy, "good")
+    # Last: the planner's pick, a baseline or the good policy is no extra.
+    rated = [(r, p) for r in same if (p := r.predicted_step_time_s) is not None and math.isfinite(p) and p > 0]
+    if predicted > 0 and rated:
+        top = min(p for _, p in rated) * (1.0 + PREDICTION_SPAN)
+        near = [r for r, p in rated if p <= top and r.policy is not None and not out.has(r.fingerprint)]
+        for r in near[:predicted]:  # `same` is sorted fastest first
+            assert r.policy is not None
+            out.add(r.policy, "planner prediction")
+    if len(fitting) > len(plain):
+        out.notes.append(
+            f"{len(fitting) - len(plain)} compiled trial(s) not raced (switching a compiled layer recompiles it)"
+        )
+    if len(plain) > len(same):
+        out.notes.append(f"{len(plain) - len(same)} trial(s) at another micro-batch than the best not raced")
+    if len(out.entrants) < 2:
+        out.skipped = "only one candidate fits: nothing to race"
+    return out

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.tuned_for import TunedFor
 from lightning_recompute.units import format_bytes, jsonable
@@ -38,23 +37,18 @@ class Candidate:
     """The policy the search proposes for promotion."""
 
     policy: RecomputePolicy
-    micro_batch: int | None = None
-    """The micro-batch it won with (``None``: the data module's own)."""
-    source_run_id: str | None = None
-    """The MLflow trial run it won in, if any."""
-    layer_names: tuple[str, ...] | None = None
-    """The model's layers, for per-layer params of the confirmation run (``None``: the policy's patterns)."""
+    micro_batch: int | None = None  # the micro-batch it won with (None: the data module's own)
+    source_run_id: str | None = None  # the MLflow trial run it won in, if any
+    layer_names: tuple[str, ...] | None = None  # for the confirmation run's per-layer params (None: the patterns)
 
 
 @dataclass(frozen=True)
 class GateSettings:
     """How much evidence the gate asks for."""
 
-    confirm_factor: int = 3
-    """The confirmation run measures this many times a trial's ``measure_steps`` (at least 3)."""
+    confirm_factor: int = 3  # the confirmation run measures this many times a trial's measure_steps
+    # How far below the race's figure a confirmation (another process, minutes later) may measure before it fails.
     confirm_slack: float = 0.25
-    """How far below the race's figure for the candidate a confirmation (another process, minutes later)
-    may measure before it fails."""
 
     def longest_s(self, recipe: Recipe) -> float:
         """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits
@@ -62,31 +56,19 @@ class GateSettings:
         trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
         return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.confirm_factor, int) or self.confirm_factor < 3:
-            raise RecomputeError(f"gate.confirm_factor: {self.confirm_factor!r}; valid: an integer >= 3")
-        if not 0.0 < self.confirm_slack < 1.0:
-            raise RecomputeError(f"gate.confirm_slack: {self.confirm_slack!r}; valid: a fraction in (0, 1)")
-
 
 @dataclass
 class GateDecision:
     """What the gate concluded, and on what evidence."""
 
     promoted: bool
-    reasons: list[str]
-    """When promoted: one line per passed check. Otherwise: why it failed (first the failed check)."""
-    evidence: dict[str, Any]
-    """Everything measured, JSON-ready: ``confirmation``, ``numerics``, ``regression``, ``settings``."""
-    unchanged: bool = False
-    """The candidate is already the current good policy: nothing was run, nothing is to be recorded."""
+    reasons: list[str]  # one line per passed check, or why it failed (the failed check first)
+    evidence: dict[str, Any]  # everything measured, JSON-ready (evidence.json)
+    unchanged: bool = False  # the candidate is already the good policy: nothing run, nothing to record
     confirmation: TrialResult | None = None
-    decision_run_id: str | None = None
-    """The MLflow decision run (`decide` fills it in)."""
-    confirmation_run_id: str | None = None
-    """The MLflow confirmation run (`decide` fills it in)."""
-    checks: dict[str, str] = field(default_factory=dict)
-    """Check name -> ``passed`` / ``failed`` / ``not run``."""
+    decision_run_id: str | None = None  # the MLflow decision run (`decide` fills it in)
+    confirmation_run_id: str | None = None  # the MLflow confirmation run (`decide` fills it in)
+    checks: dict[str, str] = field(default_factory=dict)  # check name -> passed / failed / not run
 
     @property
     def reason(self) -> str:
@@ -106,74 +88,57 @@ def evaluate(
     settings: GateSettings | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
-    """Run the three checks on ``candidate`` against ``current_good``; touches no file and no record.
+    """Run the three checks on ``candidate`` (a bare policy: at the data's micro-batch) against ``current_good``;
+    touches no file and no record. ``race``: the session's race the candidate won, if any (the confirmation is
+    held against its figure; the regression check reads it when the good policy raced too)."""
+    from tuner import _trials as trials
 
-    Args:
-        candidate: the proposed policy (a bare policy means the data module's micro-batch).
-        current_good: the good policy now, or ``None`` before the first.
-        budget_bytes: the memory limit after the margin; ``None`` checks no budget.
-        run_trial, check_numerics, run_race: the runners; defaults from `tuner._trials`.
-        race: the session's race the candidate won, if any: the confirmation is held against its figure,
-            and the regression check reads it when the current good policy raced too.
-        progress: told a line before each check that runs.
-    """
-    cand = _candidate(candidate)
-    if not isinstance(cand.policy, RecomputePolicy):
-        raise RecomputeError(f"candidate.policy: expected a RecomputePolicy, got {type(cand.policy).__name__}")
-    cfg = settings or GateSettings()
-    if run_trial is None or check_numerics is None or run_race is None:
-        # Late: tuner._trials spawns subprocesses, which callers injecting their own runners do not need.
-        from tuner import _trials as trials
-
-        run_trial = run_trial or trials.run_trial
-        check_numerics = check_numerics or trials.check_numerics
-        run_race = run_race or trials.run_race
-    gate = _Gate(recipe, cand, current_good, budget_bytes, cfg, progress or (lambda _line: None))
-    decision = gate.decision
-    if (
-        current_good is not None
-        and current_good.fingerprint == cand.policy.fingerprint()
-        and current_good.micro_batch == cand.micro_batch
-    ):
-        decision.unchanged = True
-        decision.reasons.append(f"the candidate is already the current good policy (run {current_good.run_id})")
-        return decision
-    for check in (
-        lambda: gate.confirm(run_trial, run_race, race),
-        lambda: gate.numerics(check_numerics),
-        lambda: gate.regression(run_trial, run_race, race),
-    ):
-        if not check():
-            return decision
-    decision.promoted = True
-    return decision
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    gate = _Gate(
+        recipe,
+        cand,
+        current_good,
+        budget_bytes,
+        settings or GateSettings(),
+        progress or (lambda _line: None),
+        run_trial or trials.run_trial,
+        check_numerics or trials.check_numerics,
+        run_race or trials.run_race,
+        race,
+    )
+    d, good = gate.decision, current_good
+    if good is not None and (good.fingerprint, good.micro_batch) == (cand.policy.fingerprint(), cand.micro_batch):
+        d.unchanged = True
+        d.reasons.append(f"the candidate is already the current good policy (run {good.run_id})")
+        return d
+    for name, check in (("confirmation", gate.confirm), ("numerics", gate.numerics), ("regression", gate.regression)):
+        failure = check()
+        d.checks[name] = "passed" if failure is None else "failed"
+        if failure is not None:
+            d.reasons.insert(0, f"{name}: {failure}")
+            return d
+    d.promoted = True
+    return d
 
 
-def _candidate(candidate: Candidate | RecomputePolicy) -> Candidate:
-    return candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
-
-
+@dataclass
 class _Gate:
-    """One `evaluate` call; each check returns whether the candidate passed, a failing one having said why."""
+    """One `evaluate` call; each check returns why the candidate failed it, or ``None`` having said why it passed."""
 
-    def __init__(
-        self,
-        recipe: Recipe,
-        cand: Candidate,
-        good: GoodPolicy | None,
-        budget_bytes: int | None,
-        cfg: GateSettings,
-        tell: Progress,
-    ) -> None:
-        self.recipe = recipe
-        self.cand = cand
-        self.good = good
-        self.budget_bytes = budget_bytes
-        self.cfg = cfg
-        self.tell = tell
-        self.warmup = int(recipe.trial.warmup_steps)
-        self.steps = int(recipe.trial.measure_steps)
-        self.timeout = float(recipe.trial.timeout_s)
+    recipe: Recipe
+    cand: Candidate
+    good: GoodPolicy | None
+    budget: int | None
+    cfg: GateSettings
+    tell: Progress
+    run_trial: RunTrial
+    check_numerics: CheckNumerics
+    run_race: RunRace
+    race: RaceResult | None
+    decision: GateDecision = field(init=False)
+
+    def __post_init__(self) -> None:
+        cand, good, cfg = self.cand, self.good, self.cfg
         self.evidence: dict[str, Any] = {
             "candidate": {
                 "fingerprint": cand.policy.fingerprint(),
@@ -190,44 +155,48 @@ class _Gate:
                 "throughput": good.throughput,
                 "peak_bytes": good.peak_bytes,
             },
-            "budget_bytes": budget_bytes,
+            "budget_bytes": self.budget,
             "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
         }
-        self.decision = GateDecision(
-            promoted=False,
-            reasons=[],
-            evidence=self.evidence,
-            checks={"confirmation": "not run", "numerics": "not run", "regression": "not run"},
+        checks = dict.fromkeys(("confirmation", "numerics", "regression"), "not run")
+        self.decision = GateDecision(promoted=False, reasons=[], evidence=self.evidence, checks=checks)
+
+    def _trial(self, policy: RecomputePolicy, micro_batch: int | None, factor: int = 1) -> TrialResult:
+        t = self.recipe.trial
+        return self.run_trial(
+            self.recipe,
+            policy,
+            micro_batch=micro_batch,
+            warmup_steps=int(t.warmup_steps),
+            measure_steps=factor * int(t.measure_steps),
+            timeout_s=float(t.timeout_s) * factor,
+            budget_bytes=self.budget,
         )
 
-    def confirm(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:
+    def _race_against(self, other: RecomputePolicy, labels: list[str]) -> RaceResult:
+        return self.run_race(
+            self.recipe,
+            [(self.cand.policy, ["candidate"]), (other, labels)],
+            layer_names=self.cand.layer_names or (),
+            references=[other],
+            micro_batch=self.cand.micro_batch,
+            budget_bytes=self.budget,
+        )
+
+    def confirm(self) -> str | None:
         """1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows."""
-        cfg, cand, budget = self.cfg, self.cand, self.budget_bytes
-        want = cfg.confirm_factor * self.steps
+        cfg, cand, budget = self.cfg, self.cand, self.budget
+        want = cfg.confirm_factor * int(self.recipe.trial.measure_steps)
         self.tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
-
-        def run(policy: RecomputePolicy) -> TrialResult:
-            return run_trial(
-                self.recipe,
-                policy,
-                micro_batch=cand.micro_batch,
-                warmup_steps=self.warmup,
-                measure_steps=want,
-                timeout_s=self.timeout * cfg.confirm_factor,
-                budget_bytes=budget,
-            )
-
-        conf = run(cand.policy)
+        conf = self._trial(cand.policy, cand.micro_batch, cfg.confirm_factor)
         failure = _unconfirmed(conf, want, budget, cfg)
-        slow = None if failure else _slower_than_raced(conf, cand.policy, race, cfg)
+        slow = None if failure else _slower_than_raced(conf, cand.policy, self.race, cfg)
         if slow is not None:
-            conf, failure = self._slow_confirmation(run, run_race, conf, slow, race)
+            conf, failure = self._slow_confirmation(conf, slow, want)
         self.decision.confirmation = conf
         self.evidence["confirmation"] = _as_dict(conf)
         if failure:
-            _fail(self.decision, "confirmation", failure)
-            return False
-        self.decision.checks["confirmation"] = "passed"
+            return failure
         self.decision.reasons.append(
             f"confirmation: {len(conf.step_times_s)} measured steps ({cfg.confirm_factor}x a trial), ok, "
             f"peak {format_bytes(conf.peak_bytes)}"
@@ -235,16 +204,9 @@ class _Gate:
         )
         if "confirmation_held" in self.evidence:
             self.decision.reasons.append(f"confirmation: {self.evidence['confirmation_held']}")
-        return True
+        return None
 
-    def _slow_confirmation(
-        self,
-        run: Callable[[RecomputePolicy], TrialResult],
-        run_race: RunRace,
-        conf: TrialResult,
-        slow: str,
-        race: RaceResult | None,
-    ) -> tuple[TrialResult, str | None]:
+    def _slow_confirmation(self, conf: TrialResult, slow: str, want: int) -> tuple[TrialResult, str | None]:
         """A confirmation slower than the race: load on the machine, or a figure that did not hold?
         Returns the confirmation that counts and why it fails (``None``: it passes).
 
@@ -252,12 +214,11 @@ class _Gate:
         reference of the session's race again, interleaved, and passes if it kept its standing (a slowed
         machine slows both alike). Without a reference, two slow runs fail.
         """
-        cand, cfg = self.cand, self.cfg
-        want = cfg.confirm_factor * self.steps
+        cand, cfg, race = self.cand, self.cfg, self.race
         self.evidence["confirmation_slow"] = _as_dict(conf)
         self.tell(f"gate: {slow}; measuring once more ...")
-        again = run(cand.policy)
-        failure = _unconfirmed(again, want, self.budget_bytes, cfg)  # a second run failing on its own terms stands
+        again = self._trial(cand.policy, cand.micro_batch, cfg.confirm_factor)
+        failure = _unconfirmed(again, want, self.budget, cfg)  # a second run failing on its own terms stands
         if failure is not None:
             return again, failure
         if (again.throughput or 0.0) > (conf.throughput or 0.0):
@@ -270,7 +231,7 @@ class _Gate:
             f"gate: slow again; racing it against {ref.short} ({ref.label}) interleaved, to tell a slowed "
             "machine from a slow policy ..."
         )
-        pair = self._race_against(run_race, RecomputePolicy.from_dict(ref.policy), list(ref.labels))
+        pair = self._race_against(RecomputePolicy.from_dict(ref.policy), list(ref.labels))
         self.evidence["confirmation_race"] = pair.to_dict()
         kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
         if kept:
@@ -278,76 +239,79 @@ class _Gate:
             return conf, None
         return conf, f"{failure}; and it {held}"
 
-    def _race_against(self, run_race: RunRace, other: RecomputePolicy, labels: list[str]) -> RaceResult:
-        return run_race(
-            self.recipe,
-            [(self.cand.policy, ["candidate"]), (other, labels)],
-            layer_names=self.cand.layer_names or (),
-            references=[other],
-            micro_batch=self.cand.micro_batch,
-            budget_bytes=self.budget_bytes,
-        )
-
-    def numerics(self, check_numerics: CheckNumerics) -> bool:
+    def numerics(self) -> str | None:
         """2. Numerics: a recomputation that changes training is a bug, however fast."""
         self.tell("gate: checking numerics against no recompute ...")
         cand = self.cand
-        num = check_numerics(self.recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=self.timeout)
+        num = self.check_numerics(
+            self.recipe, cand.policy, micro_batch=cand.micro_batch, timeout_s=float(self.recipe.trial.timeout_s)
+        )
         self.evidence["numerics"] = _as_dict(num)
         if not num.equal:
-            why = f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}"
-            _fail(self.decision, "numerics", why)
-            return False
-        self.decision.checks["numerics"] = "passed"
+            return f"numerics differ from no recompute (max abs diff {num.max_abs_diff:g}): {num.detail}"
         self.decision.reasons.append(f"numerics: training unchanged from no recompute ({num.detail})")
-        return True
+        return None
 
-    def regression(self, run_trial: RunTrial, run_race: RunRace, race: RaceResult | None) -> bool:
+    def regression(self) -> str | None:
         """3. Regression: never trade the good policy for a slower one, unless it no longer fits."""
-        decision, good, cand = self.decision, self.good, self.cand
-        over = _over_limit(good, self.budget_bytes)
-        if good is None or over is not None:
-            why = "no current good policy to compare against" if good is None else over
-            decision.checks["regression"] = "passed"
+        good, budget, reasons = self.good, self.budget, self.decision.reasons
+        if good is None:
+            self.evidence["regression"] = {"skipped": "no current good policy to compare against"}
+            reasons.append("regression: no current good policy to compare against")
+            return None
+        if budget is not None and good.peak_bytes is not None and good.peak_bytes > budget:
+            why = (
+                f"the current good policy (run {good.run_id}) peaked at {format_bytes(good.peak_bytes)}, over the "
+                f"budget limit {format_bytes(budget)}: it does not fit, so it is no contender"
+            )
             self.evidence["regression"] = {"skipped": why}
-            decision.reasons.append(f"regression: {why}" if good is None else f"regression: not compared: {why}")
-            return True
-        raced = race if _raced_both(race, cand.policy, good) else None
-        if raced is None:
+            reasons.append(f"regression: not compared: {why}")
+            return None
+        race = self.race
+        if race is None or not race.ok or not {self.cand.policy.fingerprint(), good.fingerprint} <= set(race.entrants):
             self.tell("gate: racing the candidate against the current good policy, interleaved ...")
-            raced = self._race_against(run_race, good.policy, ["good"])
-        if raced.outcome == "failed" and self._good_does_not_run(run_trial, raced):
-            return True
-        failure = _regression(decision, cand, good, raced)
-        if failure:
-            _fail(decision, "regression", failure)
-            return False
-        return True
+            race = self._race_against(good.policy, ["good"])
+        if race.outcome == "failed":
+            # The current good policy failing alone too (a changed model or machine) blocks nothing.
+            alone = self._trial(good.policy, good.micro_batch)
+            if not alone.measured:
+                self.evidence["regression"] = {"race": race.to_dict(), "good_alone": _as_dict(alone)}
+                reasons.append(
+                    f"regression: the current good policy failed to run ({alone.outcome}"
+                    + (f": {alone.error}" if alone.error else "")
+                    + "); nothing to be slower than"
+                )
+                return None
+        return self._regression(good, race)
 
-    def _good_does_not_run(self, run_trial: RunTrial, raced: RaceResult) -> bool:
-        """Whether the current good policy fails alone too (a changed model or machine): then it blocks
-        nothing, and the regression check passes, saying why."""
-        good = self.good
-        assert good is not None
-        alone = run_trial(
-            self.recipe,
-            good.policy,
-            micro_batch=good.micro_batch,
-            warmup_steps=self.warmup,
-            measure_steps=self.steps,
-            timeout_s=self.timeout,
-            budget_bytes=self.budget_bytes,
-        )
-        if alone.measured:
-            return False
-        self.evidence["regression"] = {"race": raced.to_dict(), "good_alone": _as_dict(alone)}
-        self.decision.checks["regression"] = "passed"
-        self.decision.reasons.append(
-            f"regression: the current good policy failed to run ({alone.outcome}"
-            + (f": {alone.error}" if alone.error else "")
-            + "); nothing to be slower than"
-        )
-        return True
+    def _regression(self, good: GoodPolicy, race: RaceResult) -> str | None:
+        """The verdict of a race that had the candidate and the good policy."""
+        from lightning_recompute.race import format_gain
+
+        self.evidence["regression"] = race.to_dict()
+        if not race.ok:
+            return f"the race against the current good policy (run {good.run_id}) failed: {race.reason}"
+        c, g = self.cand.policy.fingerprint(), good.fingerprint
+        good_entrant = race.entrants.get(g)
+        if good_entrant is not None and good_entrant.out is not None:
+            self.decision.reasons.append(
+                f"regression: not compared: the current good policy (run {good.run_id}) {good_entrant.out}: "
+                "it does not fit, so it is no contender"
+            )
+            return None
+        interval = race.vs.get(g) if race.winner == c else race.vs.get(c) if race.winner == g else None
+        if interval is None:  # the session's race: the selection's standing has the pair
+            interval = race.behind.get(g) if race.leader == c else race.behind.get(c) if race.leader == g else None
+        tie = race.tie_line()
+        figures = f" ({tie})" if tie else f": {format_gain(interval)}" if interval is not None else ""
+        if race.winner == c:
+            self.decision.reasons.append(
+                f"regression: the race put the candidate ahead of the current good policy (run {good.run_id}){figures}"
+            )
+            return None
+        if race.winner == g:
+            return f"the current good policy (run {good.run_id}) won the race against the candidate{figures}"
+        return f"the race against the current good policy (run {good.run_id}) chose neither ({race.winner})"
 
 
 def decide(
@@ -357,32 +321,14 @@ def decide(
     recipe: Recipe,
     budget_bytes: int | None,
     output_path: str | Path | None = None,
-    run_trial: RunTrial | None = None,
-    check_numerics: CheckNumerics | None = None,
-    run_race: RunRace | None = None,
-    race: RaceResult | None = None,
-    settings: GateSettings | None = None,
-    progress: Progress | None = None,
+    **runners: Any,
 ) -> GateDecision:
-    """`evaluate` against the tracker's current good policy, then record the outcome.
-
-    The confirmation run is logged (the good run on promotion: the longest measurement). A pass writes
-    ``output_path`` (default ``recipe.output``) and moves the good run; a failure is recorded as a
-    rejection and leaves the file alone; an unchanged candidate records nothing.
-    """
-    cand = _candidate(candidate)
-    decision = evaluate(
-        cand,
-        tracker.registry.current_good(),
-        recipe=recipe,
-        budget_bytes=budget_bytes,
-        run_trial=run_trial,
-        check_numerics=check_numerics,
-        run_race=run_race,
-        race=race,
-        settings=settings,
-        progress=progress,
-    )
+    """`evaluate` (``runners``: its other keywords) against the current good policy, then record it: the
+    confirmation run (the good run on promotion), then a promotion writing ``output_path`` (default
+    ``recipe.output``) or a rejection leaving it alone; an unchanged candidate records nothing."""
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
+    good = tracker.registry.current_good()
+    decision = evaluate(cand, good, recipe=recipe, budget_bytes=budget_bytes, **runners)
     if decision.unchanged:
         return decision
     # What the policy was tuned for travels with it, so a training job can tell a larger batch than measured.
@@ -390,24 +336,17 @@ def decide(
     decision.evidence["tuned_for"] = policy.tuned_for.to_dict() if policy.tuned_for is not None else None
     source = cand.source_run_id
     if decision.confirmation is not None:
-        source = tracker.sessions.log_confirmation(
-            policy,
-            cand.layer_names,
-            cand.micro_batch,
-            decision.confirmation,
-            source_run_id=cand.source_run_id,
-            evidence=decision.evidence,
+        # A trial run's shape plus ``evidence.json``, so a promoted confirmation run is a self-contained good run.
+        conf, ev = decision.confirmation, decision.evidence
+        source = decision.confirmation_run_id = tracker.sessions.log_trial(
+            None, policy, cand.layer_names, cand.micro_batch, conf, source=cand.source_run_id, evidence=ev
         )
-        decision.confirmation_run_id = source
+    said: dict[str, Any] = {"source_run_id": source, "reason": decision.reason, "evidence": decision.evidence}
     if decision.promoted:
-        out = Path(output_path) if output_path is not None else Path(recipe.output)
-        decision.decision_run_id = tracker.registry.promote(
-            policy, source_run_id=source, output_path=out, reason=decision.reason, evidence=decision.evidence
-        )
+        out = Path(output_path if output_path is not None else recipe.output)
+        decision.decision_run_id = tracker.registry.promote(policy, output_path=out, **said)
     else:
-        decision.decision_run_id = tracker.registry.reject(
-            policy, source_run_id=source, reason=decision.reason, evidence=decision.evidence
-        )
+        decision.decision_run_id = tracker.registry.reject(policy, **said)
     return decision
 
 
@@ -419,16 +358,15 @@ def tuned_for(
     from tuner.recipe._build import data_batch_size
 
     data_batch = data_batch_size(recipe)
-    measured = confirmation is not None and confirmation.outcome in ("ok", "over_budget")
+    measured = confirmation if confirmation is not None and confirmation.measured else None
     micro_batch = candidate.micro_batch if candidate.micro_batch is not None else data_batch
-    scan = confirmation.batches if measured and confirmation is not None else None
-    if scan and scan.get("varies"):
+    if measured is not None and measured.batches and measured.batches.get("varies"):
         # The budget held for the largest batch only; it is also the data's own, so the job needs no change.
-        micro_batch = data_batch = int(scan["largest_samples"])
+        micro_batch = data_batch = int(measured.batches["largest_samples"])
     return TunedFor(
         micro_batch=micro_batch,
         data_batch_size=data_batch,
-        peak_bytes=(confirmation.peak_bytes or None) if measured and confirmation is not None else None,
+        peak_bytes=(measured.peak_bytes or None) if measured is not None else None,
         limit_bytes=budget_bytes,
         device=(confirmation.device or None) if confirmation is not None else None,
         recipe=recipe.name,
@@ -447,9 +385,11 @@ def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: Ga
             f"confirmation run peaked at {format_bytes(conf.peak_bytes)}, "
             f"over the budget limit {format_bytes(budget_bytes)}"
         )
-    got = len(getattr(conf, "step_times_s", ()) or ())
-    if got < want:
-        return f"confirmation run measured {got} steps; the gate needs {want} ({cfg.confirm_factor}x a trial's)"
+    if len(conf.step_times_s or ()) < want:
+        return (
+            f"confirmation run measured {len(conf.step_times_s or ())} steps; the gate needs {want} "
+            f"({cfg.confirm_factor}x a trial's)"
+        )
     return None
 
 
@@ -461,10 +401,8 @@ def _slower_than_raced(
     A run in its own process measures lower than a warm race, so the race's figure is first scaled by
     `RaceResult.trial_scale` (the lowest any raced trial came out at against the race).
     """
-    if race is None or not race.ok or conf.throughput is None:
-        return None
-    raced = race.throughput(policy.fingerprint())
-    if raced is None:
+    raced = race.throughput(policy.fingerprint()) if race is not None and race.ok else None
+    if race is None or raced is None or conf.throughput is None:
         return None
     scale = race.trial_scale or 1.0
     expected = raced * scale
@@ -489,9 +427,7 @@ def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant |
         for k, e in race.entrants.items()
         if k != candidate and e.out is None and e.policy is not None and race.throughput(k)
     ]
-    if not others:
-        return None
-    return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)))
+    return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)), default=None)
 
 
 def _held_against(
@@ -512,69 +448,6 @@ def _held_against(
     if now >= then * (1.0 - cfg.confirm_slack):
         return True, f"kept its standing: the machine slowed, not the policy: {figures}"
     return False, f"did not keep its standing either: {figures}"
-
-
-def _raced_both(race: RaceResult | None, candidate: RecomputePolicy, good: GoodPolicy) -> bool:
-    """Whether ``race`` ran the candidate and the good policy and chose between them."""
-    if race is None or not race.ok:
-        return False
-    return candidate.fingerprint() in race.entrants and good.fingerprint in race.entrants
-
-
-def _regression(
-    decision: GateDecision,
-    cand: Candidate,
-    good: GoodPolicy,
-    race: RaceResult,
-) -> str | None:
-    """The regression verdict from a race that had the candidate and the good policy; a failure reason, or ``None``."""
-    from lightning_recompute.race import format_gain
-
-    decision.evidence["regression"] = race.to_dict()
-    if not race.ok:
-        return f"the race against the current good policy (run {good.run_id}) failed: {race.reason}"
-    c, g = cand.policy.fingerprint(), good.fingerprint
-    good_entrant = race.entrants.get(g)
-    if good_entrant is not None and good_entrant.out is not None:
-        decision.checks["regression"] = "passed"
-        decision.reasons.append(
-            f"regression: not compared: the current good policy (run {good.run_id}) {good_entrant.out}: "
-            "it does not fit, so it is no contender"
-        )
-        return None
-    interval = race.vs.get(g) if race.winner == c else race.vs.get(c) if race.winner == g else None
-    if interval is None:  # the session's race: the selection's standing has the pair
-        interval = race.behind.get(g) if race.leader == c else race.behind.get(c) if race.leader == g else None
-    figures = f": {format_gain(interval)}" if interval is not None else ""
-    tie = race.tie_line()
-    if race.winner == c:
-        decision.checks["regression"] = "passed"
-        decision.reasons.append(
-            f"regression: the race put the candidate ahead of the current good policy (run {good.run_id})"
-            + (f" ({tie})" if tie else figures)
-        )
-        return None
-    if race.winner == g:
-        return f"the current good policy (run {good.run_id}) won the race against the candidate" + (
-            f" ({tie})" if tie else figures
-        )
-    return f"the race against the current good policy (run {good.run_id}) chose neither ({race.winner})"
-
-
-def _over_limit(good: GoodPolicy | None, budget_bytes: int | None) -> str | None:
-    """Why the current good policy is no contender under ``budget_bytes`` by its recorded peak, or ``None``."""
-    if good is None or budget_bytes is None or good.peak_bytes is None or good.peak_bytes <= budget_bytes:
-        return None
-    return (
-        f"the current good policy (run {good.run_id}) peaked at {format_bytes(good.peak_bytes)}, over the budget "
-        f"limit {format_bytes(budget_bytes)}: it does not fit, so it is no contender"
-    )
-
-
-def _fail(decision: GateDecision, check: str, reason: str) -> None:
-    decision.checks[check] = "failed"
-    decision.reasons = [f"{check}: {reason}", *decision.reasons]
-    decision.promoted = False
 
 
 def _as_dict(result: TrialResult | NumericsResult) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning as L
 
-from lightning_recompute.auto.candidates import Candidate
 from lightning_recompute.auto.record import JobTuning
 from lightning_recompute.layers import layer_names
 from lightning_recompute.race import RaceResult
@@ -18,39 +17,7 @@ from tuner._search import TrialRecord
 from tuner._tracking import open_tracker
 from tuner._trials import TrialResult
 
-__all__ = ["candidate_results", "record"]
-
-
-def candidate_results(auto: JobTuning, race: RaceResult, device: str) -> list[tuple[Candidate, TrialResult]]:
-    """Each candidate's race as a `TrialResult`: its round times (selection, then estimation) as the
-    step times, their median as its step time, its largest metered peak, and how it ended."""
-    per_step = race.tokens_per_step or race.samples_per_step
-    unit = "tokens/s" if race.tokens_per_step else "samples/s"
-    out = []
-    for cand in auto.candidates:
-        entrant = race.entrants[cand.key]
-        times = tuple(t for t in (*entrant.select_s, *entrant.estimate_s) if t is not None)
-        median = statistics.median(times) if times else None
-        out_reason = entrant.out or ""
-        if out_reason.startswith("out of memory"):
-            outcome = "oom"
-        elif entrant.out is not None:
-            outcome = "over_budget"
-        else:
-            outcome = "ok"
-        result = TrialResult(
-            outcome=outcome,  # type: ignore[arg-type]
-            peak_bytes=entrant.peak_bytes,
-            step_time_s=median,
-            throughput=(per_step / median) if per_step and median else None,
-            throughput_unit=unit,
-            step_times_s=times,
-            error=entrant.out,
-            device=device,
-            machine=dict(race.machine_before),
-        )
-        out.append((cand, result))
-    return out
+__all__ = ["record"]
 
 
 def record(
@@ -61,22 +28,48 @@ def record(
     device: str,
     target: tuple[str, str, str | None],
 ) -> str:
+    """Record ``auto``'s race in the experiment of ``target`` (tracking URI, experiment, the job's own run or
+    ``None``); the session run's id. Each candidate is a trial whose step times are its race rounds
+    (selection, then estimation), its step time their median, its peak the largest metered."""
     uri, experiment, parent = target
     names = layer_names(pl_module, auto.layers)
     sessions = open_tracker(uri, experiment).sessions
-    name = auto.name
-    params = _params(auto, trainer)
-    run_id = sessions.start_job_session(name, params, parent_run_id=parent)
+    params = {
+        "auto.budget_bytes": str(auto.budget_bytes),
+        "auto.limit_bytes": str(auto.limit_bytes),
+        "auto.modes": ",".join(auto.modes),
+        "auto.candidates": str(len(auto.candidates)),
+        "auto.world_size": str(trainer.world_size),
+        "auto.accumulate_grad_batches": str(trainer.accumulate_grad_batches),
+        **{f"auto.race.{k}": str(v) for k, v in auto.plan.to_dict().items()},
+    }
+    run_id = sessions.start_job_session(auto.name, params, parent_run_id=parent)
+    per_step = race.tokens_per_step or race.samples_per_step
     rows: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     try:
-        for number, (cand, result) in enumerate(candidate_results(auto, race, device)):
+        for number, cand in enumerate(auto.candidates):
+            entrant = race.entrants[cand.key]
+            times = tuple(t for t in (*entrant.select_s, *entrant.estimate_s) if t is not None)
+            median = statistics.median(times) if times else None
+            out = entrant.out
+            result = TrialResult(
+                outcome="ok" if out is None else "oom" if out.startswith("out of memory") else "over_budget",
+                peak_bytes=entrant.peak_bytes,
+                step_time_s=median,
+                throughput=(per_step / median) if per_step and median else None,
+                throughput_unit="tokens/s" if race.tokens_per_step else "samples/s",
+                step_times_s=times,
+                error=out,
+                device=device,
+                machine=dict(race.machine_before),
+            )
             prediction = {"peak_bytes": cand.predicted_peak_bytes, "step_time_s": cand.predicted_step_time_s}
-            noise = result.noise
             trial_run = sessions.log_trial(number, cand.policy, names, None, result, prediction=prediction)
-            record = TrialRecord(
+            noise = result.noise
+            trial = TrialRecord(
                 number=number,
-                state="COMPLETE" if result.outcome in ("ok", "over_budget") else "FAIL",
+                state="COMPLETE" if result.measured else "FAIL",
                 outcome=result.outcome,
                 policy=cand.policy,
                 fingerprint=cand.key,
@@ -94,7 +87,7 @@ def record(
                 run_id=trial_run,
                 feasible=result.outcome == "ok",
             )
-            rows.append(record.to_dict())
+            rows.append(trial.to_dict())
             if cand.key == auto.policy.fingerprint():
                 best = {
                     "policy": auto.policy,
@@ -113,17 +106,3 @@ def record(
         status="FINISHED", best=best, trials_table=rows, baselines={}, budget_bytes=auto.limit_bytes
     )
     return run_id
-
-
-def _params(auto: JobTuning, trainer: L.Trainer) -> dict[str, str]:
-    plan = auto.plan.to_dict()
-    params = {
-        "auto.budget_bytes": str(auto.budget_bytes),
-        "auto.limit_bytes": str(auto.limit_bytes),
-        "auto.modes": ",".join(auto.modes),
-        "auto.candidates": str(len(auto.candidates)),
-        "auto.world_size": str(trainer.world_size),
-        "auto.accumulate_grad_batches": str(trainer.accumulate_grad_batches),
-    }
-    params.update({f"auto.race.{k}": str(v) for k, v in plan.items()})
-    return params

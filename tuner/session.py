@@ -12,7 +12,6 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
@@ -20,8 +19,6 @@ from tuner._decision import Stage, decide_best
 from tuner._interrupts import Interrupts
 from tuner._liveness import Heartbeat, grace_s, kill_point
 from tuner._search import (
-    Predictor,
-    Proposal,
     SearchSpace,
     TuningStudy,
     baseline_seeds,
@@ -47,6 +44,7 @@ from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
+    from tuner._search import Predictor
     from tuner._tracking import Tracker
     from tuner._trials import TrialResult
     from tuner.recipe import Recipe
@@ -72,136 +70,103 @@ def tune(
     on_note: Notify | None = None,
     handle_signals: bool = True,
 ) -> SessionSummary:
-    """Run one tuning session of ``recipe`` and decide whether to promote its best policy.
+    """Run one tuning session of ``recipe`` and decide whether to promote its best policy; the summary, whose
+    ``exit_code`` is what ``recompute-tune`` exits with (a `RecomputeError` when the recipe cannot be tuned).
 
-    Args:
-        n_trials: trials the *study* should have measured when this session stops (default: the
-            recipe's ``search.n_trials``); a resumed study only runs the rest.
-        search_only: report the best without the gate or a promotion.
-        use_planner: profile and plan when this session sets the study up (else: baselines only).
-        on_trial: called after every trial; on_note: with one-line progress notes.
-        handle_signals: install the Ctrl-C handling (`tuner._interrupts`).
-
-    Returns the summary; its ``exit_code`` is what ``recompute-tune`` exits with. Raises
-    `RecomputeError` when the recipe cannot be tuned as written.
+    ``n_trials``: the trials the *study* should have measured when this session stops (default: the recipe's
+    ``search.n_trials``; a resumed study only runs the rest); ``search_only``: report the best without the gate;
+    ``use_planner``: profile and plan when this session sets the study up (else: baselines only).
     """
     if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
         raise RecomputeError(f"n_trials: must be a positive integer, got {n_trials!r}")
     notify = on_note or (lambda _msg: None)
     interrupts = Interrupts(notify)
-    guard = interrupts.installed() if handle_signals else contextlib.nullcontext(interrupts)
-    with guard:
-        where = _Where.of(recipe, search_only, notify)
-        options = _Options(n_trials or recipe.search.n_trials, search_only, use_planner, on_trial)
-        return _TuningSession(recipe, where, options, notify, interrupts).run()
-
-
-@dataclass(frozen=True)
-class _Where:
-    """What a session tunes for, found before it opens anything."""
-
-    device: str
-    budget: int
-    space: SearchSpace
-    name: str
-
-    @classmethod
-    def of(cls, recipe: Recipe, search_only: bool, notify: Notify) -> _Where:
-        from tuner._preflight import check_settings
-        from tuner._trials import device_info
-
-        check_settings(recipe, output=not search_only)
-        device, total = device_info(recipe)
-        layers = inspect_layers(recipe)
-        space = SearchSpace.for_layers(
-            layers, recipe.search.modes, recipe.search.micro_batch_sizes, recipe.search.compile
-        )
-        where = cls(
-            device=device, budget=recipe.budget.limit_bytes(total), space=space, name=study_name(recipe, device)
-        )
-        notify(f"recipe {recipe.name}: {len(layers)} layers on {device}; budget {recipe.budget.describe(total)}")
-        notify(f"search space {space.describe()}")
-        ranks = recipe.trainer.describe_ranks()
-        if ranks is not None:
-            notify(ranks)
-        return where
-
-
-@dataclass(frozen=True)
-class _Options:
-    n_trials: int
-    search_only: bool
-    use_planner: bool
-    on_trial: Callable[[TrialEvent], None] | None
+    with interrupts.installed() if handle_signals else contextlib.nullcontext(interrupts):
+        n = n_trials or recipe.search.n_trials
+        return _TuningSession(recipe, notify, interrupts, n, search_only, use_planner, on_trial).run()
 
 
 class _TuningSession:
     """The state of one `tune` call (kept off module level: several may run in one process)."""
 
+    study: TuningStudy  # opened first thing in `run`
+    tracker: Tracker  # opened once the study is set up
+
     def __init__(
-        self, recipe: Recipe, where: _Where, options: _Options, notify: Notify, interrupts: Interrupts
+        self,
+        recipe: Recipe,
+        notify: Notify,
+        interrupts: Interrupts,
+        n_trials: int,
+        search_only: bool,
+        use_planner: bool,
+        on_trial: Callable[[TrialEvent], None] | None,
     ) -> None:
-        self.recipe = recipe
-        self.where = where
-        self.options = options
-        self.notify = notify
-        self.interrupts = interrupts
+        from tuner._preflight import check_settings
+        from tuner._trials import device_info
+
+        check_settings(recipe, output=not search_only)
+        self.device, total = device_info(recipe)
+        layers = inspect_layers(recipe)
+        self.space = SearchSpace.for_layers(
+            layers, recipe.search.modes, recipe.search.micro_batch_sizes, recipe.search.compile
+        )
+        self.budget = recipe.budget.limit_bytes(total)
+        self.name = study_name(recipe, self.device)
+        notify(f"recipe {recipe.name}: {len(layers)} layers on {self.device}; budget {recipe.budget.describe(total)}")
+        notify(f"search space {self.space.describe()}")
+        if (ranks := recipe.trainer.describe_ranks()) is not None:
+            notify(ranks)
+        self.recipe, self.notify, self.interrupts = recipe, notify, interrupts
+        self.n_trials, self.search_only, self.use_planner, self.on_trial = n_trials, search_only, use_planner, on_trial
         self.notes: list[str] = []
         self.presence = Presence()
         self.session_run_id: str | None = None
-        self.seeding: PlannerSeeds | None = None
         self.predict: Predictor | None = None
         self.ran = 0
         self.grace = grace_s()
         self.jitter = random.Random()  # unseeded: two workers must not draw the same pause
         self.data_noted = False
 
-    @property
-    def study(self) -> TuningStudy | None:
-        return self.presence.study
-
-    @property
-    def tracker(self) -> Tracker | None:
-        return self.presence.tracker
-
-    def _tracker(self) -> Tracker:
-        if self.tracker is None:
-            raise RuntimeError("the tracker is used before the session opened it")
-        return self.tracker
-
     def note(self, message: str) -> None:
         self.notes.append(message)
         self.notify(message)
 
     def run(self) -> SessionSummary:
-        recipe, where = self.recipe, self.where
+        recipe = self.recipe
         heartbeats: list[Heartbeat] = []
         try:
-            self.presence.study = TuningStudy.open(
-                name=where.name,
+            self.study = self.presence.study = TuningStudy.open(
+                name=self.name,
                 storage=str(recipe.study.storage),
-                space=where.space,
-                budget_bytes=where.budget,
+                space=self.space,
+                budget_bytes=self.budget,
                 seed=recipe.search.seed,
                 recipe=recipe.name,
                 recipe_fingerprint=recipe.fingerprint(),
-                device=where.device,
+                device=self.device,
             )
             heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
-            self.seeding = self._set_up(self.presence.study)
-            self.predict = self.seeding.predictor()
+            self.predict = self._set_up(self.study).predictor()
             self.interrupts.phase = "between"
             self._open_session_run()
-            stop_reason = self._search()
+            stop_reason = self._search(self.study)
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped after the current trial")
             if stop_reason:
                 self.note(stop_reason)
-            return self._decide()
+            return self._decide(self.study)
         except KeyboardInterrupt:
             return self._finish_interrupted("killed")
         except BaseException as err:
-            self._finish_failed(err)
+            # Leave nothing running after an unexpected error.
+            with contextlib.suppress(Exception):
+                if self.presence.in_flight is not None:
+                    self.study.tell_interrupted(self.presence.in_flight, f"session failed: {type(err).__name__}: {err}")
+                    self.presence.in_flight = None
+            if self.presence.tracker is not None:
+                with contextlib.suppress(Exception):
+                    self.tracker.sessions.close("FAILED")
             failure = storage_failure(str(recipe.study.storage), err)
             if failure is not None:
                 raise failure from err
@@ -211,13 +176,10 @@ class _TuningSession:
                 heartbeat.stop()
 
     def _set_up(self, study: TuningStudy) -> PlannerSeeds:
-        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it.
-
-        Returns the seeding: its predictor serves the whole session; its seeds are empty when another
-        session set the study up.
-        """
-        recipe, name, space, budget, note = self.recipe, self.where.name, self.where.space, self.where.budget, self.note
-        if not join_setup(study, name, self.grace, self.notify, note):
+        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it; the
+        seeding, whose predictor serves the whole session (its seeds are empty when another session set it up)."""
+        recipe, name, space, budget = self.recipe, self.name, self.space, self.budget
+        if not join_setup(study, name, self.grace, self.notify, self.note):
             stored = study.setup.profile()
             seeding = (
                 plan_seeds(recipe, space, budget, stored=stored)
@@ -226,13 +188,13 @@ class _TuningSession:
             )
             seeding.seeds = []
             if seeding.note:
-                note(seeding.note)
+                self.note(seeding.note)
             self.notify(f"study {name} resumed: {study.ran_count()} trials run so far")
             return seeding
         self.presence.setting_up = True
         try:
             kill_point("profiling")  # a test hook; see tuner._liveness
-            if self.options.use_planner:
+            if self.use_planner:
                 self.notify("profiling the model and planning ...")
                 seeding = plan_seeds(recipe, space, budget)
             else:
@@ -241,7 +203,7 @@ class _TuningSession:
                 study.setup.store_profile(seeding.profile.to_dict())
             if seeding.note:
                 study.setup.store_planner_note(seeding.note)
-                note(seeding.note)
+                self.note(seeding.note)
             enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
         except BaseException:
             study.setup.abandon()
@@ -258,34 +220,17 @@ class _TuningSession:
         recipe = self.recipe
         tracker = open_tracker(recipe.tracking.uri, str(recipe.tracking.experiment))
         # End KILLED a dead session's run first, so this session resumes it instead of opening another.
-        end_dead_session_runs(tracker, self.where.name, self.grace, self.note)
+        end_dead_session_runs(tracker, self.name, self.grace, self.note)
         for done in tracker.registry.clean_leftovers(recipe.output, self.grace):
             self.note(done)
-        self.session_run_id = tracker.sessions.start_session(recipe, study_name=self.where.name, resume=True)
-        self.presence.tracker = tracker
+        self.session_run_id = tracker.sessions.start_session(recipe, study_name=self.name, resume=True)
+        self.tracker = self.presence.tracker = tracker
         for folder in clean_stale_trial_dirs():
             self.notify(f"removed {folder}: its tuning process is gone")
 
-    def _finish_failed(self, err: BaseException) -> None:
-        """Leave nothing running after an unexpected error."""
-        why = f"session failed: {type(err).__name__}: {err}"
-        presence = self.presence
-        with contextlib.suppress(Exception):
-            if presence.in_flight is not None and self.study is not None:
-                self.study.tell_interrupted(presence.in_flight, why)
-                presence.in_flight = None
-        with contextlib.suppress(Exception):
-            if self.study is not None and self.seeding is None and presence.setting_up:
-                self.study.setup.abandon()
-        if self.tracker is not None:
-            with contextlib.suppress(Exception):
-                self.tracker.sessions.close("FAILED")
-
-    def _search(self) -> str | None:
+    def _search(self, study: TuningStudy) -> str | None:
         """Ask, run and tell trials until the study has ``n_trials`` measured; why it stopped early."""
-        study = self.study
-        assert study is not None
-        n_trials, started, timeout = self.options.n_trials, time.monotonic(), self.recipe.search.timeout_s
+        n_trials, started, timeout = self.n_trials, time.monotonic(), self.recipe.search.timeout_s
         unmeasured = 0
         # By then every other worker's trial has ended by its deadline or been reaped as dead.
         wait_limit = self.recipe.trial.timeout_s + self.grace + 60.0
@@ -294,7 +239,7 @@ class _TuningSession:
             self.interrupts.phase = "between"
             if self.interrupts.stop.is_set():
                 return None
-            reap(study, self._tracker(), self.grace, self.where.space.layer_names, self.where.name, self.note)
+            reap(study, self.tracker, self.grace, self.space.layer_names, self.name, self.note)
             if study.ran_count() >= n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
@@ -325,85 +270,70 @@ class _TuningSession:
 
         proposal = study.ask(session_run_id=self.session_run_id)
         self.presence.in_flight = proposal
-        device = self.where.device
-        stand_down = stand_down_reason(study, proposal, self.options.n_trials, self.grace)
+
+        def log(result: TrialResult, reason: str | None) -> str:
+            pred = proposal.prediction.figures() if proposal.prediction is not None else None
+            layers, mb = list(self.space.layer_names), proposal.micro_batch
+            return self.tracker.sessions.log_trial(proposal.number, proposal.policy, layers, mb, result, pred, reason)
+
+        stand_down = stand_down_reason(study, proposal, self.n_trials, self.grace)
         if stand_down is not None:
-            self._log(proposal, TrialResult.skipped(stand_down, device=device), stand_down)
+            log(TrialResult.skipped(stand_down, device=self.device), stand_down)
             self._event(study.tell_interrupted(proposal, stand_down).number)
             return "stood down"
         if proposal.duplicate_of is not None:
             reason = f"duplicate of trial {proposal.duplicate_of.number} (same policy and micro-batch)"
-            run_id = self._log(proposal, TrialResult.skipped(reason, device=device), reason)
+            run_id = log(TrialResult.skipped(reason, device=self.device), reason)
             self._event(study.tell_duplicate(proposal, run_id=run_id).number)
             return "not measured"
         study.claim(proposal)
         if self.predict is not None:
             proposal.prediction = self.predict(proposal.policy, proposal.micro_batch)
-        skip = far_over_budget(proposal.prediction, self.where.budget)
+        skip = far_over_budget(proposal.prediction, self.budget)
         if skip is not None:
-            run_id = self._log(proposal, TrialResult.skipped(skip, device=device), skip)
+            run_id = log(TrialResult.skipped(skip, device=self.device), skip)
             self._event(study.tell_skipped(proposal, skip, run_id=run_id).number)
             return "not measured"
         with self.interrupts.during("trial"):
-            result = run_trial(
-                self.recipe, proposal.policy, micro_batch=proposal.micro_batch, budget_bytes=self.where.budget
-            )
-        self._say_data(result)
-        run_id = self._log(proposal, result, None)
-        frozen = study.tell_result(proposal, result, run_id=run_id)
+            result = run_trial(self.recipe, proposal.policy, micro_batch=proposal.micro_batch, budget_bytes=self.budget)
+        if not self.data_noted and result.batches and result.batches.get("varies"):
+            from tuner._trials.batches import BatchScan
+
+            self.data_noted = True
+            self.note(f"data: {BatchScan(**result.batches).describe()}")
+        frozen = study.tell_result(proposal, result, run_id=log(result, None))
         self.ran += 1
         self._event(frozen.number)
         return "measured"
 
-    def _say_data(self, result: TrialResult) -> None:
-        if self.data_noted or not result.batches or not result.batches.get("varies"):
-            return
-        from tuner._trials.batches import BatchScan
-
-        self.data_noted = True
-        self.note(f"data: {BatchScan(**result.batches).describe()}")
-
-    def _log(self, proposal: Proposal, result: TrialResult, reason: str | None) -> str | None:
-        pred = proposal.prediction.figures() if proposal.prediction is not None else None
-        return self._tracker().sessions.log_trial(
-            proposal.number,
-            proposal.policy,
-            list(self.where.space.layer_names),
-            proposal.micro_batch,
-            result,
-            pred,
-            reason=reason,
-        )
-
     def _event(self, number: int) -> None:
         self.presence.in_flight = None
-        if self.options.on_trial is None or self.study is None:
+        if self.on_trial is None:
             return
         records = self.study.records()
-        self.options.on_trial(
+        self.on_trial(
             TrialEvent(
                 record=next(r for r in records if r.number == number),
                 best=best_of(records),
                 ran=sum(1 for r in records if r.ran),
-                n_trials=self.options.n_trials,
-                budget_bytes=self.where.budget,
-                layer_names=self.where.space.layer_names,
+                n_trials=self.n_trials,
+                budget_bytes=self.budget,
+                layer_names=self.space.layer_names,
             )
         )
 
     def _summary(
         self, status: str, exit_code: int, race: RaceResult | None = None, chosen: str | None = None
     ) -> SessionSummary:
-        where = self.where
         return summarize(
             self.recipe,
-            self.study,
+            self.presence.study,
             status,
             exit_code,
-            study=where.name,
-            device=where.device,
-            budget_bytes=where.budget,
-            space=where.space,
+            study=self.name,
+            device=self.device,
+            budget_bytes=self.budget,
+            space=self.space,
             ran=self.ran,
             session_run_id=self.session_run_id,
             notes=self.notes,
@@ -411,71 +341,62 @@ class _TuningSession:
             chosen=chosen,
         )
 
-    def _finish_tracking(self, status: str, summary: SessionSummary) -> None:
-        if self.tracker is not None and self.session_run_id is not None:
-            # A dead worker's session run may have outlived its reaped trial's grace period: end it now.
-            end_dead_session_runs(self.tracker, self.where.name, self.grace, self.note)
-            sessions = self.tracker.sessions
-            sessions.note_session(
-                [
-                    f"study {self.where.name} ({summary.storage})",
-                    f"search space {summary.search_space}",
-                    f"status {summary.status}",
-                    *summary.notes,
-                ]
-            )
-            sessions.finish_session(
-                status=status,
-                best=None if summary.best is None else summary.best.to_dict(),
-                trials_table=[r.to_dict() for r in summary.records],
-                baselines={k: v.to_dict() for k, v in summary.baselines.items()},
-                budget_bytes=self.where.budget,
-            )
+    def _finish(self, status: str, summary: SessionSummary) -> SessionSummary:
+        """Close the session run with ``status``; when FINISHED, first make the output file hold the good policy
+        (restored from MLflow, and said so)."""
+        if self.presence.tracker is None or self.session_run_id is None:
+            return summary
+        if status == "FINISHED":
+            registry = self.tracker.registry
+            restored = registry.restore_file(self.recipe.output)
+            if restored is not None:
+                self.note(f"policy file: {restored}")
+            if summary.policy_path is None and registry.current_good() is not None:
+                summary.policy_path = self.recipe.output
+        # A dead worker's session run may have outlived its reaped trial's grace period: end it now.
+        end_dead_session_runs(self.tracker, self.name, self.grace, self.note)
+        sessions = self.tracker.sessions
+        head = [f"study {self.name} ({summary.storage})", f"search space {summary.search_space}"]
+        sessions.note_session([*head, f"status {summary.status}", *summary.notes])
+        sessions.finish_session(
+            status=status,
+            best=None if summary.best is None else summary.best.to_dict(),
+            trials_table=[r.to_dict() for r in summary.records],
+            baselines={k: v.to_dict() for k, v in summary.baselines.items()},
+            budget_bytes=self.budget,
+        )
+        return summary
 
     def _finish_interrupted(self, how: str) -> SessionSummary:
         # Handlers stay installed: a further Ctrl-C during this bookkeeping only sets the flag.
         self.interrupts.phase = "between"
-        if self.presence.in_flight is not None and self.study is not None:
+        if self.presence.in_flight is not None:
             self.study.tell_interrupted(self.presence.in_flight, f"interrupted by the user ({how})")
             self.presence.in_flight = None
         self.note(f"interrupted ({how}); run the same command again to resume the study")
-        summary = self._summary("interrupted", EXIT_INTERRUPTED)
-        self._finish_tracking("KILLED", summary)
-        return summary
+        return self._finish("KILLED", self._summary("interrupted", EXIT_INTERRUPTED))
 
-    def _finish(self, summary: SessionSummary) -> SessionSummary:
-        """Make the output file hold the good policy (restored from MLflow, and said so) and close the run."""
-        tracker, output = self._tracker(), self.recipe.output
-        restored = tracker.registry.restore_file(output)
-        if restored is not None:
-            self.note(f"policy file: {restored}")
-        if summary.policy_path is None and tracker.registry.current_good() is not None:
-            summary.policy_path = output
-        self._finish_tracking("FINISHED", summary)
-        return summary
-
-    def _decide(self) -> SessionSummary:
-        study = self.study
-        if not self.options.search_only and study is not None:
+    def _decide(self, study: TuningStudy) -> SessionSummary:
+        if not self.search_only:
             timeout = float(self.recipe.trial.timeout_s) + 60.0
             wait_for_running(study, timeout, self.interrupts.stop, self.notify, self.note)
             if self.interrupts.stop.is_set():
                 return self._finish_interrupted("stopped while waiting for other workers' trials")
-        best = study.best() if study is not None else None
+        best = study.best()
         if best is None:
             summary = self._summary("infeasible", EXIT_INFEASIBLE)
-            summary.reasons.append(why_infeasible(summary, self.where.budget))
-            return self._finish(summary)
-        if self.options.search_only:
+            summary.reasons.append(why_infeasible(summary, self.budget))
+            return self._finish("FINISHED", summary)
+        if self.search_only:
             summary = self._summary("searched", EXIT_OK)
             summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
-            return self._finish(summary)
+            return self._finish("FINISHED", summary)
         stage = Stage(
             recipe=self.recipe,
-            layer_names=self.where.space.layer_names,
-            budget=self.where.budget,
-            study_name=self.where.name,
-            tracker=self._tracker(),
+            layer_names=self.space.layer_names,
+            budget=self.budget,
+            study_name=self.name,
+            tracker=self.tracker,
             session_run_id=self.session_run_id,
             notify=self.notify,
             note=self.note,
@@ -483,12 +404,10 @@ class _TuningSession:
             stop=self.interrupts.stop,
         )
         done = decide_best(stage, best, study, new_trials=self.ran > 0)
-        decision = done.decision
         summary = self._summary(*done.status(), race=done.race, chosen=done.chosen)
-        good = self._tracker().registry.current_good()
-        summary.policy_path = self.recipe.output if (decision.promoted or good) else None
+        good = self.tracker.registry.current_good()
         summary.tuned_for = good.policy.tuned_for if good is not None else None
-        summary.reasons.extend(decision.reasons)
-        summary.evidence = dict(decision.evidence)
-        summary.decision_run_id = decision.decision_run_id
-        return self._finish(summary)
+        summary.reasons.extend(done.decision.reasons)
+        summary.evidence = dict(done.decision.evidence)
+        summary.decision_run_id = done.decision.decision_run_id
+        return self._finish("FINISHED", summary)

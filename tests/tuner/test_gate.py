@@ -13,7 +13,7 @@ from lightning_recompute.mlflow_policy import load_good_policy
 from lightning_recompute.policy import RecomputePolicy
 from tests.tuner.fakes import GATE_LAYERS, FixedTrials, numerics
 from tuner import recipe as recipe_mod
-from tuner._gate import Candidate, GateSettings, decide, evaluate
+from tuner._gate import Candidate, decide, evaluate
 from tuner._tracking import Tracker, TrackingError
 from tuner._trials import TrialResult
 from tuner.recipe._schema import Budget
@@ -292,15 +292,6 @@ def test_a_failed_record_puts_the_old_file_back(
     client = MlflowClient(tracking_uri=uri)
     failed = client.search_runs([tracker.store.experiment_id], filter_string="tags.`recompute.decision` = 'promote'")
     assert sorted(r.info.status for r in failed) == ["FAILED", "FINISHED"]
-
-
-def test_gate_settings_are_validated() -> None:
-    with pytest.raises(RecomputeError, match="confirm_factor"):
-        GateSettings(confirm_factor=2)
-    with pytest.raises(RecomputeError, match="confirm_slack"):
-        GateSettings(confirm_slack=0.0)
-    with pytest.raises(RecomputeError, match="confirm_slack"):
-        GateSettings(confirm_slack=1.5)
 
 
 def test_evaluate_alone_touches_nothing(recipe: recipe_mod.Recipe) -> None:

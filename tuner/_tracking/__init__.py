@@ -53,24 +53,15 @@ class Tracker:
     client (``store``); a decision made while a session is open nests in its run. As a context manager the
     session run always ends: FINISHED, KILLED on Ctrl-C, FAILED on an exception."""
 
-    def __init__(
-        self,
-        tracking_uri: str | None,
-        experiment: str,
-        *,
-        artifact_location: str | None = None,
-        create: bool = True,
-    ) -> None:
-        self.store = TrackingClient(tracking_uri, experiment, artifact_location=artifact_location, create=create)
+    def __init__(self, tracking_uri: str | None, experiment: str, *, create: bool = True) -> None:
+        self.store = TrackingClient(tracking_uri, experiment, create=create)
         self.sessions = SessionLog(self.store)
         self.registry = PolicyRegistry(self.store, self.sessions)
 
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
         self.sessions.end(exc)
 
 

@@ -1,55 +1,34 @@
-"""Session and trial runs: the session run of a study (resumed after an interruption), one nested run per trial
-or confirmation, the session's summary when it ends, and dead workers' session runs ended."""
+"""Session and measurement runs: the session run of a study (resumed after an interruption), one nested run per
+trial or confirmation (one shape), the session's summary and race when it ends, and dead workers' runs ended."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from lightning_recompute.mlflow_policy import POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
-from lightning_recompute.units import jsonable
-from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, param_key
-from tuner._tracking.measurement import log_abandoned_run, log_measurement_run, short_name
-from tuner._tracking.names import (
-    HEARTBEAT,
-    IN_JOB,
-    KIND,
-    OWNER,
-    PARENT,
-    RECIPE_CHANGED_ON_RESUME,
-    RECIPE_FINGERPRINT,
-    RECIPE_NAME,
-    RECIPE_YAML,
-    RESUMES,
-    SESSION_ENDED_BY,
-    SESSION_NOTES,
-    SOURCE_RUN,
-    STUDY,
-    STUDY_NAME_PARAM,
-    TRIAL_NUMBER_PARAM,
-)
-from tuner._tracking.session_record import write_race, write_session_record
+from lightning_recompute.units import format_bytes, jsonable
+from tuner._tracking import names as N
+from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, finite, param_key
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
     from tuner._trials import TrialResult
     from tuner.recipe import Recipe
 
-
-_STATUSES = {
-    "finished": "FINISHED",
-    "ok": "FINISHED",
-    "completed": "FINISHED",
-    "killed": "KILLED",
-    "interrupted": "KILLED",
-    "failed": "FAILED",
-    "error": "FAILED",
-}
+_STATUSES = ("FINISHED", "KILLED", "FAILED")
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")  # their runs end FAILED, so the UI shows them red
+_MEASURED = ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s")
 
 
 class SessionLog:
@@ -58,108 +37,143 @@ class SessionLog:
 
     def __init__(self, store: TrackingClient) -> None:
         self.store = store
-        self._session_run_id: str | None = None
-        self._session_open = False
+        self.open_run_id: str | None = None  # the session run while open: the run a decision made now nests in
         self._study: str | None = None
 
     def start_session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> str:
         """Open the session run for ``study_name``; its run id. With ``resume``, the study's latest session run is
-        reused when it was interrupted or crashed (`_resumable_session`), so one study keeps one session run."""
-        from mlflow.entities import Param
-
-        from tuner._liveness import Owner
-
-        self._ensure_closed()
-        run_id = _resumable_session(self.store, study_name) if resume else None
-        if run_id is not None:
-            run = self.store.client.get_run(run_id)
-            resumes = int(run.data.tags.get(RESUMES, "0")) + 1
-            self.store.client.update_run(run_id, status="RUNNING")
-            self.store.client.set_tag(run_id, RESUMES, str(resumes))
-        else:
-            run = self.store.client.create_run(
-                self.store.experiment_id,
-                run_name=f"session {study_name}",
-                tags={KIND: "session", STUDY: study_name},
-            )
-            run_id = run.info.run_id
-            run = self.store.client.get_run(run_id)
-        self._session_run_id, self._session_open, self._study = run_id, True, study_name
-
-        params = _recipe_params(recipe, study_name)
-        logged = run.data.params
-        # Params are write-once in MLflow: on resume log only new ones and name what changed in a tag.
-        new = [Param(k, v) for k, v in params.items() if k not in logged]
-        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
-        self.store.log_batch(run_id, params=new)
-        if changed:
-            self.store.client.set_tag(run_id, RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
+        reused when it was interrupted or crashed (a RUNNING one is another worker's, and sharing it would let
+        whichever finishes first close it under the other's trials), so one study keeps one session run."""
+        runs = self.store.search(_session_filter(study_name)) if resume else []
+        latest = max(runs, key=lambda r: r.info.start_time, default=None)
+        params = {N.STUDY_NAME_PARAM: study_name}
+        for key, value in _flatten(jsonable(recipe.to_dict()), "recipe").items():
+            # Not its locations (tracking, study, output): they move with a checkout and are not what a trial measured.
+            if key.split(".")[1] not in ("tracking", "study", "output"):
+                params[key] = value
+        resumed = latest if latest is not None and latest.info.status in ("KILLED", "FAILED") else None
+        tags = {N.KIND: "session", N.STUDY: study_name}
+        run_id = self._open(f"session {study_name}", tags, study_name, params, resumed)
         # The owner and a first heartbeat: another process ends the run KILLED once this owner is dead.
-        tags = {
-            RECIPE_NAME: str(recipe.name),
-            OWNER: json.dumps(Owner.me().to_dict()),
-            HEARTBEAT: repr(time.time()),
-            RECIPE_FINGERPRINT: str(recipe.fingerprint()),
-        }
-        self.store.set_tags(run_id, tags)
-        self.store.client.log_text(run_id, yaml.safe_dump(jsonable(recipe.to_dict()), sort_keys=False), RECIPE_YAML)
+        tags = {N.RECIPE_NAME: str(recipe.name), N.OWNER: _owner(), N.HEARTBEAT: repr(time.time())}
+        self.store.log_batch(run_id, tags={**tags, N.RECIPE_FINGERPRINT: str(recipe.fingerprint())})
+        self.store.client.log_text(run_id, yaml.safe_dump(jsonable(recipe.to_dict()), sort_keys=False), N.RECIPE_YAML)
         return run_id
 
     def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
-        """Open the session run of a tuning inside a training job (`AutoRecompute`); its run id.
+        """Open the session run of a tuning inside a training job (`AutoRecompute`); its run id: a tuning
+        session's layout without a recipe or study (``name`` stands for the study), nested under the job's own
+        run when there is one; never resumed."""
+        tags = {N.KIND: "session", N.STUDY: name, N.IN_JOB: "true", N.OWNER: _owner()}
+        if parent_run_id is not None:
+            tags[N.PARENT] = parent_run_id
+        return self._open(f"in-job {name}", tags, name, params)
 
-        A tuning session's layout without a recipe or study (``name`` stands for the study), nested under the
-        job's own run when there is one; never resumed.
-        """
+    def _open(
+        self, run_name: str, tags: dict[str, str], study: str, params: Mapping[str, str], resumed: Any = None
+    ) -> str:
         from mlflow.entities import Param
 
-        from tuner._liveness import Owner
-
-        self._ensure_closed()
-        tags = {KIND: "session", STUDY: name, IN_JOB: "true", OWNER: json.dumps(Owner.me().to_dict())}
-        if parent_run_id is not None:
-            tags[PARENT] = parent_run_id
-        run = self.store.client.create_run(self.store.experiment_id, run_name=f"in-job {name}", tags=tags)
-        run_id = run.info.run_id
-        self._session_run_id, self._session_open, self._study = run_id, True, name
-        self.store.log_batch(run_id, params=[Param(param_key(k), clip_tag(v, 500)) for k, v in params.items()])
+        if self.open_run_id is not None:
+            raise TrackingError(f"a session is already open in this tracker (run {self.open_run_id})")
+        client = self.store.client
+        if resumed is not None:
+            run_id = resumed.info.run_id
+            client.update_run(run_id, status="RUNNING")
+            client.set_tag(run_id, N.RESUMES, str(int(resumed.data.tags.get(N.RESUMES, "0")) + 1))
+        else:
+            run_id = client.create_run(self.store.experiment_id, run_name=run_name, tags=tags).info.run_id
+        self.open_run_id, self._study = run_id, study
+        # Params are write-once in MLflow: on resume log only new ones and name what changed in a tag.
+        logged = client.get_run(run_id).data.params
+        values = {param_key(k): clip_tag(v, 500) for k, v in params.items()}
+        self.store.log_batch(run_id, params=[Param(k, v) for k, v in values.items() if k not in logged])
+        changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
+        if changed:
+            client.set_tag(run_id, N.RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
         return run_id
+
+    def _require_session(self) -> str:
+        if self.open_run_id is None:
+            raise TrackingError("no open session: call start_session() (or use session()) first")
+        return self.open_run_id
 
     def log_trial(
         self,
-        number: int,
+        number: int | None,
         policy: RecomputePolicy,
         layer_names: Sequence[str] | None,
         micro_batch: int | None,
         result: TrialResult,
         prediction: Mapping[str, Any] | None = None,
         reason: str | None = None,
+        *,
+        source: str | None = None,
+        evidence: Mapping[str, Any] | None = None,
     ) -> str:
-        """Record one trial as a finished run nested in the session; its run id.
+        """Record trial ``number`` (``None``: the gate's confirmation, nested in the session when one is open) as a
+        finished run spanning its own wall time; its run id. ``layer_names`` ``None`` logs the policy's own
+        patterns instead of its layers; ``prediction``'s figures become ``predicted_*`` metrics; ``reason``
+        overrides the result's."""
+        from mlflow.entities import Param
 
-        ``layer_names`` ``None`` logs the policy's own pattern entries instead of one param per layer; each
-        numeric entry of ``prediction`` becomes a ``predicted_<key>`` metric; ``reason`` overrides the result's.
-        """
-        session = self._require_session()
-        return log_measurement_run(
-            self.store,
-            study=self._study,
-            kind="trial",
-            run_name=f"trial {number} {short_name(policy, layer_names)}",
-            parent=session,
-            policy=policy,
-            layer_names=layer_names,
-            micro_batch=micro_batch,
-            result=result,
-            prediction=prediction,
-            reason=reason,
-            extra_params={TRIAL_NUMBER_PARAM: str(number)},
+        parent = self.open_run_id if number is None else self._require_session()
+        r = jsonable(result)
+        if not isinstance(r, dict) or "outcome" not in r:
+            raise TrackingError(f"result: expected a TrialResult with an 'outcome', got {type(result).__name__}")
+        kind, title = ("trial", f"trial {number}") if number is not None else ("confirmation", "confirm")
+        all_tags = self._tags(kind, str(r["outcome"]), policy, layer_names, parent)
+        for key, tag in (("device", N.DEVICE), ("throughput_unit", N.THROUGHPUT_UNIT)):
+            if r.get(key):
+                all_tags[tag] = str(r[key])
+        if reason or r.get("error"):
+            all_tags[N.REASON] = clip_tag(reason or r["error"])
+        if r.get("error"):
+            all_tags[N.ERROR] = clip_tag(r["error"])
+        if source:
+            all_tags[N.SOURCE_RUN] = source
+        start = int(time.time() * 1000) - int((finite(r.get("wall_s")) or 0.0) * 1000)
+        run = self.store.client.create_run(
+            self.store.experiment_id,
+            start_time=start,
+            tags=all_tags,
+            run_name=f"{title} {short_name(policy, layer_names)}",
         )
+        run_id = run.info.run_id
+        status = "FAILED" if r["outcome"] in _FAILED_OUTCOMES else "FINISHED"
+        try:
+            modes = layer_modes(policy, layer_names).items()
+            all_params = [Param(param_key(f"layer.{name}"), mode) for name, mode in modes]
+            all_params += _policy_params(policy, micro_batch)
+            if number is not None:
+                all_params.append(Param(N.TRIAL_NUMBER_PARAM, str(number)))
+            if policy.compile:
+                all_params.append(Param(N.COMPILE_PARAM, "true"))
+            metrics = _result_metrics(r, prediction)
+            self.store.log_batch(run_id, params=all_params, metrics=metrics, step_times=r.get("step_times_s") or ())
+            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            if r.get("stderr_tail"):
+                self.store.client.log_text(run_id, str(r["stderr_tail"]), N.STDERR_TAIL_TXT)
+            if evidence is not None:
+                self.store.log_json(run_id, N.EVIDENCE_JSON, evidence)
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            self.store.client.set_terminated(run_id, status)
+        return run_id
 
-    def beat(self) -> None:
-        """The session run's heartbeat (the `tuner._liveness.Heartbeat` thread calls it)."""
-        if self._session_open and self._session_run_id is not None:
-            self.store.client.set_tag(self._session_run_id, HEARTBEAT, repr(time.time()))
+    def _tags(
+        self, kind: str, outcome: str, policy: RecomputePolicy, layer_names: Sequence[str] | None, parent: str | None
+    ) -> dict[str, str]:
+        tags = {N.KIND: kind, N.OUTCOME: outcome, N.FINGERPRINT: policy.fingerprint()}
+        if parent is not None:
+            tags[N.PARENT] = parent
+            if self._study:
+                tags[N.STUDY] = self._study
+        if layer_names:
+            tags[N.POLICY_SHORT] = policy.short(layer_names)
+        return tags
 
     def log_abandoned_trial(
         self,
@@ -173,58 +187,73 @@ class SessionLog:
     ) -> str:
         """Record a trial whose owner died mid-trial (FAILED, outcome ``abandoned``) in the dead owner's session
         run when it had one, else in this one; its id."""
-        parent = session_run_id or self._require_session()
-        return log_abandoned_run(
-            self.store, number, policy, layer_names, micro_batch, reason=reason, parent=parent, study=self._study
-        )
+        from mlflow.entities import Param
+
+        tags = self._tags("trial", "abandoned", policy, layer_names, session_run_id or self._require_session())
+        tags[N.REASON] = tags[N.ERROR] = clip_tag(reason)
+        run_name = f"trial {number} {short_name(policy, layer_names)}"
+        run_id = self.store.client.create_run(self.store.experiment_id, tags=tags, run_name=run_name).info.run_id
+        try:
+            params = [*_policy_params(policy, micro_batch), Param(N.TRIAL_NUMBER_PARAM, str(number))]
+            self.store.log_batch(run_id, params=params)
+        finally:
+            self.store.client.set_terminated(run_id, "FAILED")
+        return run_id
+
+    def beat(self) -> None:
+        """The session run's heartbeat (the `tuner._liveness.Heartbeat` thread calls it)."""
+        if self.open_run_id is not None:
+            self.store.client.set_tag(self.open_run_id, N.HEARTBEAT, repr(time.time()))
 
     def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
         """End KILLED every RUNNING session run of ``study_name`` whose owner is dead, its nested RUNNING runs
         FAILED; their ids."""
-        quoted = study_name.replace("'", "\\'")
         ended = []
-        for run in self.store.search(
-            f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}' and attributes.status = 'RUNNING'"
-        ):
-            run_id = run.info.run_id
-            why = None if run_id == self._session_run_id else dead_owner(run, grace_s, beats=True)
-            if why is None:
-                continue
-            self.store.client.set_tag(run_id, SESSION_ENDED_BY, clip_tag(why))
-            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.store.client.set_terminated(child.info.run_id, "FAILED")
-            self.store.client.set_terminated(run_id, "KILLED")
-            ended.append(run_id)
+        for run in self.store.search(f"{_session_filter(study_name)} and attributes.status = 'RUNNING'"):
+            why = None if run.info.run_id == self.open_run_id else dead_owner(run, grace_s, beats=True)
+            if why is not None:
+                self.store.client.set_tag(run.info.run_id, N.SESSION_ENDED_BY, clip_tag(why))
+                self._end(run.info.run_id, "KILLED", children="FAILED")
+                ended.append(run.info.run_id)
         return ended
 
-    def log_confirmation(
-        self,
-        policy: RecomputePolicy,
-        layer_names: Sequence[str] | None,
-        micro_batch: int | None,
-        result: TrialResult,
-        *,
-        source_run_id: str | None = None,
-        evidence: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Record the gate's confirmation run (nested in the session when one is open); its id. It has a trial
-        run's shape plus ``evidence.json``, so a promoted confirmation run is a self-contained good run."""
-        return log_measurement_run(
-            self.store,
-            study=self._study,
-            kind="confirmation",
-            run_name=f"confirm {short_name(policy, layer_names)}",
-            parent=self.open_run_id,
-            policy=policy,
-            layer_names=layer_names,
-            micro_batch=micro_batch,
-            result=result,
-            prediction=None,
-            reason=None,
-            extra_params={},
-            extra_tags={SOURCE_RUN: source_run_id} if source_run_id else None,
-            evidence=evidence,
-        )
+    def _end(self, run_id: str, status: str, children: str) -> None:
+        try:
+            for child in self.store.search(f"tags.`{N.PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
+                self.store.client.set_terminated(child.info.run_id, children)
+        finally:
+            self.store.client.set_terminated(run_id, status)
+
+    def note_session(self, notes: Sequence[str]) -> None:
+        """Record what the session decided without a trial (space, planner trouble, why it stopped)."""
+        self.store.client.set_tag(self._require_session(), N.SESSION_NOTES, "\n".join(notes)[:4900])
+
+    def log_race(self, race: RaceResult) -> None:
+        """Record ``race`` on the session run: ``race.json`` (every entrant's per-round times, the standing, the
+        intervals), its winner and words as tags, its figures as metrics."""
+        from lightning_recompute.race import format_gain
+
+        run_id = self._require_session()
+        self.store.log_json(run_id, N.RACE_JSON, race.to_dict())
+        words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
+        if race.ok:
+            words.append(
+                f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
+            )
+            words += [*race.decision_lines(), *race.headlines()]
+        tags = {N.RACE_SUMMARY: clip_tag("; ".join(words))}
+        metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
+        if race.winner is not None:
+            tags[N.RACE_WINNER] = race.winner
+            if (thr := race.throughput(race.winner)) is not None:
+                metrics["race_winner_throughput"] = thr
+        for key, iv in race.vs.items():
+            label = race.entrants[key].labels[-1] if race.entrants[key].labels else key
+            name = "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"
+            metrics.update(zip((f"race_vs_{name}_{x}" for x in ("gain", "low", "high")), iv.gain(), strict=True))
+            tags[f"{N.RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
+        metrics.update(machine_metrics(race.machine_before))
+        self.store.log_batch(run_id, metrics=metrics, tags=tags)
 
     def finish_session(
         self,
@@ -235,43 +264,57 @@ class SessionLog:
         baselines: Mapping[str, Mapping[str, Any]],
         budget_bytes: int | None,
     ) -> None:
-        """Write the session's summary (`write_session_record`) and end its run with ``status``.
+        """Write the session's summary and end its run with ``status`` (FINISHED, KILLED or FAILED). ``best``: the
+        best trial's row (its ``policy`` a `RecomputePolicy` or its dict), ``None`` when nothing was feasible;
+        ``trials_table``: `tuner._search.TrialRecord.to_dict` rows; ``baselines`` and ``budget_bytes`` are plotted."""
+        from tuner._plots import pareto_plot
 
-        Args:
-            status: FINISHED, KILLED or FAILED (also: finished/ok, interrupted/killed, failed/error).
-            best: the best trial (``policy``, as a `RecomputePolicy` or its dict, and any of ``run_id``,
-                ``number``, ``throughput``, ``peak_bytes``, ``micro_batch``), ``None`` when nothing was feasible.
-            trials_table: `tuner._search.TrialRecord.to_dict` rows of the whole study.
-            baselines: name -> row, labelled on the Pareto plot.
-            budget_bytes: the memory limit, drawn on the plot.
-        """
-        run_id = self._require_session()
-        final = _status(status)
+        run_id, final = self._require_session(), _status(status)
         try:
-            write_session_record(self.store, run_id, final, best, trials_table, baselines, budget_bytes)
+            rows = [dict(r) for r in trials_table]
+            self.store.log_json(run_id, N.TRIALS_JSON, rows)
+            self.store.client.log_text(run_id, trials_csv(rows), N.TRIALS_CSV)
+            self.store.log_json(run_id, N.BASELINES_JSON, baselines)
+            with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
+                title = f"{self.store.experiment}: peak memory vs throughput"
+                png = pareto_plot(
+                    rows, Path(tmp) / "pareto.png", baselines=baselines, budget_bytes=budget_bytes, title=title
+                )
+                self.store.client.log_artifact(run_id, str(png))
+            ok = sum(1 for r in rows if r.get("outcome") == "ok")
+            metrics: dict[str, float] = {"trials_total": len(rows), "trials_ok": ok}
+            if budget_bytes is not None:
+                metrics["budget_limit_bytes"] = budget_bytes
+            tags = {N.SESSION_STATUS: final}
+            if best is not None:
+                if (policy := best.get("policy")) is not None:
+                    policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.from_dict(policy)
+                    self.store.client.log_text(run_id, policy.to_yaml(), N.BEST_POLICY_YAML)
+                    tags[N.BEST_FINGERPRINT] = policy.fingerprint()
+                self.store.log_json(run_id, N.BEST_JSON, best)
+                if best.get("run_id"):
+                    tags[N.BEST_RUN] = str(best["run_id"])
+                for key in ("throughput", "peak_bytes"):
+                    if finite(best.get(key)) is not None:
+                        metrics[f"best_{key}"] = float(best[key])
+            tags[N.NOTE] = clip_tag(_markdown(self.store.experiment, final, best, rows, baselines, budget_bytes))
+            self.store.log_batch(run_id, metrics=metrics, tags=tags)
         finally:
             self.close(final)
 
-    def log_race(self, race: RaceResult) -> None:
-        """Record the race on the session run (`write_race`)."""
-        write_race(self.store, self._require_session(), race)
-
     def close(self, status: str = "KILLED") -> None:
         """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
-        if not self._session_open or self._session_run_id is None:
-            return
-        final = _status(status)
-        run_id = self._session_run_id
-        self._session_open = False
-        try:
-            for child in self.store.search(f"tags.`{PARENT}` = '{run_id}' and attributes.status = 'RUNNING'"):
-                self.store.client.set_terminated(child.info.run_id, final)
-        finally:
-            self.store.client.set_terminated(run_id, final)
+        if self.open_run_id is not None:
+            final, run_id, self.open_run_id = _status(status), self.open_run_id, None
+            self._end(run_id, final, children=final)
+
+    def end(self, err: BaseException | None) -> None:
+        """`close` as the way the session ended: FINISHED, KILLED by Ctrl-C, FAILED by another exception."""
+        self.close("FINISHED" if err is None else "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
 
     @contextmanager
     def session(self, recipe: Recipe, *, study_name: str, resume: bool = True) -> Iterator[str]:
-        """`start_session` ... `close`: FINISHED, KILLED on Ctrl-C, FAILED on any other exception."""
+        """`start_session` ... `end`."""
         run_id = self.start_session(recipe, study_name=study_name, resume=resume)
         try:
             yield run_id
@@ -279,33 +322,6 @@ class SessionLog:
             self.end(err)
             raise
         self.end(None)
-
-    def end(self, err: BaseException | None) -> None:
-        """`close` as the way the session ended: FINISHED, KILLED by Ctrl-C, FAILED by another exception."""
-        if err is None:
-            self.close("FINISHED")
-        elif isinstance(err, KeyboardInterrupt):
-            self.close("KILLED")
-        else:
-            self.close("FAILED")
-
-    def note_session(self, notes: Sequence[str]) -> None:
-        """Record what the session decided without a trial (space, planner trouble, why it stopped)."""
-        self.store.client.set_tag(self._require_session(), SESSION_NOTES, "\n".join(notes)[:4900])
-
-    @property
-    def open_run_id(self) -> str | None:
-        """The session run while it is open, else ``None``: the run a decision made now nests in."""
-        return self._session_run_id if self._session_open else None
-
-    def _ensure_closed(self) -> None:
-        if self._session_open:
-            raise TrackingError(f"a session is already open in this tracker (run {self._session_run_id})")
-
-    def _require_session(self) -> str:
-        if not self._session_open or self._session_run_id is None:
-            raise TrackingError("no open session: call start_session() (or use session()) first")
-        return self._session_run_id
 
 
 def dead_owner(run: Any, grace_s: float, *, beats: bool) -> str | None:
@@ -315,53 +331,132 @@ def dead_owner(run: Any, grace_s: float, *, beats: bool) -> str | None:
 
     t = run.data.tags
     try:
-        owner = Owner.from_dict(json.loads(t[OWNER])) if OWNER in t else None
-        beat = float(t[HEARTBEAT]) if beats and HEARTBEAT in t else None
+        owner = Owner.from_dict(json.loads(t[N.OWNER])) if N.OWNER in t else None
+        beat = float(t[N.HEARTBEAT]) if beats and N.HEARTBEAT in t else None
     except (ValueError, TypeError):
         owner, beat = None, None
     return dead_reason(owner, beat, grace=grace_s, since=run.info.start_time / 1000.0)
 
 
-def _resumable_session(store: TrackingClient, study_name: str) -> str | None:
-    """The study's latest session run when it was interrupted or crashed; a RUNNING one is another worker's,
-    and sharing it would let whichever finishes first close it under the other's trials."""
+def _owner() -> str:
+    from tuner._liveness import Owner
+
+    return json.dumps(Owner.me().to_dict())
+
+
+def _session_filter(study_name: str) -> str:
     quoted = study_name.replace("'", "\\'")
-    runs = store.search(f"tags.`{KIND}` = 'session' and tags.`{STUDY}` = '{quoted}'")
-    if not runs:
-        return None
-    latest = max(runs, key=lambda r: r.info.start_time)
-    return latest.info.run_id if latest.info.status in ("KILLED", "FAILED") else None
-
-
-def _recipe_params(recipe: Recipe, study_name: str) -> dict[str, str]:
-    """The study name and the recipe's keys, flattened; not its locations (tracking, study, output), which move
-    with a checkout and are not what a trial measured."""
-    params = {STUDY_NAME_PARAM: study_name}
-    for key, value in _flatten(jsonable(recipe.to_dict()), "recipe").items():
-        if key.split(".")[1] not in ("tracking", "study", "output"):
-            params[param_key(key)] = clip_tag(value, 500)
-    return params
+    return f"tags.`{N.KIND}` = 'session' and tags.`{N.STUDY}` = '{quoted}'"
 
 
 def _status(status: str) -> str:
-    """A status word (FINISHED, ok, interrupted, error...) as the MLflow run status it means."""
-    s = str(status).strip()
-    if s.upper() in ("FINISHED", "KILLED", "FAILED"):
-        return s.upper()
-    try:
-        return _STATUSES[s.lower()]
-    except KeyError:
-        valid = ", ".join(["FINISHED", "KILLED", "FAILED", *sorted(_STATUSES)])
-        raise TrackingError(f"status: {status!r} is not a run status (valid: {valid})") from None
+    if str(status).strip().upper() not in _STATUSES:
+        raise TrackingError(f"status: {status!r} is not a run status (valid: {', '.join(_STATUSES)})")
+    return str(status).strip().upper()
 
 
 def _flatten(data: Any, prefix: str) -> dict[str, str]:
     """Nested mappings as ``prefix.key.subkey -> text`` (lists as JSON)."""
     if isinstance(data, Mapping) and data:
-        out: dict[str, str] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}.{k}"))
-        return out
+        return {k: v for key, value in data.items() for k, v in _flatten(value, f"{prefix}.{key}").items()}
     if isinstance(data, (list, dict)):
         return {prefix: json.dumps(data)}
     return {prefix: "null" if data is None else str(data)}
+
+
+def short_name(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> str:
+    """How run names show a policy: its short form over the layers, else its fingerprint."""
+    return policy.short(layer_names) if layer_names else policy.fingerprint()
+
+
+def layer_modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
+    """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
+    if layer_names:
+        return {name: policy.choice_for(name) for name in layer_names}
+    return {pattern: mode.value for pattern, mode in policy.layers}
+
+
+def _policy_params(policy: RecomputePolicy, micro_batch: int | None) -> list[Any]:
+    from mlflow.entities import Param
+
+    mb = "default" if micro_batch is None else str(micro_batch)
+    return [Param(N.MICRO_BATCH_PARAM, mb), Param(N.POLICY_FINGERPRINT_PARAM, policy.fingerprint())]
+
+
+def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
+    from lightning_recompute.race import spread
+
+    figures = {
+        N.COMPILE_SECONDS_METRIC: r.get("compile_s"),
+        **{f"measured_{k}": r.get(k) for k in _MEASURED},
+        "wall_s": r.get("wall_s") or None,  # a zero wall time is not logged
+        "device_total_bytes": r.get("device_total_bytes"),
+        **{f"predicted_{k}": v for k, v in (prediction or {}).items()},
+    }
+    metrics = {k: float(v) for k, v in figures.items() if finite(v) is not None}
+    metrics.update({N.rank_peak_metric(rank): float(peak) for rank, peak in enumerate(r.get("rank_peak_bytes") or ())})
+    times = [float(t) for t in r.get("step_times_s") or () if finite(t) is not None]
+    if len(times) >= 2:  # the trial's noise
+        sp = spread(times)
+        metrics[N.STEP_NOISE_METRICS[0]] = sp.mad_rel
+        if sp.ci_rel != float("inf"):
+            metrics[N.STEP_NOISE_METRICS[1]] = sp.ci_rel
+    metrics.update(machine_metrics(r.get("machine") or {}))
+    return metrics
+
+
+def machine_metrics(machine: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric parts of a machine state as ``machine_*`` metrics (other GPU processes as a count)."""
+    out = {f"{N.MACHINE_METRIC_PREFIX}{k}": float(v) for k, v in machine.items() if finite(v) is not None}
+    if isinstance(machine.get("gpu_processes"), list):
+        out[f"{N.MACHINE_METRIC_PREFIX}gpu_other_processes"] = float(len(machine["gpu_processes"]))
+    return out
+
+
+def _markdown(
+    experiment: str,
+    status: str,
+    best: Mapping[str, Any] | None,
+    rows: Sequence[Mapping[str, Any]],
+    baselines: Mapping[str, Mapping[str, Any]],
+    budget_bytes: int | None,
+) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
+    lines = [
+        f"**Tuning session {status.lower()}** for experiment `{experiment}`",
+        "",
+        f"- budget limit: {format_bytes(budget_bytes)}",
+        f"- trials: {len(rows)} (" + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ")",
+        "- best: none within the budget"
+        if best is None
+        else f"- best: trial {best.get('number', '?')}, throughput {best.get('throughput', '?')}, "
+        f"peak {format_bytes(best.get('peak_bytes'))} (`best_policy.yaml`)",
+    ]
+    for name, b in baselines.items():
+        lines.append(
+            f"- baseline {name}: throughput {b.get('throughput', '?')}, peak {format_bytes(b.get('peak_bytes'))}"
+            + (f", {b['outcome']}" if b.get("outcome") else "")
+        )
+    return "\n".join([*lines, "", "Artifacts: `pareto.png`, `trials.csv`, `trials.json`, `recipe.yaml`."])
+
+
+def trials_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``rows`` (trial rows) as CSV: every key any row has is a column, nested values (a policy) as JSON so a
+    spreadsheet cell can be parsed back."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: _cell(r.get(k)) for k in columns})
+    return buf.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, (Mapping, list, tuple)):
+        return json.dumps(jsonable(value), separators=(",", ":"))
+    return value
