@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_recompute.auto.record import JobTuning
+from lightning_recompute.auto import AutoRecompute
 from lightning_recompute.layers import layer_names
 from lightning_recompute.race import RaceResult
 from tuner._search import TrialRecord
@@ -21,7 +21,7 @@ __all__ = ["record"]
 
 
 def record(
-    auto: JobTuning,
+    auto: AutoRecompute,
     trainer: L.Trainer,
     pl_module: L.LightningModule,
     race: RaceResult,

@@ -5,16 +5,20 @@ Every tuning step is a training step; see docs/AUTO.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
+import logging
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_recompute import RecomputeCallback, RecomputePolicy
@@ -27,9 +31,12 @@ from lightning_recompute.policy import PolicyLike
 from lightning_recompute.race import RacePlan, RaceResult
 from lightning_recompute.race.schedule import RaceSchedule, RoundReport, Turn
 from lightning_recompute.sources import as_policy
+from lightning_recompute.tuned_for import TunedFor
 from lightning_recompute.units import format_bytes, parse_bytes
 
 __all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "agree_across_ranks"]
+
+_log = logging.getLogger(__name__)
 
 
 AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimate_rounds=6, warmup_steps=1)
@@ -286,9 +293,7 @@ class AutoRecompute(RecomputeCallback):
         self._after_tuning(pl_module)
         rank_zero_info(f"AutoRecompute: {self.decision.summary}")
         if trainer.is_global_zero:
-            from lightning_recompute.auto.record import record_decision
-
-            record_decision(self, result, trainer, pl_module)
+            _record_decision(self, result, trainer, pl_module)
 
     def _after_tuning(self, pl_module: L.LightningModule) -> None:
         self._turn = None
@@ -393,3 +398,46 @@ def agree_across_ranks(report: RoundReport) -> RoundReport:
     dist.all_gather_object(gathered, dataclasses.asdict(report))
     peaks = {k: max((p for g in gathered if (p := g["peaks"].get(k)) is not None), default=None) for k in report.peaks}
     return RoundReport(times=dict(gathered[0]["times"]), peaks=peaks, elapsed_s=float(gathered[0]["elapsed_s"]))
+
+
+def _record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Write the policy file (when asked) and the MLflow record (when there is a store); its run's id in `auto`."""
+    assert auto.decision is not None
+    device = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else "cpu"
+    micro_batch = auto.records[-1].samples if auto.records else None  # the last tuning step's
+    policy = auto.decision.policy
+    if auto.output is not None:
+        peak = race.entrants[policy.fingerprint()].peak_bytes
+        tuned = TunedFor(micro_batch, micro_batch, peak_bytes=peak, limit_bytes=auto.limit_bytes, device=device)
+        try:
+            policy.with_tuned_for(tuned).save(auto.output)
+        except OSError as err:
+            rank_zero_warn(f"AutoRecompute: could not write the policy file {auto.output}: {err}")
+    target: tuple[str, str, str | None] | None = None
+    if auto.tracking_uri is not None:
+        target = auto.tracking_uri, auto.experiment or "auto-recompute", None
+    for logger in trainer.loggers if target is None else ():
+        if isinstance(logger, MLFlowLogger):
+            experiment = auto.experiment or logger.experiment.get_experiment(logger.experiment_id).name
+            target = logger.experiment.tracking_uri, experiment, logger.run_id
+            break
+    if target is None:
+        return
+    try:
+        # The service's writer, through an entry point: the library imports neither it nor its dependencies.
+        recorder: Any = None
+        for entry in entry_points(group="lightning_recompute", name="mlflow_record"):
+            with contextlib.suppress(ImportError):  # the entry point ships with the library, its dependencies not
+                recorder = entry.load()
+            break
+        if recorder is None:
+            rank_zero_warn(
+                "AutoRecompute: the race is not recorded in MLflow: the record is written by the tuning service, "
+                "install it with `pip install 'lightning-recompute[tune]'`"
+            )
+            return
+        auto.name = auto.name or f"auto-{type(pl_module).__name__}"
+        auto.record_run_id = recorder(auto, trainer, pl_module, race, device, target)
+    except Exception as err:  # noqa: BLE001 - the record is a by-product; the job must train on
+        _log.debug("AutoRecompute record failed", exc_info=True)
+        rank_zero_warn(f"AutoRecompute: the MLflow record was not written ({type(err).__name__}: {err})")

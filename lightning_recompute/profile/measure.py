@@ -162,8 +162,7 @@ class Recorder:
         if isinstance(packed, torch.Tensor):
             return packed
         size, dtype, device = packed
-        # A scalar's size, not dtype.itemsize: TrafficMode counts the scalar, and the published estimates include it.
-        self.offloaded += math.prod(size) * torch.empty((), dtype=dtype).element_size()
+        self.offloaded += math.prod(size) * dtype.itemsize
         return torch.empty(size, dtype=dtype, device=device)
 
 

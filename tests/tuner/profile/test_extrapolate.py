@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from bench.llama_like import LlamaConfig, LlamaLike, token_batch
 from lightning_recompute.profile import Profile, profile_meta
 from lightning_recompute.reference import ReferenceGPT
-from tuner.models import LlamaConfig, LlamaLike, token_batch
 
 DEPTH = 13  # the fewest layers the cuts are taken for (`MIN_LAYERS`)
 

@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 
+from bench.llama_like import LlamaConfig, LlamaLike, token_batch
 from lightning_recompute import RecomputePolicy
 from lightning_recompute.profile import HARDWARE, Profile, ProfileError, profile_meta, profile_model
 from lightning_recompute.reference import ReferenceGPT
 from tests.helpers import REPO
-from tuner.models import LlamaConfig, LlamaLike, token_batch
 
 B, T, C, H = 4, 32, 32, 4
 E = 4  # float32
@@ -147,7 +147,7 @@ def test_7b_llama_at_4096_tokens_plans_on_meta_without_allocating() -> None:
     script = textwrap.dedent(
         """
         import json, resource, torch
-        from tuner.models import LlamaLike, llama_7b, token_batch
+        from bench.llama_like import LlamaLike, llama_7b, token_batch
         from lightning_recompute.planner import Planner
         from lightning_recompute.profile import profile_meta
         cfg = llama_7b()
