@@ -1,9 +1,5 @@
-"""Parent side of the child protocol: run one measurement in a fresh subprocess and classify what happened.
-
-Each measurement runs ``python -m tuner._trials.worker SPEC.json RESULT.json`` in its own session, so
-whatever the model does (run out of memory, crash, hang) ends that process only, and its whole group is
-killed at the deadline. Trial failures are results (``oom``, ``timeout``, ``error``), never exceptions.
-One-rank CPU workers are forked from a warm fork server instead (`tuner._trials.forkserver`).
+"""Parent side of the child protocol: run one measurement in its own process group, killed whole at the
+deadline, so that whatever the model does ends that process only; trial failures are results, never exceptions.
 """
 
 from __future__ import annotations
@@ -84,24 +80,22 @@ class TrialResult:
     throughput_unit: str = "samples/s"
     step_times_s: tuple[float, ...] = ()
     wall_s: float = 0.0
-    """Seconds the whole subprocess took, startup included."""
     compile_s: float | None = None
     """Seconds torch.compile spent on the policy's layers (in warm-up); ``None`` when it does not compile."""
     error: str | None = None
     stderr_tail: str | None = None
-    """The end of the worker's output when it failed or was killed."""
     device: str = ""
     device_total_bytes: int | None = None
     rank_peak_bytes: tuple[int, ...] = ()
     """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum)."""
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The machine while the trial ran (`race.machine.machine_state`)."""
+    """`race.machine.machine_state` while the trial ran."""
     batches: dict[str, Any] | None = None
-    """The scan of the data module's first batches (`tuner._trials.batches.BatchScan`); ``None``: not measured."""
+    """`tuner._trials.batches.BatchScan`'s fields; ``None``: not measured."""
 
     @property
     def noise(self) -> Spread | None:
-        """The spread of the measured step times: how loud the machine was."""
+        """How loud the machine was."""
         from lightning_recompute.race.stats import spread
 
         return spread(self.step_times_s) if self.step_times_s else None
@@ -127,8 +121,7 @@ def run_trial(
 ) -> TrialResult:
     """Train ``recipe``'s model under ``policy`` for warm-up plus measured steps (default: ``recipe.trial``).
 
-    Never raises for what the trial does: an outcome says it, and a peak above ``budget_bytes`` is
-    ``over_budget``. Any exception in the parent while waiting (Ctrl-C) kills the trial and propagates.
+    A peak above ``budget_bytes`` is ``over_budget``; an exception while waiting (Ctrl-C) kills the trial.
     """
     warmup = recipe.trial.warmup_steps if warmup_steps is None else int(warmup_steps)
     measure = recipe.trial.measure_steps if measure_steps is None else int(measure_steps)
@@ -138,21 +131,24 @@ def run_trial(
         **_recipe_fields(recipe, micro_batch), policy=policy.to_dict(), warmup_steps=warmup, measure_steps=measure
     )
     run = _run_worker(spec, recipe.trial.timeout_s if timeout_s is None else float(timeout_s), recipe.trial.env)
-    res = run.result
     outcome: Outcome
-    if run.ok and res is not None:
+    if run.payload is not None:
         try:
-            return _measured(res, wall_s=run.wall_s, budget_bytes=budget_bytes)
+            return _measured(run.payload, wall_s=run.wall_s, budget_bytes=budget_bytes)
         except (KeyError, TypeError, ValueError) as err:
             outcome, error = "error", f"malformed worker result: {err!r}"
     else:
         outcome, error = run.failure("trial")
-    device: dict[str, Any]
-    if res is not None and "device" in res:
-        device = {"device": str(res["device"]), "device_total_bytes": res.get("device_total_bytes")}
-    else:  # unknown off the CPU: probing now would cost a subprocess
-        device = {"device": "cpu" if recipe.trainer.accelerator == "cpu" else "", "device_total_bytes": None}
-    return TrialResult(outcome=outcome, wall_s=run.wall_s, error=error, stderr_tail=run.tail, **device)
+    res = run.result or {}
+    unknown = "cpu" if recipe.trainer.accelerator == "cpu" else ""  # off the CPU, probing would cost a subprocess
+    return TrialResult(
+        outcome=outcome,
+        wall_s=run.wall_s,
+        error=error,
+        stderr_tail=run.tail,
+        device=str(res.get("device", unknown)),
+        device_total_bytes=res.get("device_total_bytes"),
+    )
 
 
 def run_race(
@@ -168,10 +164,8 @@ def run_race(
 ) -> RaceResult:
     """Race ``entrants`` (a policy and its labels) interleaved on one model, in one subprocess.
 
-    How: `lightning_recompute.race.engine`. Equal policies race once, their labels merged; ``references``
-    (entrants too) are what the winner's "vs" figures are about; ``layer_names`` give each policy's glyphs;
-    an entrant peaking over ``budget_bytes`` is out. ``plan`` defaults to ``recipe.race``, ``timeout_s`` to a
-    trial's timeout plus twice the race's time. A worker that fails gives a ``failed`` result, never raises.
+    Equal policies race once, their labels merged; ``references`` are what the winner's "vs" figures are
+    about; ``timeout_s`` defaults to a trial's timeout plus twice the race's time.
     """
     from lightning_recompute.race import RaceResult
 
@@ -193,11 +187,11 @@ def run_race(
     )
     limit = float(timeout_s) if timeout_s is not None else float(recipe.trial.timeout_s) + 2.0 * plan.time_s
     run = _run_worker(spec, limit, recipe.trial.env)
-    if not run.ok or run.result is None:
+    if run.payload is None:
         outcome, error = run.failure("race")
         return RaceResult(outcome="failed", reason=f"the race ended {outcome}: {error}")
     try:
-        return RaceResult.from_worker(run.result, labels, {k: p.to_dict() for k, p in policies.items()})
+        return RaceResult.from_worker(run.payload, labels, {k: p.to_dict() for k, p in policies.items()})
     except (KeyError, TypeError, ValueError) as err:
         return RaceResult(outcome="failed", reason=f"malformed race result: {err!r}")
 
@@ -205,13 +199,11 @@ def run_race(
 def check_numerics(
     recipe: Recipe, policy: RecomputePolicy, *, micro_batch: int | None = None, timeout_s: float | None = None
 ) -> NumericsResult:
-    """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged.
+    """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged
+    (`tuner._trials.worker._numerics`); a check that cannot run is not equal, with the reason.
 
-    In a subprocess, in deterministic mode: one step without recompute, with ``policy`` and without
-    again (`tuner._trials.worker._numerics`). Where no recompute runs out of memory, the batch is halved
-    down to one sample: by the worker on one device, here on N ranks (one rank's out-of-memory error
-    ends every rank). A check that cannot run is not equal, with the reason. The rules: docs/TUNER.md,
-    "What the gate guarantees".
+    Where no recompute runs out of memory the batch is halved: by the worker on one device, here on N
+    ranks (one rank's out-of-memory error ends every rank).
     """
     end = time.monotonic() + (600.0 if timeout_s is None else float(timeout_s))
     # cuBLAS reads this when its handle is created, so it must be in the starting environment. Not on the
@@ -230,13 +222,12 @@ def check_numerics(
             break
         skipped.append(current)
         size = current // 2
-    if not run.ok or run.result is None:
+    if run.payload is None:
         outcome, error = run.failure("numerics check")
-        tail = _last_lines(run.tail, 5)
-        tail = f": {tail}" if tail else ""
+        tail = f": {_last_lines(run.tail, 5)}" if run.tail.strip() else ""
         return NumericsResult(False, float("inf"), f"the numerics check ended {outcome}: {error}{tail}")
     try:
-        got = NumericsResult(**{f.name: run.result[f.name] for f in dataclasses.fields(NumericsResult)})
+        got = NumericsResult(**{f.name: run.payload[f.name] for f in dataclasses.fields(NumericsResult)})
     except (KeyError, TypeError) as err:
         return NumericsResult(False, float("inf"), f"malformed numerics result: {err!r}")
     halved = f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
@@ -246,8 +237,7 @@ def check_numerics(
 def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: int = 3) -> Profile:
     """The per-layer cost profile of ``recipe``'s model on its device; `RecomputeError` saying why it failed.
 
-    On CPU it runs here; on an accelerator in the worker (deadline twice a trial's): a CUDA context in
-    the tuning process would hold device memory that every trial then lacks.
+    On an accelerator in the worker: a CUDA context here would hold device memory that every trial then lacks.
     """
     from lightning_recompute.profile import Profile
 
@@ -267,26 +257,23 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
                 os.environ[CPU_MEMORY_LIMIT] = before
     spec = ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats)
     run = _run_worker(spec, recipe.trial.timeout_s * 2, recipe.trial.env)
-    if not run.ok or run.result is None:
+    if run.payload is None:
         raise RecomputeError(f"profiling failed: {run.failure('profile')[1]}")
-    return Profile.from_dict(run.result["profile"])
+    return Profile.from_dict(run.payload["profile"])
 
 
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
-    """The device a trial of ``recipe`` runs on: ``("cpu", None)`` or ``(name, total bytes)``.
-
-    CUDA is queried in a subprocess, once per accelerator setting, so that the tuning process holds no
-    CUDA context. `RecomputeError` when the accelerator names a device this machine cannot use.
-    """
+    """``("cpu", None)`` or ``(name, total bytes)``; CUDA is queried in a subprocess, so that this process
+    holds no CUDA context."""
     return ("cpu", None) if recipe.trainer.accelerator == "cpu" else _probe_device(recipe.trainer.accelerator)
 
 
 @functools.cache
 def _probe_device(accelerator: str) -> tuple[str, int | None]:
     run = _run_worker(DeviceSpec(accelerator=accelerator), 120.0)
-    if not run.ok or run.result is None:
+    if run.payload is None:
         raise RecomputeError(f"trainer.accelerator: cannot query the {accelerator!r} device: {run.failure('query')[1]}")
-    return str(run.result["device"]), run.result.get("device_total_bytes")
+    return str(run.payload["device"]), run.payload.get("device_total_bytes")
 
 
 def _recipe_fields(recipe: Recipe, micro_batch: int | None) -> dict[str, Any]:
@@ -310,8 +297,9 @@ class _WorkerRun:
     """For a worker killed by SIGKILL (not at its deadline): what the kernel says (`oom.oom_evidence`)."""
 
     @property
-    def ok(self) -> bool:
-        return not self.timed_out and self.result is not None and self.result.get("outcome") == "ok"
+    def payload(self) -> dict[str, Any] | None:
+        """The result when it is a measurement."""
+        return self.result if not self.timed_out and (self.result or {}).get("outcome") == "ok" else None
 
     def failure(self, what: str) -> tuple[Outcome, str]:
         """``(outcome, one-line error)`` for a worker that produced no measurement."""
@@ -420,10 +408,8 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """One result from the per-rank results of a multi-rank run (``None``: a rank missing, no failure said why).
 
-    A rank out of memory makes the run ``oom`` (others killed waiting for it wrote nothing), another
-    failure ``error``, naming the rank. A trial's steps merge step by step: the slowest rank's time,
-    the highest peak, the sum of samples and tokens (throughput is global), and each rank's peak
-    (``rank_peak_bytes``). A numerics check is equal only if it is on every rank.
+    A rank out of memory makes the run ``oom`` (others killed waiting for it wrote nothing). Steps merge
+    to the slowest rank's time, the highest peak and every rank's samples (throughput is global).
     """
     failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None and rep.get("outcome") != "ok"]
     if failed:
@@ -462,11 +448,8 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
 
 
 def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
-    """Remove the trial folders of dead owners on this host, ending what their workers left; the folders removed.
-
-    A SIGKILLed tuning process cannot remove its own. Only a folder whose recorded owner ran on this host
-    and is gone is touched, never one without an owner record (it may be being created).
-    """
+    """Remove the trial folders of dead owners on this host (a SIGKILLed tuner cannot), ending what their
+    workers left; never one without an owner record (it may be being created)."""
     removed = []
     for folder in sorted(Path(tmp_root or tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*")):
         try:
@@ -488,9 +471,8 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
 def trial_processes(folder: Path) -> list[int]:
     """The processes still running for the trial folder ``folder`` (read from ``/proc``; elsewhere none).
 
-    A fresh worker and what it started have the folder in their environment. A forked worker's ``/proc``
-    environment is the fork server's: those are the processes in the session the folder records whose
-    server parent is the folder's owner (both, so that a reused pid alone names nobody).
+    A fresh worker and what it started have the folder in their environment; a forked one has the fork
+    server's, so those are the processes in the recorded session whose server parent is the folder's owner.
     """
     found = set(_pids_with_env(TRIAL_DIR_ENV, str(folder)))
     try:
@@ -516,13 +498,7 @@ def _pids(matches: Callable[[Path], bool]) -> list[int]:
 
 
 def _pids_in_session(session: int) -> list[int]:
-    def in_session(entry: Path) -> bool:
-        stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
-        # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return len(fields) > 3 and fields[3] == str(session)
-
-    return _pids(in_session)
+    return _pids(lambda entry: os.getsid(int(entry.name)) == session)
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
@@ -579,10 +555,8 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
 def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
     """Peak memory and median speed from per-step records ``{seconds, peak_bytes, samples, tokens}``.
 
-    Warm-up steps count for memory (a real job runs them too) but not for time (one-off costs). Where
-    some steps after the warm-up ran without the memory meter (``peak_bytes`` None: the CPU worker),
-    only those are timed, so that the meter's own cost is no part of the figure. `ValueError` when no
-    step comes after the warm-up.
+    Warm-up counts for memory (a real job runs it too), not time; where some later steps ran unmetered
+    (``peak_bytes`` None: the CPU worker), only those are timed, so that the meter's cost is not in it.
     """
     measured = list(steps[warmup_steps:])
     if not measured:
