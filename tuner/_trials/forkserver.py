@@ -51,6 +51,10 @@ class ForkServerError(RuntimeError):
     """The fork server could not start or stopped answering; workers start as fresh interpreters instead."""
 
 
+_FAILED = (ForkServerError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
+"""What a server that did not start or answer raises here."""
+
+
 def kill_group(pid: int, *, leader: bool = False) -> None:
     """SIGKILL process group ``pid`` and, with ``leader``, process ``pid`` in case it has not made its group yet."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -115,7 +119,7 @@ class ForkServer:
                 start_new_session=True,  # a Ctrl-C in the terminal is the tuner's to handle, not the server's
             )
             self.pid = int(self._reply(_START_TIMEOUT_S)["ready"])
-        except (OSError, ForkServerError, subprocess.TimeoutExpired, KeyError, TypeError, ValueError) as err:
+        except _FAILED as err:
             output = self._tail()
             if hasattr(self, "_proc"):
                 self.abandon()
@@ -137,8 +141,8 @@ class ForkServer:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> Forked | None:
         """Fork a worker running ``tuner._trials.worker.main(argv)`` with ``env``, its output to ``log_path``.
 
-        ``None`` while another worker of this server runs. `ForkServerError` if the server does not
-        answer; it is then ended, so that no reply of it is ever read out of turn.
+        ``None`` while another worker of this server runs, or when the server does not answer; it is then
+        ended, so that no reply of it is ever read out of turn.
         """
         if not self._busy.acquire(blocking=False):
             return None
@@ -152,9 +156,12 @@ class ForkServer:
                 self.abandon()
             finally:
                 self._busy.release()
-            if isinstance(err, (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)):
-                raise ForkServerError(f"fork server did not fork: {err!r}") from err
-            raise
+            if not isinstance(
+                err, (ForkServerError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
+            ):
+                raise
+            _log.warning("fork server did not fork: %s; this worker starts as a fresh interpreter", err)
+            return None
 
     def exit_status(self, pid: int, timeout: float | None) -> int:
         """Wait for worker ``pid`` to exit (``subprocess.TimeoutExpired`` past ``timeout``) and release the server."""
@@ -259,52 +266,26 @@ def forking(env: Mapping[str, str]) -> bool:
     return True
 
 
-def warm(env: Mapping[str, str], cwd: str) -> None:
-    """Start this process's fork server for ``env`` and ``cwd`` now if it is not running: its imports are no trial's."""
-    if forking(env):
-        with _shared_lock:
-            _server_for(env, cwd)
-
-
-def fork(
-    env: Mapping[str, str], cwd: str, argv: Sequence[str], child_env: Mapping[str, str], log_path: str, parent_env: str
-) -> Forked | None:
-    """Fork a worker from this process's fork server for ``env`` and ``cwd``; ``None``: start a fresh interpreter.
-
-    ``child_env`` is the worker's environment, with ``parent_env`` set to the server's pid. The server
-    is started on first use and replaced for another environment or folder, never while a worker of it
-    runs. ``None`` where forking is off, the server would not start or does not answer, or is busy.
-    """
-    if not forking(env):
+def shared(env: Mapping[str, str], cwd: str) -> ForkServer | None:
+    """This process's fork server for ``env`` and ``cwd``: started on first use, replaced for another
+    environment or folder, never while a worker of it runs; ``None`` where forking is off, it is busy or
+    would not start (a fresh interpreter then)."""
+    global _shared
+    if not forking(env) or (dict(env), cwd) in _refused:
         return None
     with _shared_lock:
-        server = _server_for(env, cwd)
-        if server is None:
-            return None
-        try:
-            return server.spawn(argv, {**child_env, parent_env: str(server.pid)}, log_path)
-        except ForkServerError as err:
-            _log.warning("%s; this worker starts as a fresh interpreter", err)
-            return None
-
-
-def _server_for(env: Mapping[str, str], cwd: str) -> ForkServer | None:
-    """The shared server for ``env`` and ``cwd``, started or replaced as needed (the caller holds `_shared_lock`)."""
-    global _shared
-    if (dict(env), cwd) in _refused:
-        return None
-    if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
-        if _shared.busy:
-            return None  # a worker of it runs on (closing the server would end it): this one starts fresh
-        _shared.close()
-        _shared = None
-    if _shared is None:
-        try:
-            _shared = ForkServer(env, cwd)
-        except ForkServerError as err:
-            _refused.append((dict(env), cwd))
-            _log.warning("%s; trial workers start as fresh interpreters", err)
-    return _shared
+        if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
+            if _shared.busy:
+                return None  # a worker of it runs on (closing the server would end it): this one starts fresh
+            _shared.close()
+            _shared = None
+        if _shared is None:
+            try:
+                _shared = ForkServer(env, cwd)
+            except ForkServerError as err:
+                _refused.append((dict(env), cwd))
+                _log.warning("%s; trial workers start as fresh interpreters", err)
+        return _shared
 
 
 @atexit.register

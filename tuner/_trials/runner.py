@@ -30,7 +30,6 @@ from tuner._trials.forkserver import SERVER_PARENT_ENV, Forked
 from tuner._trials.oom import OOM_MARKERS, oom_evidence, oom_kill_count
 from tuner._trials.protocol import (
     PARENT_PID_ENV,
-    RANKED_KINDS,
     DeviceSpec,
     NumericsResult,
     NumericsSpec,
@@ -343,16 +342,17 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         base_env["PYTHONFAULTHANDLER"] = "1"  # a segfault or abort() leaves a Python traceback in the log
         # Forked only where a fork is exactly a fresh worker (why: `tuner._trials.forkserver`).
         fork = sys.platform.startswith("linux") and spec.runs_on == "cpu" and spec.ranks == 1
-        if fork:
-            # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
-            forkserver.warm(base_env, os.getcwd())
+        # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
+        server = forkserver.shared(base_env, os.getcwd()) if fork else None
         start = time.monotonic()
         spec = spec.model_copy(update={"deadline": time.time() + timeout_s})
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         kills_before = oom_kill_count()
         argv = [str(spec_path), str(result_path)]
         env_ = {**base_env, TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())}
-        proc = forkserver.fork(base_env, os.getcwd(), argv, env_, str(log_path), PARENT_PID_ENV) if fork else None
+        proc: subprocess.Popen[bytes] | Forked | None = None
+        if server is not None:
+            proc = server.spawn(argv, {**env_, PARENT_PID_ENV: str(server.pid)}, str(log_path))
         if proc is None:
             with open(log_path, "wb") as log:
                 # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
@@ -428,8 +428,6 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
             "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
             "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
         }
-    if kind != "trial":
-        raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: {', '.join(RANKED_KINDS)}")
     per_rank = [rep["steps"] for rep in done]
     steps = []
     for column in zip(*per_rank, strict=False):  # a rank with fewer records: the shortest decides
