@@ -156,9 +156,7 @@ class ForkServer:
                 self.abandon()
             finally:
                 self._busy.release()
-            if not isinstance(
-                err, (ForkServerError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
-            ):
+            if not isinstance(err, _FAILED):
                 raise
             _log.warning("fork server did not fork: %s; this worker starts as a fresh interpreter", err)
             return None

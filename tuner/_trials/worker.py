@@ -1,10 +1,8 @@
 """Child side of the trial protocol: ``python -m tuner._trials.worker SPEC.json RESULT.json``.
 
-Runs in a fresh process (or one forked from the fork server), so whatever the model does stays here.
-It only measures (docs/ARCHITECTURE.md): one JSON result, written atomically, and exit 0 when it has a
-measurement (out of memory included), nonzero otherwise. With ``trainer.devices`` N > 1, ``trial`` and
-``numerics`` run on N ranks: this process is rank 0, Lightning starts ranks 1..N-1 by running this same
-command, and each rank writes its own ``RESULT.rank<r>.json``.
+It only measures: one JSON result, written atomically, and exit 0 when it has a measurement (out of memory
+included). On N ranks this process is rank 0, Lightning starts ranks 1..N-1 by running this same command,
+and each rank writes its own ``RESULT.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -154,10 +152,7 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
         "outcome": "ok",
         "warmup_steps": steps - measure if policy.compile else warmup,
         **({} if compile_before is None else {"compile_s": _compile_seconds() - compile_before}),
-        "steps": [
-            {"seconds": r.seconds, "peak_bytes": r.peak_bytes, "samples": r.samples, "tokens": r.tokens}
-            for r in records
-        ],
+        "steps": [dataclasses.asdict(r) for r in records],
         "machine": machine,
         **batches(),
         **device,
@@ -223,10 +218,7 @@ def _trainer(recipe: Any, steps: int, callbacks: list[Any], **kwargs: Any) -> An
 
 
 def _compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (every phase, forward and backward).
-
-    torch has no public counter: ``calculate_time_spent`` is what ``TORCH_LOGS`` prints from.
-    """
+    """Seconds this process has spent in torch.compile so far (no public counter: what ``TORCH_LOGS`` prints)."""
     from torch._dynamo import utils as dynamo_utils
 
     spent = dynamo_utils.calculate_time_spent()
@@ -238,11 +230,9 @@ def _compile_seconds() -> float:
 # ---------------------------------------------------------------------------------------------- numerics
 
 _Step = tuple[Any, dict[str, Any]]
-"""One training step's ``(loss, {what: tensor or None})`` on the host: every parameter's gradient
-(``gradient of <name>``), every ``state_dict`` entry after the step and, in one process, `EVAL_LOSS`."""
-
+"""One step's ``(loss, {what: tensor or None})`` on the host: gradients, ``state_dict`` after it, `EVAL_LOSS`."""
 EVAL_LOSS = "eval-mode loss"
-"""The key of a step's loss recomputed in eval mode after the step: what BatchNorm's statistics change."""
+"""The loss recomputed in eval mode after the step: what BatchNorm's statistics change."""
 
 
 def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any]) -> dict[str, Any]:
@@ -253,13 +243,9 @@ def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any])
 
 
 def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
-    """Loss and gradients of one training step under the policy against two runs without it.
-
-    Three runs on the same weights, batch and seed, in deterministic mode: no recompute, the policy, no
-    recompute again; the two baselines' spread is what the kernels alone change (`_compare`). In one
-    process, where no recompute runs out of memory, the batch is halved (on ranks the parent does it).
-    The rules: docs/TUNER.md, "What the gate guarantees".
-    """
+    """Three runs on the same weights, batch and seed, in deterministic mode: no recompute, the policy, no
+    recompute again (docs/TUNER.md, "What the gate guarantees"). In one process, where no recompute runs
+    out of memory, the batch is halved (on ranks the parent does it)."""
     import torch
 
     from lightning_recompute import RecomputePolicy
@@ -309,11 +295,8 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
 def _compare(
     steps: tuple[_Step, _Step, _Step], *, compiled: bool, on_cpu: bool, where: str, gradients: str
 ) -> NumericsResult:
-    """Whether the policy's run of ``(baseline, baseline again, policy)`` equals the baseline, and the detail.
-
-    Equal when bitwise equal; a policy that compiles its layers, within the plugin's compiled-layer
-    tolerance; off CPU, within the spread of the two baselines (kernels that are not reproducible).
-    """
+    """Whether the policy's run equals the baseline: bitwise; compiled layers within the plugin's tolerance;
+    off CPU within the spread of the two baselines (kernels that are not reproducible)."""
     from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 
     base, again, pol = steps
@@ -413,7 +396,7 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tupl
 
 def _capped(device: Any, *tracked: Any) -> Any:
     """The step under the capped CPU's ledger (`lightning_recompute.meter.CPU_MEMORY_LIMIT`), so that no
-    recompute runs out of memory there as on a GPU; a no-op on other devices or without a cap."""
+    recompute runs out of memory there as on a GPU."""
     from contextlib import nullcontext
 
     from lightning_recompute.meter import StorageMeter, cpu_memory_limit
@@ -426,11 +409,8 @@ def _capped(device: Any, *tracked: Any) -> Any:
 
 
 def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any, Any]:
-    """The runs as this rank of N: each one `Trainer` step in this process group, with the same seeds.
-
-    Compared is what this rank holds after the step: DDP's all-reduced gradients, FSDP2's local
-    gradient shards (`DTensor.to_local`), FSDP1's flat-parameter shards; the parent merges the ranks.
-    """
+    """The runs as this rank of N, each one `Trainer` step; compared is what this rank holds after it (DDP's
+    all-reduced gradients, FSDP's local shards), and the parent merges the ranks."""
     import lightning as L
     import torch
 
@@ -562,11 +542,8 @@ def _profile(spec: ProfileSpec) -> dict[str, Any]:
 
 
 def die_with_parent(parent: str | None) -> None:
-    """End this process when ``parent`` (the tuner, or the fork server) dies, rather than run on orphaned.
-
-    On Linux the kernel does it (``PR_SET_PDEATHSIG``), with the parent checked once more after the call
-    in case it died before; elsewhere (or if prctl is refused) a watchdog thread polls the parent pid.
-    """
+    """End this process when ``parent`` (the tuner, or the fork server) dies: on Linux by the kernel
+    (``PR_SET_PDEATHSIG``), elsewhere (or if prctl is refused) by a watchdog thread."""
     if not parent or not parent.isdigit() or int(parent) == os.getpid():
         # Started by hand, or `main` called again in the process that set the variable (a test, an
         # in-process numerics check): nobody to follow.
