@@ -1,7 +1,7 @@
 """The parent/child protocol of the trial worker: one typed spec per kind of measurement, as JSON.
 
 The parent writes a spec's `Spec.to_dict` as ``SPEC.json`` and runs ``python -m tuner._trials.worker
-SPEC.json RESULT.json``; the child reads it with `parse_spec`. The `RANKED_KINDS` run on the recipe's
+SPEC.json RESULT.json``; the child reads it with `parse_spec`. The ``ranked`` kinds run on the recipe's
 ``trainer.devices`` ranks, each writing its own result (`rank_result_path`). Recipes and policies travel
 as their own ``to_dict`` forms and are built in the child.
 """

@@ -340,10 +340,8 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
         base_env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last words reach the log
         base_env["PYTHONFAULTHANDLER"] = "1"  # a segfault or abort() leaves a Python traceback in the log
-        # Forked only where a fork is exactly a fresh worker (why: `tuner._trials.forkserver`).
-        fork = sys.platform.startswith("linux") and spec.runs_on == "cpu" and spec.ranks == 1
         # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
-        server = forkserver.shared(base_env, os.getcwd()) if fork else None
+        server = forkserver.shared(base_env, os.getcwd()) if _forkable(spec) else None
         start = time.monotonic()
         spec = spec.model_copy(update={"deadline": time.time() + timeout_s})
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
@@ -395,6 +393,11 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
             timeout_s,
             oom_evidence(proc.pid, kills_before) if killed else None,
         )
+
+
+def _forkable(spec: Spec) -> bool:
+    """Whether a forked worker is exactly a fresh one for ``spec`` (why: `tuner._trials.forkserver`)."""
+    return sys.platform.startswith("linux") and spec.runs_on == "cpu" and spec.ranks == 1
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
