@@ -130,8 +130,7 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             # Manual optimization returning nothing, or a loss that is not a scalar: nothing to check.
-            ok = isinstance(loss, torch.Tensor) and loss.numel() == 1
-            losses.append(float(loss.detach()) if ok else 0.0)
+            losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else 0.0)
 
     # max_epochs=-1: a short data module cycles rather than ending the trial early.
     trainer = _trainer(recipe, steps, [callback, LossLog()], max_epochs=-1)
