@@ -42,6 +42,8 @@ PRELOAD: tuple[str, ...] = ("torch", "lightning", "lightning_recompute", "tuner.
 PRELOAD += ("lightning_recompute.race.engine", "tuner.recipe")
 """What the server imports before forking: what every worker imports before its first step."""
 
+_SERVE = "import sys, tuner._trials.forkserver as s; sys.exit(s.serve(sys.argv[1:]))"
+"""The server's command (``-c``, not ``-m``: the package imports this module before runpy would run it)."""
 _START_TIMEOUT_S = 300.0  # imports on a loaded machine; a server that takes longer is not worth waiting for
 _REPLY_TIMEOUT_S = 60.0  # a fork takes milliseconds; anything else is a server in trouble
 _log = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ class ForkServer:
         os.unlink(path)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "tuner._trials.forkserver", *PRELOAD],
+                [sys.executable, "-c", _SERVE, *PRELOAD],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._log,
@@ -420,7 +422,3 @@ def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
         with contextlib.suppress(BaseException):
             ctypes.CDLL(None).fflush(None)
         os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1:]))
