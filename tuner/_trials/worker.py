@@ -254,7 +254,7 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     recipe = from_dict(spec.recipe, source=spec.source)
     policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
     ranked = spec.ranks > 1
-    one_step, batch, device = (_rank_runs if ranked else _one_process_runs)(recipe, policy, spec.micro_batch)
+    one_step, batch = (_rank_runs if ranked else _one_process_runs)(recipe, policy, spec.micro_batch)
     size = spec.micro_batch if ranked else _batch_size(batch)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     # warn_only: an op without a deterministic kernel still runs; the baseline spread measures it.
@@ -280,15 +280,10 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     else:
         where = "on the data module's batch" if size is None else f"at micro-batch {size}"
         where += f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
-    verdict = _compare(
-        (base, again, pol),
-        compiled=policy.compile,
-        on_cpu=device() == "cpu",
-        where=where,
-        gradients="local" if ranked else "parameter",
-    )
-    verdict = dataclasses.replace(verdict, micro_batch=size)
-    return {"outcome": "ok", **dataclasses.asdict(verdict), **_device(recipe.trainer.accelerator)}
+    device = _device(recipe.trainer.accelerator)
+    on_cpu, gradients = device["device"] == "cpu", "local" if ranked else "parameter"
+    verdict = _compare((base, again, pol), compiled=policy.compile, on_cpu=on_cpu, where=where, gradients=gradients)
+    return {"outcome": "ok", **dataclasses.asdict(verdict), "micro_batch": size, **device}
 
 
 def _compare(
@@ -347,7 +342,7 @@ def _compare(
     return NumericsResult(equal=equal, max_abs_diff=diff, baseline_spread=spread, detail=detail)
 
 
-def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any, Any]:
+def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any]:
     """The runs in this process with Fabric on one device, on the data module's first batch."""
     import torch
     from lightning.fabric import Fabric
@@ -390,7 +385,7 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tupl
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    return one_step, next(iter(datamodule.train_dataloader())), lambda: fabric.device.type
+    return one_step, next(iter(datamodule.train_dataloader()))
 
 
 def _capped(device: Any, *tracked: Any) -> Any:
@@ -407,7 +402,7 @@ def _capped(device: Any, *tracked: Any) -> Any:
     return meter
 
 
-def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any, Any]:
+def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any]:
     """The runs as this rank of N, each one `Trainer` step; compared is what this rank holds after it (DDP's
     all-reduced gradients, FSDP's local shards), and the parent merges the ranks."""
     import lightning as L
@@ -417,7 +412,6 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Calla
     from tuner.recipe import build_datamodule, build_model
 
     seed = recipe.search.seed
-    devices: list[str] = []
 
     class CaptureStep(L.Callback):
         """Reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients and state after."""
@@ -447,10 +441,9 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Calla
         trainer.fit(model, datamodule=build_datamodule(recipe, micro_batch))
         if capture.step is None:
             raise RuntimeError("the numerics run ended before its first backward")
-        devices.append(trainer.strategy.root_device.type)
         return capture.step
 
-    return one_step, None, lambda: devices[-1]
+    return one_step, None
 
 
 def _local(grad: Any) -> Any:
