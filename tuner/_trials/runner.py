@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from lightning_recompute.profile import Profile
     from lightning_recompute.race import RacePlan, RaceResult, Spread
 
-__all__ = ["NumericsResult"]  # re-exported by `tuner._trials`
-
 Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped"]
 """What became of a trial: measured and within budget; measured above the budget; out of memory;
 killed at its deadline; failed otherwise; ran to a nan or inf training loss (its figures are not
