@@ -33,38 +33,37 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-__all__ = [
-    "FORK_SERVER_ENV",
-    "SERVER_PARENT_ENV",
-    "ForkServer",
-    "ForkServerError",
-    "Forked",
-    "fork",
-    "forking",
-    "serve",
-    "warm",
-]
-
 FORK_SERVER_ENV = "RECOMPUTE_TUNE_FORK_SERVER"
 """``0`` (or ``off``, ``false``, ``no``): every worker is a fresh interpreter; otherwise one-rank CPU workers fork."""
+SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
+"""In the server's environment (and so in a forked worker's ``/proc`` one), the pid of the process it follows."""
 
-PRELOAD = (
-    "torch",
-    "lightning",
-    "lightning_recompute",
-    "tuner._trials.worker",
-    "lightning_recompute.race.engine",
-    "tuner.recipe",
-)
+PRELOAD: tuple[str, ...] = ("torch", "lightning", "lightning_recompute", "tuner._trials.worker")
+PRELOAD += ("lightning_recompute.race.engine", "tuner.recipe")
 """What the server imports before forking: what every worker imports before its first step."""
 
+_SERVE = "import sys, tuner._trials.forkserver as s; sys.exit(s.serve(sys.argv[1:]))"
+"""The server's command (``-c``, not ``-m``: the package imports this module before runpy would run it)."""
 _START_TIMEOUT_S = 300.0  # imports on a loaded machine; a server that takes longer is not worth waiting for
 _REPLY_TIMEOUT_S = 60.0  # a fork takes milliseconds; anything else is a server in trouble
-_TAIL_CHARS = 2000
+_log = logging.getLogger(__name__)
 
 
 class ForkServerError(RuntimeError):
     """The fork server could not start or stopped answering; workers start as fresh interpreters instead."""
+
+
+_FAILED = (ForkServerError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
+"""What a server that did not start or answer raises here."""
+
+
+def kill_group(pid: int, *, leader: bool = False) -> None:
+    """SIGKILL process group ``pid`` and, with ``leader``, process ``pid`` in case it has not made its group yet."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    if leader:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class Forked:
@@ -73,12 +72,11 @@ class Forked:
     def __init__(self, server: ForkServer, pid: int) -> None:
         self._server = server
         self.pid = pid
-        """The worker's pid, which is also its process group and session id."""
+        """Also its process group and session id."""
         self.returncode: int | None = None
-        """Its exit status once it has exited: negative for the signal that ended it, as ``Popen``'s."""
 
     def wait(self, timeout: float | None = None) -> int:
-        """Its exit status; ``subprocess.TimeoutExpired`` if it runs past ``timeout`` seconds."""
+        """Its exit status (negative for a signal, as ``Popen``'s); ``subprocess.TimeoutExpired`` past ``timeout``."""
         if self.returncode is None:
             self.returncode = self._server.exit_status(self.pid, timeout)
         return self.returncode
@@ -86,15 +84,16 @@ class Forked:
     def kill_group(self) -> None:
         """SIGKILL the worker and its process group.
 
-        While the server lives, it does it: only it knows whether it has reaped the worker, so only it
-        can kill that pid without risking a process that reuses it (after the exit it has killed the
-        group already). With the server gone, the worker went with it; its group is killed here.
+        While the server lives, it does it: only it knows whether it has reaped the worker, so only it can
+        kill that pid without risking a process that reuses it. With the server gone, so is the worker.
         """
-        if self._server.alive:
-            if self.returncode is None:
-                self._server.kill(self.pid)
-            return
-        kill_group(self.pid)
+        if not self._server.alive:
+            kill_group(self.pid)
+        elif self.returncode is None:
+            try:
+                self._server.send({"kill": self.pid})
+            except (OSError, ValueError):
+                self._server.abandon()  # a server that cannot be told is ended, and its worker with it
 
 
 class ForkServer:
@@ -103,9 +102,8 @@ class ForkServer:
     Raises `ForkServerError` when the server does not come up (its output's tail says why).
     """
 
-    def __init__(self, env: Mapping[str, str], cwd: str, preload: Sequence[str] = PRELOAD) -> None:
-        self.env = dict(env)
-        self.cwd = cwd
+    def __init__(self, env: Mapping[str, str], cwd: str) -> None:
+        self.env, self.cwd = dict(env), cwd
         self._busy = threading.Lock()
         self._buffer = b""
         self._broken = False
@@ -114,7 +112,7 @@ class ForkServer:
         os.unlink(path)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "tuner._trials.forkserver", *preload],
+                [sys.executable, "-c", _SERVE, *PRELOAD],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._log,
@@ -122,15 +120,14 @@ class ForkServer:
                 env={**self.env, SERVER_PARENT_ENV: str(os.getpid())},
                 start_new_session=True,  # a Ctrl-C in the terminal is the tuner's to handle, not the server's
             )
-        except OSError as err:
-            os.close(self._log)
-            raise ForkServerError(f"fork server did not start: {err}") from err
-        try:
-            self.pid = int(self._reply(time.monotonic() + _START_TIMEOUT_S)["ready"])
-        except (ForkServerError, subprocess.TimeoutExpired, KeyError, TypeError, ValueError) as err:
+            self.pid = int(self._reply(_START_TIMEOUT_S)["ready"])
+        except _FAILED as err:
             output = self._tail()
-            self._abandon()
-            self._release_files()
+            if hasattr(self, "_proc"):
+                self.abandon()
+                self._release_files()
+            else:
+                os.close(self._log)
             raise ForkServerError(f"fork server did not come up: {err}; its output: {output}") from err
 
     @property
@@ -146,51 +143,43 @@ class ForkServer:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> Forked | None:
         """Fork a worker running ``tuner._trials.worker.main(argv)`` with ``env``, its output to ``log_path``.
 
-        ``None`` while another worker of this server runs. `ForkServerError` if the server does not
-        answer; it is then ended, so that no reply of it is ever read out of turn.
+        ``None`` while another worker of this server runs, or when the server does not answer; it is then
+        ended, so that no reply of it is ever read out of turn.
         """
         if not self._busy.acquire(blocking=False):
             return None
         try:
             if not self.alive:
                 raise ForkServerError(f"fork server gone; its output: {self._tail()}")
-            self._send({"argv": list(argv), "env": dict(env), "log": log_path})
-            pid = int(self._reply(time.monotonic() + _REPLY_TIMEOUT_S)["pid"])
+            self.send({"argv": list(argv), "env": dict(env), "log": log_path})
+            return Forked(self, int(self._reply(_REPLY_TIMEOUT_S)["pid"]))
         except BaseException as err:
             try:
-                self._abandon()
+                self.abandon()
             finally:
                 self._busy.release()
-            if isinstance(err, (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)):
-                raise ForkServerError(f"fork server did not fork: {err!r}") from err
-            raise
-        return Forked(self, pid)
-
-    def kill(self, pid: int) -> None:
-        """Have the server SIGKILL its running worker ``pid`` and the worker's group (nothing if it has exited)."""
-        try:
-            self._send({"kill": pid})
-        except (OSError, ValueError):
-            self._abandon()  # a server that cannot be told is ended, and its worker with it
+            if not isinstance(err, _FAILED):
+                raise
+            _log.warning("fork server did not fork: %s; this worker starts as a fresh interpreter", err)
+            return None
 
     def exit_status(self, pid: int, timeout: float | None) -> int:
         """Wait for worker ``pid`` to exit (``subprocess.TimeoutExpired`` past ``timeout``) and release the server."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        try:
+            reply = self._reply(timeout)
+            while reply.get("pid") != pid or "returncode" not in reply:
+                reply = self._reply(timeout)
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
+        except (ForkServerError, OSError, ValueError):
+            # The server died or garbled its reply, and the worker with it: read as killed; its result decides.
             try:
-                reply = self._reply(deadline)
-            except subprocess.TimeoutExpired:
-                raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
-            except (ForkServerError, OSError, ValueError):
-                # The server died or garbled its reply, and the worker with it: read as killed; its result decides.
-                try:
-                    self._abandon()
-                finally:
-                    self._busy.release()
-                return -signal.SIGKILL
-            if reply.get("pid") == pid and "returncode" in reply:
+                self.abandon()
+            finally:
                 self._busy.release()
-                return int(reply["returncode"])
+            return -signal.SIGKILL
+        self._busy.release()
+        return int(reply["returncode"])
 
     def close(self) -> None:
         """End the server (and a worker still running) by closing its stdin; killed if it lingers.
@@ -198,21 +187,19 @@ class ForkServer:
         The reply pipe stays open while another thread waits on a worker of it: that thread reads its end.
         """
         with contextlib.suppress(OSError, ValueError):
-            if self._proc.stdin is not None:
-                self._proc.stdin.close()
+            self._proc.stdin.close()  # type: ignore[union-attr]
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self._abandon()
+            self.abandon()
         if not self.busy:
             self._release_files()
 
-    def _send(self, message: Mapping[str, Any]) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write((json.dumps(message) + "\n").encode())
-        self._proc.stdin.flush()
+    def send(self, message: Mapping[str, Any]) -> None:
+        self._proc.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
+        self._proc.stdin.flush()  # type: ignore[union-attr]
 
-    def _abandon(self) -> None:
+    def abandon(self) -> None:
         """Kill the server now (a worker of it follows) and never use it again."""
         self._broken = True
         if self._proc.poll() is None:  # not yet reaped: its pid is still its own
@@ -222,15 +209,14 @@ class ForkServer:
     def _release_files(self) -> None:
         for stream in (self._proc.stdin, self._proc.stdout):
             with contextlib.suppress(OSError, ValueError):
-                if stream is not None:
-                    stream.close()
+                stream.close()  # type: ignore[union-attr]
         with contextlib.suppress(OSError):
             os.close(self._log)
 
-    def _reply(self, deadline: float | None) -> dict[str, Any]:
-        """The server's next line; ``subprocess.TimeoutExpired`` past ``deadline``, `ForkServerError` at its end."""
-        assert self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
+    def _reply(self, timeout: float | None) -> dict[str, Any]:
+        """The server's next line; ``subprocess.TimeoutExpired`` past ``timeout``, `ForkServerError` at its end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self._proc.stdout.fileno()  # type: ignore[union-attr]
         poller = select.poll()  # not select.select: it cannot watch a descriptor numbered 1024 or more
         poller.register(fd, select.POLLIN)
         while b"\n" not in self._buffer:
@@ -248,20 +234,15 @@ class ForkServer:
         return reply
 
     def _tail(self) -> str:
-        try:
-            size = os.fstat(self._log).st_size
-            text = os.pread(self._log, _TAIL_CHARS * 4, max(0, size - _TAIL_CHARS * 4)).decode(errors="replace")
-        except OSError:
+        try:  # pread: the server writes through the same file offset
+            text = os.pread(self._log, 8000, max(0, os.fstat(self._log).st_size - 8000)).decode(errors="replace")
+            return text[-2000:].strip() or "(none)"
+        except (OSError, ValueError):
             return "(unreadable)"
-        return text[-_TAIL_CHARS:].strip() or "(none)"
 
 
-SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
-"""In the server's environment (and so in a forked worker's ``/proc`` one), the pid of the process it follows."""
 _OFF = frozenset({"0", "off", "false", "no"})
-_ON = frozenset({"", "1", "on", "true", "yes"})
 _warned: set[str] = set()  # values of the variable already warned about, once each
-_log = logging.getLogger(__name__)
 _shared_lock = threading.Lock()
 _shared: ForkServer | None = None
 _refused: list[tuple[dict[str, str], str]] = []  # environments a server would not start with: not tried again
@@ -275,7 +256,7 @@ def forking(env: Mapping[str, str]) -> bool:
     value = env.get(FORK_SERVER_ENV, "").strip().lower()
     if value in _OFF:
         return False
-    if value not in _ON and value not in _warned:
+    if value not in ("", "1", "on", "true", "yes") and value not in _warned:
         _warned.add(value)
         _log.warning(
             "%s=%r is neither on (1, on, true, yes) nor off (0, off, false, no); forking stays on",
@@ -285,53 +266,26 @@ def forking(env: Mapping[str, str]) -> bool:
     return True
 
 
-def warm(env: Mapping[str, str], cwd: str) -> None:
-    """Start this process's fork server for ``env`` and ``cwd`` now if it is not running: its imports are no trial's."""
-    if forking(env):
-        with _shared_lock:
-            _server_for(env, cwd)
-
-
-def fork(
-    env: Mapping[str, str], cwd: str, argv: Sequence[str], child_env: Mapping[str, str], log_path: str, parent_env: str
-) -> Forked | None:
-    """Fork a worker from this process's fork server for ``env`` and ``cwd``; ``None``: start a fresh interpreter.
-
-    ``child_env`` is the worker's environment, with ``parent_env`` set to the server's pid. The server
-    is started on first use and replaced for another environment or folder, never while a worker of it
-    runs. ``None`` where forking is off, the server would not start or does not answer, or is busy.
-    """
-    if not forking(env):
+def shared(env: Mapping[str, str], cwd: str) -> ForkServer | None:
+    """This process's fork server for ``env`` and ``cwd``: started on first use, replaced for another
+    environment or folder, never while a worker of it runs; ``None`` where forking is off, it is busy or
+    would not start (a fresh interpreter then)."""
+    global _shared
+    if not forking(env) or (dict(env), cwd) in _refused:
         return None
     with _shared_lock:
-        server = _server_for(env, cwd)
-        if server is None:
-            return None
-        try:
-            return server.spawn(argv, {**child_env, parent_env: str(server.pid)}, log_path)
-        except ForkServerError as err:
-            _log.warning("%s; this worker starts as a fresh interpreter", err)
-            return None
-
-
-def _server_for(env: Mapping[str, str], cwd: str) -> ForkServer | None:
-    """The shared server for ``env`` and ``cwd``, started or replaced as needed (the caller holds `_shared_lock`)."""
-    global _shared
-    if (dict(env), cwd) in _refused:
-        return None
-    if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
-        if _shared.busy:
-            return None  # a worker of it runs on (closing the server would end it): this one starts fresh
-        _shared.close()
-        _shared = None
-    if _shared is None:
-        try:
-            _shared = ForkServer(env, cwd)
-        except ForkServerError as err:
-            _refused.append((dict(env), cwd))
-            _log.warning("%s; trial workers start as fresh interpreters", err)
-            return None
-    return _shared
+        if _shared is not None and (_shared.env != env or _shared.cwd != cwd or not _shared.alive):
+            if _shared.busy:
+                return None  # a worker of it runs on (closing the server would end it): this one starts fresh
+            _shared.close()
+            _shared = None
+        if _shared is None:
+            try:
+                _shared = ForkServer(env, cwd)
+            except ForkServerError as err:
+                _refused.append((dict(env), cwd))
+                _log.warning("%s; trial workers start as fresh interpreters", err)
+        return _shared
 
 
 @atexit.register
@@ -344,8 +298,6 @@ def _close_shared() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-
-_PARENT_POLL_S = 1.0
 
 
 def serve(preload: Sequence[str]) -> int:
@@ -367,29 +319,14 @@ def serve(preload: Sequence[str]) -> int:
         if pid == 0:
             _child(request, replies)  # never returns
         replies.write(json.dumps({"pid": pid}) + "\n")
-        parent_gone = not requests.wait_for_exit(pid)
+        exited = requests.wait_for_exit(pid)
         # Kill what the worker left in its group, then reap it: until then its pid, so the group, is its own.
-        if parent_gone:
-            _kill_unreaped(pid)
-        else:
-            kill_group(pid)
+        kill_group(pid, leader=True)
         _, status = os.waitpid(pid, 0)
-        if parent_gone:
-            return 0
+        if not exited:
+            return 0  # the parent is gone
         replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
     return 0
-
-
-def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def _kill_unreaped(pid: int) -> None:
-    """The worker's group, and the worker itself in case it has not made its group yet."""
-    kill_group(pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
 
 
 class _Requests:
@@ -398,19 +335,19 @@ class _Requests:
     def __init__(self, parent: int) -> None:
         self._parent = parent
         self._buffer = b""
+        self._pending: list[dict[str, Any]] = []
         self._ended = False
 
     def next_spawn(self) -> dict[str, Any] | None:
-        """The next request to fork a worker; ``None`` once the parent is gone."""
+        """The next request to fork a worker (kills of workers already reported are dropped); ``None``
+        once the parent is gone."""
         while True:
-            message = self._message()
-            if message is not None and "argv" in message:
-                return message
-            if message is not None:
-                continue  # a kill for a worker that has already exited and been reported
-            came = not self._ended and self._read(_PARENT_POLL_S)
-            if not came and self._parent_gone():
+            while self._pending:
+                if "argv" in (message := self._pending.pop(0)):
+                    return message
+            if self._parent_gone():
                 return None
+            self._read(1.0)
 
     def wait_for_exit(self, pid: int) -> bool:
         """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``);
@@ -421,55 +358,33 @@ class _Requests:
             exited = None
         try:
             while True:
-                if exited is not None:
-                    readable, _, _ = select.select([exited, 0], [], [], _PARENT_POLL_S)
-                    if exited in readable:
-                        return True
-                    if 0 in readable:
-                        self._read(0.0)
-                else:
-                    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-                        return True
-                    self._read(0.05)
-                self._serve_kills(pid)
+                if exited is None and os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                    return True
+                if exited is not None and select.select([exited], [], [], 0)[0]:
+                    return True
+                self._read(0.05 if exited is None else 1.0, also=exited)
+                for message in [m for m in self._pending if "kill" in m]:
+                    self._pending.remove(message)
+                    if message["kill"] == pid:
+                        kill_group(pid, leader=True)
                 if self._parent_gone():
                     return False
         finally:
             if exited is not None:
                 os.close(exited)
 
-    def _serve_kills(self, pid: int) -> None:
-        """Act on the kill requests read so far; any other request stays for `next_spawn`."""
-        kept = []
-        while (message := self._message()) is not None:
-            if "kill" in message:
-                if message["kill"] == pid:
-                    _kill_unreaped(pid)
-            else:
-                kept.append(message)
-        self._buffer = b"".join(json.dumps(m).encode() + b"\n" for m in kept) + self._buffer
-
-    def _message(self) -> dict[str, Any] | None:
-        if b"\n" not in self._buffer:
-            return None
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        message = json.loads(line)
-        return message if isinstance(message, dict) else {}
-
     def _parent_gone(self) -> bool:
         return self._ended or os.getppid() != self._parent
 
-    def _read(self, timeout: float) -> bool:
-        """Read what stdin holds within ``timeout`` seconds; whether anything came (end of input sets `_ended`)."""
-        readable, _, _ = select.select([0], [], [], timeout)
-        if not readable:
-            return False
+    def _read(self, timeout: float, also: int | None = None) -> None:
+        """Read what stdin holds within ``timeout`` seconds (or until ``also`` is readable); its end sets `_ended`."""
+        readable, _, _ = select.select([0] if also is None else [0, also], [], [], timeout)
+        if 0 not in readable:
+            return
         chunk = os.read(0, 65536)
-        if not chunk:
-            self._ended = True
-            return False
-        self._buffer += chunk
-        return True
+        self._ended = not chunk
+        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+        self._pending += [m if isinstance(m := json.loads(line), dict) else {} for line in lines]
 
 
 def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
@@ -507,7 +422,3 @@ def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
         with contextlib.suppress(BaseException):
             ctypes.CDLL(None).fflush(None)
         os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1:]))

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
 from pathlib import Path
-
-__all__ = ["OOM_MARKERS", "OomEvidence", "is_oom_error", "kernel_log_oom_kill", "oom_evidence", "oom_kill_count"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 """Where the cgroup filesystems are mounted (a module constant so tests can point it at a fake tree)."""
@@ -29,18 +26,19 @@ def is_oom_error(err: BaseException) -> bool:
     cur: BaseException | None = err
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if isinstance(cur, torch.OutOfMemoryError):
-            return True
-        if isinstance(cur, RuntimeError) and any(m in str(cur) for m in OOM_MARKERS[:2]):
+        if isinstance(cur, torch.OutOfMemoryError) or (
+            isinstance(cur, RuntimeError) and any(m in str(cur) for m in OOM_MARKERS[:2])
+        ):
             return True
         cur = cur.__cause__ or cur.__context__
     return False
 
 
-def _cgroup_files() -> list[Path]:
-    """The files holding this process's cgroup ``oom_kill`` counter, most specific first (v2, then v1).
+def oom_kill_count() -> int | None:
+    """How many processes the out-of-memory killer has killed in this process's cgroup; ``None``: not readable.
 
-    Inside a container ``/proc/self/cgroup`` names a path outside its view: the mount's root comes next.
+    The cgroup v2 ``memory.events``, else v1's ``memory.oom_control``; inside a container
+    ``/proc/self/cgroup`` names a path outside its view, so the mount's root is read next.
     """
     try:
         lines = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()
@@ -49,26 +47,17 @@ def _cgroup_files() -> list[Path]:
     files = []
     for line in lines:
         _, controllers, path = [*line.split(":", 2), "", ""][:3]
-        rel = path.lstrip("/")
         if controllers == "":
-            files += [CGROUP_ROOT / rel / "memory.events", CGROUP_ROOT / "memory.events"]
+            files += [CGROUP_ROOT / path.lstrip("/") / "memory.events", CGROUP_ROOT / "memory.events"]
         elif "memory" in controllers.split(","):
-            files += [
-                CGROUP_ROOT / "memory" / rel / "memory.oom_control",
-                CGROUP_ROOT / "memory" / "memory.oom_control",
-            ]
-    return files
-
-
-def oom_kill_count() -> int | None:
-    """How many processes the out-of-memory killer has killed in this process's cgroup; ``None``: not readable."""
-    for path in _cgroup_files():
+            root = CGROUP_ROOT / "memory"
+            files += [root / path.lstrip("/") / "memory.oom_control", root / "memory.oom_control"]
+    for file in files:
         try:
-            text = path.read_text(encoding="utf-8")
+            text = file.read_text(encoding="utf-8")
         except OSError:
             continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
+        for key, _, value in (line.partition(" ") for line in text.splitlines()):
             if key == "oom_kill" and value.strip().isdigit():
                 return int(value)
     return None
@@ -97,34 +86,22 @@ def kernel_log_oom_kill(pid: int) -> bool | None:
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class OomEvidence:
-    """What the kernel says about a worker killed by SIGKILL."""
-
-    found: str | None
-    """Where an out-of-memory kill is recorded (``None``: nowhere that could be read)."""
-    looked: str
-    """Which records were read, or that none could be, in words."""
-
-
-def oom_evidence(pid: int, kills_before: int | None) -> OomEvidence:
-    """Whether the out-of-memory killer killed ``pid``: the cgroup's counter grew since ``kills_before``, or
-    the kernel log names the pid."""
-    kills_after = oom_kill_count()
-    in_log = kernel_log_oom_kill(pid)
+def oom_evidence(pid: int, kills_before: int | None) -> tuple[str | None, str]:
+    """For a worker killed by SIGKILL: where an out-of-memory kill of it is recorded (``None``: nowhere
+    readable), and which records were read, in words."""
+    kills_after, in_log = oom_kill_count(), kernel_log_oom_kill(pid)
     read = []
     if kills_before is not None and kills_after is not None:
         if kills_after > kills_before:
-            return OomEvidence(f"the cgroup's oom_kill counter went from {kills_before} to {kills_after}", "")
+            return f"the cgroup's oom_kill counter went from {kills_before} to {kills_after}", ""
         read.append("the cgroup's oom_kill counter")
     if in_log:
-        return OomEvidence(f"the kernel log records an out-of-memory kill of pid {pid}", "")
+        return f"the kernel log records an out-of-memory kill of pid {pid}", ""
     if in_log is not None:
         read.append("the kernel log")
-    looked = (
-        f"{' and '.join(read)} record{'s' if len(read) == 1 else ''} no out-of-memory kill"
-        if read
-        else "neither the kernel log nor the cgroup's oom_kill counter is readable here, so whether it was the "
-        "kernel's out-of-memory killer is unknown"
-    )
-    return OomEvidence(None, looked)
+    if not read:
+        return None, (
+            "neither the kernel log nor the cgroup's oom_kill counter is readable here, so whether it was the "
+            "kernel's out-of-memory killer is unknown"
+        )
+    return None, f"{' and '.join(read)} record{'s' if len(read) == 1 else ''} no out-of-memory kill"

@@ -1,105 +1,37 @@
 """The parent/child protocol of the trial worker: one typed spec per kind of measurement, as JSON.
 
-The parent (`tuner._trials.runner`) writes a spec's `Spec.to_dict` as ``SPEC.json`` and runs
-``python -m tuner._trials.worker SPEC.json RESULT.json``; the child reads it back with `parse_spec`.
-The kinds are `SPEC_TYPES`; the `RANKED_KINDS` run on the recipe's ``trainer.devices`` ranks, each
-writing its own result (`rank_result_path`). A version or kind the child does not know is a
-`ProtocolError` naming it; a mapping without a ``version`` is version 1. Recipes and policies travel
+The parent writes a spec's `Spec.to_dict` as ``SPEC.json`` and runs ``python -m tuner._trials.worker
+SPEC.json RESULT.json``; the child reads it with `parse_spec`. The ``ranked`` kinds run on the recipe's
+``trainer.devices`` ranks, each writing its own result (`rank_result_path`). Recipes and policies travel
 as their own ``to_dict`` forms and are built in the child.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = [
-    "KINDS",
-    "PARENT_PID_ENV",
-    "PROTOCOL_VERSION",
-    "RANKED_KINDS",
-    "SPEC_TYPES",
-    "SUPPORTED_VERSIONS",
-    "DeviceSpec",
-    "NumericsPayload",
-    "NumericsSpec",
-    "ProfileSpec",
-    "ProtocolError",
-    "RaceEntrant",
-    "RaceSpec",
-    "Spec",
-    "TrialSpec",
-    "parse_spec",
-    "rank_result_path",
-]
-
-PROTOCOL_VERSION = 1
-"""The version this parent writes."""
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
-"""The versions this child reads."""
 PARENT_PID_ENV = "RECOMPUTE_TUNE_PARENT_PID"
 """In a worker's environment, the pid of its parent (the tuner, or the fork server): it ends when that dies."""
 
-
-class ProtocolError(ValueError):
-    """A spec or result the other side cannot read: unknown version or kind, a missing, unknown or mistyped key."""
-
-
-_M = TypeVar("_M", bound="_Message")
 _S = TypeVar("_S", bound="Spec")
 
 
-def _check_version(what: str, version: Any) -> None:
-    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
-        raise ProtocolError(
-            f"{what}: protocol version {version!r} is not supported; this worker reads version(s) "
-            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
-        )
+class ProtocolError(ValueError):
+    """A spec the worker cannot read: an unknown kind, a missing, unknown or mistyped key."""
 
 
-def problems(err: ValidationError, valid: Iterable[str] = ()) -> str:
-    """What pydantic found wrong, as a spec's reader words it: unknown keys (and the ``valid`` ones),
-    missing keys, then each bad value."""
-    unknown, missing, values = [], [], []
-    for e in err.errors():
-        where = ".".join(map(str, e["loc"]))
-        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-            unknown.append(where)
-        elif e["type"] in ("missing", "missing_argument"):
-            missing.append(where)
-        else:
-            values.append(f"{where} = {e['input']!r:.80}: {e['msg']}")
-    out = []
-    if unknown:
-        out.append(f"unknown key(s) {sorted(unknown)}" + (f"; valid: {sorted(valid)}" if valid else ""))
-    if missing:
-        out.append(f"missing key(s) {sorted(missing)}")
-    return "; ".join(out + values)
+class Spec(BaseModel):
+    """What every spec carries; a concrete kind names itself in ``kind`` and is listed in `SPEC_TYPES`."""
 
-
-class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-    version: int = PROTOCOL_VERSION
-
-    @classmethod
-    def _parse(cls: type[_M], data: Mapping[str, Any], what: str, envelope: tuple[str, ...]) -> _M:
-        """``data`` less its ``envelope`` keys, validated; a `ProtocolError` naming every problem."""
-        try:
-            return cls.model_validate({k: v for k, v in data.items() if k not in envelope})
-        except ValidationError as err:
-            raise ProtocolError(f"{what}: {problems(err, cls.model_fields)}") from None
-
-
-class Spec(_Message):
-    """What every spec carries. A concrete kind names itself in ``kind`` and is listed in `SPEC_TYPES`."""
-
     kind: ClassVar[str] = ""
     ranked: ClassVar[bool] = False
-    """Whether the kind runs on the recipe's ``trainer.devices`` ranks (`RANKED_KINDS`)."""
+    """Whether the kind runs on the recipe's ``trainer.devices`` ranks."""
 
     deadline: float | None = None
     """When (``time.time()``) the parent kills the worker; the worker dumps its stacks just before."""
@@ -107,55 +39,38 @@ class Spec(_Message):
     """Where the parent could import the user's class_path from, appended to the child's ``sys.path``."""
 
     @property
+    def trainer(self) -> Mapping[str, Any]:
+        """The recipe's ``trainer`` section, as far as the spec has one."""
+        return {}
+
+    @property
     def runs_on(self) -> str:
-        """The accelerator the spec measures on: the recipe's ``trainer.accelerator``, or the queried one."""
-        raise NotImplementedError
+        return str(self.trainer.get("accelerator", "cpu"))
 
     @property
     def ranks(self) -> int:
-        """How many ranks run this spec: 1, or the recipe's ``trainer.devices`` for the `RANKED_KINDS`."""
-        return 1
+        return int(self.trainer.get("devices", 1)) if self.ranked else 1
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, ``kind`` included."""
         return {"kind": self.kind, **self.model_dump()}
 
     @classmethod
-    def from_dict(cls: type[_S], data: Mapping[str, Any]) -> _S:
-        """The inverse of `to_dict`; ``kind`` may be left out. `ProtocolError` for what it cannot read."""
-        what = f"{cls.kind} spec"
-        _check_version(what, data.get("version", 1))
-        if data.get("kind", cls.kind) != cls.kind:
-            raise ProtocolError(f"{what}: kind is {data['kind']!r}")
-        return cls._parse(data, what, ("kind",))
-
-    @classmethod
     def of(cls: type[_S], spec: Spec | Mapping[str, Any]) -> _S:
-        """``spec`` itself if it is one of these, else parsed from its mapping form (`from_dict`)."""
-        if isinstance(spec, cls):
-            return spec
-        if isinstance(spec, Spec):
-            raise ProtocolError(f"expected a {cls.kind} spec, got a {spec.kind} spec")
-        return cls.from_dict(spec)
+        """``spec`` itself if it is one of these, else parsed from its mapping form (``kind`` may be left out)."""
+        return cast(_S, parse_spec(spec, cls))
 
 
 class _RecipeSpec(Spec):
-    """A measurement of a recipe's model: the recipe, where it came from, and the micro-batch."""
-
     recipe: dict[str, Any]
     """`tuner.recipe.Recipe.to_dict`."""
     source: str | None = None
     """The recipe's file, for its relative paths and its error messages."""
     micro_batch: int | None = None
-    """The micro-batch to measure at; ``None``: the data module's own."""
+    """``None``: the data module's own."""
 
     @property
-    def runs_on(self) -> str:
-        return str(self.recipe.get("trainer", {}).get("accelerator", "cpu"))
-
-    @property
-    def ranks(self) -> int:
-        return int(self.recipe.get("trainer", {}).get("devices", 1)) if self.ranked else 1
+    def trainer(self) -> Mapping[str, Any]:
+        return dict(self.recipe.get("trainer", {}))
 
 
 class TrialSpec(_RecipeSpec):
@@ -164,7 +79,6 @@ class TrialSpec(_RecipeSpec):
     kind: ClassVar[str] = "trial"
     ranked: ClassVar[bool] = True
     policy: dict[str, Any]
-    """`lightning_recompute.RecomputePolicy.to_dict`."""
     warmup_steps: int
     measure_steps: int
 
@@ -175,12 +89,9 @@ class NumericsSpec(_RecipeSpec):
     kind: ClassVar[str] = "numerics"
     ranked: ClassVar[bool] = True
     policy: dict[str, Any]
-    """`lightning_recompute.RecomputePolicy.to_dict`."""
 
 
 class ProfileSpec(_RecipeSpec):
-    """The recipe's per-layer cost profile (`tuner.recipe._profile`), each layer measured ``repeats`` times."""
-
     kind: ClassVar[str] = "profile"
     repeats: int
 
@@ -189,10 +100,8 @@ class RaceEntrant(BaseModel):
     """One policy in a race: its key (the policy's fingerprint), the policy, and its glyphs."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-
     key: str
     policy: dict[str, Any]
-    """`lightning_recompute.RecomputePolicy.to_dict`."""
     short: str
 
 
@@ -204,7 +113,6 @@ class RaceSpec(_RecipeSpec):
     references: tuple[str, ...] = ()
     """Keys of the entrants the winner's "vs" figures are about."""
     budget_bytes: int | None = None
-    """An entrant peaking over it is out of the race."""
     plan: dict[str, Any] = Field(default_factory=dict)
     """`lightning_recompute.race.RacePlan.to_dict`."""
 
@@ -216,28 +124,31 @@ class DeviceSpec(Spec):
     accelerator: str
 
     @property
-    def runs_on(self) -> str:
-        return self.accelerator
+    def trainer(self) -> Mapping[str, Any]:
+        return {"accelerator": self.accelerator}
 
 
 SPEC_TYPES: Mapping[str, type[Spec]] = {
     cls.kind: cls for cls in (TrialSpec, NumericsSpec, DeviceSpec, ProfileSpec, RaceSpec)
 }
-"""Every kind of spec, by its ``kind``: the one list of them."""
-KINDS: tuple[str, ...] = tuple(SPEC_TYPES)
-RANKED_KINDS: tuple[str, ...] = tuple(kind for kind, cls in SPEC_TYPES.items() if cls.ranked)
 
 
-def parse_spec(data: Any) -> Spec:
-    """The spec a parent wrote (`Spec.to_dict`), as its kind's class; `ProtocolError` for what it cannot read."""
+def parse_spec(data: Any, expected: type[Spec] | None = None) -> Spec:
+    """The spec a parent wrote (`Spec.to_dict`) as its kind's class; a `ProtocolError` naming every problem."""
+    if isinstance(data, Spec):
+        return data
     if not isinstance(data, Mapping):
         raise ProtocolError(f"a spec is a JSON object, got {type(data).__name__}")
-    kind = data.get("kind")
-    _check_version(f"{kind} spec" if isinstance(kind, str) else "spec", data.get("version", 1))
+    kind = data.get("kind", expected and expected.kind)
     cls = SPEC_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown spec kind {kind!r}; valid: {', '.join(KINDS)}")
-    return cls.from_dict(data)
+    if cls is None or cls is not (expected or cls):
+        valid = expected.kind if expected else ", ".join(SPEC_TYPES)
+        raise ProtocolError(f"unknown spec kind {kind!r}; valid: {valid}")
+    try:
+        return cls.model_validate({k: v for k, v in data.items() if k != "kind"})
+    except ValidationError as err:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+        raise ProtocolError(f"{kind} spec: {'; '.join(problems)}") from None
 
 
 def rank_result_path(result_path: Path, rank: int) -> Path:
@@ -245,29 +156,17 @@ def rank_result_path(result_path: Path, rank: int) -> Path:
     return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
 
 
-class NumericsPayload(_Message):
-    """A ``numerics`` worker's measurement (its result's ``outcome`` is ``ok``)."""
+@dataclass(frozen=True)
+class NumericsResult:
+    """Whether a policy changes one training step's loss, gradients or module state."""
 
     equal: bool
-    """Loss and every gradient equal to the run without recompute (bitwise, or within a stated tolerance)."""
+    """Equal to training without recomputation: bitwise, or within the spread of two runs without it."""
     max_abs_diff: float
-    baseline_spread: float = 0.0
-    """The largest absolute difference between two runs without recompute."""
-    micro_batch: int | None = None
-    """The micro-batch compared."""
+    """The largest absolute difference from the run without recomputation."""
     detail: str
-    device: str = ""
-    device_total_bytes: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The worker's result: ``outcome`` ``ok`` and every field (JSON-ready)."""
-        return {"outcome": "ok", **self.model_dump()}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NumericsPayload:
-        """The inverse of `to_dict`, past the result's ``outcome`` and ``rank``; `ProtocolError` if unreadable."""
-        what = "numerics result"
-        _check_version(what, data.get("version", 1))
-        if data.get("outcome", "ok") != "ok":
-            raise ProtocolError(f"{what}: outcome {data['outcome']!r} carries no measurement")
-        return cls._parse(data, what, ("outcome", "rank"))
+    """What was compared (at which micro-batch), or what differed and where."""
+    baseline_spread: float = 0.0
+    """The largest absolute difference between two runs without recomputation (0.0: reproducible)."""
+    micro_batch: int | None = None
+    """The micro-batch compared: the requested one, or a smaller one where no recompute fits."""

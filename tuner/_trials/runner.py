@@ -1,9 +1,5 @@
-"""Parent side of the child protocol: run one measurement in a fresh subprocess and classify what happened.
-
-Each measurement runs ``python -m tuner._trials.worker SPEC.json RESULT.json`` in its own session, so
-whatever the model does (run out of memory, crash, hang) ends that process only, and its whole group is
-killed at the deadline. Trial failures are results (``oom``, ``timeout``, ``error``), never exceptions.
-One-rank CPU workers are forked from a warm fork server instead (`tuner._trials.forkserver`).
+"""Parent side of the child protocol: run one measurement in its own process group, killed whole at the
+deadline, so that whatever the model does ends that process only; trial failures are results, never exceptions.
 """
 
 from __future__ import annotations
@@ -24,22 +20,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from tuner._liveness import Owner, kill_point
 from tuner._trials import forkserver
 from tuner._trials.forkserver import SERVER_PARENT_ENV, Forked
-from tuner._trials.oom import OOM_MARKERS, OomEvidence, oom_evidence, oom_kill_count
+from tuner._trials.oom import OOM_MARKERS, oom_evidence, oom_kill_count
 from tuner._trials.protocol import (
     PARENT_PID_ENV,
-    RANKED_KINDS,
     DeviceSpec,
-    NumericsPayload,
+    NumericsResult,
     NumericsSpec,
     ProfileSpec,
-    ProtocolError,
     RaceEntrant,
     RaceSpec,
     Spec,
@@ -65,8 +59,6 @@ _OWNER_FILE = "owner.json"
 _WORKER_FILE = "worker.json"
 TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
 """The worker's trial folder, in its environment and so in everything it starts (`trial_processes`)."""
-_NUMERICS_TIMEOUT_S = 600.0
-_DEVICE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -80,85 +72,38 @@ class TrialResult:
     """Median wall-clock seconds of the measured steps (warm-up excluded)."""
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
-    """``None`` when the batch holds no token ids."""
     throughput: float | None = None
     """`tokens_per_s` when the batch has tokens, else `samples_per_s`: the search's objective."""
     throughput_unit: str = "samples/s"
     step_times_s: tuple[float, ...] = ()
-    """Every measured step's seconds, in order."""
     wall_s: float = 0.0
-    """Seconds the whole subprocess took, startup included."""
     compile_s: float | None = None
     """Seconds torch.compile spent on the policy's layers (in warm-up); ``None`` when it does not compile."""
     error: str | None = None
-    """One line saying what went wrong (``None`` for ``ok``)."""
     stderr_tail: str | None = None
-    """The end of the worker's output when it failed or was killed."""
     device: str = ""
     device_total_bytes: int | None = None
-    """``None`` on CPU."""
     rank_peak_bytes: tuple[int, ...] = ()
     """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum)."""
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The machine while the trial ran (`race.machine.machine_state`)."""
+    """`race.machine.machine_state` while the trial ran."""
     batches: dict[str, Any] | None = None
-    """The scan of the data module's first batches (`tuner._trials.batches.BatchScan`); ``None``: not measured."""
+    """`tuner._trials.batches.BatchScan`'s fields; ``None``: not measured."""
 
     @property
     def noise(self) -> Spread | None:
-        """The spread of the measured step times: how loud the machine was (``None`` without any)."""
+        """How loud the machine was."""
         from lightning_recompute.race.stats import spread
 
         return spread(self.step_times_s) if self.step_times_s else None
 
     @property
     def measured(self) -> bool:
-        """Whether the trial produced memory and speed figures (``ok`` or ``over_budget``)."""
         return self.outcome in ("ok", "over_budget")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only (JSON-ready)."""
-        d = dataclasses.asdict(self)
-        d["step_times_s"] = list(self.step_times_s)
-        d["rank_peak_bytes"] = list(self.rank_peak_bytes)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
-        """The inverse of `to_dict`; unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise RecomputeError(f"trial result: unknown key(s) {unknown}; valid: {sorted(names)}")
-        if data.get("outcome") not in get_args(Outcome):
-            raise RecomputeError(
-                f"trial result: outcome {data.get('outcome')!r}; valid: {', '.join(get_args(Outcome))}"
-            )
-        values = dict(data)
-        values["step_times_s"] = tuple(values.get("step_times_s", ()))
-        values["rank_peak_bytes"] = tuple(int(v) for v in values.get("rank_peak_bytes", ()))
-        return cls(**values)
 
     @classmethod
     def skipped(cls, reason: str, *, device: str = "", device_total_bytes: int | None = None) -> TrialResult:
-        """A trial not run, and why (e.g. the planner predicts it far over budget)."""
         return cls(outcome="skipped", error=reason, device=device, device_total_bytes=device_total_bytes)
-
-
-@dataclass(frozen=True)
-class NumericsResult:
-    """Whether a policy changes one training step's loss, gradients or module state."""
-
-    equal: bool
-    """Equal to training without recomputation: bitwise, or within the spread of two runs without it."""
-    max_abs_diff: float
-    """The largest absolute difference from the run without recomputation."""
-    detail: str
-    """What was compared (at which micro-batch), or what differed and where."""
-    baseline_spread: float = 0.0
-    """The largest absolute difference between two runs without recomputation (0.0: reproducible)."""
-    micro_batch: int | None = None
-    """The micro-batch compared: the requested one, or a smaller one where no recompute fits."""
 
 
 def run_trial(
@@ -173,31 +118,33 @@ def run_trial(
 ) -> TrialResult:
     """Train ``recipe``'s model under ``policy`` for warm-up plus measured steps (default: ``recipe.trial``).
 
-    Never raises for what the trial does: an outcome says it, and a peak above ``budget_bytes`` is
-    ``over_budget``. Any exception in the parent while waiting (Ctrl-C) kills the trial and propagates.
+    A peak above ``budget_bytes`` is ``over_budget``; an exception while waiting (Ctrl-C) kills the trial.
     """
     warmup = recipe.trial.warmup_steps if warmup_steps is None else int(warmup_steps)
     measure = recipe.trial.measure_steps if measure_steps is None else int(measure_steps)
     if warmup < 0 or measure < 1:
         raise RecomputeError(f"warmup_steps must be >= 0 and measure_steps >= 1, got {warmup} and {measure}")
-    limit = recipe.trial.timeout_s if timeout_s is None else float(timeout_s)
     spec = TrialSpec(
         **_recipe_fields(recipe, micro_batch), policy=policy.to_dict(), warmup_steps=warmup, measure_steps=measure
     )
-    run = _run_worker(spec, limit, recipe.trial.env)
-    res = run.result
+    run = _run_worker(spec, recipe.trial.timeout_s if timeout_s is None else float(timeout_s), recipe.trial.env)
     outcome: Outcome
-    if run.timed_out:
-        outcome, error = "timeout", f"no result within {limit:g} s; the trial's process group was killed"
-    elif res is not None and res.get("outcome") == "ok":
+    if run.payload is not None:
         try:
-            return _measured(res, wall_s=run.wall_s, budget_bytes=budget_bytes)
+            return _measured(run.payload, wall_s=run.wall_s, budget_bytes=budget_bytes)
         except (KeyError, TypeError, ValueError) as err:
             outcome, error = "error", f"malformed worker result: {err!r}"
     else:
-        outcome, error = _classify_failure(run)
+        outcome, error = run.failure("trial")
+    res = run.result or {}
+    unknown = "cpu" if recipe.trainer.accelerator == "cpu" else ""  # off the CPU, probing would cost a subprocess
     return TrialResult(
-        outcome=outcome, wall_s=run.wall_s, error=error, stderr_tail=run.tail, **_device_fields(recipe, res)
+        outcome=outcome,
+        wall_s=run.wall_s,
+        error=error,
+        stderr_tail=run.tail,
+        device=str(res.get("device", unknown)),
+        device_total_bytes=res.get("device_total_bytes"),
     )
 
 
@@ -214,10 +161,8 @@ def run_race(
 ) -> RaceResult:
     """Race ``entrants`` (a policy and its labels) interleaved on one model, in one subprocess.
 
-    How: `lightning_recompute.race.engine`. Equal policies race once, their labels merged; ``references``
-    (entrants too) are what the winner's "vs" figures are about; ``layer_names`` give each policy's glyphs;
-    an entrant peaking over ``budget_bytes`` is out. ``plan`` defaults to ``recipe.race``, ``timeout_s`` to a
-    trial's timeout plus twice the race's time. A worker that fails gives a ``failed`` result, never raises.
+    Equal policies race once, their labels merged; ``references`` are what the winner's "vs" figures are
+    about; ``timeout_s`` defaults to a trial's timeout plus twice the race's time.
     """
     from lightning_recompute.race import RaceResult
 
@@ -239,14 +184,11 @@ def run_race(
     )
     limit = float(timeout_s) if timeout_s is not None else float(recipe.trial.timeout_s) + 2.0 * plan.time_s
     run = _run_worker(spec, limit, recipe.trial.env)
-    if run.timed_out:
-        return RaceResult(outcome="failed", reason=f"no result within {limit:g} s; the race's process group was killed")
-    res = run.result
-    if res is None or res.get("outcome") != "ok":
-        outcome, error = _classify_failure(run)
+    if run.payload is None:
+        outcome, error = run.failure("race")
         return RaceResult(outcome="failed", reason=f"the race ended {outcome}: {error}")
     try:
-        return RaceResult.from_worker(res, labels, {k: p.to_dict() for k, p in policies.items()})
+        return RaceResult.from_worker(run.payload, labels, {k: p.to_dict() for k, p in policies.items()})
     except (KeyError, TypeError, ValueError) as err:
         return RaceResult(outcome="failed", reason=f"malformed race result: {err!r}")
 
@@ -254,75 +196,45 @@ def run_race(
 def check_numerics(
     recipe: Recipe, policy: RecomputePolicy, *, micro_batch: int | None = None, timeout_s: float | None = None
 ) -> NumericsResult:
-    """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged.
+    """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged
+    (`tuner._trials.worker._numerics`); a check that cannot run is not equal, with the reason.
 
-    In a subprocess, in deterministic mode: one step without recompute, with ``policy`` and without
-    again, compared bitwise, or off CPU within the two baselines' spread (`tuner._trials.worker._numerics`).
-    Where no recompute runs out of memory, the batch is halved down to one sample. A check that cannot
-    run is not equal, with the reason. The rules: docs/TUNER.md, "What the gate guarantees".
+    Where no recompute runs out of memory the batch is halved: by the worker on one device, here on N
+    ranks (one rank's out-of-memory error ends every rank).
     """
-    limit = _NUMERICS_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    end = time.monotonic() + (600.0 if timeout_s is None else float(timeout_s))
     # cuBLAS reads this when its handle is created, so it must be in the starting environment. Not on the
     # CPU: an environment unlike the trials' would cost the fork server a restart.
     cublas = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if recipe.trainer.accelerator != "cpu" else {}
-    env = {**cublas, **recipe.trial.env}
-    if recipe.trainer.devices > 1:
-        run, skipped = _numerics_on_ranks(recipe, policy, micro_batch, limit, env)
-    else:
-        run, skipped = _run_worker(_numerics_spec(recipe, policy, micro_batch), limit, env), []
-    res = run.result
-    if not run.timed_out and res is not None and res.get("outcome") == "ok":
-        halved = f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
-        try:
-            got = NumericsPayload.from_dict(res)
-        except ProtocolError as err:
-            return NumericsResult(equal=False, max_abs_diff=float("inf"), detail=f"malformed numerics result: {err}")
-        return NumericsResult(
-            equal=got.equal,
-            max_abs_diff=got.max_abs_diff,
-            detail=got.detail + halved,
-            baseline_spread=got.baseline_spread,
-            micro_batch=got.micro_batch,
-        )
-    if run.timed_out:
-        why = f"the numerics check did not finish within {limit:g} s"
-    else:
-        why = f"the numerics check failed ({_classify_failure(run)[1]})"
-    tail = _last_lines(run.tail, 5)
-    return NumericsResult(equal=False, max_abs_diff=float("inf"), detail=f"{why}{': ' + tail if tail else ''}")
-
-
-def _numerics_on_ranks(
-    recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None, limit: float, env: Mapping[str, str]
-) -> tuple[_WorkerRun, list[int]]:
-    """The numerics check on N ranks, one launch per micro-batch, halved while a rank runs out of memory.
-
-    Halved here, not in the worker: one rank's out-of-memory error ends every rank. Returns the last
-    run and the sizes that did not fit.
-    """
-    from tuner.recipe._build import data_batch_size
-
-    end = time.monotonic() + limit
-    size = micro_batch
-    skipped: list[int] = []
+    size, skipped = micro_batch, []
     while True:
-        run = _run_worker(_numerics_spec(recipe, policy, size), max(1.0, end - time.monotonic()), env)
-        res = run.result
+        spec = NumericsSpec(**_recipe_fields(recipe, size), policy=policy.to_dict())
+        run = _run_worker(spec, max(1.0, end - time.monotonic()), {**cublas, **recipe.trial.env})
+        if recipe.trainer.devices == 1 or run.timed_out or (run.result or {}).get("outcome") != "oom":
+            break
+        from tuner.recipe._build import data_batch_size
+
         current = size if size is not None else data_batch_size(recipe)
-        if run.timed_out or res is None or res.get("outcome") != "oom" or current is None or current <= 1:
-            return run, skipped
+        if current is None or current <= 1:
+            break
         skipped.append(current)
         size = current // 2
+    if run.payload is None:
+        outcome, error = run.failure("numerics check")
+        tail = f": {_last_lines(run.tail, 5)}" if run.tail.strip() else ""
+        return NumericsResult(False, float("inf"), f"the numerics check ended {outcome}: {error}{tail}")
+    try:
+        got = NumericsResult(**{f.name: run.payload[f.name] for f in dataclasses.fields(NumericsResult)})
+    except (KeyError, TypeError) as err:
+        return NumericsResult(False, float("inf"), f"malformed numerics result: {err!r}")
+    halved = f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+    return dataclasses.replace(got, detail=got.detail + halved)
 
 
 def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: int = 3) -> Profile:
-    """The per-layer cost profile of ``recipe``'s model on its device.
+    """The per-layer cost profile of ``recipe``'s model on its device; `RecomputeError` saying why it failed.
 
-    On CPU it runs here; on an accelerator in the worker (deadline twice a trial's): a CUDA context in
-    the tuning process would hold device memory that every trial then lacks.
-
-    Raises:
-        RecomputeError: the profile could not be taken (the message says why).
+    On an accelerator in the worker: a CUDA context here would hold device memory that every trial then lacks.
     """
     from lightning_recompute.profile import Profile
 
@@ -331,65 +243,43 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
         from tuner.recipe._profile import profile_recipe_here
 
         # On the device a worker would see: the recipe's cap on the CPU.
-        cap = recipe.trial.env.get(CPU_MEMORY_LIMIT)
-        before = os.environ.get(CPU_MEMORY_LIMIT)
-        if cap is not None:
-            os.environ[CPU_MEMORY_LIMIT] = cap
+        cap, before = recipe.trial.env.get(CPU_MEMORY_LIMIT), os.environ.get(CPU_MEMORY_LIMIT)
+        os.environ.update({CPU_MEMORY_LIMIT: cap} if cap is not None else {})
         try:
             return profile_recipe_here(recipe, micro_batch, repeats)
         finally:
-            if cap is not None:
-                if before is None:
-                    os.environ.pop(CPU_MEMORY_LIMIT, None)
-                else:
-                    os.environ[CPU_MEMORY_LIMIT] = before
-    limit = recipe.trial.timeout_s * 2
-    run = _run_worker(ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats), limit, recipe.trial.env)
-    res = run.result
-    if run.timed_out:
-        raise RecomputeError(f"profiling did not finish within {limit:g} s; its process group was killed")
-    if res is None or res.get("outcome") != "ok":
-        why = (res or {}).get("error") or _classify_failure(run)[1]
-        raise RecomputeError(f"profiling failed: {why}")
-    return Profile.from_dict(res["profile"])
+            if before is None:
+                os.environ.pop(CPU_MEMORY_LIMIT, None)
+            else:
+                os.environ[CPU_MEMORY_LIMIT] = before
+    spec = ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats)
+    run = _run_worker(spec, recipe.trial.timeout_s * 2, recipe.trial.env)
+    if run.payload is None:
+        raise RecomputeError(f"profiling failed: {run.failure('profile')[1]}")
+    return Profile.from_dict(run.payload["profile"])
 
 
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
-    """The device a trial of ``recipe`` runs on: ``("cpu", None)`` or ``(name, total bytes)``.
-
-    CUDA is queried in a subprocess, once per accelerator setting, so that the tuning process holds no
-    CUDA context.
-
-    Raises:
-        RecomputeError: the accelerator names a device this machine cannot use.
-    """
-    if recipe.trainer.accelerator == "cpu":
-        return "cpu", None
-    return _probe_device(recipe.trainer.accelerator)
+    """``("cpu", None)`` or ``(name, total bytes)``; CUDA is queried in a subprocess, so that this process
+    holds no CUDA context."""
+    return ("cpu", None) if recipe.trainer.accelerator == "cpu" else _probe_device(recipe.trainer.accelerator)
 
 
 @functools.cache
 def _probe_device(accelerator: str) -> tuple[str, int | None]:
-    run = _run_worker(DeviceSpec(accelerator=accelerator), _DEVICE_TIMEOUT_S)
-    res = run.result
-    if run.timed_out or res is None or res.get("outcome") != "ok":
-        why = (res or {}).get("error") or _last_lines(run.tail, 3) or "no result"
-        raise RecomputeError(f"trainer.accelerator: cannot query the {accelerator!r} device: {why}")
-    return str(res["device"]), res.get("device_total_bytes")
+    run = _run_worker(DeviceSpec(accelerator=accelerator), 120.0)
+    if run.payload is None:
+        raise RecomputeError(f"trainer.accelerator: cannot query the {accelerator!r} device: {run.failure('query')[1]}")
+    return str(run.payload["device"]), run.payload.get("device_total_bytes")
 
 
 def _recipe_fields(recipe: Recipe, micro_batch: int | None) -> dict[str, Any]:
-    """The fields every spec about ``recipe`` carries."""
     return {
         "recipe": recipe.to_dict(),
         "source": None if recipe.source is None else str(recipe.source),
         "micro_batch": micro_batch,
         "sys_path": (os.getcwd(), str(recipe.folder)),
     }
-
-
-def _numerics_spec(recipe: Recipe, policy: RecomputePolicy, micro_batch: int | None) -> NumericsSpec:
-    return NumericsSpec(**_recipe_fields(recipe, micro_batch), policy=policy.to_dict())
 
 
 @dataclass(frozen=True)
@@ -399,8 +289,40 @@ class _WorkerRun:
     tail: str
     wall_s: float
     timed_out: bool
-    oom: OomEvidence | None = None
-    """For a worker killed by SIGKILL (not at its deadline): what the kernel says about out-of-memory kills."""
+    limit: float = 0.0
+    oom: tuple[str | None, str] | None = None
+    """For a worker killed by SIGKILL (not at its deadline): what the kernel says (`oom.oom_evidence`)."""
+
+    @property
+    def payload(self) -> dict[str, Any] | None:
+        """The result when it is a measurement."""
+        return self.result if not self.timed_out and (self.result or {}).get("outcome") == "ok" else None
+
+    def failure(self, what: str) -> tuple[Outcome, str]:
+        """``(outcome, one-line error)`` for a worker that produced no measurement."""
+        res, code = self.result, self.returncode
+        if self.timed_out:
+            return "timeout", f"no result within {self.limit:g} s; the {what}'s process group was killed"
+        if res is not None and res.get("outcome") in ("oom", "error", "nonfinite"):
+            return res["outcome"], str(res.get("error") or "the worker reported an error")
+        if any(marker in self.tail for marker in OOM_MARKERS):
+            return "oom", "out of memory (the worker died before writing a result)"
+        if code is None or code >= 0:
+            said = _last_lines(self.tail, 1) or "no output"
+            return "error", f"the worker exited with status {code} without a result: {said}"
+        try:
+            sig = signal.Signals(-code).name
+        except ValueError:
+            sig = f"signal {-code}"
+        if -code != signal.SIGKILL:
+            return "error", f"the worker was killed by {sig}: {_crash_summary(self.tail)}"
+        # Not ours (a timeout is handled above). The kernel's out-of-memory killer sends it, but so do
+        # `kill -9`, schedulers and container runtimes: oom only where the kernel records it.
+        found, looked = self.oom or (None, "")
+        if found is not None:
+            return "oom", f"the worker was killed by signal {-code} ({sig}) for out of memory: {found}"
+        looked = f"; {looked}" if looked else ""
+        return "error", f"the worker was killed by signal {-code} ({sig}) from outside the tuner{looked}"
 
 
 def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = None) -> _WorkerRun:
@@ -410,71 +332,65 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.log"
         # Whose folder this is: once this owner is dead, the next run here removes it (`clean_stale_trial_dirs`).
         (folder / _OWNER_FILE).write_text(json.dumps(Owner.me().to_dict()), encoding="utf-8")
-        base_env = _worker_env(env or {})
-        fork = _forkable(spec)
-        if fork:
-            # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
-            forkserver.warm(base_env, os.getcwd())
+        base_env = {**os.environ, **(env or {})}
+        # The folder holding the `tuner` package, so `-m tuner._trials.worker` imports this very tuner.
+        root = str(Path(__file__).resolve().parents[2])
+        base_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, base_env.get("PYTHONPATH", "")) if p)
+        base_env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last words reach the log
+        base_env["PYTHONFAULTHANDLER"] = "1"  # a segfault or abort() leaves a Python traceback in the log
+        # Started (on first use) before the clock and the deadline: the server's imports are not the trial's.
+        server = forkserver.shared(base_env, os.getcwd()) if _forkable(spec) else None
         start = time.monotonic()
         spec = spec.model_copy(update={"deadline": time.time() + timeout_s})
         spec_path.write_text(json.dumps(spec.to_dict()), encoding="utf-8")
         kills_before = oom_kill_count()
-        proc = _start_worker([str(spec_path), str(result_path)], log_path, base_env, folder, fork=fork)
+        argv = [str(spec_path), str(result_path)]
+        env_ = {**base_env, TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())}
+        proc: subprocess.Popen[bytes] | Forked | None = None
+        if server is not None:
+            proc = server.spawn(argv, {**env_, PARENT_PID_ENV: str(server.pid)}, str(log_path))
+        if proc is None:
+            with open(log_path, "wb") as log:
+                # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tuner._trials.worker", *argv],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: one killpg ends it and its children
+                    env=env_,
+                )
         timed_out = False
         try:
+            # For `trial_processes` to find what it leaves running.
+            record = {"pid": proc.pid, "forked": isinstance(proc, Forked)}
+            (folder / _WORKER_FILE).write_text(json.dumps(record), encoding="utf-8")
             kill_point("trial" if spec.kind == "trial" else "")  # a test hook; see tuner._liveness
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
             # Also reaps anything the worker left behind (data-loader workers, compile helpers).
-            _kill_group(proc)
+            if isinstance(proc, Forked):
+                proc.kill_group()
+            else:
+                forkserver.kill_group(proc.pid)
+            proc.wait()
         wall = time.monotonic() - start
         if spec.ranks == 1:
             result = _read_result(result_path)
         else:
-            paths = [rank_result_path(result_path, r) for r in range(spec.ranks)]
-            result = merge_ranks(spec.kind, [_read_result(p) for p in paths])
+            result = merge_ranks(spec.kind, [_read_result(rank_result_path(result_path, r)) for r in range(spec.ranks)])
         killed = not timed_out and proc.returncode == -signal.SIGKILL
         return _WorkerRun(
-            returncode=proc.returncode,
-            result=result,
-            tail=_tail(log_path),
-            wall_s=wall,
-            timed_out=timed_out,
-            oom=oom_evidence(proc.pid, kills_before) if killed else None,
+            proc.returncode,
+            result,
+            _tail(log_path),
+            wall,
+            timed_out,
+            timeout_s,
+            oom_evidence(proc.pid, kills_before) if killed else None,
         )
-
-
-def _start_worker(
-    argv: Sequence[str], log_path: Path, base_env: Mapping[str, str], folder: Path, *, fork: bool
-) -> subprocess.Popen[bytes] | Forked:
-    """Start the worker on ``argv``: forked from the fork server if ``fork`` and it can, else a fresh interpreter.
-
-    Its pid and how it started go to the trial folder, for `trial_processes` to find what it leaves running.
-    """
-    env = {**base_env, TRIAL_DIR_ENV: str(folder), PARENT_PID_ENV: str(os.getpid())}
-    proc: subprocess.Popen[bytes] | Forked | None = None
-    if fork:
-        proc = forkserver.fork(base_env, os.getcwd(), argv, env, str(log_path), parent_env=PARENT_PID_ENV)
-    if proc is None:
-        with open(log_path, "wb") as log:
-            # Output goes to a file, not a pipe: a child blocked on a full pipe would look hung.
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tuner._trials.worker", *argv],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: one killpg ends it and its children
-                env=env,
-            )
-    try:
-        record = {"pid": proc.pid, "forked": isinstance(proc, Forked)}
-        (folder / _WORKER_FILE).write_text(json.dumps(record), encoding="utf-8")
-    except BaseException:
-        _kill_group(proc)
-        raise
-    return proc
 
 
 def _forkable(spec: Spec) -> bool:
@@ -493,21 +409,17 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """One result from the per-rank results of a multi-rank run (``None``: a rank missing, no failure said why).
 
-    A rank out of memory makes the run ``oom`` (others killed waiting for it wrote nothing), another
-    failure ``error``, naming the rank. A trial's steps merge step by step: the slowest rank's time,
-    the highest peak, the sum of samples and tokens (throughput is global), and each rank's peak
-    (``rank_peak_bytes``). A numerics check is equal only if it is on every rank.
+    A rank out of memory makes the run ``oom`` (others killed waiting for it wrote nothing). Steps merge
+    to the slowest rank's time, the highest peak and every rank's samples (throughput is global).
     """
     failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None and rep.get("outcome") != "ok"]
     if failed:
         rank, rep = next(((r, f) for r, f in failed if f.get("outcome") == "oom"), failed[0])
         error = f"rank {rank} of {len(reports)}: {rep.get('error') or 'failed'}"
         return {**rep, "outcome": rep.get("outcome", "error"), "error": error}
-    if any(rep is None for rep in reports):
-        return None
     done = [dict(rep) for rep in reports if rep is not None]
-    if kind == "trial":
-        return {**done[0], **_merge_steps([rep["steps"] for rep in done])}
+    if len(done) < len(reports):
+        return None
     if kind == "numerics":
         unequal = [f"rank {r}: {rep['detail']}" for r, rep in enumerate(done) if not rep["equal"]]
         return {
@@ -517,10 +429,7 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
             "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
             "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
         }
-    raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: {', '.join(RANKED_KINDS)}")
-
-
-def _merge_steps(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    per_rank = [rep["steps"] for rep in done]
     steps = []
     for column in zip(*per_rank, strict=False):  # a rank with fewer records: the shortest decides
         peaks = [int(s["peak_bytes"]) for s in column if s.get("peak_bytes") is not None]
@@ -530,22 +439,18 @@ def _merge_steps(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> dict[str, A
                 "seconds": max(float(s["seconds"]) for s in column),
                 "peak_bytes": max(peaks) if peaks else None,
                 "samples": sum(int(s["samples"]) for s in column),
-                "tokens": None if any(t is None for t in tokens) else sum(int(t) for t in tokens if t is not None),
+                "tokens": None if None in tokens else sum(int(t) for t in tokens),
             }
         )
-    rank_peaks = [[int(s["peak_bytes"]) for s in steps if s.get("peak_bytes") is not None] for steps in per_rank]
-    return {"steps": steps, "rank_peak_bytes": [max(p) for p in rank_peaks] if all(rank_peaks) else []}
+    rank_peaks = [[int(s["peak_bytes"]) for s in rank if s.get("peak_bytes") is not None] for rank in per_rank]
+    return {**done[0], "steps": steps, "rank_peak_bytes": [max(p) for p in rank_peaks] if all(rank_peaks) else []}
 
 
 def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
-    """Remove the trial folders of dead owners on this host, ending what their workers left; the folders removed.
-
-    A SIGKILLed tuning process cannot remove its own. Only a folder whose recorded owner ran on this host
-    and is gone is touched, never one without an owner record (it may be being created).
-    """
-    root = Path(tmp_root) if tmp_root is not None else Path(tempfile.gettempdir())
+    """Remove the trial folders of dead owners on this host (a SIGKILLed tuner cannot), ending what their
+    workers left; never one without an owner record (it may be being created)."""
     removed = []
-    for folder in sorted(root.glob(f"{_DIR_PREFIX}*")):
+    for folder in sorted(Path(tmp_root or tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*")):
         try:
             owner = Owner.from_dict(json.loads((folder / _OWNER_FILE).read_text(encoding="utf-8")))
         except (OSError, ValueError):
@@ -565,9 +470,8 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
 def trial_processes(folder: Path) -> list[int]:
     """The processes still running for the trial folder ``folder`` (read from ``/proc``; elsewhere none).
 
-    A fresh worker and what it started have the folder in their environment. A forked worker's ``/proc``
-    environment is the fork server's: those are the processes in the session the folder records whose
-    server parent is the folder's owner (both, so that a reused pid alone names nobody).
+    A fresh worker and what it started have the folder in their environment; a forked one has the fork
+    server's, so those are the processes in the recorded session whose server parent is the folder's owner.
     """
     found = set(_pids_with_env(TRIAL_DIR_ENV, str(folder)))
     try:
@@ -593,13 +497,7 @@ def _pids(matches: Callable[[Path], bool]) -> list[int]:
 
 
 def _pids_in_session(session: int) -> list[int]:
-    def in_session(entry: Path) -> bool:
-        stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
-        # "pid (comm) state ppid pgrp session ...": the command may hold spaces and parentheses.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return len(fields) > 3 and fields[3] == str(session)
-
-    return _pids(in_session)
+    return _pids(lambda entry: os.getsid(int(entry.name)) == session)
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
@@ -608,29 +506,10 @@ def _pids_with_env(name: str, value: str) -> list[int]:
     return _pids(lambda entry: needle in (entry / "environ").read_bytes().split(b"\0"))
 
 
-def _worker_env(extra: Mapping[str, str]) -> dict[str, str]:
-    env = {**os.environ, **extra}
-    # The folder holding the `tuner` package, so `-m tuner._trials.worker` imports this very tuner.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last words reach the log
-    env["PYTHONFAULTHANDLER"] = "1"  # a segfault or abort() leaves a Python traceback in the log
-    return env
-
-
-def _kill_group(proc: subprocess.Popen[bytes] | Forked) -> None:
-    if isinstance(proc, Forked):
-        proc.kill_group()
-    else:
-        forkserver.kill_group(proc.pid)
-    proc.wait()
-
-
 def _tail(path: Path) -> str:
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 4 * _TAIL_CHARS))
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4 * _TAIL_CHARS))
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
@@ -642,31 +521,6 @@ def _tail(path: Path) -> str:
 
 def _last_lines(text: str, n: int) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-n:] if line.strip())
-
-
-def _classify_failure(run: _WorkerRun) -> tuple[Outcome, str]:
-    """``(outcome, one-line error)`` for a worker that produced no measurement."""
-    res = run.result
-    if res is not None and res.get("outcome") in ("oom", "error", "nonfinite"):
-        return res["outcome"], str(res.get("error") or "the worker reported an error")
-    if any(marker in run.tail for marker in OOM_MARKERS):
-        return "oom", "out of memory (the worker died before writing a result)"
-    code = run.returncode
-    if code is not None and code < 0:
-        try:
-            sig = signal.Signals(-code).name
-        except ValueError:
-            sig = f"signal {-code}"
-        if -code == signal.SIGKILL:
-            # Not ours (a timeout is handled before this). The kernel's out-of-memory killer sends it, but so
-            # do `kill -9`, schedulers and container runtimes: oom only where the kernel records it.
-            evidence = run.oom
-            if evidence is not None and evidence.found is not None:
-                return "oom", f"the worker was killed by signal {-code} ({sig}) for out of memory: {evidence.found}"
-            looked = f"; {evidence.looked}" if evidence is not None else ""
-            return "error", f"the worker was killed by signal {-code} ({sig}) from outside the tuner{looked}"
-        return "error", f"the worker was killed by {sig}: {_crash_summary(run.tail)}"
-    return "error", f"the worker exited with status {code} without a result: {_last_lines(run.tail, 1) or 'no output'}"
 
 
 def _crash_summary(tail: str) -> str:
@@ -700,12 +554,8 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
 def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
     """Peak memory and median speed from per-step records ``{seconds, peak_bytes, samples, tokens}``.
 
-    Warm-up steps count for memory (a real job runs them too) but not for time (one-off costs). Where
-    some steps after the warm-up ran without the memory meter (``peak_bytes`` None: the CPU worker),
-    only those are timed, so that the meter's own cost is no part of the figure.
-
-    Raises:
-        ValueError: no step after the warm-up.
+    Warm-up counts for memory (a real job runs it too), not time; where some later steps ran unmetered
+    (``peak_bytes`` None: the CPU worker), only those are timed, so that the meter's cost is not in it.
     """
     measured = list(steps[warmup_steps:])
     if not measured:
@@ -714,12 +564,9 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
     times = [float(s["seconds"]) for s in measured]
     step_time = statistics.median(times)
     peaks = [int(s["peak_bytes"]) for s in steps if s.get("peak_bytes") is not None]
-    samples = statistics.median(int(s["samples"]) for s in measured)
-    tokens_seen = [int(s["tokens"]) for s in measured if s.get("tokens") is not None]
-    samples_per_s = samples / step_time if step_time > 0 else None
-    tokens_per_s = None
-    if len(tokens_seen) == len(measured) and step_time > 0:
-        tokens_per_s = statistics.median(tokens_seen) / step_time
+    tokens = [int(s["tokens"]) for s in measured if s.get("tokens") is not None]
+    samples_per_s = statistics.median(int(s["samples"]) for s in measured) / step_time if step_time > 0 else None
+    tokens_per_s = statistics.median(tokens) / step_time if len(tokens) == len(measured) and step_time > 0 else None
     return {
         "peak_bytes": max(peaks) if peaks else None,
         "step_time_s": step_time,
@@ -729,10 +576,3 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
         "throughput_unit": "tokens/s" if tokens_per_s is not None else "samples/s",
         "step_times_s": tuple(times),
     }
-
-
-def _device_fields(recipe: Recipe, res: Mapping[str, Any] | None) -> dict[str, Any]:
-    if res is not None and "device" in res:
-        return {"device": str(res["device"]), "device_total_bytes": res.get("device_total_bytes")}
-    # Unknown off the CPU: probing now would cost a subprocess.
-    return {"device": "cpu" if recipe.trainer.accelerator == "cpu" else "", "device_total_bytes": None}

@@ -1,17 +1,15 @@
 """Child side of the trial protocol: ``python -m tuner._trials.worker SPEC.json RESULT.json``.
 
-Runs in a fresh process (or one forked from the fork server), so whatever the model does stays here.
-It only measures (only the parent writes to MLflow or Optuna, docs/ARCHITECTURE.md): one JSON result,
-written atomically, and exit 0 when it has a measurement (out of memory included), nonzero otherwise.
-The spec kinds are `tuner._trials.protocol`'s; `_HANDLERS` runs each. With ``trainer.devices`` N > 1,
-``trial`` and ``numerics`` run on N ranks: this process is rank 0, Lightning starts ranks 1..N-1 by
-running this same command, and each rank writes its own ``RESULT.rank<r>.json``.
+It only measures: one JSON result, written atomically, and exit 0 when it has a measurement (out of memory
+included). On N ranks this process is rank 0, Lightning starts ranks 1..N-1 by running this same command,
+and each rank writes its own ``RESULT.rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import faulthandler
 import gc
 import json
@@ -22,17 +20,16 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_recompute.atomic import atomic_write
-from tuner._trials.batches import BatchScan, serve_largest
+from tuner._trials.batches import serve_largest
 from tuner._trials.oom import is_oom_error
 from tuner._trials.protocol import (
     PARENT_PID_ENV,
     DeviceSpec,
-    NumericsPayload,
+    NumericsResult,
     NumericsSpec,
     ProfileSpec,
     ProtocolError,
@@ -45,10 +42,6 @@ from tuner._trials.protocol import (
 
 if TYPE_CHECKING:
     from lightning.fabric.connector import _PRECISION_INPUT
-
-__all__ = ["die_with_parent", "main"]
-
-_RANK_POLL_S = 0.05
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,69 +58,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProtocolError as err:
         # The parent wrote a spec this worker cannot read (another version of the tuner?): nothing runs.
         traceback.print_exc()
-        _write_atomic(Path(args[1]), {"outcome": "error", "error": _one_line(err), "rank": 0})
+        _write(Path(args[1]), {"outcome": "error", "error": _one_line(err), "rank": 0})
         return 1
-    ranks = spec.ranks
-    rank = _local_rank() if ranks > 1 else 0
-    result_path = rank_result_path(Path(args[1]), rank) if ranks > 1 else Path(args[1])
-    _arm_hang_report(spec.deadline)
-    for entry in spec.sys_path:  # where the parent could import the user's class_path from
-        if entry not in sys.path:
-            sys.path.append(entry)
+    # Lightning's launcher sets LOCAL_RANK in ranks 1..N-1 (and in rank 0 once it has launched them).
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if spec.ranks > 1 else 0
+    result_path = rank_result_path(Path(args[1]), rank) if spec.ranks > 1 else Path(args[1])
+    left = None if spec.deadline is None else spec.deadline - time.time() - 1.0
+    if left is not None and left > 0:
+        # Every thread's stack just before the parent's deadline: the log then says where a hung trial was stuck.
+        faulthandler.dump_traceback_later(left, exit=False)
+    sys.path.extend(p for p in spec.sys_path if p not in sys.path)  # where the parent could import class_path from
     try:
         payload = _HANDLERS[type(spec)](spec)
     except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
         traceback.print_exc()
-        oom = is_oom_error(err)
-        outcome = "oom" if oom else "error"
-        _write_atomic(
-            result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **_device_or_empty(spec.runs_on)}
-        )
+        outcome = "oom" if is_oom_error(err) else "error"
+        try:
+            device = _device(spec.runs_on)
+        except Exception:  # noqa: BLE001 - the device itself may be what failed
+            device = {}
+        _write(result_path, {"outcome": outcome, "error": _one_line(err), "rank": rank, **device})
         # An OOM is a measurement, not a failure of the worker; except on ranks 1..N-1, where a nonzero
         # status makes Lightning kill every rank at once rather than rank 0 wait in a collective.
-        return 0 if oom and rank == 0 else 1
-    _write_atomic(result_path, {**payload, "rank": rank})
-    if rank == 0 and ranks > 1:
+        return 0 if outcome == "oom" and rank == 0 else 1
+    _write(result_path, {**payload, "rank": rank})
+    if rank == 0 and spec.ranks > 1:
         # The tuner kills the whole group once this process exits: wait for the other ranks' results.
-        _await_ranks(Path(args[1]), ranks, spec.deadline)
+        end = spec.deadline or time.time() + 60.0
+        paths = [rank_result_path(Path(args[1]), r) for r in range(1, spec.ranks)]
+        while time.time() < end and not all(p.exists() for p in paths):
+            time.sleep(0.05)
     return 0
 
 
-def _local_rank() -> int:
-    # Lightning's launcher sets LOCAL_RANK in ranks 1..N-1 (and in rank 0 once it has launched them).
-    value = os.environ.get("LOCAL_RANK", "0")
-    return int(value) if value.isdigit() else 0
-
-
-def _await_ranks(result_path: Path, ranks: int, deadline: float | None) -> None:
-    """Wait until every rank's result file exists, or the deadline passes (the tuner then kills all)."""
-    end = float(deadline) if deadline is not None else time.time() + 60.0
-    paths = [rank_result_path(result_path, r) for r in range(1, ranks)]
-    while time.time() < end and not all(p.exists() for p in paths):
-        time.sleep(_RANK_POLL_S)
-
-
-def _steps(accelerator: str, compiled: bool, warmup: int, measure: int) -> tuple[int, int, range | None]:
-    """How many steps a trial runs, how many come before the timed ones, and which are metered (``None``: all)."""
-    steps = warmup + measure
-    memory_steps = None
-    if accelerator == "cpu":
-        # The CPU meter costs a Python call per op, more for policies that recompute more: every step
-        # up to the measured ones is metered (a leak shows where it peaks), and as many again are timed
-        # after them with the meter off.
-        memory_steps = range(warmup + measure)
-        steps += measure
-    skipped = steps - measure
-    if compiled and memory_steps is not None:
-        # Dynamo runs compiled layers eagerly under the meter: one more unmetered warm-up step compiles
-        # them outside the timing.
-        steps += 1
-        skipped += 1
-    return steps, skipped, memory_steps
-
-
 def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
+    import math
+
     import lightning as L
+    import torch
 
     from lightning_recompute import RecomputeCallback, RecomputePolicy
     from lightning_recompute.race.machine import machine_state
@@ -137,7 +105,16 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     recipe = from_dict(spec.recipe, source=spec.source)
     policy = RecomputePolicy.from_dict(spec.policy, source="trial policy")
     warmup, measure = spec.warmup_steps, spec.measure_steps
-    steps, skipped, memory_steps = _steps(recipe.trainer.accelerator, policy.compile, warmup, measure)
+    steps, memory_steps = warmup + measure, None
+    if recipe.trainer.accelerator == "cpu":
+        # The CPU meter costs a Python call per op, more for policies that recompute more: every step up to
+        # the measured ones is metered (a leak shows where it peaks), and as many again are timed unmetered.
+        memory_steps = range(warmup + measure)
+        steps += measure
+        if policy.compile:
+            # Dynamo runs compiled layers eagerly under the meter: one more unmetered warm-up step compiles
+            # them outside the timing.
+            steps += 1
     compile_before = _compile_seconds() if policy.compile else None
 
     L.seed_everything(recipe.search.seed, verbose=False)
@@ -145,38 +122,40 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     datamodule = build_datamodule(recipe, spec.micro_batch)
     batches = serve_largest(datamodule, recipe.trial.scan_batches)
     callback = RecomputeCallback(policy, layers=recipe.layers, measure_memory=True, memory_steps=memory_steps)
-    losses = _loss_log()
+    losses: list[float] = []
+
+    class LossLog(L.Callback):
+        """Each step's loss as a Python float (a kept tensor would stay allocated into the next metered step)."""
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            # Manual optimization returning nothing, or a loss that is not a scalar: nothing to check.
+            losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else 0.0)
+
     # max_epochs=-1: a short data module cycles rather than ending the trial early.
-    trainer = _trainer(recipe, steps, [callback, losses], max_epochs=-1)
+    trainer = _trainer(recipe, steps, [callback, LossLog()], max_epochs=-1)
     machine = machine_state(recipe.trainer.accelerator)
     trainer.fit(model, datamodule=datamodule)
     records = list(callback.records)
     if len(records) < steps:
         raise RuntimeError(f"the trainer ran {len(records)} of {steps} steps (warm-up {warmup}, measured {measure})")
-    nonfinite = losses.first_nonfinite()
-    if nonfinite is not None:
-        step, value = nonfinite
+    device = _device(recipe.trainer.accelerator)
+    bad = next(((i, loss) for i, loss in enumerate(losses, 1) if not math.isfinite(loss)), None)
+    if bad is not None:
         why = (
-            f"the training loss was {value} at step {step} of {steps}; a trial measured on a non-finite loss is not "
-            "evidence (does the model train to a finite loss without recompute, on this data and precision?)"
+            f"the training loss was {bad[1]} at step {bad[0]} of {steps}; a trial measured on a non-finite loss is "
+            "not evidence (does the model train to a finite loss without recompute, on this data and precision?)"
         )
-        return {"outcome": "nonfinite", "error": why, **_device(recipe.trainer.accelerator)}
+        return {"outcome": "nonfinite", "error": why, **device}
     return {
         "outcome": "ok",
-        "warmup_steps": skipped if policy.compile else warmup,
+        "warmup_steps": steps - measure if policy.compile else warmup,
         **({} if compile_before is None else {"compile_s": _compile_seconds() - compile_before}),
-        "steps": [
-            {"seconds": r.seconds, "peak_bytes": r.peak_bytes, "samples": r.samples, "tokens": r.tokens}
-            for r in records
-        ],
+        "steps": [dataclasses.asdict(r) for r in records],
         "machine": machine,
-        **_batches(batches()),
-        **_device(recipe.trainer.accelerator),
+        **batches(),
+        **device,
     }
-
-
-def _batches(found: BatchScan | None) -> dict[str, Any]:
-    return {} if found is None else {"batches": found.to_dict()}
 
 
 def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
@@ -202,12 +181,9 @@ def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
         plan=RacePlan.from_dict(spec.plan),
         budget_bytes=spec.budget_bytes,
         layers=recipe.layers,
-        trainer_kwargs={
-            "accelerator": recipe.trainer.accelerator,
-            "precision": _precision(recipe.trainer.precision),
-        },
+        trainer_kwargs={"accelerator": recipe.trainer.accelerator, "precision": _precision(recipe.trainer.precision)},
     )
-    return {**result, **_batches(batches()), **_device(recipe.trainer.accelerator)}
+    return {**result, **batches(), **_device(recipe.trainer.accelerator)}
 
 
 def _trainer(recipe: Any, steps: int, callbacks: list[Any], **kwargs: Any) -> Any:
@@ -240,45 +216,8 @@ def _trainer(recipe: Any, steps: int, callbacks: list[Any], **kwargs: Any) -> An
     )
 
 
-def _loss_log() -> Any:
-    """A callback keeping each training step's loss as a Python float.
-
-    A float: a kept tensor would stay allocated into the next metered step. It runs after
-    `RecomputeCallback` has timed the step. Defined in a function: Lightning is imported only when needed.
-    """
-    import math
-
-    import lightning as L
-    import torch
-
-    class LossLog(L.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float | None] = []
-
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-        ) -> None:
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                self.losses.append(float(loss.detach()))
-            else:  # manual optimization returning nothing, or a loss that is not a scalar: nothing to check
-                self.losses.append(None)
-
-        def first_nonfinite(self) -> tuple[int, str] | None:
-            """``(step, value)`` of the first step (counted from 1) whose loss is nan or inf; ``None`` if none."""
-            for i, loss in enumerate(self.losses, 1):
-                if loss is not None and not math.isfinite(loss):
-                    return i, str(loss)
-            return None
-
-    return LossLog()
-
-
 def _compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (every phase, forward and backward).
-
-    torch has no public counter: ``calculate_time_spent`` is what ``TORCH_LOGS`` prints from.
-    """
+    """Seconds this process has spent in torch.compile so far (no public counter: what ``TORCH_LOGS`` prints)."""
     from torch._dynamo import utils as dynamo_utils
 
     spent = dynamo_utils.calculate_time_spent()
@@ -287,12 +226,12 @@ def _compile_seconds() -> float:
     return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))
 
 
-_Step = tuple[Any, dict[str, Any]]
-"""One training step's ``(loss, {what: tensor or None})`` on the host: every parameter's gradient
-(``gradient of <name>``), every ``state_dict`` entry after the step and, in one process, `EVAL_LOSS`."""
+# ---------------------------------------------------------------------------------------------- numerics
 
+_Step = tuple[Any, dict[str, Any]]
+"""One step's ``(loss, {what: tensor or None})`` on the host: gradients, ``state_dict`` after it, `EVAL_LOSS`."""
 EVAL_LOSS = "eval-mode loss"
-"""The key of a step's loss recomputed in eval mode after the step: what BatchNorm's statistics change."""
+"""The loss recomputed in eval mode after the step: what BatchNorm's statistics change."""
 
 
 def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any]) -> dict[str, Any]:
@@ -302,32 +241,10 @@ def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any])
     return out
 
 
-@dataclass(frozen=True)
-class _NumericsRuns:
-    """How the numerics check takes its three runs: in this one process, or as this rank of N.
-
-    ``one_step`` runs a step on a batch with or without the policy; ``batch`` is ``None`` on ranks (each
-    run loads its own data); ``halves``: whether a size where no recompute runs out of memory is halved
-    here (on ranks the parent does it); ``where`` says where, from the size compared and those skipped;
-    ``gradients`` names them (``parameter`` or ``local``); ``device`` is the device type once run.
-    """
-
-    one_step: Callable[[Any, bool], _Step]
-    batch: Any
-    size: int | None
-    halves: bool
-    where: Callable[[int | None, list[int]], str]
-    gradients: str
-    device: Callable[[], str]
-
-
 def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
-    """Loss and gradients of one training step under the policy against two runs without it.
-
-    Three runs on the same weights, batch and seed, in deterministic mode: no recompute, the policy, no
-    recompute again; the two baselines' spread is what the kernels alone change (`_compare`). The
-    rules: docs/TUNER.md, "What the gate guarantees".
-    """
+    """Three runs on the same weights, batch and seed, in deterministic mode: no recompute, the policy, no
+    recompute again (docs/TUNER.md, "What the gate guarantees"). In one process, where no recompute runs
+    out of memory, the batch is halved (on ranks the parent does it)."""
     import torch
 
     from lightning_recompute import RecomputePolicy
@@ -336,37 +253,56 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
     spec = NumericsSpec.of(spec)
     recipe = from_dict(spec.recipe, source=spec.source)
     policy = RecomputePolicy.from_dict(spec.policy, source="numerics policy")
-    runs = (_rank_runs if spec.ranks > 1 else _one_process_runs)(recipe, policy, spec.micro_batch)
+    ranked = spec.ranks > 1
+    one_step, batch = (_rank_runs if ranked else _one_process_runs)(recipe, policy, spec.micro_batch)
+    size = spec.micro_batch if ranked else _batch_size(batch)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     # warn_only: an op without a deterministic kernel still runs; the baseline spread measures it.
     torch.use_deterministic_algorithms(True, warn_only=True)
+    skipped: list[int] = []
     try:
-        compared, steps, skipped = _runs_that_fit(runs.batch, runs.size, runs.one_step, halves=runs.halves)
+        while True:
+            part = batch if size is None or not skipped else _first(batch, size)
+            try:
+                # Baseline first: it keeps every activation, so it is the run that does not fit.
+                base, pol, again = one_step(part, False), one_step(part, True), one_step(part, False)
+                break
+            except BaseException as err:
+                if ranked or size is None or size <= 1 or not is_oom_error(err):
+                    raise
+                skipped.append(size)
+                size //= 2
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
-    verdict = _compare(
-        steps,
-        compiled=policy.compile,
-        on_cpu=runs.device() == "cpu",
-        where=runs.where(compared, skipped),
-        gradients=runs.gradients,
-    )
-    return verdict.model_copy(update={"micro_batch": compared, **_device(recipe.trainer.accelerator)}).to_dict()
+    if ranked:
+        at = "" if size is None else f" at micro-batch {size}"
+        where = f"on rank {os.environ.get('LOCAL_RANK', '0')} ({recipe.trainer.strategy_name}){at}"
+    else:
+        where = "on the data module's batch" if size is None else f"at micro-batch {size}"
+        where += f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
+    device = _device(recipe.trainer.accelerator)
+    on_cpu, gradients = device["device"] == "cpu", "local" if ranked else "parameter"
+    verdict = _compare((base, again, pol), compiled=policy.compile, on_cpu=on_cpu, where=where, gradients=gradients)
+    return {"outcome": "ok", **dataclasses.asdict(verdict), "micro_batch": size, **device}
 
 
 def _compare(
     steps: tuple[_Step, _Step, _Step], *, compiled: bool, on_cpu: bool, where: str, gradients: str
-) -> NumericsPayload:
-    """Whether the policy's run of ``(baseline, baseline again, policy)`` equals the baseline, and the detail.
+) -> NumericsResult:
+    """Whether the policy's run equals the baseline: bitwise; compiled layers within the plugin's tolerance;
+    off CPU within the spread of the two baselines (kernels that are not reproducible)."""
+    from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 
-    Equal when bitwise equal; a policy that compiles its layers, within the plugin's compiled-layer
-    tolerance; off CPU, within the spread of the two baselines (kernels that are not reproducible).
-    """
     base, again, pol = steps
     spread, _ = _max_diff(base, again)
     diff, differing = _max_diff(base, pol)
-    n = len(base[1])
-    what = _what_is_compared(base[1], gradients)
+    # The tensors in words: "loss, 12 parameter gradients, 12 parameters, 6 buffers and the eval-mode loss".
+    grads = sum(k.startswith("gradient of ") for k in base[1])
+    params = sum(not k.startswith("gradient of ") and f"gradient of {k}" in base[1] for k in base[1])
+    parts = [f"loss, {grads} {gradients} gradients", f"{params} parameters"]
+    parts.append(f"{len(base[1]) - grads - params - (EVAL_LOSS in base[1])} buffers")
+    parts += ["the eval-mode loss"] if EVAL_LOSS in base[1] else []
+    what = ", ".join(parts[:-1]) + " and " + parts[-1]
     base_bad = _nonfinite(base)
     equal = True
     if base_bad:
@@ -378,9 +314,7 @@ def _compare(
         )
     elif not differing:
         detail = f"{what} bitwise equal {where}"
-    elif compiled and _all_close(base, pol):
-        from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
-
+    elif compiled and _max_diff(base, pol, close=True)[1] == []:
         # Compiled layers reorder float operations: held to the plugin's stated tolerance, not bitwise.
         detail = (
             f"max abs diff {diff:.3g} {where}, within the compiled-layer tolerance "
@@ -402,30 +336,14 @@ def _compare(
             else "two runs without recompute are bitwise equal"
         )
         detail = (
-            f"{len(differing)} of {n + 1} tensors ({what}) differ {where}, first {differing[0][1]}, "
+            f"{len(differing)} of {len(base[1]) + 1} tensors ({what}) differ {where}, first {differing[0][1]}, "
             f"most at {worst[1]} ({worst[0]:.3g}); {rule}"
         )
-    return NumericsPayload(equal=equal, max_abs_diff=diff, baseline_spread=spread, detail=detail)
+    return NumericsResult(equal=equal, max_abs_diff=diff, baseline_spread=spread, detail=detail)
 
 
-def _what_is_compared(compared: Mapping[str, Any], gradients: str) -> str:
-    """The tensors of a step in words: ``loss, 12 parameter gradients, 12 parameters, 6 buffers and the
-    eval-mode loss``."""
-    grads = sum(k.startswith("gradient of ") for k in compared)
-    params = len([k for k in compared if not k.startswith("gradient of ") and f"gradient of {k}" in compared])
-    buffers = len(compared) - grads - params - (EVAL_LOSS in compared)
-    parts = [f"loss, {grads} {gradients} gradients", f"{params} parameters", f"{buffers} buffers"]
-    if EVAL_LOSS in compared:
-        parts.append("the eval-mode loss")
-    return ", ".join(parts[:-1]) + " and " + parts[-1]
-
-
-def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
-    """The runs in this process with Fabric on one device, on the data module's first batch.
-
-    Where no recompute does not fit, they run on the first half, quarter, ... of the batch: a
-    recomputation bug shows at any batch size.
-    """
+def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any]:
+    """The runs in this process with Fabric on one device, on the data module's first batch."""
     import torch
     from lightning.fabric import Fabric
 
@@ -437,7 +355,6 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _Num
     datamodule = build_datamodule(recipe, micro_batch)
     datamodule.prepare_data()
     datamodule.setup("fit")
-    full_batch = next(iter(datamodule.train_dataloader()))
 
     def one_step(batch: Any, with_policy: bool) -> _Step:
         fabric.seed_everything(seed, verbose=False)  # every run starts from the same weights
@@ -468,19 +385,12 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _Num
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    def where(compared: int | None, skipped: list[int]) -> str:
-        return ("on the data module's batch" if compared is None else f"at micro-batch {compared}") + (
-            f" (no recompute ran out of memory at {', '.join(map(str, skipped))})" if skipped else ""
-        )
-
-    return _NumericsRuns(
-        one_step, full_batch, _batch_size(full_batch), True, where, "parameter", lambda: fabric.device.type
-    )
+    return one_step, next(iter(datamodule.train_dataloader()))
 
 
 def _capped(device: Any, *tracked: Any) -> Any:
     """The step under the capped CPU's ledger (`lightning_recompute.meter.CPU_MEMORY_LIMIT`), so that no
-    recompute runs out of memory there as on a GPU; a no-op on other devices or without a cap."""
+    recompute runs out of memory there as on a GPU."""
     from contextlib import nullcontext
 
     from lightning_recompute.meter import StorageMeter, cpu_memory_limit
@@ -492,142 +402,72 @@ def _capped(device: Any, *tracked: Any) -> Any:
     return meter
 
 
-def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> _NumericsRuns:
-    """The runs as this rank of N: each one `Trainer` step in this process group, with the same seeds.
-
-    Compared is what this rank holds after backward: DDP's all-reduced gradients, FSDP2's local
-    gradient shards (`DTensor.to_local`), FSDP1's flat-parameter shards; the parent merges the ranks.
-    """
+def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any]:
+    """The runs as this rank of N, each one `Trainer` step; compared is what this rank holds after it (DDP's
+    all-reduced gradients, FSDP's local shards), and the parent merges the ranks."""
     import lightning as L
+    import torch
 
     from lightning_recompute import RecomputeCallback
     from tuner.recipe import build_datamodule, build_model
 
     seed = recipe.search.seed
-    devices: list[str] = []
+
+    class CaptureStep(L.Callback):
+        """Reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients and state after."""
+
+        loss: Any = None
+        step: _Step | None = None
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+            torch.manual_seed(seed + 1)
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed_all(seed + 1)
+
+        def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
+            self.loss = loss.detach().float().cpu()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+            # After `RecomputeCallback` stopped metering the step: on a capped CPU the host copies would
+            # run it out of memory.
+            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in module.named_parameters()}
+            self.step = (self.loss, _state_after(module, grads, _local))
 
     def one_step(_: Any, with_policy: bool) -> _Step:
         L.seed_everything(seed, verbose=False)  # every run starts from the same weights
-        model = build_model(recipe)
-        capture = _capture_step(seed)
+        model, capture = build_model(recipe), CaptureStep()
         callbacks: list[L.Callback] = [RecomputeCallback(policy, layers=recipe.layers)] if with_policy else []
         trainer = _trainer(recipe, 1, [*callbacks, capture])
         trainer.fit(model, datamodule=build_datamodule(recipe, micro_batch))
         if capture.step is None:
             raise RuntimeError("the numerics run ended before its first backward")
-        devices.append(trainer.strategy.root_device.type)
         return capture.step
 
-    def where(compared: int | None, skipped: list[int]) -> str:
-        at = "" if compared is None else f" at micro-batch {compared}"
-        return f"on rank {_local_rank()} ({recipe.trainer.strategy_name}){at}"
-
-    return _NumericsRuns(one_step, None, micro_batch, False, where, "local", lambda: devices[-1])
+    return one_step, None
 
 
-def _capture_step(seed: int) -> Any:
-    """A callback that reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients
-    and state after the step."""
-    import lightning as L
-    import torch
-
-    class CaptureStep(L.Callback):
-        def __init__(self) -> None:
-            self.loss: Any = None
-            self.step: _Step | None = None
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
-            torch.manual_seed(seed + 1)
-            if torch.cuda.is_available():
-                torch.cuda.manual_seed_all(seed + 1)
-
-        def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
-            self.loss = loss.detach().float().cpu()
-
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, i: int
-        ) -> None:
-            # After `RecomputeCallback` stopped metering the step: on a capped CPU the host copies would
-            # run it out of memory.
-            grads = {n: (None if p.grad is None else _local(p.grad)) for n, p in pl_module.named_parameters()}
-            self.step = (self.loss, _state_after(pl_module, grads, _local))
-
-    return CaptureStep()
-
-
-def _runs_that_fit(
-    batch: Any, size: int | None, one_step: Callable[[Any, bool], _Step], *, halves: bool = True
-) -> tuple[int | None, tuple[_Step, _Step, _Step], list[int]]:
-    """``(micro-batch compared, (baseline, baseline again, policy), sizes that ran out of memory)``.
-
-    With ``halves``, halves the batch while the runs run out of memory; the last out-of-memory
-    error propagates (without ``halves``, the first).
-    """
-    skipped: list[int] = []
-    k = size
-    while True:
-        part = batch if k is None or k == size else _first(batch, k)
-        try:
-            # Baseline first: it keeps every activation, so it is the run that does not fit.
-            base = one_step(part, False)
-            pol = one_step(part, True)
-            again = one_step(part, False)
-            return k, (base, again, pol), skipped
-        except BaseException as err:
-            if not halves or k is None or k <= 1 or not is_oom_error(err):
-                raise
-            skipped.append(k)
-            k //= 2
-
-
-def _pairs(a: _Step, b: _Step) -> list[tuple[str, Any, Any]]:
-    """``(name, a's tensor, b's tensor)`` for the loss and everything else ``a`` holds."""
-    return [("loss", a[0], b[0]), *((name, ga, b[1].get(name)) for name, ga in a[1].items())]
-
-
-def _all_close(a: _Step, b: _Step) -> bool:
-    """Loss and every gradient of ``b`` within the compiled-layer tolerance of ``a``'s."""
-    import torch
-
-    from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
-
-    for _, x, y in _pairs(a, b):
-        if x is None or y is None:
-            if (x is None) != (y is None):
-                return False
-            continue
-        if x.shape != y.shape or not torch.allclose(y.float(), x.float(), rtol=COMPILED_RTOL, atol=COMPILED_ATOL):
-            return False
-    return True
+def _local(grad: Any) -> Any:
+    """This rank's part of a gradient, on the host: a DTensor's local shard, else the tensor."""
+    to_local = getattr(grad, "to_local", None)
+    return (to_local() if callable(to_local) else grad).detach().cpu().clone()
 
 
 def _batch_size(batch: Any) -> int | None:
-    """The leading dimension of the batch's first tensor (``None``: no tensor to slice)."""
+    """The leading dimension of the batch's first tensor that has one (``None``: nothing to slice)."""
     import torch
+    from lightning_utilities.core.apply_func import apply_to_collection
 
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        found = _batch_size(item)
-        if found is not None:
-            return found
-    return None
+    sizes: list[int] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(int(t.shape[0])) if t.dim() else None)
+    return sizes[0] if sizes else None
 
 
 def _first(batch: Any, k: int) -> Any:
-    """The first ``k`` samples of every tensor in ``batch`` (mappings, lists and tuples kept)."""
+    """The first ``k`` samples of every tensor in ``batch`` (its collections kept)."""
     import torch
+    from lightning_utilities.core.apply_func import apply_to_collection
 
-    if isinstance(batch, torch.Tensor):
-        return batch[:k] if batch.dim() > 0 else batch
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _first(v, k) for key, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_first(v, k) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_first(v, k) for v in batch)
-    return batch
+    return apply_to_collection(batch, torch.Tensor, lambda t: t[:k] if t.dim() else t)
 
 
 def _nonfinite(step: _Step) -> str | None:
@@ -638,48 +478,34 @@ def _nonfinite(step: _Step) -> str | None:
     # The loss, the gradients and the eval-mode loss: a buffer may hold inf by design (an additive causal mask).
     checked = {k: v for k, v in grads.items() if k.startswith("gradient of ") or k == EVAL_LOSS}
     bad = [name for name, g in checked.items() if g is not None and not bool(torch.isfinite(g.float()).all())]
-    if bool(torch.isfinite(loss).all()) and not bad:
-        return None
     parts = [] if bool(torch.isfinite(loss).all()) else [f"loss {loss.flatten()[0].item()}"]
     if bad:
         parts.append(f"{len(bad)} of {len(checked)} gradients and losses, first {bad[0]}")
-    return "; ".join(parts)
+    return "; ".join(parts) or None
 
 
-def _max_diff(a: _Step, b: _Step) -> tuple[float, list[tuple[float, str]]]:
-    """The largest absolute difference of loss and gradients, and every differing ``(diff, name)``."""
+def _max_diff(a: _Step, b: _Step, *, close: bool = False) -> tuple[float, list[tuple[float, str]]]:
+    """The largest absolute difference of loss and everything else ``a`` holds, and every differing
+    ``(diff, name)``; with ``close``, differing beyond the compiled-layer tolerance."""
     import torch
 
+    from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
+
     differing: list[tuple[float, str]] = []
-    for name, x, y in _pairs(a, b):
+    for name, x, y in [("loss", a[0], b[0]), *((name, ga, b[1].get(name)) for name, ga in a[1].items())]:
         if x is None or y is None:
             if (x is None) != (y is None):
                 differing.append((float("inf"), name))
-            continue
-        if not torch.equal(x, y):
-            diff = float((x.float() - y.float()).abs().max()) if x.shape == y.shape else float("inf")
-            differing.append((diff, name))
+        elif x.shape != y.shape:
+            differing.append((float("inf"), name))
+        elif not (
+            torch.allclose(y.float(), x.float(), rtol=COMPILED_RTOL, atol=COMPILED_ATOL) if close else torch.equal(x, y)
+        ):
+            differing.append((float((x.float() - y.float()).abs().max()), name))
     return max((d for d, _ in differing), default=0.0), differing
 
 
-def _profile(spec: ProfileSpec | Mapping[str, Any]) -> dict[str, Any]:
-    from tuner.recipe import from_dict
-    from tuner.recipe._profile import profile_recipe_here
-
-    spec = ProfileSpec.of(spec)
-    recipe = from_dict(spec.recipe, source=spec.source)
-    return {"outcome": "ok", "profile": profile_recipe_here(recipe, spec.micro_batch, spec.repeats).to_dict()}
-
-
-def _device_kind(spec: DeviceSpec | Mapping[str, Any]) -> dict[str, Any]:
-    return {"outcome": "ok", **_device(DeviceSpec.of(spec).accelerator)}
-
-
-def _local(grad: Any) -> Any:
-    """This rank's part of a gradient, on the host: a DTensor's local shard, else the tensor."""
-    to_local = getattr(grad, "to_local", None)
-    local = to_local() if callable(to_local) else grad
-    return local.detach().cpu().clone()
+# ---------------------------------------------------------------------------------------------- the rest
 
 
 def _precision(value: str) -> _PRECISION_INPUT:
@@ -699,34 +525,26 @@ def _device(accelerator: str) -> dict[str, Any]:
     return {"device": props.name, "device_total_bytes": int(props.total_memory)}
 
 
-def _device_or_empty(accelerator: str) -> dict[str, Any]:
-    try:
-        return _device(accelerator)
-    except Exception:  # noqa: BLE001 - the device itself may be what failed
-        return {}
+def _profile(spec: ProfileSpec) -> dict[str, Any]:
+    from tuner.recipe import from_dict
+    from tuner.recipe._profile import profile_recipe_here
 
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_WATCHDOG_POLL_S = 1.0
+    recipe = from_dict(spec.recipe, source=spec.source)
+    return {"outcome": "ok", "profile": profile_recipe_here(recipe, spec.micro_batch, spec.repeats).to_dict()}
 
 
 def die_with_parent(parent: str | None) -> None:
-    """End this process when ``parent`` (the tuner, or the fork server) dies, rather than run on orphaned.
-
-    On Linux the kernel does it (``PR_SET_PDEATHSIG``), with the parent checked once more after the call
-    in case it died before; elsewhere (or if prctl is refused) a watchdog thread polls the parent pid.
-    """
-    if not parent or not parent.isdigit():
-        return  # started by hand, not by the tuner: nobody to follow
-    expected = int(parent)
-    if expected == os.getpid():
-        # `main` called again in the process that set the variable (a test, an in-process numerics check).
+    """End this process when ``parent`` (the tuner, or the fork server) dies: on Linux by the kernel
+    (``PR_SET_PDEATHSIG``), elsewhere (or if prctl is refused) by a watchdog thread."""
+    if not parent or not parent.isdigit() or int(parent) == os.getpid():
+        # Started by hand, or `main` called again in the process that set the variable (a test, an
+        # in-process numerics check): nobody to follow.
         return
-    armed = False
+    expected, armed = int(parent), False
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+            armed = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
         except OSError:
             armed = False
     if os.getppid() != expected:
@@ -736,7 +554,7 @@ def die_with_parent(parent: str | None) -> None:
 
     def watch() -> None:
         while os.getppid() == expected:
-            time.sleep(_WATCHDOG_POLL_S)
+            time.sleep(1.0)
         if os.getpgrp() == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)  # the whole group: what the worker started too
         os._exit(1)
@@ -744,36 +562,24 @@ def die_with_parent(parent: str | None) -> None:
     threading.Thread(target=watch, name="recompute-parent-watchdog", daemon=True).start()
 
 
-def _arm_hang_report(deadline: float | None) -> None:
-    """Dump every thread's stack to stderr just before the parent's deadline: the log then says where a
-    hung trial was stuck."""
-    if deadline is None:
-        return
-    remaining = float(deadline) - time.time() - 1.0
-    if remaining > 0:
-        faulthandler.dump_traceback_later(remaining, exit=False)
-
-
-def _write_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+def _write(path: Path, payload: Mapping[str, Any]) -> None:
     # The parent may find this process killed at any instant; it must see a whole result or none.
     atomic_write(path, json.dumps(payload))
 
 
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
-    if len(text) > 500:
-        text = text[:497] + "..."
+    text = text[:497] + "..." if len(text) > 500 else text
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 _HANDLERS: dict[type[Spec], Callable[[Any], dict[str, Any]]] = {
     TrialSpec: _trial,
     NumericsSpec: _numerics,
-    DeviceSpec: _device_kind,
+    DeviceSpec: lambda spec: {"outcome": "ok", **_device(spec.accelerator)},
     ProfileSpec: _profile,
     RaceSpec: _race,
 }
-"""What runs each kind of spec in `tuner._trials.protocol.SPEC_TYPES`."""
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from tests.helpers import REPO, process_alive
 from tuner import recipe as R
 from tuner._trials import check_numerics, run_trial, runner
 from tuner._trials.forkserver import FORK_SERVER_ENV, Forked, ForkServer, forking
+from tuner._trials.protocol import DeviceSpec, NumericsSpec
 from tuner.recipe._schema import REFERENCE_MODEL
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 4, "seq_len": 32}
@@ -195,10 +196,14 @@ def test_only_one_rank_on_the_cpu_is_forked(tmp_path: Path) -> None:
     cpu = R.from_dict({"budget": "1GiB"}, source=tmp_path / "r.yaml")
     two_ranks = R.from_dict({"budget": "1GiB", "trainer": {"devices": 2}}, source=tmp_path / "r.yaml")
     cuda = R.from_dict({"budget": "1GiB", "trainer": {"accelerator": "cuda"}}, source=tmp_path / "r.yaml")
-    assert runner._forkable(runner._numerics_spec(cpu, policy, None))
-    assert not runner._forkable(runner._numerics_spec(two_ranks, policy, None))
-    assert not runner._forkable(runner._numerics_spec(cuda, policy, None))
-    assert not runner._forkable(runner.DeviceSpec(accelerator="cuda"))
+
+    def numerics(recipe: R.Recipe) -> NumericsSpec:
+        return NumericsSpec(recipe=recipe.to_dict(), policy=policy.to_dict())
+
+    assert runner._forkable(numerics(cpu))
+    assert not runner._forkable(numerics(two_ranks))
+    assert not runner._forkable(numerics(cuda))
+    assert not runner._forkable(DeviceSpec(accelerator="cuda"))
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from tests.capped import planned_cap
 from tests.helpers import REPO
 from tuner import session
 from tuner._tracking.names import KIND, rank_peak_metric
-from tuner._trials import TrialResult, merge_ranks, run_trial
+from tuner._trials import merge_ranks, run_trial
 from tuner._trials.runner import _pids_with_env
 from tuner.recipe import Recipe, from_dict, load
 
@@ -262,15 +262,6 @@ def test_numerics_are_equal_only_on_every_rank() -> None:
     assert merged["detail"] == "rank 1: 1 of 9 values differ on rank 1"
     both = merge_ranks("numerics", [same, same])
     assert both is not None and both["equal"] is True and both["detail"].endswith("and on every rank of 2")
-
-
-def test_trial_results_keep_per_rank_peaks_through_their_dict_form() -> None:
-    result = TrialResult(outcome="ok", peak_bytes=130, rank_peak_bytes=(120, 130))
-    assert result.to_dict()["rank_peak_bytes"] == [120, 130]
-    assert TrialResult.from_dict(result.to_dict()) == result
-    old = result.to_dict()
-    del old["rank_peak_bytes"]  # recorded before multi-rank trials existed
-    assert TrialResult.from_dict(old).rank_peak_bytes == ()
 
 
 def test_the_planner_plans_one_rank_of_a_multi_rank_recipe() -> None:

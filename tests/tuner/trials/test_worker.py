@@ -174,13 +174,16 @@ def test_one_comparison_serves_one_process_and_every_rank() -> None:
     assert not far.equal and far.detail.endswith("two runs without recompute differ by 9.54e-07"), far.detail
 
 
-def test_the_numerics_result_is_the_protocols_payload() -> None:
-    from tuner._trials.protocol import NumericsPayload
+def test_the_numerics_result_is_every_field_of_the_runners_and_the_device() -> None:
+    from dataclasses import fields
+
+    from tuner._trials import NumericsResult
 
     recipe = from_dict(RECIPE)
     res = worker._numerics({"recipe": recipe.to_dict(), "policy": RecomputePolicy.uniform("full").to_dict()})
-    got = NumericsPayload.from_dict(res)
-    assert (got.equal, got.max_abs_diff, got.micro_batch, got.device) == (True, 0.0, 4, "cpu")
+    assert set(res) == {"outcome", "device", "device_total_bytes", *(f.name for f in fields(NumericsResult))}
+    got = NumericsResult(**{f.name: res[f.name] for f in fields(NumericsResult)})
+    assert (res["outcome"], got.equal, got.max_abs_diff, got.micro_batch, res["device"]) == ("ok", True, 0.0, 4, "cpu")
     assert got.detail == (
         "loss, 41 parameter gradients, 41 parameters, 0 buffers and the eval-mode loss bitwise equal at micro-batch 4"
     ), got.detail
