@@ -43,7 +43,7 @@ def record(
         "auto.accumulate_grad_batches": str(trainer.accumulate_grad_batches),
         **{f"auto.race.{k}": str(v) for k, v in auto.plan.to_dict().items()},
     }
-    run_id = sessions.start_job_session(auto.name, params, parent_run_id=parent)
+    run_id = sessions.start_job_session(auto.name or f"auto-{type(pl_module).__name__}", params, parent_run_id=parent)
     per_step = race.tokens_per_step or race.samples_per_step
     rows: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None

@@ -131,7 +131,7 @@ class AutoRecompute(RecomputeCallback):
             raise RecomputeError("AutoRecompute candidates: an empty list; give at least one policy, or None")
         self.limit_bytes = int(self.budget_bytes * (1.0 - margin))
         self.output = None if output is None else Path(output)
-        self.tracking_uri, self.experiment, self.name = tracking_uri, experiment, name or ""
+        self.tracking_uri, self.experiment, self.name = tracking_uri, experiment, name
         self.max_candidates, self.modes, self.plan = max_candidates, tuple(modes), plan or AUTO_PLAN
         self.catch_oom, self.profile_repeats = catch_oom, profile_repeats
         self.candidates: list[Candidate] = []
@@ -334,6 +334,7 @@ class AutoRecompute(RecomputeCallback):
         if self._guarded is not None and pl_module.__dict__.get("optimizer_step") is self._guarded:
             del pl_module.__dict__["optimizer_step"]
         self._guarded = None
+        self._rewind = None  # the saved step start holds a copy of every buffer: not kept past tuning
 
     def _after_oom(self, pl_module: L.LightningModule, err: BaseException) -> bool:
         """Drop the candidate that ran out of memory and put on the safest left; ``False``: none left."""
@@ -436,7 +437,6 @@ def _record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, 
                 "install it with `pip install 'lightning-recompute[tune]'`"
             )
             return
-        auto.name = auto.name or f"auto-{type(pl_module).__name__}"
         auto.record_run_id = recorder(auto, trainer, pl_module, race, device, target)
     except Exception as err:  # noqa: BLE001 - the record is a by-product; the job must train on
         _log.debug("AutoRecompute record failed", exc_info=True)

@@ -74,6 +74,15 @@ class SearchSpace:
     micro_batches: tuple[int, ...] | None = None  # None keeps the data module's own
     compile_choices: tuple[bool, ...] = (False,)  # the recipe's search.compile
 
+    def __post_init__(self) -> None:
+        # The layers come from the model, which the recipe's schema never sees; the modes from any caller.
+        if not self.layer_names:
+            raise RecomputeError("layers: the model has no layers to decide a policy for")
+        if not self.modes or any(m not in BY_MEMORY_SAVED for m in self.modes):
+            raise RecomputeError(
+                f"search.modes: {list(self.modes)} (valid: one or more of {', '.join(BY_MEMORY_SAVED)})"
+            )
+
     @classmethod
     def for_layers(
         cls,

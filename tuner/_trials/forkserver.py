@@ -120,6 +120,8 @@ class ForkServer:
                 env={**self.env, SERVER_PARENT_ENV: str(os.getpid())},
                 start_new_session=True,  # a Ctrl-C in the terminal is the tuner's to handle, not the server's
             )
+            assert self._proc.stdin is not None and self._proc.stdout is not None  # both are pipes
+            self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
             self.pid = int(self._reply(_START_TIMEOUT_S)["ready"])
         except _FAILED as err:
             output = self._tail()
@@ -187,7 +189,7 @@ class ForkServer:
         The reply pipe stays open while another thread waits on a worker of it: that thread reads its end.
         """
         with contextlib.suppress(OSError, ValueError):
-            self._proc.stdin.close()  # type: ignore[union-attr]
+            self._stdin.close()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -196,8 +198,8 @@ class ForkServer:
             self._release_files()
 
     def send(self, message: Mapping[str, Any]) -> None:
-        self._proc.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
-        self._proc.stdin.flush()  # type: ignore[union-attr]
+        self._stdin.write((json.dumps(message) + "\n").encode())
+        self._stdin.flush()
 
     def abandon(self) -> None:
         """Kill the server now (a worker of it follows) and never use it again."""
@@ -207,16 +209,16 @@ class ForkServer:
         self._proc.wait()
 
     def _release_files(self) -> None:
-        for stream in (self._proc.stdin, self._proc.stdout):
+        for stream in (self._stdin, self._stdout):
             with contextlib.suppress(OSError, ValueError):
-                stream.close()  # type: ignore[union-attr]
+                stream.close()
         with contextlib.suppress(OSError):
             os.close(self._log)
 
     def _reply(self, timeout: float | None) -> dict[str, Any]:
         """The server's next line; ``subprocess.TimeoutExpired`` past ``timeout``, `ForkServerError` at its end."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        fd = self._proc.stdout.fileno()  # type: ignore[union-attr]
+        fd = self._stdout.fileno()
         poller = select.poll()  # not select.select: it cannot watch a descriptor numbered 1024 or more
         poller.register(fd, select.POLLIN)
         while b"\n" not in self._buffer:

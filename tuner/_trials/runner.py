@@ -429,6 +429,8 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
             "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
             "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
         }
+    if kind != "trial":
+        raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: trial, numerics")
     per_rank = [rep["steps"] for rep in done]
     steps = []
     for column in zip(*per_rank, strict=False):  # a rank with fewer records: the shortest decides
