@@ -229,7 +229,18 @@ class AutoRecompute(RecomputeCallback):
         payload: tuple[list[Candidate], list[str]] | str | None = None
         if trainer.is_global_zero:
             try:
-                payload = find_candidates(self, trainer, pl_module, batch)
+                payload = find_candidates(
+                    trainer,
+                    pl_module,
+                    batch,
+                    layers=self.layers,
+                    given=self.given,
+                    modes=self.modes,
+                    limit_bytes=self.limit_bytes,
+                    free_grads_at_batch_start=self.grad_freeing is not None and self.grad_freeing.enabled,
+                    repeats=self.profile_repeats,
+                    max_candidates=self.max_candidates,
+                )
             except Exception as err:  # sent to every rank and raised there
                 if trainer.world_size == 1:
                     raise

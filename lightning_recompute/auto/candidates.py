@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -21,9 +21,6 @@ from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.modes import MODES
 from lightning_recompute.planner import Planner
 from lightning_recompute.profile import Profile, profile_model
-
-if TYPE_CHECKING:
-    from lightning_recompute.auto.callback import AutoRecompute
 
 __all__ = ["PROFILED_STRATEGIES", "Candidate", "find_candidates", "planner_candidates", "profile_in_job"]
 
@@ -140,21 +137,29 @@ def profile_in_job(
 
 
 def find_candidates(
-    auto: AutoRecompute, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any
+    trainer: L.Trainer,
+    pl_module: L.LightningModule,
+    batch: Any,
+    *,
+    layers: LayerSpec,
+    given: Sequence[RecomputePolicy] | None,
+    modes: Sequence[str],
+    limit_bytes: int,
+    free_grads_at_batch_start: bool,
+    repeats: int,
+    max_candidates: int,
 ) -> tuple[list[Candidate], list[str]]:
     """What the job races, safest first, and notes: the given policies; else the planner's; the uniform
     policies of ``modes`` where the model is sharded or the profile fails.
     """
-    names = layer_names(pl_module, auto.layers)
-    if auto.given is not None:
-        given: dict[str, Candidate] = {}
-        for i, p in enumerate(auto.given):
-            given.setdefault(p.fingerprint(), Candidate(p, p.short(names), f"given:{i}"))
-        return list(given.values()), []
+    names = layer_names(pl_module, layers)
+    if given is not None:
+        found_given: dict[str, Candidate] = {}
+        for i, p in enumerate(given):
+            found_given.setdefault(p.fingerprint(), Candidate(p, p.short(names), f"given:{i}"))
+        return list(found_given.values()), []
     saving = {s.name: s.saving for s in MODES}
-    uniform = {
-        m: RecomputePolicy.uniform(m) for m in sorted(dict.fromkeys(auto.modes), key=lambda m: -saving.get(m, 0))
-    }
+    uniform = {m: RecomputePolicy.uniform(m) for m in sorted(dict.fromkeys(modes), key=lambda m: -saving.get(m, 0))}
     baselines = [Candidate(p, p.short(names), f"baseline:{m}") for m, p in uniform.items()]
     strategy = type(trainer.strategy).__name__
     if strategy not in PROFILED_STRATEGIES:
@@ -165,12 +170,12 @@ def find_candidates(
             trainer,
             pl_module,
             batch,
-            layers=auto.layers,
-            modes=auto.modes,
-            free_grads_at_batch_start=auto.grad_freeing is not None and auto.grad_freeing.enabled,
-            repeats=auto.profile_repeats,
+            layers=layers,
+            modes=modes,
+            free_grads_at_batch_start=free_grads_at_batch_start,
+            repeats=repeats,
         )
-        found, note = planner_candidates(profile, auto.limit_bytes, auto.modes, auto.max_candidates)
+        found, note = planner_candidates(profile, limit_bytes, modes, max_candidates)
     except (RecomputeError, torch.OutOfMemoryError) as err:
         return baselines, [f"profiling the first batch failed ({type(err).__name__}: {err}); racing uniform policies"]
     notes = [
