@@ -177,14 +177,20 @@ class CompiledCall:
 
 def _refuse_foreign_checkpointing(model: nn.Module) -> None:
     """Two recompute mechanisms on one layer recompute it twice (or fight over saved tensors)."""
+    # Two imports, two guards: one private path moving in a PyTorch release must not turn off the other check.
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+        wrappers: tuple[type, ...] = (ActivationWrapper,)
+    except ImportError:  # PyTorch built without distributed
+        wrappers = ()
     try:
         from torch.distributed._composable.contract import _get_registry
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-    except ImportError:  # PyTorch built without distributed: neither can be on the model
-        _get_registry, ActivationWrapper = None, None  # type: ignore[assignment,misc]
+    except ImportError:
+        _get_registry = None  # type: ignore[assignment]
     for path, module in model.named_modules():
         where = path or type(model).__name__
-        if ActivationWrapper is not None and isinstance(module, ActivationWrapper):
+        if isinstance(module, wrappers):
             raise IncompatibleModelError(
                 f"module {where!r} is a {type(module).__name__} (torch checkpoint_wrapper, e.g. from a strategy's "
                 f"activation_checkpointing_policy or apply_activation_checkpointing); remove that wrapping or do "

@@ -6,8 +6,10 @@ imports them from here. Reading never writes: a missing local store is refused b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -47,8 +49,6 @@ def good_run_id(experiment: str, tracking_uri: str | None = None) -> str:
 def load_good_policy(experiment: str, tracking_uri: str | None = None) -> RecomputePolicy:
     """The current good policy of ``experiment``, as the tuner last promoted or rolled back to it; a `PolicyError`
     when missing, invalid, or not the fingerprint its run recorded in `FINGERPRINT_TAG` (untagged runs load)."""
-    from unittest import mock
-
     from mlflow.exceptions import MlflowException
 
     client, where = _client(experiment, tracking_uri)
@@ -62,9 +62,7 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
     if run.info.lifecycle_stage != "active":
         raise PolicyError(f"{where}: tag {GOOD_RUN_TAG} names run {run_id}, which is deleted")
     moved = _moved_artifacts(client.tracking_uri, run.info.artifact_uri)
-    # The user's setting of the progress bar, else none.
-    quiet = {_PROGRESS_BAR_ENV: os.environ.get(_PROGRESS_BAR_ENV, "false")}
-    with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp, mock.patch.dict(os.environ, quiet):
+    with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp, _no_progress_bar():
         try:
             if moved is None:
                 local = Path(client.download_artifacts(run_id, POLICY_ARTIFACT, tmp))
@@ -134,3 +132,17 @@ def _missing_local_store(uri: str) -> Path | None:
     else:
         return None  # a server or another database: MLflow reports its own errors
     return None if path is None or path.exists() else path
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """MLflow's download progress bar off, unless the user's environment sets it. Only this key is touched
+    (a training job's environment is not reset around the download)."""
+    if _PROGRESS_BAR_ENV in os.environ:
+        yield
+        return
+    os.environ[_PROGRESS_BAR_ENV] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(_PROGRESS_BAR_ENV, None)

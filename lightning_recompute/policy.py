@@ -48,9 +48,11 @@ class RecomputePolicy:
         families: dict[str, str] = {}
         choice: Any  # a Mode, or the name of one
         for i, entry in enumerate(self.layers):
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and entry[0].strip()):
+            if not (isinstance(entry, tuple) and len(entry) == 2):
                 raise PolicyError(f"layers[{i}]: expected a (pattern, mode) pair, got {clip(repr(entry))}")
             pattern, choice = entry
+            if not isinstance(pattern, str) or not pattern.strip():
+                raise PolicyError(f"layers[{i}]: a layer pattern must be a non-empty string, got {clip(repr(pattern))}")
             if pattern in given:
                 choice = f"{Mode.parse(choice, where=f'layers.{clip(pattern)}').value}:{given.pop(pattern)}"
             mode, family = _parse_choice(choice, where=f"layers.{clip(pattern)}")
@@ -94,6 +96,7 @@ class RecomputePolicy:
         """``mode`` on every ``k``-th layer (``offset``, ``offset + k``, ...), ``none`` elsewhere."""
         if not isinstance(k, int) or k < 1:
             raise PolicyError(f"k: must be a positive integer, got {k!r}")
+        mode = Mode.parse(mode, where="mode")  # named as the argument, and checked with no layers too
         picked = {n for i, n in enumerate(layer_names) if i >= offset and (i - offset) % k == 0}
         return cls.from_modes({n: mode if n in picked else Mode.NONE for n in layer_names}, **kwargs)
 
@@ -104,6 +107,7 @@ class RecomputePolicy:
         """``mode`` on the first ``n`` layers (their activations live longest), ``none`` on the rest."""
         if not isinstance(n, int) or n < 0:
             raise PolicyError(f"n: must be a non-negative integer, got {n!r}")
+        mode = Mode.parse(mode, where="mode")
         return cls.from_modes({name: mode if i < n else Mode.NONE for i, name in enumerate(layer_names)}, **kwargs)
 
     @classmethod

@@ -172,7 +172,9 @@ class SearchSpace:
         if not self.grouped:
             return {n: str(params[f"layer.{n}"]) for n in names}
         out = [self.fill_mode] * len(names)
-        placement = params.get("placement", "first")
+        placement = str(params.get("placement", "first"))
+        if placement not in PLACEMENTS:  # params read back from a stored study
+            raise RecomputeError(f"placement: {placement!r} (valid: {', '.join(PLACEMENTS)})")
         free = list(range(len(names)))[:: -1 if placement == "last" else 1]
         for mode in self.counted_modes:
             # Counts past the layers left are clipped: the strongest mode claims layers first.

@@ -136,6 +136,8 @@ SPEC_TYPES: Mapping[str, type[Spec]] = {
 def parse_spec(data: Any, expected: type[Spec] | None = None) -> Spec:
     """The spec a parent wrote (`Spec.to_dict`) as its kind's class; a `ProtocolError` naming every problem."""
     if isinstance(data, Spec):
+        if expected is not None and not isinstance(data, expected):
+            raise ProtocolError(f"expected a {expected.kind} spec, got a {data.kind} spec")
         return data
     if not isinstance(data, Mapping):
         raise ProtocolError(f"a spec is a JSON object, got {type(data).__name__}")
