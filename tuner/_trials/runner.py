@@ -63,8 +63,6 @@ TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
 
 @dataclass(frozen=True)
 class TrialResult:
-    """What one trial measured, or why it measured nothing."""
-
     outcome: Outcome
     peak_bytes: int | None = None
     """Peak device memory over every step, warm-up included (a real job goes through those too)."""
@@ -92,7 +90,6 @@ class TrialResult:
 
     @property
     def noise(self) -> Spread | None:
-        """How loud the machine was."""
         from lightning_recompute.race.stats import spread
 
         return spread(self.step_times_s) if self.step_times_s else None
@@ -102,8 +99,8 @@ class TrialResult:
         return self.outcome in ("ok", "over_budget")
 
     @classmethod
-    def skipped(cls, reason: str, *, device: str = "", device_total_bytes: int | None = None) -> TrialResult:
-        return cls(outcome="skipped", error=reason, device=device, device_total_bytes=device_total_bytes)
+    def skipped(cls, reason: str, *, device: str = "") -> TrialResult:
+        return cls(outcome="skipped", error=reason, device=device)
 
 
 def run_trial(
@@ -120,14 +117,13 @@ def run_trial(
 
     A peak above ``budget_bytes`` is ``over_budget``; an exception while waiting (Ctrl-C) kills the trial.
     """
-    warmup = recipe.trial.warmup_steps if warmup_steps is None else int(warmup_steps)
-    measure = recipe.trial.measure_steps if measure_steps is None else int(measure_steps)
-    if warmup < 0 or measure < 1:
-        raise RecomputeError(f"warmup_steps must be >= 0 and measure_steps >= 1, got {warmup} and {measure}")
     spec = TrialSpec(
-        **_recipe_fields(recipe, micro_batch), policy=policy.to_dict(), warmup_steps=warmup, measure_steps=measure
+        **_recipe_fields(recipe, micro_batch),
+        policy=policy.to_dict(),
+        warmup_steps=recipe.trial.warmup_steps if warmup_steps is None else warmup_steps,
+        measure_steps=recipe.trial.measure_steps if measure_steps is None else measure_steps,
     )
-    run = _run_worker(spec, recipe.trial.timeout_s if timeout_s is None else float(timeout_s), recipe.trial.env)
+    run = _run_worker(spec, recipe.trial.timeout_s if timeout_s is None else timeout_s, recipe.trial.env)
     outcome: Outcome
     if run.payload is not None:
         try:
@@ -248,10 +244,8 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
         try:
             return profile_recipe_here(recipe, micro_batch, repeats)
         finally:
-            if before is None:
-                os.environ.pop(CPU_MEMORY_LIMIT, None)
-            else:
-                os.environ[CPU_MEMORY_LIMIT] = before
+            os.environ.pop(CPU_MEMORY_LIMIT, None)
+            os.environ.update({CPU_MEMORY_LIMIT: before} if before is not None else {})
     spec = ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats)
     run = _run_worker(spec, recipe.trial.timeout_s * 2, recipe.trial.env)
     if run.payload is None:
@@ -260,13 +254,14 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
 
 
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
-    """``("cpu", None)`` or ``(name, total bytes)``; CUDA is queried in a subprocess, so that this process
-    holds no CUDA context."""
-    return ("cpu", None) if recipe.trainer.accelerator == "cpu" else _probe_device(recipe.trainer.accelerator)
+    """``("cpu", None)`` or ``(name, total bytes)``, queried in a subprocess: this one must hold no CUDA context."""
+    return _probe_device(recipe.trainer.accelerator)
 
 
 @functools.cache
 def _probe_device(accelerator: str) -> tuple[str, int | None]:
+    if accelerator == "cpu":
+        return "cpu", None
     run = _run_worker(DeviceSpec(accelerator=accelerator), 120.0)
     if run.payload is None:
         raise RecomputeError(f"trainer.accelerator: cannot query the {accelerator!r} device: {run.failure('query')[1]}")
@@ -429,8 +424,6 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
             "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
             "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
         }
-    if kind != "trial":
-        raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: trial, numerics")
     per_rank = [rep["steps"] for rep in done]
     steps = []
     for column in zip(*per_rank, strict=False):  # a rank with fewer records: the shortest decides
