@@ -21,8 +21,6 @@ Phase = Literal["setup", "trial", "between", "gate"]
 
 
 class Interrupts:
-    """Ctrl-C state shared by the signal handler and the session loop."""
-
     def __init__(self, notify: Callable[[str], None]) -> None:
         self.stop = threading.Event()  # set by the first press: the loop stops before the next trial
         self.presses = 0
