@@ -14,9 +14,7 @@ from tuner._liveness import kill_point
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-STOP_SIGNALS = tuple(
-    s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s
-)  # Windows: no HUP
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 Phase = Literal["setup", "trial", "between", "gate"]
 
 

@@ -285,74 +285,44 @@ def serve(preload: Sequence[str]) -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     parent = os.environ.get(SERVER_PARENT_ENV, "")
-    requests = _Requests(int(parent) if parent.isdigit() else os.getppid())
+    parent_pid = int(parent) if parent.isdigit() else os.getppid()
     os.close(os.pidfd_open(os.getpid()))  # Linux 5.3 or later; before, no server: workers start fresh
     for name in preload:
         __import__(name)
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
-    while (request := requests.next_spawn()) is not None:
-        pid = os.fork()
-        if pid == 0:
-            _child(request, replies)  # never returns
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        exited = requests.wait_for_exit(pid)
-        # Kill what the worker left in its group, then reap it: until then its pid, so the group, is its own.
-        kill_group(pid, leader=True)
-        _, status = os.waitpid(pid, 0)
-        if not exited:
-            return 0  # the parent is gone
-        replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    spawns: list[dict[str, Any]] = []
+    buffer, ended, worker, exited = b"", False, 0, -1
+    while not ended and os.getppid() == parent_pid:
+        if not worker and spawns:
+            request = spawns.pop(0)
+            worker = os.fork()
+            if worker == 0:
+                _child(request, replies)  # never returns
+            exited = os.pidfd_open(worker)  # readable once it has exited; waiting on it does not reap it
+            replies.write(json.dumps({"pid": worker}) + "\n")
+        readable, _, _ = select.select([0, exited] if worker else [0], [], [], 1.0)
+        if worker and exited in readable:
+            replies.write(json.dumps({"pid": worker, "returncode": _reap(worker, exited)}) + "\n")
+            worker = 0
+        if 0 in readable:
+            chunk = os.read(0, 65536)
+            ended = not chunk
+            *lines, buffer = (buffer + chunk).split(b"\n")
+            for message in map(json.loads, lines):
+                if "argv" in message:
+                    spawns.append(message)
+                elif worker and message.get("kill") == worker:  # kills of workers already reported are dropped
+                    kill_group(worker, leader=True)
+    if worker:
+        _reap(worker, exited)  # the parent is gone
     return 0
 
 
-class _Requests:
-    """The server's stdin: spawn and kill requests, read without blocking past its parent's death."""
-
-    def __init__(self, parent: int) -> None:
-        self._parent = parent
-        self._buffer = b""
-        self._pending: list[dict[str, Any]] = []
-        self._ended = False
-
-    def next_spawn(self) -> dict[str, Any] | None:
-        """The next spawn request (kills of workers already reported are dropped); ``None`` once the parent is gone."""
-        while True:
-            while self._pending:
-                if "argv" in (message := self._pending.pop(0)):
-                    return message
-            if self._parent_gone():
-                return None
-            self._read(1.0)
-
-    def wait_for_exit(self, pid: int) -> bool:
-        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``);
-        a kill request for it meanwhile kills it at once."""
-        exited = os.pidfd_open(pid)  # readable once the process has exited
-        try:
-            while not select.select([exited], [], [], 0)[0]:
-                self._read(1.0, also=exited)
-                for message in [m for m in self._pending if "kill" in m]:
-                    self._pending.remove(message)
-                    if message["kill"] == pid:
-                        kill_group(pid, leader=True)
-                if self._parent_gone():
-                    return False
-            return True
-        finally:
-            os.close(exited)
-
-    def _parent_gone(self) -> bool:
-        return self._ended or os.getppid() != self._parent
-
-    def _read(self, timeout: float, also: int | None = None) -> None:
-        """Read what stdin holds within ``timeout`` seconds (or until ``also`` is readable); its end sets `_ended`."""
-        readable, _, _ = select.select([0] if also is None else [0, also], [], [], timeout)
-        if 0 not in readable:
-            return
-        chunk = os.read(0, 65536)
-        self._ended = not chunk
-        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
-        self._pending += [m if isinstance(m := json.loads(line), dict) else {} for line in lines]
+def _reap(pid: int, exited: int) -> int:
+    """Kill what the worker left in its group, then reap it: until then its pid, so the group, is its own."""
+    kill_group(pid, leader=True)
+    os.close(exited)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _child(request: Mapping[str, Any], replies: IO[str]) -> None:
