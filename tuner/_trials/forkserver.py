@@ -176,9 +176,8 @@ class ForkServer:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.abandon()
-        if not self.busy:  # else a thread waiting on a worker of it may still read its output
-            with contextlib.suppress(OSError):
-                os.close(self._log)
+        with contextlib.suppress(OSError):
+            os.close(self._log)
 
     def send(self, message: Mapping[str, Any]) -> None:
         self._stdin.write((json.dumps(message) + "\n").encode())
