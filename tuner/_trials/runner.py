@@ -242,13 +242,11 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
 
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
     """``("cpu", None)`` or ``(name, total bytes)``, queried in a subprocess: this one must hold no CUDA context."""
-    return _probe_device(recipe.trainer.accelerator)
+    return ("cpu", None) if recipe.trainer.accelerator == "cpu" else _probe_device(recipe.trainer.accelerator)
 
 
 @functools.cache
 def _probe_device(accelerator: str) -> tuple[str, int | None]:
-    if accelerator == "cpu":
-        return "cpu", None
     run = _run_worker(DeviceSpec(accelerator=accelerator), 120.0)
     if run.payload is None:
         raise RecomputeError(f"trainer.accelerator: cannot query the {accelerator!r} device: {run.failure('query')[1]}")
