@@ -5,8 +5,8 @@ rank 0, Lightning starts ranks 1..N-1 by running this same command, and each ran
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import faulthandler
 import gc
@@ -382,12 +382,10 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tupl
 
 def _capped(device: Any, *tracked: Any) -> Any:
     """The step under the capped CPU's ledger, so that no recompute runs out of memory there as on a GPU."""
-    from contextlib import nullcontext
-
     from lightning_recompute.meter import StorageMeter, cpu_memory_limit
 
     if device.type != "cpu" or cpu_memory_limit() is None:
-        return nullcontext()
+        return contextlib.nullcontext()
     meter = StorageMeter(device)
     meter.track(*tracked)
     return meter
@@ -521,11 +519,8 @@ def die_with_parent(parent: str | None) -> None:
         return  # started by hand, or `main` called again in the process that set the variable: nobody to follow
     expected, armed = int(parent), False
     if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            armed = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
-        except OSError:
-            armed = False
+        with contextlib.suppress(OSError, AttributeError):
+            armed = ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
     if os.getppid() != expected:
         os._exit(1)  # the parent died before the kernel was told to follow it; nothing started yet
     if armed:
