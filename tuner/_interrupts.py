@@ -14,15 +14,11 @@ from tuner._liveness import kill_point
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-STOP_SIGNALS = tuple(
-    s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s
-)  # Windows: no HUP
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 Phase = Literal["setup", "trial", "between", "gate"]
 
 
 class Interrupts:
-    """Ctrl-C state shared by the signal handler and the session loop."""
-
     def __init__(self, notify: Callable[[str], None]) -> None:
         self.stop = threading.Event()  # set by the first press: the loop stops before the next trial
         self.presses = 0

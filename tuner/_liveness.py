@@ -1,5 +1,6 @@
 """Whether the `Owner` of a trial, a study's setup, a gate lease or a session run is alive: on its host, while
-its pid lives; elsewhere, while its `Heartbeat` is younger than the grace period."""
+its pid lives; elsewhere, while its `Heartbeat` is younger than the grace period. Not Optuna's heartbeat: that
+covers only trials, only in RDB storages, and cannot see a process on the same host die at once."""
 
 from __future__ import annotations
 
@@ -17,9 +18,7 @@ from typing import Any
 _log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10.0
-"""Seconds between two heartbeats of a live owner."""
-GRACE_S = 60.0
-"""Seconds without a heartbeat after which an owner on another host counts as dead (six missed beats)."""
+GRACE_S = 60.0  # without a heartbeat, an owner on another host is dead (six missed beats)
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -38,7 +37,6 @@ def heartbeat_s() -> float:
 
 
 def grace_s() -> float:
-    """The grace period for owners on other hosts."""
     return _env_seconds("RECOMPUTE_TUNE_GRACE_S", GRACE_S)
 
 
@@ -50,14 +48,13 @@ def _read(path: str) -> str | None:
 
 
 def _stat(pid: int) -> list[str]:
-    """Fields 3 on of ``/proc/<pid>/stat``: empty when not Linux or gone."""
+    """Fields 3 on of ``/proc/<pid>/stat`` (after the command name, which may hold spaces and parentheses)."""
     stat = _read(f"/proc/{pid}/stat") or ""
-    # The command name (field 2) may hold spaces and parentheses: split after its closing one.
     return stat[stat.rfind(")") + 2 :].split()
 
 
 def process_start(pid: int) -> str | None:
-    """Its start in clock ticks (Linux), which tells a recycled pid."""
+    """Its start in clock ticks, which tells a recycled pid."""
     fields = _stat(pid)
     return fields[19] if len(fields) > 19 else None  # field 22 of the whole line: starttime
 
@@ -67,7 +64,7 @@ def boot_id() -> str | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (a zombie counts as gone)."""
+    """Whether process ``pid`` exists on this host (a zombie counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -106,7 +103,7 @@ class Owner:
         return self.host == socket.gethostname() and self.boot in (None, boot_id())
 
     def gone_here(self) -> str | None:
-        """Why this same-host owner is dead, or ``None`` while it lives (or is on another host)."""
+        """Why this same-host owner is dead; ``None`` while it lives or is on another host."""
         if not self.here:
             return None
         if not pid_alive(self.pid):
@@ -139,8 +136,8 @@ def dead_reason(
 
 
 class Heartbeat:
-    """A daemon thread calling ``beat`` every ``interval`` seconds until `stop`; a failing beat is logged, never
-    raised: a store hiccup must not end a trial."""
+    """A daemon thread calling ``beat`` every ``interval`` seconds; a failing beat is logged, never raised: a store
+    hiccup must not end a trial."""
 
     def __init__(self, beat: Callable[[], None], interval: float | None = None) -> None:
         self._beat = beat

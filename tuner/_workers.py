@@ -13,8 +13,7 @@ if TYPE_CHECKING:
     from tuner._search import Proposal, TuningStudy
     from tuner._tracking import Tracker
 
-SETUP_WAIT_S = 600.0
-"""How long a worker joining a new study waits for the worker that created it to profile and seed it."""
+SETUP_WAIT_S = 600.0  # for the worker that created a new study to profile and seed it
 
 Say = Callable[[str], None]
 
@@ -26,7 +25,7 @@ class Presence:
     def __init__(self) -> None:
         self.study: TuningStudy | None = None
         self.tracker: Tracker | None = None
-        self.setting_up = False  # this worker holds the study's setup
+        self.setting_up = False
         self.in_flight: Proposal | None = None  # asked, not yet told
 
     def beat_study(self) -> None:

@@ -1,9 +1,6 @@
-"""Measurements in a fresh subprocess: trials, races, numerics checks, device queries and profiles.
-
-The parent (`tuner._trials.runner`) writes a spec (`tuner._trials.protocol`), runs the child
-(`tuner._trials.worker`) in its own process group with a deadline, and reads the one result it writes:
-whatever the model does ends that process only.
-"""
+"""Measurements in a child process (trials, races, numerics checks, device queries, profiles): the parent
+(`runner`) writes a spec (`protocol`), runs the child (`worker`) in its own process group with a deadline and
+reads the one result it writes, so that whatever the model does ends that process only."""
 
 from tuner._trials.runner import (
     NumericsResult,

@@ -1,9 +1,6 @@
-"""The largest batch a data module yields, found by scanning its first batches and served to every measured step.
-
-With batches that vary (dynamic padding, a last partial batch), a trial's few steps say little about the
-step that peaks: when the first ``trial.scan_batches`` batches vary, every step gets a copy of the largest
-(most tensor elements, then most samples). docs/TUNER.md, "What a session does". Replacing
-``train_dataloader`` on the instance is the narrowest place: Lightning has no hook for this.
+"""When a data module's first ``trial.scan_batches`` batches vary, every measured step gets a copy of the largest
+(most tensor elements, then most samples): a trial's few steps must include the one that peaks (docs/TUNER.md,
+"What a session does"). Lightning has no hook for this: ``train_dataloader`` is replaced on the instance.
 """
 
 from __future__ import annotations
@@ -17,17 +14,14 @@ from typing import Any
 @dataclass(frozen=True)
 class BatchScan:
     scanned: int
-    exhaustive: bool
-    """The loader ended within the scan: every batch of an epoch was seen."""
+    exhaustive: bool  # the loader ended within the scan
     largest_index: int
     largest_samples: int
-    largest_elements: int
-    """Tensor elements in the largest batch (inputs and targets together): what activations grow with."""
+    largest_elements: int  # inputs and targets together: what activations grow with
     smallest_samples: int
     varies: bool
 
     def describe(self) -> str:
-        """One line for a person: what was scanned and which batch the measurements use."""
         where = "the whole epoch" if self.exhaustive else f"the first {self.scanned}; a larger batch may come later"
         if not self.varies:
             return f"every batch scanned has {self.largest_samples} samples ({self.scanned} batches, {where})"
@@ -39,7 +33,7 @@ class BatchScan:
 
 
 def _size(batch: Any) -> tuple[int, int]:
-    """``(tensor elements, samples)`` of a batch (samples as Lightning counts them; 1 without tensors)."""
+    """``(tensor elements, samples as Lightning counts them)``."""
     import torch
     from lightning.pytorch.utilities.data import extract_batch_size
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -53,7 +47,7 @@ def _size(batch: Any) -> tuple[int, int]:
 
 
 def scan(loader: Iterable[Any], limit: int) -> tuple[BatchScan | None, Any]:
-    """The scan of ``loader``'s first ``limit`` batches, and its largest batch; ``(None, None)`` when empty."""
+    """The scan of ``loader``'s first ``limit`` batches and its largest batch; ``(None, None)`` when empty."""
     it, end = iter(loader), object()
     sizes: set[tuple[int, int]] = set()
     best, index, largest, smallest, scanned = (0, 0), 0, None, 0, 0
@@ -92,18 +86,14 @@ class LargestBatch:
 
 
 def serve_largest(datamodule: Any, limit: int) -> Callable[[], dict[str, Any]]:
-    """Make ``datamodule.train_dataloader`` scan its loader and, when batches vary, serve the largest batch.
-
-    Returns a function giving the scan as a result's ``batches`` entry once the trainer has asked for the
-    loader (``{}`` before, or if empty).
-    """
+    """Make ``datamodule.train_dataloader`` serve the largest batch when batches vary; a function giving the
+    scan as a result's ``batches`` entry once the trainer has asked for the loader."""
     original = datamodule.train_dataloader
     found: list[BatchScan | None] = [None]
 
     def train_dataloader() -> Any:
         loader = original()
         found[0], largest = scan(loader, limit)
-        # Unchanged: a fresh iterator of the same loader, the scan consumed nothing Lightning sees.
         return LargestBatch(largest) if found[0] is not None and found[0].varies else loader
 
     datamodule.train_dataloader = train_dataloader

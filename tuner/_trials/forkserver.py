@@ -1,17 +1,10 @@
-"""A warm process that forks trial workers, so that torch and Lightning are imported once per tuning process.
+"""A warm process that imports torch and Lightning once and forks each one-rank CPU trial worker from them
+(docs/TUNER.md, "Forked trial processes"). Not ``multiprocessing``'s forkserver: its children re-import the
+parent's ``__main__``, write to the parent's terminal and hide the exit status behind pickling.
 
-`ForkServer` starts one process that imports `PRELOAD`, then forks each worker from it; the child becomes
-what ``python -m tuner._trials.worker`` would be (its own session and process group, the trial's
-environment, the log as stdout and stderr) and runs `tuner._trials.worker.main`. Not ``multiprocessing``'s
-forkserver: its children re-import the parent's ``__main__``, write to the parent's terminal and hide the
-exit status behind pickling. Only one-rank CPU workers are forked, in the server's environment and folder
-(a process that loaded CUDA must not fork; libraries read some variables once, at load). Why, and what it
-saves: docs/TUNER.md, "What a session does" (forked trial processes).
-
-The server's protocol is one JSON object per line: ``{"argv", "env", "log"}`` or ``{"kill": PID}`` in,
-``{"pid"}`` once forked and ``{"pid", "returncode"}`` once exited out, one worker at a time. Forked
-workers share the server's hash seed and numpy's global random state, and nothing in `PRELOAD` may start
-an OpenMP pool at import (it would not survive a fork).
+The protocol is one JSON object per line: ``{"argv", "env", "log"}`` or ``{"kill": PID}`` in, ``{"pid"}``
+once forked and ``{"pid", "returncode"}`` once exited out, one worker at a time. Forked workers share the
+server's hash seed and numpy's global random state; nothing in `PRELOAD` may start an OpenMP pool at import.
 """
 
 from __future__ import annotations
@@ -22,13 +15,13 @@ import ctypes
 import json
 import logging
 import os
+import queue
 import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -54,7 +47,6 @@ class ForkServerError(RuntimeError):
 
 
 _FAILED = (ForkServerError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
-"""What a server that did not start or answer raises here."""
 
 
 def kill_group(pid: int, *, leader: bool = False) -> None:
@@ -71,22 +63,17 @@ class Forked:
 
     def __init__(self, server: ForkServer, pid: int) -> None:
         self._server = server
-        self.pid = pid
-        """Also its process group and session id."""
+        self.pid = pid  # also its process group and session id
         self.returncode: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:
-        """Its exit status (negative for a signal, as ``Popen``'s); ``subprocess.TimeoutExpired`` past ``timeout``."""
         if self.returncode is None:
             self.returncode = self._server.exit_status(self.pid, timeout)
         return self.returncode
 
     def kill_group(self) -> None:
-        """SIGKILL the worker and its process group.
-
-        While the server lives, it does it: only it knows whether it has reaped the worker, so only it can
-        kill that pid without risking a process that reuses it. With the server gone, so is the worker.
-        """
+        """While the server lives it kills the group: only it knows whether it has reaped the worker, so only it
+        can kill that pid without risking a process that reuses it. With the server gone, so is the worker."""
         if not self._server.alive:
             kill_group(self.pid)
         elif self.returncode is None:
@@ -97,16 +84,14 @@ class Forked:
 
 
 class ForkServer:
-    """A server process started with ``env`` in ``cwd``, forking workers on request, one at a time.
-
-    Raises `ForkServerError` when the server does not come up (its output's tail says why).
-    """
+    """A server process started with ``env`` in ``cwd``, forking workers on request, one at a time;
+    `ForkServerError` when it does not come up (its output's tail says why)."""
 
     def __init__(self, env: Mapping[str, str], cwd: str) -> None:
         self.env, self.cwd = dict(env), cwd
         self._busy = threading.Lock()
-        self._buffer = b""
         self._broken = False
+        self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         # Its output: a file, as a pipe could fill and block it; unlinked, so that nothing is left behind.
         self._log, path = tempfile.mkstemp(prefix="recompute-forkserver-", suffix=".log")
         os.unlink(path)
@@ -121,15 +106,15 @@ class ForkServer:
                 start_new_session=True,  # a Ctrl-C in the terminal is the tuner's to handle, not the server's
             )
             assert self._proc.stdin is not None and self._proc.stdout is not None  # both are pipes
-            self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
+            self._stdin = self._proc.stdin
+            threading.Thread(target=self._read_replies, args=(self._proc.stdout,), daemon=True).start()
             self.pid = int(self._reply(_START_TIMEOUT_S)["ready"])
         except _FAILED as err:
             output = self._tail()
             if hasattr(self, "_proc"):
                 self.abandon()
-                self._release_files()
-            else:
-                os.close(self._log)
+                self._stdin.close()
+            os.close(self._log)
             raise ForkServerError(f"fork server did not come up: {err}; its output: {output}") from err
 
     @property
@@ -173,7 +158,7 @@ class ForkServer:
                 reply = self._reply(timeout)
         except subprocess.TimeoutExpired:
             raise subprocess.TimeoutExpired(f"worker {pid}", timeout or 0.0) from None
-        except (ForkServerError, OSError, ValueError):
+        except (ForkServerError, ValueError):
             # The server died or garbled its reply, and the worker with it: read as killed; its result decides.
             try:
                 self.abandon()
@@ -184,18 +169,15 @@ class ForkServer:
         return int(reply["returncode"])
 
     def close(self) -> None:
-        """End the server (and a worker still running) by closing its stdin; killed if it lingers.
-
-        The reply pipe stays open while another thread waits on a worker of it: that thread reads its end.
-        """
+        """End the server (and a worker still running) by closing its stdin; killed if it lingers."""
         with contextlib.suppress(OSError, ValueError):
             self._stdin.close()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.abandon()
-        if not self.busy:
-            self._release_files()
+        with contextlib.suppress(OSError):
+            os.close(self._log)
 
     def send(self, message: Mapping[str, Any]) -> None:
         self._stdin.write((json.dumps(message) + "\n").encode())
@@ -208,28 +190,21 @@ class ForkServer:
             kill_group(self._proc.pid)
         self._proc.wait()
 
-    def _release_files(self) -> None:
-        for stream in (self._stdin, self._stdout):
-            with contextlib.suppress(OSError, ValueError):
-                stream.close()
-        with contextlib.suppress(OSError):
-            os.close(self._log)
+    def _read_replies(self, stdout: IO[bytes]) -> None:
+        with stdout:
+            for line in stdout:
+                self._replies.put(line)
+        self._replies.put(b"")  # its end
 
     def _reply(self, timeout: float | None) -> dict[str, Any]:
         """The server's next line; ``subprocess.TimeoutExpired`` past ``timeout``, `ForkServerError` at its end."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        fd = self._stdout.fileno()
-        poller = select.poll()  # not select.select: it cannot watch a descriptor numbered 1024 or more
-        poller.register(fd, select.POLLIN)
-        while b"\n" not in self._buffer:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not poller.poll(None if left is None else left * 1000):
-                raise subprocess.TimeoutExpired("fork server", left or 0.0)
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise ForkServerError(f"fork server exited ({self._proc.wait()})")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            line = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise subprocess.TimeoutExpired("fork server", timeout or 0.0) from None
+        if not line:
+            self._replies.put(line)  # the end, for whoever reads next
+            raise ForkServerError(f"fork server exited ({self._proc.wait()})")
         reply = json.loads(line)
         if not isinstance(reply, dict):
             raise ForkServerError(f"fork server said {line!r}, not a reply")
@@ -251,10 +226,7 @@ _refused: list[tuple[dict[str, str], str]] = []  # environments a server would n
 
 
 def forking(env: Mapping[str, str]) -> bool:
-    """Whether forking is on for ``env``: unless ``RECOMPUTE_TUNE_FORK_SERVER`` turns it off.
-
-    A value that is neither on nor off keeps the default (on), with a warning naming it once.
-    """
+    """Whether forking is on for ``env``; a value neither on nor off keeps it on, with a warning naming it once."""
     value = env.get(FORK_SERVER_ENV, "").strip().lower()
     if value in _OFF:
         return False
@@ -312,81 +284,44 @@ def serve(preload: Sequence[str]) -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     parent = os.environ.get(SERVER_PARENT_ENV, "")
-    requests = _Requests(int(parent) if parent.isdigit() else os.getppid())
+    parent_pid = int(parent) if parent.isdigit() else os.getppid()
+    os.close(os.pidfd_open(os.getpid()))  # Linux 5.3 or later; before, no server: workers start fresh
     for name in preload:
         __import__(name)
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
-    while (request := requests.next_spawn()) is not None:
-        pid = os.fork()
-        if pid == 0:
-            _child(request, replies)  # never returns
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        exited = requests.wait_for_exit(pid)
-        # Kill what the worker left in its group, then reap it: until then its pid, so the group, is its own.
-        kill_group(pid, leader=True)
-        _, status = os.waitpid(pid, 0)
-        if not exited:
-            return 0  # the parent is gone
-        replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    spawns: list[dict[str, Any]] = []
+    buffer, ended, worker, exited = b"", False, 0, -1
+    while not ended and os.getppid() == parent_pid:
+        if not worker and spawns:
+            request = spawns.pop(0)
+            worker = os.fork()
+            if worker == 0:
+                _child(request, replies)  # never returns
+            exited = os.pidfd_open(worker)  # readable once it has exited; waiting on it does not reap it
+            replies.write(json.dumps({"pid": worker}) + "\n")
+        readable, _, _ = select.select([0, exited] if worker else [0], [], [], 1.0)
+        if worker and exited in readable:
+            replies.write(json.dumps({"pid": worker, "returncode": _reap(worker, exited)}) + "\n")
+            worker = 0
+        if 0 in readable:
+            chunk = os.read(0, 65536)
+            ended = not chunk
+            *lines, buffer = (buffer + chunk).split(b"\n")
+            for message in map(json.loads, lines):
+                if "argv" in message:
+                    spawns.append(message)
+                elif worker and message.get("kill") == worker:  # kills of workers already reported are dropped
+                    kill_group(worker, leader=True)
+    if worker:
+        _reap(worker, exited)  # the parent is gone
     return 0
 
 
-class _Requests:
-    """The server's stdin: spawn and kill requests, read without blocking past its parent's death."""
-
-    def __init__(self, parent: int) -> None:
-        self._parent = parent
-        self._buffer = b""
-        self._pending: list[dict[str, Any]] = []
-        self._ended = False
-
-    def next_spawn(self) -> dict[str, Any] | None:
-        """The next request to fork a worker (kills of workers already reported are dropped); ``None``
-        once the parent is gone."""
-        while True:
-            while self._pending:
-                if "argv" in (message := self._pending.pop(0)):
-                    return message
-            if self._parent_gone():
-                return None
-            self._read(1.0)
-
-    def wait_for_exit(self, pid: int) -> bool:
-        """Wait, without reaping, until worker ``pid`` exits (``True``) or the parent is gone (``False``);
-        a kill request for it meanwhile kills it at once."""
-        try:
-            exited = os.pidfd_open(pid)  # readable once the process has exited (Linux 5.3)
-        except (AttributeError, OSError):
-            exited = None
-        try:
-            while True:
-                if exited is None and os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-                    return True
-                if exited is not None and select.select([exited], [], [], 0)[0]:
-                    return True
-                self._read(0.05 if exited is None else 1.0, also=exited)
-                for message in [m for m in self._pending if "kill" in m]:
-                    self._pending.remove(message)
-                    if message["kill"] == pid:
-                        kill_group(pid, leader=True)
-                if self._parent_gone():
-                    return False
-        finally:
-            if exited is not None:
-                os.close(exited)
-
-    def _parent_gone(self) -> bool:
-        return self._ended or os.getppid() != self._parent
-
-    def _read(self, timeout: float, also: int | None = None) -> None:
-        """Read what stdin holds within ``timeout`` seconds (or until ``also`` is readable); its end sets `_ended`."""
-        readable, _, _ = select.select([0] if also is None else [0, also], [], [], timeout)
-        if 0 not in readable:
-            return
-        chunk = os.read(0, 65536)
-        self._ended = not chunk
-        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
-        self._pending += [m if isinstance(m := json.loads(line), dict) else {} for line in lines]
+def _reap(pid: int, exited: int) -> int:
+    """Kill what the worker left in its group, then reap it: until then its pid, so the group, is its own."""
+    kill_group(pid, leader=True)
+    os.close(exited)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _child(request: Mapping[str, Any], replies: IO[str]) -> None:

@@ -1,7 +1,5 @@
-"""Recognising an out-of-memory failure: the child's exception (`is_oom_error`), a dead child's output
-(`OOM_MARKERS`), and whether the kernel's out-of-memory killer sent a SIGKILL (`oom_evidence`), which
-``kill -9``, schedulers and container runtimes send too.
-"""
+"""Recognising an out-of-memory failure: the child's exception, a dead child's output, and whether the kernel's
+out-of-memory killer sent a SIGKILL (which ``kill -9``, schedulers and container runtimes send too)."""
 
 from __future__ import annotations
 
@@ -10,16 +8,12 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-"""Where the cgroup filesystems are mounted (a module constant so tests can point it at a fake tree)."""
-KMSG = Path("/dev/kmsg")
-"""The kernel log, one record per read (readable by root, or where ``kernel.dmesg_restrict`` is 0)."""
-
+KMSG = Path("/dev/kmsg")  # one record per read; readable by root, or where kernel.dmesg_restrict is 0
 OOM_MARKERS = ("CUDA out of memory", "DefaultCPUAllocator: can't allocate memory", "OutOfMemoryError")
-"""Text that identifies an out-of-memory failure in an error message or a traceback."""
 
 
 def is_oom_error(err: BaseException) -> bool:
-    """Whether ``err`` (or an exception it was raised from) is an out-of-memory error."""
+    """Whether ``err`` or an exception it was raised from is an out-of-memory error."""
     import torch
 
     seen: set[int] = set()
@@ -35,11 +29,8 @@ def is_oom_error(err: BaseException) -> bool:
 
 
 def oom_kill_count() -> int | None:
-    """How many processes the out-of-memory killer has killed in this process's cgroup; ``None``: not readable.
-
-    The cgroup v2 ``memory.events``, else v1's ``memory.oom_control``; inside a container
-    ``/proc/self/cgroup`` names a path outside its view, so the mount's root is read next.
-    """
+    """The out-of-memory kills in this process's cgroup (v2 ``memory.events``, v1 ``memory.oom_control``; in a
+    container its path is outside the view, so the mount's root is read next); ``None``: not readable."""
     try:
         lines = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -64,7 +55,7 @@ def oom_kill_count() -> int | None:
 
 
 def kernel_log_oom_kill(pid: int) -> bool | None:
-    """Whether the kernel log records the out-of-memory killer killing ``pid``; ``None``: the log is not readable."""
+    """Whether the kernel log records an out-of-memory kill of ``pid``; ``None``: the log is not readable."""
     try:
         fd = os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -87,8 +78,7 @@ def kernel_log_oom_kill(pid: int) -> bool | None:
 
 
 def oom_evidence(pid: int, kills_before: int | None) -> tuple[str | None, str]:
-    """For a worker killed by SIGKILL: where an out-of-memory kill of it is recorded (``None``: nowhere
-    readable), and which records were read, in words."""
+    """Where an out-of-memory kill of ``pid`` is recorded (``None``: nowhere), and which records were read."""
     kills_after, in_log = oom_kill_count(), kernel_log_oom_kill(pid)
     read = []
     if kills_before is not None and kills_after is not None:

@@ -1,10 +1,6 @@
-"""The parent/child protocol of the trial worker: one typed spec per kind of measurement, as JSON.
-
-The parent writes a spec's `Spec.to_dict` as ``SPEC.json`` and runs ``python -m tuner._trials.worker
-SPEC.json RESULT.json``; the child reads it with `parse_spec`. The ``ranked`` kinds run on the recipe's
-``trainer.devices`` ranks, each writing its own result (`rank_result_path`). Recipes and policies travel
-as their own ``to_dict`` forms and are built in the child.
-"""
+"""The parent/child protocol of the trial worker: one typed spec per kind of measurement, written as JSON by
+the parent (`Spec.to_dict`) and read by the child (`parse_spec`); recipes and policies travel as their
+``to_dict`` forms."""
 
 from __future__ import annotations
 
@@ -22,16 +18,13 @@ _S = TypeVar("_S", bound="Spec")
 
 
 class ProtocolError(ValueError):
-    """A spec the worker cannot read: an unknown kind, a missing, unknown or mistyped key."""
+    """A spec the worker cannot read."""
 
 
 class Spec(BaseModel):
-    """What every spec carries; a concrete kind names itself in ``kind`` and is listed in `SPEC_TYPES`."""
-
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: ClassVar[str] = ""
-    ranked: ClassVar[bool] = False
-    """Whether the kind runs on the recipe's ``trainer.devices`` ranks."""
+    ranked: ClassVar[bool] = False  # runs on the recipe's ``trainer.devices`` ranks
 
     deadline: float | None = None
     """When (``time.time()``) the parent kills the worker; the worker dumps its stacks just before."""
@@ -40,7 +33,6 @@ class Spec(BaseModel):
 
     @property
     def trainer(self) -> Mapping[str, Any]:
-        """The recipe's ``trainer`` section, as far as the spec has one."""
         return {}
 
     @property
@@ -62,11 +54,9 @@ class Spec(BaseModel):
 
 class _RecipeSpec(Spec):
     recipe: dict[str, Any]
-    """`tuner.recipe.Recipe.to_dict`."""
     source: str | None = None
     """The recipe's file, for its relative paths and its error messages."""
-    micro_batch: int | None = None
-    """``None``: the data module's own."""
+    micro_batch: int | None = None  # None: the data module's own
 
     @property
     def trainer(self) -> Mapping[str, Any]:
@@ -74,8 +64,6 @@ class _RecipeSpec(Spec):
 
 
 class TrialSpec(_RecipeSpec):
-    """Warm-up plus measured training steps of the recipe's model under a policy."""
-
     kind: ClassVar[str] = "trial"
     ranked: ClassVar[bool] = True
     policy: dict[str, Any]
@@ -84,8 +72,6 @@ class TrialSpec(_RecipeSpec):
 
 
 class NumericsSpec(_RecipeSpec):
-    """One training step's loss, gradients and state under a policy against two runs without it."""
-
     kind: ClassVar[str] = "numerics"
     ranked: ClassVar[bool] = True
     policy: dict[str, Any]
@@ -97,29 +83,22 @@ class ProfileSpec(_RecipeSpec):
 
 
 class RaceEntrant(BaseModel):
-    """One policy in a race: its key (the policy's fingerprint), the policy, and its glyphs."""
-
     model_config = ConfigDict(frozen=True, extra="forbid")
-    key: str
+    key: str  # the policy's fingerprint
     policy: dict[str, Any]
     short: str
 
 
 class RaceSpec(_RecipeSpec):
-    """Several policies raced in turn on one model in one fit (`lightning_recompute.race.engine`)."""
-
     kind: ClassVar[str] = "race"
     entrants: tuple[RaceEntrant, ...]
     references: tuple[str, ...] = ()
     """Keys of the entrants the winner's "vs" figures are about."""
     budget_bytes: int | None = None
     plan: dict[str, Any] = Field(default_factory=dict)
-    """`lightning_recompute.race.RacePlan.to_dict`."""
 
 
 class DeviceSpec(Spec):
-    """The name and total memory of the device ``accelerator`` selects."""
-
     kind: ClassVar[str] = "device"
     accelerator: str
 
@@ -154,7 +133,7 @@ def parse_spec(data: Any, expected: type[Spec] | None = None) -> Spec:
 
 
 def rank_result_path(result_path: Path, rank: int) -> Path:
-    """Where rank ``rank`` of a multi-rank run writes its own result (``result.rank1.json``)."""
+    """``result.rank1.json``."""
     return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")
 
 
@@ -165,10 +144,9 @@ class NumericsResult:
     equal: bool
     """Equal to training without recomputation: bitwise, or within the spread of two runs without it."""
     max_abs_diff: float
-    """The largest absolute difference from the run without recomputation."""
     detail: str
     """What was compared (at which micro-batch), or what differed and where."""
     baseline_spread: float = 0.0
     """The largest absolute difference between two runs without recomputation (0.0: reproducible)."""
     micro_batch: int | None = None
-    """The micro-batch compared: the requested one, or a smaller one where no recompute fits."""
+    """The micro-batch compared: smaller than requested where no recompute fits."""

@@ -47,9 +47,7 @@ if TYPE_CHECKING:
     from lightning_recompute.race import RacePlan, RaceResult, Spread
 
 Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "skipped"]
-"""What became of a trial: measured and within budget; measured above the budget; out of memory;
-killed at its deadline; failed otherwise; ran to a nan or inf training loss (its figures are not
-evidence); or not run (the planner predicted it far over budget)."""
+"""``nonfinite``: it trained to a nan or inf loss (its figures are not evidence); ``skipped``: not run."""
 
 _log = logging.getLogger(__name__)
 
@@ -63,8 +61,6 @@ TRIAL_DIR_ENV = "RECOMPUTE_TUNE_TRIAL_DIR"
 
 @dataclass(frozen=True)
 class TrialResult:
-    """What one trial measured, or why it measured nothing."""
-
     outcome: Outcome
     peak_bytes: int | None = None
     """Peak device memory over every step, warm-up included (a real job goes through those too)."""
@@ -92,7 +88,6 @@ class TrialResult:
 
     @property
     def noise(self) -> Spread | None:
-        """How loud the machine was."""
         from lightning_recompute.race.stats import spread
 
         return spread(self.step_times_s) if self.step_times_s else None
@@ -102,8 +97,8 @@ class TrialResult:
         return self.outcome in ("ok", "over_budget")
 
     @classmethod
-    def skipped(cls, reason: str, *, device: str = "", device_total_bytes: int | None = None) -> TrialResult:
-        return cls(outcome="skipped", error=reason, device=device, device_total_bytes=device_total_bytes)
+    def skipped(cls, reason: str, *, device: str = "") -> TrialResult:
+        return cls(outcome="skipped", error=reason, device=device)
 
 
 def run_trial(
@@ -116,18 +111,15 @@ def run_trial(
     timeout_s: float | None = None,
     budget_bytes: int | None = None,
 ) -> TrialResult:
-    """Train ``recipe``'s model under ``policy`` for warm-up plus measured steps (default: ``recipe.trial``).
-
-    A peak above ``budget_bytes`` is ``over_budget``; an exception while waiting (Ctrl-C) kills the trial.
-    """
-    warmup = recipe.trial.warmup_steps if warmup_steps is None else int(warmup_steps)
-    measure = recipe.trial.measure_steps if measure_steps is None else int(measure_steps)
-    if warmup < 0 or measure < 1:
-        raise RecomputeError(f"warmup_steps must be >= 0 and measure_steps >= 1, got {warmup} and {measure}")
+    """Train under ``policy`` for warm-up plus measured steps (default: ``recipe.trial``); a peak above
+    ``budget_bytes`` is ``over_budget``; an exception while waiting (Ctrl-C) kills the trial."""
     spec = TrialSpec(
-        **_recipe_fields(recipe, micro_batch), policy=policy.to_dict(), warmup_steps=warmup, measure_steps=measure
+        **_recipe_fields(recipe, micro_batch),
+        policy=policy.to_dict(),
+        warmup_steps=recipe.trial.warmup_steps if warmup_steps is None else warmup_steps,
+        measure_steps=recipe.trial.measure_steps if measure_steps is None else measure_steps,
     )
-    run = _run_worker(spec, recipe.trial.timeout_s if timeout_s is None else float(timeout_s), recipe.trial.env)
+    run = _run_worker(spec, recipe.trial.timeout_s if timeout_s is None else timeout_s, recipe.trial.env)
     outcome: Outcome
     if run.payload is not None:
         try:
@@ -159,11 +151,8 @@ def run_race(
     plan: RacePlan | None = None,
     timeout_s: float | None = None,
 ) -> RaceResult:
-    """Race ``entrants`` (a policy and its labels) interleaved on one model, in one subprocess.
-
-    Equal policies race once, their labels merged; ``references`` are what the winner's "vs" figures are
-    about; ``timeout_s`` defaults to a trial's timeout plus twice the race's time.
-    """
+    """Race ``entrants`` (a policy and its labels; equal policies race once) on one model, in one subprocess;
+    ``references``: what the winner's "vs" figures are about."""
     from lightning_recompute.race import RaceResult
 
     plan = plan or recipe.race_plan()
@@ -196,12 +185,8 @@ def run_race(
 def check_numerics(
     recipe: Recipe, policy: RecomputePolicy, *, micro_batch: int | None = None, timeout_s: float | None = None
 ) -> NumericsResult:
-    """Whether ``policy`` leaves one training step's loss, gradients and module state unchanged
-    (`tuner._trials.worker._numerics`); a check that cannot run is not equal, with the reason.
-
-    Where no recompute runs out of memory the batch is halved: by the worker on one device, here on N
-    ranks (one rank's out-of-memory error ends every rank).
-    """
+    """Whether ``policy`` leaves one training step unchanged (`tuner._trials.worker._numerics`); a check that
+    cannot run is not equal. Where no recompute runs out of memory on N ranks, the batch is halved here."""
     end = time.monotonic() + (600.0 if timeout_s is None else float(timeout_s))
     # cuBLAS reads this when its handle is created, so it must be in the starting environment. Not on the
     # CPU: an environment unlike the trials' would cost the fork server a restart.
@@ -232,10 +217,8 @@ def check_numerics(
 
 
 def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: int = 3) -> Profile:
-    """The per-layer cost profile of ``recipe``'s model on its device; `RecomputeError` saying why it failed.
-
-    On an accelerator in the worker: a CUDA context here would hold device memory that every trial then lacks.
-    """
+    """The profile of ``recipe``'s model; on an accelerator in a worker, as a CUDA context here would hold
+    device memory that every trial then lacks."""
     from lightning_recompute.profile import Profile
 
     if recipe.trainer.accelerator == "cpu":
@@ -248,10 +231,8 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
         try:
             return profile_recipe_here(recipe, micro_batch, repeats)
         finally:
-            if before is None:
-                os.environ.pop(CPU_MEMORY_LIMIT, None)
-            else:
-                os.environ[CPU_MEMORY_LIMIT] = before
+            os.environ.pop(CPU_MEMORY_LIMIT, None)
+            os.environ.update({CPU_MEMORY_LIMIT: before} if before is not None else {})
     spec = ProfileSpec(**_recipe_fields(recipe, micro_batch), repeats=repeats)
     run = _run_worker(spec, recipe.trial.timeout_s * 2, recipe.trial.env)
     if run.payload is None:
@@ -260,8 +241,7 @@ def profile_recipe(recipe: Recipe, micro_batch: int | None = None, *, repeats: i
 
 
 def device_info(recipe: Recipe) -> tuple[str, int | None]:
-    """``("cpu", None)`` or ``(name, total bytes)``; CUDA is queried in a subprocess, so that this process
-    holds no CUDA context."""
+    """``("cpu", None)`` or ``(name, total bytes)``, queried in a subprocess: this one must hold no CUDA context."""
     return ("cpu", None) if recipe.trainer.accelerator == "cpu" else _probe_device(recipe.trainer.accelerator)
 
 
@@ -291,11 +271,10 @@ class _WorkerRun:
     timed_out: bool
     limit: float = 0.0
     oom: tuple[str | None, str] | None = None
-    """For a worker killed by SIGKILL (not at its deadline): what the kernel says (`oom.oom_evidence`)."""
+    """For a worker killed by SIGKILL (not at its deadline): `oom.oom_evidence`."""
 
     @property
     def payload(self) -> dict[str, Any] | None:
-        """The result when it is a measurement."""
         return self.result if not self.timed_out and (self.result or {}).get("outcome") == "ok" else None
 
     def failure(self, what: str) -> tuple[Outcome, str]:
@@ -382,15 +361,8 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
         else:
             result = merge_ranks(spec.kind, [_read_result(rank_result_path(result_path, r)) for r in range(spec.ranks)])
         killed = not timed_out and proc.returncode == -signal.SIGKILL
-        return _WorkerRun(
-            proc.returncode,
-            result,
-            _tail(log_path),
-            wall,
-            timed_out,
-            timeout_s,
-            oom_evidence(proc.pid, kills_before) if killed else None,
-        )
+        evidence = oom_evidence(proc.pid, kills_before) if killed else None
+        return _WorkerRun(proc.returncode, result, _tail(log_path), wall, timed_out, timeout_s, evidence)
 
 
 def _forkable(spec: Spec) -> bool:
@@ -407,11 +379,8 @@ def _read_result(path: Path) -> dict[str, Any] | None:
 
 
 def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
-    """One result from the per-rank results of a multi-rank run (``None``: a rank missing, no failure said why).
-
-    A rank out of memory makes the run ``oom`` (others killed waiting for it wrote nothing). Steps merge
-    to the slowest rank's time, the highest peak and every rank's samples (throughput is global).
-    """
+    """One result from each rank's (``None``: one missing): ``oom`` if a rank was; steps merge to the slowest
+    rank's time, the highest peak and every rank's samples."""
     failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None and rep.get("outcome") != "ok"]
     if failed:
         rank, rep = next(((r, f) for r, f in failed if f.get("outcome") == "oom"), failed[0])
@@ -429,8 +398,6 @@ def merge_ranks(kind: str, reports: Sequence[Mapping[str, Any] | None]) -> dict[
             "baseline_spread": max(float(rep.get("baseline_spread", 0.0)) for rep in done),
             "detail": "; ".join(unequal) if unequal else f"{done[0]['detail']}, and on every rank of {len(done)}",
         }
-    if kind != "trial":
-        raise RecomputeError(f"merging ranks: unknown spec kind {kind!r}; valid: trial, numerics")
     per_rank = [rep["steps"] for rep in done]
     steps = []
     for column in zip(*per_rank, strict=False):  # a rank with fewer records: the shortest decides
@@ -470,11 +437,8 @@ def clean_stale_trial_dirs(tmp_root: str | Path | None = None) -> list[Path]:
 
 
 def trial_processes(folder: Path) -> list[int]:
-    """The processes still running for the trial folder ``folder`` (read from ``/proc``; elsewhere none).
-
-    A fresh worker and what it started have the folder in their environment; a forked one has the fork
-    server's, so those are the processes in the recorded session whose server parent is the folder's owner.
-    """
+    """The processes still running for ``folder``: those with it in their environment, or, for a forked worker,
+    in its session with the fork server's parent the folder's owner."""
     found = set(_pids_with_env(TRIAL_DIR_ENV, str(folder)))
     try:
         worker = json.loads((folder / _WORKER_FILE).read_text(encoding="utf-8"))
@@ -489,7 +453,6 @@ def trial_processes(folder: Path) -> list[int]:
 
 
 def _pids(matches: Callable[[Path], bool]) -> list[int]:
-    """The processes whose ``/proc`` entry ``matches`` (none where it is unreadable)."""
     pids = []
     for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, ValueError):
@@ -503,7 +466,6 @@ def _pids_in_session(session: int) -> list[int]:
 
 
 def _pids_with_env(name: str, value: str) -> list[int]:
-    """Processes of this user whose environment sets ``name=value``."""
     needle = f"{name}={value}".encode()
     return _pids(lambda entry: needle in (entry / "environ").read_bytes().split(b"\0"))
 
@@ -515,8 +477,7 @@ def _tail(path: Path) -> str:
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    # faulthandler ends a crash report with a line listing ~100 C extension modules: it would push the
-    # traceback out of the tail.
+    # faulthandler's list of ~100 C extension modules would push the traceback out of the tail.
     lines = [line for line in text.splitlines() if not line.startswith("Extension modules:")]
     return "\n".join(lines)[-_TAIL_CHARS:]
 
@@ -554,11 +515,8 @@ def _measured(res: Mapping[str, Any], *, wall_s: float, budget_bytes: int | None
 
 
 def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
-    """Peak memory and median speed from per-step records ``{seconds, peak_bytes, samples, tokens}``.
-
-    Warm-up counts for memory (a real job runs it too), not time; where some later steps ran unmetered
-    (``peak_bytes`` None: the CPU worker), only those are timed, so that the meter's cost is not in it.
-    """
+    """Peak memory (warm-up included) and median speed from per-step records; where some steps ran unmetered
+    (``peak_bytes`` None: the CPU worker), only those are timed, without the meter's cost."""
     measured = list(steps[warmup_steps:])
     if not measured:
         raise ValueError(f"{len(steps)} step(s) recorded, none after {warmup_steps} warm-up step(s)")

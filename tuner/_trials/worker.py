@@ -1,14 +1,12 @@
-"""Child side of the trial protocol: ``python -m tuner._trials.worker SPEC.json RESULT.json``.
-
-It only measures: one JSON result, written atomically, and exit 0 when it has a measurement (out of memory
-included). On N ranks this process is rank 0, Lightning starts ranks 1..N-1 by running this same command,
-and each rank writes its own ``RESULT.rank<r>.json``.
+"""Child side of the trial protocol: ``python -m tuner._trials.worker SPEC.json RESULT.json`` writes one JSON
+result, atomically, and exits 0 when it has a measurement (out of memory included). On N ranks this process is
+rank 0, Lightning starts ranks 1..N-1 by running this same command, and each rank writes its own result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import faulthandler
 import gc
@@ -51,8 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m tuner._trials.worker SPEC.json RESULT.json", file=sys.stderr)
         return 2
     die_with_parent(os.environ.get(PARENT_PID_ENV))
-    # Ranks 1..N-1 are this same command, started by Lightning from this process: they follow this one.
-    os.environ[PARENT_PID_ENV] = str(os.getpid())
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # ranks 1..N-1, started by Lightning from here, follow this one
     try:
         spec = parse_spec(json.loads(Path(args[0]).read_text(encoding="utf-8")))
     except ProtocolError as err:
@@ -60,14 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         _write(Path(args[1]), {"outcome": "error", "error": _one_line(err), "rank": 0})
         return 1
-    # Lightning's launcher sets LOCAL_RANK in ranks 1..N-1 (and in rank 0 once it has launched them).
     rank = int(os.environ.get("LOCAL_RANK", "0")) if spec.ranks > 1 else 0
     result_path = rank_result_path(Path(args[1]), rank) if spec.ranks > 1 else Path(args[1])
     left = None if spec.deadline is None else spec.deadline - time.time() - 1.0
     if left is not None and left > 0:
         # Every thread's stack just before the parent's deadline: the log then says where a hung trial was stuck.
         faulthandler.dump_traceback_later(left, exit=False)
-    sys.path.extend(p for p in spec.sys_path if p not in sys.path)  # where the parent could import class_path from
+    sys.path.extend(p for p in spec.sys_path if p not in sys.path)
     try:
         payload = _HANDLERS[type(spec)](spec)
     except BaseException as err:  # noqa: BLE001 - everything becomes a result the parent classifies
@@ -125,8 +121,7 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     losses: list[float] = []
 
     class LossLog(L.Callback):
-        """Each step's loss as a Python float (a kept tensor would stay allocated into the next metered step)."""
-
+        # A float: a kept tensor would stay allocated into the next metered step.
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             # Manual optimization returning nothing, or a loss that is not a scalar: nothing to check.
@@ -217,7 +212,7 @@ def _trainer(recipe: Any, steps: int, callbacks: list[Any], **kwargs: Any) -> An
 
 
 def _compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (no public counter: what ``TORCH_LOGS`` prints)."""
+    """Seconds spent in torch.compile so far (no public counter: what ``TORCH_LOGS`` prints)."""
     from torch._dynamo import utils as dynamo_utils
 
     spent = dynamo_utils.calculate_time_spent()
@@ -235,16 +230,14 @@ EVAL_LOSS = "eval-mode loss"
 
 
 def _state_after(model: Any, grads: dict[str, Any], local: Callable[[Any], Any]) -> dict[str, Any]:
-    """A step's compared tensors: the gradients, then every ``state_dict`` entry (parameters, buffers)."""
     out = {f"gradient of {n}": g for n, g in grads.items()}
     out.update({name: local(t) for name, t in model.state_dict().items() if hasattr(t, "detach")})
     return out
 
 
 def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
-    """Three runs on the same weights, batch and seed, in deterministic mode: no recompute, the policy, no
-    recompute again (docs/TUNER.md, "What the gate guarantees"). In one process, where no recompute runs
-    out of memory, the batch is halved (on ranks the parent does it)."""
+    """No recompute, the policy, no recompute again: same weights, batch and seed, deterministic mode
+    (docs/TUNER.md, "What the gate guarantees"); the batch halved where no recompute runs out of memory."""
     import torch
 
     from lightning_recompute import RecomputePolicy
@@ -289,8 +282,7 @@ def _numerics(spec: NumericsSpec | Mapping[str, Any]) -> dict[str, Any]:
 def _compare(
     steps: tuple[_Step, _Step, _Step], *, compiled: bool, on_cpu: bool, where: str, gradients: str
 ) -> NumericsResult:
-    """Whether the policy's run equals the baseline: bitwise; compiled layers within the plugin's tolerance;
-    off CPU within the spread of the two baselines (kernels that are not reproducible)."""
+    """Equal: bitwise; compiled layers within the plugin's tolerance; off CPU within the two baselines' spread."""
     from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
 
     base, again, pol = steps
@@ -343,7 +335,7 @@ def _compare(
 
 
 def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any]:
-    """The runs in this process with Fabric on one device, on the data module's first batch."""
+    """Runs with Fabric on one device, on the data module's first batch."""
     import torch
     from lightning.fabric import Fabric
 
@@ -389,22 +381,19 @@ def _one_process_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tupl
 
 
 def _capped(device: Any, *tracked: Any) -> Any:
-    """The step under the capped CPU's ledger (`lightning_recompute.meter.CPU_MEMORY_LIMIT`), so that no
-    recompute runs out of memory there as on a GPU."""
-    from contextlib import nullcontext
-
+    """The step under the capped CPU's ledger, so that no recompute runs out of memory there as on a GPU."""
     from lightning_recompute.meter import StorageMeter, cpu_memory_limit
 
     if device.type != "cpu" or cpu_memory_limit() is None:
-        return nullcontext()
+        return contextlib.nullcontext()
     meter = StorageMeter(device)
     meter.track(*tracked)
     return meter
 
 
 def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Callable[..., _Step], Any]:
-    """The runs as this rank of N, each one `Trainer` step; compared is what this rank holds after it (DDP's
-    all-reduced gradients, FSDP's local shards), and the parent merges the ranks."""
+    """Runs of one `Trainer` step as this rank of N, comparing what it holds (DDP's all-reduced gradients, FSDP's
+    shards); the parent merges the ranks."""
     import lightning as L
     import torch
 
@@ -414,13 +403,11 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Calla
     seed = recipe.search.seed
 
     class CaptureStep(L.Callback):
-        """Reseeds before the batch (the dropout masks) and keeps this rank's loss, gradients and state after."""
-
         loss: Any = None
         step: _Step | None = None
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
-            torch.manual_seed(seed + 1)
+            torch.manual_seed(seed + 1)  # the dropout masks
             if torch.cuda.is_available():
                 torch.cuda.manual_seed_all(seed + 1)
 
@@ -447,13 +434,12 @@ def _rank_runs(recipe: Any, policy: Any, micro_batch: int | None) -> tuple[Calla
 
 
 def _local(grad: Any) -> Any:
-    """This rank's part of a gradient, on the host: a DTensor's local shard, else the tensor."""
+    """On the host: a DTensor's local shard, else the tensor."""
     to_local = getattr(grad, "to_local", None)
     return (to_local() if callable(to_local) else grad).detach().cpu().clone()
 
 
 def _batch_size(batch: Any) -> int | None:
-    """The leading dimension of the batch's first tensor that has one (``None``: nothing to slice)."""
     import torch
     from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -463,7 +449,6 @@ def _batch_size(batch: Any) -> int | None:
 
 
 def _first(batch: Any, k: int) -> Any:
-    """The first ``k`` samples of every tensor in ``batch`` (its collections kept)."""
     import torch
     from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -471,7 +456,7 @@ def _first(batch: Any, k: int) -> Any:
 
 
 def _nonfinite(step: _Step) -> str | None:
-    """What in one step's loss and gradients is nan or inf, in words; ``None`` when everything is finite."""
+    """What in one step's loss and gradients is nan or inf, in words."""
     import torch
 
     loss, grads = step
@@ -485,8 +470,7 @@ def _nonfinite(step: _Step) -> str | None:
 
 
 def _max_diff(a: _Step, b: _Step, *, close: bool = False) -> tuple[float, list[tuple[float, str]]]:
-    """The largest absolute difference of loss and everything else ``a`` holds, and every differing
-    ``(diff, name)``; with ``close``, differing beyond the compiled-layer tolerance."""
+    """The largest absolute difference and every differing ``(diff, name)``; ``close``: beyond compiled tolerance."""
     import torch
 
     from lightning_recompute.apply import COMPILED_ATOL, COMPILED_RTOL
@@ -505,16 +489,12 @@ def _max_diff(a: _Step, b: _Step, *, close: bool = False) -> tuple[float, list[t
     return max((d for d, _ in differing), default=0.0), differing
 
 
-# ---------------------------------------------------------------------------------------------- the rest
-
-
 def _precision(value: str) -> _PRECISION_INPUT:
     # The recipe checked ``value`` against Lightning's list; its schema keeps a str so that loading needs no Lightning.
     return cast("_PRECISION_INPUT", value)
 
 
 def _device(accelerator: str) -> dict[str, Any]:
-    """Name and total memory of the device ``accelerator`` selects for a one-device trial."""
     import torch
 
     if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
@@ -534,19 +514,13 @@ def _profile(spec: ProfileSpec) -> dict[str, Any]:
 
 
 def die_with_parent(parent: str | None) -> None:
-    """End this process when ``parent`` (the tuner, or the fork server) dies: on Linux by the kernel
-    (``PR_SET_PDEATHSIG``), elsewhere (or if prctl is refused) by a watchdog thread."""
+    """End this process when ``parent`` dies: by the kernel (``PR_SET_PDEATHSIG``), else by a watchdog thread."""
     if not parent or not parent.isdigit() or int(parent) == os.getpid():
-        # Started by hand, or `main` called again in the process that set the variable (a test, an
-        # in-process numerics check): nobody to follow.
-        return
+        return  # started by hand, or `main` called again in the process that set the variable: nobody to follow
     expected, armed = int(parent), False
     if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            armed = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
-        except OSError:
-            armed = False
+        with contextlib.suppress(OSError, AttributeError):
+            armed = ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
     if os.getppid() != expected:
         os._exit(1)  # the parent died before the kernel was told to follow it; nothing started yet
     if armed:
