@@ -12,8 +12,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pareto_front", "pareto_plot"]
-
 Point = tuple[float, float]
 _STYLES = {"ok": ("tab:blue", "o", "ok"), "over_budget": ("tab:orange", "x", "over budget")}
 _OTHER = ("tab:gray", ".", "other")

@@ -324,7 +324,13 @@ def _env_values(value: Any) -> Any:
     return value
 
 
-_SCAN_BATCHES = 64  # the default trial.scan_batches, left out of the fingerprint so that older studies resume
+_SCAN_BATCHES = 64
+_ADDED_LATER = {
+    "trial": {"scan_batches": _SCAN_BATCHES},
+    "trainer": {"num_nodes": 1, "strategy": "auto"},
+    "search": {"compile": [False]},
+}
+"""Keys added after studies existed, left out of the recipe's fingerprint at these defaults."""
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -524,14 +530,10 @@ class Recipe:
         """What the recipe measures, as a short hash: not its name, places, trial count or time limits."""
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
-        keep["trial"] = {k: v for k, v in d["trial"].items() if (k, v) != ("scan_batches", _SCAN_BATCHES)}
+        keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed", "compile")}
         # Keys added after studies existed stay out at their defaults, so those studies still resume.
-        keep["trainer"] = {
-            k: v for k, v in d["trainer"].items() if (k, v) not in (("num_nodes", 1), ("strategy", "auto"))
-        }
-        keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
-        if list(d["search"]["compile"]) != [False]:
-            keep["search"]["compile"] = d["search"]["compile"]  # only then: older recipes keep their fingerprint
+        for section, defaults in _ADDED_LATER.items():
+            keep[section] = {k: v for k, v in keep[section].items() if k not in defaults or defaults[k] != v}
         canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
