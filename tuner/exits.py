@@ -7,18 +7,6 @@ from typing import ClassVar
 
 from lightning_recompute.errors import RecomputeError
 
-__all__ = [
-    "EXIT_BAD_INPUT",
-    "EXIT_INFEASIBLE",
-    "EXIT_INTERRUPTED",
-    "EXIT_OK",
-    "EXIT_STORE_FAILED",
-    "Declined",
-    "StoreFailure",
-    "TunerError",
-    "exit_code_of",
-]
-
 EXIT_OK = 0  # the output policy file holds the study's best feasible policy (promoted now, or already)
 EXIT_INFEASIBLE = 1  # nothing promoted: nothing fitted, the gate kept the current policy, nothing to roll back to
 EXIT_BAD_INPUT = 2  # the recipe or an argument is invalid

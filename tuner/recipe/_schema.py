@@ -317,13 +317,6 @@ class SearchSettings:
     seed: _Int = Field(default=0, description="Seed of the sampler and of every trial's model and data.")
 
 
-def _env_values(value: Any) -> Any:
-    # YAML reads `OMP_NUM_THREADS: 1` as an int; an environment holds strings.
-    if isinstance(value, Mapping):
-        return {k: (str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in value.items()}
-    return value
-
-
 _SCAN_BATCHES = 64
 _ADDED_LATER = {
     "trial": {"scan_batches": _SCAN_BATCHES},
@@ -333,7 +326,8 @@ _ADDED_LATER = {
 """Keys added after studies existed, left out of the recipe's fingerprint at these defaults."""
 
 
-@schema_dataclass(frozen=True, config=_SCHEMA)
+# YAML reads `OMP_NUM_THREADS: 1` as an int; an environment holds strings.
+@schema_dataclass(frozen=True, config=ConfigDict(extra="forbid", coerce_numbers_to_str=True))
 class TrialSettings:
     """How long one trial measures."""
 
@@ -354,7 +348,7 @@ class TrialSettings:
         "is shorter). When batches vary, every measured step uses the largest found, so 'fits the budget' "
         "holds for it; the session says which batch that was and whether the scan saw the whole epoch.",
     )
-    env: Annotated[dict[str, str], BeforeValidator(_env_values)] = Field(
+    env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables of every trial subprocess, e.g. {OMP_NUM_THREADS: 1}: on a shared CPU, "
         "one thread per trial gives far steadier step times than threads fighting over cores.",
