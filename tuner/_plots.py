@@ -1,8 +1,4 @@
-"""The Pareto plot of a tuning session: peak memory against throughput, one point per trial.
-
-Drawn with matplotlib's object API on an Agg canvas, never ``pyplot``: the tuner may run headless and
-must not touch a global figure state or a display backend.
-"""
+"""The Pareto plot of a tuning session, drawn on an Agg canvas, never ``pyplot`` (no global state, no display)."""
 
 from __future__ import annotations
 
