@@ -10,7 +10,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -21,7 +21,6 @@ from tuner.recipe._schema import (
     FILE_ADAPTER,
     REFERENCE_DATA,
     REFERENCE_MODEL,
-    SECTIONS,
     Component,
     Recipe,
     RecipeError,
@@ -216,7 +215,10 @@ def _describe(err: Mapping[str, Any]) -> str:
     """One pydantic error as ``key.path: problem (valid: ...)``."""
     loc = tuple(err["loc"])
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
-    section: Any = SECTIONS.get(str(loc[0]), RecipeFile) if len(loc) > 1 else RecipeFile
+    section: Any = RecipeFile  # or the section the key is in
+    if len(loc) > 1 and str(loc[0]) in RecipeFile.__pydantic_fields__:
+        annotation = RecipeFile.__pydantic_fields__[str(loc[0])].annotation
+        section = next((t for t in (annotation, *get_args(annotation)) if dataclasses.is_dataclass(t)), RecipeFile)
     kind, msg = err["type"], str(err["msg"])
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         valid = [f.name for f in dataclasses.fields(section)]

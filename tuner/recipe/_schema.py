@@ -465,17 +465,6 @@ class RecipeFile:
 
 
 FILE_ADAPTER = TypeAdapter(RecipeFile)
-SECTIONS: dict[str, type] = {
-    "model": Component,
-    "data": Component,
-    "trainer": TrainerSettings,
-    "budget": Budget,
-    "search": SearchSettings,
-    "trial": TrialSettings,
-    "race": RaceSettings,
-    "tracking": TrackingSettings,
-    "study": StudySettings,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,8 +502,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         """The file structure (plain types; `from_dict` of it gives an equal recipe)."""
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
-        d.update({key: dataclasses.asdict(d[key]) for key in SECTIONS})
+        d = dataclasses.asdict(self)
+        del d["source"]
         d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
         d["search"] = jsonable(d["search"])
         d["output"] = str(self.output)
