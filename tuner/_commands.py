@@ -168,7 +168,8 @@ def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tup
             f"--seq-arg: neither model {recipe.model.class_path} nor data {recipe.data.class_path} takes an argument "
             f"named {seq_arg!r}; name the constructor argument that sets the sequence length with --seq-arg NAME"
         )
-    return dataclasses.replace(recipe, **changes), tuple(changes)
+    model, data = changes.get("model", recipe.model), changes.get("data", recipe.data)
+    return dataclasses.replace(recipe, model=model, data=data), tuple(changes)
 
 
 def max_seq_len(

@@ -216,9 +216,10 @@ def _describe(err: Mapping[str, Any]) -> str:
     loc = tuple(err["loc"])
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
     section: Any = RecipeFile  # or the section the key is in
-    if len(loc) > 1 and str(loc[0]) in RecipeFile.__pydantic_fields__:
-        annotation = RecipeFile.__pydantic_fields__[str(loc[0])].annotation
-        section = next((t for t in (annotation, *get_args(annotation)) if dataclasses.is_dataclass(t)), RecipeFile)
+    info = section.__pydantic_fields__.get(str(loc[0])) if len(loc) > 1 else None
+    if info is not None:
+        kinds = (info.annotation, *get_args(info.annotation))
+        section = next((t for t in kinds if dataclasses.is_dataclass(t)), RecipeFile)
     kind, msg = err["type"], str(err["msg"])
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         valid = [f.name for f in dataclasses.fields(section)]

@@ -318,7 +318,7 @@ class SearchSettings:
 
 
 _SCAN_BATCHES = 64
-_ADDED_LATER = {
+_ADDED_LATER: dict[str, dict[str, Any]] = {
     "trial": {"scan_batches": _SCAN_BATCHES},
     "trainer": {"num_nodes": 1, "strategy": "auto"},
     "search": {"compile": [False]},
