@@ -1,10 +1,6 @@
 """``python -m tuner``: the ``recompute-tune`` command line."""
 
-from __future__ import annotations
-
-import sys
-
 from tuner.cli import command
 
 if __name__ == "__main__":
-    sys.exit(command())
+    raise SystemExit(command())

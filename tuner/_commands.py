@@ -1,8 +1,9 @@
-"""The commands besides tuning: ``plan``, ``history`` and ``rollback``; each returns a summary the CLI
-prints (``--format json`` dumps its `to_dict`)."""
+"""``plan``, ``history`` and ``rollback``: each returns a summary the CLI prints (``--format json``: its `to_dict`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.units import jsonable
 from tuner.exits import EXIT_INFEASIBLE, EXIT_OK, Declined
+from tuner.recipe._schema import Component, accepts, positive_arg
 
 if TYPE_CHECKING:
     from lightning_recompute.planner import PlannedPolicy
@@ -17,8 +19,6 @@ if TYPE_CHECKING:
     from lightning_recompute.profile import Profile
     from tuner._tracking import Decision, GoodPolicy, Tracker
     from tuner.recipe import Recipe
-
-__all__ = ["HistorySummary", "PlanSummary", "SeqLenSummary", "history", "max_seq_len", "plan", "rollback"]
 
 
 def _row(p: PlannedPolicy | None) -> dict[str, Any]:
@@ -32,8 +32,7 @@ def _row(p: PlannedPolicy | None) -> dict[str, Any]:
 
 @dataclass
 class PlanSummary:
-    """What ``recompute-tune plan`` shows: the predicted front (by increasing peak) and the fastest policy
-    within the budget (``chosen``; else ``reason``), written to ``written`` with ``--write``."""
+    """The predicted front (by increasing peak) and the fastest policy within the budget (else ``reason``)."""
 
     recipe: str
     device: str
@@ -45,8 +44,7 @@ class PlanSummary:
     reason: str | None = None
     written: Path | None = None
     exit_code: int = EXIT_OK
-    sharding: str | None = None
-    """``per rank, world size 64, fsdp`` when the front is per rank of a sharded or replicated run."""
+    sharding: str | None = None  # "per rank, world size 64, fsdp" for one rank of several
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready); the profile is left out."""
@@ -64,23 +62,20 @@ def plan(
     world_size: int | None = None,
     strategy: str | None = None,
 ) -> PlanSummary:
-    """Profile the recipe's model (measured, or on the meta device for ``meta``, a key of
-    `lightning_recompute.profile.HARDWARE`), per rank of ``world_size`` ranks under ``strategy`` (default: the
-    recipe's), and plan it for ``budget`` (default: the recipe's limit); ``write`` the chosen policy there."""
+    """Profile the recipe's model (measured, or on the meta device for ``meta``, a `HARDWARE` key), per rank of
+    ``world_size`` under ``strategy``, and plan it for ``budget``; ``write`` the chosen policy there."""
     from lightning_recompute.planner import BudgetError, Planner
     from lightning_recompute.planner.sharding import shard_profile, sharding_for
     from tuner._preflight import output_problem
-    from tuner._trials import profile_recipe
-    from tuner.recipe._profile import profile_recipe_meta, recipe_layout
+    from tuner.recipe._profile import recipe_layout
 
-    sharding = sharding_for(recipe, world_size, strategy)  # before profiling, which can take minutes
-    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
-    device, limit = _device_and_limit(recipe, budget, meta)
+    sharding = sharding_for(recipe, world_size, strategy)  # problems found before profiling, which takes minutes
+    mb, device, limit, profile_of = _target(recipe, budget, meta)
     if write is not None:
         problem = output_problem(Path(write).expanduser().absolute(), key="--write")
-        if problem is not None:  # found before profiling, which can take minutes
+        if problem is not None:
             raise RecomputeError(problem)
-    profile = profile_recipe_meta(recipe, mb, meta) if meta is not None else profile_recipe(recipe, mb)
+    profile = profile_of(recipe)
     if sharding is not None:
         profile = shard_profile(profile, recipe_layout(recipe, profile.layer_names), sharding)
     planner = Planner(profile)
@@ -108,12 +103,17 @@ def plan(
     return summary
 
 
-def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None) -> tuple[str, int]:
-    """The device planned for (in words) and the budget limit in bytes (``--budget``, else the recipe's)."""
+def _target(
+    recipe: Recipe, budget: str | int | None, meta: str | None
+) -> tuple[int | None, str, int, Callable[[Recipe], Profile]]:
+    """The micro-batch planned for, the device (in words), the budget limit in bytes (``--budget``, else the
+    recipe's) and how to profile a recipe there."""
     from lightning_recompute.profile import HARDWARE
     from lightning_recompute.units import parse_bytes
-    from tuner._trials import device_info
+    from tuner._trials import device_info, profile_recipe
+    from tuner.recipe._profile import profile_recipe_meta
 
+    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
     total: int | None
     if meta is not None:
         if meta not in HARDWARE:
@@ -121,18 +121,20 @@ def _device_and_limit(recipe: Recipe, budget: str | int | None, meta: str | None
         device, total = f"{HARDWARE[meta].name} (estimated on the meta device)", HARDWARE[meta].memory_bytes
     else:
         device, total = device_info(recipe)
-    if budget is None:
-        return device, recipe.budget.limit_bytes(total)
+
+    def profile_of(variant: Recipe) -> Profile:
+        return profile_recipe_meta(variant, mb, meta) if meta is not None else profile_recipe(variant, mb)
+
     try:
-        return device, parse_bytes(budget)
+        limit = recipe.budget.limit_bytes(total) if budget is None else parse_bytes(budget)
     except ValueError as err:
         raise RecomputeError(f"--budget: {err}") from None
+    return mb, device, limit, profile_of
 
 
 @dataclass
 class SeqLenSummary:
-    """What ``recompute-tune plan --max-seq-len`` shows: per policy family, the longest ``seq_arg`` (set on the
-    components ``set_on``) that fits, after ``profiles`` lengths profiled."""
+    """Per policy family, the longest ``seq_arg`` (set on the components ``set_on``) that fits."""
 
     recipe: str
     device: str
@@ -147,55 +149,27 @@ class SeqLenSummary:
     exit_code: int = EXIT_OK
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (JSON-ready)."""
         out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self) if f.name != "fits"}
-        out["fits"] = [
-            {
-                "family": f.family,
-                "seq_len": f.seq_len,
-                "capped": f.capped,
-                "tokens_per_s": f.tokens_per_s,
-                **_row(f.plan),
-            }
-            for f in self.fits
-        ]
+        keys = ("family", "seq_len", "capped", "tokens_per_s")
+        out["fits"] = [{**{k: getattr(f, k) for k in keys}, **_row(f.plan)} for f in self.fits]
         return out
 
 
 def with_seq_len(recipe: Recipe, seq_arg: str, length: int) -> tuple[Recipe, tuple[str, ...]]:
-    """``recipe`` with ``seq_arg=length`` in the init args of its model and data, where their constructors
-    take it, and the components set (``model``, ``data``); a `RecomputeError` when neither takes it."""
-    import dataclasses
-
-    from tuner.recipe._schema import Component, accepts
-
-    changes: dict[str, Component] = {}
-    for key in ("model", "data"):
-        component: Component = getattr(recipe, key)
-        if accepts(component.import_class(), seq_arg):
-            changes[key] = Component(component.class_path, {**component.init_args, seq_arg: length})
+    """``recipe`` with ``seq_arg=length`` in the init args of its model and data where their constructors take
+    it, and which took it (``model``, ``data``); a `RecomputeError` when neither does."""
+    changes: dict[str, Component] = {
+        key: Component(c.class_path, {**c.init_args, seq_arg: length})
+        for key, c in (("model", recipe.model), ("data", recipe.data))
+        if accepts(c.import_class(), seq_arg)
+    }
     if not changes:
         raise RecomputeError(
             f"--seq-arg: neither model {recipe.model.class_path} nor data {recipe.data.class_path} takes an argument "
             f"named {seq_arg!r}; name the constructor argument that sets the sequence length with --seq-arg NAME"
         )
-    return dataclasses.replace(
-        recipe, model=changes.get("model", recipe.model), data=changes.get("data", recipe.data)
-    ), tuple(changes)
-
-
-def _seq_len_of(recipe: Recipe, seq_arg: str) -> int | None:
-    """The recipe's own sequence length: ``seq_arg`` in the data's, else the model's init args or defaults."""
-    from tuner.recipe._schema import init_signature
-
-    for component in (recipe.data, recipe.model):
-        value = component.init_args.get(seq_arg)
-        if value is None:
-            param = init_signature(component.import_class()).parameters.get(seq_arg)
-            value = None if param is None else param.default
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    model, data = changes.get("model", recipe.model), changes.get("data", recipe.data)
+    return dataclasses.replace(recipe, model=model, data=data), tuple(changes)
 
 
 def max_seq_len(
@@ -207,22 +181,17 @@ def max_seq_len(
     step: int = 64,
     cap: int = 2**20,
 ) -> SeqLenSummary:
-    """Per policy family (each searched mode on every layer, and the planner's best mix), the longest
-    sequence length that fits the budget: ``seq_arg`` set on the model and data that take it, every probed
-    length profiled (measured, or on the meta device with ``meta``) and planned."""
+    """Per policy family (each searched mode on every layer, and the planner's best mix), the longest sequence
+    length that fits the budget, every probed length profiled and planned."""
     from lightning_recompute.planner.seqlen import longest_fits
-    from tuner._trials import profile_recipe
-    from tuner.recipe._profile import profile_recipe_meta
 
-    mb = recipe.search.micro_batch_sizes[0] if recipe.search.micro_batch_sizes else None
-    device, limit = _device_and_limit(recipe, budget, meta)
+    mb, device, limit, profile_of = _target(recipe, budget, meta)
     _, set_on = with_seq_len(recipe, seq_arg, 1)  # fails now, before any profiling, if nothing takes it
     batches: dict[int, int] = {}
 
     def profile_at(length: int) -> Profile:
-        variant, _ = with_seq_len(recipe, seq_arg, length)
         try:
-            prof = profile_recipe_meta(variant, mb, meta) if meta is not None else profile_recipe(variant, mb)
+            prof = profile_of(with_seq_len(recipe, seq_arg, length)[0])
         except RecomputeError:
             raise
         except Exception as err:  # the user's model refusing a length (e.g. beyond its position table)
@@ -236,7 +205,7 @@ def max_seq_len(
         batches[length] = prof.batch_bytes
         return prof
 
-    start = _seq_len_of(recipe, seq_arg) or step
+    start = positive_arg(recipe.data, seq_arg) or positive_arg(recipe.model, seq_arg) or step
     fits = longest_fits(profile_at, limit, modes=list(recipe.search.modes), start=start, step=step, cap=cap)
     micro_batch = next((f.plan.prediction.micro_batch for f in fits if f.plan is not None), mb or 0)
     return SeqLenSummary(
@@ -256,8 +225,8 @@ def max_seq_len(
 
 @dataclass
 class HistorySummary:
-    """What ``recompute-tune history`` shows: every decision, oldest first, and the good policy now (or why it
-    cannot be read); ``missing``: the SQLite tracking database that does not exist yet."""
+    """Every decision, oldest first, and the good policy now (or why it cannot be read); ``missing``: the SQLite
+    tracking database that does not exist yet."""
 
     experiment: str
     tracking_uri: str
@@ -271,8 +240,7 @@ class HistorySummary:
 
 
 def history(recipe: Recipe) -> HistorySummary:
-    """Every promotion, rejection and rollback recorded for ``recipe``'s experiment, from MLflow alone;
-    reading creates nothing (no database: an empty history)."""
+    """Every decision recorded for ``recipe``'s experiment, from MLflow alone; reading creates nothing."""
     tracker = _tracker(recipe)
     summary = HistorySummary(str(recipe.tracking.experiment), recipe.tracking.uri, [])
     if isinstance(tracker, Path):
@@ -290,8 +258,7 @@ def history(recipe: Recipe) -> HistorySummary:
 
 @dataclass(frozen=True)
 class RollbackSummary:
-    """What ``recompute-tune rollback`` did: the good policy now, whether it moved back, what was repaired in
-    the policy file or cleaned up after a killed command, and how its peak compares with the budget now."""
+    """The good policy now, whether it moved back, what was repaired or cleaned up, its peak against the budget."""
 
     good: GoodPolicy
     rolled_back: bool
@@ -301,9 +268,8 @@ class RollbackSummary:
 
 
 def rollback(recipe: Recipe, *, allow_over_budget: bool = False) -> RollbackSummary:
-    """Restore the previous good policy (MLflow record and ``recipe.output``), after making the file match the
-    current one (with one good policy recorded, that repair is the whole rollback); an earlier policy over the
-    budget now is `Declined` unless ``allow_over_budget`` (docs/TUNER.md, "Rollback")."""
+    """Restore the previous good policy (MLflow record and ``recipe.output``) after making the file match the
+    current one; an earlier policy over the budget now is `Declined` unless ``allow_over_budget``."""
     from tuner._liveness import grace_s
 
     tracker = _tracker(recipe)

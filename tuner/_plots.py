@@ -1,8 +1,4 @@
-"""The Pareto plot of a tuning session: peak memory against throughput, one point per trial.
-
-Drawn with matplotlib's object API on an Agg canvas, never ``pyplot``: the tuner may run headless and
-must not touch a global figure state or a display backend.
-"""
+"""The Pareto plot of a tuning session, drawn on an Agg canvas, never ``pyplot`` (no global state, no display)."""
 
 from __future__ import annotations
 
@@ -11,8 +7,6 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-__all__ = ["pareto_front", "pareto_plot"]
 
 Point = tuple[float, float]
 _STYLES = {"ok": ("tab:blue", "o", "ok"), "over_budget": ("tab:orange", "x", "over budget")}

@@ -1,5 +1,4 @@
-"""Checking a recipe's settings before anything is measured (the output path, the tracking URI, the study
-storage), all at once, each problem naming its recipe key and what would be valid."""
+"""Checking a recipe's settings (output path, tracking URI, study storage) before anything is measured, all at once."""
 
 from __future__ import annotations
 
@@ -17,11 +16,8 @@ from tuner._stores import storage_problem
 if TYPE_CHECKING:
     from tuner.recipe import Recipe
 
-CONNECT_TIMEOUT_S = 10.0
-"""How long the check waits for a tracking server to accept a connection."""
-
-_KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
-"""Where a policy file can never live: kernel interfaces, not storage."""
+CONNECT_TIMEOUT_S = 10.0  # how long a tracking server has to accept a connection
+_KERNEL_FILESYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))  # interfaces, not storage
 
 TRACKING_FORMS = (
     "sqlite:///path/mlflow.db, postgresql://user@host/db, mysql://..., http(s)://host:port, "
@@ -52,22 +48,19 @@ def check_settings(recipe: Recipe, *, output: bool = True) -> None:
 
 
 def nodes_problem(recipe: Recipe) -> str | None:
-    """Why the recipe's trials cannot run here, spanning several nodes; ``None`` when they run on one."""
-    nodes = recipe.trainer.num_nodes
+    """Why the recipe's trials, spanning several nodes, cannot run here; ``None`` when they run on one."""
+    if recipe.trainer.num_nodes == 1:
+        return None
     return (
-        None
-        if nodes == 1
-        else (
-            f"trainer.num_nodes: {nodes}, but a trial runs its ranks on this one node (Lightning's launcher starts "
-            f"only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: 1, with "
-            f"trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
-        )
+        f"trainer.num_nodes: {recipe.trainer.num_nodes}, but a trial runs its ranks on this one node (Lightning's "
+        f"launcher starts only local ranks; the other nodes' would wait for a job nobody starts) (valid for tuning: "
+        f"1, with trainer.devices up to this node's devices; `recompute-tune plan` takes any num_nodes)"
     )
 
 
 def output_problem(path: Path, key: str = "output") -> str | None:
-    """Why the policy file cannot be written at ``path``: a file is made in the nearest existing folder, as
-    permission bits say nothing about read-only mounts or immutable folders."""
+    """Why the policy file cannot be written at ``path``: a file is made in the nearest existing folder (permission
+    bits say nothing of read-only mounts)."""
     shown = clip(str(path))
     if any(path == root or root in path.parents for root in _KERNEL_FILESYSTEMS):
         return f"{key}: {shown} is on a kernel filesystem, not storage (valid: a file path in a writable folder)"

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_recompute.errors import RecomputeError
+from lightning_recompute.units import format_bytes
 from tuner.exits import (
     EXIT_BAD_INPUT,
     EXIT_INFEASIBLE,
@@ -216,6 +217,8 @@ def _quiet_libraries() -> None:
     """Keep the terminal to the tuner's own lines: no per-trial INFO logs or download progress bars."""
     import logging
 
+    import optuna
+
     from tuner._stores import bound_tracking_requests
 
     bound_tracking_requests()
@@ -223,12 +226,7 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    try:
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-    except ImportError:
-        pass
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -264,8 +262,6 @@ def _trial_line(event: TrialEvent) -> str:
     mb = f" mb {r.micro_batch}" if r.micro_batch is not None else ""
     if r.throughput is not None:
         body = f"{_num(r.throughput)} {r.throughput_unit}  peak {_bytes(r.peak_bytes)}  {r.outcome}"
-    elif r.outcome in ("skipped", "duplicate"):
-        body = f"{r.outcome}: {r.reason}"
     else:
         body = f"{r.outcome}: {r.reason or ''}".rstrip(": ")
     source = f"  ({r.label})" if r.label else ""
@@ -313,12 +309,10 @@ def _report(s: SessionSummary) -> str:
             lines.append(f"  gate: {_clip(f'passed {checks}' if s.status == 'promoted' else s.reasons[0])}")
     if s.training_change is not None and s.status in ("promoted", "current"):
         lines.append(f"  in the training job: {s.training_change}")
-    ran = len([r for r in s.records if r.ran])
+    ran_text = f"{sum(r.ran for r in s.records)} trials"
     if raced is not None:
-        ran_text = f"{ran} trials and a race of {len(raced.entrants)} policies over "
-        ran_text += f"{raced.select_rounds + raced.estimate_rounds} rounds"
-    else:
-        ran_text = f"{ran} trials"
+        rounds = raced.select_rounds + raced.estimate_rounds
+        ran_text += f" and a race of {len(raced.entrants)} policies over {rounds} rounds"
     noted = f", {len(s.notes)} notes" if s.notes else ""
     lines.append(f"  {ran_text}{noted}: --verbose shows them")
     lines.append(f"  browse: {s.mlflow_command}")
@@ -560,6 +554,4 @@ def _num(value: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    from lightning_recompute.units import format_bytes
-
     return "-" if n is None else format_bytes(n)

@@ -1,26 +1,11 @@
-"""The exit codes of ``recompute-tune`` and the errors that carry them, defined once for every subcommand.
-
-The CLI's one handler prints a `RecomputeError`'s message (no traceback) and exits with `exit_code_of` it:
-`StoreFailure` 3, `Declined` 1, any other 2. A session that promotes nothing carries `EXIT_INFEASIBLE`.
-"""
+"""The exit codes of ``recompute-tune`` (docs/TUNER.md) and the errors that carry them: the CLI prints a
+`RecomputeError`'s message and exits with `exit_code_of` it."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
 from lightning_recompute.errors import RecomputeError
-
-__all__ = [
-    "EXIT_BAD_INPUT",
-    "EXIT_INFEASIBLE",
-    "EXIT_INTERRUPTED",
-    "EXIT_OK",
-    "EXIT_STORE_FAILED",
-    "Declined",
-    "StoreFailure",
-    "TunerError",
-    "exit_code_of",
-]
 
 EXIT_OK = 0  # the output policy file holds the study's best feasible policy (promoted now, or already)
 EXIT_INFEASIBLE = 1  # nothing promoted: nothing fitted, the gate kept the current policy, nothing to roll back to
@@ -30,7 +15,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, SIGTERM or SIGHUP; the study resumes on the ne
 
 
 class TunerError(RecomputeError):
-    """An error of a tuner command that says which exit code it ends the command with."""
+    """An error that says which exit code it ends the command with."""
 
     exit_code: ClassVar[int] = EXIT_BAD_INPUT
 

@@ -1,5 +1,4 @@
-"""What a tuning session reports: each trial as it finishes (`TrialEvent`), and the session's `SessionSummary`
-(`summarize` builds it; ``--format json`` dumps its `to_dict`)."""
+"""What a tuning session reports: each trial as it finishes (`TrialEvent`), and the session's `SessionSummary`."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ __all__ = ["SessionSummary", "TrialEvent", "summarize", "training_change"]
 
 @dataclass(frozen=True)
 class TrialEvent:
-    """What the CLI prints for one trial as it finishes: the trial just told to Optuna (measured, skipped or
-    duplicate), the best feasible trial of the study so far (any worker's), and the trials run so far."""
+    """A trial just told to Optuna, the study's best feasible trial so far (any worker's), the trials run so far."""
 
     record: TrialRecord
     best: TrialRecord | None
@@ -37,12 +35,10 @@ class TrialEvent:
 @dataclass
 class SessionSummary:
     """What a tuning session did and decided. ``records``: every finished trial of the study, all sessions and
-    workers; ``baselines``: each baseline's trial; ``gains``: the race winner's throughput over each baseline's,
-    minus 1 (``None``: not raced); ``race``: the race before the gate (``None``: not run); ``chosen``: `best`
-    is the race's winner (or the good policy a race chose before), not merely the fastest single trial;
+    workers; ``gains``: the race winner's throughput over each baseline's, minus 1 (``None``: not raced);
+    ``chosen``: `best` is the race's winner (or an earlier race's good policy), not merely the fastest trial;
     ``reasons``: the gate's, or why there was nothing to gate; ``policy_path``: the file written or holding
-    the current good policy, ``tuned_for`` what that was tuned for; ``data_batch_size``: what ``micro_batch``
-    ``None`` means; ``confidence``: the level the report states its intervals at."""
+    the good policy; ``data_batch_size``: what ``micro_batch`` ``None`` means."""
 
     recipe: str
     study: str
@@ -76,7 +72,6 @@ class SessionSummary:
 
     @property
     def training_change(self) -> str | None:
-        """What to set in the training job for the good policy to fit, in words (``None``: unknown)."""
         return training_change(self.tuned_for)
 
     @property
@@ -108,7 +103,7 @@ class SessionSummary:
         return sorted(rows, key=lambda r: (not r.feasible, -(r.throughput or 0.0), r.number))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (JSON-ready); the records as ``trials``."""
+        """Plain types; the records as ``trials``."""
         out = {f.name: jsonable(getattr(self, f.name)) for f in fields(self) if f.name != "records"}
         extra = {"vs": self.vs_figures(), "mlflow_command": self.mlflow_command, "trials": jsonable(self.records)}
         return {**out, **extra, "training_change": self.training_change}
@@ -153,11 +148,8 @@ def summarize(
     race: RaceResult | None = None,
     chosen: str | None = None,
 ) -> SessionSummary:
-    """The summary of a session of ``recipe`` on the study ``source`` (named ``study``) as it ends.
-
-    ``chosen``: the fingerprint the race chose; its trial, if one ran it, is the best. ``notes`` is kept
-    as the very list (later notes still reach it).
-    """
+    """The summary of a session on the study ``source`` as it ends. ``chosen``: the fingerprint the race chose
+    (its trial, if one ran it, is the best); ``notes`` is kept as the very list (later notes still reach it)."""
     records = source.records() if source is not None else []
     best = source.best() if source is not None else None
     if chosen is not None:
@@ -192,18 +184,15 @@ def summarize(
 
 
 def baselines(records: Sequence[TrialRecord]) -> dict[str, TrialRecord]:
-    """Each baseline's trial: the measured one (a re-queued seed may have an interrupted record too),
-    or, for a baseline that was a duplicate, the trial it duplicated."""
-    by_number = {r.number: r for r in records}
+    """Each baseline's trial: the measured one (a re-queued seed may have an interrupted record too), or, for a
+    duplicate, the trial it duplicated."""
+    by_number, dead = {r.number: r for r in records}, ("interrupted", "abandoned")
     out: dict[str, TrialRecord] = {}
     for r in records:
         name = r.baseline
-        if name is None:
-            continue
         if r.outcome == "duplicate" and r.duplicate_of in by_number:
             r = by_number[r.duplicate_of]
-        dead = ("interrupted", "abandoned")
-        if name not in out or (r.outcome not in dead and out[name].outcome in dead):
+        if name is not None and (name not in out or (r.outcome not in dead and out[name].outcome in dead)):
             out[name] = r
     return out
 

@@ -1,11 +1,5 @@
-"""Tuning recipes: the YAML file that says what to tune, on what, within which budget (docs/TUNER.md, Recipes).
-
-The model and data are named the LightningCLI way (``class_path`` + ``init_args``). `load` validates the whole
-file before anything runs and reports every problem at once, each as ``key.path: problem (valid: ...)``. The
-schema is declared once, as pydantic dataclasses, so the validator and the JSON Schema (`json_schema`) cannot
-drift apart. Relative paths resolve against the recipe's folder. Importing this package imports neither torch
-nor Lightning.
-"""
+"""Tuning recipes: what to tune, on what, within which budget (docs/TUNER.md, Recipes). Importing this package
+imports neither torch nor Lightning."""
 
 from __future__ import annotations
 

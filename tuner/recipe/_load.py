@@ -1,7 +1,5 @@
-"""Reading a recipe: the YAML file (duplicate keys refused) or a mapping, validated all at once: the schema, then
-the checks pydantic cannot make (the named classes import, take the given arguments, and agree with the rest of
-the recipe), every problem as ``key.path: problem (valid: ...)``; relative paths resolved against the recipe's
-folder; the JSON Schema for editors."""
+"""Reading a recipe, validated all at once: the schema, then what pydantic cannot check (the classes named, their
+arguments, sections that must agree), every problem as ``key.path: problem (valid: ...)``; paths resolved."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -23,7 +21,6 @@ from tuner.recipe._schema import (
     FILE_ADAPTER,
     REFERENCE_DATA,
     REFERENCE_MODEL,
-    SECTIONS,
     Component,
     Recipe,
     RecipeError,
@@ -38,7 +35,6 @@ from tuner.recipe._schema import (
 
 
 def load(path: str | os.PathLike[str]) -> Recipe:
-    """Read and validate a recipe file; a `RecipeError` lists every problem (missing, not YAML, invalid)."""
     p = Path(path).expanduser().resolve()
     try:
         # Bounded first (size, content, nesting, aliases), then parsed again refusing duplicate keys.
@@ -53,7 +49,7 @@ def load(path: str | os.PathLike[str]) -> Recipe:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys: YAML would silently keep the last one."""
+    """Refuses duplicate keys, where YAML would keep the last one unseen."""
 
 
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -70,12 +66,8 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def from_dict(data: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> Recipe:
-    """Validate a recipe given as the file structure; a `RecipeError` lists every problem at once.
-
-    ``source`` (the file it came from) names the recipe in errors, gives the default name, and is the folder
-    relative paths resolve against (else the working directory). Both folders go on ``sys.path``, so a
-    ``class_path`` can name a module beside the recipe.
-    """
+    """Validate a recipe given as the file structure. ``source``, the file it came from, names it in errors and
+    gives its default name and the folder relative paths resolve against; a class_path may name a module there."""
     from lightning_recompute.reference import SyntheticTokens
 
     src = None if source is None else Path(source).expanduser().resolve()
@@ -162,11 +154,8 @@ def _cross_check(parsed: RecipeFile, model_cls: type | None, data_cls: type | No
 
     from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
-    data, accel, strategy = (
-        parsed.data or Component(REFERENCE_DATA),
-        parsed.trainer.accelerator,
-        parsed.trainer.strategy,
-    )
+    data = parsed.data or Component(REFERENCE_DATA)
+    accel, strategy = parsed.trainer.accelerator, parsed.trainer.strategy
     model_args: dict[str, Any] = {}
     reference = model_cls is not None and issubclass(model_cls, ReferenceGPT)
     if reference and data_cls is not None and issubclass(data_cls, SyntheticTokens):
@@ -210,7 +199,6 @@ def _cross_check(parsed: RecipeFile, model_cls: type | None, data_cls: type | No
             "trainer.strategy: 'fsdp' is Lightning's FSDPStrategy (FSDP1), which needs CUDA, and "
             "trainer.accelerator is cpu (valid on cpu: ddp, or model_parallel for FSDP2's fully_shard over gloo)"
         )
-    # A LightningModule that does not override configure_model:
     if (
         strategy == "model_parallel"
         and getattr(model_cls, "configure_model", None) is L.LightningModule.configure_model
@@ -227,7 +215,11 @@ def _describe(err: Mapping[str, Any]) -> str:
     """One pydantic error as ``key.path: problem (valid: ...)``."""
     loc = tuple(err["loc"])
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
-    section: Any = SECTIONS.get(str(loc[0]), RecipeFile) if len(loc) > 1 else RecipeFile
+    section: Any = RecipeFile  # or the section the key is in
+    info = section.__pydantic_fields__.get(str(loc[0])) if len(loc) > 1 else None
+    if info is not None:
+        kinds = (info.annotation, *get_args(info.annotation))
+        section = next((t for t in kinds if dataclasses.is_dataclass(t)), RecipeFile)
     kind, msg = err["type"], str(err["msg"])
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         valid = [f.name for f in dataclasses.fields(section)]

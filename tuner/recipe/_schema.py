@@ -1,4 +1,4 @@
-"""The recipe file's schema, declared once as pydantic dataclasses, and the validated `Recipe`."""
+"""The recipe file's schema as pydantic dataclasses, and the validated `Recipe` (docs/TUNER.md, Recipes)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,8 @@ from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.units import format_bytes as _format_bytes
 from lightning_recompute.units import jsonable, parse_bytes
 
-PREDICTION_SPAN = 0.05
-"""Predicted step times within this fraction of the fastest are the planner's fastest: its cost model cannot rank
-them closer. `tuner._decision` takes the faster trials among them."""
-
-RACE_PLAN_ENV = "RECOMPUTE_TUNE_RACE_PLAN"
-"""A JSON object of `RacePlan` fields replacing the race's constants: short races for tests and benchmarks."""
+PREDICTION_SPAN = 0.05  # predicted step times this close to the fastest are a tie: the cost model cannot rank them
+RACE_PLAN_ENV = "RECOMPUTE_TUNE_RACE_PLAN"  # JSON of `RacePlan` fields replacing its constants (tests, benchmarks)
 
 REFERENCE_MODEL = "lightning_recompute.reference.ReferenceGPT"  # when a recipe names no model
 REFERENCE_DATA = "lightning_recompute.reference.SyntheticTokens"  # when it names no data
@@ -44,8 +40,7 @@ PRECISIONS = (
     "32-true",
     "64-true",
 )
-"""Lightning's ``Trainer(precision=...)`` values, literal so loading a recipe does not import Lightning (a test
-checks them against Lightning's own); its short aliases are accepted and written in the long form."""
+"""Lightning's ``Trainer(precision=...)`` values, spelt out so that loading a recipe does not import Lightning."""
 _PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
@@ -76,19 +71,16 @@ class Component:
     )
 
     def import_class(self) -> type:
-        """The class named by `class_path` (imports its module); a `RecipeError` when it cannot."""
         cls, problem = resolve_class(self.class_path)
         if cls is None:
             raise RecipeError([f"class_path: {problem}"])
         return cls
 
     def instantiate(self, **overrides: Any) -> Any:
-        """An instance of the class with `init_args`, updated by ``overrides``."""
         return self.import_class()(**{**self.init_args, **overrides})
 
 
 def _precision(value: Any) -> str:
-    """Lightning's precision names; its aliases (``32``, ``bf16``, ...) become the long form."""
     text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
     text = _PRECISION_ALIASES.get(str(text), text)
     if text in PRECISIONS:
@@ -148,7 +140,6 @@ class TrainerSettings:
 
     @property
     def world_size(self) -> int:
-        """Ranks of the training job: ``devices * num_nodes``."""
         return self.devices * self.num_nodes
 
     @property
@@ -157,7 +148,6 @@ class TrainerSettings:
         return self.strategy if isinstance(self.strategy, str) else self.strategy.class_path
 
     def describe_ranks(self) -> str | None:
-        """``"2 ranks per trial (ddp)..."`` for a multi-device trial; ``None`` for one device."""
         if self.devices == 1:
             return None
         how = "auto: Lightning runs DDP on several devices" if self.strategy == "auto" else self.strategy_name
@@ -224,8 +214,7 @@ class Budget:
         return isinstance(self.value, float)
 
     def limit_bytes(self, device_total_bytes: int | None) -> int:
-        """The most bytes a trial's peak may reach: the budget, less the margin. A fraction of a device of unknown
-        memory (CPU) is a `RecomputeError`."""
+        """The most bytes a trial's peak may reach: the budget, less the margin."""
         if self.is_fraction and device_total_bytes is None:
             raise RecomputeError(
                 f"budget.value: {self.value:g} is a fraction of device memory, but this device reports no "
@@ -235,13 +224,11 @@ class Budget:
         return int(budget * (1.0 - self.margin))
 
     def describe(self, device_total_bytes: int | None = None) -> str:
-        """``"80% of 79.19 GiB = 63.35 GiB, less 5% margin"``-style text for logs."""
+        """``"80% of 79.19 GiB, less 5% margin -> limit 60.17 GiB"``."""
         of = "device memory" if device_total_bytes is None else _format_bytes(device_total_bytes)
         base = f"{self.value:.0%} of {of}" if self.is_fraction else _format_bytes(int(self.value))
-        try:
-            limit = f" -> limit {_format_bytes(self.limit_bytes(device_total_bytes))}"
-        except RecomputeError:
-            limit = ""
+        unknown = self.is_fraction and device_total_bytes is None
+        limit = "" if unknown else f" -> limit {_format_bytes(self.limit_bytes(device_total_bytes))}"
         return f"{base}, less {self.margin:.0%} margin{limit}"
 
 
@@ -258,7 +245,7 @@ RETIRED_RACE_KEYS = (
     "disputes",
     "tie_margin",
 )
-"""``race`` keys of earlier recipes, now constants of `RacePlan`: a recipe that sets them still loads."""
+"""``race`` keys of earlier recipes, now `RacePlan`'s constants: a recipe setting them loads, with a warning."""
 
 
 def _race_override(text: str) -> dict[str, Any]:
@@ -276,7 +263,6 @@ def _race_override(text: str) -> dict[str, Any]:
 
 
 def _race_retired_keys(value: Any) -> Any:
-    """Drops the retired ``race`` keys of an earlier recipe, with a warning naming them."""
     if not isinstance(value, dict):
         return value
     retired = sorted(k for k in value if k in RETIRED_RACE_KEYS)
@@ -300,7 +286,6 @@ if TYPE_CHECKING:  # a Literal must be spelled out for a type checker; the names
     ModeName = str
 else:
     ModeName = Literal[MODE_NAMES]
-"""One of `lightning_recompute.modes.MODE_NAMES`, in its order (the JSON Schema's enum and an error's ``valid:``)."""
 
 
 @schema_dataclass(frozen=True, config=_SCHEMA)
@@ -332,18 +317,17 @@ class SearchSettings:
     seed: _Int = Field(default=0, description="Seed of the sampler and of every trial's model and data.")
 
 
-def _env_values(value: Any) -> Any:
-    # YAML reads `OMP_NUM_THREADS: 1` as an int; an environment holds strings.
-    if isinstance(value, Mapping):
-        return {k: (str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in value.items()}
-    return value
-
-
 _SCAN_BATCHES = 64
-"""The default ``trial.scan_batches``; left out of the recipe's fingerprint at this value, so older studies resume."""
+_ADDED_LATER: dict[str, dict[str, Any]] = {
+    "trial": {"scan_batches": _SCAN_BATCHES},
+    "trainer": {"num_nodes": 1, "strategy": "auto"},
+    "search": {"compile": [False]},
+}
+"""Keys added after studies existed, left out of the recipe's fingerprint at these defaults."""
 
 
-@schema_dataclass(frozen=True, config=_SCHEMA)
+# YAML reads `OMP_NUM_THREADS: 1` as an int; an environment holds strings.
+@schema_dataclass(frozen=True, config=ConfigDict(extra="forbid", coerce_numbers_to_str=True))
 class TrialSettings:
     """How long one trial measures."""
 
@@ -364,7 +348,7 @@ class TrialSettings:
         "is shorter). When batches vary, every measured step uses the largest found, so 'fits the budget' "
         "holds for it; the session says which batch that was and whether the scan saw the whole epoch.",
     )
-    env: Annotated[dict[str, str], BeforeValidator(_env_values)] = Field(
+    env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables of every trial subprocess, e.g. {OMP_NUM_THREADS: 1}: on a shared CPU, "
         "one thread per trial gives far steadier step times than threads fighting over cores.",
@@ -428,7 +412,7 @@ _NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 def _layers_value(value: Any) -> Any:
-    """One error naming the valid forms, rather than one per member of the union."""
+    # One error naming the valid forms, rather than one per member of the union.
     value = tuple(value) if isinstance(value, list) else value
     items = value if isinstance(value, tuple) else (value,)
     if not items or not all(isinstance(v, str) and v.strip() for v in items):
@@ -481,18 +465,6 @@ class RecipeFile:
 
 
 FILE_ADAPTER = TypeAdapter(RecipeFile)
-SECTIONS: dict[str, type] = {
-    "model": Component,
-    "data": Component,
-    "trainer": TrainerSettings,
-    "budget": Budget,
-    "search": SearchSettings,
-    "trial": TrialSettings,
-    "race": RaceSettings,
-    "tracking": TrackingSettings,
-    "study": StudySettings,
-}
-"""The recipe's top-level keys and the class each section validates into."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,8 +486,7 @@ class Recipe:
     output: Path
 
     def race_plan(self, *, search_s: float | None = None) -> RacePlan:
-        """The recipe's knobs on `RacePlan`'s constants, warmed up like its trials, within its budget for a search
-        whose trials took ``search_s`` seconds; `RACE_PLAN_ENV` overrides any field."""
+        """The race's settings for a search whose trials took ``search_s`` seconds; `RACE_PLAN_ENV` overrides any."""
         r = self.race
         plan = RacePlan(
             confidence=r.confidence, leaders=r.leaders, share=r.share, warmup_steps=max(1, self.trial.warmup_steps)
@@ -527,31 +498,25 @@ class Recipe:
 
     @property
     def folder(self) -> Path:
-        """The folder relative paths resolve against (the recipe's, or the working directory)."""
         return self.source.parent if self.source is not None else Path.cwd()
 
     def to_dict(self) -> dict[str, Any]:
-        """The recipe as the file structure (plain types; `from_dict` of it gives an equal recipe)."""
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
-        d.update({key: dataclasses.asdict(d[key]) for key in SECTIONS})
+        """The file structure (plain types; `from_dict` of it gives an equal recipe)."""
+        d = dataclasses.asdict(self)
+        del d["source"]
         d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
         d["search"] = jsonable(d["search"])
         d["output"] = str(self.output)
         return d
 
     def fingerprint(self) -> str:
-        """What the recipe measures, as a short hash: not its name, locations, number of trials or time limits, so
-        a study resumes after extending it or moving its results."""
+        """What the recipe measures, as a short hash: not its name, places, trial count or time limits."""
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "data", "trainer", "layers", "budget", "trial")}
-        keep["trial"] = {k: v for k, v in d["trial"].items() if (k, v) != ("scan_batches", _SCAN_BATCHES)}
+        keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed", "compile")}
         # Keys added after studies existed stay out at their defaults, so those studies still resume.
-        keep["trainer"] = {
-            k: v for k, v in d["trainer"].items() if (k, v) not in (("num_nodes", 1), ("strategy", "auto"))
-        }
-        keep["search"] = {k: d["search"][k] for k in ("modes", "micro_batch_sizes", "seed")}
-        if list(d["search"]["compile"]) != [False]:
-            keep["search"]["compile"] = d["search"]["compile"]  # only then: older recipes keep their fingerprint
+        for section, defaults in _ADDED_LATER.items():
+            keep[section] = {k: v for k, v in keep[section].items() if k not in defaults or defaults[k] != v}
         canonical = json.dumps(keep, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -577,9 +542,20 @@ def resolve_class(class_path: str) -> tuple[type | None, str]:
 
 
 def init_signature(cls: type) -> inspect.Signature:
-    """The signature of ``cls.__init__`` (``self`` included), as the recipe's ``init_args`` fill it."""
-    # Not inspect.signature(cls): it would fold in a metaclass __call__ or __new__ the recipe does not fill.
+    """``cls.__init__``'s (``self`` included), not ``inspect.signature(cls)``'s: no metaclass ``__call__``."""
     return inspect.signature(cast(Any, cls).__init__)
+
+
+def positive_arg(component: Component, name: str) -> int | None:
+    """``component``'s ``name`` argument (in its init_args, else its constructor's default) when a positive int."""
+    value = component.init_args.get(name)
+    if value is None:
+        try:
+            param = init_signature(component.import_class()).parameters.get(name)
+        except (TypeError, ValueError, RecipeError):
+            return None
+        value = None if param is None else param.default
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def accepts(cls: type, name: str) -> bool:
