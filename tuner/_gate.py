@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tuner._trials import NumericsResult, TrialResult
     from tuner.recipe import Recipe
 
-__all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate", "tuned_for"]
+__all__ = ["Candidate", "GateDecision", "decide", "evaluate", "longest_s", "tuned_for"]
 
 RunTrial = Callable[..., "TrialResult"]
 RunRace = Callable[..., "RaceResult"]
@@ -42,19 +42,17 @@ class Candidate:
     layer_names: tuple[str, ...] | None = None  # for the confirmation run's per-layer params (None: the patterns)
 
 
-@dataclass(frozen=True)
-class GateSettings:
-    """How much evidence the gate asks for."""
+CONFIRM_FACTOR = 3
+"""The confirmation run measures this many times a trial's measure_steps."""
+CONFIRM_SLACK = 0.25
+"""How far below the race's figure a confirmation (another process, minutes later) may measure before it fails."""
 
-    confirm_factor: int = 3  # the confirmation run measures this many times a trial's measure_steps
-    # How far below the race's figure a confirmation (another process, minutes later) may measure before it fails.
-    confirm_slack: float = 0.25
 
-    def longest_s(self, recipe: Recipe) -> float:
-        """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits
-        this long for the gate's lease)."""
-        trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
-        return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
+def longest_s(recipe: Recipe) -> float:
+    """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits this
+    long for the gate's lease)."""
+    trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
+    return trial_s * (2 * CONFIRM_FACTOR + 4) + 2 * (2 * race_s)
 
 
 @dataclass
@@ -85,7 +83,6 @@ def evaluate(
     check_numerics: CheckNumerics | None = None,
     run_race: RunRace | None = None,
     race: RaceResult | None = None,
-    settings: GateSettings | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
     """Run the three checks on ``candidate`` (a bare policy: at the data's micro-batch) against ``current_good``;
@@ -99,7 +96,6 @@ def evaluate(
         cand,
         current_good,
         budget_bytes,
-        settings or GateSettings(),
         progress or (lambda _line: None),
         run_trial or trials.run_trial,
         check_numerics or trials.check_numerics,
@@ -129,7 +125,6 @@ class _Gate:
     cand: Candidate
     good: GoodPolicy | None
     budget: int | None
-    cfg: GateSettings
     tell: Progress
     run_trial: RunTrial
     check_numerics: CheckNumerics
@@ -138,7 +133,7 @@ class _Gate:
     decision: GateDecision = field(init=False)
 
     def __post_init__(self) -> None:
-        cand, good, cfg = self.cand, self.good, self.cfg
+        cand, good = self.cand, self.good
         self.evidence: dict[str, Any] = {
             "candidate": {
                 "fingerprint": cand.policy.fingerprint(),
@@ -156,7 +151,7 @@ class _Gate:
                 "peak_bytes": good.peak_bytes,
             },
             "budget_bytes": self.budget,
-            "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
+            "settings": {"confirm_factor": CONFIRM_FACTOR, "confirm_slack": CONFIRM_SLACK},
         }
         checks = dict.fromkeys(("confirmation", "numerics", "regression"), "not run")
         self.decision = GateDecision(promoted=False, reasons=[], evidence=self.evidence, checks=checks)
@@ -185,12 +180,12 @@ class _Gate:
 
     def confirm(self) -> str | None:
         """1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows."""
-        cfg, cand, budget = self.cfg, self.cand, self.budget
-        want = cfg.confirm_factor * int(self.recipe.trial.measure_steps)
+        cand, budget = self.cand, self.budget
+        want = CONFIRM_FACTOR * int(self.recipe.trial.measure_steps)
         self.tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
-        conf = self._trial(cand.policy, cand.micro_batch, cfg.confirm_factor)
-        failure = _unconfirmed(conf, want, budget, cfg)
-        slow = None if failure else _slower_than_raced(conf, cand.policy, self.race, cfg)
+        conf = self._trial(cand.policy, cand.micro_batch, CONFIRM_FACTOR)
+        failure = _unconfirmed(conf, want, budget)
+        slow = None if failure else _slower_than_raced(conf, cand.policy, self.race)
         if slow is not None:
             conf, failure = self._slow_confirmation(conf, slow, want)
         self.decision.confirmation = conf
@@ -198,7 +193,7 @@ class _Gate:
         if failure:
             return failure
         self.decision.reasons.append(
-            f"confirmation: {len(conf.step_times_s)} measured steps ({cfg.confirm_factor}x a trial), ok, "
+            f"confirmation: {len(conf.step_times_s)} measured steps ({CONFIRM_FACTOR}x a trial), ok, "
             f"peak {format_bytes(conf.peak_bytes)}"
             + (f" <= limit {format_bytes(budget)}" if budget is not None else "")
         )
@@ -214,16 +209,16 @@ class _Gate:
         reference of the session's race again, interleaved, and passes if it kept its standing (a slowed
         machine slows both alike). Without a reference, two slow runs fail.
         """
-        cand, cfg, race = self.cand, self.cfg, self.race
+        cand, race = self.cand, self.race
         self.evidence["confirmation_slow"] = _as_dict(conf)
         self.tell(f"gate: {slow}; measuring once more ...")
-        again = self._trial(cand.policy, cand.micro_batch, cfg.confirm_factor)
-        failure = _unconfirmed(again, want, self.budget, cfg)  # a second run failing on its own terms stands
+        again = self._trial(cand.policy, cand.micro_batch, CONFIRM_FACTOR)
+        failure = _unconfirmed(again, want, self.budget)  # a second run failing on its own terms stands
         if failure is not None:
             return again, failure
         if (again.throughput or 0.0) > (conf.throughput or 0.0):
             conf = again
-        failure = _slower_than_raced(conf, cand.policy, race, cfg)
+        failure = _slower_than_raced(conf, cand.policy, race)
         ref = _reference_entrant(race, cand.policy.fingerprint())
         if failure is None or ref is None or ref.policy is None or race is None:
             return conf, failure
@@ -233,7 +228,7 @@ class _Gate:
         )
         pair = self._race_against(RecomputePolicy.from_dict(ref.policy), list(ref.labels))
         self.evidence["confirmation_race"] = pair.to_dict()
-        kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
+        kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race)
         if kept:
             self.evidence["confirmation_held"] = f"slower than the race in its own process, but it {held}"
             return conf, None
@@ -316,7 +311,7 @@ class _Gate:
 
 def decide(
     tracker: Tracker,
-    candidate: Candidate | RecomputePolicy,
+    cand: Candidate,
     *,
     recipe: Recipe,
     budget_bytes: int | None,
@@ -326,7 +321,6 @@ def decide(
     """`evaluate` (``runners``: its other keywords) against the current good policy, then record it: the
     confirmation run (the good run on promotion), then a promotion writing ``output_path`` (default
     ``recipe.output``) or a rejection leaving it alone; an unchanged candidate records nothing."""
-    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
     good = tracker.registry.current_good()
     decision = evaluate(cand, good, recipe=recipe, budget_bytes=budget_bytes, **runners)
     if decision.unchanged:
@@ -374,7 +368,7 @@ def tuned_for(
     )
 
 
-def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: GateSettings) -> str | None:
+def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None) -> str | None:
     """Why a confirmation run fails the gate on its own (outcome, peak, steps measured), or ``None``."""
     if conf.outcome not in ("ok", "over_budget"):
         return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if conf.error else "")
@@ -388,14 +382,12 @@ def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: Ga
     if len(conf.step_times_s or ()) < want:
         return (
             f"confirmation run measured {len(conf.step_times_s or ())} steps; the gate needs {want} "
-            f"({cfg.confirm_factor}x a trial's)"
+            f"({CONFIRM_FACTOR}x a trial's)"
         )
     return None
 
 
-def _slower_than_raced(
-    conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None, cfg: GateSettings
-) -> str | None:
+def _slower_than_raced(conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None) -> str | None:
     """Why the confirmation contradicts the race's figure for ``policy``, or ``None``.
 
     A run in its own process measures lower than a warm race, so the race's figure is first scaled by
@@ -406,14 +398,14 @@ def _slower_than_raced(
         return None
     scale = race.trial_scale or 1.0
     expected = raced * scale
-    if conf.throughput >= expected * (1.0 - cfg.confirm_slack):
+    if conf.throughput >= expected * (1.0 - CONFIRM_SLACK):
         return None
     unit = conf.throughput_unit or race.unit
     how = f" ({scale:.2f}x the race's {raced:.4g}: the lowest a raced trial measured)" if race.trial_scale else ""
     return (
         f"confirmation run measured {conf.throughput:.4g} {unit}, {1 - conf.throughput / expected:.0%} below the "
         f"{expected:.4g} {unit} expected of this policy in its own process{how}, more than the "
-        f"{cfg.confirm_slack:.0%} allowed between runs: the race's figure did not hold up"
+        f"{CONFIRM_SLACK:.0%} allowed between runs: the race's figure did not hold up"
     )
 
 
@@ -430,9 +422,7 @@ def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant |
     return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)), default=None)
 
 
-def _held_against(
-    pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings
-) -> tuple[bool, str]:
+def _held_against(pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult) -> tuple[bool, str]:
     """Whether the candidate kept its standing against ``ref`` when raced again (``pair``), and the words."""
     now_c, now_r = pair.throughput(candidate), pair.throughput(ref.key)
     then_c, then_r = race.throughput(candidate), race.throughput(ref.key)
@@ -443,9 +433,9 @@ def _held_against(
     figures = (
         f"{now:.2f}x the throughput of {ref.short} ({ref.label}) raced again interleaved "
         f"({pair.select_rounds + pair.estimate_rounds} rounds), against {then:.2f}x in the session's race "
-        f"(at most {cfg.confirm_slack:.0%} less allowed)"
+        f"(at most {CONFIRM_SLACK:.0%} less allowed)"
     )
-    if now >= then * (1.0 - cfg.confirm_slack):
+    if now >= then * (1.0 - CONFIRM_SLACK):
         return True, f"kept its standing: the machine slowed, not the policy: {figures}"
     return False, f"did not keep its standing either: {figures}"
 

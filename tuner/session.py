@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
-from tuner._decision import Stage, decide_best
+from tuner._decision import candidate_of, choose_field
+from tuner._gate import Candidate, decide, longest_s
 from tuner._interrupts import Interrupts
 from tuner._liveness import Heartbeat, grace_s, kill_point
 from tuner._search import (
@@ -24,6 +25,7 @@ from tuner._search import (
     baseline_seeds,
     best_of,
     far_over_budget,
+    gate_lease,
     inspect_layers,
     study_name,
 )
@@ -44,8 +46,8 @@ from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
-    from tuner._search import Predictor
-    from tuner._tracking import Tracker
+    from tuner._search import Predictor, TrialRecord
+    from tuner._tracking import GoodPolicy, Tracker
     from tuner._trials import TrialResult
     from tuner.recipe import Recipe
 
@@ -391,23 +393,102 @@ class _TuningSession:
             summary = self._summary("searched", EXIT_OK)
             summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
             return self._finish("FINISHED", summary)
-        stage = Stage(
-            recipe=self.recipe,
-            layer_names=self.space.layer_names,
-            budget=self.budget,
-            study_name=self.name,
-            tracker=self.tracker,
-            session_run_id=self.session_run_id,
-            notify=self.notify,
-            note=self.note,
-            killable=self.interrupts.stoppable,
-            stop=self.interrupts.stop,
-        )
-        done = decide_best(stage, best, study, new_trials=self.ran > 0)
-        summary = self._summary(*done.status(), race=done.race, chosen=done.chosen)
-        good = self.tracker.registry.current_good()
+        return self._race_and_gate(study, best)
+
+    def _race_and_gate(self, study: TuningStudy, best: TrialRecord) -> SessionSummary:
+        """Race the study's leaders and gate the winner, under the study's gate lease: two races at once would
+        measure each other. Without a new trial since the last decision the good policy stands unraced: racing
+        again would only re-roll the noise that race settled."""
+        from tuner._trials import check_numerics, run_race, run_trial
+
+        killable, registry, layers = self.interrupts.stoppable, self.tracker.registry, self.space.layer_names
+        wait_s = longest_s(self.recipe) + 60.0
+        lease = gate_lease(study.storage, self.name, wait_s=wait_s, on_wait=self.notify, cancel=self.interrupts.stop)
+        with lease as waited:
+            good = registry.current_good()
+            records = study.records()
+            race: RaceResult | None = None
+            if (self.ran == 0 or waited) and good is not None and good.micro_batch == best.micro_batch:
+                why = "no new trial since the last decision"
+                if waited:
+                    why = "another worker decided while this one waited"
+                self.note(f"race: not run: {why}; the current good policy stands")
+                chosen: str | None = good.fingerprint
+                candidate = Candidate(good.policy, good.micro_batch, good.run_id, layers)
+            else:
+                race = self._race(best, good, records)
+                candidate = candidate_of(best, race, good, records, layers)
+                chosen = race.winner if race is not None and race.ok else None
+            self.notify(f"gate: {candidate.policy.short(layers)} is the candidate")
+            decision = decide(
+                self.tracker,
+                candidate,
+                recipe=self.recipe,
+                budget_bytes=self.budget,
+                run_trial=killable(run_trial),
+                check_numerics=killable(check_numerics),
+                run_race=killable(run_race),
+                race=race,
+                progress=self.notify,
+            )
+        if waited and decision.unchanged:
+            decision.reasons.append("another worker ran the gate for this study while this one waited")
+        status = "current" if decision.unchanged else "promoted" if decision.promoted else "rejected"
+        summary = self._summary(status, EXIT_INFEASIBLE if status == "rejected" else EXIT_OK, race, chosen)
+        good = registry.current_good()
         summary.tuned_for = good.policy.tuned_for if good is not None else None
-        summary.reasons.extend(done.decision.reasons)
-        summary.evidence = dict(done.decision.evidence)
-        summary.decision_run_id = done.decision.decision_run_id
+        summary.reasons.extend(decision.reasons)
+        summary.evidence = dict(decision.evidence)
+        summary.decision_run_id = decision.decision_run_id
         return self._finish("FINISHED", summary)
+
+    def _race(self, best: TrialRecord, good: GoodPolicy | None, records: list[TrialRecord]) -> RaceResult | None:
+        """Race the leading candidates; ``None`` when the recipe turns the race off."""
+        from lightning_recompute.race import RaceResult
+        from tuner._trials import run_race
+
+        recipe, budget = self.recipe, self.budget
+        if not recipe.race.enabled:
+            self.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
+            return None
+        # The search's cost sets the race's: a race of a fixed length would double a short search.
+        search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
+        plan = recipe.race_plan(search_s=search_s)
+        entry = choose_field(records, best, good, leaders=plan.leaders, predicted=plan.predicted, budget_bytes=budget)
+        for line in entry.notes:
+            self.note(f"race: {line}")
+        if recipe.trainer.devices > 1 or recipe.trainer.num_nodes > 1:
+            entry.skipped = "multi-device trials are not raced yet (one process races on one device)"
+        if entry.skipped is not None:
+            self.note(f"race: not run: {entry.skipped}")
+            return RaceResult(outcome="skipped", reason=entry.skipped)
+        layers = self.space.layer_names
+        names = ", ".join(f"{p.short(layers)} ({' = '.join(labels)})" for p, labels in entry.entrants)
+        self.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
+        if plan.total_s is not None and plan.share is not None:
+            by_share = plan.share * search_s
+            share = f"{plan.share:.0%} of the search's {search_s:.0f} s of trials"
+            if plan.total_s > by_share:
+                why = f"the race's floor of {plan.min_s:.0f} s; race.share's {share} would be {by_share:.0f} s"
+            else:
+                why = f"{share}, race.share"
+            self.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
+        race = self.interrupts.stoppable(run_race)(
+            recipe,
+            entry.entrants,
+            layer_names=layers,
+            references=entry.references,
+            micro_batch=entry.micro_batch,
+            budget_bytes=budget,
+            plan=plan,
+        )
+        if race.ok and race.winner is not None:
+            race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
+            self.notify(f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})")
+            for said in (*race.decision_lines(), *race.headlines()):
+                if said:
+                    self.notify(f"race: {said}")
+        else:
+            self.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
+        self.tracker.sessions.log_race(race)
+        return race
