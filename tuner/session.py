@@ -29,6 +29,7 @@ from tuner._search import (
     inspect_layers,
     study_name,
 )
+from tuner._search.attrs import StudyAttr
 from tuner._search.planner_seeds import PlannerSeeds, plan_seeds
 from tuner._stores import storage_failure
 from tuner._tracking import open_tracker
@@ -182,12 +183,12 @@ class _TuningSession:
         seeding, whose predictor serves the whole session (its seeds are empty when another session set it up)."""
         recipe, name, space, budget = self.recipe, self.name, self.space, self.budget
         if not join_setup(study, name, self.grace, self.notify, self.note):
-            stored = study.setup.profile()
-            seeding = (
-                plan_seeds(recipe, space, budget, stored=stored)
-                if stored
-                else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
-            )
+            attrs = study.study.user_attrs
+            if stored := attrs.get(StudyAttr.PROFILE):
+                seeding = plan_seeds(recipe, space, budget, stored=stored)
+            else:
+                why = attrs.get(StudyAttr.PLANNER_NOTE) or "the study holds no profile; no predictions"
+                seeding = PlannerSeeds(note=why)
             seeding.seeds = []
             if seeding.note:
                 self.note(seeding.note)
@@ -202,9 +203,9 @@ class _TuningSession:
             else:
                 seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
             if seeding.profile is not None:
-                study.setup.store_profile(seeding.profile.to_dict())
+                study.study.set_user_attr(StudyAttr.PROFILE, seeding.profile.to_dict())
             if seeding.note:
-                study.setup.store_planner_note(seeding.note)
+                study.study.set_user_attr(StudyAttr.PLANNER_NOTE, seeding.note)
                 self.note(seeding.note)
             enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
         except BaseException:

@@ -154,12 +154,9 @@ class TrialRecord:
     def to_dict(self) -> dict[str, Any]:
         """A row of ``trials.json`` and ``trials.csv``; the label is ``seed``, the column of the first studies."""
         row: dict[str, Any] = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            row[_ROW_KEYS.get(field.name, field.name)] = (
-                value.to_dict() if isinstance(value, RecomputePolicy) else value
-            )
-            if field.name == "label":
+        for name, value in vars(self).items():
+            row[_ROW_KEYS.get(name, name)] = value.to_dict() if isinstance(value, RecomputePolicy) else value
+            if name == "label":
                 row["source"] = self.source.value
         return row
 
@@ -264,7 +261,7 @@ class TuningStudy:
                 present.add(key)
                 self.study.enqueue_trial(params, user_attrs={TrialAttr.SEED: s.name, TrialAttr.SEED_KEY: key})
                 enqueued.append(s.name)
-        self.setup.mark_seeded()
+        self.study.set_user_attr(StudyAttr.SEEDED, True)
         return enqueued
 
     def ask(self, *, session_run_id: str | None = None) -> Proposal:
@@ -346,10 +343,8 @@ class TuningStudy:
 
     def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
         """Its original's state and value, or FAIL while the original still runs."""
-        original = proposal.duplicate_of
-        if original is None:
-            raise RecomputeError(f"trial {proposal.number}: not a duplicate")
-        t = proposal.trial
+        original, t = proposal.duplicate_of, proposal.trial
+        assert original is not None, "told a duplicate that is none"
         reason = f"same policy and micro-batch as trial {original.number}"
         self._set_common(
             proposal, outcome="duplicate", run_id=run_id, reason=reason, **{TrialAttr.DUPLICATE_OF: original.number}
@@ -414,13 +409,13 @@ Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]
 """``(policy, micro_batch) -> Prediction | None``: the planner's view of a candidate, if it has one."""
 
 
-def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: float = FAR_OVER_BUDGET) -> str | None:
+def far_over_budget(prediction: Prediction | None, budget_bytes: int) -> str | None:
     """Why a candidate should not be run, or ``None`` when it should."""
     peak = None if prediction is None else prediction.peak_bytes
-    if peak is None or peak <= factor * budget_bytes:
+    if peak is None or peak <= FAR_OVER_BUDGET * budget_bytes:
         return None
     return (
-        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {factor:g}x the budget "
+        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {FAR_OVER_BUDGET:g}x the budget "
         f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
     )
 
@@ -498,7 +493,7 @@ class InFlight:
 
 
 class StudySetup:
-    """Who sets the study up, whether it is seeded, and the profile and planner note every worker predicts with."""
+    """Who sets the study up and whether it is seeded (the profile and planner note it stores: `tuner.session`)."""
 
     def __init__(self, study: optuna.Study) -> None:
         self.study = study
@@ -531,22 +526,6 @@ class StudySetup:
     def seeded(self) -> bool:
         return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
 
-    def mark_seeded(self) -> None:
-        self.study.set_user_attr(StudyAttr.SEEDED, True)
-
     def abandon(self) -> None:
         if not self.seeded:
             self.study.set_user_attr(StudyAttr.ABANDONED, True)
-
-    def profile(self) -> dict[str, Any] | None:
-        return self.study.user_attrs.get(StudyAttr.PROFILE)
-
-    def store_profile(self, profile: Mapping[str, Any]) -> None:
-        self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
-
-    def planner_note(self) -> str | None:
-        note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
-        return None if note is None else str(note)
-
-    def store_planner_note(self, note: str) -> None:
-        self.study.set_user_attr(StudyAttr.PLANNER_NOTE, note)
