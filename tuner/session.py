@@ -47,7 +47,7 @@ from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
-    from tuner._search import Predictor, TrialRecord
+    from tuner._search import TrialRecord
     from tuner._tracking import GoodPolicy, Tracker
     from tuner._trials import TrialResult
     from tuner.recipe import Recipe
@@ -93,6 +93,7 @@ class _TuningSession:
     """The state of one `tune` call (kept off module level: several may run in one process)."""
 
     study: TuningStudy  # opened first thing in `run`
+    planned: PlannerSeeds  # the setup's: its planner predicts each candidate
     tracker: Tracker  # opened once the study is set up
 
     def __init__(
@@ -125,7 +126,6 @@ class _TuningSession:
         self.notes: list[str] = []
         self.presence = Presence()
         self.session_run_id: str | None = None
-        self.predict: Predictor | None = None
         self.ran = 0
         self.grace = grace_s()
         self.jitter = random.Random()  # unseeded: two workers must not draw the same pause
@@ -150,7 +150,7 @@ class _TuningSession:
                 device=self.device,
             )
             heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
-            self.predict = self._set_up(self.study).predictor()
+            self.planned = self._set_up(self.study)
             self.interrupts.phase = "between"
             self._open_session_run()
             stop_reason = self._search(self.study)
@@ -290,8 +290,7 @@ class _TuningSession:
             self._event(study.tell_duplicate(proposal, run_id=run_id).number)
             return "not measured"
         study.claim(proposal)
-        if self.predict is not None:
-            proposal.prediction = self.predict(proposal.policy, proposal.micro_batch)
+        proposal.prediction = self.planned.predict(proposal.policy, proposal.micro_batch)
         skip = far_over_budget(proposal.prediction, self.budget)
         if skip is not None:
             run_id = log(TrialResult.skipped(skip, device=self.device), skip)

@@ -9,7 +9,6 @@ from tuner._search.seeds import Seed, baseline_seeds
 from tuner._search.space import LayerInfo, SearchSpace, inspect_layers
 from tuner._search.study import (
     FAR_OVER_BUDGET,
-    Predictor,
     Proposal,
     TrialRecord,
     TuningStudy,
@@ -23,7 +22,6 @@ __all__ = [
     "FAR_OVER_BUDGET",
     "GateLeaseTimeout",
     "LayerInfo",
-    "Predictor",
     "Proposal",
     "SearchSpace",
     "Seed",

@@ -10,7 +10,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -403,10 +403,6 @@ class TuningStudy:
 
     def waiting(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-
-
-Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]
-"""``(policy, micro_batch) -> Prediction | None``: the planner's view of a candidate, if it has one."""
 
 
 def far_over_budget(prediction: Prediction | None, budget_bytes: int) -> str | None:
