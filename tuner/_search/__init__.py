@@ -14,7 +14,6 @@ from tuner._search.study import (
     TuningStudy,
     best_of,
     far_over_budget,
-    peak_constraint,
     study_name,
 )
 
@@ -32,6 +31,5 @@ __all__ = [
     "far_over_budget",
     "gate_lease",
     "inspect_layers",
-    "peak_constraint",
     "study_name",
 ]

@@ -50,12 +50,6 @@ def study_name(recipe: Recipe, device: str) -> str:
     return f"{recipe.name}.{hardware}.{recipe.fingerprint()[:8]}"
 
 
-def peak_constraint(trial: FrozenTrial) -> tuple[float]:
-    """Measured (or, skipped, predicted) peak minus the budget: positive is infeasible, and so is unknown."""
-    value = trial.constraints.get(CONSTRAINT, trial.user_attrs.get(TrialAttr.PEAK_OVER))
-    return (float(value) if value is not None else math.inf,)
-
-
 @dataclass
 class Proposal:
     """A trial Optuna handed out: what it stands for and what the session decides about it."""
@@ -195,7 +189,7 @@ class TuningStudy:
         cls,
         *,
         name: str,
-        storage: str | optuna.storages.BaseStorage,
+        storage: str,
         space: SearchSpace,
         budget_bytes: int,
         seed: int = 0,
@@ -204,7 +198,7 @@ class TuningStudy:
         device: str | None = None,
     ) -> TuningStudy:
         """Create the study, or load it; only one process can create a study of a name: it seeds the study."""
-        store = open_storage(storage) if isinstance(storage, str) else storage
+        store = open_storage(storage)
         # Constraints are set on each trial (`_constrain`): Optuna 5 deprecates TPESampler's constraints_func.
         sampler = optuna.samplers.TPESampler(seed=seed)
         signature = space.signature()
