@@ -1,11 +1,6 @@
-"""The evidence gate: a search winner becomes the good policy only after it proves itself again.
-
-Three checks, cheapest first, the first failure ending the gate: confirmation (a longer run, within the
-budget and not much slower than the race measured), numerics (training unchanged from no recompute) and
-regression (the candidate wins a race against the current good policy). docs/TUNER.md, "What the gate
-guarantees", has the details. `evaluate` decides; `decide` also records the outcome through a
-`tuner._tracking.Tracker`. The runners are injectable (defaults from `tuner._trials`) for tests.
-"""
+"""The evidence gate: a search winner becomes the good policy only after it proves itself again, by three checks,
+cheapest first (confirmation, numerics, regression; docs/TUNER.md, "What the gate guarantees"). `evaluate`
+decides, `decide` also records; the runners are injectable for tests."""
 
 from __future__ import annotations
 
