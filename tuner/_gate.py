@@ -244,6 +244,8 @@ class _Gate:
 
     def regression(self) -> str | None:
         """3. Regression: never trade the good policy for a slower one, unless it no longer fits."""
+        from lightning_recompute.race import format_gain
+
         good, budget, reasons = self.good, self.budget, self.decision.reasons
         if good is None:
             self.evidence["regression"] = {"skipped": "no current good policy to compare against"}
@@ -272,19 +274,13 @@ class _Gate:
                     + "); nothing to be slower than"
                 )
                 return None
-        return self._regression(good, race)
-
-    def _regression(self, good: GoodPolicy, race: RaceResult) -> str | None:
-        """The verdict of a race that had the candidate and the good policy."""
-        from lightning_recompute.race import format_gain
-
         self.evidence["regression"] = race.to_dict()
         if not race.ok:
             return f"the race against the current good policy (run {good.run_id}) failed: {race.reason}"
         c, g = self.cand.policy.fingerprint(), good.fingerprint
         good_entrant = race.entrants.get(g)
         if good_entrant is not None and good_entrant.out is not None:
-            self.decision.reasons.append(
+            reasons.append(
                 f"regression: not compared: the current good policy (run {good.run_id}) {good_entrant.out}: "
                 "it does not fit, so it is no contender"
             )
@@ -295,7 +291,7 @@ class _Gate:
         tie = race.tie_line()
         figures = f" ({tie})" if tie else f": {format_gain(interval)}" if interval is not None else ""
         if race.winner == c:
-            self.decision.reasons.append(
+            reasons.append(
                 f"regression: the race put the candidate ahead of the current good policy (run {good.run_id}){figures}"
             )
             return None

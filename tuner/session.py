@@ -1,10 +1,5 @@
-"""One tuning session, the loop only: study -> trials -> tracking -> decision -> policy file.
-
-`tune` opens the study (`tuner._search`), has it set up once (profile and plan), asks, runs
-(`tuner._trials`) and tells trials, records each in MLflow (`tuner._tracking`), and hands the best to
-`tuner._decision` (the race and the gate); workers sharing a study agree through `tuner._workers`.
-Ctrl-C (`tuner._interrupts`) ends the session run KILLED and leaves the study to resume.
-"""
+"""One tuning session, the loop: study -> trials -> tracking -> race and gate -> policy file (docs/ARCHITECTURE.md,
+"The pipeline"); workers sharing a study agree through `tuner._workers`."""
 
 from __future__ import annotations
 
