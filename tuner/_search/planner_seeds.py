@@ -127,8 +127,6 @@ def plan_seeds(
         )
         planner = Planner(profile)
         seeds, notes = planner_seeds(planner, space, budget_bytes, recipe.search.modes)
-    except KeyboardInterrupt:
-        raise
     except Exception as err:  # noqa: BLE001 - the search works without predictions; say why there are none
         _log.debug("planning failed", exc_info=True)
         return PlannerSeeds(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")
