@@ -44,11 +44,8 @@ def candidate_of(
 
 @dataclass
 class Field:
-    """The entrants of a race and the references of its "vs" figures, or why there is no race.
-
-    Who races: the leading trials, the planner's pick and top predictions (independent of one run's noise),
-    the fastest fitting baseline and full (the "vs" figures are about them) and the current good policy.
-    """
+    """Who races (the leading trials, the planner's pick and top predictions, the fastest fitting baseline and
+    full, the good policy) and the references of the "vs" figures, or why there is no race."""
 
     entrants: list[tuple[RecomputePolicy, list[str]]] = field(default_factory=list)  # (policy, labels), leader first
     references: list[RecomputePolicy] = field(default_factory=list)  # the baselines the winner is compared with
@@ -77,14 +74,10 @@ def choose_field(
     budget_bytes: int | None,
     predicted: int = 0,
 ) -> Field:
-    """The race's field after a search whose best feasible trial is ``best``.
-
-    ``leaders``: how many of the fastest fitting trials race; ``predicted``: how many more race from those the
-    planner predicts within `PREDICTION_SPAN` of its fastest prediction, fastest trial first (a best policy that
-    one unlucky trial ranked below the leaders still races: `bench/decision_quality.py`). Entrants run at
-    ``best``'s micro-batch; compiled policies are left out (switching a compiled layer's policy recompiles it,
-    which would be timed as the policy's cost).
-    """
+    """The race's field: the ``leaders`` fastest fitting trials, and ``predicted`` more of those the planner
+    predicts within `PREDICTION_SPAN` of its fastest (a best policy one unlucky trial ranked low still races:
+    `bench/decision_quality.py`), all at ``best``'s micro-batch; compiled policies are left out (switching a
+    compiled layer's policy recompiles it, which would be timed as the policy's cost)."""
     out = Field(micro_batch=best.micro_batch)
     if best.policy is None:
         out.skipped = f"trial {best.number} holds no policy"

@@ -197,13 +197,9 @@ class _Gate:
         return None
 
     def _slow_confirmation(self, conf: TrialResult, slow: str, want: int) -> tuple[TrialResult, str | None]:
-        """A confirmation slower than the race: load on the machine, or a figure that did not hold?
-        Returns the confirmation that counts and why it fails (``None``: it passes).
-
-        Load only slows a run, so the faster of two runs counts; slow twice, the candidate races a
-        reference of the session's race again, interleaved, and passes if it kept its standing (a slowed
-        machine slows both alike). Without a reference, two slow runs fail.
-        """
+        """The confirmation that counts and why it fails: load only slows a run, so the faster of two counts; slow
+        twice, the candidate passes if it keeps its standing raced again against a reference of the session's race
+        (a slowed machine slows both alike). Without a reference, two slow runs fail."""
         cand, race = self.cand, self.race
         self.evidence["confirmation_slow"] = _as_dict(conf)
         self.tell(f"gate: {slow}; measuring once more ...")
@@ -379,11 +375,8 @@ def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None) -> str 
 
 
 def _slower_than_raced(conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None) -> str | None:
-    """Why the confirmation contradicts the race's figure for ``policy``, or ``None``.
-
-    A run in its own process measures lower than a warm race, so the race's figure is first scaled by
-    `RaceResult.trial_scale` (the lowest any raced trial came out at against the race).
-    """
+    """Why the confirmation contradicts the race's figure for ``policy``, scaled by `RaceResult.trial_scale` (a run
+    in its own process measures lower than a warm race), or ``None``."""
     raced = race.throughput(policy.fingerprint()) if race is not None and race.ok else None
     if race is None or raced is None or conf.throughput is None:
         return None
