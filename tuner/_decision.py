@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.policy import RecomputePolicy
 from tuner._gate import Candidate
-from tuner._search.seeds import Source, pick_of
+from tuner._search.space import Source, pick_of
 from tuner.recipe._schema import PREDICTION_SPAN
 
 if TYPE_CHECKING:

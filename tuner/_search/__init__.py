@@ -5,8 +5,7 @@ attributes back, so they cover every worker."""
 from __future__ import annotations
 
 from tuner._search.lease import GateLeaseTimeout, gate_lease
-from tuner._search.seeds import Seed, baseline_seeds
-from tuner._search.space import LayerInfo, SearchSpace, inspect_layers
+from tuner._search.space import LayerInfo, SearchSpace, Seed, baseline_seeds, inspect_layers
 from tuner._search.study import (
     FAR_OVER_BUDGET,
     Proposal,

@@ -22,8 +22,7 @@ from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.units import format_bytes
 from tuner._liveness import Owner, dead_reason
 from tuner._search.attrs import StudyAttr, TrialAttr
-from tuner._search.seeds import Seed, Source, pick_of
-from tuner._search.space import SearchSpace
+from tuner._search.space import SearchSpace, Seed, Source, pick_of
 from tuner._stores import open_storage
 
 if TYPE_CHECKING:

@@ -343,7 +343,7 @@ def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
 
 
 def test_where_a_trial_came_from_is_read_from_its_label_in_one_place() -> None:
-    from tuner._search.seeds import Source
+    from tuner._search.space import Source
 
     assert Source.of("baseline:every_2nd_full") is Source.BASELINE
     assert Source.of("planner:front2@mb4") is Source.PLANNER
