@@ -479,7 +479,8 @@ class _TuningSession:
         )
         if race.ok and race.winner is not None:
             race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
-            self.notify(f"race: {race.entrants[race.winner].short} won after {race.select_rounds} rounds ({race.stop})")
+            won = race.entrants[race.winner].short if race.winner is not None else "?"
+            self.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
             for said in (*race.decision_lines(), *race.headlines()):
                 if said:
                     self.notify(f"race: {said}")
