@@ -1,11 +1,6 @@
-"""The evidence gate: a search winner becomes the good policy only after it proves itself again.
-
-Three checks, cheapest first, the first failure ending the gate: confirmation (a longer run, within the
-budget and not much slower than the race measured), numerics (training unchanged from no recompute) and
-regression (the candidate wins a race against the current good policy). docs/TUNER.md, "What the gate
-guarantees", has the details. `evaluate` decides; `decide` also records the outcome through a
-`tuner._tracking.Tracker`. The runners are injectable (defaults from `tuner._trials`) for tests.
-"""
+"""The evidence gate: a search winner becomes the good policy only after it proves itself again, by three checks,
+cheapest first (confirmation, numerics, regression; docs/TUNER.md, "What the gate guarantees"). `evaluate`
+decides, `decide` also records; the runners are injectable for tests."""
 
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ if TYPE_CHECKING:
     from tuner._trials import NumericsResult, TrialResult
     from tuner.recipe import Recipe
 
-__all__ = ["Candidate", "GateDecision", "GateSettings", "decide", "evaluate", "tuned_for"]
+__all__ = ["Candidate", "GateDecision", "decide", "evaluate", "longest_s", "tuned_for"]
 
 RunTrial = Callable[..., "TrialResult"]
 RunRace = Callable[..., "RaceResult"]
@@ -42,19 +37,17 @@ class Candidate:
     layer_names: tuple[str, ...] | None = None  # for the confirmation run's per-layer params (None: the patterns)
 
 
-@dataclass(frozen=True)
-class GateSettings:
-    """How much evidence the gate asks for."""
+CONFIRM_FACTOR = 3
+"""The confirmation run measures this many times a trial's measure_steps."""
+CONFIRM_SLACK = 0.25
+"""How far below the race's figure a confirmation (another process, minutes later) may measure before it fails."""
 
-    confirm_factor: int = 3  # the confirmation run measures this many times a trial's measure_steps
-    # How far below the race's figure a confirmation (another process, minutes later) may measure before it fails.
-    confirm_slack: float = 0.25
 
-    def longest_s(self, recipe: Recipe) -> float:
-        """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits
-        this long for the gate's lease)."""
-        trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
-        return trial_s * (2 * self.confirm_factor + 4) + 2 * (2 * race_s)
+def longest_s(recipe: Recipe) -> float:
+    """The longest `evaluate` can take under ``recipe``, every run at its deadline (another worker waits this
+    long for the gate's lease)."""
+    trial_s, race_s = float(recipe.trial.timeout_s), float(recipe.race_plan().time_s)
+    return trial_s * (2 * CONFIRM_FACTOR + 4) + 2 * (2 * race_s)
 
 
 @dataclass
@@ -85,7 +78,6 @@ def evaluate(
     check_numerics: CheckNumerics | None = None,
     run_race: RunRace | None = None,
     race: RaceResult | None = None,
-    settings: GateSettings | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
     """Run the three checks on ``candidate`` (a bare policy: at the data's micro-batch) against ``current_good``;
@@ -99,7 +91,6 @@ def evaluate(
         cand,
         current_good,
         budget_bytes,
-        settings or GateSettings(),
         progress or (lambda _line: None),
         run_trial or trials.run_trial,
         check_numerics or trials.check_numerics,
@@ -129,7 +120,6 @@ class _Gate:
     cand: Candidate
     good: GoodPolicy | None
     budget: int | None
-    cfg: GateSettings
     tell: Progress
     run_trial: RunTrial
     check_numerics: CheckNumerics
@@ -138,7 +128,7 @@ class _Gate:
     decision: GateDecision = field(init=False)
 
     def __post_init__(self) -> None:
-        cand, good, cfg = self.cand, self.good, self.cfg
+        cand, good = self.cand, self.good
         self.evidence: dict[str, Any] = {
             "candidate": {
                 "fingerprint": cand.policy.fingerprint(),
@@ -156,7 +146,7 @@ class _Gate:
                 "peak_bytes": good.peak_bytes,
             },
             "budget_bytes": self.budget,
-            "settings": {"confirm_factor": cfg.confirm_factor, "confirm_slack": cfg.confirm_slack},
+            "settings": {"confirm_factor": CONFIRM_FACTOR, "confirm_slack": CONFIRM_SLACK},
         }
         checks = dict.fromkeys(("confirmation", "numerics", "regression"), "not run")
         self.decision = GateDecision(promoted=False, reasons=[], evidence=self.evidence, checks=checks)
@@ -185,12 +175,12 @@ class _Gate:
 
     def confirm(self) -> str | None:
         """1. Confirmation: long enough that a lucky short trial or a slowly growing peak shows."""
-        cfg, cand, budget = self.cfg, self.cand, self.budget
-        want = cfg.confirm_factor * int(self.recipe.trial.measure_steps)
+        cand, budget = self.cand, self.budget
+        want = CONFIRM_FACTOR * int(self.recipe.trial.measure_steps)
         self.tell(f"gate: confirming {cand.policy.fingerprint()} over {want} measured steps ...")
-        conf = self._trial(cand.policy, cand.micro_batch, cfg.confirm_factor)
-        failure = _unconfirmed(conf, want, budget, cfg)
-        slow = None if failure else _slower_than_raced(conf, cand.policy, self.race, cfg)
+        conf = self._trial(cand.policy, cand.micro_batch, CONFIRM_FACTOR)
+        failure = _unconfirmed(conf, want, budget)
+        slow = None if failure else _slower_than_raced(conf, cand.policy, self.race)
         if slow is not None:
             conf, failure = self._slow_confirmation(conf, slow, want)
         self.decision.confirmation = conf
@@ -198,7 +188,7 @@ class _Gate:
         if failure:
             return failure
         self.decision.reasons.append(
-            f"confirmation: {len(conf.step_times_s)} measured steps ({cfg.confirm_factor}x a trial), ok, "
+            f"confirmation: {len(conf.step_times_s)} measured steps ({CONFIRM_FACTOR}x a trial), ok, "
             f"peak {format_bytes(conf.peak_bytes)}"
             + (f" <= limit {format_bytes(budget)}" if budget is not None else "")
         )
@@ -207,23 +197,19 @@ class _Gate:
         return None
 
     def _slow_confirmation(self, conf: TrialResult, slow: str, want: int) -> tuple[TrialResult, str | None]:
-        """A confirmation slower than the race: load on the machine, or a figure that did not hold?
-        Returns the confirmation that counts and why it fails (``None``: it passes).
-
-        Load only slows a run, so the faster of two runs counts; slow twice, the candidate races a
-        reference of the session's race again, interleaved, and passes if it kept its standing (a slowed
-        machine slows both alike). Without a reference, two slow runs fail.
-        """
-        cand, cfg, race = self.cand, self.cfg, self.race
+        """The confirmation that counts and why it fails: load only slows a run, so the faster of two counts; slow
+        twice, the candidate passes if it keeps its standing raced again against a reference of the session's race
+        (a slowed machine slows both alike). Without a reference, two slow runs fail."""
+        cand, race = self.cand, self.race
         self.evidence["confirmation_slow"] = _as_dict(conf)
         self.tell(f"gate: {slow}; measuring once more ...")
-        again = self._trial(cand.policy, cand.micro_batch, cfg.confirm_factor)
-        failure = _unconfirmed(again, want, self.budget, cfg)  # a second run failing on its own terms stands
+        again = self._trial(cand.policy, cand.micro_batch, CONFIRM_FACTOR)
+        failure = _unconfirmed(again, want, self.budget)  # a second run failing on its own terms stands
         if failure is not None:
             return again, failure
         if (again.throughput or 0.0) > (conf.throughput or 0.0):
             conf = again
-        failure = _slower_than_raced(conf, cand.policy, race, cfg)
+        failure = _slower_than_raced(conf, cand.policy, race)
         ref = _reference_entrant(race, cand.policy.fingerprint())
         if failure is None or ref is None or ref.policy is None or race is None:
             return conf, failure
@@ -233,7 +219,7 @@ class _Gate:
         )
         pair = self._race_against(RecomputePolicy.from_dict(ref.policy), list(ref.labels))
         self.evidence["confirmation_race"] = pair.to_dict()
-        kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race, cfg)
+        kept, held = _held_against(pair, ref, cand.policy.fingerprint(), race)
         if kept:
             self.evidence["confirmation_held"] = f"slower than the race in its own process, but it {held}"
             return conf, None
@@ -254,6 +240,8 @@ class _Gate:
 
     def regression(self) -> str | None:
         """3. Regression: never trade the good policy for a slower one, unless it no longer fits."""
+        from lightning_recompute.race import format_gain
+
         good, budget, reasons = self.good, self.budget, self.decision.reasons
         if good is None:
             self.evidence["regression"] = {"skipped": "no current good policy to compare against"}
@@ -282,19 +270,13 @@ class _Gate:
                     + "); nothing to be slower than"
                 )
                 return None
-        return self._regression(good, race)
-
-    def _regression(self, good: GoodPolicy, race: RaceResult) -> str | None:
-        """The verdict of a race that had the candidate and the good policy."""
-        from lightning_recompute.race import format_gain
-
         self.evidence["regression"] = race.to_dict()
         if not race.ok:
             return f"the race against the current good policy (run {good.run_id}) failed: {race.reason}"
         c, g = self.cand.policy.fingerprint(), good.fingerprint
         good_entrant = race.entrants.get(g)
         if good_entrant is not None and good_entrant.out is not None:
-            self.decision.reasons.append(
+            reasons.append(
                 f"regression: not compared: the current good policy (run {good.run_id}) {good_entrant.out}: "
                 "it does not fit, so it is no contender"
             )
@@ -305,7 +287,7 @@ class _Gate:
         tie = race.tie_line()
         figures = f" ({tie})" if tie else f": {format_gain(interval)}" if interval is not None else ""
         if race.winner == c:
-            self.decision.reasons.append(
+            reasons.append(
                 f"regression: the race put the candidate ahead of the current good policy (run {good.run_id}){figures}"
             )
             return None
@@ -316,7 +298,7 @@ class _Gate:
 
 def decide(
     tracker: Tracker,
-    candidate: Candidate | RecomputePolicy,
+    cand: Candidate,
     *,
     recipe: Recipe,
     budget_bytes: int | None,
@@ -326,7 +308,6 @@ def decide(
     """`evaluate` (``runners``: its other keywords) against the current good policy, then record it: the
     confirmation run (the good run on promotion), then a promotion writing ``output_path`` (default
     ``recipe.output``) or a rejection leaving it alone; an unchanged candidate records nothing."""
-    cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
     good = tracker.registry.current_good()
     decision = evaluate(cand, good, recipe=recipe, budget_bytes=budget_bytes, **runners)
     if decision.unchanged:
@@ -374,7 +355,7 @@ def tuned_for(
     )
 
 
-def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: GateSettings) -> str | None:
+def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None) -> str | None:
     """Why a confirmation run fails the gate on its own (outcome, peak, steps measured), or ``None``."""
     if conf.outcome not in ("ok", "over_budget"):
         return f"confirmation run ended {conf.outcome}" + (f": {conf.error}" if conf.error else "")
@@ -388,32 +369,27 @@ def _unconfirmed(conf: TrialResult, want: int, budget_bytes: int | None, cfg: Ga
     if len(conf.step_times_s or ()) < want:
         return (
             f"confirmation run measured {len(conf.step_times_s or ())} steps; the gate needs {want} "
-            f"({cfg.confirm_factor}x a trial's)"
+            f"({CONFIRM_FACTOR}x a trial's)"
         )
     return None
 
 
-def _slower_than_raced(
-    conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None, cfg: GateSettings
-) -> str | None:
-    """Why the confirmation contradicts the race's figure for ``policy``, or ``None``.
-
-    A run in its own process measures lower than a warm race, so the race's figure is first scaled by
-    `RaceResult.trial_scale` (the lowest any raced trial came out at against the race).
-    """
+def _slower_than_raced(conf: TrialResult, policy: RecomputePolicy, race: RaceResult | None) -> str | None:
+    """Why the confirmation contradicts the race's figure for ``policy``, scaled by `RaceResult.trial_scale` (a run
+    in its own process measures lower than a warm race), or ``None``."""
     raced = race.throughput(policy.fingerprint()) if race is not None and race.ok else None
     if race is None or raced is None or conf.throughput is None:
         return None
     scale = race.trial_scale or 1.0
     expected = raced * scale
-    if conf.throughput >= expected * (1.0 - cfg.confirm_slack):
+    if conf.throughput >= expected * (1.0 - CONFIRM_SLACK):
         return None
     unit = conf.throughput_unit or race.unit
     how = f" ({scale:.2f}x the race's {raced:.4g}: the lowest a raced trial measured)" if race.trial_scale else ""
     return (
         f"confirmation run measured {conf.throughput:.4g} {unit}, {1 - conf.throughput / expected:.0%} below the "
         f"{expected:.4g} {unit} expected of this policy in its own process{how}, more than the "
-        f"{cfg.confirm_slack:.0%} allowed between runs: the race's figure did not hold up"
+        f"{CONFIRM_SLACK:.0%} allowed between runs: the race's figure did not hold up"
     )
 
 
@@ -430,9 +406,7 @@ def _reference_entrant(race: RaceResult | None, candidate: str) -> RaceEntrant |
     return min(others, key=lambda e: (e.key not in race.vs, -(race.throughput(e.key) or 0.0)), default=None)
 
 
-def _held_against(
-    pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult, cfg: GateSettings
-) -> tuple[bool, str]:
+def _held_against(pair: RaceResult, ref: RaceEntrant, candidate: str, race: RaceResult) -> tuple[bool, str]:
     """Whether the candidate kept its standing against ``ref`` when raced again (``pair``), and the words."""
     now_c, now_r = pair.throughput(candidate), pair.throughput(ref.key)
     then_c, then_r = race.throughput(candidate), race.throughput(ref.key)
@@ -443,9 +417,9 @@ def _held_against(
     figures = (
         f"{now:.2f}x the throughput of {ref.short} ({ref.label}) raced again interleaved "
         f"({pair.select_rounds + pair.estimate_rounds} rounds), against {then:.2f}x in the session's race "
-        f"(at most {cfg.confirm_slack:.0%} less allowed)"
+        f"(at most {CONFIRM_SLACK:.0%} less allowed)"
     )
-    if now >= then * (1.0 - cfg.confirm_slack):
+    if now >= then * (1.0 - CONFIRM_SLACK):
         return True, f"kept its standing: the machine slowed, not the policy: {figures}"
     return False, f"did not keep its standing either: {figures}"
 

@@ -7,6 +7,7 @@ import errno
 import os
 import random
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -195,10 +196,7 @@ def _frames(err: BaseException) -> list[tuple[str, ...]]:
     cur: BaseException | None = err
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        tb = cur.__traceback__
-        while tb is not None:
-            out.append(Path(tb.tb_frame.f_code.co_filename).parts)
-            tb = tb.tb_next
+        out += [Path(frame.f_code.co_filename).parts for frame, _ in traceback.walk_tb(cur.__traceback__)]
         cur = cur.__cause__ or cur.__context__
     return out
 

@@ -1,10 +1,5 @@
-"""One tuning session, the loop only: study -> trials -> tracking -> decision -> policy file.
-
-`tune` opens the study (`tuner._search`), has it set up once (profile and plan), asks, runs
-(`tuner._trials`) and tells trials, records each in MLflow (`tuner._tracking`), and hands the best to
-`tuner._decision` (the race and the gate); workers sharing a study agree through `tuner._workers`.
-Ctrl-C (`tuner._interrupts`) ends the session run KILLED and leaves the study to resume.
-"""
+"""One tuning session, the loop: study -> trials -> tracking -> race and gate -> policy file (docs/ARCHITECTURE.md,
+"The pipeline"); workers sharing a study agree through `tuner._workers`."""
 
 from __future__ import annotations
 
@@ -15,7 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from lightning_recompute.errors import RecomputeError
-from tuner._decision import Stage, decide_best
+from tuner._decision import candidate_of, choose_field
+from tuner._gate import Candidate, decide, longest_s
 from tuner._interrupts import Interrupts
 from tuner._liveness import Heartbeat, grace_s, kill_point
 from tuner._search import (
@@ -24,9 +20,11 @@ from tuner._search import (
     baseline_seeds,
     best_of,
     far_over_budget,
+    gate_lease,
     inspect_layers,
     study_name,
 )
+from tuner._search.attrs import StudyAttr
 from tuner._search.planner_seeds import PlannerSeeds, plan_seeds
 from tuner._stores import storage_failure
 from tuner._tracking import open_tracker
@@ -44,8 +42,8 @@ from tuner.summary import SessionSummary, TrialEvent, summarize, why_infeasible
 
 if TYPE_CHECKING:
     from lightning_recompute.race import RaceResult
-    from tuner._search import Predictor
-    from tuner._tracking import Tracker
+    from tuner._search import TrialRecord
+    from tuner._tracking import GoodPolicy, Tracker
     from tuner._trials import TrialResult
     from tuner.recipe import Recipe
 
@@ -90,6 +88,7 @@ class _TuningSession:
     """The state of one `tune` call (kept off module level: several may run in one process)."""
 
     study: TuningStudy  # opened first thing in `run`
+    planned: PlannerSeeds  # the setup's: its planner predicts each candidate
     tracker: Tracker  # opened once the study is set up
 
     def __init__(
@@ -122,7 +121,6 @@ class _TuningSession:
         self.notes: list[str] = []
         self.presence = Presence()
         self.session_run_id: str | None = None
-        self.predict: Predictor | None = None
         self.ran = 0
         self.grace = grace_s()
         self.jitter = random.Random()  # unseeded: two workers must not draw the same pause
@@ -147,7 +145,7 @@ class _TuningSession:
                 device=self.device,
             )
             heartbeats = [Heartbeat(self.presence.beat_study).start(), Heartbeat(self.presence.beat_tracker).start()]
-            self.predict = self._set_up(self.study).predictor()
+            self.planned = self._set_up(self.study)
             self.interrupts.phase = "between"
             self._open_session_run()
             stop_reason = self._search(self.study)
@@ -180,12 +178,12 @@ class _TuningSession:
         seeding, whose predictor serves the whole session (its seeds are empty when another session set it up)."""
         recipe, name, space, budget = self.recipe, self.name, self.space, self.budget
         if not join_setup(study, name, self.grace, self.notify, self.note):
-            stored = study.setup.profile()
-            seeding = (
-                plan_seeds(recipe, space, budget, stored=stored)
-                if stored
-                else PlannerSeeds(note=study.setup.planner_note() or "the study holds no profile; no predictions")
-            )
+            attrs = study.study.user_attrs
+            if stored := attrs.get(StudyAttr.PROFILE):
+                seeding = plan_seeds(recipe, space, budget, stored=stored)
+            else:
+                why = attrs.get(StudyAttr.PLANNER_NOTE) or "the study holds no profile; no predictions"
+                seeding = PlannerSeeds(note=why)
             seeding.seeds = []
             if seeding.note:
                 self.note(seeding.note)
@@ -200,9 +198,9 @@ class _TuningSession:
             else:
                 seeding = PlannerSeeds(note="planner not used (asked not to plan); seeding from baselines only")
             if seeding.profile is not None:
-                study.setup.store_profile(seeding.profile.to_dict())
+                study.study.set_user_attr(StudyAttr.PROFILE, seeding.profile.to_dict())
             if seeding.note:
-                study.setup.store_planner_note(seeding.note)
+                study.study.set_user_attr(StudyAttr.PLANNER_NOTE, seeding.note)
                 self.note(seeding.note)
             enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
         except BaseException:
@@ -287,8 +285,7 @@ class _TuningSession:
             self._event(study.tell_duplicate(proposal, run_id=run_id).number)
             return "not measured"
         study.claim(proposal)
-        if self.predict is not None:
-            proposal.prediction = self.predict(proposal.policy, proposal.micro_batch)
+        proposal.prediction = self.planned.predict(proposal.policy, proposal.micro_batch)
         skip = far_over_budget(proposal.prediction, self.budget)
         if skip is not None:
             run_id = log(TrialResult.skipped(skip, device=self.device), skip)
@@ -391,23 +388,103 @@ class _TuningSession:
             summary = self._summary("searched", EXIT_OK)
             summary.reasons.append("search only: best feasible trial reported, not gated or promoted")
             return self._finish("FINISHED", summary)
-        stage = Stage(
-            recipe=self.recipe,
-            layer_names=self.space.layer_names,
-            budget=self.budget,
-            study_name=self.name,
-            tracker=self.tracker,
-            session_run_id=self.session_run_id,
-            notify=self.notify,
-            note=self.note,
-            killable=self.interrupts.stoppable,
-            stop=self.interrupts.stop,
-        )
-        done = decide_best(stage, best, study, new_trials=self.ran > 0)
-        summary = self._summary(*done.status(), race=done.race, chosen=done.chosen)
-        good = self.tracker.registry.current_good()
+        return self._race_and_gate(study, best)
+
+    def _race_and_gate(self, study: TuningStudy, best: TrialRecord) -> SessionSummary:
+        """Race the study's leaders and gate the winner, under the study's gate lease: two races at once would
+        measure each other. Without a new trial since the last decision the good policy stands unraced: racing
+        again would only re-roll the noise that race settled."""
+        from tuner._trials import check_numerics, run_race, run_trial
+
+        killable, registry, layers = self.interrupts.stoppable, self.tracker.registry, self.space.layer_names
+        wait_s = longest_s(self.recipe) + 60.0
+        lease = gate_lease(study.storage, self.name, wait_s=wait_s, on_wait=self.notify, cancel=self.interrupts.stop)
+        with lease as waited:
+            good = registry.current_good()
+            records = study.records()
+            race: RaceResult | None = None
+            if (self.ran == 0 or waited) and good is not None and good.micro_batch == best.micro_batch:
+                why = "no new trial since the last decision"
+                if waited:
+                    why = "another worker decided while this one waited"
+                self.note(f"race: not run: {why}; the current good policy stands")
+                chosen: str | None = good.fingerprint
+                candidate = Candidate(good.policy, good.micro_batch, good.run_id, layers)
+            else:
+                race = self._race(best, good, records)
+                candidate = candidate_of(best, race, good, records, layers)
+                chosen = race.winner if race is not None and race.ok else None
+            self.notify(f"gate: {candidate.policy.short(layers)} is the candidate")
+            decision = decide(
+                self.tracker,
+                candidate,
+                recipe=self.recipe,
+                budget_bytes=self.budget,
+                run_trial=killable(run_trial),
+                check_numerics=killable(check_numerics),
+                run_race=killable(run_race),
+                race=race,
+                progress=self.notify,
+            )
+        if waited and decision.unchanged:
+            decision.reasons.append("another worker ran the gate for this study while this one waited")
+        status = "current" if decision.unchanged else "promoted" if decision.promoted else "rejected"
+        summary = self._summary(status, EXIT_INFEASIBLE if status == "rejected" else EXIT_OK, race, chosen)
+        good = registry.current_good()
         summary.tuned_for = good.policy.tuned_for if good is not None else None
-        summary.reasons.extend(done.decision.reasons)
-        summary.evidence = dict(done.decision.evidence)
-        summary.decision_run_id = done.decision.decision_run_id
+        summary.reasons.extend(decision.reasons)
+        summary.evidence = dict(decision.evidence)
+        summary.decision_run_id = decision.decision_run_id
         return self._finish("FINISHED", summary)
+
+    def _race(self, best: TrialRecord, good: GoodPolicy | None, records: list[TrialRecord]) -> RaceResult | None:
+        """Race the leading candidates; ``None`` when the recipe turns the race off."""
+        from lightning_recompute.race import RaceResult
+        from tuner._trials import run_race
+
+        recipe, budget = self.recipe, self.budget
+        if not recipe.race.enabled:
+            self.note("race: off in the recipe; the best single trial is gated and no 'vs' figure is given")
+            return None
+        # The search's cost sets the race's: a race of a fixed length would double a short search.
+        search_s = sum(r.wall_s for r in records if r.ran and r.wall_s is not None)
+        plan = recipe.race_plan(search_s=search_s)
+        entry = choose_field(records, best, good, leaders=plan.leaders, predicted=plan.predicted, budget_bytes=budget)
+        for line in entry.notes:
+            self.note(f"race: {line}")
+        if recipe.trainer.devices > 1 or recipe.trainer.num_nodes > 1:
+            entry.skipped = "multi-device trials are not raced yet (one process races on one device)"
+        if entry.skipped is not None:
+            self.note(f"race: not run: {entry.skipped}")
+            return RaceResult(outcome="skipped", reason=entry.skipped)
+        layers = self.space.layer_names
+        names = ", ".join(f"{p.short(layers)} ({' = '.join(labels)})" for p, labels in entry.entrants)
+        self.notify(f"race: {len(entry.entrants)} candidates interleaved in one process: {names} ...")
+        if plan.total_s is not None and plan.share is not None:
+            by_share = plan.share * search_s
+            share = f"{plan.share:.0%} of the search's {search_s:.0f} s of trials"
+            if plan.total_s > by_share:
+                why = f"the race's floor of {plan.min_s:.0f} s; race.share's {share} would be {by_share:.0f} s"
+            else:
+                why = f"{share}, race.share"
+            self.note(f"race: at most {plan.total_s:.0f} s of rounds ({why})")
+        race = self.interrupts.stoppable(run_race)(
+            recipe,
+            entry.entrants,
+            layer_names=layers,
+            references=entry.references,
+            micro_batch=entry.micro_batch,
+            budget_bytes=budget,
+            plan=plan,
+        )
+        if race.ok and race.winner is not None:
+            race = race.calibrated({r.fingerprint: r.throughput for r in records if r.ran})
+            won = race.entrants[race.winner].short if race.winner is not None else "?"
+            self.notify(f"race: {won} won after {race.select_rounds} rounds ({race.stop})")
+            for said in (*race.decision_lines(), *race.headlines()):
+                if said:
+                    self.notify(f"race: {said}")
+        else:
+            self.note(f"race: {race.outcome}: {race.reason}; the best single trial is gated")
+        self.tracker.sessions.log_race(race)
+        return race

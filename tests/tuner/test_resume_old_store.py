@@ -15,7 +15,7 @@ from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.race import RaceResult
 from tests.helpers import REPO
 from tuner import session
-from tuner._search.seeds import Source
+from tuner._search.space import Source
 from tuner._tracking import open_tracker
 from tuner._tracking.registry import DecisionKind
 from tuner.recipe import load

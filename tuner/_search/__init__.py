@@ -5,17 +5,14 @@ attributes back, so they cover every worker."""
 from __future__ import annotations
 
 from tuner._search.lease import GateLeaseTimeout, gate_lease
-from tuner._search.seeds import Seed, baseline_seeds
-from tuner._search.space import LayerInfo, SearchSpace, inspect_layers
+from tuner._search.space import LayerInfo, SearchSpace, Seed, baseline_seeds, inspect_layers
 from tuner._search.study import (
     FAR_OVER_BUDGET,
-    Predictor,
     Proposal,
     TrialRecord,
     TuningStudy,
     best_of,
     far_over_budget,
-    peak_constraint,
     study_name,
 )
 
@@ -23,7 +20,6 @@ __all__ = [
     "FAR_OVER_BUDGET",
     "GateLeaseTimeout",
     "LayerInfo",
-    "Predictor",
     "Proposal",
     "SearchSpace",
     "Seed",
@@ -34,6 +30,5 @@ __all__ = [
     "far_over_budget",
     "gate_lease",
     "inspect_layers",
-    "peak_constraint",
     "study_name",
 ]

@@ -1,5 +1,6 @@
 """The keys of the study's and its trials' user attributes: the store layout (a study written by an earlier
-version resumes only while they stay the same). `tuner._search.study` is their only reader and writer."""
+version resumes only while they stay the same), read and written by `tuner._search.study` (and the setup's
+profile and planner note by `tuner.session`)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_recompute.errors import RecomputeError
 from lightning_recompute.planner.solver import BudgetError, PlannedPolicy, Planner, Prediction
 from lightning_recompute.policy import RecomputePolicy
-from tuner._search import Predictor, SearchSpace, Seed
+from tuner._search import SearchSpace, Seed
 
 if TYPE_CHECKING:
     from lightning_recompute.profile import Profile
@@ -36,20 +36,15 @@ class PlannerSeeds:
     seeds: list[Seed] = field(default_factory=list)
     note: str | None = None
 
-    def predictor(self) -> Predictor | None:
-        """``(policy, micro_batch) -> Prediction``, or ``None`` without a planner."""
-        planner = self.planner
-        if planner is None:
+    def predict(self, policy: RecomputePolicy, micro_batch: int | None) -> Prediction | None:
+        """The planner's view of a candidate, if it has one."""
+        if self.planner is None:
             return None
-
-        def predict(policy: RecomputePolicy, micro_batch: int | None) -> Prediction | None:
-            try:
-                return planner.predict(policy, micro_batch=micro_batch)
-            except RecomputeError as err:
-                _log.info("no prediction for %s: %s", policy.fingerprint(), err)
-                return None
-
-        return predict
+        try:
+            return self.planner.predict(policy, micro_batch=micro_batch)
+        except RecomputeError as err:
+            _log.info("no prediction for %s: %s", policy.fingerprint(), err)
+            return None
 
 
 def planner_seeds(
@@ -132,8 +127,6 @@ def plan_seeds(
         )
         planner = Planner(profile)
         seeds, notes = planner_seeds(planner, space, budget_bytes, recipe.search.modes)
-    except KeyboardInterrupt:
-        raise
     except Exception as err:  # noqa: BLE001 - the search works without predictions; say why there are none
         _log.debug("planning failed", exc_info=True)
         return PlannerSeeds(note=f"planner failed ({type(err).__name__}: {err}); seeding from baselines only")

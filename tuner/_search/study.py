@@ -10,7 +10,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -22,8 +22,7 @@ from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.units import format_bytes
 from tuner._liveness import Owner, dead_reason
 from tuner._search.attrs import StudyAttr, TrialAttr
-from tuner._search.seeds import Seed, Source, pick_of
-from tuner._search.space import SearchSpace
+from tuner._search.space import SearchSpace, Seed, Source, pick_of
 from tuner._stores import open_storage
 
 if TYPE_CHECKING:
@@ -48,12 +47,6 @@ def study_name(recipe: Recipe, device: str) -> str:
         return recipe.study.name
     hardware = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown-device"
     return f"{recipe.name}.{hardware}.{recipe.fingerprint()[:8]}"
-
-
-def peak_constraint(trial: FrozenTrial) -> tuple[float]:
-    """Measured (or, skipped, predicted) peak minus the budget: positive is infeasible, and so is unknown."""
-    value = trial.constraints.get(CONSTRAINT, trial.user_attrs.get(TrialAttr.PEAK_OVER))
-    return (float(value) if value is not None else math.inf,)
 
 
 @dataclass
@@ -154,12 +147,9 @@ class TrialRecord:
     def to_dict(self) -> dict[str, Any]:
         """A row of ``trials.json`` and ``trials.csv``; the label is ``seed``, the column of the first studies."""
         row: dict[str, Any] = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            row[_ROW_KEYS.get(field.name, field.name)] = (
-                value.to_dict() if isinstance(value, RecomputePolicy) else value
-            )
-            if field.name == "label":
+        for name, value in vars(self).items():
+            row[_ROW_KEYS.get(name, name)] = value.to_dict() if isinstance(value, RecomputePolicy) else value
+            if name == "label":
                 row["source"] = self.source.value
         return row
 
@@ -198,7 +188,7 @@ class TuningStudy:
         cls,
         *,
         name: str,
-        storage: str | optuna.storages.BaseStorage,
+        storage: str,
         space: SearchSpace,
         budget_bytes: int,
         seed: int = 0,
@@ -207,7 +197,7 @@ class TuningStudy:
         device: str | None = None,
     ) -> TuningStudy:
         """Create the study, or load it; only one process can create a study of a name: it seeds the study."""
-        store = open_storage(storage) if isinstance(storage, str) else storage
+        store = open_storage(storage)
         # Constraints are set on each trial (`_constrain`): Optuna 5 deprecates TPESampler's constraints_func.
         sampler = optuna.samplers.TPESampler(seed=seed)
         signature = space.signature()
@@ -264,7 +254,7 @@ class TuningStudy:
                 present.add(key)
                 self.study.enqueue_trial(params, user_attrs={TrialAttr.SEED: s.name, TrialAttr.SEED_KEY: key})
                 enqueued.append(s.name)
-        self.setup.mark_seeded()
+        self.study.set_user_attr(StudyAttr.SEEDED, True)
         return enqueued
 
     def ask(self, *, session_run_id: str | None = None) -> Proposal:
@@ -346,10 +336,8 @@ class TuningStudy:
 
     def tell_duplicate(self, proposal: Proposal, *, run_id: str | None = None) -> FrozenTrial:
         """Its original's state and value, or FAIL while the original still runs."""
-        original = proposal.duplicate_of
-        if original is None:
-            raise RecomputeError(f"trial {proposal.number}: not a duplicate")
-        t = proposal.trial
+        original, t = proposal.duplicate_of, proposal.trial
+        assert original is not None, "told a duplicate that is none"
         reason = f"same policy and micro-batch as trial {original.number}"
         self._set_common(
             proposal, outcome="duplicate", run_id=run_id, reason=reason, **{TrialAttr.DUPLICATE_OF: original.number}
@@ -410,17 +398,13 @@ class TuningStudy:
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
 
 
-Predictor = Callable[[RecomputePolicy, int | None], "Prediction | None"]
-"""``(policy, micro_batch) -> Prediction | None``: the planner's view of a candidate, if it has one."""
-
-
-def far_over_budget(prediction: Prediction | None, budget_bytes: int, factor: float = FAR_OVER_BUDGET) -> str | None:
+def far_over_budget(prediction: Prediction | None, budget_bytes: int) -> str | None:
     """Why a candidate should not be run, or ``None`` when it should."""
     peak = None if prediction is None else prediction.peak_bytes
-    if peak is None or peak <= factor * budget_bytes:
+    if peak is None or peak <= FAR_OVER_BUDGET * budget_bytes:
         return None
     return (
-        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {factor:g}x the budget "
+        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {FAR_OVER_BUDGET:g}x the budget "
         f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
     )
 
@@ -498,7 +482,7 @@ class InFlight:
 
 
 class StudySetup:
-    """Who sets the study up, whether it is seeded, and the profile and planner note every worker predicts with."""
+    """Who sets the study up and whether it is seeded (the profile and planner note it stores: `tuner.session`)."""
 
     def __init__(self, study: optuna.Study) -> None:
         self.study = study
@@ -531,22 +515,6 @@ class StudySetup:
     def seeded(self) -> bool:
         return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
 
-    def mark_seeded(self) -> None:
-        self.study.set_user_attr(StudyAttr.SEEDED, True)
-
     def abandon(self) -> None:
         if not self.seeded:
             self.study.set_user_attr(StudyAttr.ABANDONED, True)
-
-    def profile(self) -> dict[str, Any] | None:
-        return self.study.user_attrs.get(StudyAttr.PROFILE)
-
-    def store_profile(self, profile: Mapping[str, Any]) -> None:
-        self.study.set_user_attr(StudyAttr.PROFILE, dict(profile))
-
-    def planner_note(self) -> str | None:
-        note = self.study.user_attrs.get(StudyAttr.PLANNER_NOTE)
-        return None if note is None else str(note)
-
-    def store_planner_note(self, note: str) -> None:
-        self.study.set_user_attr(StudyAttr.PLANNER_NOTE, note)

@@ -5,8 +5,6 @@ Fast: no trial subprocess runs here; trial results are built by hand.
 
 from __future__ import annotations
 
-import math
-
 import optuna
 import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
@@ -24,7 +22,6 @@ from tuner._search import (
     baseline_seeds,
     far_over_budget,
     inspect_layers,
-    peak_constraint,
     study_name,
 )
 from tuner._stores import open_storage
@@ -210,7 +207,7 @@ def test_over_budget_trials_are_never_best(tmp_path):
     slow = study.ask()  # baseline:full
     study.tell_result(slow, _ok(500.0, 6 * MIB))
     assert study.study.trials[0].state == TrialState.COMPLETE
-    assert peak_constraint(study.study.trials[0]) == (float(2 * MIB),)
+    assert study.study.trials[0].constraints == {"peak_minus_budget": float(2 * MIB)}
     assert study.study.best_trial.number == slow.number  # Optuna's own answer honours the constraint
     best = study.best()
     assert best is not None and best.number == slow.number
@@ -232,7 +229,7 @@ def test_a_candidate_predicted_far_over_budget_is_skipped_not_run(tmp_path):
     frozen = study.tell_skipped(proposal, reason)
     assert frozen.state == TrialState.PRUNED
     assert frozen.user_attrs["outcome"] == "skipped" and frozen.user_attrs["reason"] == reason
-    assert peak_constraint(frozen)[0] > 0
+    assert frozen.constraints["peak_minus_budget"] > 0
     assert study.ran_count() == 0 and study.best() is None
 
 
@@ -327,7 +324,7 @@ def test_failed_trials_are_told_fail_with_their_outcome(tmp_path):
     record = study.records()[0]
     assert record.outcome == "oom" and record.reason == "CUDA out of memory"
     assert record.ran and not record.measured  # it ran to an outcome, and produced no figures
-    assert peak_constraint(frozen) == (math.inf,)
+    assert not frozen.constraints and not record.feasible  # no peak: infeasible
 
 
 def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
@@ -346,7 +343,7 @@ def test_every_outcome_a_trial_can_end_with_is_a_record_outcome():
 
 
 def test_where_a_trial_came_from_is_read_from_its_label_in_one_place() -> None:
-    from tuner._search.seeds import Source
+    from tuner._search.space import Source
 
     assert Source.of("baseline:every_2nd_full") is Source.BASELINE
     assert Source.of("planner:front2@mb4") is Source.PLANNER
