@@ -1,9 +1,6 @@
-"""The good-policy registry: promote, reject, roll back, and read back the decision history.
-
-The experiment tag ``recompute.good_run_id`` names the run whose ``policy.yaml`` is the good policy; every change
-to it is a decision run, so the history is MLflow's alone. The policy file is written only once the decision run
-holds its new good run, and a failure puts the file and the record back as they were.
-"""
+"""The good policy: promote, reject, roll back, and the decision history. Every change to the experiment's good
+run is a decision run, so the history is MLflow's alone; the policy file is written only once the decision run
+holds its new good run, and a failure puts the file and the record back as they were."""
 
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_recompute.atomic import atomic_write
+from lightning_recompute.errors import PolicyError
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.units import jsonable
@@ -173,7 +171,8 @@ class PolicyRegistry:
     def history(self) -> list[Decision]:
         """Every completed promotion, rejection and rollback of the experiment, oldest first."""
         out = []
-        for run in self._decision_runs():
+        runs = self.store.search(f"tags.`{N.KIND}` = 'decision' and attributes.status = 'FINISHED'")
+        for run in sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time)):
             t = run.data.tags
             if t.get(N.DECISION) not in set(DecisionKind):
                 continue  # a run tagged a decision by other means, saying nothing the history can show
@@ -303,18 +302,13 @@ class PolicyRegistry:
             micro_batch=_tag_int(run.data.params.get(N.MICRO_BATCH_PARAM)),
         )
 
-    def _decision_runs(self) -> list[Any]:
-        runs = self.store.search(f"tags.`{N.KIND}` = 'decision' and attributes.status = 'FINISHED'")
-        return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
-
     def _good_stack(self) -> list[str]:
         """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
         stack: list[str] = []
-        for run in self._decision_runs():
-            t = run.data.tags
-            if t.get(N.DECISION) == DecisionKind.PROMOTE and t.get(N.NEW_GOOD):
-                stack.append(t[N.NEW_GOOD])
-            elif t.get(N.DECISION) == DecisionKind.ROLLBACK and stack:
+        for d in self.history():
+            if d.kind is DecisionKind.PROMOTE and d.new_good_run_id:
+                stack.append(d.new_good_run_id)
+            elif d.kind is DecisionKind.ROLLBACK and stack:
                 stack.pop()
         return stack
 
@@ -329,8 +323,6 @@ def _run_policy(store: TrackingClient, run_id: str) -> RecomputePolicy | None:
 def _file_state(path: Path, good: RecomputePolicy) -> str | None:
     """What is wrong with the policy file at ``path`` for the good policy ``good``; ``None`` if nothing.
     Its ``tuned_for`` counts too: training jobs warn from it when they run at another batch size."""
-    from lightning_recompute.errors import PolicyError
-
     fingerprint = good.fingerprint()
     if not path.exists():
         return "was missing"
@@ -342,8 +334,7 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
     if held.tuned_for == good.tuned_for:
         return None
-    mine = {} if held.tuned_for is None else held.tuned_for.to_dict()
-    theirs = {} if good.tuned_for is None else good.tuned_for.to_dict()
+    mine, theirs = ({} if t is None else t.to_dict() for t in (held.tuned_for, good.tuned_for))
     changed = ", ".join(
         f"{key} {mine.get(key)!r} (the good run's: {theirs.get(key)!r})"
         for key in sorted(set(mine) | set(theirs))

@@ -407,18 +407,13 @@ def _markdown(
 def trials_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     """``rows`` (trial rows) as CSV: every key any row has is a column, nested values (a policy) as JSON so a
     spreadsheet cell can be parsed back."""
-    columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: _cell(r.get(k)) for k in columns})
+        writer.writerow({k: _json(v) if isinstance(v, (Mapping, list, tuple)) else v for k, v in r.items()})
     return buf.getvalue()
 
 
-def _cell(value: Any) -> Any:
-    if value is None:
-        return ""
-    if isinstance(value, (Mapping, list, tuple)):
-        return json.dumps(jsonable(value), separators=(",", ":"))
-    return value
+def _json(value: Any) -> str:
+    return json.dumps(jsonable(value), separators=(",", ":"))
