@@ -43,20 +43,19 @@ class Tracker:
         self.sessions.end(exc)
 
 
-def open_tracker(tracking_uri: str, experiment: str, attempts: int = 5) -> Tracker:
+def open_tracker(tracking_uri: str, experiment: str) -> Tracker:
     """The `Tracker` of ``experiment``, opened under the SQLite setup lock (two workers migrating a new database
     at once fail on each other's tables), retried for stores the lock cannot cover."""
     from alembic.util.exc import CommandError
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, 5):
         try:
             with sqlite_setup_lock(tracking_uri):
                 return Tracker(tracking_uri, experiment)
         except (CommandError, MlflowException, SQLAlchemyError) as err:
-            if attempt == attempts:
-                raise
             _log.info("opening the MLflow store failed (%s); retrying", err)
             time.sleep(0.5 * attempt)
-    raise AssertionError("unreachable")  # the loop returns or raises
+    with sqlite_setup_lock(tracking_uri):  # the fifth try raises what fails
+        return Tracker(tracking_uri, experiment)

@@ -109,10 +109,9 @@ class TrackingClient:
         expected = artifact_location_for(self.tracking_uri, self.experiment)
         stored = str(exp.artifact_location)
         stored_path = Path(stored.removeprefix("file://"))
-        if expected is None or str(stored_path) == expected or stored_path.name != Path(expected).name:
-            return
-        if stored_path.parent.name != "mlartifacts":
-            return  # not the tuner's layout: someone chose this location
+        tuners = stored_path.parent.name == "mlartifacts" and stored_path.name == Path(expected or "").name
+        if expected is None or str(stored_path) == expected or not tuners:
+            return  # in place, or not the tuner's layout: someone chose this location
         prefix, exp_id = stored.rstrip("/"), int(exp.experiment_id)
         with contextlib.closing(sqlite3.connect(self.tracking_uri[len("sqlite:///") :], timeout=120)) as conn, conn:
             conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (expected, exp_id))
@@ -121,12 +120,8 @@ class TrackingClient:
                 "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
                 (expected, len(prefix) + 1, exp_id, len(prefix), prefix),
             )
-        _log.warning(
-            "the results folder moved: experiment %r's artifacts were recorded under %s; now under %s",
-            self.experiment,
-            stored_path,
-            expected,
-        )
+        moved = f"experiment {self.experiment!r}'s artifacts were recorded under {stored_path}; now under {expected}"
+        _log.warning("the results folder moved: %s", moved)
 
     def search(self, filter_string: str) -> list[Any]:
         """Every active run of the experiment matching ``filter_string`` (all pages)."""
@@ -146,7 +141,7 @@ class TrackingClient:
         """A new run of the experiment (tags clipped, ``None`` ones left out), ended ``end`` after the block and
         FAILED when it raises; its id."""
         kept = {k: clip_tag(v) for k, v in tags.items() if v is not None}
-        run_id = self.client.create_run(self.experiment_id, start_time, kept, name).info.run_id
+        run_id = self.client.create_run(self.experiment_id, start_time=start_time, tags=kept, run_name=name).info.run_id
         try:
             yield run_id
         except BaseException:

@@ -134,7 +134,7 @@ class SessionLog:
                 self.store.client.log_text(run_id, str(r["stderr_tail"]), N.STDERR_TAIL_TXT)
             if evidence is not None:
                 self.store.client.log_dict(run_id, jsonable(evidence), N.EVIDENCE_JSON)
-            return run_id
+        return run_id
 
     def log_abandoned_trial(
         self,
@@ -151,7 +151,8 @@ class SessionLog:
         parent = session_run_id or self._require_session()
         result = {"outcome": "abandoned", "error": reason}
         with self._trial_run(number, policy, layer_names, micro_batch, result, parent, reason) as run_id:
-            return run_id
+            pass  # nothing was measured: it holds what every trial run has
+        return run_id
 
     @contextmanager
     def _trial_run(
