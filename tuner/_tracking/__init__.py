@@ -27,9 +27,8 @@ _log = logging.getLogger(__name__)
 
 
 class Tracker:
-    """The experiment's records: ``sessions`` (`SessionLog`) and ``registry`` (`PolicyRegistry`) sharing one
-    client (``store``); a decision made while a session is open nests in its run. As a context manager the
-    session run always ends: FINISHED, KILLED on Ctrl-C, FAILED on an exception."""
+    """The experiment's ``sessions`` and ``registry`` sharing one client (``store``); a decision made while a session
+    is open nests in its run. As a context manager the session run always ends (`SessionLog.end`)."""
 
     def __init__(self, tracking_uri: str, experiment: str, *, create: bool = True) -> None:
         self.store = TrackingClient(tracking_uri, experiment, create=create)

@@ -1,5 +1,4 @@
-"""The MLflow client the tracking modules share: the experiment, run search, runs that always end, logging within
-MLflow's limits."""
+"""The MLflow client the tracking modules share: the experiment, run search, runs that always end, MLflow's limits."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def param_key(name: str) -> str:
 
 
 def clip_tag(text: Any, limit: int = 5000) -> str:
-    """``str(text)`` cut to fit an MLflow tag (8000 characters, less room for a multi-byte encoding), marked when
-    cut."""
+    """``str(text)`` cut to fit an MLflow tag (8000 characters, less room for multi-byte text), marked when cut."""
     s = str(text)
     return s if len(s) <= limit else s[: limit - 15] + " ...[truncated]"
 

@@ -86,9 +86,8 @@ class PolicyRegistry:
         return f"{out} {found}; restored the good policy {good.fingerprint} from MLflow run {good.run_id}"
 
     def clean_leftovers(self, output_path: str | Path, grace_s: float) -> tuple[str, ...]:
-        """End KILLED the decision runs of dead processes (killed mid-decision) and remove the temporary policy
-        files a killed `lightning_recompute.atomic.atomic_write` left (a younger one than ``grace_s`` may be a write
-        in progress); what was done."""
+        """End KILLED the decision runs of processes killed mid-decision and remove the temporary files a killed
+        `atomic_write` left (one younger than ``grace_s`` may be a write in progress); what was done."""
         ended = self.sessions.end_dead(f"tags.`{N.KIND}` = 'decision'", N.DECISION_ENDED_BY, grace_s)
         done = [f"decision run {run_id} of a dead process ended KILLED" for run_id in ended]
         out = Path(output_path)

@@ -201,9 +201,8 @@ class SessionLog:
         return self.end_dead(_session_filter(study_name), N.SESSION_ENDED_BY, grace_s)
 
     def end_dead(self, filter_string: str, ended_by: str, grace_s: float) -> list[str]:
-        """End KILLED the RUNNING runs matching ``filter_string`` whose owner (its owner tag and heartbeat; without
-        one, its start time against ``grace_s``) is dead, saying why in tag ``ended_by``, and the RUNNING runs
-        nested in them FAILED; their ids."""
+        """End KILLED the RUNNING runs matching ``filter_string`` whose owner is dead (why in tag ``ended_by``; a run
+        without an owner tag is judged by its start), the runs nested in them FAILED; their ids."""
         from tuner._liveness import Owner, dead_reason
 
         ended = []
