@@ -61,7 +61,7 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
         ) from None
     if run.info.lifecycle_stage != "active":
         raise PolicyError(f"{where}: tag {GOOD_RUN_TAG} names run {run_id}, which is deleted")
-    moved = _moved_artifacts(client.tracking_uri, run.info.artifact_uri)
+    moved, good = _moved_artifacts(client.tracking_uri, run.info.artifact_uri), f"{where}: good run {run_id}"
     with tempfile.TemporaryDirectory(prefix="recompute-policy-") as tmp, _no_progress_bar():
         try:
             if moved is None:
@@ -69,20 +69,16 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
             elif not (local := moved / POLICY_ARTIFACT).is_file():
                 raise FileNotFoundError(local)
         except (MlflowException, OSError) as err:
-            raise PolicyError(
-                f"{where}: good run {run_id} has no artifact {POLICY_ARTIFACT!r} ({type(err).__name__})"
-            ) from None
+            raise PolicyError(f"{good} has no artifact {POLICY_ARTIFACT!r} ({type(err).__name__})") from None
         try:
             policy = RecomputePolicy.load(local)
         except PolicyError as err:
             message = str(err).replace(str(local), POLICY_ARTIFACT)
-            raise PolicyError(
-                f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {message}"
-            ) from None
+            raise PolicyError(f"{good}: artifact {POLICY_ARTIFACT!r} is not a valid policy: {message}") from None
     expected = run.data.tags.get(FINGERPRINT_TAG)
     if expected and policy.fingerprint() != expected:
         raise PolicyError(
-            f"{where}: good run {run_id}: artifact {POLICY_ARTIFACT!r} has fingerprint {policy.fingerprint()}, "
+            f"{good}: artifact {POLICY_ARTIFACT!r} has fingerprint {policy.fingerprint()}, "
             f"but the run recorded {expected} (tag {FINGERPRINT_TAG}); the artifact was changed after the run "
             f"logged it. Roll back with `recompute-tune rollback`, or re-run the tuner"
         )
@@ -90,9 +86,8 @@ def load_good_policy(experiment: str, tracking_uri: str | None = None) -> Recomp
 
 
 def _moved_artifacts(tracking_uri: str, artifact_uri: str) -> Path | None:
-    """A run's artifact folder beside its SQLite database, when the folder holding both was moved
-    (MLflow records absolute paths); ``None``: not moved.
-    """
+    """A run's artifact folder beside its SQLite database when the folder holding both moved (MLflow records
+    absolute paths); ``None``: not moved."""
     recorded = artifact_uri.removeprefix("file://")
     if not tracking_uri.startswith(_SQLITE) or "://" in recorded or ":" in recorded.split("/", 1)[0]:
         return None
@@ -136,13 +131,12 @@ def _missing_local_store(uri: str) -> Path | None:
 
 @contextlib.contextmanager
 def _no_progress_bar() -> Iterator[None]:
-    """MLflow's download progress bar off, unless the user's environment sets it. Only this key is touched
-    (a training job's environment is not reset around the download)."""
-    if _PROGRESS_BAR_ENV in os.environ:
-        yield
-        return
-    os.environ[_PROGRESS_BAR_ENV] = "false"
+    """MLflow's download progress bar off unless the user's environment sets it; no other key is touched (a training
+    job's environment is not reset around the download)."""
+    ours = _PROGRESS_BAR_ENV not in os.environ
+    os.environ.setdefault(_PROGRESS_BAR_ENV, "false")
     try:
         yield
     finally:
-        os.environ.pop(_PROGRESS_BAR_ENV, None)
+        if ours:
+            os.environ.pop(_PROGRESS_BAR_ENV, None)

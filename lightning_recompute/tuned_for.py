@@ -50,7 +50,8 @@ class TunedFor:
 
     def figures(self) -> str:
         """``peak 38.23 MiB, limit 45.60 MiB``: what was measured, as much as was recorded."""
-        return ", ".join(f"{k} {_mib(v)}" for k, v in (("peak", self.peak_bytes), ("limit", self.limit_bytes)) if v)
+        pairs = (("peak", self.peak_bytes), ("limit", self.limit_bytes))
+        return ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in pairs if v)
 
     def describe(self) -> str:
         """One line: ``tuned for micro-batch 4 (data batch 8) on cpu: peak 38.23 MiB of limit 45.60 MiB ...``."""
@@ -74,7 +75,3 @@ def batch_advice(micro_batch: int, global_batch: int) -> tuple[int, int]:
         raise ValueError(f"batch sizes must be positive, got micro_batch={micro_batch}, global_batch={global_batch}")
     size = max(d for d in range(1, min(micro_batch, global_batch) + 1) if global_batch % d == 0)
     return size, global_batch // size
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"

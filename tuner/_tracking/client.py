@@ -1,26 +1,22 @@
-"""The MLflow client the tracking modules share: the experiment, run search, batched logging, and MLflow's limits."""
+"""The MLflow client the tracking modules share: the experiment, run search, runs that always end, MLflow's limits."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning_recompute.units import jsonable
 from tuner.exits import EXIT_BAD_INPUT, Declined
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 _log = logging.getLogger(__name__)
-
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
 class TrackingError(Declined):
@@ -49,8 +45,7 @@ def param_key(name: str) -> str:
 
 
 def clip_tag(text: Any, limit: int = 5000) -> str:
-    """``str(text)`` cut to fit an MLflow tag (8000 characters, less room for a multi-byte encoding), marked when
-    cut."""
+    """``str(text)`` cut to fit an MLflow tag (8000 characters, less room for multi-byte text), marked when cut."""
     s = str(text)
     return s if len(s) <= limit else s[: limit - 15] + " ...[truncated]"
 
@@ -66,15 +61,14 @@ class TrackingClient:
     """One MLflow experiment, reached through `mlflow.MlflowClient` by run id (never the global active run).
     ``create=False`` (readers) raises `ExperimentNotFound` for a missing experiment instead of creating it."""
 
-    def __init__(self, tracking_uri: str | None, experiment: str, *, create: bool = True) -> None:
+    def __init__(self, tracking_uri: str, experiment: str, *, create: bool = True) -> None:
         import mlflow
         from mlflow.exceptions import MlflowException
 
         if not isinstance(experiment, str) or not experiment.strip():
             raise TrackingError(f"experiment: must be a non-empty name, got {experiment!r}")
-        self.tracking_uri = tracking_uri or DEFAULT_TRACKING_URI
-        self.experiment = experiment
-        self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        self.tracking_uri, self.experiment = tracking_uri, experiment
+        self.client: MlflowClient = mlflow.MlflowClient(tracking_uri=tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None and not create:
             from tuner._stores import hide_password
@@ -83,11 +77,11 @@ class TrackingClient:
             valid = ", ".join(repr(n) for n in names) if names else "none yet"
             raise ExperimentNotFound(
                 f"tracking.experiment: {clip_tag(repr(experiment), 200)} is not an experiment in "
-                f"{clip_tag(hide_password(self.tracking_uri), 200)} (valid: {clip_tag(valid, 1000)}); check the "
+                f"{clip_tag(hide_password(tracking_uri), 200)} (valid: {clip_tag(valid, 1000)}); check the "
                 f"spelling, or tune the recipe first (`recompute-tune RECIPE` creates it)"
             )
         if exp is None:
-            location = artifact_location_for(self.tracking_uri, experiment)
+            location = artifact_location_for(tracking_uri, experiment)
             try:
                 self.experiment_id: str = self.client.create_experiment(experiment, artifact_location=location)
                 return
@@ -113,10 +107,9 @@ class TrackingClient:
         expected = artifact_location_for(self.tracking_uri, self.experiment)
         stored = str(exp.artifact_location)
         stored_path = Path(stored.removeprefix("file://"))
-        if expected is None or str(stored_path) == expected or stored_path.name != Path(expected).name:
-            return
-        if stored_path.parent.name != "mlartifacts":
-            return  # not the tuner's layout: someone chose this location
+        tuners = stored_path.parent.name == "mlartifacts" and stored_path.name == Path(expected or "").name
+        if expected is None or str(stored_path) == expected or not tuners:
+            return  # in place, or not the tuner's layout: someone chose this location
         prefix, exp_id = stored.rstrip("/"), int(exp.experiment_id)
         with contextlib.closing(sqlite3.connect(self.tracking_uri[len("sqlite:///") :], timeout=120)) as conn, conn:
             conn.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (expected, exp_id))
@@ -125,53 +118,54 @@ class TrackingClient:
                 "WHERE experiment_id = ? AND substr(artifact_uri, 1, ?) = ?",
                 (expected, len(prefix) + 1, exp_id, len(prefix), prefix),
             )
-        _log.warning(
-            "the results folder moved: experiment %r's artifacts were recorded under %s; now under %s",
-            self.experiment,
-            stored_path,
-            expected,
-        )
+        moved = f"experiment {self.experiment!r}'s artifacts were recorded under {stored_path}; now under {expected}"
+        _log.warning("the results folder moved: %s", moved)
 
     def search(self, filter_string: str) -> list[Any]:
         """Every active run of the experiment matching ``filter_string`` (all pages)."""
-        from mlflow.entities import ViewType
-
         runs: list[Any] = []
         token = None
         while True:
-            page = self.client.search_runs(
-                [self.experiment_id], filter_string, ViewType.ACTIVE_ONLY, max_results=1000, page_token=token
-            )
+            page = self.client.search_runs([self.experiment_id], filter_string, max_results=1000, page_token=token)
             runs.extend(page)
             token = page.token
             if not token:
                 return runs
 
+    @contextlib.contextmanager
+    def run(
+        self, name: str, tags: Mapping[str, str | None], *, end: str = "FINISHED", start_time: int | None = None
+    ) -> Iterator[str]:
+        """A new run of the experiment (tags clipped, ``None`` ones left out), ended ``end`` after the block and
+        FAILED when it raises; its id."""
+        kept = {k: clip_tag(v) for k, v in tags.items() if v is not None}
+        run_id = self.client.create_run(self.experiment_id, start_time=start_time, tags=kept, run_name=name).info.run_id
+        try:
+            yield run_id
+        except BaseException:
+            self.client.set_terminated(run_id, "FAILED")
+            raise
+        self.client.set_terminated(run_id, end)
+
     def log_batch(
         self,
         run_id: str,
         *,
-        params: Sequence[Any] = (),
+        params: Mapping[str, str] | None = None,
         metrics: Mapping[str, float] | None = None,
         tags: Mapping[str, str] | None = None,
         step_times: Sequence[float] = (),
     ) -> None:
-        """Log params, metrics (``step_times`` as the ``step_time_s`` metric's steps) and tags to ``run_id`` in
-        batches MLflow accepts (keys and tags clipped): 100 params or tags, 1000 metrics a batch."""
-        from mlflow.entities import Metric, RunTag
+        """Log params, metrics (``step_times`` as the ``step_time_s`` metric's steps) and tags to ``run_id``, keys
+        and tags clipped to MLflow's limits (`MlflowClient.log_batch` splits what one request cannot take)."""
+        from mlflow.entities import Metric, Param, RunTag
 
         ts = int(time.time() * 1000)
         ms = [Metric(param_key(k), float(v), ts, 0) for k, v in (metrics or {}).items()]
-        steps = [Metric("step_time_s", float(s), ts, i) for i, s in enumerate(step_times) if finite(s) is not None]
-        params, tag_list = list(params), [RunTag(k, clip_tag(v)) for k, v in (tags or {}).items()]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(run_id, params=params[i : i + 100])
-        for i in range(0, len(tag_list), 100):
-            self.client.log_batch(run_id, tags=tag_list[i : i + 100])
-        for batch in (ms, steps):
-            for i in range(0, len(batch), 1000):
-                self.client.log_batch(run_id, metrics=batch[i : i + 1000])
-
-    def log_json(self, run_id: str, name: str, data: Any) -> None:
-        """Log ``data`` as the JSON artifact ``name`` of ``run_id`` (strict JSON: no NaN)."""
-        self.client.log_text(run_id, json.dumps(jsonable(data), indent=2, allow_nan=False), name)
+        ms += [Metric("step_time_s", float(s), ts, i) for i, s in enumerate(step_times) if finite(s) is not None]
+        self.client.log_batch(
+            run_id,
+            metrics=ms,
+            params=[Param(param_key(k), v) for k, v in (params or {}).items()],
+            tags=[RunTag(k, clip_tag(v)) for k, v in (tags or {}).items()],
+        )

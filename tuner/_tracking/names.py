@@ -1,14 +1,22 @@
-"""The MLflow tag, param, metric and artifact names the tuner writes (the good run's tag and the policy
-artifact are the plugin's: `lightning_recompute.mlflow_policy`).
+"""The MLflow names the tuner writes; people filter on them in ``mlflow ui``, and records of an earlier version
+stay readable only while they stay the same (add, do not rename). The good run's tag and the policy artifact are
+the plugin's (`lightning_recompute.mlflow_policy`). One experiment per recipe holds:
 
-People filter on these in ``mlflow ui`` and the plugin reads some (`lightning_recompute.mlflow_policy`);
-records of an earlier version stay readable only while they stay the same.
+- a **session run** (``recompute.kind=session``, ``recompute.study``): the recipe (``recipe.yaml``, ``recipe.*``
+  params); at the end ``best_policy.yaml``, ``best.json``, ``trials.json``, ``trials.csv``, ``baselines.json``,
+  ``pareto.png``, ``race.json`` and a markdown summary as its description;
+- a **trial run** nested in it (``recompute.kind=trial``, ``recompute.outcome``): a ``layer.<path>`` param per
+  layer, ``micro_batch``, ``policy_fingerprint``, ``trial_number``; ``measured_*``/``predicted_*`` metrics;
+  ``policy.yaml``. A **confirmation run** (the gate's, ``recompute.kind=confirmation``) has the same shape;
+- a **decision run** (``recompute.kind=decision``, ``recompute.decision=promote|reject|rollback``): reason,
+  previous and new good run, ``recompute.decision_seq``; ``policy.yaml`` and ``evidence.json``;
+- the experiment tag ``recompute.good_run_id`` naming the run holding the good policy, which carries
+  ``recompute.good=true``.
 """
 
 from __future__ import annotations
 
-# ---------------------------------------------------------------------------------------------- tags
-
+# Tags.
 KIND = "recompute.kind"  # session, trial, confirmation or decision
 STUDY = "recompute.study"
 OUTCOME = "recompute.outcome"
@@ -48,19 +56,15 @@ IN_JOB = "recompute.in_job"  # ``true`` on a session run tuned inside a training
 PARENT = "mlflow.parentRunId"
 NOTE = "mlflow.note.content"  # MLflow's own tag for a run's description (markdown)
 
-# ---------------------------------------------------------------------------------------------- params
-# Also: one ``layer.<path>`` param per layer (its mode), and ``recipe.<key>`` per recipe setting.
-
+# Params; also one ``layer.<path>`` param per layer (its mode), and ``recipe.<key>`` per recipe setting.
 STUDY_NAME_PARAM = "study_name"
 TRIAL_NUMBER_PARAM = "trial_number"
 MICRO_BATCH_PARAM = "micro_batch"
 POLICY_FINGERPRINT_PARAM = "policy_fingerprint"
 COMPILE_PARAM = "compile"  # ``true``, logged only when the policy compiles its layers
 
-# ---------------------------------------------------------------------------------------------- metrics
-# Also: ``measured_*`` and ``predicted_*`` per figure, ``wall_s``, ``step_time_s`` per step.
 
-
+# Metrics; also ``measured_*`` and ``predicted_*`` per figure, ``wall_s``, ``step_time_s`` per step.
 def rank_peak_metric(rank: int) -> str:
     """A multi-rank trial's peak of rank ``rank`` (``measured_peak_bytes`` is their maximum)."""
     return f"measured_peak_bytes_rank{rank}"
@@ -71,9 +75,7 @@ STEP_NOISE_METRICS = ("step_time_mad_rel", "step_time_ci_rel")
 MACHINE_METRIC_PREFIX = "machine_"  # machine_load_1m, machine_gpu_sm_mhz ...: the machine during a trial or race
 COMPILE_SECONDS_METRIC = "compile_s"  # torch.compile time in the warm-up steps, for trials that compile
 
-# ---------------------------------------------------------------------------------------------- artifacts
-# Also ``pareto.png`` (`tuner._plots.pareto_plot`) and ``policy.yaml`` (`lightning_recompute.mlflow_policy`).
-
+# Artifacts; also ``pareto.png`` (`tuner._plots.pareto_plot`) and the plugin's ``policy.yaml``.
 RECIPE_YAML = "recipe.yaml"
 TRIALS_JSON = "trials.json"
 TRIALS_CSV = "trials.csv"

@@ -1,29 +1,28 @@
-"""The good-policy registry: promote, reject, roll back, and read back the decision history.
-
-The experiment tag ``recompute.good_run_id`` names the run whose ``policy.yaml`` is the good policy; every change
-to it is a decision run, so the history is MLflow's alone. The policy file is written only once the decision run
-holds its new good run, and a failure puts the file and the record back as they were.
-"""
+"""The good policy: promote, reject, roll back, and the decision history. Every change to the experiment's good
+run is a decision run, so the history is MLflow's alone; the policy file is written only once the decision run
+holds its new good run, and a failure puts the file and the record back as they were."""
 
 from __future__ import annotations
 
 import enum
 import tempfile
 import time
-from collections.abc import Callable, Mapping
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from lightning_recompute.atomic import atomic_write
+from lightning_recompute.errors import PolicyError
 from lightning_recompute.mlflow_policy import GOOD_RUN_TAG, POLICY_ARTIFACT
 from lightning_recompute.policy import RecomputePolicy
+from lightning_recompute.units import jsonable
 from tuner._liveness import kill_point
 from tuner._tracking import names as N
 from tuner._tracking.client import TrackingClient, TrackingError, clip_tag, finite
-from tuner._tracking.sessions import SessionLog, _owner, dead_owner
+from tuner._tracking.sessions import SessionLog, _owner
 
 
 class DecisionKind(str, enum.Enum):
@@ -87,16 +86,10 @@ class PolicyRegistry:
         return f"{out} {found}; restored the good policy {good.fingerprint} from MLflow run {good.run_id}"
 
     def clean_leftovers(self, output_path: str | Path, grace_s: float) -> tuple[str, ...]:
-        """End KILLED the decision runs of dead processes (killed mid-decision) and remove the temporary policy
-        files a killed `lightning_recompute.atomic.atomic_write` left (a younger one than ``grace_s`` may be a write
-        in progress); what was done."""
-        done = []
-        for run in self.store.search(f"tags.`{N.KIND}` = 'decision' and attributes.status = 'RUNNING'"):
-            why = dead_owner(run, grace_s, beats=False)
-            if why is not None:
-                self.store.client.set_tag(run.info.run_id, N.DECISION_ENDED_BY, clip_tag(why))
-                self.store.client.set_terminated(run.info.run_id, "KILLED")
-                done.append(f"decision run {run.info.run_id} of a dead process ended KILLED")
+        """End KILLED the decision runs of processes killed mid-decision and remove the temporary files a killed
+        `atomic_write` left (one younger than ``grace_s`` may be a write in progress); what was done."""
+        ended = self.sessions.end_dead(f"tags.`{N.KIND}` = 'decision'", N.DECISION_ENDED_BY, grace_s)
+        done = [f"decision run {run_id} of a dead process ended KILLED" for run_id in ended]
         out = Path(output_path)
         for tmp in out.parent.glob(f".{out.name}.*.tmp"):
             with suppress(OSError):  # gone meanwhile (another worker cleaned it), or not ours to remove
@@ -127,8 +120,8 @@ class PolicyRegistry:
             if held is None or (policy.tuned_for is not None and held.tuned_for != policy.tuned_for):
                 # A run logged by other means, or whose file lacks tuned_for: "mlflow:" training jobs read it.
                 self.store.client.log_text(source_run_id, policy.to_yaml(), POLICY_ARTIFACT)
-        decision_id = self._start(DecisionKind.PROMOTE, policy, reason, evidence, previous, source_run_id)
-        self._finish(decision_id, policy, output_path, previous=previous, new=source_run_id or decision_id)
+        with self._decision(DecisionKind.PROMOTE, policy, reason, evidence, previous, source_run_id) as decision_id:
+            self._move_good(decision_id, policy, output_path, previous=previous, new=source_run_id or decision_id)
         return decision_id
 
     def reject(
@@ -136,11 +129,10 @@ class PolicyRegistry:
     ) -> str:
         """Record that ``policy`` failed the gate, and why; the good policy and its file stay. The decision run id."""
         previous = self._good_run_id()
-        decision_id = self._start(DecisionKind.REJECT, policy, reason, evidence, previous, source_run_id)
-        self.store.client.set_tag(decision_id, N.NEW_GOOD, previous or "")
-        if source_run_id is not None:
-            self.store.log_batch(source_run_id, tags={N.REJECTED: "true", N.REJECT_REASON: clip_tag(reason)})
-        self.store.client.set_terminated(decision_id, "FINISHED")
+        with self._decision(DecisionKind.REJECT, policy, reason, evidence, previous, source_run_id) as decision_id:
+            self.store.client.set_tag(decision_id, N.NEW_GOOD, previous or "")
+            if source_run_id is not None:
+                self.store.log_batch(source_run_id, tags={N.REJECTED: "true", N.REJECT_REASON: reason})
         return decision_id
 
     def can_roll_back(self) -> bool:
@@ -171,14 +163,15 @@ class PolicyRegistry:
             vet(restored)
         evidence = {"rolled_back_run_id": current, "restored_run_id": target}
         reason = f"rolled back from run {current} to run {target}"
-        decision_id = self._start(DecisionKind.ROLLBACK, restored.policy, reason, evidence, current, target)
-        self._finish(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
+        with self._decision(DecisionKind.ROLLBACK, restored.policy, reason, evidence, current, target) as decision_id:
+            self._move_good(decision_id, restored.policy, output_path, previous=current, new=target, rolled_back=True)
         return self._good_policy(target)
 
     def history(self) -> list[Decision]:
         """Every completed promotion, rejection and rollback of the experiment, oldest first."""
         out = []
-        for run in self._decision_runs():
+        runs = self.store.search(f"tags.`{N.KIND}` = 'decision' and attributes.status = 'FINISHED'")
+        for run in sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time)):
             t = run.data.tags
             if t.get(N.DECISION) not in set(DecisionKind):
                 continue  # a run tagged a decision by other means, saying nothing the history can show
@@ -198,7 +191,8 @@ class PolicyRegistry:
             )
         return out
 
-    def _start(
+    @contextmanager
+    def _decision(
         self,
         kind: DecisionKind,
         policy: RecomputePolicy,
@@ -206,36 +200,31 @@ class PolicyRegistry:
         evidence: Mapping[str, Any],
         previous: str | None,
         source_run_id: str | None,
-    ) -> str:
-        """Open a decision run holding ``policy`` and ``evidence``, numbered after the last; its id. Its owner tag
-        lets a later session end it if this process dies mid-decision; it ends FAILED if its artifacts fail."""
-        store = self.store
-        seq = 1 + max((_decision_seq(r.data.tags) for r in store.search(f"tags.`{N.KIND}` = 'decision'")), default=0)
+    ) -> Iterator[str]:
+        """A decision run holding ``policy`` and ``evidence``, numbered after the last, nested in the open session
+        run; its owner tag lets a later session end it if this process dies mid-decision."""
+        seq = 1 + max(
+            (_decision_seq(r.data.tags) for r in self.store.search(f"tags.`{N.KIND}` = 'decision'")), default=0
+        )
+        micro_batch = None if policy.tuned_for is None else policy.tuned_for.micro_batch
         tags = {
             N.KIND: "decision",
             N.DECISION: kind.value,
             N.DECISION_SEQ: str(seq),
-            N.REASON: clip_tag(reason),
+            N.REASON: reason,
             N.PREVIOUS_GOOD: previous or "",
             N.FINGERPRINT: policy.fingerprint(),
             N.OWNER: _owner(),
+            N.SOURCE_RUN: source_run_id or None,
+            N.TUNED_MICRO_BATCH: None if micro_batch is None else str(micro_batch),
+            N.PARENT: self.sessions.open_run_id,
         }
-        if source_run_id:
-            tags[N.SOURCE_RUN] = source_run_id
-        if policy.tuned_for is not None and policy.tuned_for.micro_batch is not None:
-            tags[N.TUNED_MICRO_BATCH] = str(policy.tuned_for.micro_batch)
-        if self.sessions.open_run_id:
-            tags[N.PARENT] = self.sessions.open_run_id
-        run = store.client.create_run(store.experiment_id, tags=tags, run_name=f"{kind.value} {policy.fingerprint()}")
-        try:
-            store.client.log_text(run.info.run_id, policy.to_yaml(), POLICY_ARTIFACT)
-            store.log_json(run.info.run_id, N.EVIDENCE_JSON, evidence)
-        except BaseException:
-            store.client.set_terminated(run.info.run_id, "FAILED")
-            raise
-        return run.info.run_id
+        with self.store.run(f"{kind.value} {policy.fingerprint()}", tags) as run_id:
+            self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
+            self.store.client.log_dict(run_id, jsonable(evidence), N.EVIDENCE_JSON)
+            yield run_id
 
-    def _finish(
+    def _move_good(
         self,
         decision_id: str,
         policy: RecomputePolicy,
@@ -260,7 +249,7 @@ class PolicyRegistry:
             client.set_experiment_tag(store.experiment_id, GOOD_RUN_TAG, new)
         except BaseException:
             # A file that says B while MLflow says A is worse than either. Each undo is best effort (the store
-            # may be what failed); the original error is the one worth raising.
+            # may be what failed); the original error is the one worth raising (the decision run ends FAILED).
             try:
                 if old_bytes is not None:
                     atomic_write(out, old_bytes)
@@ -276,10 +265,7 @@ class PolicyRegistry:
                 with suppress(Exception):
                     if previous and previous != new:
                         client.set_tag(previous, N.GOOD, "true")
-                with suppress(Exception):
-                    client.set_terminated(decision_id, "FAILED")
             raise
-        client.set_terminated(decision_id, "FINISHED")
 
     def _good_run_id(self) -> str | None:
         return self.store.client.get_experiment(self.store.experiment_id).tags.get(GOOD_RUN_TAG) or None
@@ -315,18 +301,13 @@ class PolicyRegistry:
             micro_batch=_tag_int(run.data.params.get(N.MICRO_BATCH_PARAM)),
         )
 
-    def _decision_runs(self) -> list[Any]:
-        runs = self.store.search(f"tags.`{N.KIND}` = 'decision' and attributes.status = 'FINISHED'")
-        return sorted(runs, key=lambda r: (_decision_seq(r.data.tags), r.info.start_time))
-
     def _good_stack(self) -> list[str]:
         """Good run ids, oldest first, as the completed decisions leave them (promote pushes, rollback pops)."""
         stack: list[str] = []
-        for run in self._decision_runs():
-            t = run.data.tags
-            if t.get(N.DECISION) == DecisionKind.PROMOTE and t.get(N.NEW_GOOD):
-                stack.append(t[N.NEW_GOOD])
-            elif t.get(N.DECISION) == DecisionKind.ROLLBACK and stack:
+        for d in self.history():
+            if d.kind is DecisionKind.PROMOTE and d.new_good_run_id:
+                stack.append(d.new_good_run_id)
+            elif d.kind is DecisionKind.ROLLBACK and stack:
                 stack.pop()
         return stack
 
@@ -341,8 +322,6 @@ def _run_policy(store: TrackingClient, run_id: str) -> RecomputePolicy | None:
 def _file_state(path: Path, good: RecomputePolicy) -> str | None:
     """What is wrong with the policy file at ``path`` for the good policy ``good``; ``None`` if nothing.
     Its ``tuned_for`` counts too: training jobs warn from it when they run at another batch size."""
-    from lightning_recompute.errors import PolicyError
-
     fingerprint = good.fingerprint()
     if not path.exists():
         return "was missing"
@@ -354,8 +333,7 @@ def _file_state(path: Path, good: RecomputePolicy) -> str | None:
         return f"held policy {held.fingerprint()}, not the good policy {fingerprint}"
     if held.tuned_for == good.tuned_for:
         return None
-    mine = {} if held.tuned_for is None else held.tuned_for.to_dict()
-    theirs = {} if good.tuned_for is None else good.tuned_for.to_dict()
+    mine, theirs = ({} if t is None else t.to_dict() for t in (held.tuned_for, good.tuned_for))
     changed = ", ".join(
         f"{key} {mine.get(key)!r} (the good run's: {theirs.get(key)!r})"
         for key in sorted(set(mine) | set(theirs))

@@ -8,6 +8,7 @@ import io
 import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +27,7 @@ if TYPE_CHECKING:
     from tuner._trials import TrialResult
     from tuner.recipe import Recipe
 
-_STATUSES = ("FINISHED", "KILLED", "FAILED")
-_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite")  # their runs end FAILED, so the UI shows them red
+_FAILED_OUTCOMES = ("oom", "timeout", "error", "nonfinite", "abandoned")  # their runs end FAILED: red in the UI
 _MEASURED = ("peak_bytes", "throughput", "step_time_s", "samples_per_s", "tokens_per_s")
 
 
@@ -46,18 +46,19 @@ class SessionLog:
         whichever finishes first close it under the other's trials), so one study keeps one session run."""
         runs = self.store.search(_session_filter(study_name)) if resume else []
         latest = max(runs, key=lambda r: r.info.start_time, default=None)
+        resumed = latest if latest is not None and latest.info.status in ("KILLED", "FAILED") else None
+        settings = jsonable(recipe.to_dict())
         params = {N.STUDY_NAME_PARAM: study_name}
-        for key, value in _flatten(jsonable(recipe.to_dict()), "recipe").items():
+        for key, value in _flatten(settings, "recipe").items():
             # Not its locations (tracking, study, output): they move with a checkout and are not what a trial measured.
             if key.split(".")[1] not in ("tracking", "study", "output"):
                 params[key] = value
-        resumed = latest if latest is not None and latest.info.status in ("KILLED", "FAILED") else None
         tags = {N.KIND: "session", N.STUDY: study_name}
         run_id = self._open(f"session {study_name}", tags, study_name, params, resumed)
         # The owner and a first heartbeat: another process ends the run KILLED once this owner is dead.
         tags = {N.RECIPE_NAME: str(recipe.name), N.OWNER: _owner(), N.HEARTBEAT: repr(time.time())}
         self.store.log_batch(run_id, tags={**tags, N.RECIPE_FINGERPRINT: str(recipe.fingerprint())})
-        self.store.client.log_text(run_id, yaml.safe_dump(jsonable(recipe.to_dict()), sort_keys=False), N.RECIPE_YAML)
+        self.store.client.log_text(run_id, yaml.safe_dump(settings, sort_keys=False), N.RECIPE_YAML)
         return run_id
 
     def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
@@ -72,8 +73,6 @@ class SessionLog:
     def _open(
         self, run_name: str, tags: dict[str, str], study: str, params: Mapping[str, str], resumed: Any = None
     ) -> str:
-        from mlflow.entities import Param
-
         if self.open_run_id is not None:
             raise TrackingError(f"a session is already open in this tracker (run {self.open_run_id})")
         client = self.store.client
@@ -87,10 +86,12 @@ class SessionLog:
         # Params are write-once in MLflow: on resume log only new ones and name what changed in a tag.
         logged = client.get_run(run_id).data.params
         values = {param_key(k): clip_tag(v, 500) for k, v in params.items()}
-        self.store.log_batch(run_id, params=[Param(k, v) for k, v in values.items() if k not in logged])
-        changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
-        if changed:
-            client.set_tag(run_id, N.RECIPE_CHANGED_ON_RESUME, clip_tag(", ".join(changed)))
+        changed = ", ".join(sorted(k for k, v in values.items() if k in logged and logged[k] != v))
+        self.store.log_batch(
+            run_id,
+            params={k: v for k, v in values.items() if k not in logged},
+            tags={N.RECIPE_CHANGED_ON_RESUME: changed} if changed else None,
+        )
         return run_id
 
     def _require_session(self) -> str:
@@ -115,65 +116,25 @@ class SessionLog:
         finished run spanning its own wall time; its run id. ``layer_names`` ``None`` logs the policy's own
         patterns instead of its layers; ``prediction``'s figures become ``predicted_*`` metrics; ``reason``
         overrides the result's."""
-        from mlflow.entities import Param
-
         parent = self.open_run_id if number is None else self._require_session()
         r = jsonable(result)
-        if not isinstance(r, dict) or "outcome" not in r:
-            raise TrackingError(f"result: expected a TrialResult with an 'outcome', got {type(result).__name__}")
-        kind, title = ("trial", f"trial {number}") if number is not None else ("confirmation", "confirm")
-        all_tags = self._tags(kind, str(r["outcome"]), policy, layer_names, parent)
-        for key, tag in (("device", N.DEVICE), ("throughput_unit", N.THROUGHPUT_UNIT)):
-            if r.get(key):
-                all_tags[tag] = str(r[key])
-        if reason or r.get("error"):
-            all_tags[N.REASON] = clip_tag(reason or r["error"])
-        if r.get("error"):
-            all_tags[N.ERROR] = clip_tag(r["error"])
-        if source:
-            all_tags[N.SOURCE_RUN] = source
         start = int(time.time() * 1000) - int((finite(r.get("wall_s")) or 0.0) * 1000)
-        run = self.store.client.create_run(
-            self.store.experiment_id,
-            start_time=start,
-            tags=all_tags,
-            run_name=f"{title} {short_name(policy, layer_names)}",
-        )
-        run_id = run.info.run_id
-        status = "FAILED" if r["outcome"] in _FAILED_OUTCOMES else "FINISHED"
-        try:
-            modes = layer_modes(policy, layer_names).items()
-            all_params = [Param(param_key(f"layer.{name}"), mode) for name, mode in modes]
-            all_params += _policy_params(policy, micro_batch)
-            if number is not None:
-                all_params.append(Param(N.TRIAL_NUMBER_PARAM, str(number)))
+        reason = reason or r.get("error")
+        with self._trial_run(number, policy, layer_names, micro_batch, r, parent, reason, source, start) as run_id:
+            if layer_names:
+                params = {f"layer.{name}": policy.choice_for(name) for name in layer_names}
+            else:  # the policy's own patterns
+                params = {f"layer.{pattern}": mode.value for pattern, mode in policy.layers}
             if policy.compile:
-                all_params.append(Param(N.COMPILE_PARAM, "true"))
+                params[N.COMPILE_PARAM] = "true"
             metrics = _result_metrics(r, prediction)
-            self.store.log_batch(run_id, params=all_params, metrics=metrics, step_times=r.get("step_times_s") or ())
+            self.store.log_batch(run_id, params=params, metrics=metrics, step_times=r.get("step_times_s") or ())
             self.store.client.log_text(run_id, policy.to_yaml(), POLICY_ARTIFACT)
             if r.get("stderr_tail"):
                 self.store.client.log_text(run_id, str(r["stderr_tail"]), N.STDERR_TAIL_TXT)
             if evidence is not None:
-                self.store.log_json(run_id, N.EVIDENCE_JSON, evidence)
-        except BaseException:
-            status = "FAILED"
-            raise
-        finally:
-            self.store.client.set_terminated(run_id, status)
+                self.store.client.log_dict(run_id, jsonable(evidence), N.EVIDENCE_JSON)
         return run_id
-
-    def _tags(
-        self, kind: str, outcome: str, policy: RecomputePolicy, layer_names: Sequence[str] | None, parent: str | None
-    ) -> dict[str, str]:
-        tags = {N.KIND: kind, N.OUTCOME: outcome, N.FINGERPRINT: policy.fingerprint()}
-        if parent is not None:
-            tags[N.PARENT] = parent
-            if self._study:
-                tags[N.STUDY] = self._study
-        if layer_names:
-            tags[N.POLICY_SHORT] = policy.short(layer_names)
-        return tags
 
     def log_abandoned_trial(
         self,
@@ -185,20 +146,50 @@ class SessionLog:
         reason: str,
         session_run_id: str | None,
     ) -> str:
-        """Record a trial whose owner died mid-trial (FAILED, outcome ``abandoned``) in the dead owner's session
-        run when it had one, else in this one; its id."""
-        from mlflow.entities import Param
-
-        tags = self._tags("trial", "abandoned", policy, layer_names, session_run_id or self._require_session())
-        tags[N.REASON] = tags[N.ERROR] = clip_tag(reason)
-        run_name = f"trial {number} {short_name(policy, layer_names)}"
-        run_id = self.store.client.create_run(self.store.experiment_id, tags=tags, run_name=run_name).info.run_id
-        try:
-            params = [*_policy_params(policy, micro_batch), Param(N.TRIAL_NUMBER_PARAM, str(number))]
-            self.store.log_batch(run_id, params=params)
-        finally:
-            self.store.client.set_terminated(run_id, "FAILED")
+        """Record a trial whose owner died mid-trial (FAILED, outcome ``abandoned``, nothing measured) in the dead
+        owner's session run when it had one, else in this one; its id."""
+        parent = session_run_id or self._require_session()
+        result = {"outcome": "abandoned", "error": reason}
+        with self._trial_run(number, policy, layer_names, micro_batch, result, parent, reason) as run_id:
+            pass  # nothing was measured: it holds what every trial run has
         return run_id
+
+    @contextmanager
+    def _trial_run(
+        self,
+        number: int | None,
+        policy: RecomputePolicy,
+        layer_names: Sequence[str] | None,
+        micro_batch: int | None,
+        r: Mapping[str, Any],
+        parent: str | None,
+        reason: str | None,
+        source: str | None = None,
+        start_time: int | None = None,
+    ) -> Iterator[str]:
+        """A run of trial result ``r`` (a confirmation's without ``number``) holding what every trial run has."""
+        kind, title = ("trial", f"trial {number}") if number is not None else ("confirmation", "confirm")
+        short = policy.short(layer_names) if layer_names else None
+        tags = {
+            N.KIND: kind,
+            N.OUTCOME: str(r["outcome"]),
+            N.FINGERPRINT: policy.fingerprint(),
+            N.PARENT: parent,
+            N.STUDY: self._study if parent is not None else None,
+            N.POLICY_SHORT: short,
+        }
+        said = {N.DEVICE: r.get("device"), N.THROUGHPUT_UNIT: r.get("throughput_unit"), N.REASON: reason}
+        tags.update((k, v) for k, v in {**said, N.ERROR: r.get("error"), N.SOURCE_RUN: source}.items() if v)
+        params = {
+            N.MICRO_BATCH_PARAM: "default" if micro_batch is None else str(micro_batch),
+            N.POLICY_FINGERPRINT_PARAM: policy.fingerprint(),
+        }
+        if number is not None:
+            params[N.TRIAL_NUMBER_PARAM] = str(number)
+        end = "FAILED" if r["outcome"] in _FAILED_OUTCOMES else "FINISHED"
+        with self.store.run(f"{title} {short or policy.fingerprint()}", tags, end=end, start_time=start_time) as run_id:
+            self.store.log_batch(run_id, params=params)
+            yield run_id
 
     def beat(self) -> None:
         """The session run's heartbeat (the `tuner._liveness.Heartbeat` thread calls it)."""
@@ -206,13 +197,25 @@ class SessionLog:
             self.store.client.set_tag(self.open_run_id, N.HEARTBEAT, repr(time.time()))
 
     def end_dead_sessions(self, study_name: str, grace_s: float) -> list[str]:
-        """End KILLED every RUNNING session run of ``study_name`` whose owner is dead, its nested RUNNING runs
-        FAILED; their ids."""
+        """End KILLED every RUNNING session run of ``study_name`` whose owner is dead; their ids."""
+        return self.end_dead(_session_filter(study_name), N.SESSION_ENDED_BY, grace_s)
+
+    def end_dead(self, filter_string: str, ended_by: str, grace_s: float) -> list[str]:
+        """End KILLED the RUNNING runs matching ``filter_string`` whose owner is dead (why in tag ``ended_by``; a run
+        without an owner tag is judged by its start), the runs nested in them FAILED; their ids."""
+        from tuner._liveness import Owner, dead_reason
+
         ended = []
-        for run in self.store.search(f"{_session_filter(study_name)} and attributes.status = 'RUNNING'"):
-            why = None if run.info.run_id == self.open_run_id else dead_owner(run, grace_s, beats=True)
-            if why is not None:
-                self.store.client.set_tag(run.info.run_id, N.SESSION_ENDED_BY, clip_tag(why))
+        for run in self.store.search(f"{filter_string} and attributes.status = 'RUNNING'"):
+            t = run.data.tags
+            try:
+                owner = Owner.from_dict(json.loads(t[N.OWNER])) if N.OWNER in t else None
+                beat = float(t[N.HEARTBEAT]) if N.HEARTBEAT in t else None
+            except (ValueError, TypeError):
+                owner, beat = None, None
+            why = dead_reason(owner, beat, grace=grace_s, since=run.info.start_time / 1000.0)
+            if why is not None and run.info.run_id != self.open_run_id:
+                self.store.client.set_tag(run.info.run_id, ended_by, clip_tag(why))
                 self._end(run.info.run_id, "KILLED", children="FAILED")
                 ended.append(run.info.run_id)
         return ended
@@ -234,14 +237,14 @@ class SessionLog:
         from lightning_recompute.race import format_gain
 
         run_id = self._require_session()
-        self.store.log_json(run_id, N.RACE_JSON, race.to_dict())
+        self.store.client.log_dict(run_id, jsonable(race.to_dict()), N.RACE_JSON)
         words = [f"race {race.outcome}" + (f": {race.reason}" if race.reason else "")]
         if race.ok:
             words.append(
                 f"{race.select_rounds} selection rounds ({race.stop}), {race.estimate_rounds} estimation rounds"
             )
             words += [*race.decision_lines(), *race.headlines()]
-        tags = {N.RACE_SUMMARY: clip_tag("; ".join(words))}
+        tags = {N.RACE_SUMMARY: "; ".join(words)}
         metrics: dict[str, float] = {"race_wall_s": race.wall_s, "race_rounds": float(race.select_rounds)}
         if race.winner is not None:
             tags[N.RACE_WINNER] = race.winner
@@ -269,44 +272,44 @@ class SessionLog:
         ``trials_table``: `tuner._search.TrialRecord.to_dict` rows; ``baselines`` and ``budget_bytes`` are plotted."""
         from tuner._plots import pareto_plot
 
-        run_id, final = self._require_session(), _status(status)
+        run_id, client = self._require_session(), self.store.client
         try:
             rows = [dict(r) for r in trials_table]
-            self.store.log_json(run_id, N.TRIALS_JSON, rows)
-            self.store.client.log_text(run_id, trials_csv(rows), N.TRIALS_CSV)
-            self.store.log_json(run_id, N.BASELINES_JSON, baselines)
+            client.log_dict(run_id, jsonable(rows), N.TRIALS_JSON)
+            client.log_text(run_id, trials_csv(rows), N.TRIALS_CSV)
+            client.log_dict(run_id, jsonable(baselines), N.BASELINES_JSON)
             with tempfile.TemporaryDirectory(prefix="recompute-plot-") as tmp:
                 title = f"{self.store.experiment}: peak memory vs throughput"
                 png = pareto_plot(
                     rows, Path(tmp) / "pareto.png", baselines=baselines, budget_bytes=budget_bytes, title=title
                 )
-                self.store.client.log_artifact(run_id, str(png))
+                client.log_artifact(run_id, str(png))
             ok = sum(1 for r in rows if r.get("outcome") == "ok")
             metrics: dict[str, float] = {"trials_total": len(rows), "trials_ok": ok}
             if budget_bytes is not None:
                 metrics["budget_limit_bytes"] = budget_bytes
-            tags = {N.SESSION_STATUS: final}
+            tags = {N.SESSION_STATUS: status}
             if best is not None:
                 if (policy := best.get("policy")) is not None:
                     policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.from_dict(policy)
-                    self.store.client.log_text(run_id, policy.to_yaml(), N.BEST_POLICY_YAML)
+                    client.log_text(run_id, policy.to_yaml(), N.BEST_POLICY_YAML)
                     tags[N.BEST_FINGERPRINT] = policy.fingerprint()
-                self.store.log_json(run_id, N.BEST_JSON, best)
+                client.log_dict(run_id, jsonable(best), N.BEST_JSON)
                 if best.get("run_id"):
                     tags[N.BEST_RUN] = str(best["run_id"])
                 for key in ("throughput", "peak_bytes"):
                     if finite(best.get(key)) is not None:
                         metrics[f"best_{key}"] = float(best[key])
-            tags[N.NOTE] = clip_tag(_markdown(self.store.experiment, final, best, rows, baselines, budget_bytes))
+            tags[N.NOTE] = _markdown(self.store.experiment, status, best, rows, baselines, budget_bytes)
             self.store.log_batch(run_id, metrics=metrics, tags=tags)
         finally:
-            self.close(final)
+            self.close(status)
 
     def close(self, status: str = "KILLED") -> None:
         """End the session run (and any run nested in it still RUNNING) with ``status``; idempotent."""
         if self.open_run_id is not None:
-            final, run_id, self.open_run_id = _status(status), self.open_run_id, None
-            self._end(run_id, final, children=final)
+            run_id, self.open_run_id = self.open_run_id, None
+            self._end(run_id, status, children=status)
 
     def end(self, err: BaseException | None) -> None:
         """`close` as the way the session ended: FINISHED, KILLED by Ctrl-C, FAILED by another exception."""
@@ -324,20 +327,6 @@ class SessionLog:
         self.end(None)
 
 
-def dead_owner(run: Any, grace_s: float, *, beats: bool) -> str | None:
-    """Why a RUNNING run's owner (its owner tag, and heartbeat tag with ``beats``) is dead, or ``None``; a run
-    without an owner tag (an older version's) is judged by its start time against ``grace_s``."""
-    from tuner._liveness import Owner, dead_reason
-
-    t = run.data.tags
-    try:
-        owner = Owner.from_dict(json.loads(t[N.OWNER])) if N.OWNER in t else None
-        beat = float(t[N.HEARTBEAT]) if beats and N.HEARTBEAT in t else None
-    except (ValueError, TypeError):
-        owner, beat = None, None
-    return dead_reason(owner, beat, grace=grace_s, since=run.info.start_time / 1000.0)
-
-
 def _owner() -> str:
     from tuner._liveness import Owner
 
@@ -349,12 +338,6 @@ def _session_filter(study_name: str) -> str:
     return f"tags.`{N.KIND}` = 'session' and tags.`{N.STUDY}` = '{quoted}'"
 
 
-def _status(status: str) -> str:
-    if str(status).strip().upper() not in _STATUSES:
-        raise TrackingError(f"status: {status!r} is not a run status (valid: {', '.join(_STATUSES)})")
-    return str(status).strip().upper()
-
-
 def _flatten(data: Any, prefix: str) -> dict[str, str]:
     """Nested mappings as ``prefix.key.subkey -> text`` (lists as JSON)."""
     if isinstance(data, Mapping) and data:
@@ -362,25 +345,6 @@ def _flatten(data: Any, prefix: str) -> dict[str, str]:
     if isinstance(data, (list, dict)):
         return {prefix: json.dumps(data)}
     return {prefix: "null" if data is None else str(data)}
-
-
-def short_name(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> str:
-    """How run names show a policy: its short form over the layers, else its fingerprint."""
-    return policy.short(layer_names) if layer_names else policy.fingerprint()
-
-
-def layer_modes(policy: RecomputePolicy, layer_names: Sequence[str] | None) -> dict[str, str]:
-    """Per-layer modes (or, without layer names, the policy's own pattern -> mode entries)."""
-    if layer_names:
-        return {name: policy.choice_for(name) for name in layer_names}
-    return {pattern: mode.value for pattern, mode in policy.layers}
-
-
-def _policy_params(policy: RecomputePolicy, micro_batch: int | None) -> list[Any]:
-    from mlflow.entities import Param
-
-    mb = "default" if micro_batch is None else str(micro_batch)
-    return [Param(N.MICRO_BATCH_PARAM, mb), Param(N.POLICY_FINGERPRINT_PARAM, policy.fingerprint())]
 
 
 def _result_metrics(r: Mapping[str, Any], prediction: Mapping[str, Any] | None) -> dict[str, float]:
@@ -421,9 +385,7 @@ def _markdown(
     baselines: Mapping[str, Mapping[str, Any]],
     budget_bytes: int | None,
 ) -> str:
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
+    counts = Counter(str(r.get("outcome")) for r in rows)
     lines = [
         f"**Tuning session {status.lower()}** for experiment `{experiment}`",
         "",
@@ -445,18 +407,13 @@ def _markdown(
 def trials_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     """``rows`` (trial rows) as CSV: every key any row has is a column, nested values (a policy) as JSON so a
     spreadsheet cell can be parsed back."""
-    columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: _cell(r.get(k)) for k in columns})
+        writer.writerow({k: _json(v) if isinstance(v, (Mapping, list, tuple)) else v for k, v in r.items()})
     return buf.getvalue()
 
 
-def _cell(value: Any) -> Any:
-    if value is None:
-        return ""
-    if isinstance(value, (Mapping, list, tuple)):
-        return json.dumps(jsonable(value), separators=(",", ":"))
-    return value
+def _json(value: Any) -> str:
+    return json.dumps(jsonable(value), separators=(",", ":"))
