@@ -79,7 +79,7 @@ class Recorder:
     offloaded: int = 0
     _hooked: dict[int, tuple[weakref.ref[torch.Tensor], list[str]]] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
-    _offload_ctx: dict[int, Any] = field(default_factory=dict)
+    _offloading: Any = None  # the emulated offload's saved-tensor hooks, entered in a layer's forward
 
     def __enter__(self) -> Recorder:
         for i, (_, module) in enumerate(self.run.layers):
@@ -92,10 +92,12 @@ class Recorder:
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
-        for ctx in self._offload_ctx.values():
-            ctx.__exit__(None, None, None)
-        self._handles.clear()
-        self._offload_ctx.clear()
+        self._end_offload()
+
+    def _end_offload(self) -> None:
+        if self._offloading is not None:
+            self._offloading.__exit__(None, None, None)
+            self._offloading = None
 
     def mark(self, label: str) -> None:
         level = peak = 0
@@ -137,15 +139,13 @@ class Recorder:
             self.input_shapes[i] = f"{tuple(t.shape)}:{t.dtype}"
             self._hook_tensor(t, f"bwd_end:{i}", first=True)
         if self.emulate_offload:
-            self._offload_ctx[i] = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._offload_ctx[i].__enter__()
+            self._offloading = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._offloading.__enter__()
 
     def _post_hook(self, i: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        ctx = self._offload_ctx.pop(i, None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        self._end_offload()
         self.mark(f"fwd_end:{i}")
         t = _first_grad_tensor(output)
         if t is not None:
@@ -318,10 +318,6 @@ class Metered:
         per_run = [_costs(rec.events, n_layers) for rec in self.runs]
         return [key for key, _ in per_run[0]], self.pick([dict(costs) for costs in per_run])
 
-    def peaks(self) -> list[int]:
-        """Each run's measured peak."""
-        return [max((e.peak for e in rec.events), default=0) for rec in self.runs]
-
 
 class ProfilingRun:
     """Shared machinery of `profile_model` and `profile_meta`: one model, one batch, uniform-mode runs."""
@@ -373,6 +369,12 @@ class ProfilingRun:
         mark("backward")
         self.optimizer.step()
         mark("optimizer")
+
+    def meter(self, modes: list[str]) -> dict[str, Metered]:
+        """After a warm-up step, each mode's memory runs, the mode that keeps least first (the others' fallback)."""
+        self.warm_up()
+        rest = least_kept(modes)
+        return {m: self.metered(m, rest) for m in sorted(modes, key=lambda m: m != rest)}
 
     def warm_up(self) -> None:
         """One step in the mode that keeps least, so the measured steps see the optimizer state in the base."""
@@ -469,12 +471,12 @@ class ProfilingRun:
                 )
         rec0 = mem[NONE].runs[0]
         # Layers alike enough (class, parameter shapes, input shape) share time samples.
-        groups: dict[str, list[str]] = {}
+        groups: dict[str, list[int]] = {}
         layers: list[LayerProfile] = []
         for i, (name, module) in enumerate(self.layers):
             params = ",".join(f"{p_name}{tuple(p.shape)}:{str(p.dtype)[6:]}" for p_name, p in module.named_parameters())
             group = f"{type(module).__qualname__}[{params}]<-{rec0.input_shapes.get(i, '?')}"
-            groups.setdefault(group, []).append(name)
+            groups.setdefault(group, []).append(i)
             fwd = {m: by_mode[m][f"fwd:{i}"] for m in self.modes}
             bwd = {m: by_mode[m][f"bwd:{i}"] for m in self.modes}
             nets = {m: fwd[m].delta + bwd[m].delta for m in self.modes}
@@ -486,23 +488,20 @@ class ProfilingRun:
             param_bytes = _storage_bytes(module.parameters(), self.device.type)
             layers.append(LayerProfile(name, group, param_bytes, fwd, bwd, nets[NONE]))
         fixed = {k[len("fixed:") :]: c for k, c in by_mode[NONE].items() if k.startswith("fixed:")}
+        names = {group: [layers[i].name for i in members] for group, members in groups.items()}
         if times is not None:
-            index = {layer.name: i for i, layer in enumerate(layers)}
-            for mode, runs in times.items():
+            for mode in self.modes:
+                runs = times.get(mode, times[NONE])  # offload on CPU is none: none's samples, not noisier ones
                 for members in groups.values():
                     for phase in ("fwd", "bwd"):
-                        med = statistics.median([run[f"{phase}:{index[name]}"] for run in runs for name in members])
-                        for name in members:
-                            getattr(layers[index[name]], phase)[mode].seconds = med
+                        med = statistics.median(run[f"{phase}:{i}"] for run in runs for i in members)
+                        for i in members:
+                            getattr(layers[i], phase)[mode].seconds = med
             for key, cost in fixed.items():
                 cost.seconds = statistics.median(run[f"fixed:{key}"] for run in times[NONE])
-            for layer in layers:  # offload on CPU is none: same times, not a second noisy sample
-                for costs in (layer.fwd, layer.bwd):
-                    if OFFLOAD in costs and OFFLOAD not in times:
-                        costs[OFFLOAD].seconds = costs[NONE].seconds
-            shared = [g for g in groups.values() if len(g) > 1]
+            shared = [g for g in names.values() if len(g) > 1]
             if shared:
-                spans = "; ".join(g[0] if len(g) == 1 else f"{g[0]} .. {g[-1]} ({len(g)})" for g in shared)
+                spans = "; ".join(f"{g[0]} .. {g[-1]} ({len(g)})" for g in shared)
                 self.notes.append(
                     "time: layers of identical class, parameter shapes and input shape share their time samples "
                     f"(median of the pooled samples): {spans}; memory is per layer"
@@ -523,7 +522,7 @@ class ProfilingRun:
             device=str(self.device),
             time_source=time_source,
             hardware=hardware,
-            groups=groups,
+            groups=names,
             notes=self.notes,
             free_grads_at_batch_start=self.free_grads,
             split={m: len(rec.groups) for m, rec in mem.items() if len(rec.groups) > 1 and m in self.modes},
@@ -539,7 +538,6 @@ def profile_model(
     optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     loss_fn: LossFn | None = None,
     repeats: int = 5,
-    restore: bool = True,
     clock: Callable[[], float] = time.perf_counter,
     free_grads_at_batch_start: bool | None = None,
 ) -> Profile:
@@ -549,16 +547,14 @@ def profile_model(
     ``repeats`` timed rounds in rotating order, on the device of the model's parameters (conventions:
     `lightning_recompute.profile`). A LightningModule's ``training_step`` and ``configure_optimizers`` are
     used unless ``loss_fn`` (``(model, batch) -> scalar loss``) or ``optimizer`` (an optimizer or a factory
-    ``params -> optimizer``) is given; ``none`` is always among ``modes``; ``restore`` puts parameters and
-    buffers back afterwards; ``clock=time.thread_time`` measures the step's own work on a shared CPU;
+    ``params -> optimizer``) is given; ``none`` is always among ``modes``; parameters and buffers are put back
+    afterwards; ``clock=time.thread_time`` measures the step's own work on a shared CPU;
     ``free_grads_at_batch_start=None`` is `RecomputeCallback`'s default for this model.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats: must be a positive integer, got {repeats!r}")
-    if not callable(clock):
-        raise ProfileError(f"clock: expected a callable returning seconds (time.perf_counter), got {clock!r}")
     param = next(model.parameters(), None)
     if param is None:
         raise ProfileError(f"model: {type(model).__name__} has no parameters; nothing to train, nothing to profile")
@@ -571,18 +567,16 @@ def profile_model(
     mode_list = check_modes(modes)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     previous = applied_policy(model)
-    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if restore else None
+    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     was_training = model.training
     model.train()
     try:
         run = ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
-        run.warm_up()
         # On CPU offload is none: measured once, as none.
         measured = [m for m in mode_list if not (m == OFFLOAD and device.type != "cuda")]
         if len(measured) < len(mode_list):
             run.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
-        rest = least_kept(measured)
-        mem = {m: run.metered(m, rest) for m in sorted(measured, key=lambda m: m != rest)}  # the fallback first
+        mem = run.meter(measured)
         for m in mode_list:
             mem.setdefault(m, mem[NONE])
         times: dict[str, list[dict[str, float]]] = {m: [] for m in measured}
@@ -601,6 +595,5 @@ def profile_model(
         remove_policy(model)
         if previous is not None:
             apply_policy(model, previous.policy, layers)
-        if snapshot is not None:
-            model.load_state_dict(snapshot)
+        model.load_state_dict(snapshot)
         model.train(was_training)

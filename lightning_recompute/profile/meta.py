@@ -13,9 +13,9 @@ from torch.utils._pytree import tree_map
 from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
-from lightning_recompute.profile.extrapolate import profile_stack, stack_of
-from lightning_recompute.profile.measure import LossFn, ProfilingRun, check_modes, least_kept
-from lightning_recompute.profile.model import Profile, ProfileError, SegmentCost
+from lightning_recompute.profile.extrapolate import extrapolated
+from lightning_recompute.profile.measure import LossFn, ProfilingRun, check_modes
+from lightning_recompute.profile.model import Profile, ProfileError
 
 
 @dataclass(frozen=True)
@@ -108,26 +108,14 @@ def profile_meta(
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
         session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
         try:
-            session.warm_up()
-            mem = {m: session.metered(m, least_kept(run_modes)) for m in run_modes}
+            mem = session.meter(run_modes)
         finally:
             remove_policy(model)
         return session.build(mem, None, source, hardware)
 
-    stack = stack_of(model, layers) if extrapolate else None
-    prof, note = None, stack if isinstance(stack, str) else None
-    if isinstance(stack, tuple):
-        # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
-        prof, note = profile_stack(stack[0], stack[1], mode_list, run)
-    if prof is None:
-        prof = run(layers, mode_list)
-        note = None if note is None else f"meta: every layer stepped ({note})"
-    if note is not None:
-        prof.notes.append(note)
-    segments: list[SegmentCost] = list(prof.fixed.values())
-    for layer in prof.layers:
-        segments += [*layer.fwd.values(), *layer.bwd.values()]
-    for c in segments:
+    prof = extrapolated(model, layers, mode_list, run) if extrapolate else run(layers, mode_list)
+    by_mode = [prof.fixed, *(d for layer in prof.layers for d in (layer.fwd, layer.bwd))]
+    for c in (c for d in by_mode for c in d.values()):
         c.seconds = (
             c.flops / (peak * mfu)
             + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)
