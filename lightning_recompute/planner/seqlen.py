@@ -73,32 +73,19 @@ def longest_fits(
             fit = PlannedPolicy(RecomputePolicy.from_modes(mapping), mapping, planner.predict(mapping))
             return fit if fit.peak_bytes <= limit else None
 
-        def fit(units: int) -> bool:
-            return plan(units) is not None
-
-        # Exponential search from the start for a bracket lo (fits, or 0) < hi (does not fit, or top + 1).
-        if fit(first):
-            lo, hi = first, top + 1
-            probe = first * 2
-            while probe <= top and fit(probe):
-                lo, probe = probe, probe * 2
-            if probe <= top:
-                hi = probe
-            elif fit(top):
-                lo = top
-            else:
-                hi = top
-        else:
-            lo, hi = 0, first
-            probe = first // 2
-            while probe >= 1 and not fit(probe):
-                hi, probe = probe, probe // 2
-            lo = max(probe, 0)
+        # From the start: double (or halve) until a bracket lo (fits, or 0) < hi (does not fit, or top + 1)
+        # is found, then bisect it.
+        lo, hi, probe = 0, top + 1, first
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fit(mid):
-                lo = mid
+            if plan(probe) is not None:
+                lo = probe
             else:
-                hi = mid
+                hi = probe
+            if hi > top:  # nothing too long yet
+                probe = min(2 * probe, top)
+            elif lo == 0:  # nothing fits yet
+                probe //= 2
+            else:
+                probe = (lo + hi) // 2
         out.append(SeqLenFit(family, lo * step or None, plan(lo) if lo else None, capped=lo == top))
     return out

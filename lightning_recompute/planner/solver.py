@@ -109,23 +109,16 @@ class Planner:
         """``free_grads_at_batch_start``: predict a job that frees gradients at batch start; ``None``: as profiled."""
         if not isinstance(profile, Profile):
             raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
-        self.profile, self.names = profile, profile.layer_names
-        p = 0
-        for key in profile.timeline:
-            kind, _, rest = key.partition(":")
-            if kind == "fixed":
-                if rest not in profile.fixed:
-                    raise PlannerError(f"profile: timeline names fixed segment {rest!r}, which the profile lacks")
-                continue
-            if kind not in ("fwd", "bwd") or not rest.isdigit() or int(rest) >= len(profile.layers):
-                raise PlannerError(f"profile: malformed timeline entry {key!r}")
-            # The solver's prefix-sum form needs forward in order and backward in reverse.
-            if p != int(rest) + (kind == "bwd"):
-                raise PlannerError(
-                    f"profile: timeline entry {key!r} out of order; the planner needs the layers' forwards in order "
-                    f"and their backwards in reverse order"
-                )
-            p = int(rest) + (kind == "fwd")
+        self.profile, self.names, n = profile, profile.layer_names, len(profile.layers)
+        missing = [k for k in profile.timeline if k.startswith("fixed:") and k[len("fixed:") :] not in profile.fixed]
+        if missing:
+            raise PlannerError(f"profile: timeline names fixed segment(s) {missing}, which the profile lacks")
+        # The solver's prefix-sum form needs forward in order and backward in reverse.
+        order = [f"fwd:{i}" for i in range(n)] + [f"bwd:{i}" for i in reversed(range(n))]
+        if [k for k in profile.timeline if not k.startswith("fixed:")] != order:
+            raise PlannerError(
+                "profile: its timeline must hold every layer's forward in order, then their backwards in reverse"
+            )
         frees = profile.free_grads_at_batch_start if free_grads_at_batch_start is None else free_grads_at_batch_start
         if frees and profile.forward_grad_bytes is None:
             raise PlannerError(

@@ -1,5 +1,4 @@
-"""Measuring a profile (`profile_model`): uniform-mode steps cut into segments at the layers' boundaries,
-marked by module hooks in forward and tensor hooks in backward."""
+"""Measuring a profile (`profile_model`); the segments and conventions: `lightning_recompute.profile`."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import math
 import statistics
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_recompute import RecomputePolicy, applied_policy, apply_policy, find_layers, remove_policy
 from lightning_recompute.grads import module_blockers
@@ -77,7 +76,7 @@ class Recorder:
     events: list[Event] = field(default_factory=list)
     input_shapes: dict[int, str] = field(default_factory=dict)
     offloaded: int = 0
-    _hooked: dict[int, tuple[weakref.ref[torch.Tensor], list[str]]] = field(default_factory=dict)
+    _hooked: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # tensor -> its hook's labels
     _handles: list[Any] = field(default_factory=list)
     _offloading: Any = None  # the emulated offload's saved-tensor hooks, entered in a layer's forward
 
@@ -112,13 +111,11 @@ class Recorder:
         self.events.append(Event(label, level, peak, grad, self.clock(), flops, traffic, self.offloaded))
 
     def _hook_tensor(self, t: torch.Tensor, label: str, first: bool) -> None:
-        entry = self._hooked.get(id(t))
-        if entry is not None and entry[0]() is t:
-            # One layer's output is the next one's input: one hook, labels in backward order.
-            entry[1].insert(0, label) if first else entry[1].append(label)
+        labels = self._hooked.get(t)
+        if labels is not None:  # one layer's output is the next one's input: one hook, labels in backward order
+            labels.insert(0 if first else len(labels), label)
             return
-        labels = [label]
-        self._hooked[id(t)] = (weakref.ref(t), labels)
+        labels = self._hooked[t] = [label]
 
         def hook(_grad: torch.Tensor) -> None:
             for lab in labels:
@@ -377,17 +374,13 @@ class ProfilingRun:
         return {m: self.metered(m, rest) for m in sorted(modes, key=lambda m: m != rest)}
 
     def warm_up(self) -> None:
-        """One step in the mode that keeps least, so the measured steps see the optimizer state in the base."""
-        self.apply(least_kept(self.modes))
-        self.step(None)
-
-    def recover(self) -> None:
-        """After an out-of-memory step (outside its ``except``, whose traceback holds its activations): free
-        what it left and run a step in the mode that keeps least, so every gradient exists again."""
+        """A step in the mode that keeps least: the optimizer state in the base, and after an out-of-memory step
+        (called outside its ``except``, whose traceback holds its activations) every gradient again."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.warm_up()
+        self.apply(least_kept(self.modes))
+        self.step(None)
 
     def memory_run(self, mode: str | RecomputePolicy) -> Recorder:
         """Two untimed steps in ``mode``: memory and traffic from the first, FLOPs from the second (FlopCounterMode's
@@ -420,21 +413,17 @@ class ProfilingRun:
         while True:
             size = -(-n // min(k, n))  # contiguous groups, as even as can be
             groups = [list(range(i, min(n, i + size))) for i in range(0, n, size)]
-            policies: list[str | RecomputePolicy] = [mode]
-            if k > 1:
-                policies = [
-                    RecomputePolicy.from_modes(
-                        {name: mode if i in g else rest for i, (name, _) in enumerate(self.layers)}
-                    )
-                    for g in groups
-                ]
+            in_groups = [{name: mode if i in g else rest for i, (name, _) in enumerate(self.layers)} for g in groups]
+            policies: list[str | RecomputePolicy] = (
+                [mode] if k == 1 else list(map(RecomputePolicy.from_modes, in_groups))
+            )
             try:
                 runs = [self.memory_run(p) for p in policies]
             except torch.OutOfMemoryError:
                 runs = []
             if runs:
                 break
-            self.recover()
+            self.warm_up()
             if mode == rest:
                 raise torch.OutOfMemoryError(
                     f"the model does not fit on {self.device} even with every layer in {rest} (out of memory at "
