@@ -1,6 +1,4 @@
-"""The exact solvers over a step's tables (the model: `lightning_recompute.planner`): dynamic programmes over
-layers whose state is the bytes kept so far, pruned to the non-dominated states.
-"""
+"""The exact solvers over a step's tables (the model: `lightning_recompute.planner`)."""
 
 from __future__ import annotations
 
@@ -8,8 +6,6 @@ import bisect
 from dataclasses import dataclass
 
 import numpy as np
-
-__all__ = ["Tables", "fastest_within", "least_peak", "pareto_picks"]
 
 
 @dataclass
@@ -101,14 +97,11 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
     history.append(states)
     end = int(tab.fixed_c[n])
     finals = sorted(((max(P, end + A), T, s) for s, (A, P, T, _, _) in enumerate(states)), key=lambda x: (x[0], x[1]))
-    front, best_t = [], None
+    out, best_t = [], None
     for _, T, s in finals:
-        if best_t is None or best_t > T:
-            best_t = T
-            front.append(s)
-    out = []
-    for s in front:
-        picks = []
+        if best_t is not None and best_t <= T:
+            continue
+        best_t, picks = T, []
         for layer in range(n, 0, -1):
             _, _, _, s, mode = history[layer][s]
             picks.append(mode)

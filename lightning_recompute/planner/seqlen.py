@@ -14,8 +14,6 @@ from lightning_recompute.planner.solver import PlannedPolicy, Planner, PlannerEr
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.profile import Profile
 
-__all__ = ["BEST_MIXED", "SeqLenFit", "longest_fits"]
-
 BEST_MIXED = "best mixed"
 """The family of every per-layer mix of the searched modes (the planner's fastest that fits)."""
 

@@ -17,8 +17,6 @@ from lightning_recompute.planner.solver import PlannerError
 from lightning_recompute.profile.model import LayerProfile, Profile, SegmentCost
 from lightning_recompute.units import format_bytes
 
-__all__ = ["STRATEGIES", "ParamGroup", "ParamLayout", "Sharding", "shard_profile", "sharding_for"]
-
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "model_parallel")
 """Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP)."""
 

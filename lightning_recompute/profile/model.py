@@ -12,15 +12,11 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.modes import MODES, Mode
 from lightning_recompute.units import format_bytes
 
-BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)
-"""The plugin's modes; what a profile measures when not told which modes."""
-FAMILY_MODES: tuple[str, ...] = tuple(s.name for s in MODES if s.is_family)
-"""``selective:<family>`` for every save-list family, profiled when asked for."""
-ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES
-"""Every mode a profile can hold, in the planner's canonical order (it breaks ties)."""
+BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)  # profiled unless told otherwise
+FAMILY_MODES: tuple[str, ...] = tuple(s.name for s in MODES if s.is_family)  # selective:<family>, when asked for
+ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES  # in the planner's canonical order, which breaks ties
 PROFILE_VERSION = 1
-ZERO_GRAD_SEGMENT = "loss->zero_grad"
-"""The fixed segment that is Lightning's ``optimizer.zero_grad()`` alone (its ``delta``: minus the gradients)."""
+ZERO_GRAD_SEGMENT = "loss->zero_grad"  # ``optimizer.zero_grad()`` alone: its delta is minus the gradients
 
 
 class ProfileError(RecomputeError, ValueError):
@@ -58,7 +54,7 @@ class LayerProfile:
         return self.fwd[mode].delta
 
     def recompute_flops(self, mode: str) -> int:
-        """FLOPs the backward spends beyond the backward under ``none``: the recomputation."""
+        """FLOPs the backward spends beyond ``none``'s backward."""
         return max(0, self.bwd[mode].flops - self.bwd[Mode.NONE.value].flops) if Mode.NONE.value in self.bwd else 0
 
 
@@ -142,12 +138,11 @@ class Profile:
         )
         lines.append(header)
         for layer in self.layers:
-            row = f"{layer.name:<{name_w}}"
-            for m in self.modes:
-                row += (
-                    f"{format_bytes(layer.fwd[m].delta):>{kept_w[m]}}"
-                    f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{ms_w[m]}.3f}"
-                )
-            lines.append(row)
+            cells = (
+                f"{format_bytes(layer.fwd[m].delta):>{kept_w[m]}}"
+                f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{ms_w[m]}.3f}"
+                for m in self.modes
+            )
+            lines.append(f"{layer.name:<{name_w}}" + "".join(cells))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
