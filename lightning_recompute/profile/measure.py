@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
@@ -184,25 +184,15 @@ def _batch_size(batch: Any) -> int:
     raise ProfileError("batch: found no tensor with a batch dimension in the batch")
 
 
-def _default_loss_fn(model: nn.Module) -> LossFn:
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """``training_step`` for a LightningModule; ``model.loss(batch)`` if it has one; else ``model(batch)``."""
     if isinstance(model, L.LightningModule):
-        if not model.automatic_optimization:
-            raise ProfileError(
-                f"model: {type(model).__name__} uses manual optimization;"
-                f" pass loss_fn=(model, batch) -> loss to profile it"
-            )
-
-        def lightning_step(m: nn.Module, batch: Any) -> torch.Tensor:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*self.log.*")
-                out = cast("Callable[[Any, int], Any]", m.training_step)(batch, 0)
-            return out["loss"] if isinstance(out, dict) else out
-
-        return lightning_step
-    if callable(getattr(model, "loss", None)):
-        return lambda m, batch: cast("Callable[[Any], torch.Tensor]", m.loss)(batch)
-    return lambda m, batch: m(batch)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*self.log.*")
+            out: Any = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+    loss = getattr(model, "loss", None)
+    return loss(batch) if callable(loss) else model(batch)
 
 
 def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch.optim.Optimizer:
@@ -339,7 +329,12 @@ class ProfilingRun:
             self.free_grads = False  # no callback, no Lightning loop: the profile's order is the job's
         self.notes: list[str] = []
         self.layers = find_layers(model, layers)
-        self.loss_fn = loss_fn or _default_loss_fn(model)
+        if loss_fn is None and isinstance(model, L.LightningModule) and not model.automatic_optimization:
+            raise ProfileError(
+                f"model: {type(model).__name__} uses manual optimization;"
+                f" pass loss_fn=(model, batch) -> loss to profile it"
+            )
+        self.loss_fn = loss_fn or _default_loss
         self.optimizer = _make_optimizer(model, optimizer, self.notes)
 
     def apply(self, mode: str | RecomputePolicy) -> None:
