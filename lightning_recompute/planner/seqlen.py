@@ -1,8 +1,6 @@
-"""The longest sequence length that fits a memory budget, per policy family (`longest_fits`).
-
-Each probed length is profiled and planned exactly, and the answer bisected: a family's least peak never falls
-as the sequence grows, so "fits" flips once. Profiles are cached per length and shared by all families.
-"""
+"""The longest sequence length that fits a memory budget, per policy family (`longest_fits`): each probed length
+is profiled (once, for every family) and planned exactly; a family's least peak never falls as the sequence
+grows, so "fits" flips once and is bisected."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from lightning_recompute.planner.solver import PlannedPolicy, Planner, PlannerEr
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.profile import Profile
 
-BEST_MIXED = "best mixed"
-"""The family of every per-layer mix of the searched modes (the planner's fastest that fits)."""
+BEST_MIXED = "best mixed"  # every per-layer mix of the searched modes: the planner's fastest that fits
 
 
 @dataclass(frozen=True)
@@ -23,11 +20,9 @@ class SeqLenFit:
     """The longest sequence length at which one policy family fits the budget."""
 
     family: str
-    seq_len: int | None
-    """The longest multiple of the step that fits; ``None`` when not even one step fits."""
+    seq_len: int | None  # the longest multiple of the step that fits; None: not even one step
     plan: PlannedPolicy | None
-    capped: bool = False
-    """It still fits at the largest length searched (``seq_len`` is that cap, not the limit)."""
+    capped: bool = False  # it still fits at the largest length searched (seq_len is that cap, not the limit)
 
     @property
     def tokens_per_s(self) -> float | None:

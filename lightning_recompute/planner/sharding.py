@@ -17,8 +17,8 @@ from lightning_recompute.planner.solver import PlannerError
 from lightning_recompute.profile.model import LayerProfile, Profile, SegmentCost
 from lightning_recompute.units import format_bytes
 
+# Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP).
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "model_parallel")
-"""Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP)."""
 
 # Lightning strategy classes a recipe's ``class_path`` may name, and the strategy they are planned as.
 _CLASS_STRATEGIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel"}
@@ -28,8 +28,7 @@ _CLASS_STRATEGIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParalle
 class ParamGroup:
     """The parameters of one ``fully_shard`` unit: their shapes and element sizes."""
 
-    name: str
-    """The layer's module path, or ``""`` for the root (the parameters outside every layer)."""
+    name: str  # the layer's module path, or "" for the root (the parameters outside every layer)
     shapes: tuple[tuple[int, ...], ...]
     itemsizes: tuple[int, ...]
     trainable: tuple[bool, ...]
@@ -93,11 +92,7 @@ class Sharding:
 
 def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | None = None) -> Sharding | None:
     """The sharding to plan ``recipe`` for (its ``trainer`` devices, nodes and strategy, overridden by
-    ``world_size`` / ``strategy``); ``None`` for one device.
-
-    Raises:
-        PlannerError: a bad world size, an unknown strategy, tensor parallelism.
-    """
+    ``world_size`` / ``strategy``); ``None`` for one device. `PlannerError`: what cannot be planned."""
     trainer = recipe.trainer
     devices = getattr(trainer, "devices", 1)
     nodes = getattr(trainer, "num_nodes", 1)

@@ -23,11 +23,6 @@ class PlannerError(RecomputeError, ValueError):
 class BudgetError(PlannerError):
     """No policy fits the memory budget; the message states the least achievable peak."""
 
-    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int) -> None:
-        super().__init__(message)
-        self.budget_bytes = budget_bytes
-        self.min_peak_bytes = min_peak_bytes
-
 
 @dataclass(frozen=True)
 class LayerPrediction:
@@ -229,8 +224,6 @@ class Planner:
 
     def __init__(self, profile: Profile, free_grads_at_batch_start: bool | None = None) -> None:
         """``free_grads_at_batch_start``: predict a job that frees gradients at batch start; ``None``: as profiled."""
-        if not isinstance(profile, Profile):
-            raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
         self.profile, self.names, n = profile, profile.layer_names, len(profile.layers)
         missing = [k for k in profile.timeline if k.startswith("fixed:") and k[len("fixed:") :] not in profile.fixed]
         if missing:
@@ -247,7 +240,6 @@ class Planner:
                 f"free_grads_at_batch_start: the profile has no {ZERO_GRAD_SEGMENT!r} segment (it predates it), so "
                 f"the gradients alive in the forward are unknown; profile again"
             )
-        self.free_grads_at_batch_start = bool(frees)
         # Freed at batch start, the gradients leave the base level and zero_grad's segment frees nothing.
         self._freed_grads = (profile.forward_grad_bytes or 0) if frees else 0
 
@@ -393,9 +385,7 @@ class Planner:
             least = least_peak(tab)
             raise BudgetError(
                 f"budget {format_bytes(budget)} ({budget} bytes) is below the least achievable predicted peak "
-                f"{format_bytes(least)} ({least} bytes) with modes {', '.join(tab.modes)} at micro-batch {mb}",
-                budget_bytes=budget,
-                min_peak_bytes=least,
+                f"{format_bytes(least)} ({least} bytes) with modes {', '.join(tab.modes)} at micro-batch {mb}"
             )
         return self._plan(tab, picks, mb)
 

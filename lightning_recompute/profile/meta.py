@@ -24,11 +24,9 @@ class Hardware:
 
     name: str
     memory_bytes: int
-    flops: dict[str, float]
-    """Dense peak FLOP/s per dtype name (``bfloat16``, ``float16``, ``float32``)."""
+    flops: dict[str, float]  # dense peak FLOP/s per dtype name (bfloat16, float16, float32)
     hbm_bytes_per_s: float
-    host_bytes_per_s: float
-    """Host link bandwidth (PCIe or C2C), for ``offload`` copies."""
+    host_bytes_per_s: float  # host link bandwidth (PCIe or C2C), for offload copies
 
 
 _MIB = 1 << 20
@@ -63,17 +61,11 @@ def profile_meta(
 ) -> Profile:
     """The profile of a training step computed on the meta device: no tensor is allocated.
 
-    Memory and FLOPs are exact for the ops as dispatched; time is an estimate,
-    ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` per segment plus ``offload`` host copies.
-
-    Args:
-        model_factory: builds the model (called once, under the meta device).
-        batch: one micro-batch (only shapes and dtypes are used).
-        layers, modes, optimizer, loss_fn, free_grads_at_batch_start: as for `profile_model`.
-        hardware: a key of `HARDWARE`.
-        mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
-        bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
-        extrapolate: profile a deep stack of identical layers from short cuts (`profile.extrapolate`).
+    ``model_factory`` is called once under the meta device; of ``batch`` only shapes and dtypes count; the
+    other options as for `profile_model`. Memory and FLOPs are exact for the ops as dispatched; time is estimated
+    per segment as ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` plus ``offload``'s host copies
+    (``hardware``: a key of `HARDWARE`). ``extrapolate`` profiles a deep stack of identical layers from short
+    cuts (`lightning_recompute.profile.extrapolate`).
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
