@@ -129,20 +129,14 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
         return replace(c4, name=name, fwd=fwd, bwd=bwd, net=affine(c4.net, c3.net))
 
     short_fixed = {_relabel(key, {k3 - 1: n - 1}): c for key, c in short.fixed.items() if not _is_gap(key)}
-    fixed: dict[str, SegmentCost] = {}
-    for key, source in expanded:
-        if not key.startswith("fixed:"):
-            continue
-        name, c4 = key[len("fixed:") :], long.fixed[source[len("fixed:") :]]
-        if _is_gap(name):
-            fixed[name] = copy.deepcopy(c4)  # one per pair of adjacent layers: copied, like the layers
-            continue
-        c3 = short_fixed.pop(name, None)
-        if c3 is None:
-            raise ProfileError(f"the segment {name} has no counterpart in the {k3}-layer run")
-        fixed[name] = affine_cost(c4, c3)
-    if short_fixed:
-        raise ProfileError(f"the segments {sorted(short_fixed)} appear in the {k3}-layer run only")
+    sources = {key[len("fixed:") :]: src[len("fixed:") :] for key, src in expanded if key.startswith("fixed:")}
+    unmatched = short_fixed.keys() ^ {name for name in sources if not _is_gap(name)}
+    if unmatched:
+        raise ProfileError(f"the segments {sorted(unmatched)} appear in one of the {k3}- and {k4}-layer runs only")
+    fixed = {  # a gap between adjacent layers copied, like the layers; the rest affine
+        name: copy.deepcopy(long.fixed[src]) if _is_gap(name) else affine_cost(long.fixed[src], short_fixed[name])
+        for name, src in sources.items()
+    }
     layers = [end_layer(long.layers[0], short.layers[0], names[0])]
     layers += [replace(copy.deepcopy(long.layers[1]), name=name) for name in names[1:-1]]
     layers.append(end_layer(long.layers[-1], short.layers[-1], names[-1]))

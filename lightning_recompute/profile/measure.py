@@ -39,7 +39,7 @@ class Event:
     level: int
     peak: int  # highest level since the previous event
     grad: int  # bytes of parameter gradients alive
-    time: float
+    seconds: float
     flops: int
     traffic: int
     offload: int
@@ -227,11 +227,8 @@ def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
         end = k + 1
         if kind == "fwd_start":
             # The gap after a layer's forward belongs to it (an offloaded layer's input is freed there).
-            if (
-                events[end].label == f"fwd_end:{idx}"
-                and end + 1 < len(events)
-                and events[end + 1].label.startswith("fwd_start:")
-            ):
+            after = events[end + 1].label if end + 1 < len(events) else ""
+            if events[end].label == f"fwd_end:{idx}" and after.startswith("fwd_start:"):
                 end += 1
             key = f"fwd:{idx}"
         elif kind == "bwd_start":
@@ -239,17 +236,9 @@ def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
         else:
             key = f"fixed:{events[k].label}->{events[end].label}"
         a, b = events[k], events[end]
-        cost = SegmentCost(
-            delta=b.level - a.level,
-            peak=max(0, max(e.peak for e in events[k + 1 : end + 1]) - a.level),
-            grad=b.grad - a.grad,
-            seconds=b.time - a.time,
-            flops=b.flops - a.flops,
-            traffic=b.traffic - a.traffic,
-            offload=b.offload - a.offload,
-            scales=key != "fixed:backward->optimizer",
-        )
-        out.append((key, cost))
+        growth = {f: getattr(b, f) - getattr(a, f) for f in ("grad", "seconds", "flops", "traffic", "offload")}
+        peak = max(0, max(e.peak for e in events[k + 1 : end + 1]) - a.level)
+        out.append((key, SegmentCost(b.level - a.level, peak, **growth, scales=key != "fixed:backward->optimizer")))
         k = end
     seen = [key for key, _ in out if not key.startswith("fixed:")]
     if seen != [f"fwd:{i}" for i in range(n_layers)] + [f"bwd:{i}" for i in reversed(range(n_layers))]:
