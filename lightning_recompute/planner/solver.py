@@ -340,7 +340,7 @@ class Planner:
         k, prof = mb / self.profile.micro_batch, self.profile
         level = base = self._base(k)
         peak, peak_at, total = level, "start", 0.0
-        bwd_peak: dict[int, int] = {}
+        layers: dict[int, LayerPrediction] = {}
         for key in prof.timeline:
             kind, _, rest = key.partition(":")
             if kind == "fixed":
@@ -349,20 +349,18 @@ class Planner:
                 d, pk, s = self._seg(prof.layers[int(rest)].fwd[modes[int(rest)]], k)
             else:
                 i = int(rest)
-                _, pk, s = self._seg(prof.layers[i].bwd[modes[i]], k)
-                d = self._net(i, k) - self._seg(prof.layers[i].fwd[modes[i]], k)[0]
-                bwd_peak[i] = level + pk
+                layer, m = prof.layers[i], modes[i]
+                fd, _, fs = self._seg(layer.fwd[m], k)
+                _, pk, s = self._seg(layer.bwd[m], k)
+                d = self._net(i, k) - fd
+                flops = round(layer.recompute_flops(m) * k)
+                layers[i] = LayerPrediction(layer.name, m, fd, fs, s, flops, level + pk)
             cand, level = level + pk, level + d
             total += round(s * 1e9)
             if cand > peak:
                 peak, peak_at = cand, key
-        layers = []
-        for i, (layer, m) in enumerate(zip(prof.layers, modes, strict=True)):
-            fd, _, fs = self._seg(layer.fwd[m], k)
-            bs = self._seg(layer.bwd[m], k)[2]
-            flops = round(layer.recompute_flops(m) * k)
-            layers.append(LayerPrediction(layer.name, m, fd, fs, bs, flops, bwd_peak.get(i, 0)))
-        return Prediction(int(peak), total / 1e9, mb, peak_at, base, tuple(layers), prof.estimated)
+        ordered = tuple(layers[i] for i in range(len(modes)))
+        return Prediction(int(peak), total / 1e9, mb, peak_at, base, ordered, prof.estimated)
 
     def solve(
         self, budget_bytes: int | str, modes: Sequence[str] | None = None, micro_batch: int | None = None
