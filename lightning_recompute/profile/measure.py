@@ -110,11 +110,15 @@ class Recorder:
         traffic = self.traffic.total if self.traffic is not None else 0
         self.events.append(Event(label, level, peak, grad, self.clock(), flops, traffic, self.offloaded))
 
-    def _hook_tensor(self, t: torch.Tensor, label: str, first: bool) -> None:
+    def _hook_tensor(self, obj: Any, label: str, first: bool) -> torch.Tensor | None:
+        """Marks ``label`` when the gradient of the first tensor in ``obj`` that needs one arrives."""
+        t = next((v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor) and v.requires_grad), None)
+        if t is None:
+            return None
         labels = self._hooked.get(t)
         if labels is not None:  # one layer's output is the next one's input: one hook, labels in backward order
             labels.insert(0 if first else len(labels), label)
-            return
+            return t
         labels = self._hooked[t] = [label]
 
         def hook(_grad: torch.Tensor) -> None:
@@ -122,6 +126,7 @@ class Recorder:
                 self.mark(lab)
 
         t.register_hook(hook)
+        return t
 
     def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and not any(e.label == "output" for e in self.events):
@@ -131,10 +136,9 @@ class Recorder:
         if not torch.is_grad_enabled():
             return
         self.mark(f"fwd_start:{i}")
-        t = _first_grad_tensor((args, kwargs))
+        t = self._hook_tensor((args, kwargs), f"bwd_end:{i}", first=True)
         if t is not None:
             self.input_shapes[i] = f"{tuple(t.shape)}:{t.dtype}"
-            self._hook_tensor(t, f"bwd_end:{i}", first=True)
         if self.emulate_offload:
             self._offloading = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._offloading.__enter__()
@@ -144,9 +148,7 @@ class Recorder:
             return
         self._end_offload()
         self.mark(f"fwd_end:{i}")
-        t = _first_grad_tensor(output)
-        if t is not None:
-            self._hook_tensor(t, f"bwd_start:{i}", first=False)
+        self._hook_tensor(output, f"bwd_start:{i}", first=False)
 
     # save_on_cpu minus the host copy: forgotten in forward (only its shape kept), allocated anew in backward.
     def _pack(self, t: torch.Tensor) -> Any:
@@ -161,10 +163,6 @@ class Recorder:
         size, dtype, device = packed
         self.offloaded += math.prod(size) * dtype.itemsize
         return torch.empty(size, dtype=dtype, device=device)
-
-
-def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    return next((v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
 def _storage_bytes(tensors: Iterable[Any], device_type: str) -> int:
@@ -265,11 +263,6 @@ def check_modes(modes: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def least_kept(modes: Sequence[str]) -> str:
-    """The mode of ``modes`` that keeps the least between forward and backward."""
-    return Mode.FULL.value if Mode.FULL.value in modes else NONE
-
-
 @dataclass
 class Metered:
     """One mode's metered steps: a group of layers in the mode per step, the rest in a mode that keeps less
@@ -310,6 +303,7 @@ class ProfilingRun:
         free_grads_at_batch_start: bool | None = None,
     ) -> None:
         self.model, self.batch, self.layer_spec, self.modes, self.device = model, batch, layers, modes, device
+        self.rest = Mode.FULL.value if Mode.FULL.value in modes else NONE  # the mode that keeps least
         if free_grads_at_batch_start is not None:
             self.free_grads = bool(free_grads_at_batch_start)
         elif isinstance(model, L.LightningModule):  # `RecomputeCallback`'s default
@@ -354,8 +348,7 @@ class ProfilingRun:
     def meter(self, modes: list[str]) -> dict[str, Metered]:
         """After a warm-up step, each mode's memory runs, the mode that keeps least first (the others' fallback)."""
         self.warm_up()
-        rest = least_kept(modes)
-        return {m: self.metered(m, rest) for m in sorted(modes, key=lambda m: m != rest)}
+        return {m: self.metered(m) for m in sorted(modes, key=lambda m: m != self.rest)}
 
     def warm_up(self) -> None:
         """A step in the mode that keeps least: the optimizer state in the base, and after an out-of-memory step
@@ -363,7 +356,7 @@ class ProfilingRun:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.apply(least_kept(self.modes))
+        self.apply(self.rest)
         self.step(None)
 
     def memory_run(self, mode: str | RecomputePolicy) -> Recorder:
@@ -391,9 +384,9 @@ class ProfilingRun:
             e.flops = f.flops
         return rec
 
-    def metered(self, mode: str, rest: str) -> Metered:
+    def metered(self, mode: str) -> Metered:
         """``mode``'s memory runs: every layer in it, else 2, 4, ... groups (the others in ``rest``) until each fits."""
-        n, k = len(self.layers), 1
+        n, k, rest = len(self.layers), 1, self.rest
         while True:
             size = -(-n // min(k, n))  # contiguous groups, as even as can be
             groups = [list(range(i, min(n, i + size))) for i in range(0, n, size)]
