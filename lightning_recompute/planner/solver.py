@@ -109,10 +109,8 @@ class Tables:
 
 
 def _frontier(tab: Tables, budget: int, by_peak: bool) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, ...]]]:
-    """The DP over layers: states ``(A, cost)`` within ``budget``, pruned to the non-dominated, with back-pointers.
-
-    The cost is the time so far, or with ``by_peak`` the running maximum of the candidates (the peak so far).
-    """
+    """The DP over layers: non-dominated states ``(A, cost)`` within ``budget``, with back-pointers; the cost is
+    the time so far, or with ``by_peak`` the peak so far."""
     n, nm = tab.a.shape
     A = np.zeros(1, np.int64)
     V = np.array([tab.fixed_c[0] if by_peak else 0], np.int64)
@@ -196,9 +194,7 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
 
 
 def _pareto3(cands: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """The (A, P, T)-non-dominated candidates, given sorted by A (then P, T), found with a bisect on
-    the staircase of earlier (P, T) points.
-    """
+    """The (A, P, T)-non-dominated candidates, given sorted by A (then P, T): a bisect on earlier (P, T)."""
     keep: list[tuple[int, int, int, int, int]] = []
     stair_p: list[int] = []
     stair_t: list[int] = []
@@ -365,11 +361,8 @@ class Planner:
     def solve(
         self, budget_bytes: int | str, modes: Sequence[str] | None = None, micro_batch: int | None = None
     ) -> PlannedPolicy:
-        """The policy with the least predicted step time whose predicted peak is at most ``budget_bytes``.
-
-        Raises:
-            BudgetError: even the least-memory policy exceeds the budget (the message states that minimum).
-        """
+        """The policy with the least predicted step time whose predicted peak is at most ``budget_bytes``;
+        `BudgetError` (stating the least peak) where none is."""
         if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
             budget = budget_bytes  # as it is: a BudgetError names the least peak, which says more
         else:

@@ -19,8 +19,7 @@ from torch import nn
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.profile.model import LayerProfile, Profile, ProfileError, SegmentCost
 
-MIN_LAYERS = 13
-"""Stacks shorter than this are stepped in full: the three cuts hold 12 layers between them."""
+MIN_LAYERS = 13  # shorter stacks are stepped in full: the three cuts hold 12 layers between them
 _CUTS = (3, 4, 5)
 _INDEX = re.compile(r":(\d+)")  # a layer index in a segment key: fwd:3, fixed:bwd_end:3->bwd_start:2
 
