@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -111,13 +110,6 @@ class Profile:
         kw["layers"] = [LayerProfile(**{**x, "fwd": costs(x["fwd"]), "bwd": costs(x["bwd"])}) for x in d["layers"]]
         return cls(**{"torch_version": "", **kw, "fixed": costs(d["fixed"])})
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Profile:
-        return cls.from_dict(json.loads(text))
-
     def describe(self) -> str:
         """A per-layer table of kept bytes, times and recomputed FLOPs per mode."""
         lines = [
@@ -131,17 +123,14 @@ class Profile:
         ]
         # Every column at least two characters wider than its longest header or name.
         name_w = max(16, max((len(layer.name) for layer in self.layers), default=0) + 2)
-        kept_w = {m: max(16, len(f"{m} kept") + 2) for m in self.modes}
-        ms_w = {m: max(14, len(f"{m} ms") + 2) for m in self.modes}
-        header = f"{'layer':<{name_w}}" + "".join(
-            f"{m + ' kept':>{kept_w[m]}}{m + ' ms':>{ms_w[m]}}" for m in self.modes
+        widths = {m: (max(16, len(m) + 7), max(14, len(m) + 5)) for m in self.modes}  # "<m> kept", "<m> ms"
+        lines.append(
+            f"{'layer':<{name_w}}" + "".join(f"{m + ' kept':>{k}}{m + ' ms':>{t}}" for m, (k, t) in widths.items())
         )
-        lines.append(header)
         for layer in self.layers:
             cells = (
-                f"{format_bytes(layer.fwd[m].delta):>{kept_w[m]}}"
-                f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{ms_w[m]}.3f}"
-                for m in self.modes
+                f"{format_bytes(layer.fwd[m].delta):>{k}}{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{t}.3f}"
+                for m, (k, t) in widths.items()
             )
             lines.append(f"{layer.name:<{name_w}}" + "".join(cells))
         lines += [f"note: {n}" for n in self.notes]
