@@ -304,12 +304,9 @@ class ProfilingRun:
     ) -> None:
         self.model, self.batch, self.layer_spec, self.modes, self.device = model, batch, layers, modes, device
         self.rest = Mode.FULL.value if Mode.FULL.value in modes else NONE  # the mode that keeps least
-        if free_grads_at_batch_start is not None:
-            self.free_grads = bool(free_grads_at_batch_start)
-        elif isinstance(model, L.LightningModule):  # `RecomputeCallback`'s default
-            self.free_grads = not any(module_blockers(model))
-        else:
-            self.free_grads = False  # no callback, no Lightning loop: the profile's order is the job's
+        self.free_grads = bool(free_grads_at_batch_start)
+        if free_grads_at_batch_start is None:  # `RecomputeCallback`'s default; without Lightning, the profile's order
+            self.free_grads = isinstance(model, L.LightningModule) and not any(module_blockers(model))
         self.notes: list[str] = []
         self.layers = find_layers(model, layers)
         if loss_fn is None and isinstance(model, L.LightningModule) and not model.automatic_optimization:
