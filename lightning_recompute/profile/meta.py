@@ -29,19 +29,16 @@ class Hardware:
     host_bytes_per_s: float  # host link bandwidth (PCIe or C2C), for offload copies
 
 
-_MIB = 1 << 20
+# Datasheet dense peaks (half: bfloat16 and float16; float32 without TF32, PyTorch's default), memory in MiB,
+# HBM bandwidth; host: effective pinned-copy throughput.
 HARDWARE: dict[str, Hardware] = {
-    # Datasheet dense peaks; fp32 without TF32 (PyTorch's default); host: effective pinned-copy throughput.
-    "A100": Hardware(
-        "A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9
-    ),
-    "H100": Hardware(
-        "H100-SXM5-80GB", 81559 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 3.35e12, 50e9
-    ),
-    "H200": Hardware(
-        "H200-SXM-141GB", 143771 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 50e9
-    ),
-    "L4": Hardware("L4-24GB", 23034 * _MIB, {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12}, 300e9, 25e9),
+    key: Hardware(name, mib << 20, {"bfloat16": half, "float16": half, "float32": single}, hbm, host)
+    for key, name, mib, half, single, hbm, host in (
+        ("A100", "A100-SXM4-80GB", 81920, 312e12, 19.5e12, 2.039e12, 25e9),
+        ("H100", "H100-SXM5-80GB", 81559, 989e12, 67e12, 3.35e12, 50e9),
+        ("H200", "H200-SXM-141GB", 143771, 989e12, 67e12, 4.8e12, 50e9),
+        ("L4", "L4-24GB", 23034, 121e12, 30.3e12, 300e9, 25e9),
+    )
 }
 
 
