@@ -177,7 +177,17 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
                 cands.append((A2, P2, T + tj, s, j))
         cands.sort(key=lambda c: (c[0], c[1], c[2]))  # stable: generation order breaks exact ties
         history.append(states)
-        states = _pareto3(cands)
+        # The (A, P, T)-non-dominated candidates: each checked by a bisect on the staircase of earlier (P, T).
+        states, stair_p, stair_t = [], [], []  # the staircase: P increasing, T decreasing
+        for c in cands:
+            pos = bisect.bisect_right(stair_p, c[1])
+            if pos > 0 and stair_t[pos - 1] <= c[2]:
+                continue
+            states.append(c)
+            end = pos
+            while end < len(stair_p) and stair_t[end] >= c[2]:
+                end += 1
+            stair_p[pos:end], stair_t[pos:end] = [c[1]], [c[2]]
     history.append(states)
     end = int(tab.fixed_c[n])
     finals = sorted(((max(P, end + A), T, s) for s, (A, P, T, _, _) in enumerate(states)), key=lambda x: (x[0], x[1]))
@@ -191,25 +201,6 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
             picks.append(mode)
         out.append(picks[::-1])
     return out
-
-
-def _pareto3(cands: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """The (A, P, T)-non-dominated candidates, given sorted by A (then P, T): a bisect on earlier (P, T)."""
-    keep: list[tuple[int, int, int, int, int]] = []
-    stair_p: list[int] = []
-    stair_t: list[int] = []
-    for c in cands:
-        _, P, T, _, _ = c
-        pos = bisect.bisect_right(stair_p, P)
-        if pos > 0 and stair_t[pos - 1] <= T:
-            continue
-        keep.append(c)
-        end = pos
-        while end < len(stair_p) and stair_t[end] >= T:
-            end += 1
-        stair_p[pos:end] = [P]
-        stair_t[pos:end] = [T]
-    return keep
 
 
 _NEG = np.iinfo(np.int64).min // 4
