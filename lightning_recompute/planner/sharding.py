@@ -96,7 +96,7 @@ def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | Non
     trainer = recipe.trainer
     devices = getattr(trainer, "devices", 1)
     nodes = getattr(trainer, "num_nodes", 1)
-    declared = getattr(trainer, "strategy", "auto")
+    declared: Any = getattr(trainer, "strategy", "auto")
     if world_size is not None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise PlannerError(f"--world-size: must be a positive integer, got {world_size!r}")

@@ -166,6 +166,8 @@ def pareto_picks(tab: Tables) -> list[list[int]]:
     # A state: (A, P, T, parent index, mode); states of a layer sorted by A.
     states: list[tuple[int, int, int, int, int]] = [(0, int(tab.fixed_c[0]), 0, -1, -1)]
     history: list[list[tuple[int, int, int, int, int]]] = []
+    stair_p: list[int]
+    stair_t: list[int]
     for i in range(n):
         fixed, fc, bc = int(tab.fixed_c[i]), int(tab.fwd_c[i]), int(tab.bwd_c[i])
         cands = []
