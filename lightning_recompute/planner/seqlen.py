@@ -1,8 +1,6 @@
-"""The longest sequence length that fits a memory budget, per policy family (`longest_fits`).
-
-Each probed length is profiled and planned exactly, and the answer bisected: a family's least peak never falls
-as the sequence grows, so "fits" flips once. Profiles are cached per length and shared by all families.
-"""
+"""The longest sequence length that fits a memory budget, per policy family (`longest_fits`): each probed length
+is profiled (once, for every family) and planned exactly; a family's least peak never falls as the sequence
+grows, so "fits" flips once and is bisected."""
 
 from __future__ import annotations
 
@@ -14,10 +12,7 @@ from lightning_recompute.planner.solver import PlannedPolicy, Planner, PlannerEr
 from lightning_recompute.policy import RecomputePolicy
 from lightning_recompute.profile import Profile
 
-__all__ = ["BEST_MIXED", "SeqLenFit", "longest_fits"]
-
-BEST_MIXED = "best mixed"
-"""The family of every per-layer mix of the searched modes (the planner's fastest that fits)."""
+BEST_MIXED = "best mixed"  # every per-layer mix of the searched modes: the planner's fastest that fits
 
 
 @dataclass(frozen=True)
@@ -25,11 +20,9 @@ class SeqLenFit:
     """The longest sequence length at which one policy family fits the budget."""
 
     family: str
-    seq_len: int | None
-    """The longest multiple of the step that fits; ``None`` when not even one step fits."""
+    seq_len: int | None  # the longest multiple of the step that fits; None: not even one step
     plan: PlannedPolicy | None
-    capped: bool = False
-    """It still fits at the largest length searched (``seq_len`` is that cap, not the limit)."""
+    capped: bool = False  # it still fits at the largest length searched (seq_len is that cap, not the limit)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -73,32 +66,19 @@ def longest_fits(
             fit = PlannedPolicy(RecomputePolicy.from_modes(mapping), mapping, planner.predict(mapping))
             return fit if fit.peak_bytes <= limit else None
 
-        def fit(units: int) -> bool:
-            return plan(units) is not None
-
-        # Exponential search from the start for a bracket lo (fits, or 0) < hi (does not fit, or top + 1).
-        if fit(first):
-            lo, hi = first, top + 1
-            probe = first * 2
-            while probe <= top and fit(probe):
-                lo, probe = probe, probe * 2
-            if probe <= top:
-                hi = probe
-            elif fit(top):
-                lo = top
-            else:
-                hi = top
-        else:
-            lo, hi = 0, first
-            probe = first // 2
-            while probe >= 1 and not fit(probe):
-                hi, probe = probe, probe // 2
-            lo = max(probe, 0)
+        # From the start: double (or halve) until a bracket lo (fits, or 0) < hi (does not fit, or top + 1)
+        # is found, then bisect it.
+        lo, hi, probe = 0, top + 1, first
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fit(mid):
-                lo = mid
+            if plan(probe) is not None:
+                lo = probe
             else:
-                hi = mid
+                hi = probe
+            if hi > top:  # nothing too long yet
+                probe = min(2 * probe, top)
+            elif lo == 0:  # nothing fits yet
+                probe //= 2
+            else:
+                probe = (lo + hi) // 2
         out.append(SeqLenFit(family, lo * step or None, plan(lo) if lo else None, capped=lo == top))
     return out

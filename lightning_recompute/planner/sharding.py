@@ -7,7 +7,7 @@ What is modelled and what is not: docs/SHARDING.md, 'What the planner assumes'. 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,10 +17,8 @@ from lightning_recompute.planner.solver import PlannerError
 from lightning_recompute.profile.model import LayerProfile, Profile, SegmentCost
 from lightning_recompute.units import format_bytes
 
-__all__ = ["STRATEGIES", "ParamGroup", "ParamLayout", "Sharding", "shard_profile", "sharding_for"]
-
+# Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP).
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "model_parallel")
-"""Strategies the planner predicts per rank (Lightning's names; ``model_parallel`` = FSDP2 without TP)."""
 
 # Lightning strategy classes a recipe's ``class_path`` may name, and the strategy they are planned as.
 _CLASS_STRATEGIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel"}
@@ -30,8 +28,7 @@ _CLASS_STRATEGIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParalle
 class ParamGroup:
     """The parameters of one ``fully_shard`` unit: their shapes and element sizes."""
 
-    name: str
-    """The layer's module path, or ``""`` for the root (the parameters outside every layer)."""
+    name: str  # the layer's module path, or "" for the root (the parameters outside every layer)
     shapes: tuple[tuple[int, ...], ...]
     itemsizes: tuple[int, ...]
     trainable: tuple[bool, ...]
@@ -95,15 +92,11 @@ class Sharding:
 
 def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | None = None) -> Sharding | None:
     """The sharding to plan ``recipe`` for (its ``trainer`` devices, nodes and strategy, overridden by
-    ``world_size`` / ``strategy``); ``None`` for one device.
-
-    Raises:
-        PlannerError: a bad world size, an unknown strategy, tensor parallelism.
-    """
+    ``world_size`` / ``strategy``); ``None`` for one device. `PlannerError`: what cannot be planned."""
     trainer = recipe.trainer
     devices = getattr(trainer, "devices", 1)
     nodes = getattr(trainer, "num_nodes", 1)
-    declared = getattr(trainer, "strategy", "auto")
+    declared: Any = getattr(trainer, "strategy", "auto")
     if world_size is not None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise PlannerError(f"--world-size: must be a positive integer, got {world_size!r}")
@@ -114,7 +107,22 @@ def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | Non
             )
     else:
         world_size = (devices if isinstance(devices, int) else 1) * (nodes if isinstance(nodes, int) else 1)
-    name = strategy if strategy is not None else _strategy_name(declared)
+    name = strategy if strategy is not None else str(declared)
+    path = getattr(declared, "class_path", None)
+    if strategy is None and path is not None:  # a class_path with init_args
+        cls = str(path).rsplit(".", 1)[-1]
+        if cls not in _CLASS_STRATEGIES:
+            raise PlannerError(
+                f"trainer.strategy: the planner cannot predict {path}; it predicts "
+                f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
+            )
+        tp = declared.init_args.get("tensor_parallel_size", 1)
+        if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
+            raise PlannerError(
+                f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
+                f"parallelism only (tensor_parallel_size: 1)"
+            )
+        name = _CLASS_STRATEGIES[cls]
     if name == "auto":
         name = "ddp"  # what Lightning picks for more than one device
     if name not in STRATEGIES:
@@ -123,29 +131,6 @@ def sharding_for(recipe: Any, world_size: int | None = None, strategy: str | Non
     if world_size == 1 and strategy is None:
         return None
     return Sharding(name, world_size)
-
-
-def _strategy_name(declared: Any) -> str:
-    """A recipe's ``trainer.strategy`` (a name, or a ``class_path`` with ``init_args``) as one of `STRATEGIES`."""
-    get: Callable[[str], Any] = (
-        declared.get if isinstance(declared, Mapping) else lambda key: getattr(declared, key, None)
-    )
-    path = None if isinstance(declared, str) else get("class_path")
-    if path is None:
-        return str(declared)
-    cls = str(path).rsplit(".", 1)[-1]
-    if cls not in _CLASS_STRATEGIES:
-        raise PlannerError(
-            f"trainer.strategy: the planner cannot predict {path}; it predicts "
-            f"{', '.join(_CLASS_STRATEGIES)} (pass --strategy to plan as one of {', '.join(STRATEGIES)})"
-        )
-    tp = (get("init_args") or {}).get("tensor_parallel_size", 1)
-    if cls == "ModelParallelStrategy" and tp not in (1, "auto"):
-        raise PlannerError(
-            f"trainer.strategy: tensor_parallel_size {tp!r} is not modelled; the planner predicts data "
-            f"parallelism only (tensor_parallel_size: 1)"
-        )
-    return _CLASS_STRATEGIES[cls]
 
 
 def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
@@ -157,19 +142,17 @@ def shard_profile(profile: Profile, layout: ParamLayout, sharding: Sharding) -> 
         )
     if sharding.world_size == 1:
         return profile
-    if sharding.strategy != "ddp":
-        return _fsdp(profile, layout, sharding)
-    buckets = sum(g.shard_bytes(1, trainable_only=True) for g in (*layout.layers, layout.root))
-    note = (
-        f"{sharding.describe()}: one device's parameters, gradients and optimizer state, plus "
-        f"{format_bytes(buckets)} of DDP gradient buckets"
-    )
-    return replace(
-        profile,
-        base_bytes=profile.base_bytes + buckets,
-        device=f"{profile.device}, {sharding.describe()}",
-        notes=[*profile.notes, note],
-    )
+    if sharding.strategy == "ddp":
+        buckets = sum(g.shard_bytes(1, trainable_only=True) for g in (*layout.layers, layout.root))
+        changes: dict[str, Any] = {"base_bytes": profile.base_bytes + buckets}
+        note = (
+            f"one device's parameters, gradients and optimizer state, plus {format_bytes(buckets)} of DDP "
+            "gradient buckets"
+        )
+    else:
+        changes, note = _fsdp(profile, layout, sharding.world_size)
+    where = sharding.describe()
+    return replace(profile, **changes, device=f"{profile.device}, {where}", notes=[*profile.notes, f"{where}: {note}"])
 
 
 def _adjust(c: SegmentCost, delta: int, peak: int, grad: int | None = None) -> SegmentCost:
@@ -185,9 +168,9 @@ def _adjust(c: SegmentCost, delta: int, peak: int, grad: int | None = None) -> S
     )
 
 
-def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
-    """``profile`` as rank 0 of FSDP2 sees it: sharded state in the base, the collectives placed."""
-    w, n, order = sharding.world_size, len(profile.layers), profile.timeline
+def _fsdp(profile: Profile, layout: ParamLayout, w: int) -> tuple[dict[str, Any], str]:
+    """What rank 0 of FSDP2 sees differently (sharded state in the base, the collectives placed), and a note."""
+    n, order = len(profile.layers), profile.timeline
     gathered = [g.gathered_bytes(w) for g in layout.layers]  # AG_i = U_i = RS_i
     root_gathered = layout.root.gathered_bytes(w)
     shard_grads = [g.shard_bytes(w, trainable_only=True) for g in layout.layers]
@@ -198,36 +181,26 @@ def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
     ratio = shard_params / profile.param_bytes if profile.param_bytes else 0.0
     shard_optimizer = round(profile.optimizer_bytes * ratio)
     freed = -sum(min(0, c.grad) for c in profile.fixed.values())  # gradients alive when the step starts
-    base = (
-        profile.base_bytes
-        - profile.param_bytes
-        - profile.optimizer_bytes
-        - freed
-        + shard_params
-        + shard_optimizer
-        + round(freed * shard_grads_all / full_grads if full_grads else 0)
-    )
-
-    def ag(i: int) -> int:
-        return root_gathered if i < 0 else gathered[i]
+    unsharded = profile.base_bytes - profile.param_bytes - profile.optimizer_bytes - freed
+    base = unsharded + shard_params + shard_optimizer + round(freed * shard_grads_all / full_grads if full_grads else 0)
 
     # Each layer: its all-gather buffer, the neighbours' prefetch and reduce-scatter input.
     layers: list[LayerProfile] = []
     for i, lp in enumerate(profile.layers):
-        fwd, bwd = {}, {}
-        prefetched = gathered[i - 1] if i > 0 else 0  # backward prefetch of unit i-1 (none before unit 0)
+        g = gathered[i]
+        prev = gathered[i - 1] if i > 0 else root_gathered  # the buffer freed at this unit's forward copy-out
+        prefetched = prev if i > 0 else 0  # backward prefetch of unit i-1 (none before unit 0)
         held = gathered[i + 1] if i + 1 < n else 0  # reduce-scatter input of unit i+1, until i's post-backward
-        for m, c in lp.fwd.items():
-            delta = c.delta + ag(i) - ag(i - 1)
-            fwd[m] = _adjust(c, delta, max(ag(i), ag(i) - ag(i - 1) + gathered[i] + c.peak))
+        fwd = {m: _adjust(c, c.delta + g - prev, max(g, g - prev + g + c.peak)) for m, c in lp.fwd.items()}
+        bwd = {}
         for m, c in lp.bwd.items():
-            swap = -ag(i) + prefetched  # this unit's buffer freed at its copy-out, unit i-1's prefetched
+            swap = -g + prefetched  # this unit's buffer freed at its copy-out, unit i-1's prefetched
             peak = max(
-                gathered[i],  # the copy-out, its buffer still held
-                gathered[i] + swap + c.peak,  # the backward, unsharded parameters and gradients
-                c.delta + swap - held + gathered[i],  # the post-backward's reduce-scatter input
+                g,  # the copy-out, its buffer still held
+                g + swap + c.peak,  # the backward, unsharded parameters and gradients
+                c.delta + swap - held + g,  # the post-backward's reduce-scatter input
             )
-            delta = c.delta + swap - held + gathered[i] - c.grad + shard_grads[i]
+            delta = c.delta + swap - held + g - c.grad + shard_grads[i]
             bwd[m] = _adjust(c, delta, peak, grad=shard_grads[i])
         net = fwd["none"].delta + bwd["none"].delta if "none" in fwd else lp.net
         layers.append(replace(lp, fwd=fwd, bwd=bwd, net=net, param_bytes=layout.layers[i].shard_bytes(w)))
@@ -278,18 +251,9 @@ def _fsdp(profile: Profile, layout: ParamLayout, sharding: Sharding) -> Profile:
         if not c.scales:
             fixed[key] = _adjust(c, round(c.delta * ratio), round(c.peak * ratio), round(c.grad * ratio))
     note = (
-        f"{sharding.describe()}: parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)}"
-        f" and optimizer state {format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered "
-        f"parameters up to {format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
+        f"parameters {format_bytes(shard_params)}, gradients {format_bytes(shard_grads_all)} and optimizer state "
+        f"{format_bytes(shard_optimizer)} sharded (rank 0, padded); a layer's gathered parameters up to "
+        f"{format_bytes(max(gathered))}, the root's {format_bytes(root_gathered)}; time compute-only"
     )
-    return replace(
-        profile,
-        layers=layers,
-        fixed=fixed,
-        base_bytes=base,
-        param_bytes=shard_params,
-        grad_bytes=shard_grads_all,
-        optimizer_bytes=shard_optimizer,
-        device=f"{profile.device}, {sharding.describe()}",
-        notes=[*profile.notes, note],
-    )
+    sharded = {"param_bytes": shard_params, "grad_bytes": shard_grads_all, "optimizer_bytes": shard_optimizer}
+    return {"layers": layers, "fixed": fixed, "base_bytes": base, **sharded}, note

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.planner.dp import Tables, fastest_within, least_peak, pareto_picks
 from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, glyph
 from lightning_recompute.profile import ALL_MODES, Profile, SegmentCost
 from lightning_recompute.profile.model import ZERO_GRAD_SEGMENT
@@ -22,11 +22,6 @@ class PlannerError(RecomputeError, ValueError):
 
 class BudgetError(PlannerError):
     """No policy fits the memory budget; the message states the least achievable peak."""
-
-    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int) -> None:
-        super().__init__(message)
-        self.budget_bytes = budget_bytes
-        self.min_peak_bytes = min_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -99,6 +94,117 @@ class PlannedPolicy:
         return "".join(glyph(m) for m in self.modes.values())
 
 
+@dataclass
+class Tables:
+    """The profile at one micro-batch and mode set, as integers (bytes; time in nanoseconds)."""
+
+    modes: list[str]
+    a: np.ndarray  # (L, M) kept bytes
+    f: np.ndarray  # (L, M) forward transient
+    b: np.ndarray  # (L, M) backward transient
+    t: np.ndarray  # (L, M) forward + backward nanoseconds
+    fwd_c: np.ndarray  # (L,) constant of the forward constraint of layer i (plus A_{<i})
+    bwd_c: np.ndarray  # (L,) constant of the backward constraint of layer i (plus A_{<=i})
+    fixed_c: np.ndarray  # (L+1,) largest constant of fixed-segment constraints over A_{<p}; -inf-like if none
+
+
+def _frontier(tab: Tables, budget: int, by_peak: bool) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, ...]]]:
+    """The DP over layers: non-dominated states ``(A, cost)`` within ``budget``, with back-pointers; the cost is
+    the time so far, or with ``by_peak`` the peak so far."""
+    n, nm = tab.a.shape
+    A = np.zeros(1, np.int64)
+    V = np.array([tab.fixed_c[0] if by_peak else 0], np.int64)
+    parents: list[tuple[np.ndarray, ...]] = []
+    for i in range(n + 1):
+        pre = tab.fixed_c[i] + A
+        idx = np.nonzero(pre <= budget)[0]
+        A, V = A[idx], np.maximum(V[idx], pre[idx]) if by_peak else V[idx]
+        if parents:  # fold the filter into the previous layer's back-pointers
+            parents[-1] = (parents[-1][0][idx], parents[-1][1][idx])
+        if i == n or A.size == 0:
+            break
+        cands = []
+        for j in range(nm):
+            a2 = A + tab.a[i, j]
+            c = np.maximum(tab.fwd_c[i] + A + tab.f[i, j], tab.bwd_c[i] + a2 + tab.b[i, j])
+            sel = np.nonzero(c <= budget)[0]
+            cost = np.maximum(V[sel], c[sel]) if by_peak else V[sel] + tab.t[i, j]
+            cands.append((a2[sel], cost, sel, np.full(sel.size, j, np.int64)))
+        A, V, P, M = (np.concatenate(x) for x in zip(*cands, strict=True))
+        order = np.lexsort((V, A))  # by A, then cost; stable, so generation order breaks exact ties
+        A, V, P, M = A[order], V[order], P[order], M[order]
+        keep = np.ones(A.size, bool)
+        keep[1:] = V[1:] < np.minimum.accumulate(V)[:-1]  # strictly cheaper than every state with no more memory
+        A, V = A[keep], V[keep]
+        parents.append((P[keep], M[keep]))
+    return A, V, parents
+
+
+def fastest_within(tab: Tables, budget: int) -> list[int] | None:
+    """Least-time mode indices with every constraint <= budget, or None."""
+    A, _, parents = _frontier(tab, budget, by_peak=False)
+    if A.size == 0:
+        return None
+    # States are sorted by A with T strictly decreasing, so the last feasible one is the fastest.
+    k = A.size - 1
+    picks = []
+    for P, M in reversed(parents):
+        picks.append(int(M[k]))
+        k = int(P[k])
+    return picks[::-1]
+
+
+def least_peak(tab: Tables) -> int:
+    """The least predicted peak: the same DP with the running maximum as the cost."""
+    return int(np.min(_frontier(tab, np.iinfo(np.int64).max, by_peak=True)[1]))
+
+
+def pareto_picks(tab: Tables) -> list[list[int]]:
+    """Mode indices of every Pareto-optimal (peak, time) policy, by increasing peak."""
+    n, nm = tab.a.shape
+    a, f, b, t = tab.a.tolist(), tab.f.tolist(), tab.b.tolist(), tab.t.tolist()
+    # A state: (A, P, T, parent index, mode); states of a layer sorted by A.
+    states: list[tuple[int, int, int, int, int]] = [(0, int(tab.fixed_c[0]), 0, -1, -1)]
+    history: list[list[tuple[int, int, int, int, int]]] = []
+    stair_p: list[int]
+    stair_t: list[int]
+    for i in range(n):
+        fixed, fc, bc = int(tab.fixed_c[i]), int(tab.fwd_c[i]), int(tab.bwd_c[i])
+        cands = []
+        for j in range(nm):
+            aj, fj, bj, tj = a[i][j], f[i][j], b[i][j], t[i][j]
+            for s, (A, P, T, _, _) in enumerate(states):
+                A2 = A + aj
+                P2 = max(P, fixed + A, fc + A + fj, bc + A2 + bj)
+                cands.append((A2, P2, T + tj, s, j))
+        cands.sort(key=lambda c: (c[0], c[1], c[2]))  # stable: generation order breaks exact ties
+        history.append(states)
+        # The (A, P, T)-non-dominated candidates: each checked by a bisect on the staircase of earlier (P, T).
+        states, stair_p, stair_t = [], [], []  # the staircase: P increasing, T decreasing
+        for c in cands:
+            pos = bisect.bisect_right(stair_p, c[1])
+            if pos > 0 and stair_t[pos - 1] <= c[2]:
+                continue
+            states.append(c)
+            end = pos
+            while end < len(stair_p) and stair_t[end] >= c[2]:
+                end += 1
+            stair_p[pos:end], stair_t[pos:end] = [c[1]], [c[2]]
+    history.append(states)
+    end = int(tab.fixed_c[n])
+    finals = sorted(((max(P, end + A), T, s) for s, (A, P, T, _, _) in enumerate(states)), key=lambda x: (x[0], x[1]))
+    out, best_t = [], None
+    for _, T, s in finals:
+        if best_t is not None and best_t <= T:
+            continue
+        best_t, picks = T, []
+        for layer in range(n, 0, -1):
+            _, _, _, s, mode = history[layer][s]
+            picks.append(mode)
+        out.append(picks[::-1])
+    return out
+
+
 _NEG = np.iinfo(np.int64).min // 4
 
 
@@ -107,32 +213,22 @@ class Planner:
 
     def __init__(self, profile: Profile, free_grads_at_batch_start: bool | None = None) -> None:
         """``free_grads_at_batch_start``: predict a job that frees gradients at batch start; ``None``: as profiled."""
-        if not isinstance(profile, Profile):
-            raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
-        self.profile, self.names = profile, profile.layer_names
-        p = 0
-        for key in profile.timeline:
-            kind, _, rest = key.partition(":")
-            if kind == "fixed":
-                if rest not in profile.fixed:
-                    raise PlannerError(f"profile: timeline names fixed segment {rest!r}, which the profile lacks")
-                continue
-            if kind not in ("fwd", "bwd") or not rest.isdigit() or int(rest) >= len(profile.layers):
-                raise PlannerError(f"profile: malformed timeline entry {key!r}")
-            # The solver's prefix-sum form needs forward in order and backward in reverse.
-            if p != int(rest) + (kind == "bwd"):
-                raise PlannerError(
-                    f"profile: timeline entry {key!r} out of order; the planner needs the layers' forwards in order "
-                    f"and their backwards in reverse order"
-                )
-            p = int(rest) + (kind == "fwd")
+        self.profile, self.names, n = profile, profile.layer_names, len(profile.layers)
+        missing = [k for k in profile.timeline if k.startswith("fixed:") and k[len("fixed:") :] not in profile.fixed]
+        if missing:
+            raise PlannerError(f"profile: timeline names fixed segment(s) {missing}, which the profile lacks")
+        # The solver's prefix-sum form needs forward in order and backward in reverse.
+        order = [f"fwd:{i}" for i in range(n)] + [f"bwd:{i}" for i in reversed(range(n))]
+        if [k for k in profile.timeline if not k.startswith("fixed:")] != order:
+            raise PlannerError(
+                "profile: its timeline must hold every layer's forward in order, then their backwards in reverse"
+            )
         frees = profile.free_grads_at_batch_start if free_grads_at_batch_start is None else free_grads_at_batch_start
         if frees and profile.forward_grad_bytes is None:
             raise PlannerError(
                 f"free_grads_at_batch_start: the profile has no {ZERO_GRAD_SEGMENT!r} segment (it predates it), so "
                 f"the gradients alive in the forward are unknown; profile again"
             )
-        self.free_grads_at_batch_start = bool(frees)
         # Freed at batch start, the gradients leave the base level and zero_grad's segment frees nothing.
         self._freed_grads = (profile.forward_grad_bytes or 0) if frees else 0
 
@@ -233,7 +329,7 @@ class Planner:
         k, prof = mb / self.profile.micro_batch, self.profile
         level = base = self._base(k)
         peak, peak_at, total = level, "start", 0.0
-        bwd_peak: dict[int, int] = {}
+        layers: dict[int, LayerPrediction] = {}
         for key in prof.timeline:
             kind, _, rest = key.partition(":")
             if kind == "fixed":
@@ -242,29 +338,24 @@ class Planner:
                 d, pk, s = self._seg(prof.layers[int(rest)].fwd[modes[int(rest)]], k)
             else:
                 i = int(rest)
-                _, pk, s = self._seg(prof.layers[i].bwd[modes[i]], k)
-                d = self._net(i, k) - self._seg(prof.layers[i].fwd[modes[i]], k)[0]
-                bwd_peak[i] = level + pk
+                layer, m = prof.layers[i], modes[i]
+                fd, _, fs = self._seg(layer.fwd[m], k)
+                _, pk, s = self._seg(layer.bwd[m], k)
+                d = self._net(i, k) - fd
+                flops = round(layer.recompute_flops(m) * k)
+                layers[i] = LayerPrediction(layer.name, m, fd, fs, s, flops, level + pk)
             cand, level = level + pk, level + d
             total += round(s * 1e9)
             if cand > peak:
                 peak, peak_at = cand, key
-        layers = []
-        for i, (layer, m) in enumerate(zip(prof.layers, modes, strict=True)):
-            fd, _, fs = self._seg(layer.fwd[m], k)
-            bs = self._seg(layer.bwd[m], k)[2]
-            flops = round(layer.recompute_flops(m) * k)
-            layers.append(LayerPrediction(layer.name, m, fd, fs, bs, flops, bwd_peak.get(i, 0)))
-        return Prediction(int(peak), total / 1e9, mb, peak_at, base, tuple(layers), prof.estimated)
+        ordered = tuple(layers[i] for i in range(len(modes)))
+        return Prediction(int(peak), total / 1e9, mb, peak_at, base, ordered, prof.estimated)
 
     def solve(
         self, budget_bytes: int | str, modes: Sequence[str] | None = None, micro_batch: int | None = None
     ) -> PlannedPolicy:
-        """The policy with the least predicted step time whose predicted peak is at most ``budget_bytes``.
-
-        Raises:
-            BudgetError: even the least-memory policy exceeds the budget (the message states that minimum).
-        """
+        """The policy with the least predicted step time whose predicted peak is at most ``budget_bytes``;
+        `BudgetError` (stating the least peak) where none is."""
         if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
             budget = budget_bytes  # as it is: a BudgetError names the least peak, which says more
         else:
@@ -278,9 +369,7 @@ class Planner:
             least = least_peak(tab)
             raise BudgetError(
                 f"budget {format_bytes(budget)} ({budget} bytes) is below the least achievable predicted peak "
-                f"{format_bytes(least)} ({least} bytes) with modes {', '.join(tab.modes)} at micro-batch {mb}",
-                budget_bytes=budget,
-                min_peak_bytes=least,
+                f"{format_bytes(least)} ({least} bytes) with modes {', '.join(tab.modes)} at micro-batch {mb}"
             )
         return self._plan(tab, picks, mb)
 

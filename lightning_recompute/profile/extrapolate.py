@@ -1,14 +1,15 @@
-"""Profiling a deep stack of identical layers on meta from cuts of its first 3, 4 and 5 layers (`profile_stack`).
+"""Profiling a deep stack of identical layers on meta from cuts of its first 3, 4 and 5 layers (`extrapolated`).
 
 Inner layers (and the gaps between them) are copies of the 4-layer run's; everything else is affine in the
 number of layers, ``q(n) = q4 + (n - 4)(q4 - q3)``. Both assumptions are checked: the assembly for n = 5 must
-equal the 5-layer run field by field, or the shortcut is refused. The cut gives the stack's container only its
-first k children for the run; stacks not all one container's identical children are refused.
+equal the 5-layer run field by field, or every layer is stepped. The cut gives the stack's container only its
+first k children for the run; stacks not all one container's identical children are stepped in full.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import fields, replace
@@ -18,11 +19,33 @@ from torch import nn
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.profile.model import LayerProfile, Profile, ProfileError, SegmentCost
 
-MIN_LAYERS = 13
-"""Stacks shorter than this are stepped in full: the three cuts hold 12 layers between them."""
+MIN_LAYERS = 13  # shorter stacks are stepped in full: the three cuts hold 12 layers between them
 _CUTS = (3, 4, 5)
+_INDEX = re.compile(r":(\d+)")  # a layer index in a segment key: fwd:3, fixed:bwd_end:3->bwd_start:2
 
-ProfileRun = Callable[[LayerSpec, list[str]], Profile]
+
+def extrapolated(
+    model: nn.Module, layers: LayerSpec, modes: list[str], run: Callable[[LayerSpec, list[str]], Profile]
+) -> Profile:
+    """``run(layers, modes)``'s profile, from cuts of the stack where it can be, with a note saying which."""
+    stack = stack_of(model, layers)
+    if stack is None:
+        return run(layers, modes)
+    why = stack if isinstance(stack, str) else None
+    if isinstance(stack, tuple):
+        container, names = stack
+        try:
+            prof = _from_cuts(container, names, modes, run)
+            prof.notes.append(
+                f"meta: the {len(names)} identical layers {names[0]} .. {names[-1]} were profiled as cuts of 3, 4 "
+                f"and 5 layers (inner layers copied, the rest extrapolated and checked; `profile.extrapolate`)"
+            )
+            return prof
+        except ProfileError as err:
+            why = str(err)
+    prof = run(layers, modes)
+    prof.notes.append(f"meta: every layer stepped ({why})")
+    return prof
 
 
 def stack_of(model: nn.Module, layers: LayerSpec) -> tuple[nn.Module, list[str]] | str | None:
@@ -43,8 +66,7 @@ def stack_of(model: nn.Module, layers: LayerSpec) -> tuple[nn.Module, list[str]]
     children = list(container.children())
     if len(children) != n or any(c is not m for c, (_, m) in zip(children, found, strict=True)):
         return f"{parent} holds other modules besides the layers"
-    signatures = {_signature(m) for _, m in found}
-    if len(signatures) != 1:
+    if len({_signature(m) for _, m in found}) != 1:
         return "the layers differ in class or in parameter or buffer shapes"
     layer_types = getattr(getattr(model, "config", None), "layer_types", None)
     if isinstance(layer_types, (list, tuple)) and len(set(layer_types)) > 1:
@@ -58,51 +80,46 @@ def _signature(module: nn.Module) -> tuple[object, ...]:
     return type(module), params, buffers
 
 
-def profile_stack(
-    container: nn.Module, names: list[str], modes: list[str], run: ProfileRun
-) -> tuple[Profile | None, str]:
-    """The profile of the whole stack from runs of its first 3, 4 and 5 layers, with a note.
-
-    ``(None, reason)`` where the 5-layer run is not what the 3- and 4-layer runs predict.
-    """
+def _from_cuts(
+    container: nn.Module, names: list[str], modes: list[str], run: Callable[[LayerSpec, list[str]], Profile]
+) -> Profile:
+    """The whole stack's profile from runs of its first 3, 4 and 5 layers; `ProfileError`: why not."""
     cuts, saved = {}, container._modules
     for k in _CUTS:
         container._modules = OrderedDict(list(saved.items())[:k])  # the container with its first k children
         try:
+            # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
             cuts[k] = run(names[:k], modes)
         except Exception as err:  # noqa: BLE001 - e.g. a forward that indexes the stack by its config's depth
-            return None, f"the model does not run with its stack cut to {k} layers ({type(err).__name__}: {err})"
+            raise ProfileError(
+                f"the model does not run with its stack cut to {k} layers ({type(err).__name__}: {err})"
+            ) from None
         finally:
             container._modules = saved
     short, long, check = (cuts[k] for k in _CUTS)
-    try:
-        mismatch = _first_difference(_assemble(short, long, names[: _CUTS[2]]), check)
-        if mismatch is not None:
-            return None, f"the {_CUTS[2]}-layer run differs from what the 3- and 4-layer runs predict ({mismatch})"
-        prof = _assemble(short, long, names)
-    except ProfileError as why:
-        return None, str(why)
-    note = (
-        f"meta: the {len(names)} identical layers {names[0]} .. {names[-1]} were profiled as cuts of 3, 4 "
-        f"and 5 layers (inner layers copied, the rest extrapolated and checked; `profile.extrapolate`)"
-    )
-    return prof, note
+    da, db = _assemble(short, long, names[: _CUTS[2]]).to_dict(), check.to_dict()
+    for key in da:  # the first field that differs (notes left out; memory runs are untimed)
+        if key == "notes" or da[key] == db[key]:
+            continue
+        a, b, what = da[key], db[key], key
+        if key == "layers":
+            what = next(f"layer {la['name']}" for la, lb in zip(a, b, strict=True) if la != lb)
+        elif key == "fixed":
+            what = next(f"segment {k}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k))
+        raise ProfileError(f"the {_CUTS[2]}-layer run differs from what the 3- and 4-layer runs predict ({what})")
+    return _assemble(short, long, names)
 
 
 def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
     """The profile of a stack of ``len(names)`` layers from its 3- and 4-layer cuts; `ProfileError`: why not."""
     n, k3, k4 = len(names), len(short.layers), len(long.layers)
     expanded = _expand(long.timeline, n)
-    if expanded is None:
-        raise ProfileError("a segment between layers names a layer out of order")
 
     def affine(q4: int, q3: int) -> int:
         return q4 + (n - k4) * (q4 - q3)
 
     def affine_cost(c4: SegmentCost, c3: SegmentCost) -> SegmentCost:
-        ints = {
-            f.name: affine(getattr(c4, f.name), getattr(c3, f.name)) for f in fields(SegmentCost) if f.type == "int"
-        }
+        ints = {f.name: affine(getattr(c4, f.name), getattr(c3, f.name)) for f in fields(c4) if f.type == "int"}
         return SegmentCost(**ints, scales=c4.scales)
 
     def end_layer(c4: LayerProfile, c3: LayerProfile, name: str) -> LayerProfile:
@@ -110,23 +127,15 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
         bwd = {m: affine_cost(c4.bwd[m], c3.bwd[m]) for m in c4.bwd}
         return replace(c4, name=name, fwd=fwd, bwd=bwd, net=affine(c4.net, c3.net))
 
-    short_fixed = {
-        _relabel(key, {k3 - 1: n - 1}): cost for key, cost in short.fixed.items() if _gap("fixed:" + key) is None
+    short_fixed = {_relabel(key, {k3 - 1: n - 1}): c for key, c in short.fixed.items() if not _is_gap(key)}
+    sources = {key[len("fixed:") :]: src[len("fixed:") :] for key, src in expanded if key.startswith("fixed:")}
+    unmatched = short_fixed.keys() ^ {name for name in sources if not _is_gap(name)}
+    if unmatched:
+        raise ProfileError(f"the segments {sorted(unmatched)} appear in one of the {k3}- and {k4}-layer runs only")
+    fixed = {  # a gap between adjacent layers copied, like the layers; the rest affine
+        name: copy.deepcopy(long.fixed[src]) if _is_gap(name) else affine_cost(long.fixed[src], short_fixed[name])
+        for name, src in sources.items()
     }
-    fixed: dict[str, SegmentCost] = {}
-    for key, source in expanded:
-        if not key.startswith("fixed:"):
-            continue
-        name, c4 = key[len("fixed:") :], long.fixed[source[len("fixed:") :]]
-        if _gap(key) is not None:
-            fixed[name] = copy.deepcopy(c4)  # one per pair of adjacent layers: copied, like the layers
-            continue
-        c3 = short_fixed.pop(name, None)
-        if c3 is None:
-            raise ProfileError(f"the segment {name} has no counterpart in the {k3}-layer run")
-        fixed[name] = affine_cost(c4, c3)
-    if short_fixed:
-        raise ProfileError(f"the segments {sorted(short_fixed)} appear in the {k3}-layer run only")
     layers = [end_layer(long.layers[0], short.layers[0], names[0])]
     layers += [replace(copy.deepcopy(long.layers[1]), name=name) for name in names[1:-1]]
     layers.append(end_layer(long.layers[-1], short.layers[-1], names[-1]))
@@ -147,58 +156,27 @@ def _assemble(short: Profile, long: Profile, names: list[str]) -> Profile:
     )
 
 
-def _first_difference(a: Profile, b: Profile) -> str | None:
-    """The first field in which two profiles differ, or None (notes left out; memory runs are untimed)."""
-    da, db = a.to_dict(), b.to_dict()
-    for key in da:
-        if key == "notes" or da[key] == db[key]:
-            continue
-        if key == "layers":
-            return next(f"layer {la['name']}" for la, lb in zip(da[key], db[key], strict=True) if la != lb)
-        if key == "fixed":
-            return next(
-                f"segment {k}" for k in sorted(da[key].keys() | db[key].keys()) if da[key].get(k) != db[key].get(k)
-            )
-        return key
-    return None
-
-
 def _relabel(key: str, indices: dict[int, int]) -> str:
-    """``key`` with its layer indices (``fwd:3``, ``bwd_end:3->bwd_start:2``) mapped by ``indices``."""
-    prefix = "fixed:" if key.startswith("fixed:") else ""
-    parts = []
-    for label in key[len(prefix) :].split("->"):
-        kind, sep, idx = label.partition(":")
-        parts.append(f"{kind}:{indices.get(int(idx), int(idx))}" if sep and idx.isdigit() else label)
-    return prefix + "->".join(parts)
+    """``key`` with its layer indices mapped by ``indices``."""
+    return _INDEX.sub(lambda m: f":{indices.get(int(m[1]), int(m[1]))}", key)
 
 
-def _indices(key: str) -> list[int]:
-    labels = key.removeprefix("fixed:").split("->")
-    return [int(idx) for label in labels for _, sep, idx in [label.partition(":")] if sep and idx.isdigit()]
+def _indices(key: str) -> set[int]:
+    return {int(i) for i in _INDEX.findall(key)}
 
 
-def _gap(key: str) -> tuple[str, int] | None:
-    """``(direction, lower index)`` of a fixed segment between two adjacent layers, else None."""
-    if not key.startswith("fixed:"):
-        return None
-    idx = _indices(key)
-    if len(idx) == 2 and abs(idx[0] - idx[1]) == 1:
-        return key[len("fixed:") :].partition("_")[0], min(idx)
-    return None
+def _is_gap(key: str) -> bool:
+    """Whether a fixed segment's key (``fwd_end:3->fwd_start:4``) lies between two adjacent layers."""
+    idx = [int(i) for i in _INDEX.findall(key)]
+    return len(idx) == 2 and abs(idx[0] - idx[1]) == 1
 
 
-def _expand(keys: list[str], n: int) -> list[tuple[str, str]] | None:
-    """The n-layer stack's timeline as ``(key, key of the 4-layer run it copies)``; None where a
-    segment outside the layers' own stretch names another layer.
-    """
+def _expand(keys: list[str], n: int) -> list[tuple[str, str]]:
+    """The n-layer stack's timeline as ``(key, key of the 4-layer run it copies)``."""
     pos = {k: i for i, k in enumerate(keys)}
-    try:
-        f1, f2, b2, b1 = pos["fwd:1"], pos["fwd:2"], pos["bwd:2"], pos["bwd:1"]
-    except KeyError:
-        return None
-    if not f1 < f2 < b2 < b1:
-        return None
+    f1, f2, b2, b1 = (pos.get(k, -1) for k in ("fwd:1", "fwd:2", "bwd:2", "bwd:1"))
+    if not 0 <= f1 < f2 < b2 < b1:
+        raise ProfileError("a segment between layers names a layer out of order")
     out: list[tuple[str, str]] = []
     parts: list[tuple[list[str], set[int], list[dict[int, int]]]] = [
         (keys[:f1], {0, 1}, [{}]),
@@ -208,8 +186,7 @@ def _expand(keys: list[str], n: int) -> list[tuple[str, str]] | None:
         (keys[b1:], {0, 1}, [{}]),
     ]
     for part, allowed, maps in parts:
-        if any(not set(_indices(k)) <= allowed for k in part):
-            return None
-        for indices in maps:
-            out += [(_relabel(k, indices), k) for k in part]
+        if any(not _indices(k) <= allowed for k in part):
+            raise ProfileError("a segment between layers names a layer out of order")
+        out += [(_relabel(k, indices), k) for indices in maps for k in part]
     return out

@@ -1,5 +1,4 @@
-"""Measuring a profile (`profile_model`): uniform-mode steps cut into segments at the layers' boundaries,
-marked by module hooks in forward and tensor hooks in backward."""
+"""Measuring a profile (`profile_model`); the segments and conventions: `lightning_recompute.profile`."""
 
 from __future__ import annotations
 
@@ -8,11 +7,10 @@ import math
 import statistics
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_recompute import RecomputePolicy, applied_policy, apply_policy, find_layers, remove_policy
 from lightning_recompute.grads import module_blockers
@@ -40,7 +39,7 @@ class Event:
     level: int
     peak: int  # highest level since the previous event
     grad: int  # bytes of parameter gradients alive
-    time: float
+    seconds: float
     flops: int
     traffic: int
     offload: int
@@ -77,9 +76,9 @@ class Recorder:
     events: list[Event] = field(default_factory=list)
     input_shapes: dict[int, str] = field(default_factory=dict)
     offloaded: int = 0
-    _hooked: dict[int, tuple[weakref.ref[torch.Tensor], list[str]]] = field(default_factory=dict)
+    _hooked: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # tensor -> its hook's labels
     _handles: list[Any] = field(default_factory=list)
-    _offload_ctx: dict[int, Any] = field(default_factory=dict)
+    _offloading: Any = None  # the emulated offload's saved-tensor hooks, entered in a layer's forward
 
     def __enter__(self) -> Recorder:
         for i, (_, module) in enumerate(self.run.layers):
@@ -92,10 +91,12 @@ class Recorder:
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
-        for ctx in self._offload_ctx.values():
-            ctx.__exit__(None, None, None)
-        self._handles.clear()
-        self._offload_ctx.clear()
+        self._end_offload()
+
+    def _end_offload(self) -> None:
+        if self._offloading is not None:
+            self._offloading.__exit__(None, None, None)
+            self._offloading = None
 
     def mark(self, label: str) -> None:
         level = peak = 0
@@ -109,20 +110,23 @@ class Recorder:
         traffic = self.traffic.total if self.traffic is not None else 0
         self.events.append(Event(label, level, peak, grad, self.clock(), flops, traffic, self.offloaded))
 
-    def _hook_tensor(self, t: torch.Tensor, label: str, first: bool) -> None:
-        entry = self._hooked.get(id(t))
-        if entry is not None and entry[0]() is t:
-            # One layer's output is the next one's input: one hook, labels in backward order.
-            entry[1].insert(0, label) if first else entry[1].append(label)
-            return
-        labels = [label]
-        self._hooked[id(t)] = (weakref.ref(t), labels)
+    def _hook_tensor(self, obj: Any, label: str, first: bool) -> torch.Tensor | None:
+        """Marks ``label`` when the gradient of the first tensor in ``obj`` that needs one arrives."""
+        t = next((v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor) and v.requires_grad), None)
+        if t is None:
+            return None
+        labels = self._hooked.get(t)
+        if labels is not None:  # one layer's output is the next one's input: one hook, labels in backward order
+            labels.insert(0 if first else len(labels), label)
+            return t
+        labels = self._hooked[t] = [label]
 
         def hook(_grad: torch.Tensor) -> None:
             for lab in labels:
                 self.mark(lab)
 
         t.register_hook(hook)
+        return t
 
     def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled() and not any(e.label == "output" for e in self.events):
@@ -132,24 +136,19 @@ class Recorder:
         if not torch.is_grad_enabled():
             return
         self.mark(f"fwd_start:{i}")
-        t = _first_grad_tensor((args, kwargs))
+        t = self._hook_tensor((args, kwargs), f"bwd_end:{i}", first=True)
         if t is not None:
             self.input_shapes[i] = f"{tuple(t.shape)}:{t.dtype}"
-            self._hook_tensor(t, f"bwd_end:{i}", first=True)
         if self.emulate_offload:
-            self._offload_ctx[i] = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._offload_ctx[i].__enter__()
+            self._offloading = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._offloading.__enter__()
 
     def _post_hook(self, i: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        ctx = self._offload_ctx.pop(i, None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        self._end_offload()
         self.mark(f"fwd_end:{i}")
-        t = _first_grad_tensor(output)
-        if t is not None:
-            self._hook_tensor(t, f"bwd_start:{i}", first=False)
+        self._hook_tensor(output, f"bwd_start:{i}", first=False)
 
     # save_on_cpu minus the host copy: forgotten in forward (only its shape kept), allocated anew in backward.
     def _pack(self, t: torch.Tensor) -> Any:
@@ -164,10 +163,6 @@ class Recorder:
         size, dtype, device = packed
         self.offloaded += math.prod(size) * dtype.itemsize
         return torch.empty(size, dtype=dtype, device=device)
-
-
-def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    return next((v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
 def _storage_bytes(tensors: Iterable[Any], device_type: str) -> int:
@@ -187,25 +182,15 @@ def _batch_size(batch: Any) -> int:
     raise ProfileError("batch: found no tensor with a batch dimension in the batch")
 
 
-def _default_loss_fn(model: nn.Module) -> LossFn:
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """``training_step`` for a LightningModule; ``model.loss(batch)`` if it has one; else ``model(batch)``."""
     if isinstance(model, L.LightningModule):
-        if not model.automatic_optimization:
-            raise ProfileError(
-                f"model: {type(model).__name__} uses manual optimization;"
-                f" pass loss_fn=(model, batch) -> loss to profile it"
-            )
-
-        def lightning_step(m: nn.Module, batch: Any) -> torch.Tensor:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*self.log.*")
-                out = cast("Callable[[Any, int], Any]", m.training_step)(batch, 0)
-            return out["loss"] if isinstance(out, dict) else out
-
-        return lightning_step
-    if callable(getattr(model, "loss", None)):
-        return lambda m, batch: cast("Callable[[Any], torch.Tensor]", m.loss)(batch)
-    return lambda m, batch: m(batch)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*self.log.*")
+            out: Any = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+    loss = getattr(model, "loss", None)
+    return loss(batch) if callable(loss) else model(batch)
 
 
 def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch.optim.Optimizer:
@@ -240,11 +225,8 @@ def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
         end = k + 1
         if kind == "fwd_start":
             # The gap after a layer's forward belongs to it (an offloaded layer's input is freed there).
-            if (
-                events[end].label == f"fwd_end:{idx}"
-                and end + 1 < len(events)
-                and events[end + 1].label.startswith("fwd_start:")
-            ):
+            after = events[end + 1].label if end + 1 < len(events) else ""
+            if events[end].label == f"fwd_end:{idx}" and after.startswith("fwd_start:"):
                 end += 1
             key = f"fwd:{idx}"
         elif kind == "bwd_start":
@@ -252,17 +234,9 @@ def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
         else:
             key = f"fixed:{events[k].label}->{events[end].label}"
         a, b = events[k], events[end]
-        cost = SegmentCost(
-            delta=b.level - a.level,
-            peak=max(0, max(e.peak for e in events[k + 1 : end + 1]) - a.level),
-            grad=b.grad - a.grad,
-            seconds=b.time - a.time,
-            flops=b.flops - a.flops,
-            traffic=b.traffic - a.traffic,
-            offload=b.offload - a.offload,
-            scales=key != "fixed:backward->optimizer",
-        )
-        out.append((key, cost))
+        growth = {f: getattr(b, f) - getattr(a, f) for f in ("grad", "seconds", "flops", "traffic", "offload")}
+        peak = max(0, max(e.peak for e in events[k + 1 : end + 1]) - a.level)
+        out.append((key, SegmentCost(b.level - a.level, peak, **growth, scales=key != "fixed:backward->optimizer")))
         k = end
     seen = [key for key, _ in out if not key.startswith("fixed:")]
     if seen != [f"fwd:{i}" for i in range(n_layers)] + [f"bwd:{i}" for i in reversed(range(n_layers))]:
@@ -289,11 +263,6 @@ def check_modes(modes: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def least_kept(modes: Sequence[str]) -> str:
-    """The mode of ``modes`` that keeps the least between forward and backward."""
-    return Mode.FULL.value if Mode.FULL.value in modes else NONE
-
-
 @dataclass
 class Metered:
     """One mode's metered steps: a group of layers in the mode per step, the rest in a mode that keeps less
@@ -318,10 +287,6 @@ class Metered:
         per_run = [_costs(rec.events, n_layers) for rec in self.runs]
         return [key for key, _ in per_run[0]], self.pick([dict(costs) for costs in per_run])
 
-    def peaks(self) -> list[int]:
-        """Each run's measured peak."""
-        return [max((e.peak for e in rec.events), default=0) for rec in self.runs]
-
 
 class ProfilingRun:
     """Shared machinery of `profile_model` and `profile_meta`: one model, one batch, uniform-mode runs."""
@@ -338,15 +303,18 @@ class ProfilingRun:
         free_grads_at_batch_start: bool | None = None,
     ) -> None:
         self.model, self.batch, self.layer_spec, self.modes, self.device = model, batch, layers, modes, device
-        if free_grads_at_batch_start is not None:
-            self.free_grads = bool(free_grads_at_batch_start)
-        elif isinstance(model, L.LightningModule):  # `RecomputeCallback`'s default
-            self.free_grads = not any(module_blockers(model))
-        else:
-            self.free_grads = False  # no callback, no Lightning loop: the profile's order is the job's
+        self.rest = Mode.FULL.value if Mode.FULL.value in modes else NONE  # the mode that keeps least
+        self.free_grads = bool(free_grads_at_batch_start)
+        if free_grads_at_batch_start is None:  # `RecomputeCallback`'s default; without Lightning, the profile's order
+            self.free_grads = isinstance(model, L.LightningModule) and not any(module_blockers(model))
         self.notes: list[str] = []
         self.layers = find_layers(model, layers)
-        self.loss_fn = loss_fn or _default_loss_fn(model)
+        if loss_fn is None and isinstance(model, L.LightningModule) and not model.automatic_optimization:
+            raise ProfileError(
+                f"model: {type(model).__name__} uses manual optimization;"
+                f" pass loss_fn=(model, batch) -> loss to profile it"
+            )
+        self.loss_fn = loss_fn or _default_loss
         self.optimizer = _make_optimizer(model, optimizer, self.notes)
 
     def apply(self, mode: str | RecomputePolicy) -> None:
@@ -374,18 +342,19 @@ class ProfilingRun:
         self.optimizer.step()
         mark("optimizer")
 
-    def warm_up(self) -> None:
-        """One step in the mode that keeps least, so the measured steps see the optimizer state in the base."""
-        self.apply(least_kept(self.modes))
-        self.step(None)
+    def meter(self, modes: list[str]) -> dict[str, Metered]:
+        """After a warm-up step, each mode's memory runs, the mode that keeps least first (the others' fallback)."""
+        self.warm_up()
+        return {m: self.metered(m) for m in sorted(modes, key=lambda m: m != self.rest)}
 
-    def recover(self) -> None:
-        """After an out-of-memory step (outside its ``except``, whose traceback holds its activations): free
-        what it left and run a step in the mode that keeps least, so every gradient exists again."""
+    def warm_up(self) -> None:
+        """A step in the mode that keeps least: the optimizer state in the base, and after an out-of-memory step
+        (called outside its ``except``, whose traceback holds its activations) every gradient again."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.warm_up()
+        self.apply(self.rest)
+        self.step(None)
 
     def memory_run(self, mode: str | RecomputePolicy) -> Recorder:
         """Two untimed steps in ``mode``: memory and traffic from the first, FLOPs from the second (FlopCounterMode's
@@ -412,27 +381,23 @@ class ProfilingRun:
             e.flops = f.flops
         return rec
 
-    def metered(self, mode: str, rest: str) -> Metered:
+    def metered(self, mode: str) -> Metered:
         """``mode``'s memory runs: every layer in it, else 2, 4, ... groups (the others in ``rest``) until each fits."""
-        n, k = len(self.layers), 1
+        n, k, rest = len(self.layers), 1, self.rest
         while True:
             size = -(-n // min(k, n))  # contiguous groups, as even as can be
             groups = [list(range(i, min(n, i + size))) for i in range(0, n, size)]
-            policies: list[str | RecomputePolicy] = [mode]
-            if k > 1:
-                policies = [
-                    RecomputePolicy.from_modes(
-                        {name: mode if i in g else rest for i, (name, _) in enumerate(self.layers)}
-                    )
-                    for g in groups
-                ]
+            in_groups = [{name: mode if i in g else rest for i, (name, _) in enumerate(self.layers)} for g in groups]
+            policies: list[str | RecomputePolicy] = (
+                [mode] if k == 1 else list(map(RecomputePolicy.from_modes, in_groups))
+            )
             try:
                 runs = [self.memory_run(p) for p in policies]
             except torch.OutOfMemoryError:
                 runs = []
             if runs:
                 break
-            self.recover()
+            self.warm_up()
             if mode == rest:
                 raise torch.OutOfMemoryError(
                     f"the model does not fit on {self.device} even with every layer in {rest} (out of memory at "
@@ -469,12 +434,12 @@ class ProfilingRun:
                 )
         rec0 = mem[NONE].runs[0]
         # Layers alike enough (class, parameter shapes, input shape) share time samples.
-        groups: dict[str, list[str]] = {}
+        groups: dict[str, list[int]] = {}
         layers: list[LayerProfile] = []
         for i, (name, module) in enumerate(self.layers):
             params = ",".join(f"{p_name}{tuple(p.shape)}:{str(p.dtype)[6:]}" for p_name, p in module.named_parameters())
             group = f"{type(module).__qualname__}[{params}]<-{rec0.input_shapes.get(i, '?')}"
-            groups.setdefault(group, []).append(name)
+            groups.setdefault(group, []).append(i)
             fwd = {m: by_mode[m][f"fwd:{i}"] for m in self.modes}
             bwd = {m: by_mode[m][f"bwd:{i}"] for m in self.modes}
             nets = {m: fwd[m].delta + bwd[m].delta for m in self.modes}
@@ -486,23 +451,20 @@ class ProfilingRun:
             param_bytes = _storage_bytes(module.parameters(), self.device.type)
             layers.append(LayerProfile(name, group, param_bytes, fwd, bwd, nets[NONE]))
         fixed = {k[len("fixed:") :]: c for k, c in by_mode[NONE].items() if k.startswith("fixed:")}
+        names = {group: [layers[i].name for i in members] for group, members in groups.items()}
         if times is not None:
-            index = {layer.name: i for i, layer in enumerate(layers)}
-            for mode, runs in times.items():
+            for mode in self.modes:
+                runs = times.get(mode, times[NONE])  # offload on CPU is none: none's samples, not noisier ones
                 for members in groups.values():
                     for phase in ("fwd", "bwd"):
-                        med = statistics.median([run[f"{phase}:{index[name]}"] for run in runs for name in members])
-                        for name in members:
-                            getattr(layers[index[name]], phase)[mode].seconds = med
+                        med = statistics.median(run[f"{phase}:{i}"] for run in runs for i in members)
+                        for i in members:
+                            getattr(layers[i], phase)[mode].seconds = med
             for key, cost in fixed.items():
                 cost.seconds = statistics.median(run[f"fixed:{key}"] for run in times[NONE])
-            for layer in layers:  # offload on CPU is none: same times, not a second noisy sample
-                for costs in (layer.fwd, layer.bwd):
-                    if OFFLOAD in costs and OFFLOAD not in times:
-                        costs[OFFLOAD].seconds = costs[NONE].seconds
-            shared = [g for g in groups.values() if len(g) > 1]
+            shared = [g for g in names.values() if len(g) > 1]
             if shared:
-                spans = "; ".join(g[0] if len(g) == 1 else f"{g[0]} .. {g[-1]} ({len(g)})" for g in shared)
+                spans = "; ".join(f"{g[0]} .. {g[-1]} ({len(g)})" for g in shared)
                 self.notes.append(
                     "time: layers of identical class, parameter shapes and input shape share their time samples "
                     f"(median of the pooled samples): {spans}; memory is per layer"
@@ -523,7 +485,7 @@ class ProfilingRun:
             device=str(self.device),
             time_source=time_source,
             hardware=hardware,
-            groups=groups,
+            groups=names,
             notes=self.notes,
             free_grads_at_batch_start=self.free_grads,
             split={m: len(rec.groups) for m, rec in mem.items() if len(rec.groups) > 1 and m in self.modes},
@@ -539,7 +501,6 @@ def profile_model(
     optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     loss_fn: LossFn | None = None,
     repeats: int = 5,
-    restore: bool = True,
     clock: Callable[[], float] = time.perf_counter,
     free_grads_at_batch_start: bool | None = None,
 ) -> Profile:
@@ -549,16 +510,14 @@ def profile_model(
     ``repeats`` timed rounds in rotating order, on the device of the model's parameters (conventions:
     `lightning_recompute.profile`). A LightningModule's ``training_step`` and ``configure_optimizers`` are
     used unless ``loss_fn`` (``(model, batch) -> scalar loss``) or ``optimizer`` (an optimizer or a factory
-    ``params -> optimizer``) is given; ``none`` is always among ``modes``; ``restore`` puts parameters and
-    buffers back afterwards; ``clock=time.thread_time`` measures the step's own work on a shared CPU;
+    ``params -> optimizer``) is given; ``none`` is always among ``modes``; parameters and buffers are put back
+    afterwards; ``clock=time.thread_time`` measures the step's own work on a shared CPU;
     ``free_grads_at_batch_start=None`` is `RecomputeCallback`'s default for this model.
     """
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats: must be a positive integer, got {repeats!r}")
-    if not callable(clock):
-        raise ProfileError(f"clock: expected a callable returning seconds (time.perf_counter), got {clock!r}")
     param = next(model.parameters(), None)
     if param is None:
         raise ProfileError(f"model: {type(model).__name__} has no parameters; nothing to train, nothing to profile")
@@ -571,18 +530,16 @@ def profile_model(
     mode_list = check_modes(modes)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     previous = applied_policy(model)
-    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if restore else None
+    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     was_training = model.training
     model.train()
     try:
         run = ProfilingRun(model, batch, layers, mode_list, optimizer, loss_fn, device, free_grads_at_batch_start)
-        run.warm_up()
         # On CPU offload is none: measured once, as none.
         measured = [m for m in mode_list if not (m == OFFLOAD and device.type != "cuda")]
         if len(measured) < len(mode_list):
             run.notes.append("offload: the plugin runs it as none on this device; its costs are none's")
-        rest = least_kept(measured)
-        mem = {m: run.metered(m, rest) for m in sorted(measured, key=lambda m: m != rest)}  # the fallback first
+        mem = run.meter(measured)
         for m in mode_list:
             mem.setdefault(m, mem[NONE])
         times: dict[str, list[dict[str, float]]] = {m: [] for m in measured}
@@ -601,6 +558,5 @@ def profile_model(
         remove_policy(model)
         if previous is not None:
             apply_policy(model, previous.policy, layers)
-        if snapshot is not None:
-            model.load_state_dict(snapshot)
+        model.load_state_dict(snapshot)
         model.train(was_training)

@@ -13,9 +13,9 @@ from torch.utils._pytree import tree_map
 from lightning_recompute import remove_policy
 from lightning_recompute.layers import LayerSpec
 from lightning_recompute.policy import Mode
-from lightning_recompute.profile.extrapolate import profile_stack, stack_of
-from lightning_recompute.profile.measure import LossFn, ProfilingRun, check_modes, least_kept
-from lightning_recompute.profile.model import Profile, ProfileError, SegmentCost
+from lightning_recompute.profile.extrapolate import extrapolated
+from lightning_recompute.profile.measure import LossFn, ProfilingRun, check_modes
+from lightning_recompute.profile.model import Profile, ProfileError
 
 
 @dataclass(frozen=True)
@@ -24,26 +24,21 @@ class Hardware:
 
     name: str
     memory_bytes: int
-    flops: dict[str, float]
-    """Dense peak FLOP/s per dtype name (``bfloat16``, ``float16``, ``float32``)."""
+    flops: dict[str, float]  # dense peak FLOP/s per dtype name (bfloat16, float16, float32)
     hbm_bytes_per_s: float
-    host_bytes_per_s: float
-    """Host link bandwidth (PCIe or C2C), for ``offload`` copies."""
+    host_bytes_per_s: float  # host link bandwidth (PCIe or C2C), for offload copies
 
 
-_MIB = 1 << 20
+# Datasheet dense peaks (half: bfloat16 and float16; float32 without TF32, PyTorch's default), memory in MiB,
+# HBM bandwidth; host: effective pinned-copy throughput.
 HARDWARE: dict[str, Hardware] = {
-    # Datasheet dense peaks; fp32 without TF32 (PyTorch's default); host: effective pinned-copy throughput.
-    "A100": Hardware(
-        "A100-SXM4-80GB", 81920 * _MIB, {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}, 2.039e12, 25e9
-    ),
-    "H100": Hardware(
-        "H100-SXM5-80GB", 81559 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 3.35e12, 50e9
-    ),
-    "H200": Hardware(
-        "H200-SXM-141GB", 143771 * _MIB, {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}, 4.8e12, 50e9
-    ),
-    "L4": Hardware("L4-24GB", 23034 * _MIB, {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12}, 300e9, 25e9),
+    key: Hardware(name, mib << 20, {"bfloat16": half, "float16": half, "float32": single}, hbm, host)
+    for key, name, mib, half, single, hbm, host in (
+        ("A100", "A100-SXM4-80GB", 81920, 312e12, 19.5e12, 2.039e12, 25e9),
+        ("H100", "H100-SXM5-80GB", 81559, 989e12, 67e12, 3.35e12, 50e9),
+        ("H200", "H200-SXM-141GB", 143771, 989e12, 67e12, 4.8e12, 50e9),
+        ("L4", "L4-24GB", 23034, 121e12, 30.3e12, 300e9, 25e9),
+    )
 }
 
 
@@ -63,17 +58,11 @@ def profile_meta(
 ) -> Profile:
     """The profile of a training step computed on the meta device: no tensor is allocated.
 
-    Memory and FLOPs are exact for the ops as dispatched; time is an estimate,
-    ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` per segment plus ``offload`` host copies.
-
-    Args:
-        model_factory: builds the model (called once, under the meta device).
-        batch: one micro-batch (only shapes and dtypes are used).
-        layers, modes, optimizer, loss_fn, free_grads_at_batch_start: as for `profile_model`.
-        hardware: a key of `HARDWARE`.
-        mfu: fraction of peak FLOP/s matmuls reach (0 < mfu <= 1).
-        bandwidth_efficiency: fraction of peak memory bandwidth elementwise ops reach.
-        extrapolate: profile a deep stack of identical layers from short cuts (`profile.extrapolate`).
+    ``model_factory`` is called once under the meta device; of ``batch`` only shapes and dtypes count; the
+    other options as for `profile_model`. Memory and FLOPs are exact for the ops as dispatched; time is estimated
+    per segment as ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` plus ``offload``'s host copies
+    (``hardware``: a key of `HARDWARE`). ``extrapolate`` profiles a deep stack of identical layers from short
+    cuts (`lightning_recompute.profile.extrapolate`).
     """
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
@@ -108,26 +97,14 @@ def profile_meta(
     def run(spec: LayerSpec, run_modes: list[str]) -> Profile:
         session = ProfilingRun(model, batch, spec, run_modes, optimizer, loss_fn, device, free_grads_at_batch_start)
         try:
-            session.warm_up()
-            mem = {m: session.metered(m, least_kept(run_modes)) for m in run_modes}
+            mem = session.meter(run_modes)
         finally:
             remove_policy(model)
         return session.build(mem, None, source, hardware)
 
-    stack = stack_of(model, layers) if extrapolate else None
-    prof, note = None, stack if isinstance(stack, str) else None
-    if isinstance(stack, tuple):
-        # Explicit paths for the cut runs: "auto" could pick another, shorter stack there.
-        prof, note = profile_stack(stack[0], stack[1], mode_list, run)
-    if prof is None:
-        prof = run(layers, mode_list)
-        note = None if note is None else f"meta: every layer stepped ({note})"
-    if note is not None:
-        prof.notes.append(note)
-    segments: list[SegmentCost] = list(prof.fixed.values())
-    for layer in prof.layers:
-        segments += [*layer.fwd.values(), *layer.bwd.values()]
-    for c in segments:
+    prof = extrapolated(model, layers, mode_list, run) if extrapolate else run(layers, mode_list)
+    by_mode = [prof.fixed, *(d for layer in prof.layers for d in (layer.fwd, layer.bwd))]
+    for c in (c for d in by_mode for c in d.values()):
         c.seconds = (
             c.flops / (peak * mfu)
             + c.traffic / (hw.hbm_bytes_per_s * bandwidth_efficiency)

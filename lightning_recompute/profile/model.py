@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -12,15 +11,11 @@ from lightning_recompute.errors import RecomputeError
 from lightning_recompute.modes import MODES, Mode
 from lightning_recompute.units import format_bytes
 
-BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)
-"""The plugin's modes; what a profile measures when not told which modes."""
-FAMILY_MODES: tuple[str, ...] = tuple(s.name for s in MODES if s.is_family)
-"""``selective:<family>`` for every save-list family, profiled when asked for."""
-ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES
-"""Every mode a profile can hold, in the planner's canonical order (it breaks ties)."""
+BASE_MODES: tuple[str, ...] = tuple(s.name for s in MODES if not s.is_family)  # profiled unless told otherwise
+FAMILY_MODES: tuple[str, ...] = tuple(s.name for s in MODES if s.is_family)  # selective:<family>, when asked for
+ALL_MODES: tuple[str, ...] = BASE_MODES + FAMILY_MODES  # in the planner's canonical order, which breaks ties
 PROFILE_VERSION = 1
-ZERO_GRAD_SEGMENT = "loss->zero_grad"
-"""The fixed segment that is Lightning's ``optimizer.zero_grad()`` alone (its ``delta``: minus the gradients)."""
+ZERO_GRAD_SEGMENT = "loss->zero_grad"  # ``optimizer.zero_grad()`` alone: its delta is minus the gradients
 
 
 class ProfileError(RecomputeError, ValueError):
@@ -58,7 +53,7 @@ class LayerProfile:
         return self.fwd[mode].delta
 
     def recompute_flops(self, mode: str) -> int:
-        """FLOPs the backward spends beyond the backward under ``none``: the recomputation."""
+        """FLOPs the backward spends beyond ``none``'s backward."""
         return max(0, self.bwd[mode].flops - self.bwd[Mode.NONE.value].flops) if Mode.NONE.value in self.bwd else 0
 
 
@@ -115,13 +110,6 @@ class Profile:
         kw["layers"] = [LayerProfile(**{**x, "fwd": costs(x["fwd"]), "bwd": costs(x["bwd"])}) for x in d["layers"]]
         return cls(**{"torch_version": "", **kw, "fixed": costs(d["fixed"])})
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Profile:
-        return cls.from_dict(json.loads(text))
-
     def describe(self) -> str:
         """A per-layer table of kept bytes, times and recomputed FLOPs per mode."""
         lines = [
@@ -135,19 +123,15 @@ class Profile:
         ]
         # Every column at least two characters wider than its longest header or name.
         name_w = max(16, max((len(layer.name) for layer in self.layers), default=0) + 2)
-        kept_w = {m: max(16, len(f"{m} kept") + 2) for m in self.modes}
-        ms_w = {m: max(14, len(f"{m} ms") + 2) for m in self.modes}
-        header = f"{'layer':<{name_w}}" + "".join(
-            f"{m + ' kept':>{kept_w[m]}}{m + ' ms':>{ms_w[m]}}" for m in self.modes
+        widths = {m: (max(16, len(m) + 7), max(14, len(m) + 5)) for m in self.modes}  # "<m> kept", "<m> ms"
+        lines.append(
+            f"{'layer':<{name_w}}" + "".join(f"{m + ' kept':>{k}}{m + ' ms':>{t}}" for m, (k, t) in widths.items())
         )
-        lines.append(header)
         for layer in self.layers:
-            row = f"{layer.name:<{name_w}}"
-            for m in self.modes:
-                row += (
-                    f"{format_bytes(layer.fwd[m].delta):>{kept_w[m]}}"
-                    f"{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{ms_w[m]}.3f}"
-                )
-            lines.append(row)
+            cells = (
+                f"{format_bytes(layer.fwd[m].delta):>{k}}{1e3 * (layer.fwd[m].seconds + layer.bwd[m].seconds):>{t}.3f}"
+                for m, (k, t) in widths.items()
+            )
+            lines.append(f"{layer.name:<{name_w}}" + "".join(cells))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

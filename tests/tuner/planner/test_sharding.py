@@ -181,10 +181,10 @@ def test_sharding_for_reads_the_recipe_and_the_flags() -> None:
     assert sharding_for(_recipe(devices=8, num_nodes=4, strategy="ddp")) == Sharding("ddp", 32)
     assert sharding_for(_recipe(devices=8, num_nodes=1, strategy="auto")) == Sharding("ddp", 8)
     assert sharding_for(_recipe(devices=8, strategy="model_parallel"), world_size=64) == Sharding("model_parallel", 64)
-    declared = {
-        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-        "init_args": {"data_parallel_size": 16, "tensor_parallel_size": 1},
-    }
+    declared = SimpleNamespace(
+        class_path="lightning.pytorch.strategies.ModelParallelStrategy",
+        init_args={"data_parallel_size": 16, "tensor_parallel_size": 1},
+    )
     assert sharding_for(_recipe(devices=8, num_nodes=2, strategy=declared)) == Sharding("model_parallel", 16)
 
 
@@ -197,12 +197,12 @@ def test_sharding_for_reads_the_recipe_and_the_flags() -> None:
         ({"strategy": "deepspeed", "devices": 2}, {}, "trainer.strategy: the planner cannot predict 'deepspeed'"),
         ({}, {"world_size": 4, "strategy": "zero3"}, "--strategy: the planner cannot predict 'zero3'; valid: ddp"),
         (
-            {"strategy": {"class_path": "my.Strategy", "init_args": {}}, "devices": 2},
+            {"strategy": SimpleNamespace(class_path="my.Strategy", init_args={}), "devices": 2},
             {},
             "cannot predict my.Strategy",
         ),
         (
-            {"strategy": {"class_path": "ModelParallelStrategy", "init_args": {"tensor_parallel_size": 2}}},
+            {"strategy": SimpleNamespace(class_path="ModelParallelStrategy", init_args={"tensor_parallel_size": 2})},
             {"world_size": 8},
             "tensor_parallel_size 2 is not modelled",
         ),
