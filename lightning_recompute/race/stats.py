@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["Interval", "Spread", "paired_ratio", "spread"]
 
@@ -82,11 +81,6 @@ class Interval:
     def gain(self) -> tuple[float, float, float]:
         """``a``'s throughput over ``b``'s, less 1, with the interval: ``(gain, low, high)``."""
         return self.ratio - 1.0, self.low - 1.0, self.high - 1.0
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Interval:
-        """From `dataclasses.asdict` of one; unknown keys (older records) are ignored."""
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95) -> Interval:
