@@ -1,33 +1,31 @@
-"""The race's schedule: which entrant runs the next step, and what the rounds have decided.
+"""The race's schedule: which entrant runs the next step, and what the rounds have decided; and `RaceCallback`,
+which feeds it a fit's steps (shared by the trial worker's race, `race.engine`, and `AutoRecompute`).
 
-Pure bookkeeping over the step times and peaks it is given, shared by the trial worker's race (`race.engine`)
-and `lightning_recompute.auto`. A round runs each entrant once (a settling step, then ``steps`` timed steps)
-in an order rotated by one place per round; selection races every entrant until the leader is separated,
-then estimation races the winner against the references for the "vs" figures (see docs/TUNER.md, 'The race').
+A round runs each entrant once (a settling step, then ``steps`` timed steps) in an order rotated by one place
+per round; selection races every entrant until the leader is separated, then estimation races the winner
+against the references for the "vs" figures (see docs/TUNER.md, 'The race').
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
-from lightning_recompute import RecomputePolicy
+import lightning as L
+
+from lightning_recompute import RecomputeCallback, RecomputePolicy
 from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.result import RaceEntrant, RaceResult, Stop
 from lightning_recompute.race.rule import Standing, stand, verdict
 from lightning_recompute.race.stats import Interval, paired_ratio
 
-if TYPE_CHECKING:
-    import lightning as L
-
-    from lightning_recompute import RecomputeCallback, StepRecord
-
-__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "RaceSchedule", "RoundReport", "Stop", "Turn"]
+__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "RaceCallback", "RaceSchedule", "RoundReport", "Stop", "Turn"]
 
 ESTIMATE_SHARE = 0.4
 """Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
@@ -69,8 +67,8 @@ class _Entrant:
 class RaceSchedule:
     """The turns of a race and its decision, fed one measured step at a time.
 
-    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy (`put_on`); ``record(turn, seconds,
-    peak)``; repeat until `next_turn` returns ``None``; then `winner` and `result`.
+    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy; ``record(turn, seconds, peak)``; repeat
+    until `next_turn` returns ``None``; then `winner` and `result`.
 
     Args:
         entrants: ``(key, policy, short)`` per candidate, at least one; the first runs the warm-up.
@@ -129,19 +127,6 @@ class RaceSchedule:
                 self.over = True
                 return None
         return self.turns.popleft()
-
-    def put_on(self, turn: Turn, callback: RecomputeCallback, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Switch ``callback`` to ``turn``'s policy (when another is on) and meter the step when the turn says so."""
-        policy = self.entrants[turn.key].policy
-        if policy.fingerprint() != callback.policy.fingerprint():
-            callback.switch_policy(pl_module, policy)
-        callback.memory_steps = frozenset({trainer.global_step}) if turn.metered else frozenset()
-
-    def check(self, turn: Turn, record: StepRecord) -> None:
-        """Raise when the step filed as ``turn``'s ran under another policy."""
-        expected = self.entrants[turn.key].policy.fingerprint()
-        if record.policy != expected:
-            raise RuntimeError(f"race: step {record.step} ran policy {record.policy}, but the turn was {expected}")
 
     def record(
         self,
@@ -350,3 +335,64 @@ class RaceSchedule:
             machine_before=self.machine_before,
             machine_after=machine_state(self.device),
         )
+
+
+class RaceCallback(RecomputeCallback):
+    """A `RecomputeCallback` that runs `schedule`'s turns, one optimizer step each, then calls `_over` (by
+    default: training stops)."""
+
+    schedule: RaceSchedule | None = None
+    turn: Turn | None = None
+    tuning_steps = 0
+    """Optimizer steps filed with the schedule."""
+    _turn_step = -1
+    _retried = False
+    """The step ran again under another entrant (`AutoRecompute`'s out-of-memory retry): its time is no one's."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.schedule is not None:
+            self._advance(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        turn, schedule = self.turn, self.schedule
+        if schedule is None or turn is None:
+            return
+        if not self._retried:
+            last, expected = self.records[-1], schedule.entrants[turn.key].policy.fingerprint()
+            if last.policy != expected:
+                raise RuntimeError(f"race: step {last.step} ran policy {last.policy}, but the turn was {expected}")
+            if trainer.global_step == self._turn_step:
+                return  # gradient accumulation: the optimizer step is not over; switch only between steps
+            # One optimizer step: its micro-batches' times added, the largest peak kept.
+            step = list(itertools.takewhile(lambda r: r.step == self._turn_step, reversed(self.records)))[::-1]
+            peaks = [r.peak_bytes for r in step if r.peak_bytes is not None]
+            tokens = [r.tokens for r in step if r.tokens is not None]
+            self.tuning_steps += 1
+            schedule.record(
+                turn,
+                sum(r.seconds for r in step),
+                max(peaks) if peaks else None,
+                tokens=sum(tokens) if tokens else None,
+                samples=sum(r.samples for r in step) or None,
+            )
+        self._retried = False
+        self._advance(trainer, pl_module)
+
+    def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Put the next turn's policy on (metering the step when the turn says so), or `_over` at the race's end."""
+        assert self.schedule is not None
+        self.turn = self.schedule.next_turn()
+        self._turn_step = trainer.global_step
+        if self.turn is None:
+            self._over(trainer, pl_module)
+            return
+        policy = self.schedule.entrants[self.turn.key].policy
+        if policy.fingerprint() != self.policy.fingerprint():
+            self.switch_policy(pl_module, policy)
+        self.memory_steps = frozenset({trainer.global_step}) if self.turn.metered else frozenset()
+
+    def _over(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.should_stop = True
