@@ -41,8 +41,7 @@ AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimat
 
 @dataclasses.dataclass(frozen=True)
 class AutoDecision:
-    """What the job settled on (`Candidate.label`: where it came from; the summary as logged), kept in the
-    callback's checkpoint state."""
+    """What the job settled on and why (as logged), kept in the callback's checkpoint state."""
 
     policy: RecomputePolicy
     short: str
@@ -337,9 +336,8 @@ class AutoRecompute(RaceCallback):
     def _after_oom(self, pl_module: L.LightningModule, err: BaseException) -> bool:
         """Drop the candidate that ran out of memory and put on the safest left; ``False``: none left."""
         schedule, turn = self.schedule, self.turn
-        if schedule is None or turn is None:
-            return False
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        assert schedule is not None and turn is not None  # the retry is installed while the race runs
+        first_line = (str(err).strip() or type(err).__name__).splitlines()[0]
         schedule.knock_out(turn.key, f"out of memory: {first_line[:200]}")
         if not schedule.alive():
             return False
@@ -412,15 +410,13 @@ def _record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, 
             policy.with_tuned_for(tuned).save(auto.output)
         except OSError as err:
             rank_zero_warn(f"AutoRecompute: could not write the policy file {auto.output}: {err}")
-    target: tuple[str, str, str | None] | None = None
+    loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
     if auto.tracking_uri is not None:
-        target = auto.tracking_uri, auto.experiment or "auto-recompute", None
-    for logger in trainer.loggers if target is None else ():
-        if isinstance(logger, MLFlowLogger):
-            experiment = auto.experiment or logger.experiment.get_experiment(logger.experiment_id).name
-            target = logger.experiment.tracking_uri, experiment, logger.run_id
-            break
-    if target is None:
+        target: tuple[str, str, str | None] = auto.tracking_uri, auto.experiment or "auto-recompute", None
+    elif loggers:
+        experiment = auto.experiment or loggers[0].experiment.get_experiment(loggers[0].experiment_id).name
+        target = loggers[0].experiment.tracking_uri, experiment, loggers[0].run_id
+    else:
         return
     try:
         # The service's writer, through an entry point: the library imports neither it nor its dependencies.
