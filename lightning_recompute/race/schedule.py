@@ -35,19 +35,19 @@ MIN_ESTIMATE_ROUNDS = 8
 
 @dataclass(frozen=True)
 class Turn:
-    """One training step of the race: whose, and whether it is timed (not a settling step) and metered."""
+    """One training step of the race: whose, whether timed (not a settling step) and metered, in which phase
+    (``warmup``, ``select`` or ``estimate``)."""
 
     key: str
     timed: bool
     metered: bool
     phase: str
-    """``warmup``, ``select`` or ``estimate``."""
 
 
 @dataclass(frozen=True)
 class RoundReport:
-    """What one process measured in a round: each entrant's time (the median of its timed steps), its
-    largest metered peak so far, and the seconds of selection by this process's clock."""
+    """One process's round: each entrant's time (the median of its timed steps) and largest peak so far, and
+    the seconds of selection by its clock."""
 
     times: dict[str, float]
     peaks: dict[str, int | None]
@@ -65,10 +65,8 @@ class _Entrant:
 
 
 class RaceSchedule:
-    """The turns of a race and its decision, fed one measured step at a time.
-
-    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy; ``record(turn, seconds, peak)``; repeat
-    until `next_turn` returns ``None``; then `winner` and `result`.
+    """The turns of a race and its decision: ``turn = next_turn()``, run a step under ``turn.key``'s policy,
+    ``record(turn, seconds, peak)``, until `next_turn` returns ``None``; then `winner` and `result`.
 
     Args:
         entrants: ``(key, policy, short)`` per candidate, at least one; the first runs the warm-up.
@@ -77,9 +75,8 @@ class RaceSchedule:
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
         agree: what several processes racing together take from each one's round (rank 0's times, the largest
-            peak; ``None``: one process); with it an entrant over the limit is out at the round's end, so no rank
-            skips a turn.
-        device: whose state (`machine_state`) the result records, from now to the race's end.
+            peak); with it an entrant over the limit is out at the round's end, so no rank skips a turn.
+        device: whose state (`machine_state`) the result records.
     """
 
     def __init__(
@@ -304,15 +301,10 @@ class RaceSchedule:
                 vs[ref] = paired_ratio(*zip(*pairs, strict=True), confidence=self.plan.confidence)
         entrants = {
             k: RaceEntrant(
-                key=k,
-                short=e.short,
+                **{**vars(e), "policy": e.policy.to_dict()},
                 labels=tuple((labels or {}).get(k, ())),
-                peak_bytes=e.peak_bytes,
-                out=e.out,
-                dropped=e.dropped,
                 select_s=tuple(r.get(k) for r in self.select_rounds),
                 estimate_s=tuple(r.get(k) for r in self.estimate_rounds),
-                policy=e.policy.to_dict(),
             )
             for k, e in self.entrants.items()
         }
