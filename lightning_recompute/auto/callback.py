@@ -146,20 +146,18 @@ class AutoRecompute(RaceCallback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        accumulating, ranks = int(trainer.accumulate_grad_batches) > 1, int(trainer.world_size)
+        refused = None
+        if int(trainer.world_size) > 1:
+            refused = "several ranks (a rank retrying while the others wait in a collective would hang the job)"
+        elif int(trainer.accumulate_grad_batches) > 1:
+            refused = (
+                f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}): a step cannot "
+                f"be run again from its last micro-batch alone"
+            )
         if self.catch_oom is None:
-            self.catch_oom = _meters_every_step(pl_module) and ranks == 1 and not accumulating
-        elif self.catch_oom and ranks > 1:
-            raise RecomputeError(
-                "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
-                "collective would hang the job); leave it None or False"
-            )
-        elif self.catch_oom and accumulating:
-            raise RecomputeError(
-                f"AutoRecompute catch_oom=True: not with gradient accumulation (accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}): a step cannot be run again from its last micro-batch alone; "
-                f"leave it None or False"
-            )
+            self.catch_oom = _meters_every_step(pl_module) and refused is None
+        elif self.catch_oom and refused:
+            raise RecomputeError(f"AutoRecompute catch_oom=True: not with {refused}; leave it None or False")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.decision is not None:  # restored from a checkpoint: no tuning again

@@ -1,8 +1,5 @@
-"""Which policies a training job races: the planner's, from a profile of the job's own first batch.
-
-The profile leaves the job exactly as it was: parameters, buffers, gradients, random generators, the job's
-optimizer (the profile steps a fresh one like it) and its logged metrics.
-"""
+"""Which policies a training job races: the planner's, from a profile of the job's own first batch that leaves
+the job as it was (docs/AUTO.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import statistics
 from collections.abc import Mapping, Sequence
@@ -16,16 +15,8 @@ from lightning_recompute.race.stats import Interval
 __all__ = ["RaceEntrant", "RaceResult", "Stop", "format_gain"]
 
 
-class Stop(str, enum.Enum):
-    """Why the selection stopped (`RaceResult.stopped`; in words with the figures: `RaceResult.stop`)."""
-
-    SEPARATED = "separated"
-    ONE_LEFT = "one_left"
-    NONE_LEFT = "none_left"
-    MOST_ROUNDS = "most_rounds"
-    TIME = "time"
-    BUDGET = "budget"
-    ENDED = "ended"
+Stop = Literal["separated", "one_left", "none_left", "most_rounds", "time", "budget", "ended"]
+"""Why the selection stopped (`RaceResult.stopped`; in words with the figures: `RaceResult.stop`)."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +160,6 @@ class RaceResult:
         values["entrants"] = {k: RaceEntrant(**_fields(RaceEntrant, e)) for k, e in values.get("entrants", {}).items()}
         for name in ("behind", "vs"):
             values[name] = {k: Interval(**_fields(Interval, v)) for k, v in values.get(name, {}).items()}
-        values["stopped"] = Stop(values["stopped"]) if values.get("stopped") else None
         return cls(**values)
 
     @classmethod

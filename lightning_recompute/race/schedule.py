@@ -166,7 +166,7 @@ class RaceSchedule:
         if self.phase == "select" and all(self.round_times.get(k) for k in self._contenders()):
             self._close_round()
         if self.phase != "estimate":
-            self._stop(Stop.ENDED, f"{reason} after {len(self.select_rounds)} selection rounds")
+            self._stop("ended", f"{reason} after {len(self.select_rounds)} selection rounds")
             self._decide()
         self.turns.clear()
         self.round_times = {}
@@ -229,11 +229,11 @@ class RaceSchedule:
     def _selection_over(self) -> bool:
         alive, rounds, plan = self._contenders(), len(self.select_rounds), self.plan
         if len(alive) < 2:
-            return self._stop(*((Stop.ONE_LEFT, "one entrant left") if alive else (Stop.NONE_LEFT, "no entrant left")))
+            return self._stop("one_left", "one entrant left") if alive else self._stop("none_left", "no entrant left")
         if rounds >= plan.max_rounds:
-            return self._stop(Stop.MOST_ROUNDS, f"{rounds} rounds (the most allowed)")
+            return self._stop("most_rounds", f"{rounds} rounds (the most allowed)")
         if rounds >= 2 and self.elapsed_s >= plan.time_s:
-            return self._stop(Stop.TIME, f"time budget of {plan.time_s:g} s spent after {rounds} rounds")
+            return self._stop("time", f"time budget of {plan.time_s:g} s spent after {rounds} rounds")
         total = plan.total_s
         # Never below min_rounds: with fewer no interval reaches the confidence (a tight budget is overspent).
         if rounds >= max(2, plan.min_rounds) and total is not None:
@@ -246,13 +246,13 @@ class RaceSchedule:
                     why = f"overspent to run the race's fewest rounds, {rounds}"
                 else:  # the last round was slower than the pace expected
                     why = f"overspent by the last of {rounds} rounds, slower than the ones before"
-                return self._stop(Stop.BUDGET, f"race budget of {total:.0f} s {why}")
+                return self._stop("budget", f"race budget of {total:.0f} s {why}")
         if rounds >= plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=plan.stop_confidence)
             level = f"{plan.stop_confidence:.0%}"
             if len(early.beaten()) == len(alive) - 1:
                 why = f"leader separated from every other entrant at {level} after {rounds} rounds"
-                return self._stop(Stop.SEPARATED, why)
+                return self._stop("separated", why)
             # F-Race: an entrant beaten with confidence stops costing rounds.
             for key in early.beaten():
                 leader = self.entrants[early.leader].short
