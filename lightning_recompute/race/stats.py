@@ -68,10 +68,6 @@ class Interval:
     confidence: float
     """The interval's coverage: the confidence asked for, or less when too few rounds allow no more."""
 
-    @property
-    def excludes_one(self) -> bool:
-        return self.low > 1.0 or self.high < 1.0
-
     def gain(self) -> tuple[float, float, float]:
         """``a``'s throughput over ``b``'s, less 1, with the interval: ``(gain, low, high)``."""
         return self.ratio - 1.0, self.low - 1.0, self.high - 1.0
