@@ -383,16 +383,12 @@ def _step_start(module: L.LightningModule) -> Callable[[], None]:
 
 
 def agree_across_ranks(report: RoundReport) -> RoundReport:
-    """Rank 0's times and clock and the largest peak any rank measured, agreed at a round's end.
-
-    One ``all_gather_object``: every rank must call it at the same round.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return report
+    """Rank 0's times and clock and the largest peak any rank measured (one ``all_gather_object``: every rank
+    calls it at the same round's end)."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dataclasses.asdict(report))
-    peaks = {k: max((p for g in gathered if (p := g["peaks"].get(k)) is not None), default=None) for k in report.peaks}
-    return RoundReport(times=dict(gathered[0]["times"]), peaks=peaks, elapsed_s=float(gathered[0]["elapsed_s"]))
+    dist.all_gather_object(gathered, report)
+    peaks = {k: max((p for g in gathered if (p := g.peaks.get(k)) is not None), default=None) for k in report.peaks}
+    return dataclasses.replace(gathered[0], peaks=peaks)
 
 
 def _record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

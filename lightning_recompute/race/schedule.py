@@ -193,10 +193,10 @@ class RaceSchedule:
             agreed = self.agree(RoundReport(times=times, peaks=peaks, elapsed_s=self.elapsed_s))
             self.elapsed_s = agreed.elapsed_s
             for k, peak in agreed.peaks.items():
-                if k in self.entrants and peak is not None:
+                if peak is not None:
                     self.entrants[k].peak_bytes = peak
                     self._check_limit(self.entrants[k])
-            times = {k: v for k, v in agreed.times.items() if k in self.entrants and self.entrants[k].out is None}
+            times = {k: v for k, v in agreed.times.items() if self.entrants[k].out is None}
         (self.select_rounds if self.phase == "select" else self.estimate_rounds).append(times)
 
     def _next_round(self) -> bool:
