@@ -1,6 +1,4 @@
-"""Tuning inside the training job: `AutoRecompute` races the planner's candidates on the job's first steps
-(every one a training step) and trains on with the winner. See docs/AUTO.md.
-"""
+"""Tuning inside the training job, on its first steps (docs/AUTO.md)."""
 
 from __future__ import annotations
 

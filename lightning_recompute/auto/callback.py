@@ -1,14 +1,10 @@
-"""`AutoRecompute`: tune the recompute policy inside the training job, on its first steps.
-
-Every tuning step is a training step; see docs/AUTO.md.
-"""
+"""`AutoRecompute`: tune the recompute policy inside the training job, on its first steps (docs/AUTO.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import gc
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -21,15 +17,15 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy
-from lightning_recompute.auto.candidates import Candidate, find_candidates
+from lightning_recompute import RecomputePolicy
+from lightning_recompute.auto.candidates import PROFILED_STRATEGIES, Candidate, planner_candidates, profile_in_job
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.layers import LayerSpec
+from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.meter import cpu_memory_limit
-from lightning_recompute.modes import Mode
+from lightning_recompute.modes import MODES, Mode
 from lightning_recompute.policy import PolicyLike
 from lightning_recompute.race import RacePlan, RaceResult
-from lightning_recompute.race.schedule import RaceSchedule, RoundReport, Turn
+from lightning_recompute.race.schedule import RaceCallback, RaceSchedule, RoundReport
 from lightning_recompute.sources import as_policy
 from lightning_recompute.tuned_for import TunedFor
 from lightning_recompute.units import format_bytes, parse_bytes
@@ -45,8 +41,7 @@ AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimat
 
 @dataclasses.dataclass(frozen=True)
 class AutoDecision:
-    """What the job settled on (`Candidate.label`: where it came from; the summary as logged), kept in the
-    callback's checkpoint state."""
+    """What the job settled on and why (as logged), kept in the callback's checkpoint state."""
 
     policy: RecomputePolicy
     short: str
@@ -63,7 +58,7 @@ class AutoDecision:
         )
 
 
-class AutoRecompute(RecomputeCallback):
+class AutoRecompute(RaceCallback):
     """Find the fastest recompute policy that fits ``budget`` inside the training job, then train with it.
 
     At the first batch the planner's candidates that fit the limit race, one per optimizer step, and the
@@ -137,16 +132,11 @@ class AutoRecompute(RecomputeCallback):
         self.candidates: list[Candidate] = []
         self.notes: list[str] = []
         """What the tuning noticed (planner notes, a dropped candidate, an out-of-memory retry)."""
-        self.schedule: RaceSchedule | None = None
         self.decision: AutoDecision | None = None
         self.race_result: RaceResult | None = None
-        self.tuning_steps = 0
         self.record_run_id: str | None = None
-        self._turn: Turn | None = None
-        self._turn_step = -1
         self._rewind: Callable[[], None] | None = None
         """Sets the random generators and buffers back to the step's start (with ``catch_oom``)."""
-        self._retried = False
         self._guarded: Callable[..., Any] | None = None
 
     @property
@@ -156,20 +146,18 @@ class AutoRecompute(RecomputeCallback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        accumulating, ranks = int(trainer.accumulate_grad_batches) > 1, int(trainer.world_size)
+        refused = None
+        if int(trainer.world_size) > 1:
+            refused = "several ranks (a rank retrying while the others wait in a collective would hang the job)"
+        elif int(trainer.accumulate_grad_batches) > 1:
+            refused = (
+                f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches}): a step cannot "
+                f"be run again from its last micro-batch alone"
+            )
         if self.catch_oom is None:
-            self.catch_oom = _meters_every_step(pl_module) and ranks == 1 and not accumulating
-        elif self.catch_oom and ranks > 1:
-            raise RecomputeError(
-                "AutoRecompute catch_oom=True: not with several ranks (a rank retrying while the others wait in a "
-                "collective would hang the job); leave it None or False"
-            )
-        elif self.catch_oom and accumulating:
-            raise RecomputeError(
-                f"AutoRecompute catch_oom=True: not with gradient accumulation (accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}): a step cannot be run again from its last micro-batch alone; "
-                f"leave it None or False"
-            )
+            self.catch_oom = _meters_every_step(pl_module) and refused is None
+        elif self.catch_oom and refused:
+            raise RecomputeError(f"AutoRecompute catch_oom=True: not with {refused}; leave it None or False")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.decision is not None:  # restored from a checkpoint: no tuning again
@@ -187,38 +175,10 @@ class AutoRecompute(RecomputeCallback):
                 self._rewind = _step_start(pl_module)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        turn, schedule = self._turn, self.schedule
-        if self.decision is not None or schedule is None or turn is None:
-            return
-        if self._retried:  # the step ran again under another candidate: its time is no one's
-            self._retried = False
-            self._advance(trainer, pl_module)
-            return
-        schedule.check(turn, self.records[-1])
-        if trainer.global_step == self._turn_step:
-            return  # gradient accumulation: the optimizer step is not over; switch only between steps
-        # One optimizer step: its micro-batches' times added, the largest peak kept.
-        step = list(itertools.takewhile(lambda r: r.step == self._turn_step, reversed(self.records)))[::-1]
-        peaks = [r.peak_bytes for r in step if r.peak_bytes is not None]
-        tokens = [r.tokens for r in step if r.tokens is not None]
-        self.tuning_steps += 1
-        schedule.record(
-            turn,
-            sum(r.seconds for r in step),
-            max(peaks) if peaks else None,
-            tokens=sum(tokens) if tokens else None,
-            samples=sum(r.samples for r in step) or None,
-        )
-        self._advance(trainer, pl_module)
-
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.decision is None and self.schedule is not None:
             self.schedule.finish("the job ended")
-            self._settle(trainer, pl_module)
+            self._over(trainer, pl_module)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop_retrying(pl_module)
@@ -229,18 +189,7 @@ class AutoRecompute(RecomputeCallback):
         payload: tuple[list[Candidate], list[str]] | str | None = None
         if trainer.is_global_zero:
             try:
-                payload = find_candidates(
-                    trainer,
-                    pl_module,
-                    batch,
-                    layers=self.layers,
-                    given=self.given,
-                    modes=self.modes,
-                    limit_bytes=self.limit_bytes,
-                    free_grads_at_batch_start=self.grad_freeing is not None and self.grad_freeing.enabled,
-                    repeats=self.profile_repeats,
-                    max_candidates=self.max_candidates,
-                )
+                payload = self._find_candidates(trainer, pl_module, batch)
             except Exception as err:  # sent to every rank and raised there
                 if trainer.world_size == 1:
                     raise
@@ -274,16 +223,51 @@ class AutoRecompute(RecomputeCallback):
             self._install_retry(pl_module)
         self._advance(trainer, pl_module)
 
-    def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        assert self.schedule is not None
-        self._turn = self.schedule.next_turn()
-        self._turn_step = trainer.global_step
-        if self._turn is None:
-            self._settle(trainer, pl_module)
-        else:
-            self.schedule.put_on(self._turn, self, trainer, pl_module)
+    def _find_candidates(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any
+    ) -> tuple[list[Candidate], list[str]]:
+        """What the job races, safest first, and notes: the given policies; else the planner's; the uniform
+        policies of ``modes`` where the model is sharded or the profile fails."""
+        names = layer_names(pl_module, self.layers)
+        if self.given is not None:
+            given: dict[str, Candidate] = {}
+            for i, p in enumerate(self.given):
+                given.setdefault(p.fingerprint(), Candidate(p, p.short(names), f"given:{i}"))
+            return list(given.values()), []
+        saving = {s.name: s.saving for s in MODES}
+        uniform = {
+            m: RecomputePolicy.uniform(m) for m in sorted(dict.fromkeys(self.modes), key=lambda m: -saving.get(m, 0))
+        }
+        baselines = [Candidate(p, p.short(names), f"baseline:{m}") for m, p in uniform.items()]
+        strategy = type(trainer.strategy).__name__
+        if strategy not in PROFILED_STRATEGIES:
+            return baselines, [
+                f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
+            ]
+        freeing = self.grad_freeing is not None and self.grad_freeing.enabled
+        try:
+            profile = profile_in_job(
+                trainer,
+                pl_module,
+                batch,
+                layers=self.layers,
+                modes=self.modes,
+                free_grads_at_batch_start=freeing,
+                repeats=self.profile_repeats,
+            )
+            found, note = planner_candidates(profile, self.limit_bytes, self.modes, self.max_candidates)
+        except (RecomputeError, torch.OutOfMemoryError) as err:
+            return baselines, [
+                f"profiling the first batch failed ({type(err).__name__}: {err}); racing uniform policies"
+            ]
+        notes = [
+            f"the first batch does not fit with every layer in {m}: that mode was profiled in {k} steps, each with a "
+            f"group of layers in it and the rest full"
+            for m, k in profile.split.items()
+        ]
+        return found, [*notes, note] if note else notes
 
-    def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _over(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Switch to the race's winner for the rest of training, say so, and record it."""
         assert self.schedule is not None
         schedule, winner = self.schedule, self.schedule.winner
@@ -307,7 +291,7 @@ class AutoRecompute(RecomputeCallback):
             _record_decision(self, result, trainer, pl_module)
 
     def _after_tuning(self, pl_module: L.LightningModule) -> None:
-        self._turn = None
+        self.turn = None
         self._stop_retrying(pl_module)
         # CUDA's allocator statistics are free; the CPU ledger costs a Python call per op, so it stays off.
         self.memory_steps = None if pl_module.device.type == "cuda" else frozenset()
@@ -349,10 +333,9 @@ class AutoRecompute(RecomputeCallback):
 
     def _after_oom(self, pl_module: L.LightningModule, err: BaseException) -> bool:
         """Drop the candidate that ran out of memory and put on the safest left; ``False``: none left."""
-        schedule, turn = self.schedule, self._turn
-        if schedule is None or turn is None or self.decision is not None:
-            return False
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        schedule, turn = self.schedule, self.turn
+        assert schedule is not None and turn is not None  # the retry is installed while the race runs
+        first_line = (str(err).strip() or type(err).__name__).splitlines()[0]
         schedule.knock_out(turn.key, f"out of memory: {first_line[:200]}")
         if not schedule.alive():
             return False
@@ -400,16 +383,12 @@ def _step_start(module: L.LightningModule) -> Callable[[], None]:
 
 
 def agree_across_ranks(report: RoundReport) -> RoundReport:
-    """Rank 0's times and clock and the largest peak any rank measured, agreed at a round's end.
-
-    One ``all_gather_object``: every rank must call it at the same round.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return report
+    """Rank 0's times and clock and the largest peak any rank measured (one ``all_gather_object``: every rank
+    calls it at the same round's end)."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, dataclasses.asdict(report))
-    peaks = {k: max((p for g in gathered if (p := g["peaks"].get(k)) is not None), default=None) for k in report.peaks}
-    return RoundReport(times=dict(gathered[0]["times"]), peaks=peaks, elapsed_s=float(gathered[0]["elapsed_s"]))
+    dist.all_gather_object(gathered, report)
+    peaks = {k: max((p for g in gathered if (p := g.peaks.get(k)) is not None), default=None) for k in report.peaks}
+    return dataclasses.replace(gathered[0], peaks=peaks)
 
 
 def _record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -425,15 +404,13 @@ def _record_decision(auto: AutoRecompute, race: RaceResult, trainer: L.Trainer, 
             policy.with_tuned_for(tuned).save(auto.output)
         except OSError as err:
             rank_zero_warn(f"AutoRecompute: could not write the policy file {auto.output}: {err}")
-    target: tuple[str, str, str | None] | None = None
+    loggers = [logger for logger in trainer.loggers if isinstance(logger, MLFlowLogger)]
     if auto.tracking_uri is not None:
-        target = auto.tracking_uri, auto.experiment or "auto-recompute", None
-    for logger in trainer.loggers if target is None else ():
-        if isinstance(logger, MLFlowLogger):
-            experiment = auto.experiment or logger.experiment.get_experiment(logger.experiment_id).name
-            target = logger.experiment.tracking_uri, experiment, logger.run_id
-            break
-    if target is None:
+        target: tuple[str, str, str | None] = auto.tracking_uri, auto.experiment or "auto-recompute", None
+    elif loggers:
+        experiment = auto.experiment or loggers[0].experiment.get_experiment(loggers[0].experiment_id).name
+        target = loggers[0].experiment.tracking_uri, experiment, loggers[0].run_id
+    else:
         return
     try:
         # The service's writer, through an entry point: the library imports neither it nor its dependencies.

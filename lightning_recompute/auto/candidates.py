@@ -1,8 +1,5 @@
-"""Which policies a training job races: the planner's, from a profile of the job's own first batch.
-
-The profile leaves the job exactly as it was: parameters, buffers, gradients, random generators, the job's
-optimizer (the profile steps a fresh one like it) and its logged metrics.
-"""
+"""Which policies a training job races: the planner's, from a profile of the job's own first batch that leaves
+the job as it was (docs/AUTO.md)."""
 
 from __future__ import annotations
 
@@ -16,13 +13,11 @@ import torch
 from torch import nn
 
 from lightning_recompute import RecomputePolicy
-from lightning_recompute.errors import RecomputeError
-from lightning_recompute.layers import LayerSpec, layer_names
-from lightning_recompute.modes import MODES
+from lightning_recompute.layers import LayerSpec
 from lightning_recompute.planner import Planner
 from lightning_recompute.profile import Profile, profile_model
 
-__all__ = ["PROFILED_STRATEGIES", "Candidate", "find_candidates", "planner_candidates", "profile_in_job"]
+__all__ = ["PROFILED_STRATEGIES", "Candidate", "planner_candidates", "profile_in_job"]
 
 PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 """Where the first batch is profiled in the job: one device, or rank 0 of DDP. A sharded model gathers
@@ -134,53 +129,3 @@ def profile_in_job(
         pl_module.__dict__.pop("log_dict", None)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
-
-
-def find_candidates(
-    trainer: L.Trainer,
-    pl_module: L.LightningModule,
-    batch: Any,
-    *,
-    layers: LayerSpec,
-    given: Sequence[RecomputePolicy] | None,
-    modes: Sequence[str],
-    limit_bytes: int,
-    free_grads_at_batch_start: bool,
-    repeats: int,
-    max_candidates: int,
-) -> tuple[list[Candidate], list[str]]:
-    """What the job races, safest first, and notes: the given policies; else the planner's; the uniform
-    policies of ``modes`` where the model is sharded or the profile fails.
-    """
-    names = layer_names(pl_module, layers)
-    if given is not None:
-        found_given: dict[str, Candidate] = {}
-        for i, p in enumerate(given):
-            found_given.setdefault(p.fingerprint(), Candidate(p, p.short(names), f"given:{i}"))
-        return list(found_given.values()), []
-    saving = {s.name: s.saving for s in MODES}
-    uniform = {m: RecomputePolicy.uniform(m) for m in sorted(dict.fromkeys(modes), key=lambda m: -saving.get(m, 0))}
-    baselines = [Candidate(p, p.short(names), f"baseline:{m}") for m, p in uniform.items()]
-    strategy = type(trainer.strategy).__name__
-    if strategy not in PROFILED_STRATEGIES:
-        sharded = f"{strategy}: the model is sharded, so it is not profiled in the job; racing uniform policies"
-        return baselines, [sharded]
-    try:
-        profile = profile_in_job(
-            trainer,
-            pl_module,
-            batch,
-            layers=layers,
-            modes=modes,
-            free_grads_at_batch_start=free_grads_at_batch_start,
-            repeats=repeats,
-        )
-        found, note = planner_candidates(profile, limit_bytes, modes, max_candidates)
-    except (RecomputeError, torch.OutOfMemoryError) as err:
-        return baselines, [f"profiling the first batch failed ({type(err).__name__}: {err}); racing uniform policies"]
-    notes = [
-        f"the first batch does not fit with every layer in {m}: that mode was profiled in {k} steps, each with a "
-        f"group of layers in it and the rest full"
-        for m, k in profile.split.items()
-    ]
-    return found, [*notes, note] if note else notes

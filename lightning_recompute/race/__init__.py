@@ -1,8 +1,4 @@
-"""Deciding between candidate policies on evidence that survives a noisy machine: the race (docs/TUNER.md).
-
-The leading candidates run again, interleaved on one model in one process, round after round, until the leader
-is separated with confidence or time is spent; the winner's "vs" figures come from fresh rounds.
-"""
+"""Deciding between candidate policies on evidence that survives a noisy machine: the race (docs/TUNER.md)."""
 
 from __future__ import annotations
 

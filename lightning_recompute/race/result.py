@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_recompute.race.rule import recompute_strength
 from lightning_recompute.race.stats import Interval
 
 __all__ = ["RaceEntrant", "RaceResult", "Stop", "format_gain"]
 
 
-class Stop(str, enum.Enum):
-    """Why the selection stopped (`RaceResult.stopped`; the words with the figures: `RaceResult.stop`)."""
-
-    SEPARATED = "separated"
-    ONE_LEFT = "one_left"
-    NONE_LEFT = "none_left"
-    MOST_ROUNDS = "most_rounds"
-    TIME = "time"
-    BUDGET = "budget"
-    ENDED = "ended"
+Stop = Literal["separated", "one_left", "none_left", "most_rounds", "time", "budget", "ended"]
+"""Why the selection stopped (`RaceResult.stopped`; in words with the figures: `RaceResult.stop`)."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +37,6 @@ class RaceEntrant:
     estimate_s: tuple[float | None, ...] = ()
     policy: dict[str, Any] | None = None
     """Its policy (`RecomputePolicy.to_dict`), so a reader can run it again; ``None`` in older records."""
-
-    def median_s(self) -> float | None:
-        times = [t for t in (*self.select_s, *self.estimate_s) if t is not None]
-        return statistics.median(times) if times else None
 
     @property
     def label(self) -> str:
@@ -94,9 +82,7 @@ class RaceResult:
     machine_before: dict[str, Any] = field(default_factory=dict)
     machine_after: dict[str, Any] = field(default_factory=dict)
     trial_scale: float | None = None
-    """The lowest ratio of a trial's throughput (own process) to its race throughput, over entrants that
-    also ran as trials; ``None``: no entrant had a trial.
-    """
+    """The lowest ratio of an entrant's trial throughput (own process) to its race throughput (`calibrated`)."""
 
     @property
     def ok(self) -> bool:
@@ -107,10 +93,11 @@ class RaceResult:
         return "tokens/s" if self.tokens_per_step else "samples/s"
 
     def throughput(self, key: str) -> float | None:
+        """Its median step's tokens (else samples) per second."""
         entrant = self.entrants.get(key)
+        times = [t for t in (*entrant.select_s, *entrant.estimate_s) if t is not None] if entrant else []
         per_step = self.tokens_per_step or self.samples_per_step
-        t = entrant.median_s() if entrant is not None else None
-        return per_step / t if per_step and t else None
+        return per_step / statistics.median(times) if per_step and times else None
 
     def calibrated(self, trials: Mapping[str, float | None]) -> RaceResult:
         """This result with `trial_scale` from ``trials`` (fingerprint -> a trial's throughput)."""
@@ -121,8 +108,6 @@ class RaceResult:
         """``tie within noise: ...; chose ... (...)`` when the selection ended in a tie."""
         if len(self.tied) < 2 or self.winner is None:
             return None
-        from lightning_recompute.race.rule import recompute_strength
-
         win = self.entrants[self.winner]
         others = [self.entrants[k] for k in self.tied if k != self.winner]
         peaks = [e.peak_bytes for e in others if e.peak_bytes is not None]
@@ -170,14 +155,11 @@ class RaceResult:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
-        """The inverse of `to_dict`; unknown keys (from older records) are ignored."""
-        values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        values["entrants"] = {k: _entrant(e) for k, e in data.get("entrants", {}).items()}
+        """The inverse of `to_dict`; keys older records carry and this one does not are ignored."""
+        values = _fields(cls, data)
+        values["entrants"] = {k: RaceEntrant(**_fields(RaceEntrant, e)) for k, e in values.get("entrants", {}).items()}
         for name in ("behind", "vs"):
-            values[name] = {k: Interval.from_dict(v) for k, v in data.get(name, {}).items()}
-        values["tied"] = tuple(data.get("tied", ()))
-        values["unresolved"] = tuple(data.get("unresolved", ()))
-        values["stopped"] = Stop(data["stopped"]) if data.get("stopped") else None
+            values[name] = {k: Interval(**_fields(Interval, v)) for k, v in values.get(name, {}).items()}
         return cls(**values)
 
     @classmethod
@@ -187,18 +169,18 @@ class RaceResult:
         labels: Mapping[str, Sequence[str]],
         policies: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> RaceResult:
-        """The result of a race's worker payload (`to_dict`), with each entrant's labels and policy (fingerprint ->
-        dict)."""
+        """A race worker's payload (`to_dict`) with each entrant's labels and policy (fingerprint -> dict)."""
         race = cls.from_dict(res)
+        policies = policies or {}
         entrants = {
             k: dataclasses.replace(
-                e, labels=tuple(labels.get(k, ())), policy=dict(policies[k]) if policies and k in policies else e.policy
+                e, labels=tuple(labels.get(k, ())), policy=dict(policies[k]) if k in policies else e.policy
             )
             for k, e in race.entrants.items()
         }
         return dataclasses.replace(race, entrants=entrants)
 
 
-def _entrant(data: Mapping[str, Any]) -> RaceEntrant:
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    return RaceEntrant(**fields)
+def _fields(cls: Any, data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data``'s keys that are fields of the dataclass ``cls``, lists as tuples (JSON has no tuples)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in cls.__dataclass_fields__}

@@ -17,10 +17,8 @@ TIE_MARGIN = 0.03
 
 @dataclass(frozen=True)
 class Standing:
-    """The state of a race after some rounds: every other entrant's time over the leader's (above 1: slower).
-
-    An interval whose coverage is below ``confidence`` beats nobody and ties with nobody.
-    """
+    """Every other entrant's time over the leader's (above 1: slower); an interval whose coverage is below
+    ``confidence`` beats nobody and ties with nobody."""
 
     leader: str
     behind: dict[str, Interval]
@@ -33,8 +31,8 @@ class Standing:
         return [k for k, iv in self.behind.items() if iv.confidence >= self.confidence and iv.low > 1.0]
 
     def tied(self) -> list[str]:
-        """Entrants not beaten whose interval's upper end is within `tie_margin`: the interval, not the median,
-        since a tie claims the two train equally fast, which the race must have measured."""
+        """Entrants not beaten whose interval (not only the median: a tie claims what the race must have measured)
+        ends within `tie_margin`."""
         return [
             k
             for k, iv in self.behind.items()
@@ -50,15 +48,8 @@ class Standing:
 def stand(
     rounds: Sequence[Mapping[str, float]], entrants: Sequence[str], *, confidence: float, tie_margin: float = TIE_MARGIN
 ) -> Standing:
-    """The standing of ``entrants`` over ``rounds`` (each: entrant -> its time in that round).
-
-    The leader has the lowest median of its log time less the round's mean; each other is paired with it.
-
-    Raises:
-        ValueError: no entrant, or an entrant with fewer than 2 rounds beside the leader.
-    """
-    if not entrants:
-        raise ValueError("a race needs at least one entrant")
+    """The standing of ``entrants`` over ``rounds`` (entrant -> time): the leader has the lowest median of its
+    log time less the round's mean; each other is paired with it (`ValueError` below 2 rounds beside it)."""
     rel: dict[str, list[float]] = {k: [] for k in entrants}
     for times in rounds:
         present = [k for k in entrants if k in times]
@@ -78,7 +69,6 @@ def stand(
 
 
 _STRENGTH = {s.glyph: s.recompute for s in MODES}
-"""How much a layer's mode recomputes, by its glyph (`ModeSpec.recompute`)."""
 _FULL = next(s.glyph for s in MODES if s.name == Mode.FULL.value)
 
 
@@ -103,10 +93,8 @@ def verdict(
     confidence: float,
     tie_margin: float = TIE_MARGIN,
 ) -> tuple[Standing | None, list[str], str | None]:
-    """The selection's outcome: ``(standing, tied, winner)``; ``winner`` is `tie_break` of ``tied``.
-
-    With one entrant (or fewer than 2 rounds) it wins alone with no standing; with none, nobody wins.
-    """
+    """``(standing, tied, winner)``, ``winner`` the `tie_break` of ``tied``; one entrant (or fewer than 2 rounds)
+    wins alone, with no standing."""
     if not entrants:
         return None, [], None
     if len(entrants) == 1 or len(rounds) < 2:

@@ -1,33 +1,31 @@
-"""The race's schedule: which entrant runs the next step, and what the rounds have decided.
+"""The race's schedule: which entrant runs the next step, and what the rounds have decided; and `RaceCallback`,
+which feeds it a fit's steps (shared by the trial worker's race, `race.engine`, and `AutoRecompute`).
 
-Pure bookkeeping over the step times and peaks it is given, shared by the trial worker's race (`race.engine`)
-and `lightning_recompute.auto`. A round runs each entrant once (a settling step, then ``steps`` timed steps)
-in an order rotated by one place per round; selection races every entrant until the leader is separated,
-then estimation races the winner against the references for the "vs" figures (see docs/TUNER.md, 'The race').
+A round runs each entrant once (a settling step, then ``steps`` timed steps) in an order rotated by one place
+per round; selection races every entrant until the leader is separated, then estimation races the winner
+against the references for the "vs" figures (see docs/TUNER.md, 'The race').
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
-from lightning_recompute import RecomputePolicy
+import lightning as L
+
+from lightning_recompute import RecomputeCallback, RecomputePolicy
 from lightning_recompute.race.machine import machine_state
 from lightning_recompute.race.plan import RacePlan
 from lightning_recompute.race.result import RaceEntrant, RaceResult, Stop
 from lightning_recompute.race.rule import Standing, stand, verdict
 from lightning_recompute.race.stats import Interval, paired_ratio
 
-if TYPE_CHECKING:
-    import lightning as L
-
-    from lightning_recompute import RecomputeCallback, StepRecord
-
-__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "RaceSchedule", "RoundReport", "Stop", "Turn"]
+__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "RaceCallback", "RaceSchedule", "RoundReport", "Stop", "Turn"]
 
 ESTIMATE_SHARE = 0.4
 """Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
@@ -37,19 +35,19 @@ MIN_ESTIMATE_ROUNDS = 8
 
 @dataclass(frozen=True)
 class Turn:
-    """One training step of the race: whose, and whether it is timed (not a settling step) and metered."""
+    """One training step of the race: whose, whether timed (not a settling step) and metered, in which phase
+    (``warmup``, ``select`` or ``estimate``)."""
 
     key: str
     timed: bool
     metered: bool
     phase: str
-    """``warmup``, ``select`` or ``estimate``."""
 
 
 @dataclass(frozen=True)
 class RoundReport:
-    """What one process measured in a round: each entrant's time (the median of its timed steps), its
-    largest metered peak so far, and the seconds of selection by this process's clock."""
+    """One process's round: each entrant's time (the median of its timed steps) and largest peak so far, and
+    the seconds of selection by its clock."""
 
     times: dict[str, float]
     peaks: dict[str, int | None]
@@ -67,10 +65,8 @@ class _Entrant:
 
 
 class RaceSchedule:
-    """The turns of a race and its decision, fed one measured step at a time.
-
-    Use: ``turn = next_turn()``; run a step under ``turn.key``'s policy (`put_on`); ``record(turn, seconds,
-    peak)``; repeat until `next_turn` returns ``None``; then `winner` and `result`.
+    """The turns of a race and its decision: ``turn = next_turn()``, run a step under ``turn.key``'s policy,
+    ``record(turn, seconds, peak)``, until `next_turn` returns ``None``; then `winner` and `result`.
 
     Args:
         entrants: ``(key, policy, short)`` per candidate, at least one; the first runs the warm-up.
@@ -79,9 +75,8 @@ class RaceSchedule:
         meter_every_step: meter every step (CUDA, where it is free), not only first visits.
         clock: seconds, for the selection's time budget.
         agree: what several processes racing together take from each one's round (rank 0's times, the largest
-            peak; ``None``: one process); with it an entrant over the limit is out at the round's end, so no rank
-            skips a turn.
-        device: whose state (`machine_state`) the result records, from now to the race's end.
+            peak); with it an entrant over the limit is out at the round's end, so no rank skips a turn.
+        device: whose state (`machine_state`) the result records.
     """
 
     def __init__(
@@ -130,19 +125,6 @@ class RaceSchedule:
                 return None
         return self.turns.popleft()
 
-    def put_on(self, turn: Turn, callback: RecomputeCallback, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Switch ``callback`` to ``turn``'s policy (when another is on) and meter the step when the turn says so."""
-        policy = self.entrants[turn.key].policy
-        if policy.fingerprint() != callback.policy.fingerprint():
-            callback.switch_policy(pl_module, policy)
-        callback.memory_steps = frozenset({trainer.global_step}) if turn.metered else frozenset()
-
-    def check(self, turn: Turn, record: StepRecord) -> None:
-        """Raise when the step filed as ``turn``'s ran under another policy."""
-        expected = self.entrants[turn.key].policy.fingerprint()
-        if record.policy != expected:
-            raise RuntimeError(f"race: step {record.step} ran policy {record.policy}, but the turn was {expected}")
-
     def record(
         self,
         turn: Turn,
@@ -184,7 +166,7 @@ class RaceSchedule:
         if self.phase == "select" and all(self.round_times.get(k) for k in self._contenders()):
             self._close_round()
         if self.phase != "estimate":
-            self._stop(Stop.ENDED, f"{reason} after {len(self.select_rounds)} selection rounds")
+            self._stop("ended", f"{reason} after {len(self.select_rounds)} selection rounds")
             self._decide()
         self.turns.clear()
         self.round_times = {}
@@ -211,10 +193,10 @@ class RaceSchedule:
             agreed = self.agree(RoundReport(times=times, peaks=peaks, elapsed_s=self.elapsed_s))
             self.elapsed_s = agreed.elapsed_s
             for k, peak in agreed.peaks.items():
-                if k in self.entrants and peak is not None:
+                if peak is not None:
                     self.entrants[k].peak_bytes = peak
                     self._check_limit(self.entrants[k])
-            times = {k: v for k, v in agreed.times.items() if k in self.entrants and self.entrants[k].out is None}
+            times = {k: v for k, v in agreed.times.items() if self.entrants[k].out is None}
         (self.select_rounds if self.phase == "select" else self.estimate_rounds).append(times)
 
     def _next_round(self) -> bool:
@@ -247,11 +229,11 @@ class RaceSchedule:
     def _selection_over(self) -> bool:
         alive, rounds, plan = self._contenders(), len(self.select_rounds), self.plan
         if len(alive) < 2:
-            return self._stop(*((Stop.ONE_LEFT, "one entrant left") if alive else (Stop.NONE_LEFT, "no entrant left")))
+            return self._stop("one_left", "one entrant left") if alive else self._stop("none_left", "no entrant left")
         if rounds >= plan.max_rounds:
-            return self._stop(Stop.MOST_ROUNDS, f"{rounds} rounds (the most allowed)")
+            return self._stop("most_rounds", f"{rounds} rounds (the most allowed)")
         if rounds >= 2 and self.elapsed_s >= plan.time_s:
-            return self._stop(Stop.TIME, f"time budget of {plan.time_s:g} s spent after {rounds} rounds")
+            return self._stop("time", f"time budget of {plan.time_s:g} s spent after {rounds} rounds")
         total = plan.total_s
         # Never below min_rounds: with fewer no interval reaches the confidence (a tight budget is overspent).
         if rounds >= max(2, plan.min_rounds) and total is not None:
@@ -264,13 +246,13 @@ class RaceSchedule:
                     why = f"overspent to run the race's fewest rounds, {rounds}"
                 else:  # the last round was slower than the pace expected
                     why = f"overspent by the last of {rounds} rounds, slower than the ones before"
-                return self._stop(Stop.BUDGET, f"race budget of {total:.0f} s {why}")
+                return self._stop("budget", f"race budget of {total:.0f} s {why}")
         if rounds >= plan.min_rounds:
             early = stand(self.select_rounds, alive, confidence=plan.stop_confidence)
             level = f"{plan.stop_confidence:.0%}"
             if len(early.beaten()) == len(alive) - 1:
                 why = f"leader separated from every other entrant at {level} after {rounds} rounds"
-                return self._stop(Stop.SEPARATED, why)
+                return self._stop("separated", why)
             # F-Race: an entrant beaten with confidence stops costing rounds.
             for key in early.beaten():
                 leader = self.entrants[early.leader].short
@@ -319,15 +301,10 @@ class RaceSchedule:
                 vs[ref] = paired_ratio(*zip(*pairs, strict=True), confidence=self.plan.confidence)
         entrants = {
             k: RaceEntrant(
-                key=k,
-                short=e.short,
+                **{**vars(e), "policy": e.policy.to_dict()},
                 labels=tuple((labels or {}).get(k, ())),
-                peak_bytes=e.peak_bytes,
-                out=e.out,
-                dropped=e.dropped,
                 select_s=tuple(r.get(k) for r in self.select_rounds),
                 estimate_s=tuple(r.get(k) for r in self.estimate_rounds),
-                policy=e.policy.to_dict(),
             )
             for k, e in self.entrants.items()
         }
@@ -350,3 +327,64 @@ class RaceSchedule:
             machine_before=self.machine_before,
             machine_after=machine_state(self.device),
         )
+
+
+class RaceCallback(RecomputeCallback):
+    """A `RecomputeCallback` that runs `schedule`'s turns, one optimizer step each, then calls `_over` (by
+    default: training stops)."""
+
+    schedule: RaceSchedule | None = None
+    turn: Turn | None = None
+    tuning_steps = 0
+    """Optimizer steps filed with the schedule."""
+    _turn_step = -1
+    _retried = False
+    """The step ran again under another entrant (`AutoRecompute`'s out-of-memory retry): its time is no one's."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.schedule is not None:
+            self._advance(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        turn, schedule = self.turn, self.schedule
+        if schedule is None or turn is None:
+            return
+        if not self._retried:
+            last, expected = self.records[-1], schedule.entrants[turn.key].policy.fingerprint()
+            if last.policy != expected:
+                raise RuntimeError(f"race: step {last.step} ran policy {last.policy}, but the turn was {expected}")
+            if trainer.global_step == self._turn_step:
+                return  # gradient accumulation: the optimizer step is not over; switch only between steps
+            # One optimizer step: its micro-batches' times added, the largest peak kept.
+            step = list(itertools.takewhile(lambda r: r.step == self._turn_step, reversed(self.records)))[::-1]
+            peaks = [r.peak_bytes for r in step if r.peak_bytes is not None]
+            tokens = [r.tokens for r in step if r.tokens is not None]
+            self.tuning_steps += 1
+            schedule.record(
+                turn,
+                sum(r.seconds for r in step),
+                max(peaks) if peaks else None,
+                tokens=sum(tokens) if tokens else None,
+                samples=sum(r.samples for r in step) or None,
+            )
+        self._retried = False
+        self._advance(trainer, pl_module)
+
+    def _advance(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Put the next turn's policy on (metering the step when the turn says so), or `_over` at the race's end."""
+        assert self.schedule is not None
+        self.turn = self.schedule.next_turn()
+        self._turn_step = trainer.global_step
+        if self.turn is None:
+            self._over(trainer, pl_module)
+            return
+        policy = self.schedule.entrants[self.turn.key].policy
+        if policy.fingerprint() != self.policy.fingerprint():
+            self.switch_policy(pl_module, policy)
+        self.memory_steps = frozenset({trainer.global_step}) if self.turn.metered else frozenset()
+
+    def _over(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.should_stop = True

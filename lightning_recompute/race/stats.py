@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["Interval", "Spread", "paired_ratio", "spread"]
 
@@ -32,11 +31,7 @@ class Spread:
 
 
 def spread(values: Sequence[float]) -> Spread:
-    """The median of ``values`` and its spread (with fewer than 6 values ``ci_rel`` is ``inf``).
-
-    Raises:
-        ValueError: ``values`` is empty.
-    """
+    """The median of ``values`` (not empty) and its spread; with fewer than 6 values ``ci_rel`` is ``inf``."""
     if not values:
         raise ValueError("spread of an empty sample")
     xs = sorted(float(v) for v in values)
@@ -49,10 +44,8 @@ def spread(values: Sequence[float]) -> Spread:
 
 
 def _median_ranks(n: int, confidence: float = 0.95) -> tuple[int, int, float]:
-    """0-based ranks ``(j - 1, n - j)`` whose values bracket the median, and their coverage.
-
-    ``j`` is the largest with coverage ``1 - 2 P(Binomial(n, 1/2) <= j - 1) >= confidence``, else 1.
-    """
+    """0-based ranks ``(j - 1, n - j)`` bracketing the median, and their coverage: ``j`` is the largest with
+    ``1 - 2 P(Binomial(n, 1/2) <= j - 1) >= confidence``, else 1."""
     best, coverage = 1, 1.0 - 2.0 / 2.0**n
     below = 0.0  # P(Binomial(n, 1/2) <= j - 1)
     for j in range(1, n // 2 + 1):
@@ -75,26 +68,14 @@ class Interval:
     confidence: float
     """The interval's coverage: the confidence asked for, or less when too few rounds allow no more."""
 
-    @property
-    def excludes_one(self) -> bool:
-        return self.low > 1.0 or self.high < 1.0
-
     def gain(self) -> tuple[float, float, float]:
         """``a``'s throughput over ``b``'s, less 1, with the interval: ``(gain, low, high)``."""
         return self.ratio - 1.0, self.low - 1.0, self.high - 1.0
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Interval:
-        """From `dataclasses.asdict` of one; unknown keys (older records) are ignored."""
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
 
 def paired_ratio(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95) -> Interval:
-    """The median ratio ``b / a`` of two candidates' per-round times, with its order-statistics interval.
-
-    Raises:
-        ValueError: fewer than 2 rounds, different lengths, or a time that is not positive.
-    """
+    """The median ratio ``b / a`` of two candidates' per-round times (at least 2, positive), with its
+    order-statistics interval."""
     if len(a) != len(b):
         raise ValueError(f"paired samples differ in length: {len(a)} and {len(b)}")
     if len(a) < 2:

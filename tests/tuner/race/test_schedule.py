@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from lightning_recompute import RecomputePolicy
 from lightning_recompute.race.plan import RacePlan
-from lightning_recompute.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport, Stop
+from lightning_recompute.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport
 
 NAMES = [f"blocks.{i}" for i in range(3)]
 FULL, NONE = RecomputePolicy.uniform("full"), RecomputePolicy.uniform("none")
@@ -91,7 +91,7 @@ def test_knock_out_and_finish_end_the_race_on_what_it_has() -> None:
     assert schedule.next_turn() is None
     assert schedule.winner == ONE.fingerprint()
     assert schedule.stop_reason == "the job ended after 2 selection rounds"
-    assert schedule.stopped is Stop.ENDED
+    assert schedule.stopped == "ended"
     assert schedule.result().entrants[NONE.fingerprint()].out == "out of memory: simulated"
 
 
@@ -110,7 +110,7 @@ def test_a_race_budget_stops_the_selection_early_enough_to_leave_the_estimation_
         schedule.record(turn, BASE[turn.key], 1 if turn.metered else None)
     # A round of three entrants at two steps each is ~7 s, the estimation's two rounds of two ~9 s: a
     assert len(schedule.select_rounds) == 3 and schedule.stop_reason.startswith("race budget of 30 s")
-    assert schedule.stopped is Stop.BUDGET
+    assert schedule.stopped == "budget"
     assert len(schedule.select_rounds) == 3 and schedule.stop_reason.startswith("race budget of 30 s")
     assert len(schedule.estimate_rounds) == plan.estimate_rounds
     assert spent["select"] + spent["estimate"] <= plan.total_s
