@@ -67,9 +67,7 @@ class CudaMemoryMeter(MemoryMeter):
     """The CUDA caching allocator's own statistics (``memory_allocated``, ``max_memory_allocated``)."""
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
-        self.device = torch.device("cuda") if device is None else torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda" if device is None else device)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -262,27 +260,24 @@ class StepTimer:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self._start: float | None = None
-        self._events: tuple[Any, Any] | None = None
+        self._start: Any = None  # a perf_counter reading, or a recorded CUDA event
 
     def start(self) -> None:
         synchronize(self.device)
         if self.device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        self._start = perf_counter()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = perf_counter()
 
     def stop(self) -> float | None:
         """Seconds since `start`, or ``None`` if it was not started."""
-        if self._start is None:
+        start, self._start = self._start, None
+        if start is None:
             return None
-        if self._events is not None:
-            begin, end = self._events
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
-        else:
-            synchronize(self.device)
-            seconds = perf_counter() - self._start
-        self._start, self._events = None, None
-        return seconds
+        if isinstance(start, float):
+            return perf_counter() - start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
