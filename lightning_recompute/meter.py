@@ -15,8 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-CPU_MEMORY_LIMIT = "RECOMPUTE_CPU_MEMORY_LIMIT"
-"""The environment variable that caps the CPU device's metered steps."""
+CPU_MEMORY_LIMIT = "RECOMPUTE_CPU_MEMORY_LIMIT"  # the environment variable that caps the CPU's metered steps
 
 
 def cpu_memory_limit() -> int | None:
@@ -45,14 +44,14 @@ class MemoryMeter:
     def start(self) -> None:
         self.reset_peak()
 
-    def stop(self) -> None:
-        """Stop measuring (readings stay available)."""
+    def stop(self) -> None:  # readings stay available
+        pass
 
     def reset_peak(self) -> None:
         raise NotImplementedError
 
-    def track(self, *objs: Any) -> None:
-        """Count tensors that existed before the meter started (a no-op for meters that see everything)."""
+    def track(self, *objs: Any) -> None:  # count tensors from before `start` (meters that see everything need not)
+        pass
 
     @property
     def current_bytes(self) -> int:
@@ -82,12 +81,9 @@ class CudaMemoryMeter(MemoryMeter):
 
 
 class StorageMeter(MemoryMeter):
-    """Live tensor storage bytes, exactly: a dispatch mode records fresh outputs, a ``weakref.finalize`` takes
-    them off, DTensors count their inner tensors, in-place ``resize_`` (FSDP2) is watched. A Python call per op.
-    """
+    """Live tensor storage bytes, exactly: fresh op outputs on, freed storages off, FSDP2's ``resize_`` watched."""
 
     def __init__(self, device: torch.device | str = "cpu", *, limit: int | None = None) -> None:
-        """``limit``: live bytes an allocation may not exceed; on the CPU `cpu_memory_limit` by default."""
         self.device = torch.device(device)
         self.limit = cpu_memory_limit() if limit is None and self.device.type == "cpu" else limit
         self.live: dict[int, int] = {}  # storage (its StorageImpl's address, shared by its views) -> bytes
@@ -193,9 +189,7 @@ class _LedgerMode(TorchDispatchMode):
 
 
 class _ResizeWatch:
-    """Reports in-place storage resizes (FSDP2's ``resize_``, which reaches no dispatch mode) to the
-    started meters; one wrapper serves them all.
-    """
+    """Reports in-place storage resizes (FSDP2's ``resize_`` reaches no dispatch mode) to the started meters."""
 
     meters: ClassVar[list[StorageMeter]] = []
     original: ClassVar[Any] = None
@@ -254,9 +248,7 @@ def synchronize(device: torch.device | str) -> None:
 
 
 class StepTimer:
-    """Duration of one step, device work included: wall-clock on CPU; on CUDA the device time between two
-    events (kernels run asynchronously; see docs/GPU.md).
-    """
+    """Duration of one step, device work included: wall-clock on CPU, CUDA events on a GPU (docs/GPU.md)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
