@@ -122,7 +122,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
     for name, module in found:
         mode, family = modes[name], policy.family_for(name)
         if mode is Mode.SELECTIVE and family not in context_fns:
-            save = resolve_save_ops(policy.selective_save, family=family, where=f"layers.{name}")
+            save = resolve_save_ops(policy.selective_save, family=family)
             context_fns[family] = selective_context_fn(save)
         if mode is not Mode.NONE:
             context_fn = context_fns[family] if mode is Mode.SELECTIVE else None

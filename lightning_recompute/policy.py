@@ -72,7 +72,7 @@ class RecomputePolicy:
                     f"key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
                 )
             object.__setattr__(self, "selective_save", tuple(str(s) for s in save))
-            resolve_save_ops(self.selective_save, where="selective.save")  # raises PolicyError
+            resolve_save_ops(self.selective_save)  # raises PolicyError
         if not isinstance(self.compile, bool):
             raise PolicyError(f"key 'compile' must be true or false, got {clip(repr(self.compile))}")
         if self.tuned_for is not None and not isinstance(self.tuned_for, TunedFor):
