@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable
 from time import perf_counter
 from typing import Any, ClassVar
 
@@ -217,18 +216,12 @@ class _ResizeWatch:
                 cls.original = None
 
 
-def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, nn.Module):
-        for p in obj.parameters():
-            yield p
-            if p.grad is not None:
-                yield p.grad
-        yield from obj.buffers()
+        obj = [*obj.parameters(), *(p.grad for p in obj.parameters()), *obj.buffers()]
     elif isinstance(obj, torch.optim.Optimizer):
-        for state in obj.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    else:
-        yield from (v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor))
+        obj = list(obj.state.values())
+    return [v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor)]
 
 
 def memory_meter(device: torch.device | str) -> MemoryMeter:
