@@ -53,19 +53,19 @@ class _RecomputedForward:
         self.cache_positions = cache_positions(self.previous or type(module).forward, bound=self.previous is not None)
         self.warned = warned  # what `apply_policy`'s layers warned of: a layer's replay, offload on CPU ("")
 
-    def _inner(self, *args: Any, **kwargs: Any) -> Any:
+    def inner(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return self._inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         if self.mode is Mode.OFFLOAD:
             on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
             if on_cuda or any(p.is_cuda for p in self.module.parameters()):
                 with _OffloadActivations(self.module, device_type="cuda", pin_memory=True):
-                    return self._inner(*args, **kwargs)
+                    return self.inner(*args, **kwargs)
             if "" not in self.warned:
                 self.warned.add("")
                 warnings.warn(
@@ -74,16 +74,8 @@ class _RecomputedForward:
                     UserWarning,
                     stacklevel=2,
                 )
-            return self._inner(*args, **kwargs)
-        fn = Replay(
-            self._inner,
-            self.module,
-            caches_in(self.cache_positions, args, kwargs),
-            selective=self.context_fn is not None,
-            where=self.name,
-            warned=self.warned,
-            record_now=not torch.compiler.is_compiling(),
-        )
+            return self.inner(*args, **kwargs)
+        fn = Replay(self, caches_in(self.cache_positions, args, kwargs))
         extra: dict[str, Any] = {} if self.context_fn is None else {"context_fn": self.context_fn}
         # preserve_rng_state replays the forward's RNG state, so dropout masks are identical.
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
@@ -130,7 +122,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto
     for name, module in found:
         mode, family = modes[name], policy.family_for(name)
         if mode is Mode.SELECTIVE and family not in context_fns:
-            save = resolve_save_ops(policy.selective_save, family=family, where=f"layers.{name}")
+            save = resolve_save_ops(policy.selective_save, family=family)
             context_fns[family] = selective_context_fn(save)
         if mode is not Mode.NONE:
             context_fn = context_fns[family] if mode is Mode.SELECTIVE else None

@@ -276,12 +276,7 @@ def _batch_size(batch: Any) -> int | None:
 def _tokens(batch: Any) -> int | None:
     """Tokens in a batch: the first integer tensor shaped (batch, seq, ...) holds token ids."""
     for value in tree_flatten(batch)[0]:
-        if (
-            isinstance(value, torch.Tensor)
-            and value.ndim >= 2
-            and not value.is_floating_point()
-            and not value.is_complex()
-            and value.dtype is not torch.bool
-        ):
+        integral = isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
+        if integral and value.ndim >= 2 and value.dtype is not torch.bool:
             return int(value.shape[0] * value.shape[1])
     return None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable
 from time import perf_counter
 from typing import Any, ClassVar
 
@@ -15,8 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-CPU_MEMORY_LIMIT = "RECOMPUTE_CPU_MEMORY_LIMIT"
-"""The environment variable that caps the CPU device's metered steps."""
+CPU_MEMORY_LIMIT = "RECOMPUTE_CPU_MEMORY_LIMIT"  # the environment variable that caps the CPU's metered steps
 
 
 def cpu_memory_limit() -> int | None:
@@ -45,14 +43,14 @@ class MemoryMeter:
     def start(self) -> None:
         self.reset_peak()
 
-    def stop(self) -> None:
-        """Stop measuring (readings stay available)."""
+    def stop(self) -> None:  # readings stay available
+        pass
 
     def reset_peak(self) -> None:
         raise NotImplementedError
 
-    def track(self, *objs: Any) -> None:
-        """Count tensors that existed before the meter started (a no-op for meters that see everything)."""
+    def track(self, *objs: Any) -> None:  # count tensors from before `start` (meters that see everything need not)
+        pass
 
     @property
     def current_bytes(self) -> int:
@@ -67,9 +65,7 @@ class CudaMemoryMeter(MemoryMeter):
     """The CUDA caching allocator's own statistics (``memory_allocated``, ``max_memory_allocated``)."""
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
-        self.device = torch.device("cuda") if device is None else torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cuda" if device is None else device)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -84,12 +80,9 @@ class CudaMemoryMeter(MemoryMeter):
 
 
 class StorageMeter(MemoryMeter):
-    """Live tensor storage bytes, exactly: a dispatch mode records fresh outputs, a ``weakref.finalize`` takes
-    them off, DTensors count their inner tensors, in-place ``resize_`` (FSDP2) is watched. A Python call per op.
-    """
+    """Live tensor storage bytes, exactly: fresh op outputs on, freed storages off, FSDP2's ``resize_`` watched."""
 
     def __init__(self, device: torch.device | str = "cpu", *, limit: int | None = None) -> None:
-        """``limit``: live bytes an allocation may not exceed; on the CPU `cpu_memory_limit` by default."""
         self.device = torch.device(device)
         self.limit = cpu_memory_limit() if limit is None and self.device.type == "cpu" else limit
         self.live: dict[int, int] = {}  # storage (its StorageImpl's address, shared by its views) -> bytes
@@ -195,9 +188,7 @@ class _LedgerMode(TorchDispatchMode):
 
 
 class _ResizeWatch:
-    """Reports in-place storage resizes (FSDP2's ``resize_``, which reaches no dispatch mode) to the
-    started meters; one wrapper serves them all.
-    """
+    """Reports in-place storage resizes (FSDP2's ``resize_`` reaches no dispatch mode) to the started meters."""
 
     meters: ClassVar[list[StorageMeter]] = []
     original: ClassVar[Any] = None
@@ -225,18 +216,12 @@ class _ResizeWatch:
                 cls.original = None
 
 
-def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, nn.Module):
-        for p in obj.parameters():
-            yield p
-            if p.grad is not None:
-                yield p.grad
-        yield from obj.buffers()
+        obj = [*obj.parameters(), *(p.grad for p in obj.parameters()), *obj.buffers()]
     elif isinstance(obj, torch.optim.Optimizer):
-        for state in obj.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-    else:
-        yield from (v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor))
+        obj = list(obj.state.values())
+    return [v for v in tree_flatten(obj)[0] if isinstance(v, torch.Tensor)]
 
 
 def memory_meter(device: torch.device | str) -> MemoryMeter:
@@ -256,33 +241,28 @@ def synchronize(device: torch.device | str) -> None:
 
 
 class StepTimer:
-    """Duration of one step, device work included: wall-clock on CPU; on CUDA the device time between two
-    events (kernels run asynchronously; see docs/GPU.md).
-    """
+    """Duration of one step, device work included: wall-clock on CPU, CUDA events on a GPU (docs/GPU.md)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self._start: float | None = None
-        self._events: tuple[Any, Any] | None = None
+        self._start: Any = None  # a perf_counter reading, or a recorded CUDA event
 
     def start(self) -> None:
         synchronize(self.device)
         if self.device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        self._start = perf_counter()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = perf_counter()
 
     def stop(self) -> float | None:
         """Seconds since `start`, or ``None`` if it was not started."""
-        if self._start is None:
+        start, self._start = self._start, None
+        if start is None:
             return None
-        if self._events is not None:
-            begin, end = self._events
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
-        else:
-            synchronize(self.device)
-            seconds = perf_counter() - self._start
-        self._start, self._events = None, None
-        return seconds
+        if isinstance(start, float):
+            return perf_counter() - start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds

@@ -104,10 +104,3 @@ BY_MEMORY_SAVED: tuple[str, ...] = tuple(s.name for s in sorted(MODES, key=lambd
 """Every mode's name, the one that saves the least memory per layer first."""
 
 UNKNOWN_GLYPH = "?"
-
-_BY_NAME: dict[str, ModeSpec] = {s.name: s for s in MODES}
-
-
-def spec(name: str) -> ModeSpec | None:
-    """The `ModeSpec` of a mode as written (``full``, ``selective:attn``), or ``None``."""
-    return _BY_NAME.get(name)

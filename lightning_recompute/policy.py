@@ -72,7 +72,7 @@ class RecomputePolicy:
                     f"key 'selective.save' must be a list of op names such as aten.mm, got {clip(repr(save))}"
                 )
             object.__setattr__(self, "selective_save", tuple(str(s) for s in save))
-            resolve_save_ops(self.selective_save, where="selective.save")  # raises PolicyError
+            resolve_save_ops(self.selective_save)  # raises PolicyError
         if not isinstance(self.compile, bool):
             raise PolicyError(f"key 'compile' must be true or false, got {clip(repr(self.compile))}")
         if self.tuned_for is not None and not isinstance(self.tuned_for, TunedFor):
@@ -184,30 +184,24 @@ class RecomputePolicy:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the policy to ``path`` (JSON for ``.json``, else YAML), atomically."""
-        return atomic_write(path, self.to_json() if Path(path).suffix.lower() == ".json" else self.to_yaml())
+        as_json = Path(path).suffix.lower() == ".json"
+        return atomic_write(path, json.dumps(self.to_dict(), indent=2) if as_json else self.to_yaml())
 
     def fingerprint(self) -> str:
         """A short, stable identifier of what the policy does (order-sensitive; ``tuned_for`` left out)."""
         canonical = json.dumps(self._behaviour_dict(), separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    def _entry(self, layer: str) -> tuple[str, Mode] | None:
-        return next(((p, m) for p, m in self.layers if _matches(p, layer)), None)
-
     def mode_for(self, layer: str) -> Mode:
         """The mode of one layer path (first matching pattern; ``none`` when none matches)."""
-        entry = self._entry(layer)
-        return Mode.NONE if entry is None else entry[1]
+        return next((m for p, m in self.layers if _matches(p, layer)), Mode.NONE)
 
     def family_for(self, layer: str) -> str | None:
         """The save-list family of one layer path (``None``: not selective, or ``selective_save``'s list)."""
-        entry = self._entry(layer)
-        return None if entry is None else dict(self.families).get(entry[0])
+        families = dict(self.families)
+        return next((families.get(p) for p, _ in self.layers if _matches(p, layer)), None)
 
     def choice_for(self, layer: str) -> str:
         """The mode of one layer path as the file writes it: ``full``, ``selective``, ``selective:attn``, ..."""
@@ -222,10 +216,12 @@ class RecomputePolicy:
         """The mode of every layer; a `PolicyError` if some pattern matches no layer (likely a typo)."""
         unmatched = [p for p, _ in self.layers if not any(_matches(p, n) for n in layer_names)]
         if unmatched:
-            shown = ", ".join(layer_names) if len(layer_names) <= 12 else _elide(layer_names)
+            shown = list(layer_names)
+            if len(shown) > 12:
+                shown[6:-6] = [f"... ({len(shown) - 12} more) ..."]
             raise PolicyError(
                 f"{source}: layer pattern(s) {clip(repr(unmatched))} match no layer of the model; "
-                f"the layers are: {shown or '(none)'}"
+                f"the layers are: {', '.join(shown) or '(none)'}"
             )
         return {name: self.mode_for(name) for name in layer_names}
 
@@ -287,7 +283,3 @@ def _choice(mode: Mode, family: str | None) -> str:
 
 def _matches(pattern: str, name: str) -> bool:
     return pattern == name or fnmatch.fnmatchcase(name, pattern)
-
-
-def _elide(names: Sequence[str]) -> str:
-    return f"{', '.join(names[:6])}, ... ({len(names) - 12} more) ..., {', '.join(names[-6:])}"

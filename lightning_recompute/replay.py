@@ -131,26 +131,16 @@ def _reassigned(ids: list[tuple[str, nn.Module, dict[str, int]]]) -> str | None:
 
 
 class Replay:
-    """What `checkpoint` runs for one call of a recomputed layer: first the forward, then replays on the state
-    from before it. Under ``torch.compile`` (``record_now`` false) the state is recorded at the first call, if
-    the checkpoint runs eagerly: the compiled graph's recomputation writes nothing.
-    """
+    """What `checkpoint` runs for one call of a recomputed layer (``forward``, an `apply._RecomputedForward`):
+    first the forward, then replays on the state from before it."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        module: nn.Module,
-        caches: list[Any],
-        *,
-        selective: bool,
-        where: str,
-        warned: set[str],
-        record_now: bool = True,
-    ) -> None:
-        self.fn, self.module, self.caches = fn, module, caches
-        self.selective, self.where, self.warned = selective, where, warned
+    def __init__(self, forward: Any, caches: list[Any]) -> None:
+        self.fn, self.module, self.caches = forward.inner, forward.module, caches
+        self.selective, self.where, self.warned = forward.context_fn is not None, forward.name, forward.warned
         self.calls = 0
-        self.state = self._record() if record_now else None
+        # Under torch.compile, recorded at the first call if the checkpoint runs eagerly: the compiled graph's
+        # recomputation writes nothing.
+        self.state = None if torch.compiler.is_compiling() else self._record()
 
     def _record(self) -> tuple[BufferState, CacheState]:
         return BufferState(self.module), CacheState(self.caches)

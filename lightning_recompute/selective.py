@@ -64,23 +64,17 @@ def _resolve(names: tuple[str, ...], optional: frozenset[str]) -> frozenset[Any]
     return frozenset(ops)
 
 
-def resolve_save_ops(
-    names: Sequence[str] | None, *, where: str = "selective.save", family: str | None = None
-) -> frozenset[Any]:
+def resolve_save_ops(names: Sequence[str] | None, *, family: str | None = None) -> frozenset[Any]:
     """The ops named by ``names`` (``None``: the defaults) or ``family``: `OpOverload` (always saved) or
     ``(OpOverload, role)`` (saved for that matmul shape); attention kernels a PyTorch build lacks are skipped."""
-    if family is not None:
-        if family not in SAVE_FAMILIES:
-            raise PolicyError(
-                f"{where}: unknown save-list family {family!r}; valid families are: {', '.join(SAVE_FAMILIES)}"
-            )
+    if family is not None:  # a name `RecomputePolicy` checked
         return _resolve(SAVE_FAMILIES[family], frozenset(ATTENTION_KERNELS))
     if names is None:
         return _resolve(DEFAULT_SAVE_OPS, frozenset(DEFAULT_SAVE_OPS))
     try:
         return _resolve(tuple(names), frozenset())
     except PolicyError as err:
-        raise PolicyError(f"{where}: {err}") from None
+        raise PolicyError(f"selective.save: {err}") from None
 
 
 def selective_context_fn(save_ops: frozenset[Any]) -> Callable[[], tuple[Any, Any]]:

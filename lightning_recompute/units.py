@@ -18,20 +18,11 @@ for _power, _prefix in enumerate("kmgt", start=1):
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """Bytes from a whole number or a size string: ``"20GiB"`` (1024-based), ``"20GB"`` (1000-based), ``"512 MiB"``.
-
-    Case-insensitive; a bare number is bytes; zero is refused. A `ValueError` listing the units understood otherwise.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise ValueError(f"a size must be positive, got {value}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 1 or value != int(value):
-            raise ValueError(f"a number of bytes must be a positive whole number, got {value!r}")
-        return int(value)
+    """Bytes from a positive whole number or a size string, case-insensitive: ``"20GiB"`` (1024-based), ``"20GB"``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value >= 1 and (isinstance(value, int) or value.is_integer()):  # inf and nan are not integers
+            return int(value)
+        raise ValueError(f"a number of bytes must be a positive whole number, got {value!r}")
     m = _SIZE_RE.match(value) if isinstance(value, str) else None
     if m and m.group(2).lower() in _UNITS:
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
@@ -49,12 +40,10 @@ def format_bytes(n: float | None) -> str:
     """Bytes in binary units with two decimals (``20.00 GiB``); ``None`` and non-finite numbers are ``n/a``."""
     if n is None or isinstance(n, bool) or not math.isfinite(n):
         return "n/a"
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    for power, unit in enumerate(("KiB", "MiB", "GiB", "TiB"), start=1):
-        if abs(n) < 1024 ** (power + 1) or unit == "TiB":
-            break
-    return f"{n / 1024**power:.2f} {unit}"
+    power = 0
+    while abs(n) >= 1024 ** (power + 1) and power < 4:
+        power += 1
+    return f"{int(n)} B" if power == 0 else f"{n / 1024**power:.2f} {('KiB', 'MiB', 'GiB', 'TiB')[power - 1]}"
 
 
 def format_seconds(s: float) -> str:

@@ -22,7 +22,7 @@ from lightning_recompute.modes import (
     SAVE_FAMILIES,
     UNKNOWN_GLYPH,
     Mode,
-    spec,
+    ModeSpec,
 )
 from lightning_recompute.policy import RecomputePolicy, glyph
 
@@ -81,19 +81,12 @@ def test_ranks_order_the_modes() -> None:
     assert weights["none"] == 0 and weights["full"] == max(weights.values())
 
 
-def test_spec_looks_modes_up_by_name() -> None:
-    for s in MODES:
-        assert spec(s.name) is s
-    assert spec("selective:nope") is None and spec("NONE") is None
-
-
 # ---------------------------------------------------------------------- the plugin's views
 
 
-@pytest.mark.parametrize("name", MODE_NAMES)
-def test_a_policy_writes_reads_and_draws_every_mode(name: str) -> None:
-    s = spec(name)
-    assert s is not None
+@pytest.mark.parametrize("s", MODES, ids=MODE_NAMES)
+def test_a_policy_writes_reads_and_draws_every_mode(s: ModeSpec) -> None:
+    name = s.name
     policy = RecomputePolicy.uniform(name)
     assert policy.choice_for("blocks.0") == name
     assert policy.mode_for("blocks.0") is s.mode

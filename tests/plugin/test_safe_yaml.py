@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_recompute import safe_yaml
 from lightning_recompute.errors import CLIP_CHARS, DocumentError, RecomputeError, clip
-from lightning_recompute.safe_yaml import DocumentLimits, load_document, parse_document
+from lightning_recompute.safe_yaml import load_document, parse_document
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -58,12 +59,12 @@ def test_alias_bomb_is_refused_at_its_first_over_limit_alias(tmp_path: Path) -> 
     assert peak < 16 * 2**20  # the 9**9 strings were never built
 
 
-def test_alias_expansion_limit_counts_aliases_inside_anchors(tmp_path: Path) -> None:
-    limits = DocumentLimits(max_alias_nodes=100)
+def test_alias_expansion_limit_counts_aliases_inside_anchors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(safe_yaml, "MAX_ALIAS_NODES", 100)
     # 9 aliases of a 10-node list add 90 nodes; the next level's first alias adds 91 more.
-    assert len(load_document(write(tmp_path, alias_bomb(levels=2)), limits=limits)["a1"]) == 9
+    assert len(load_document(write(tmp_path, alias_bomb(levels=2)))["a1"]) == 9
     with pytest.raises(DocumentError, match=r"aliases expand to more than 100 nodes \(at \*a1, line 3\)"):
-        load_document(write(tmp_path, alias_bomb(levels=3)), limits=limits)
+        load_document(write(tmp_path, alias_bomb(levels=3)))
 
 
 def test_recursive_alias_is_refused(tmp_path: Path) -> None:
@@ -104,13 +105,15 @@ def test_binary_and_non_utf8_files_are_refused(tmp_path: Path, data: bytes, patt
         load_document(write(tmp_path, data), what="policy file")
 
 
-def test_oversized_file_is_refused_before_parsing(tmp_path: Path) -> None:
+def test_oversized_file_is_refused_before_parsing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "a: " + "x" * 2000 + "\n")
+    monkeypatch.setattr(safe_yaml, "MAX_BYTES", 2004)
+    assert load_document(path) == {"a": "x" * 2000}
+    monkeypatch.setattr(safe_yaml, "MAX_BYTES", 1000)
     with pytest.raises(DocumentError, match=r"doc\.yaml: recipe is larger than the limit of 1000 bytes"):
-        load_document(path, what="recipe", limits=DocumentLimits(max_bytes=1000))
-    assert load_document(path, limits=DocumentLimits(max_bytes=2004)) == {"a": "x" * 2000}
+        load_document(path, what="recipe")
     with pytest.raises(DocumentError, match="2004 characters, over the limit of 1000"):
-        parse_document(path.read_text(), source="inline", limits=DocumentLimits(max_bytes=1000))
+        parse_document(path.read_text(), source="inline")
 
 
 def test_missing_directory_and_special_files(tmp_path: Path) -> None:
