@@ -285,7 +285,7 @@ class _Gate:
         if interval is None:  # the session's race: the selection's standing has the pair
             interval = race.behind.get(g) if race.leader == c else race.behind.get(c) if race.leader == g else None
         tie = race.tie_line()
-        figures = f" ({tie})" if tie else f": {format_gain(interval)}" if interval is not None else ""
+        figures = f" ({tie})" if tie else f": {format_gain(interval, race.confidence)}" if interval is not None else ""
         if race.winner == c:
             reasons.append(
                 f"regression: the race put the candidate ahead of the current good policy (run {good.run_id}){figures}"

@@ -90,7 +90,7 @@ class SessionSummary:
                 **dict(zip(("gain", "low", "high"), iv.gain(), strict=True)),
                 "rounds": iv.rounds,
                 "confidence": iv.confidence,
-                "text": format_gain(iv),
+                "text": format_gain(iv, self.confidence),
             }
             for name, iv in ivs.items()
             if iv is not None

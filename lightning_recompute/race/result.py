@@ -43,11 +43,15 @@ class RaceEntrant:
         return " = ".join(self.labels) if self.labels else self.key
 
 
-def format_gain(interval: Interval) -> str:
-    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``."""
+def format_gain(interval: Interval, confidence: float = 0.95) -> str:
+    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``.
+
+    Stated at the confidence asked for: the order-statistics interval covers at least that, often more (its
+    coverage moves in steps), and one level everywhere reads as one figure. Too few rounds state their own.
+    """
     gain, low, high = interval.gain()
     return (
-        f"{gain * 100:+.1f}% ({interval.confidence:.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
+        f"{gain * 100:+.1f}% ({min(confidence, interval.confidence):.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
         f"interleaved, {interval.rounds} rounds)"
     )
 
@@ -72,6 +76,8 @@ class RaceResult:
     vs: dict[str, Interval] = field(default_factory=dict)
     """Estimation: each reference's time over the winner's (above 1: the winner is faster)."""
     stop: str = ""
+    confidence: float = 0.95
+    """The confidence the race was asked for; its intervals are stated at it (`format_gain`)."""
     stopped: Stop | None = None
     """Why the selection stopped (``None``: no race ran, or an older record)."""
     select_rounds: int = 0
@@ -147,7 +153,10 @@ class RaceResult:
             return []
         win = self.entrants[self.winner]
         refs = {k: self.entrants[k] for k in self.vs}
-        return [f"{win.short} vs {refs[k].label} {refs[k].short}: {format_gain(iv)}" for k, iv in self.vs.items()]
+        return [
+            f"{win.short} vs {refs[k].label} {refs[k].short}: {format_gain(iv, self.confidence)}"
+            for k, iv in self.vs.items()
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (JSON-ready); `from_dict` of it is an equal result."""

@@ -318,6 +318,7 @@ class RaceSchedule:
             behind={} if standing is None else dict(standing.behind),
             vs=vs,
             stop=self.stop_reason,
+            confidence=self.plan.confidence,
             stopped=self.stopped,
             select_rounds=len(self.select_rounds),
             estimate_rounds=len(self.estimate_rounds),

@@ -254,7 +254,7 @@ class SessionLog:
             label = race.entrants[key].labels[-1] if race.entrants[key].labels else key
             name = "".join(c if c.isalnum() or c in "_-." else "_" for c in label).strip("_") or "entrant"
             metrics.update(zip((f"race_vs_{name}_{x}" for x in ("gain", "low", "high")), iv.gain(), strict=True))
-            tags[f"{N.RACE_SUMMARY}.vs.{name}"] = format_gain(iv)
+            tags[f"{N.RACE_SUMMARY}.vs.{name}"] = format_gain(iv, race.confidence)
         metrics.update(machine_metrics(race.machine_before))
         self.store.log_batch(run_id, metrics=metrics, tags=tags)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lightning_recompute.race.result import RaceEntrant, RaceResult, format_gain
 from lightning_recompute.race.stats import Interval
 
@@ -24,9 +26,24 @@ def _race(vs: Interval, winner: str = WIN) -> RaceResult:
 
 def test_the_winners_figures_say_their_interval_and_rounds_and_the_record_reads_back_equal() -> None:
     race = _race(Interval(ratio=1.12, low=1.04, high=1.25, rounds=8, confidence=0.99))
-    assert race.headlines() == [f"FF.. vs baseline full FFFF: {format_gain(race.vs[FULL])}"]
-    assert format_gain(race.vs[FULL]) == "+12.0% (99% CI +4.0..+25.0%, interleaved, 8 rounds)"
+    assert race.headlines() == ["FF.. vs baseline full FFFF: +12.0% (95% CI +4.0..+25.0%, interleaved, 8 rounds)"]
     assert RaceResult.from_dict(race.to_dict()) == race
+
+
+def test_an_interval_is_stated_at_the_confidence_asked_for_or_its_own_coverage_when_that_is_less() -> None:
+    """The order-statistics interval's coverage moves in steps (8 rounds: 99%); the progress line, the report
+    and MLflow state it at the race's confidence, as one figure. Too few rounds for it state what they reach."""
+    covers_more = Interval(ratio=1.12, low=1.04, high=1.25, rounds=8, confidence=0.99)
+    assert format_gain(covers_more, 0.95).startswith("+12.0% (95% CI ")
+    assert format_gain(covers_more, 0.90).startswith("+12.0% (90% CI ")
+    covers_less = Interval(ratio=1.12, low=1.04, high=1.25, rounds=5, confidence=0.9375)
+    assert format_gain(covers_less, 0.95).startswith("+12.0% (94% CI ")
+    race = dataclasses.replace(_race(covers_more), confidence=0.9)
+    assert race.headlines() == ["FF.. vs baseline full FFFF: +12.0% (90% CI +4.0..+25.0%, interleaved, 8 rounds)"]
+    assert RaceResult.from_dict(race.to_dict()).confidence == 0.9
+    old = race.to_dict()
+    del old["confidence"]  # a record from before the field: the default confidence
+    assert RaceResult.from_dict(old).confidence == 0.95
 
 
 def test_a_record_written_when_fresh_processes_raced_the_winner_again_still_reads() -> None:
