@@ -66,6 +66,8 @@ class CudaMemoryMeter(MemoryMeter):
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         self.device = torch.device("cuda" if device is None else device)
+        if self.device.type == "cuda" and self.device.index is None:  # fixed now: the current GPU may change
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -184,10 +184,12 @@ class RecomputePolicy:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the policy to ``path`` (JSON for ``.json``, else YAML), atomically."""
-        as_json = Path(path).suffix.lower() == ".json"
-        return atomic_write(path, json.dumps(self.to_dict(), indent=2) if as_json else self.to_yaml())
+        return atomic_write(path, self.to_json() if Path(path).suffix.lower() == ".json" else self.to_yaml())
 
     def fingerprint(self) -> str:
         """A short, stable identifier of what the policy does (order-sensitive; ``tuned_for`` left out)."""

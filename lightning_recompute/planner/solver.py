@@ -23,6 +23,10 @@ class PlannerError(RecomputeError, ValueError):
 class BudgetError(PlannerError):
     """No policy fits the memory budget; the message states the least achievable peak."""
 
+    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes, self.min_peak_bytes = budget_bytes, min_peak_bytes
+
 
 @dataclass(frozen=True)
 class LayerPrediction:
@@ -213,6 +217,8 @@ class Planner:
 
     def __init__(self, profile: Profile, free_grads_at_batch_start: bool | None = None) -> None:
         """``free_grads_at_batch_start``: predict a job that frees gradients at batch start; ``None``: as profiled."""
+        if not isinstance(profile, Profile):
+            raise PlannerError(f"profile: expected a lightning_recompute.profile.Profile, got {type(profile).__name__}")
         self.profile, self.names, n = profile, profile.layer_names, len(profile.layers)
         missing = [k for k in profile.timeline if k.startswith("fixed:") and k[len("fixed:") :] not in profile.fixed]
         if missing:
@@ -369,7 +375,9 @@ class Planner:
             least = least_peak(tab)
             raise BudgetError(
                 f"budget {format_bytes(budget)} ({budget} bytes) is below the least achievable predicted peak "
-                f"{format_bytes(least)} ({least} bytes) with modes {', '.join(tab.modes)} at micro-batch {mb}"
+                f"{format_bytes(least)} ({least} bytes) with modes {', '.join(tab.modes)} at micro-batch {mb}",
+                budget_bytes=budget,
+                min_peak_bytes=least,
             )
         return self._plan(tab, picks, mb)
 

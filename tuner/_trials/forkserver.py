@@ -46,7 +46,8 @@ class ForkServerError(RuntimeError):
     """The fork server could not start or stopped answering; workers start as fresh interpreters instead."""
 
 
-_FAILED = (ForkServerError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
+# RuntimeError: a ForkServerError, or a reader thread that cannot start.
+_FAILED = (RuntimeError, OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired)
 
 
 def kill_group(pid: int, *, leader: bool = False) -> None:
@@ -176,8 +177,9 @@ class ForkServer:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.abandon()
-        with contextlib.suppress(OSError):
-            os.close(self._log)
+        if not self.busy:  # a thread waiting on a worker of it may still read the log's tail
+            with contextlib.suppress(OSError):
+                os.close(self._log)
 
     def send(self, message: Mapping[str, Any]) -> None:
         self._stdin.write((json.dumps(message) + "\n").encode())
@@ -191,10 +193,12 @@ class ForkServer:
         self._proc.wait()
 
     def _read_replies(self, stdout: IO[bytes]) -> None:
-        with stdout:
-            for line in stdout:
-                self._replies.put(line)
-        self._replies.put(b"")  # its end
+        try:
+            with stdout:
+                for line in stdout:
+                    self._replies.put(line)
+        finally:
+            self._replies.put(b"")  # its end, also when reading fails: a waiter must not wait for ever
 
     def _reply(self, timeout: float | None) -> dict[str, Any]:
         """The server's next line; ``subprocess.TimeoutExpired`` past ``timeout``, `ForkServerError` at its end."""

@@ -50,6 +50,7 @@ Outcome = Literal["ok", "over_budget", "oom", "timeout", "error", "nonfinite", "
 """``nonfinite``: it trained to a nan or inf loss (its figures are not evidence); ``skipped``: not run."""
 
 _log = logging.getLogger(__name__)
+_REAP_TIMEOUT_S = 60.0
 
 _TAIL_CHARS = 4000
 _DIR_PREFIX = "recompute-trial-"
@@ -354,7 +355,12 @@ def _run_worker(spec: Spec, timeout_s: float, env: Mapping[str, str] | None = No
                 proc.kill_group()
             else:
                 forkserver.kill_group(proc.pid)
-            proc.wait()
+            try:
+                proc.wait(timeout=_REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # killed yet alive: stuck in the kernel (a hung driver, NFS)
+                _log.warning(
+                    "trial worker %d did not exit %g s after a kill; the session goes on", proc.pid, _REAP_TIMEOUT_S
+                )
         wall = time.monotonic() - start
         if spec.ranks == 1:
             result = _read_result(result_path)

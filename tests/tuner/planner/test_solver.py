@@ -101,8 +101,9 @@ def test_dp_equals_brute_force_and_respects_budget(profile: Profile, data: st.Da
     for budget in (b for b in budgets if b >= 0):
         feasible = [t for p, t, _ in everything if p <= budget]
         if not feasible:
-            with pytest.raises(BudgetError, match=f"least achievable predicted peak .*\\({least} bytes\\)"):
+            with pytest.raises(BudgetError, match=f"least achievable predicted peak .*\\({least} bytes\\)") as err:
                 planner.solve(budget)
+            assert (err.value.budget_bytes, err.value.min_peak_bytes) == (budget, least)  # for a caller's retry
             continue
         plan = planner.solve(budget)
         assert plan.peak_bytes <= budget
