@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on demand
     from lightning_recompute.apply import AppliedPolicy, applied_policy, apply_policy, remove_policy
     from lightning_recompute.auto import AutoRecompute
-    from lightning_recompute.callback import RecomputeCallback, StepRecord
+    from lightning_recompute.callback import QUIET_TRAINER, RecomputeCallback, StepRecord, step_peak
     from lightning_recompute.errors import (
         BatchSizeError,
         BatchSizeWarning,
@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
     from lightning_recompute.modes import DEFAULT_SAVE_OPS, Mode
     from lightning_recompute.policy import PolicyLike, RecomputePolicy, as_policy
-    from lightning_recompute.probe import QUIET_TRAINER, step_peak
     from lightning_recompute.tuned_for import TunedFor
 
 # The module that defines each public name.
@@ -36,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     for module, names in {
         "auto": "AutoRecompute",
         "apply": "AppliedPolicy applied_policy apply_policy remove_policy",
-        "callback": "RecomputeCallback StepRecord",
+        "callback": "QUIET_TRAINER RecomputeCallback StepRecord step_peak",
         "errors": "BatchSizeError BatchSizeWarning DocumentError IncompatibleModelError LayerDiscoveryError "
         "PolicyError RecomputeError",
         "grads": "GradFreeing free_gradients",
@@ -44,7 +43,6 @@ _EXPORTS: dict[str, str] = {
         "meter": "CudaMemoryMeter MemoryMeter StepTimer StorageMeter memory_meter",
         "modes": "DEFAULT_SAVE_OPS Mode",
         "policy": "PolicyLike RecomputePolicy as_policy",
-        "probe": "QUIET_TRAINER step_peak",
         "tuned_for": "TunedFor",
     }.items()
     for name in names.split()

@@ -1,11 +1,12 @@
-"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs (docs/PLUGIN.md)."""
+"""`RecomputeCallback`: apply a recompute policy in a Lightning run and log what it costs (docs/PLUGIN.md); and
+`step_peak`, the one way trials, benchmarks and tests measure a training step's peak under a policy."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_recompute.apply import AppliedPolicy, CompiledCall, applied_policy, apply_policy
 from lightning_recompute.errors import (
@@ -249,6 +251,47 @@ class RecomputeCallback(L.Callback):
                 f"RecomputeCallback: the checkpoint was written under recompute policy {saved}; resuming under "
                 f"{self.policy.fingerprint()}. Training numerics are unaffected; memory use and speed may differ."
             )
+
+
+QUIET_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+"""The ``Trainer`` keywords of a measurement run: no logger, checkpoint, progress bar or summary."""
+
+
+def step_peak(
+    model: L.LightningModule,
+    data: L.LightningDataModule | DataLoader | Sequence[Any],
+    policy: PolicyLike,
+    *,
+    step: int = 1,
+    layers: LayerSpec = "auto",
+    free_grads_at_batch_start: bool | None = None,
+    accelerator: str = "cpu",
+) -> int:
+    """Fit ``model`` (in place) for ``step + 1`` optimizer steps under ``policy`` and return the peak tensor bytes
+    of step ``step`` (by default the first with optimizer state, as trials meter) as the callback's meter counts
+    them. ``data`` is a LightningDataModule, the train DataLoader, or a list of batches (kept alive, so counted);
+    ``layers`` and ``free_grads_at_batch_start`` are as for `RecomputeCallback`.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    callback = RecomputeCallback(
+        policy, layers=layers, memory_steps=range(step + 1), free_grads_at_batch_start=free_grads_at_batch_start
+    )
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=step + 1, callbacks=[callback], **QUIET_TRAINER)
+    if isinstance(data, L.LightningDataModule):
+        trainer.fit(model, datamodule=data)
+    else:  # a list of batches is a map-style dataset
+        loader = data if isinstance(data, DataLoader) else DataLoader(cast(Dataset[Any], data), batch_size=None)
+        trainer.fit(model, train_dataloaders=loader)
+    peaks = [r.peak_bytes for r in callback.records if r.step == step and r.peak_bytes is not None]
+    if not peaks:
+        raise RuntimeError(f"the fit stopped after {trainer.global_step} steps, before step {step} was measured")
+    return max(peaks)
 
 
 def _compiled(model: torch.nn.Module) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_recompute import QUIET_TRAINER, RecomputePolicy
-from lightning_recompute.probe import step_peak
+from lightning_recompute.callback import step_peak
 from tests.gpu.common import Device, data, model, quiet
 
 STEPS = 30

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from lightning_recompute import RecomputePolicy, apply_policy
+from lightning_recompute.callback import step_peak
 from lightning_recompute.meter import StorageMeter
-from lightning_recompute.probe import step_peak
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 from tests.gpu.common import Device, data, layer_names, mixed, model, quiet, rel
 

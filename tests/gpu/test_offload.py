@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
-from lightning_recompute.probe import step_peak
+from lightning_recompute.callback import step_peak
 from tests.gpu.common import Device, data, layer_names, model, quiet
 
 OFFLOAD_TOLERANCE = 0.05

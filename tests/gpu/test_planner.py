@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from lightning_recompute import RecomputePolicy
+from lightning_recompute.callback import step_peak
 from lightning_recompute.planner import Planner
-from lightning_recompute.probe import step_peak
 from lightning_recompute.profile import profile_meta
 from lightning_recompute.reference import ReferenceGPT
 from lightning_recompute.units import format_bytes
