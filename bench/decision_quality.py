@@ -4,7 +4,7 @@
 For each workload (a model small enough that every fitting policy of the search space can be timed):
 
 1. **Truth.** Every fitting policy of the search space is raced in one process, interleaved, for
-   ``--truth-rounds`` rounds without early stopping (`lightning_recompute.race.engine`): each policy's true time is
+   ``--truth-rounds`` rounds without early stopping (`race.schedule.race`): each policy's true time is
    the median over rounds of its time over ``full``'s in the same round.
 2. **Sessions.** ``recompute-tune`` runs ``--sessions`` times per condition (quiet / noisy), each in
    a fresh folder (fresh study and MLflow store), alternating with sessions whose race is off (the

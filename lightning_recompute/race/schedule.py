@@ -1,5 +1,6 @@
 """The race's schedule: which entrant runs the next step, and what the rounds have decided; and `RaceCallback`,
-which feeds it a fit's steps (shared by the trial worker's race, `race.engine`, and `AutoRecompute`).
+which feeds it a fit's steps (shared by the trial worker's `race` and `AutoRecompute`); `machine_state`, what the
+machine looked like meanwhile.
 
 A round runs each entrant once (a settling step, then ``steps`` timed steps) in an order rotated by one place
 per round; selection races every entrant until the leader is separated, then estimation races the winner
@@ -8,24 +9,24 @@ against the references for the "vs" figures (see docs/TUNER.md, 'The race').
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
-from lightning_recompute import RecomputeCallback, RecomputePolicy
-from lightning_recompute.race.machine import machine_state
-from lightning_recompute.race.plan import RacePlan
+from lightning_recompute import QUIET_TRAINER, RecomputeCallback, RecomputePolicy
 from lightning_recompute.race.result import RaceEntrant, RaceResult, Stop
-from lightning_recompute.race.rule import Standing, stand, verdict
+from lightning_recompute.race.rule import RacePlan, Standing, stand, verdict
 from lightning_recompute.race.stats import Interval, paired_ratio
-
-__all__ = ["ESTIMATE_SHARE", "MIN_ESTIMATE_ROUNDS", "RaceCallback", "RaceSchedule", "RoundReport", "Stop", "Turn"]
 
 ESTIMATE_SHARE = 0.4
 """Under a race budget (`RacePlan.total_s`), the share of it the estimation's rounds may take."""
@@ -389,3 +390,68 @@ class RaceCallback(RecomputeCallback):
 
     def _over(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trainer.should_stop = True
+
+
+def race(
+    model: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    entrants: Sequence[tuple[str, RecomputePolicy, str]],
+    *,
+    references: Sequence[str] = (),
+    plan: RacePlan | None = None,
+    budget_bytes: int | None = None,
+    layers: Any = "auto",
+    trainer_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Race ``entrants`` (``(key, policy, short)``, keys unique) on ``model``, trained in place on ``datamodule``
+    (a finite one is cycled), and return the `RaceResult` as a dict.
+
+    ``references`` are the keys the winner's "vs" figures are about; an entrant whose metered peak exceeds
+    ``budget_bytes`` is out at once; ``trainer_kwargs`` are more ``Trainer`` arguments (accelerator, precision).
+    """
+    plan = plan or RacePlan()
+    kwargs = dict(trainer_kwargs or {})
+    accelerator = str(kwargs.pop("accelerator", "cpu"))
+    on_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+    schedule = RaceSchedule(entrants, references, plan, budget_bytes, meter_every_step=on_cuda, device=accelerator)
+    callback = RaceCallback(entrants[0][1], layers=layers, memory_steps=frozenset())
+    callback.schedule = schedule
+    per_round = len(entrants) * (plan.steps + 1)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=plan.warmup_steps + per_round * (plan.max_rounds + plan.estimate_rounds) + 1,
+        max_epochs=-1,  # a short data module cycles
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        **QUIET_TRAINER,
+        **kwargs,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    return schedule.result().to_dict()
+
+
+def machine_state(device: str = "cpu") -> dict[str, Any]:
+    """``cpu_count`` and, each only where readable, ``load_1m``, ``load_5m``, ``cpu_mhz`` (the mean current
+    clock) and on ``cuda`` ``gpu_sm_mhz``, ``gpu_utilization``, ``gpu_processes`` (the others on the device)."""
+    state: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    with contextlib.suppress(OSError, AttributeError):
+        state["load_1m"], state["load_5m"] = (round(x, 2) for x in os.getloadavg()[:2])
+    mhz = []
+    for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_cur_freq"):
+        with contextlib.suppress(OSError, ValueError):
+            mhz.append(int(path.read_text().strip()) / 1000.0)
+    if mhz:
+        state["cpu_mhz"] = round(sum(mhz) / len(mhz), 1)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        # torch.cuda.clock_rate / utilization / list_gpu_processes need pynvml; without it they raise.
+        with contextlib.suppress(Exception):
+            state["gpu_sm_mhz"] = int(torch.cuda.clock_rate())
+        with contextlib.suppress(Exception):
+            state["gpu_utilization"] = int(torch.cuda.utilization())
+        with contextlib.suppress(Exception):
+            mine = f"process {os.getpid():>10}"
+            listing = torch.cuda.list_gpu_processes().splitlines()[1:]
+            state["gpu_processes"] = [line.strip() for line in listing if line.strip() and mine not in line]
+    return state

@@ -32,7 +32,7 @@ SERVER_PARENT_ENV = "RECOMPUTE_TUNE_FORK_SERVER_PARENT"
 """In the server's environment (and so in a forked worker's ``/proc`` one), the pid of the process it follows."""
 
 PRELOAD: tuple[str, ...] = ("torch", "lightning", "lightning_recompute", "tuner._trials.worker")
-PRELOAD += ("lightning_recompute.race.engine", "tuner.recipe")
+PRELOAD += ("lightning_recompute.race.schedule", "tuner.recipe")
 """What the server imports before forking: what every worker imports before its first step."""
 
 _SERVE = "import sys, tuner._trials.forkserver as s; sys.exit(s.serve(sys.argv[1:]))"

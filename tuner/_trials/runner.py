@@ -83,7 +83,7 @@ class TrialResult:
     rank_peak_bytes: tuple[int, ...] = ()
     """Each rank's peak, rank 0 first, in a multi-rank trial (`peak_bytes` is their maximum)."""
     machine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """`race.machine.machine_state` while the trial ran."""
+    """`race.schedule.machine_state` while the trial ran."""
     batches: dict[str, Any] | None = None
     """`tuner._trials.batches.BatchScan`'s fields; ``None``: not measured."""
 

@@ -94,7 +94,7 @@ def _trial(spec: TrialSpec | Mapping[str, Any]) -> dict[str, Any]:
     import torch
 
     from lightning_recompute import RecomputeCallback, RecomputePolicy
-    from lightning_recompute.race.machine import machine_state
+    from lightning_recompute.race.schedule import machine_state
     from tuner.recipe import build_datamodule, build_model, from_dict
 
     spec = TrialSpec.of(spec)
@@ -157,7 +157,8 @@ def _race(spec: RaceSpec | Mapping[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     from lightning_recompute import RecomputePolicy
-    from lightning_recompute.race.engine import RacePlan, race
+    from lightning_recompute.race import RacePlan
+    from lightning_recompute.race.schedule import race
     from tuner.recipe import build_datamodule, build_model, from_dict
 
     spec = RaceSpec.of(spec)

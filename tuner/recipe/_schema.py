@@ -20,7 +20,7 @@ from pydantic.dataclasses import dataclass as schema_dataclass
 
 from lightning_recompute.errors import RecomputeError, clip
 from lightning_recompute.modes import FAMILY_NAMES, MODE_NAMES
-from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race import RacePlan
 from lightning_recompute.units import format_bytes as _format_bytes
 from lightning_recompute.units import jsonable, parse_bytes
 

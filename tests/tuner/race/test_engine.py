@@ -1,4 +1,4 @@
-"""`lightning_recompute.race.engine`: a race in one Lightning fit, with a patched step clock and a seeded load.
+"""`lightning_recompute.race.schedule.race`: a race in one Lightning fit, with a patched step clock and a seeded load.
 
 The timer is the only thing faked: the model trains for real (policies switched between steps,
 memory metered by the CPU ledger), and each step "takes" its policy's base time times the load of
@@ -15,8 +15,8 @@ import torch
 
 from bench.neighbour import LoadModel
 from lightning_recompute import RecomputePolicy, applied_policy
-from lightning_recompute.race.engine import race
-from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race import RacePlan
+from lightning_recompute.race.schedule import race
 from lightning_recompute.reference import ReferenceGPT, SyntheticTokens
 
 NAMES = [f"blocks.{i}" for i in range(3)]

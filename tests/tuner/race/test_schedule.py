@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 
 from lightning_recompute import RecomputePolicy
-from lightning_recompute.race.plan import RacePlan
+from lightning_recompute.race import RacePlan
 from lightning_recompute.race.schedule import MIN_ESTIMATE_ROUNDS, RaceSchedule, RoundReport
 
 NAMES = [f"blocks.{i}" for i in range(3)]
