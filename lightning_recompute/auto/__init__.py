@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from lightning_recompute.auto.callback import AUTO_PLAN, AutoDecision, AutoRecompute
-from lightning_recompute.auto.candidates import Candidate
+from lightning_recompute.auto.callback import AUTO_PLAN, AutoDecision, AutoRecompute, Candidate
 
 __all__ = ["AUTO_PLAN", "AutoDecision", "AutoRecompute", "Candidate"]

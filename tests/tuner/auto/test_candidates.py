@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from lightning_recompute.auto.candidates import planner_candidates
+from lightning_recompute.auto.callback import planner_candidates
 from lightning_recompute.planner import Planner
 from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.reference import ReferenceGPT
