@@ -272,11 +272,8 @@ def step_peak(
     free_grads_at_batch_start: bool | None = None,
     accelerator: str = "cpu",
 ) -> int:
-    """Fit ``model`` (in place) for ``step + 1`` optimizer steps under ``policy`` and return the peak tensor bytes
-    of step ``step`` (by default the first with optimizer state, as trials meter) as the callback's meter counts
-    them. ``data`` is a LightningDataModule, the train DataLoader, or a list of batches (kept alive, so counted);
-    ``layers`` and ``free_grads_at_batch_start`` are as for `RecomputeCallback`.
-    """
+    """The peak tensor bytes of step ``step`` (default: the first with optimizer state, as trials meter) of a fit
+    of ``model`` in place under ``policy``; ``data`` is a data module, a DataLoader or a list of batches (counted)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     callback = RecomputeCallback(

@@ -43,9 +43,7 @@ AUTO_PLAN = RacePlan(steps=2, min_rounds=6, max_rounds=24, time_s=600.0, estimat
 
 
 PROFILED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-"""Where the first batch is profiled in the job: one device, or rank 0 of DDP. A sharded model gathers
-its parameters collectively, so those jobs race the uniform policies of ``modes``.
-"""
+"""Where the first batch is profiled in the job: a sharded model gathers its parameters collectively, so it cannot."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +66,8 @@ class Candidate:
 def planner_candidates(
     profile: Profile, limit_bytes: int, modes: Sequence[str], most: int
 ) -> tuple[list[Candidate], str | None]:
-    """Up to ``most`` points of the planner's front predicted to fit ``limit_bytes``, safest first
-    (always the planner's pick and the safest), topped up with fitting uniform policies; and a note.
-
-    When nothing is predicted to fit, the one policy of least predicted peak, with a note saying so.
-    """
+    """Up to ``most`` points of the planner's front that fit ``limit_bytes`` (the pick and the safest always),
+    safest first, topped up with fitting uniform policies; or, when none fits, the least-peak one and a note."""
     planner = Planner(profile)
     front = planner.pareto_front(list(modes))  # by increasing peak
     fitting = [p for p in front if p.peak_bytes <= limit_bytes]

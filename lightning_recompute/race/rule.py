@@ -29,9 +29,7 @@ class RacePlan:
     time_s: float = 120.0
     """Seconds of selection rounds at most (the round in progress finishes)."""
     total_s: float | None = None
-    """Seconds of rounds at most, selection and estimation together (``None``: no cap); never stops the
-    selection before `min_rounds`, and gives estimation `ESTIMATE_SHARE`, at least `MIN_ESTIMATE_ROUNDS`.
-    """
+    """Seconds of rounds at most, both phases (``None``: no cap); the selection still runs `min_rounds`."""
     estimate_rounds: int = 16
     """Rounds of the estimation phase (the winner against the references)."""
     confidence: float = 0.95

@@ -403,12 +403,8 @@ def race(
     layers: Any = "auto",
     trainer_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Race ``entrants`` (``(key, policy, short)``, keys unique) on ``model``, trained in place on ``datamodule``
-    (a finite one is cycled), and return the `RaceResult` as a dict.
-
-    ``references`` are the keys the winner's "vs" figures are about; an entrant whose metered peak exceeds
-    ``budget_bytes`` is out at once; ``trainer_kwargs`` are more ``Trainer`` arguments (accelerator, precision).
-    """
+    """The `RaceResult` (as a dict) of ``entrants`` raced as `RaceSchedule` takes them on ``model``, trained in place
+    on ``datamodule`` (cycled); ``trainer_kwargs`` are more ``Trainer`` arguments (accelerator, precision)."""
     plan = plan or RacePlan()
     kwargs = dict(trainer_kwargs or {})
     accelerator = str(kwargs.pop("accelerator", "cpu"))
