@@ -1,11 +1,5 @@
-"""The race's schedule: which entrant runs the next step, and what the rounds have decided; and `RaceCallback`,
-which feeds it a fit's steps (shared by the trial worker's `race` and `AutoRecompute`); `machine_state`, what the
-machine looked like meanwhile.
-
-A round runs each entrant once (a settling step, then ``steps`` timed steps) in an order rotated by one place
-per round; selection races every entrant until the leader is separated, then estimation races the winner
-against the references for the "vs" figures (see docs/TUNER.md, 'The race').
-"""
+"""The race's schedule (`RaceSchedule`: whose step is next, what the rounds decided), `RaceCallback` that feeds it a
+fit's steps (for the service's `race` and for `AutoRecompute`), and `machine_state` (docs/TUNER.md, 'The race')."""
 
 from __future__ import annotations
 
