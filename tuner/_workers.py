@@ -41,7 +41,7 @@ class Presence:
             self.tracker.sessions.beat()
 
 
-def reap(study: TuningStudy, tracker: Tracker, grace_s: float, study_name: str, note: Say) -> None:
+def reap(study: TuningStudy, tracker: Tracker, grace_s: float, note: Say) -> None:
     """Fail the trials of dead workers (their candidates go back in the queue) and record them in MLflow."""
     abandoned = study.reap_dead(grace_s)
     for trial, why in abandoned:
@@ -56,7 +56,7 @@ def reap(study: TuningStudy, tracker: Tracker, grace_s: float, study_name: str, 
         )
         note(f"trial {trial.number} failed: {why}; its candidate is queued again")
     if abandoned:
-        end_dead_session_runs(tracker, study_name, grace_s, note)
+        end_dead_session_runs(tracker, study.study.study_name, grace_s, note)
 
 
 def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, note: Say) -> None:

@@ -176,8 +176,7 @@ class _TuningSession:
                 heartbeat.stop()
 
     def _set_up(self, study: TuningStudy) -> PlannerSeeds:
-        """Set ``study`` up once for all its workers: the one that created it, or outlived the one that did,
-        profiles, plans and seeds it while the others wait. The planner predicts for the whole session."""
+        """Profile, plan and seed ``study`` once for all its workers, or wait for the worker doing it."""
         recipe, name, space, budget = self.recipe, self.name, self.space, self.budget
         if not study.created:
             if not study.study.user_attrs.get(StudyAttr.SEEDED):
@@ -244,7 +243,7 @@ class _TuningSession:
             self.interrupts.phase = "between"
             if self.interrupts.stop.is_set():
                 return None
-            reap(study, self.tracker, self.grace, self.name, self.note)
+            reap(study, self.tracker, self.grace, self.note)
             if study.ran_count() >= n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
@@ -269,8 +268,7 @@ class _TuningSession:
                 self.interrupts.stop.wait(self.jitter.uniform(0.0, POLL_S))
 
     def _one_trial(self, study: TuningStudy) -> Literal["measured", "not measured", "stood down"]:
-        """One proposal: measured, not measured (a duplicate, or skipped on the planner's prediction), or
-        stood down for another worker's trial."""
+        """One proposal: not measured when a duplicate or predicted far over budget."""
         from tuner._trials import TrialResult, run_trial
 
         proposal = study.ask(session_run_id=self.session_run_id)
@@ -346,8 +344,7 @@ class _TuningSession:
         )
 
     def _finish(self, status: str, summary: SessionSummary) -> SessionSummary:
-        """Close the session run with ``status``; when FINISHED, first make the output file hold the good policy
-        (restored from MLflow, and said so)."""
+        """Close the session run; when FINISHED, first restore the good policy from MLflow into the output file."""
         if self.presence.tracker is None or self.session_run_id is None:
             return summary
         if status == "FINISHED":
