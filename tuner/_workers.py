@@ -1,19 +1,19 @@
-"""Workers sharing one study (docs/CLUSTER.md): heartbeats, who sets it up, dead workers' trials, no surplus or
-doubled trials, the wait for others' trials before the gate."""
+"""Workers sharing one study (docs/CLUSTER.md): heartbeats, dead workers' trials, no surplus or doubled trials,
+the wait for others' trials before the gate."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from tuner._search.attrs import StudyAttr, TrialAttr
 
 if TYPE_CHECKING:
     from tuner._search import Proposal, TuningStudy
     from tuner._tracking import Tracker
-
-SETUP_WAIT_S = 600.0  # for the worker that created a new study to profile and seed it
 
 Say = Callable[[str], None]
 
@@ -29,48 +29,34 @@ class Presence:
         self.in_flight: Proposal | None = None  # asked, not yet told
 
     def beat_study(self) -> None:
-        study, proposal = self.study, self.in_flight
-        if study is not None and self.setting_up:
-            study.setup.beat()
-        if study is not None and proposal is not None:
+        proposal = self.in_flight
+        if self.study is not None and self.setting_up:
+            self.study.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
+        if proposal is not None:
             with contextlib.suppress(Exception):  # told meanwhile: a finished trial takes no heartbeat
-                study.in_flight.beat(proposal)
+                proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
 
     def beat_tracker(self) -> None:
         if self.tracker is not None:
             self.tracker.sessions.beat()
 
 
-def join_setup(study: TuningStudy, name: str, grace_s: float, notify: Say, note: Say) -> bool:
-    """Whether this worker sets ``study`` up: it created it, or the worker that did died or gave up."""
-    if study.created:
-        return True
-    if not study.setup.seeded:
-        notify(f"study {name} is being set up by another worker; waiting ...")
-    if study.setup.wait_seeded(SETUP_WAIT_S, grace_s=grace_s):
-        return False
-    note(f"taking over the study's setup: {study.setup.owner_dead(grace_s) or 'the worker setting it up gave up'}")
-    study.setup.own()
-    return True
-
-
-def reap(
-    study: TuningStudy, tracker: Tracker, grace_s: float, layer_names: Sequence[str], study_name: str, note: Say
-) -> None:
+def reap(study: TuningStudy, tracker: Tracker, grace_s: float, note: Say) -> None:
     """Fail the trials of dead workers (their candidates go back in the queue) and record them in MLflow."""
-    abandoned = study.in_flight.reap_dead(grace_s)
-    for dead in abandoned:
+    abandoned = study.reap_dead(grace_s)
+    for trial, why in abandoned:
+        policy, micro_batch = study.space.decode(trial.params)
         tracker.sessions.log_abandoned_trial(
-            dead.number,
-            dead.policy,
-            list(layer_names),
-            dead.micro_batch,
-            reason=dead.reason,
-            session_run_id=dead.session_run_id,
+            trial.number,
+            policy,
+            study.space.layer_names,
+            micro_batch,
+            reason=why,
+            session_run_id=trial.user_attrs.get(TrialAttr.SESSION_RUN),
         )
-        note(f"trial {dead.number} failed: {dead.reason}; its candidate is queued again")
+        note(f"trial {trial.number} failed: {why}; its candidate is queued again")
     if abandoned:
-        end_dead_session_runs(tracker, study_name, grace_s, note)
+        end_dead_session_runs(tracker, study.study.study_name, grace_s, note)
 
 
 def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, note: Say) -> None:
@@ -79,7 +65,7 @@ def end_dead_session_runs(tracker: Tracker, study_name: str, grace_s: float, not
 
 
 def _taken(study: TuningStudy, grace_s: float) -> int:
-    return study.ran_count() + study.in_flight.running_alive(grace_s)
+    return study.ran_count() + study.running_alive(grace_s)
 
 
 def others_fill(study: TuningStudy, n_trials: int, grace_s: float) -> bool:
@@ -109,11 +95,11 @@ def stand_down_reason(study: TuningStudy, proposal: Proposal, n_trials: int, gra
 def wait_for_running(study: TuningStudy, timeout_s: float, stop: threading.Event, notify: Say, note: Say) -> None:
     """Wait until no trial runs, so every worker gates the same winner (a dead worker's stays RUNNING: a timeout)."""
     deadline = time.monotonic() + timeout_s
-    if running := len(study.in_flight.running()):
+    if running := len(study.running()):
         notify(f"gate: waiting for {running} trial(s) of other workers to finish ...")
     while running and time.monotonic() < deadline:
         if stop.wait(1.0):
             return
-        running = len(study.in_flight.running())
+        running = len(study.running())
     if running:
         note(f"{running} trial(s) of other workers still running after the wait; gating the best so far")

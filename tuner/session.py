@@ -31,7 +31,6 @@ from tuner._tracking import open_tracker
 from tuner._workers import (
     Presence,
     end_dead_session_runs,
-    join_setup,
     others_fill,
     reap,
     stand_down_reason,
@@ -54,6 +53,9 @@ MAX_UNMEASURED_IN_A_ROW = 25
 
 POLL_S = 1.0
 """How often a session waiting on other workers' trials looks at the study again."""
+
+SETUP_WAIT_S = 600.0
+"""How long a session waits for the worker that created a new study to profile and seed it."""
 
 Notify = Callable[[str], None]
 
@@ -174,21 +176,25 @@ class _TuningSession:
                 heartbeat.stop()
 
     def _set_up(self, study: TuningStudy) -> PlannerSeeds:
-        """Set ``study`` up once for all its workers (profile, plan, store the profile, seed), or join it; the
-        seeding, whose predictor serves the whole session (its seeds are empty when another session set it up)."""
+        """Profile, plan and seed ``study`` once for all its workers, or wait for the worker doing it."""
         recipe, name, space, budget = self.recipe, self.name, self.space, self.budget
-        if not join_setup(study, name, self.grace, self.notify, self.note):
-            attrs = study.study.user_attrs
-            if stored := attrs.get(StudyAttr.PROFILE):
-                seeding = plan_seeds(recipe, space, budget, stored=stored)
-            else:
-                why = attrs.get(StudyAttr.PLANNER_NOTE) or "the study holds no profile; no predictions"
-                seeding = PlannerSeeds(note=why)
-            seeding.seeds = []
-            if seeding.note:
-                self.note(seeding.note)
-            self.notify(f"study {name} resumed: {study.ran_count()} trials run so far")
-            return seeding
+        if not study.created:
+            if not study.study.user_attrs.get(StudyAttr.SEEDED):
+                self.notify(f"study {name} is being set up by another worker; waiting ...")
+            taken_over = study.wait_or_take_setup(SETUP_WAIT_S, self.grace)
+            if taken_over is None:
+                attrs = study.study.user_attrs
+                if stored := attrs.get(StudyAttr.PROFILE):
+                    seeding = plan_seeds(recipe, space, budget, stored=stored)
+                else:
+                    seeding = PlannerSeeds(
+                        note=attrs.get(StudyAttr.PLANNER_NOTE) or "the study holds no profile; no predictions"
+                    )
+                if seeding.note:
+                    self.note(seeding.note)
+                self.notify(f"study {name} resumed: {study.ran_count()} trials run so far")
+                return seeding
+            self.note(f"taking over the study's setup: {taken_over}")
         self.presence.setting_up = True
         try:
             kill_point("profiling")  # a test hook; see tuner._liveness
@@ -204,7 +210,7 @@ class _TuningSession:
                 self.note(seeding.note)
             enqueued = study.seed([*baseline_seeds(space), *seeding.seeds])
         except BaseException:
-            study.setup.abandon()
+            study.abandon_setup()
             raise
         finally:
             self.presence.setting_up = False
@@ -237,7 +243,7 @@ class _TuningSession:
             self.interrupts.phase = "between"
             if self.interrupts.stop.is_set():
                 return None
-            reap(study, self.tracker, self.grace, self.space.layer_names, self.name, self.note)
+            reap(study, self.tracker, self.grace, self.note)
             if study.ran_count() >= n_trials:
                 return None
             if timeout is not None and time.monotonic() - started >= timeout:
@@ -262,8 +268,7 @@ class _TuningSession:
                 self.interrupts.stop.wait(self.jitter.uniform(0.0, POLL_S))
 
     def _one_trial(self, study: TuningStudy) -> Literal["measured", "not measured", "stood down"]:
-        """One proposal: measured, not measured (a duplicate, or skipped on the planner's prediction), or
-        stood down for another worker's trial."""
+        """One proposal: not measured when a duplicate or predicted far over budget."""
         from tuner._trials import TrialResult, run_trial
 
         proposal = study.ask(session_run_id=self.session_run_id)
@@ -339,8 +344,7 @@ class _TuningSession:
         )
 
     def _finish(self, status: str, summary: SessionSummary) -> SessionSummary:
-        """Close the session run with ``status``; when FINISHED, first make the output file hold the good policy
-        (restored from MLflow, and said so)."""
+        """Close the session run; when FINISHED, first restore the good policy from MLflow into the output file."""
         if self.presence.tracker is None or self.session_run_id is None:
             return summary
         if status == "FINISHED":

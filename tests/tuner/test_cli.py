@@ -91,7 +91,7 @@ def test_tune_end_to_end_records_every_trial_in_mlflow_and_promotes(tmp_path):
     assert exp.tags["recompute.good_run_id"]
     assert not [r for r in runs if r.info.status == "RUNNING"]
     study = open_study(recipe_path)
-    assert not study.in_flight.running()
+    assert not study.running()
 
     # history reads the promotion back from MLflow alone.
     assert cli.main(["history", str(recipe_path)]) == 0
@@ -179,7 +179,7 @@ def test_ctrl_c_stops_cleanly_and_the_next_run_resumes(tmp_path):
     study = open_study(recipe_path)
     first = [r for r in study.records() if r.ran]
     assert 1 <= len(first) <= 2  # the trial in flight at Ctrl-C is finished and kept
-    assert not study.in_flight.running()
+    assert not study.running()
     _, _, runs = mlflow_runs(recipe_path)
     assert not [r for r in runs if r.info.status == "RUNNING"]
     assert [r.info.status for r in runs if r.data.tags.get("recompute.kind") == "session"] == ["KILLED"]
@@ -236,7 +236,7 @@ def test_two_workers_share_one_study_without_measuring_a_policy_twice(tmp_path):
     assert {name: n - put_back[name] for name, n in copies.items()} == dict.fromkeys(copies, 1), (
         "the study was seeded twice"
     )
-    assert not study.in_flight.running()
+    assert not study.running()
     assert (
         len({t.user_attrs.get("worker") for t in study.study.trials if t.state != optuna.trial.TrialState.WAITING}) == 2
     )

@@ -28,7 +28,6 @@ from tests.helpers import REPO, child_env
 from tests.tuner.cli_run import TINY as CLI_TINY
 from tests.tuner.fakes import make_recipe, runs, study_of
 from tuner import _liveness as liveness
-from tuner import _workers as workers
 from tuner import session
 from tuner._liveness import Owner, dead_reason
 from tuner._search import TuningStudy
@@ -115,7 +114,7 @@ def test_a_session_killed_mid_trial_is_failed_recorded_and_its_candidate_measure
 
     summary = session.tune(recipe, use_planner=False, search_only=True)
     study = study_of(recipe, summary)
-    assert not study.in_flight.running()
+    assert not study.running()
     dead = [r for r in summary.records if r.outcome == "abandoned"]
     assert len(dead) == 1 and dead[0].state == "FAIL" and "is gone" in (dead[0].reason or "")
     # The candidate came back and was measured once; every baseline was measured exactly once.
@@ -145,7 +144,7 @@ def test_a_setup_whose_owner_died_is_taken_over_at_once(tmp_path, tracking_uri, 
     run_child(tmp_path, tracking_uri, kill_on_call=0, RECOMPUTE_TUNE_TEST_KILL_AT="profiling")
     recipe = make_recipe(tmp_path, tracking_uri, n_trials=4)
     # Waiting for a dead worker would hang this test past its deadline: the wait must not happen.
-    monkeypatch.setattr(workers, "SETUP_WAIT_S", 10 * DEADLINE_S)
+    monkeypatch.setattr(session, "SETUP_WAIT_S", 10 * DEADLINE_S)
     notes: list[str] = []
     summary = session.tune(recipe, use_planner=False, search_only=True, on_note=notes.append)
     assert any("taking over the study's setup: owner died" in n for n in notes), notes
@@ -160,8 +159,8 @@ def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_n
     creator = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
     joiner = TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1)
     assert creator.created and not joiner.created
-    assert joiner.setup.owner_dead(60.0) is None  # the creator (this process) lives
-    assert joiner.setup.wait_seeded(0.2, poll_s=0.05) is False  # timed out, not taken over
+    # The creator (this process) lives: the joiner waits out its timeout, not less.
+    assert joiner.wait_or_take_setup(0.2, 60.0, poll_s=0.05) == "the worker setting it up took longer than 0.2 s"
     attrs = joiner.study.user_attrs
     assert not attrs.get(StudyAttr.ABANDONED) and not attrs.get(StudyAttr.SEEDED)
 
@@ -176,10 +175,10 @@ def test_a_trial_of_a_silent_owner_on_another_host_is_reaped_after_the_grace_per
     trial = proposal.trial
     trial.set_user_attr(TrialAttr.OWNER, Owner("another-host.example", 4242, "1").to_dict())
     trial.set_user_attr(TrialAttr.HEARTBEAT, time.time() - 30)
-    assert study.in_flight.reap_dead(60.0) == [] and study.in_flight.running_alive(60.0) == 1
-    (dead,) = study.in_flight.reap_dead(10.0)
-    assert dead.number == trial.number and "no heartbeat" in dead.reason
-    assert not study.in_flight.running() and study.in_flight.reap_dead(10.0) == []  # reaped once
+    assert study.reap_dead(60.0) == [] and study.running_alive(60.0) == 1
+    ((dead, why),) = study.reap_dead(10.0)
+    assert dead.number == trial.number and "no heartbeat" in why
+    assert not study.running() and study.reap_dead(10.0) == []  # reaped once
     (again,) = study.waiting()
     assert again.system_attrs["fixed_params"] == trial.params and again.user_attrs[TrialAttr.RETRY_OF] == trial.number
     retry = study.ask()

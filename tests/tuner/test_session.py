@@ -171,7 +171,7 @@ def test_first_ctrl_c_finishes_the_trial_then_stops_and_a_rerun_resumes(tmp_path
     assert summary.status == "interrupted" and summary.exit_code == EXIT_INTERRUPTED
     assert [r.outcome for r in summary.records] == ["over_budget", "ok"]
     study = study_of(recipe, summary)
-    assert not study.in_flight.running()
+    assert not study.running()
     assert [r.info.status for r in runs(recipe, "session")] == ["KILLED"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
     waiting = len(study.waiting())
@@ -201,7 +201,7 @@ def test_second_ctrl_c_kills_the_trial_and_its_seed_runs_on_resume(tmp_path, tra
     assert [r.outcome for r in summary.records] == ["over_budget", "interrupted"]
     killed = summary.records[1]
     assert killed.label == "baseline:full" and killed.state == "FAIL"
-    assert not study_of(recipe, summary).in_flight.running()
+    assert not study_of(recipe, summary).running()
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
     assert str(killed.number) not in {r.data.params.get("trial_number") for r in runs(recipe, "trial")}
 
@@ -410,7 +410,7 @@ def test_sighup_stops_the_session_like_sigterm(tmp_path, tracking_uri, fakes):
         signal.signal(signal.SIGHUP, previous)
     assert summary.status == "interrupted" and summary.exit_code == EXIT_INTERRUPTED
     assert [r.outcome for r in summary.records] == ["over_budget", "interrupted"]  # killed at once, as SIGTERM
-    assert not study_of(recipe, summary).in_flight.running()
+    assert not study_of(recipe, summary).running()
     assert [r.info.status for r in runs(recipe, "session")] == ["KILLED"]
     assert not [r for r in runs(recipe) if r.info.status == "RUNNING"]
 

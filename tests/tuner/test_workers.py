@@ -73,7 +73,8 @@ def test_a_tracking_server_that_hangs_does_not_stall_the_studys_heartbeat() -> N
         released.wait(60.0)
 
     presence = Presence()
-    presence.study = SimpleNamespace(setup=SimpleNamespace(beat=lambda: study_beats.append(time.monotonic())))  # type: ignore[assignment]
+    beat = SimpleNamespace(set_user_attr=lambda *_: study_beats.append(time.monotonic()))
+    presence.study = SimpleNamespace(study=beat)  # type: ignore[assignment]
     presence.tracker = SimpleNamespace(sessions=SimpleNamespace(beat=hung_tracker_beat))  # type: ignore[assignment]
     presence.setting_up = True
     beats = [

@@ -1,6 +1,6 @@
 """The keys of the study's and its trials' user attributes: the store layout (a study written by an earlier
-version resumes only while they stay the same), read and written by `tuner._search.study` (and the setup's
-profile and planner note by `tuner.session`)."""
+version resumes only while they stay the same), read and written by `tuner._search.study` (the setup's profile
+and planner note by `tuner.session`, the heartbeats by `tuner._workers`)."""
 
 from __future__ import annotations
 

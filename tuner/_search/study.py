@@ -178,11 +178,6 @@ class TuningStudy:
     created: bool  # this process created the study, and so seeds it
     storage: optuna.storages.BaseStorage  # for `tuner._search.lease`
 
-    def __post_init__(self) -> None:
-        self.setup = StudySetup(self.study)
-        self.in_flight = InFlight(self.study, self.space)
-        self._distributions = self.space.distributions()
-
     @classmethod
     def open(
         cls,
@@ -223,7 +218,7 @@ class TuningStudy:
                 ) from None
             return cls(study, space, int(budget_bytes), created=False, storage=store)
         # The owner first: a worker waiting for this setup takes it over once this owner is dead.
-        StudySetup(study).own()
+        _own_setup(study)
         attrs = {
             StudyAttr.SEARCH_SPACE: signature,
             StudyAttr.BUDGET_BYTES: int(budget_bytes),
@@ -260,7 +255,7 @@ class TuningStudy:
     def ask(self, *, session_run_id: str | None = None) -> Proposal:
         """The next candidate: its key is written before the others are read, so of two workers asking it at once
         the later sees the earlier (trial numbers do not follow the order of asking)."""
-        trial = self.study.ask(fixed_distributions=self._distributions)
+        trial = self.study.ask(fixed_distributions=self.space.distributions())
         policy, mb = self.space.decode(trial.params)
         proposal = Proposal(trial=trial, policy=policy, micro_batch=mb, label=trial.user_attrs.get(TrialAttr.SEED))
         attrs = {
@@ -397,51 +392,6 @@ class TuningStudy:
     def waiting(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
 
-
-def far_over_budget(prediction: Prediction | None, budget_bytes: int) -> str | None:
-    """Why a candidate should not be run, or ``None`` when it should."""
-    peak = None if prediction is None else prediction.peak_bytes
-    if peak is None or peak <= FAR_OVER_BUDGET * budget_bytes:
-        return None
-    return (
-        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {FAR_OVER_BUDGET:g}x the budget "
-        f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
-    )
-
-
-@dataclass(frozen=True)
-class AbandonedTrial:
-    """A trial whose owner died, failed by `InFlight.reap_dead`: what its MLflow record needs."""
-
-    number: int
-    policy: RecomputePolicy
-    micro_batch: int | None
-    reason: str
-    session_run_id: str | None  # the dead owner's MLflow session run, if it had one yet
-
-
-def _owner_dead(
-    attrs: Mapping[str, Any], owner_key: str, beat_key: str, grace_s: float, since: float | None = None
-) -> str | None:
-    """Why the owner recorded in ``attrs`` (a trial's or the study's) is dead, or ``None``."""
-    beat = attrs.get(beat_key)
-    owner = Owner.from_dict(attrs.get(owner_key))
-    return dead_reason(owner, None if beat is None else float(beat), grace=grace_s, since=since)
-
-
-def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
-    since = trial.datetime_start.timestamp() if trial.datetime_start is not None else None
-    return _owner_dead(trial.user_attrs, TrialAttr.OWNER, TrialAttr.HEARTBEAT, grace_s, since)
-
-
-class InFlight:
-    """Any worker's running trials. Own heartbeats, not Optuna's: journal storage has none, and a same-host
-    owner is judged dead by its pid at once."""
-
-    def __init__(self, study: optuna.Study, space: SearchSpace) -> None:
-        self.study = study
-        self.space = space
-
     def running(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
 
@@ -449,14 +399,11 @@ class InFlight:
         """RUNNING trials whose owner may be alive (this worker's own included)."""
         return sum(1 for t in self.running() if _dead(t, grace_s) is None)
 
-    def beat(self, proposal: Proposal) -> None:
-        proposal.trial.set_user_attr(TrialAttr.HEARTBEAT, time.time())
-
-    def reap_dead(self, grace_s: float) -> list[AbandonedTrial]:
-        """Fail every RUNNING trial whose owner is dead and enqueue its candidate again; of several processes
-        reaping at once, only the one whose state change wins reports and re-enqueues it."""
+    def reap_dead(self, grace_s: float) -> list[tuple[FrozenTrial, str]]:
+        """Fail every RUNNING trial whose owner is dead and enqueue its candidate again; each with why. Of several
+        processes reaping at once, only the one whose state change wins reports and re-enqueues it."""
         storage = self.study._storage  # Optuna's public Study has no way to fail another process's trial
-        out: list[AbandonedTrial] = []
+        out = []
         for t in self.running():
             why = _dead(t, grace_s)
             if why is None:
@@ -475,46 +422,59 @@ class InFlight:
                 TrialAttr.SEED: a.get(TrialAttr.SEED),
             }
             self.study.enqueue_trial(dict(t.params), user_attrs={k: v for k, v in attrs.items() if v is not None})
-            policy, mb = self.space.decode(t.params)
-            out.append(AbandonedTrial(t.number, policy, mb, why, a.get(TrialAttr.SESSION_RUN)))
+            out.append((t, why))
             _log.info("trial %d: %s; failed and its candidate enqueued again", t.number, why)
         return out
 
-
-class StudySetup:
-    """Who sets the study up and whether it is seeded (the profile and planner note it stores: `tuner.session`)."""
-
-    def __init__(self, study: optuna.Study) -> None:
-        self.study = study
-
-    def own(self) -> None:
-        self.study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
-        self.beat()
-
-    def beat(self) -> None:
-        self.study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
-
-    def wait_seeded(self, timeout_s: float, poll_s: float = 0.5, *, grace_s: float = 60.0) -> bool:
-        """Whether the setting-up process seeded the study (not when it gave up, died or ``timeout_s`` passed)."""
+    def wait_or_take_setup(self, timeout_s: float, grace_s: float, poll_s: float = 0.5) -> str | None:
+        """``None`` once the worker setting the study up has seeded it; else why this process now owns the setup:
+        that worker died, gave up, or took longer than ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while not self.seeded:
-            gone = self.study.user_attrs.get(StudyAttr.ABANDONED) or self.owner_dead(grace_s) is not None
-            if gone or time.monotonic() >= deadline:
-                return False
+        while True:
+            attrs = self.study.user_attrs
+            if attrs.get(StudyAttr.SEEDED):
+                return None
+            why = _owner_dead(attrs, StudyAttr.SETUP_OWNER, StudyAttr.SETUP_HEARTBEAT, grace_s)
+            if why is None and attrs.get(StudyAttr.ABANDONED):
+                why = "the worker setting it up gave up"
+            elif why is None and time.monotonic() >= deadline:
+                why = f"the worker setting it up took longer than {timeout_s:g} s"
+            if why is not None:
+                _own_setup(self.study)
+                return why
             time.sleep(poll_s)
-        return True
 
-    def owner_dead(self, grace_s: float) -> str | None:
-        """Why the session setting the study up is dead; ``None`` while alive, done, or not recorded yet."""
-        attrs = self.study.user_attrs
-        if attrs.get(StudyAttr.SEEDED) or Owner.from_dict(attrs.get(StudyAttr.SETUP_OWNER)) is None:
-            return None
-        return _owner_dead(attrs, StudyAttr.SETUP_OWNER, StudyAttr.SETUP_HEARTBEAT, grace_s)
-
-    @property
-    def seeded(self) -> bool:
-        return bool(self.study.user_attrs.get(StudyAttr.SEEDED))
-
-    def abandon(self) -> None:
-        if not self.seeded:
+    def abandon_setup(self) -> None:
+        """Let a waiting worker take the setup over at once instead of waiting for this one to die."""
+        if not self.study.user_attrs.get(StudyAttr.SEEDED):
             self.study.set_user_attr(StudyAttr.ABANDONED, True)
+
+
+def far_over_budget(prediction: Prediction | None, budget_bytes: int) -> str | None:
+    """Why a candidate should not be run, or ``None`` when it should."""
+    peak = None if prediction is None else prediction.peak_bytes
+    if peak is None or peak <= FAR_OVER_BUDGET * budget_bytes:
+        return None
+    return (
+        f"planner predicts a peak of {format_bytes(peak)} ({peak} bytes), more than {FAR_OVER_BUDGET:g}x the budget "
+        f"limit of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
+    )
+
+
+def _owner_dead(
+    attrs: Mapping[str, Any], owner_key: str, beat_key: str, grace_s: float, since: float | None = None
+) -> str | None:
+    """Why the owner recorded in ``attrs`` (a trial's or the study's) is dead, or ``None``."""
+    beat = attrs.get(beat_key)
+    owner = Owner.from_dict(attrs.get(owner_key))
+    return dead_reason(owner, None if beat is None else float(beat), grace=grace_s, since=since)
+
+
+def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
+    since = trial.datetime_start.timestamp() if trial.datetime_start is not None else None
+    return _owner_dead(trial.user_attrs, TrialAttr.OWNER, TrialAttr.HEARTBEAT, grace_s, since)
+
+
+def _own_setup(study: optuna.Study) -> None:
+    study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
+    study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())

@@ -179,7 +179,7 @@ def test_seeding_happens_once_and_a_resumed_study_is_not_seeded_again(tmp_path):
 
     again = _open(tmp_path, space)
     assert not again.created
-    assert again.setup.wait_seeded(timeout_s=0.0)  # the session sees the mark and does not seed
+    assert again.wait_or_take_setup(0.0, 60.0) is None  # the session sees the mark and does not seed
     # Even a second seeding (a session taking over an abandoned setup) skips what is there.
     assert again.seed(baseline_seeds(space)) == []
     assert len(again.waiting()) == 4
@@ -300,7 +300,7 @@ def test_an_interrupted_seed_goes_back_in_the_queue(tmp_path):
     frozen = study.tell_interrupted(proposal, "interrupted by the user")
     assert frozen.state == TrialState.FAIL and frozen.user_attrs["outcome"] == "interrupted"
     assert len(study.waiting()) == waiting  # one taken, one put back
-    assert not study.in_flight.running()
+    assert not study.running()
     again = study.ask()
     assert again.label == "baseline:full"  # the queue goes on; the re-queued seed comes last
     assert again.duplicate_of is None
