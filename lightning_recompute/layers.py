@@ -1,8 +1,5 @@
-"""Finding the layers a policy is applied to, named by their module path.
-
-``"auto"`` takes the longest `nn.ModuleList` / `nn.Sequential` of same-class children, and every other such
-stack, not nested in a chosen one, at least half as long (both stacks of an encoder-decoder).
-"""
+"""Finding a policy's layers by module path: ``"auto"`` takes the longest stack of same-class children and every
+other stack, not nested in a chosen one, at least half as long (both stacks of an encoder-decoder)."""
 
 from __future__ import annotations
 
