@@ -56,9 +56,8 @@ def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1)
 def decide_grad_freeing(
     flag: bool | None, trainer: L.Trainer, module: L.LightningModule, callback: L.Callback
 ) -> GradFreeing:
-    """Whether ``callback`` frees gradients at batch start under ``trainer``, given its ``flag``; a
-    `RecomputeError` when ``flag`` is ``True`` where freeing would change training.
-    """
+    """Whether ``callback`` frees gradients at batch start; `RecomputeError` when ``flag`` is ``True`` where freeing
+    would change training."""
     if flag is False:
         return GradFreeing(False, f"{FLAG}=False")
     hard, soft = module_blockers(module, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))

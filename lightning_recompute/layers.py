@@ -15,9 +15,7 @@ LayerSpec = str | type | Sequence[str | type]
 
 
 def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str, nn.Module]]:
-    """The layers of ``model`` in module order, as ``(path, module)`` pairs; a `LayerDiscoveryError` naming
-    what was asked and what exists when nothing matched.
-    """
+    """The ``(path, module)`` layers of ``model`` in module order; `LayerDiscoveryError` when nothing matched."""
     if isinstance(layers, str) and layers == "auto":
         return _auto(model)
     specs: list[str | type] = [layers] if isinstance(layers, (str, type)) else list(layers)

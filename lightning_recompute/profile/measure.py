@@ -504,16 +504,9 @@ def profile_model(
     clock: Callable[[], float] = time.perf_counter,
     free_grads_at_batch_start: bool | None = None,
 ) -> Profile:
-    """Measure the per-layer, per-mode costs of a training step of ``model`` on ``batch``.
-
-    One warm-up step, one metered step per mode (a group of layers at a time where it does not fit), then
-    ``repeats`` timed rounds in rotating order, on the device of the model's parameters (conventions:
-    `lightning_recompute.profile`). A LightningModule's ``training_step`` and ``configure_optimizers`` are
-    used unless ``loss_fn`` (``(model, batch) -> scalar loss``) or ``optimizer`` (an optimizer or a factory
-    ``params -> optimizer``) is given; ``none`` is always among ``modes``; parameters and buffers are put back
-    afterwards; ``clock=time.thread_time`` measures the step's own work on a shared CPU;
-    ``free_grads_at_batch_start=None`` is `RecomputeCallback`'s default for this model.
-    """
+    """Measure each layer's memory and time per mode in a training step of ``model`` on ``batch``: one metered step
+    per mode, then ``repeats`` timed rounds (docs/AUTO.md); ``loss_fn``/``optimizer`` replace a LightningModule's
+    own, ``clock=time.thread_time`` times only this thread on a shared CPU; parameters are put back after."""
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:
