@@ -1,6 +1,5 @@
-"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`
-and `tuner._commands`. ``recompute-tune --help`` lists the subcommands; `tuner.exits`, the exit codes.
-"""
+"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session` and
+`tuner._commands`, the exit codes in `tuner.exits`."""
 
 from __future__ import annotations
 

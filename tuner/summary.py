@@ -34,11 +34,8 @@ class TrialEvent:
 
 @dataclass
 class SessionSummary:
-    """What a tuning session did and decided. ``records``: every finished trial of the study, all sessions and
-    workers; ``gains``: the race winner's throughput over each baseline's, minus 1 (``None``: not raced);
-    ``chosen``: `best` is the race's winner (or an earlier race's good policy), not merely the fastest trial;
-    ``reasons``: the gate's, or why there was nothing to gate; ``policy_path``: the file written or holding
-    the good policy; ``data_batch_size``: what ``micro_batch`` ``None`` means."""
+    """What a tuning session did and decided; ``records`` holds every finished trial of the study (all sessions and
+    workers), ``gains`` the race winner's throughput over each baseline's minus 1 (``None``: not raced)."""
 
     recipe: str
     study: str
