@@ -18,7 +18,6 @@ from lightning_recompute.policy import RecomputePolicy
 GOOD_RUN_TAG = "recompute.good_run_id"
 """Experiment tag: the id of the run whose policy is the current good one."""
 POLICY_ARTIFACT = "policy.yaml"
-"""Artifact path of a run's policy file."""
 FINGERPRINT_TAG = "recompute.policy_fingerprint"
 """Run tag: ``RecomputePolicy.fingerprint()`` of the policy the run measured or decided about."""
 
