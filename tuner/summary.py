@@ -54,16 +54,16 @@ class SessionSummary:
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
     gains: dict[str, float | None] = field(default_factory=dict)
     race: RaceResult | None = None
-    chosen: bool = False
+    chosen: bool = False  # `best` is the race's winner (or an earlier race's good policy), not the fastest trial
     reasons: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
-    policy_path: Path | None = None
+    policy_path: Path | None = None  # the file written, or holding the good policy
     tracking_uri: str = ""
     experiment: str = ""
     session_run_id: str | None = None
     decision_run_id: str | None = None
     notes: list[str] = field(default_factory=list)
-    data_batch_size: int | None = None
+    data_batch_size: int | None = None  # what ``micro_batch`` ``None`` means
     confidence: float = 0.95
     tuned_for: TunedFor | None = None
 
