@@ -1,4 +1,6 @@
-"""Measuring a profile (`profile_model`); the segments and conventions: `lightning_recompute.profile`."""
+"""Measuring a profile (`profile_model`). The planner relies on its conventions: the second step is profiled (optimizer
+state in the base), ``zero_grad`` is a segment of its own after the loss, every layer runs once per step in order,
+and a layer's ``net`` is the same in every mode."""
 
 from __future__ import annotations
 
