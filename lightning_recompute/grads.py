@@ -38,7 +38,6 @@ def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1)
     if not module.automatic_optimization:
         hard.append("manual optimisation: the module zeroes its gradients itself, whenever it chooses")
     if accumulate_grad_batches > 1:
-        # Later micro-batches run their forward with the accumulating gradients alive: the peak would not drop.
         hard.append(
             f"accumulate_grad_batches={accumulate_grad_batches}: gradients accumulate across micro-batches, "
             f"so they are alive in the forward of every micro-batch but the first"
