@@ -1,5 +1,5 @@
-"""`Planner`: a profile's cost model (each policy's predicted peak and step time, walking the step's segments in
-order) and exact solvers, a dynamic programme over layers keeping the non-dominated (kept bytes, time) states."""
+"""`Planner`: the predicted peak memory and step time of any policy from a `Profile`, and the exact best policy
+for a budget (the cost model: `lightning_recompute.planner.solver`)."""
 
 from __future__ import annotations
 

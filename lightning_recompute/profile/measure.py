@@ -219,7 +219,7 @@ def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch
 
 
 def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
-    """The events cut into keyed segments (see `lightning_recompute.profile`) and what each cost."""
+    """The events cut into keyed segments (`Profile.timeline`) and what each cost."""
     out: list[tuple[str, SegmentCost]] = []
     k = 0
     while k < len(events) - 1:
