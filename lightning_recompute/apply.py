@@ -108,9 +108,8 @@ def applied_policy(model: nn.Module) -> AppliedPolicy | None:
 
 
 def apply_policy(model: nn.Module, policy: PolicyLike, layers: LayerSpec = "auto") -> AppliedPolicy:
-    """Apply ``policy`` (anything `as_policy` takes) to the ``layers`` of ``model``, in place, in place of any
-    policy applied before; an `IncompatibleModelError` if the model carries activation checkpointing already.
-    """
+    """Apply ``policy`` to the ``layers`` of ``model`` in place, replacing any policy applied before; an
+    `IncompatibleModelError` if the model carries activation checkpointing already."""
     policy = as_policy(policy)
     _refuse_foreign_checkpointing(model)
     remove_policy(model)

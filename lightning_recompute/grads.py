@@ -38,7 +38,6 @@ def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1)
     if not module.automatic_optimization:
         hard.append("manual optimisation: the module zeroes its gradients itself, whenever it chooses")
     if accumulate_grad_batches > 1:
-        # Later micro-batches run their forward with the accumulating gradients alive: the peak would not drop.
         hard.append(
             f"accumulate_grad_batches={accumulate_grad_batches}: gradients accumulate across micro-batches, "
             f"so they are alive in the forward of every micro-batch but the first"
@@ -56,9 +55,8 @@ def module_blockers(module: L.LightningModule, accumulate_grad_batches: int = 1)
 def decide_grad_freeing(
     flag: bool | None, trainer: L.Trainer, module: L.LightningModule, callback: L.Callback
 ) -> GradFreeing:
-    """Whether ``callback`` frees gradients at batch start under ``trainer``, given its ``flag``; a
-    `RecomputeError` when ``flag`` is ``True`` where freeing would change training.
-    """
+    """Whether ``callback`` frees gradients at batch start; `RecomputeError` when ``flag`` is ``True`` where freeing
+    would change training."""
     if flag is False:
         return GradFreeing(False, f"{FLAG}=False")
     hard, soft = module_blockers(module, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))

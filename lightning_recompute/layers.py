@@ -1,8 +1,5 @@
-"""Finding the layers a policy is applied to, named by their module path.
-
-``"auto"`` takes the longest `nn.ModuleList` / `nn.Sequential` of same-class children, and every other such
-stack, not nested in a chosen one, at least half as long (both stacks of an encoder-decoder).
-"""
+"""Finding a policy's layers by module path: ``"auto"`` takes the longest stack of same-class children and every
+other stack, not nested in a chosen one, at least half as long (both stacks of an encoder-decoder)."""
 
 from __future__ import annotations
 
@@ -18,9 +15,7 @@ LayerSpec = str | type | Sequence[str | type]
 
 
 def find_layers(model: nn.Module, layers: LayerSpec = "auto") -> list[tuple[str, nn.Module]]:
-    """The layers of ``model`` in module order, as ``(path, module)`` pairs; a `LayerDiscoveryError` naming
-    what was asked and what exists when nothing matched.
-    """
+    """The ``(path, module)`` layers of ``model`` in module order; `LayerDiscoveryError` when nothing matched."""
     if isinstance(layers, str) and layers == "auto":
         return _auto(model)
     specs: list[str | type] = [layers] if isinstance(layers, (str, type)) else list(layers)

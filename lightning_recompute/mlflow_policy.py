@@ -1,8 +1,5 @@
-"""Read the tuner's current good policy from MLflow: ``RecomputeCallback(policy="mlflow:<experiment>")``.
-
-With mlflow alone (the plugin never imports the tuner); the names below are the contract, and the tuner
-imports them from here. Reading never writes: a missing local store is refused before MLflow creates one.
-"""
+"""Read the tuner's current good policy from MLflow (``policy="mlflow:<experiment>"``) with mlflow alone: the
+names below are the contract the tuner imports; reading never creates a missing local store."""
 
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from lightning_recompute.policy import RecomputePolicy
 GOOD_RUN_TAG = "recompute.good_run_id"
 """Experiment tag: the id of the run whose policy is the current good one."""
 POLICY_ARTIFACT = "policy.yaml"
-"""Artifact path of a run's policy file."""
 FINGERPRINT_TAG = "recompute.policy_fingerprint"
 """Run tag: ``RecomputePolicy.fingerprint()`` of the policy the run measured or decided about."""
 

@@ -81,9 +81,8 @@ class SideEffectWarning(UserWarning):
 
 
 class BufferState:
-    """A copy of every buffer of a layer (its submodules' included), taken before its forward, for the replay:
-    every one, since BatchNorm writes its statistics without bumping their version, and comparing would sync a GPU.
-    """
+    """A copy of every buffer of a layer taken before its forward for the replay: every one, since BatchNorm writes
+    its statistics without bumping their version, and comparing would sync a GPU."""
 
     def __init__(self, module: nn.Module) -> None:
         self._before = [
@@ -119,10 +118,8 @@ def _attribute_ids(module: nn.Module) -> list[tuple[str, nn.Module, dict[str, in
 
 
 def _reassigned(ids: list[tuple[str, nn.Module, dict[str, int]]]) -> str | None:
-    """The first attribute reassigned or added since `_attribute_ids` (``"attn.calls"``), or ``None``.
-
-    Tensors are left out: derived from parameters and buffers (``spectral_norm`` reassigns ``weight`` every call).
-    """
+    """The first attribute reassigned or added since `_attribute_ids` (``"attn.calls"``), or ``None``; tensors are
+    left out, being derived from parameters and buffers (``spectral_norm`` reassigns ``weight`` every call)."""
     for path, owner, before in ids:
         for key, value in owner.__dict__.items():
             if before.get(key) != id(value) and not isinstance(value, torch.Tensor):

@@ -68,9 +68,8 @@ class TunedFor:
 
 
 def batch_advice(micro_batch: int, global_batch: int) -> tuple[int, int]:
-    """``(batch_size, accumulate_grad_batches)`` that keeps ``global_batch`` samples per optimizer step with
-    batches of at most ``micro_batch``: the largest divisor of ``global_batch`` not above it (12 at 5: ``(4, 3)``).
-    """
+    """``(batch_size, accumulate_grad_batches)`` keeping ``global_batch`` samples per optimizer step in batches of
+    at most ``micro_batch``: the largest divisor not above it (12 at 5: ``(4, 3)``)."""
     if micro_batch < 1 or global_batch < 1:
         raise ValueError(f"batch sizes must be positive, got micro_batch={micro_batch}, global_batch={global_batch}")
     size = max(d for d in range(1, min(micro_batch, global_batch) + 1) if global_batch % d == 0)

@@ -74,10 +74,8 @@ def choose_field(
     budget_bytes: int | None,
     predicted: int = 0,
 ) -> Field:
-    """The race's field: the ``leaders`` fastest fitting trials, and ``predicted`` more of those the planner
-    predicts within `PREDICTION_SPAN` of its fastest (a best policy one unlucky trial ranked low still races:
-    `bench/decision_quality.py`), all at ``best``'s micro-batch; compiled policies are left out (switching a
-    compiled layer's policy recompiles it, which would be timed as the policy's cost)."""
+    """The ``leaders`` fastest fitting trials and ``predicted`` more the planner predicts within `PREDICTION_SPAN` of
+    its fastest, so that a best policy one unlucky trial ranked low still races (`bench/decision_quality.py`)."""
     out = Field(micro_batch=best.micro_batch)
     if best.policy is None:
         out.skipped = f"trial {best.number} holds no policy"

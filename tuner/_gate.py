@@ -80,9 +80,8 @@ def evaluate(
     race: RaceResult | None = None,
     progress: Progress | None = None,
 ) -> GateDecision:
-    """Run the three checks on ``candidate`` (a bare policy: at the data's micro-batch) against ``current_good``;
-    touches no file and no record. ``race``: the session's race the candidate won, if any (the confirmation is
-    held against its figure; the regression check reads it when the good policy raced too)."""
+    """Run the three checks on ``candidate`` against ``current_good``, touching no file and no record; ``race``, the
+    race the candidate won, is what the confirmation and (when the good policy raced too) the regression read."""
     from tuner import _trials as trials
 
     cand = candidate if isinstance(candidate, Candidate) else Candidate(policy=candidate)
@@ -305,9 +304,8 @@ def decide(
     output_path: str | Path | None = None,
     **runners: Any,
 ) -> GateDecision:
-    """`evaluate` (``runners``: its other keywords) against the current good policy, then record it: the
-    confirmation run (the good run on promotion), then a promotion writing ``output_path`` (default
-    ``recipe.output``) or a rejection leaving it alone; an unchanged candidate records nothing."""
+    """`evaluate` against the current good policy, then record the confirmation run and a promotion writing
+    ``output_path`` (default ``recipe.output``) or a rejection; an unchanged candidate records nothing."""
     good = tracker.registry.current_good()
     decision = evaluate(cand, good, recipe=recipe, budget_bytes=budget_bytes, **runners)
     if decision.unchanged:

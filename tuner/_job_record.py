@@ -1,7 +1,5 @@
-"""The MLflow record of a job that tuned itself (`lightning_recompute.auto.AutoRecompute`), in a tuning
-session's layout: a session run, one trial run per candidate with its per-round step times, ``race.json``
-and the race's figures, and the session's summary, so ``mlflow ui`` and ``recompute-tune history`` show it
-like any session. The library finds `record` through the ``lightning_recompute`` entry point group."""
+"""The MLflow record of a job that tuned itself (`AutoRecompute`) in a tuning session's layout, so ``mlflow ui``
+and ``recompute-tune history`` show it like any session; found through the ``lightning_recompute`` entry point."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ def record(
     device: str,
     target: tuple[str, str, str | None],
 ) -> str:
-    """Record ``auto``'s race in the experiment of ``target`` (tracking URI, experiment, the job's own run or
-    ``None``); the session run's id. Each candidate is a trial whose step times are its race rounds
-    (selection, then estimation), its step time their median, its peak the largest metered."""
+    """Record ``auto``'s race in ``target`` (tracking URI, experiment, the job's own run or ``None``), each candidate
+    a trial whose step times are its race rounds; the session run's id."""
     uri, experiment, parent = target
     names = layer_names(pl_module, auto.layers)
     sessions = open_tracker(uri, experiment).sessions

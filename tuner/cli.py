@@ -1,6 +1,5 @@
-"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session`
-and `tuner._commands`. ``recompute-tune --help`` lists the subcommands; `tuner.exits`, the exit codes.
-"""
+"""``recompute-tune``: argument parsing and terminal output; every decision lives in `tuner.session` and
+`tuner._commands`, the exit codes in `tuner.exits`."""
 
 from __future__ import annotations
 
@@ -229,7 +228,6 @@ def _quiet_libraries() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-# ---------------------------------------------------------------------------------------------- tune
 # Each command prints its text and returns (None, exit code), or with --format json (its summary, exit code).
 Result = tuple[Any, int]
 
@@ -431,9 +429,6 @@ def _table(header: str, indent: int = 0) -> list[str]:
     return [header, " " * indent + "-" * (len(header) - indent)]
 
 
-# ---------------------------------------------------------------------------------------------- other commands
-
-
 def _plan(recipe: Recipe, args: argparse.Namespace) -> Result:
     from lightning_recompute.planner import format_front
     from lightning_recompute.units import format_seconds
@@ -538,9 +533,6 @@ def _history(recipe: Recipe, args: argparse.Namespace) -> Result:
         if c.policy.tuned_for is not None:
             print(f"  {c.policy.tuned_for.describe()}")
     return None, EXIT_OK
-
-
-# ---------------------------------------------------------------------------------------------- formatting
 
 
 def _micro_batch(micro_batch: int | None, data_batch_size: int | None) -> str:

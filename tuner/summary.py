@@ -34,11 +34,8 @@ class TrialEvent:
 
 @dataclass
 class SessionSummary:
-    """What a tuning session did and decided. ``records``: every finished trial of the study, all sessions and
-    workers; ``gains``: the race winner's throughput over each baseline's, minus 1 (``None``: not raced);
-    ``chosen``: `best` is the race's winner (or an earlier race's good policy), not merely the fastest trial;
-    ``reasons``: the gate's, or why there was nothing to gate; ``policy_path``: the file written or holding
-    the good policy; ``data_batch_size``: what ``micro_batch`` ``None`` means."""
+    """What a tuning session did and decided; ``records`` holds every finished trial of the study (all sessions and
+    workers), ``gains`` the race winner's throughput over each baseline's minus 1 (``None``: not raced)."""
 
     recipe: str
     study: str
@@ -57,16 +54,16 @@ class SessionSummary:
     baselines: dict[str, TrialRecord] = field(default_factory=dict)
     gains: dict[str, float | None] = field(default_factory=dict)
     race: RaceResult | None = None
-    chosen: bool = False
+    chosen: bool = False  # `best` is the race's winner (or an earlier race's good policy), not the fastest trial
     reasons: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
-    policy_path: Path | None = None
+    policy_path: Path | None = None  # the file written, or holding the good policy
     tracking_uri: str = ""
     experiment: str = ""
     session_run_id: str | None = None
     decision_run_id: str | None = None
     notes: list[str] = field(default_factory=list)
-    data_batch_size: int | None = None
+    data_batch_size: int | None = None  # what ``micro_batch`` ``None`` means
     confidence: float = 0.95
     tuned_for: TunedFor | None = None
 

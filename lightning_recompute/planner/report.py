@@ -18,9 +18,7 @@ def _count_name(mode: str) -> str:
 
 
 def format_front(plans: Sequence[PlannedPolicy], budgets: Mapping[str, int] | None = None) -> str:
-    """A terminal table of plans: peak, step time, slowdown over the fastest, mode counts, glyphs,
-    and a column per named budget saying whether the plan fits.
-    """
+    """A terminal table of plans, with a column per named budget saying whether each fits."""
     if not plans:
         return "(no plans)"
     budgets = dict(budgets or {})

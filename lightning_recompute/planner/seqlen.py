@@ -34,13 +34,8 @@ class SeqLenFit:
 def longest_fits(
     profile_at: Callable[[int], Profile], limit: int, *, modes: Sequence[str], start: int, step: int, cap: int
 ) -> list[SeqLenFit]:
-    """For each mode of ``modes`` (every layer in it) and for `BEST_MIXED`, the longest multiple of ``step`` up
-    to ``cap`` that fits ``limit`` bytes, searched from ``start``; ``profile_at(length)`` is called once per
-    probed length.
-
-    Raises:
-        PlannerError: ``step``, ``start`` or ``cap`` is not a positive length, or ``cap < step``.
-    """
+    """For each mode of ``modes`` (every layer in it) and `BEST_MIXED`, the longest multiple of ``step`` up to
+    ``cap`` that fits ``limit`` bytes; `PlannerError` when ``step``, ``start`` or ``cap`` is not a length."""
     for name, value in (("step", step), ("start", start), ("cap", cap)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlannerError(f"{name}: must be a positive sequence length, got {value!r}")

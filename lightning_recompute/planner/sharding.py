@@ -1,8 +1,5 @@
-"""Per-rank memory of a sharded or replicated data-parallel step: `shard_profile` turns one device's profile
-into the one a rank of ``ddp``, ``fsdp`` or ``model_parallel`` (FSDP2) sees, for `Planner` to predict and solve.
-
-What is modelled and what is not: docs/SHARDING.md, 'What the planner assumes'. A world size of 1 is one device.
-"""
+"""Per-rank memory of a ``ddp``, ``fsdp`` or ``model_parallel`` (FSDP2) step: `shard_profile` turns one device's
+profile into a rank's; what is modelled: docs/SHARDING.md, 'What the planner assumes'."""
 
 from __future__ import annotations
 

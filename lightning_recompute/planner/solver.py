@@ -1,4 +1,6 @@
-"""The cost model and the exact solver (see `lightning_recompute.planner`): `Planner`."""
+"""`Planner`: a policy's predicted peak is the largest level met walking the profile's segments in order; each is
+a constant plus a prefix sum of kept bytes, so a dynamic programme over layers keeping the non-dominated (kept
+bytes, time) states is exact. Ties: fastest, then least memory, then mode order."""
 
 from __future__ import annotations
 

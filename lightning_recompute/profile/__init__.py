@@ -1,15 +1,5 @@
-"""Per-layer cost profile of one training step: memory, time and FLOPs per recompute mode.
-
-The step is cut into segments at the layers' boundaries (module hooks in forward, tensor hooks on each layer's
-output and input in backward), each a `SegmentCost`; layer segments once per mode, the rest once::
-
-    fixed (embeddings ...) | fwd:0 | ... | fwd:L-1 | fixed (head, loss, zero_grad) | bwd:L-1 | ... | bwd:0 | fixed
-
-The planner relies on: Lightning's automatic optimisation (``zero_grad`` a segment of its own, after the loss),
-the second step profiled (optimizer state in the base), every layer run once per step in order, a layer's ``net``
-the same in every mode. Time is the median of ``repeats`` interleaved steps (alike layers pool samples), or on
-the meta device estimated from FLOPs; ``offload`` costs what ``none`` does on CPU and is emulated on meta.
-"""
+"""Per-layer, per-mode cost of one training step, cut into segments at the layers' boundaries (`SegmentCost`);
+measured (`profile_model`) or computed on the meta device (`profile_meta`)."""
 
 from __future__ import annotations
 

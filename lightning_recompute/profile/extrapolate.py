@@ -1,10 +1,5 @@
-"""Profiling a deep stack of identical layers on meta from cuts of its first 3, 4 and 5 layers (`extrapolated`).
-
-Inner layers (and the gaps between them) are copies of the 4-layer run's; everything else is affine in the
-number of layers, ``q(n) = q4 + (n - 4)(q4 - q3)``. Both assumptions are checked: the assembly for n = 5 must
-equal the 5-layer run field by field, or every layer is stepped. The cut gives the stack's container only its
-first k children for the run; stacks not all one container's identical children are stepped in full.
-"""
+"""Profiling a deep stack of identical layers on meta from cuts of its first 3, 4 and 5 layers (docs/SHARDING.md):
+inner layers copy the 4-layer cut's, the rest is affine in depth, checked against the 5-layer cut."""
 
 from __future__ import annotations
 

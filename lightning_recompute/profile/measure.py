@@ -1,4 +1,6 @@
-"""Measuring a profile (`profile_model`); the segments and conventions: `lightning_recompute.profile`."""
+"""Measuring a profile (`profile_model`). The planner relies on its conventions: the second step is profiled (optimizer
+state in the base), ``zero_grad`` is a segment of its own after the loss, every layer runs once per step in order,
+and a layer's ``net`` is the same in every mode."""
 
 from __future__ import annotations
 
@@ -217,7 +219,7 @@ def _make_optimizer(model: nn.Module, optimizer: Any, notes: list[str]) -> torch
 
 
 def _costs(events: list[Event], n_layers: int) -> list[tuple[str, SegmentCost]]:
-    """The events cut into keyed segments (see `lightning_recompute.profile`) and what each cost."""
+    """The events cut into keyed segments (`Profile.timeline`) and what each cost."""
     out: list[tuple[str, SegmentCost]] = []
     k = 0
     while k < len(events) - 1:
@@ -504,16 +506,9 @@ def profile_model(
     clock: Callable[[], float] = time.perf_counter,
     free_grads_at_batch_start: bool | None = None,
 ) -> Profile:
-    """Measure the per-layer, per-mode costs of a training step of ``model`` on ``batch``.
-
-    One warm-up step, one metered step per mode (a group of layers at a time where it does not fit), then
-    ``repeats`` timed rounds in rotating order, on the device of the model's parameters (conventions:
-    `lightning_recompute.profile`). A LightningModule's ``training_step`` and ``configure_optimizers`` are
-    used unless ``loss_fn`` (``(model, batch) -> scalar loss``) or ``optimizer`` (an optimizer or a factory
-    ``params -> optimizer``) is given; ``none`` is always among ``modes``; parameters and buffers are put back
-    afterwards; ``clock=time.thread_time`` measures the step's own work on a shared CPU;
-    ``free_grads_at_batch_start=None`` is `RecomputeCallback`'s default for this model.
-    """
+    """Measure each layer's memory and time per mode in a training step of ``model`` on ``batch``: one metered step
+    per mode, then ``repeats`` timed rounds (docs/AUTO.md); ``loss_fn``/``optimizer`` replace a LightningModule's
+    own, ``clock=time.thread_time`` times only this thread on a shared CPU; parameters are put back after."""
     if not isinstance(model, nn.Module):
         raise ProfileError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(repeats, int) or repeats < 1:

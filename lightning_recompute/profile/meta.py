@@ -56,14 +56,8 @@ def profile_meta(
     free_grads_at_batch_start: bool | None = None,
     extrapolate: bool = True,
 ) -> Profile:
-    """The profile of a training step computed on the meta device: no tensor is allocated.
-
-    ``model_factory`` is called once under the meta device; of ``batch`` only shapes and dtypes count; the
-    other options as for `profile_model`. Memory and FLOPs are exact for the ops as dispatched; time is estimated
-    per segment as ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` plus ``offload``'s host copies
-    (``hardware``: a key of `HARDWARE`). ``extrapolate`` profiles a deep stack of identical layers from short
-    cuts (`lightning_recompute.profile.extrapolate`).
-    """
+    """`profile_model` on the meta device, allocating nothing: memory and FLOPs exact, time estimated per segment as
+    ``flops / (peak * mfu) + traffic / (hbm * bandwidth_efficiency)`` against ``HARDWARE[hardware]``."""
     if hardware not in HARDWARE:
         raise ProfileError(f"hardware: unknown {hardware!r}; valid: {', '.join(HARDWARE)}")
     for name, value in (("mfu", mfu), ("bandwidth_efficiency", bandwidth_efficiency)):

@@ -1,6 +1,6 @@
-"""MLflow records of tuning: session, trial and decision runs, and the good policy; the layout is described in
-`tuner._tracking.names`. Every call names its run by id, never MLflow's global active run, so resumed sessions,
-gates and several workers do not step on each other."""
+"""MLflow records of tuning: session, trial and decision runs, and the good policy (names: `tuner._tracking.names`).
+Every call names its run by id, never MLflow's global active run, so resumed sessions, gates and several workers
+do not step on each other."""
 
 from __future__ import annotations
 

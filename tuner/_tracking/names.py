@@ -1,18 +1,6 @@
-"""The MLflow names the tuner writes; people filter on them in ``mlflow ui``, and records of an earlier version
-stay readable only while they stay the same (add, do not rename). The good run's tag and the policy artifact are
-the plugin's (`lightning_recompute.mlflow_policy`). One experiment per recipe holds:
-
-- a **session run** (``recompute.kind=session``, ``recompute.study``): the recipe (``recipe.yaml``, ``recipe.*``
-  params); at the end ``best_policy.yaml``, ``best.json``, ``trials.json``, ``trials.csv``, ``baselines.json``,
-  ``pareto.png``, ``race.json`` and a markdown summary as its description;
-- a **trial run** nested in it (``recompute.kind=trial``, ``recompute.outcome``): a ``layer.<path>`` param per
-  layer, ``micro_batch``, ``policy_fingerprint``, ``trial_number``; ``measured_*``/``predicted_*`` metrics;
-  ``policy.yaml``. A **confirmation run** (the gate's, ``recompute.kind=confirmation``) has the same shape;
-- a **decision run** (``recompute.kind=decision``, ``recompute.decision=promote|reject|rollback``): reason,
-  previous and new good run, ``recompute.decision_seq``; ``policy.yaml`` and ``evidence.json``;
-- the experiment tag ``recompute.good_run_id`` naming the run holding the good policy, which carries
-  ``recompute.good=true``.
-"""
+"""The MLflow names the tuner writes (README.md, 'MLflow'): people filter on them in ``mlflow ui`` and earlier
+records stay readable only while they stay the same (add, do not rename). The good run's tag and the policy
+artifact are the plugin's (`lightning_recompute.mlflow_policy`)."""
 
 from __future__ import annotations
 

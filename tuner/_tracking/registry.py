@@ -140,11 +140,8 @@ class PolicyRegistry:
         return len(self._good_stack()) >= 2
 
     def rollback(self, *, output_path: str | Path, vet: Callable[[GoodPolicy], None] | None = None) -> GoodPolicy:
-        """Restore the good policy before the current one (file and record); the restored one. Rollbacks stack.
-
-        ``vet`` is called with the policy to restore before anything changes; raising refuses the rollback. A
-        `TrackingError` when there is none, or the good-run tag or the earlier artifact was edited by hand.
-        """
+        """Restore the good policy before the current one (file and record; rollbacks stack) unless ``vet`` raises;
+        `TrackingError` when there is none, or the good-run tag or the earlier artifact was edited by hand."""
         current, stack = self._good_run_id(), self._good_stack()
         if current is None or len(stack) < 2:
             have = "no good policy at all" if current is None else f"only the first good policy (run {current})"

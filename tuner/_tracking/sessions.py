@@ -62,9 +62,8 @@ class SessionLog:
         return run_id
 
     def start_job_session(self, name: str, params: Mapping[str, str], *, parent_run_id: str | None = None) -> str:
-        """Open the session run of a tuning inside a training job (`AutoRecompute`); its run id: a tuning
-        session's layout without a recipe or study (``name`` stands for the study), nested under the job's own
-        run when there is one; never resumed."""
+        """Open the session run of a tuning inside a training job (`AutoRecompute`), nested under the job's own run
+        when there is one and never resumed; ``name`` stands for the study."""
         tags = {N.KIND: "session", N.STUDY: name, N.IN_JOB: "true", N.OWNER: _owner()}
         if parent_run_id is not None:
             tags[N.PARENT] = parent_run_id
@@ -112,10 +111,8 @@ class SessionLog:
         source: str | None = None,
         evidence: Mapping[str, Any] | None = None,
     ) -> str:
-        """Record trial ``number`` (``None``: the gate's confirmation, nested in the session when one is open) as a
-        finished run spanning its own wall time; its run id. ``layer_names`` ``None`` logs the policy's own
-        patterns instead of its layers; ``prediction``'s figures become ``predicted_*`` metrics; ``reason``
-        overrides the result's."""
+        """Record trial ``number`` (``None``: the gate's confirmation) as a finished run spanning its own wall time;
+        its run id. ``layer_names`` ``None`` logs the policy's own patterns instead of its layers."""
         parent = self.open_run_id if number is None else self._require_session()
         r = jsonable(result)
         start = int(time.time() * 1000) - int((finite(r.get("wall_s")) or 0.0) * 1000)
@@ -267,9 +264,8 @@ class SessionLog:
         baselines: Mapping[str, Mapping[str, Any]],
         budget_bytes: int | None,
     ) -> None:
-        """Write the session's summary and end its run with ``status`` (FINISHED, KILLED or FAILED). ``best``: the
-        best trial's row (its ``policy`` a `RecomputePolicy` or its dict), ``None`` when nothing was feasible;
-        ``trials_table``: `tuner._search.TrialRecord.to_dict` rows; ``baselines`` and ``budget_bytes`` are plotted."""
+        """Write the session's summary and artifacts and end its run with ``status``; ``best`` is ``None`` when
+        nothing was feasible."""
         from tuner._plots import pareto_plot
 
         run_id, client = self._require_session(), self.store.client
