@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from lightning_recompute.layers import LayerSpec, find_layers, layer_names
     from lightning_recompute.meter import CudaMemoryMeter, MemoryMeter, StepTimer, StorageMeter, memory_meter
     from lightning_recompute.modes import DEFAULT_SAVE_OPS, Mode
-    from lightning_recompute.policy import PolicyLike, RecomputePolicy, as_policy
+    from lightning_recompute.policy import PolicyLike, RecomputePolicy
+    from lightning_recompute.sources import as_policy
     from lightning_recompute.tuned_for import TunedFor
 
 # The module that defines each public name.
@@ -42,7 +43,8 @@ _EXPORTS: dict[str, str] = {
         "layers": "LayerSpec find_layers layer_names",
         "meter": "CudaMemoryMeter MemoryMeter StepTimer StorageMeter memory_meter",
         "modes": "DEFAULT_SAVE_OPS Mode",
-        "policy": "PolicyLike RecomputePolicy as_policy",
+        "policy": "PolicyLike RecomputePolicy",
+        "sources": "as_policy",
         "tuned_for": "TunedFor",
     }.items()
     for name in names.split()

@@ -15,9 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_recompute.errors import IncompatibleModelError
 from lightning_recompute.layers import LayerSpec, find_layers
-from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy
+from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy
 from lightning_recompute.replay import Replay, cache_positions, caches_in
 from lightning_recompute.selective import resolve_save_ops, selective_context_fn
+from lightning_recompute.sources import as_policy
 
 _STATE_ATTR = "_lightning_recompute_applied"
 _COMPILED_ATTR = "_lightning_recompute_compiled"

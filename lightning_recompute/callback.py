@@ -28,7 +28,8 @@ from lightning_recompute.errors import (
 from lightning_recompute.grads import GradFreeing, decide_grad_freeing, free_gradients
 from lightning_recompute.layers import LayerSpec, find_layers
 from lightning_recompute.meter import MemoryMeter, StepTimer, StorageMeter, memory_meter
-from lightning_recompute.policy import PolicyLike, as_policy
+from lightning_recompute.policy import PolicyLike
+from lightning_recompute.sources import as_policy
 from lightning_recompute.tuned_for import batch_advice
 
 

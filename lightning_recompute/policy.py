@@ -260,31 +260,6 @@ def glyph(choice: str) -> str:
 PolicyLike = RecomputePolicy | Mapping[str, Any] | str | os.PathLike
 """A policy object, the file structure, a path, or ``"mlflow:<experiment>[@<tracking uri>]"``."""
 
-MLFLOW_PREFIX = "mlflow:"
-
-
-def as_policy(policy: PolicyLike) -> RecomputePolicy:
-    """The `RecomputePolicy` that ``policy`` names; a `PolicyError` when it holds none or is of another type."""
-    if isinstance(policy, RecomputePolicy):
-        return policy
-    if isinstance(policy, Mapping):
-        return RecomputePolicy.from_dict(policy)
-    if isinstance(policy, str) and policy.startswith(MLFLOW_PREFIX):
-        from lightning_recompute.mlflow_policy import load_good_policy
-
-        experiment, _, tracking_uri = policy[len(MLFLOW_PREFIX) :].partition("@")
-        if not experiment:
-            raise PolicyError(
-                f"policy: {clip(repr(policy))} names no experiment; expected 'mlflow:<experiment>[@<tracking uri>]'"
-            )
-        return load_good_policy(experiment, tracking_uri or None)
-    if isinstance(policy, (str, os.PathLike)):
-        return RecomputePolicy.load(policy)
-    raise PolicyError(
-        f"policy: expected a RecomputePolicy, a mapping, a path to a policy file or 'mlflow:<experiment>', "
-        f"got {type(policy).__name__}"
-    )
-
 
 def _parse_choice(value: Any, *, where: str) -> tuple[Mode, str | None]:
     """A layer's mode and save-list family from ``"selective:<family>"`` or a plain mode (family ``None``)."""

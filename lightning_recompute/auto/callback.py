@@ -26,10 +26,11 @@ from lightning_recompute.layers import LayerSpec, layer_names
 from lightning_recompute.meter import cpu_memory_limit
 from lightning_recompute.modes import MODES, Mode
 from lightning_recompute.planner import Planner
-from lightning_recompute.policy import PolicyLike, as_policy
+from lightning_recompute.policy import PolicyLike
 from lightning_recompute.profile import Profile, profile_model
 from lightning_recompute.race import RacePlan, RaceResult
 from lightning_recompute.race.schedule import RaceCallback, RaceSchedule, RoundReport
+from lightning_recompute.sources import as_policy
 from lightning_recompute.tuned_for import TunedFor
 from lightning_recompute.units import format_bytes, parse_bytes
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_recompute.errors import RecomputeError
-from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, as_policy, glyph
+from lightning_recompute.policy import Mode, PolicyLike, RecomputePolicy, glyph
 from lightning_recompute.profile import ALL_MODES, Profile, SegmentCost
 from lightning_recompute.profile.model import ZERO_GRAD_SEGMENT
+from lightning_recompute.sources import as_policy
 from lightning_recompute.units import format_bytes, format_seconds, parse_bytes
 
 
