@@ -165,6 +165,20 @@ def test_a_worker_waiting_on_a_live_setup_owner_keeps_waiting_and_ctrl_c_marks_n
     assert not attrs.get(StudyAttr.ABANDONED) and not attrs.get(StudyAttr.SEEDED)
 
 
+def test_a_setup_given_up_is_taken_over_once_and_a_later_worker_waits_for_the_new_owner(tmp_path, tracking_uri):
+    recipe = make_recipe(tmp_path, tracking_uri)
+    from tuner._search import SearchSpace, inspect_layers
+
+    space = SearchSpace.for_layers(inspect_layers(recipe), recipe.search.modes)
+    creator, second, third = (
+        TuningStudy.open(name="s", storage=str(recipe.study.storage), space=space, budget_bytes=1) for _ in range(3)
+    )
+    creator.abandon_setup()
+    assert second.wait_or_take_setup(60.0, 60.0, poll_s=0.05) == "the worker setting it up gave up"
+    # The second worker (alive, this process) owns the setup now: the third waits for it, not takes it over too.
+    assert third.wait_or_take_setup(0.2, 60.0, poll_s=0.05) == "the worker setting it up took longer than 0.2 s"
+
+
 def test_a_trial_of_a_silent_owner_on_another_host_is_reaped_after_the_grace_period(tmp_path, tracking_uri):
     recipe = make_recipe(tmp_path, tracking_uri)
     from tuner._search import SearchSpace, inspect_layers

@@ -478,3 +478,5 @@ def _dead(trial: FrozenTrial, grace_s: float) -> str | None:
 def _own_setup(study: optuna.Study) -> None:
     study.set_user_attr(StudyAttr.SETUP_OWNER, Owner.me().to_dict())
     study.set_user_attr(StudyAttr.SETUP_HEARTBEAT, time.time())
+    if study.user_attrs.get(StudyAttr.ABANDONED):  # taken over: a worker arriving now waits for this owner
+        study.set_user_attr(StudyAttr.ABANDONED, False)
