@@ -331,7 +331,7 @@ def _vs_lines(s: SessionSummary, verbose: bool) -> list[str]:
             why = f["text"]
         elif f is not None:
             spans_zero = ", not significant" if f["low"] < 0.0 < f["high"] else ""
-            interval = f"{min(s.confidence, f['confidence']):.0%} CI {f['low'] * 100:+.1f}..{f['high'] * 100:+.1f}%"
+            interval = f"{f['confidence']:.0%} CI {f['low'] * 100:+.1f}..{f['high'] * 100:+.1f}%"
             why = f"{f['gain'] * 100:+.1f}% throughput ({interval}){spans_zero}"
         elif not rec.ran:
             reason = rec.reason if verbose else rec.reason and rec.reason.split(" (")[0]

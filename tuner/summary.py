@@ -76,8 +76,8 @@ class SessionSummary:
         return f"mlflow ui --backend-store-uri {self.tracking_uri}"
 
     def vs_figures(self) -> dict[str, dict[str, Any]]:
-        """Baseline name -> the race's figure against it: ``gain``, ``low``, ``high`` (fractions),
-        ``rounds``, ``confidence`` and ``text`` (``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)``)."""
+        """Baseline name -> the race's figure against it: ``gain``, ``low``, ``high`` (fractions), ``rounds``,
+        ``confidence`` (the level ``text`` states) and ``text`` (`format_gain`)."""
         from lightning_recompute.race import format_gain
 
         race = self.race if self.race is not None and self.race.ok else None
@@ -86,7 +86,7 @@ class SessionSummary:
             name: {
                 **dict(zip(("gain", "low", "high"), iv.gain(), strict=True)),
                 "rounds": iv.rounds,
-                "confidence": iv.confidence,
+                "confidence": iv.stated(self.confidence),
                 "text": format_gain(iv, self.confidence),
             }
             for name, iv in ivs.items()

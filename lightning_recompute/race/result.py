@@ -44,14 +44,11 @@ class RaceEntrant:
 
 
 def format_gain(interval: Interval, confidence: float = 0.95) -> str:
-    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``.
-
-    Stated at the confidence asked for: the order-statistics interval covers at least that, often more (its
-    coverage moves in steps), and one level everywhere reads as one figure. Too few rounds state their own.
-    """
+    """``+6.1% (95% CI +4.8..+7.3%, interleaved, 14 rounds)`` for a time ratio ``reference / winner``, stated at
+    `Interval.stated` ``confidence``."""
     gain, low, high = interval.gain()
     return (
-        f"{gain * 100:+.1f}% ({min(confidence, interval.confidence):.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
+        f"{gain * 100:+.1f}% ({interval.stated(confidence):.0%} CI {low * 100:+.1f}..{high * 100:+.1f}%, "
         f"interleaved, {interval.rounds} rounds)"
     )
 

@@ -66,7 +66,12 @@ class Interval:
     high: float
     rounds: int
     confidence: float
-    """The interval's coverage: the confidence asked for, or less when too few rounds allow no more."""
+    """The interval's coverage: at least the confidence asked for, or less when too few rounds allow no more."""
+
+    def stated(self, asked: float) -> float:
+        """The level to print: ``asked`` when the interval covers at least that (its coverage moves in steps, and one
+        level everywhere reads as one figure), else its own coverage."""
+        return min(asked, self.confidence)
 
     def gain(self) -> tuple[float, float, float]:
         """``a``'s throughput over ``b``'s, less 1, with the interval: ``(gain, low, high)``."""

@@ -65,6 +65,7 @@ def test_a_session_promotes_the_fastest_feasible_policy_and_records_every_trial(
     assert summary.gains["none"] is None
     full = summary.vs_figures()["full"]
     assert full["low"] <= full["gain"] <= full["high"] and "interleaved, 6 rounds)" in full["text"]
+    assert f"({full['confidence']:.0%} CI " in full["text"]  # the JSON's level is the one its text states
     # One live event per trial told, in order, with the best so far.
     assert [e.record.number for e in events] == [r.number for r in summary.records]
     assert events[-1].best is not None and events[-1].best.number == summary.best.number
